@@ -1,0 +1,58 @@
+"""Exact streaming per-class statistics (float64), merged batch by batch with Chan's parallel formula."""
+from __future__ import annotations
+
+import torch
+
+
+class ClassStats:
+    """Running per-class count, mean, squared deviation (M2) and pooled within-class scatter.
+
+    ``update(h, y)`` folds in a batch of features ``h`` (n x d) with labels ``y`` (n); only the classes
+    present in the batch are touched, and nothing of size n x num_classes is ever formed.
+    """
+
+    def __init__(self, num_classes: int, dim: int, device: str | torch.device = "cpu", scatter: bool = True):
+        kw = dict(device=device, dtype=torch.float64)
+        self.count = torch.zeros(num_classes, dtype=torch.int64, device=device)
+        self.mean = torch.zeros(num_classes, dim, **kw)
+        self.m2 = torch.zeros(num_classes, **kw)  # sum over a class's tokens of ||h - mu_c||^2
+        self.scatter = torch.zeros(dim, dim, **kw) if scatter else None  # sum (h - mu_c)(h - mu_c)^T
+
+    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        h = h.to(self.mean.device, torch.float64)
+        y = y.to(self.mean.device, torch.int64)
+        classes, inv, n_b = torch.unique(y, return_inverse=True, return_counts=True)
+        n_b = n_b.to(torch.float64)
+        mean_b = torch.zeros(len(classes), h.shape[1], dtype=torch.float64, device=h.device).index_add_(0, inv, h)
+        mean_b /= n_b[:, None]
+        dev = h - mean_b[inv]
+        m2_b = torch.zeros_like(n_b).index_add_(0, inv, (dev * dev).sum(1))
+        n_a = self.count[classes].to(torch.float64)
+        n = n_a + n_b
+        delta = mean_b - self.mean[classes]
+        w = n_a * n_b / n
+        self.mean[classes] += delta * (n_b / n)[:, None]
+        self.m2[classes] += m2_b + w * (delta * delta).sum(1)
+        if self.scatter is not None:
+            self.scatter += dev.T @ dev + (delta * w[:, None]).T @ delta
+        self.count[classes] += n_b.to(torch.int64)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Population variance per class: mean squared distance to the class mean (nan for empty classes)."""
+        return self.m2 / self.count.to(torch.float64)
+
+    @property
+    def within_covariance(self) -> torch.Tensor:
+        """Pooled, token-weighted within-class covariance (1/N) sum_c sum_i (h_i - mu_c)(h_i - mu_c)^T."""
+        return self.scatter / self.count.sum().to(torch.float64)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        s = {"count": self.count, "mean": self.mean, "m2": self.m2}
+        if self.scatter is not None:
+            s["scatter"] = self.scatter
+        return s
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            getattr(self, k).copy_(torch.as_tensor(v))

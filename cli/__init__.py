@@ -1,0 +1,1 @@
+"""ncanalyze command line: ``ncanalyze extract | measure | report``."""

@@ -1,0 +1,1 @@
+"""Checkpoint discovery, extraction of exact per-class statistics, and the Zarr store."""

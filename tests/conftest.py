@@ -1,0 +1,55 @@
+"""Session fixtures: a synthetic corpus, a BPE tokenizer and real GPT-Neo checkpoints trained by the Trainer."""
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+train_sweep = _load_example("train_sweep")
+
+NOUNS = "cat dog bird girl boy king queen tree house river ship star sun moon horse fox".split()
+ADJS = "small big red old young happy dark bright quiet swift".split()
+VERBS = "sees likes finds follows helps calls watches meets loves hears".split()
+
+
+def make_corpus(path: Path, n_lines: int, seed: int) -> Path:
+    """A toy language with structure a small model can learn: 'the ADJ NOUN VERB the ADJ NOUN .'"""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n_lines):
+            words = ["the", rng.choice(ADJS), rng.choice(NOUNS), rng.choice(VERBS), "the", rng.choice(ADJS),
+                     rng.choice(NOUNS)]
+            if rng.random() < 0.3:
+                words += ["and", rng.choice(VERBS), "a", rng.choice(NOUNS)]
+            f.write(" ".join(words) + " .\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("corpus")
+    train = make_corpus(d / "train.txt", 6000, seed=1)
+    val = make_corpus(d / "validation.txt", 600, seed=2)
+    tok_dir = d / "tokenizer"
+    train_sweep.train_tokenizer([train], vocab_size=300, out_dir=tok_dir)
+    return {"dir": d, "train": train, "val": val, "tokenizer": tok_dir}
+
+
+@pytest.fixture(scope="session")
+def trained_run(corpus, tmp_path_factory) -> Path:
+    """A Trainer output folder with checkpoint-20, checkpoint-40, checkpoint-60 and the final model."""
+    out = tmp_path_factory.mktemp("runs") / "neo-2x32"
+    return train_sweep.train([corpus["train"]], [corpus["val"]], corpus["tokenizer"], out, n_layer=2, width=32,
+                             n_head=4, block_size=32, batch_size=8, max_steps=60, save_steps=20, seed=0)
