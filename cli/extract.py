@@ -1,0 +1,66 @@
+"""``ncanalyze extract``: exact per-class statistics of every checkpoint into the store."""
+from __future__ import annotations
+
+import click
+
+from ncanalyze.cli.common import store_option
+from ncanalyze.cli.main import main
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@store_option
+@click.option("--dataset", required=True, metavar="SPEC",
+              help="Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token "
+                   "ids in .npy (1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream).")
+@click.option("--val-dataset", metavar="SPEC",
+              help="Validation data for NC4, any form --dataset takes. Default: the --val-split of --dataset, or a "
+                   "sibling file (val.bin beside train.bin, validation.txt beside train.txt).")
+@click.option("--split", default="train", show_default=True, help="Split of --dataset (slices like 'train[:95%]' "
+              "work for local data).")
+@click.option("--val-split", default="validation", show_default=True, help="Split of the validation data.")
+@click.option("--text-column", default="text", show_default=True, help="Column holding the text.")
+@click.option("--block-size", type=click.IntRange(2), help="Block length for 1-D streams and text "
+              "[default: the model's context, at most 1024].")
+@click.option("--max-train-tokens", type=click.IntRange(0), help="Cap on train tokens read (whole blocks).")
+@click.option("--max-val-tokens", type=click.IntRange(0), help="Cap on validation tokens read; 0 skips NC4.")
+@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Blocks per forward pass.")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present, else CPU), cpu, cuda, "
+              "cuda:N.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default="float32",
+              show_default=True, help="Model dtype; statistics are always accumulated in float64.")
+@click.option("--samples-per-class", type=click.IntRange(0), default=8, show_default=True,
+              help="Raw features kept per class (uniform reservoir sample).")
+@click.option("--tokenizer", metavar="PATH_OR_NAME", help="Tokenizer for text data [default: the checkpoint's, "
+              "else its run folder's].")
+@click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
+              help="Classes with fewer train tokens are left out of NC4's decisions.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the reservoir sample.")
+@click.option("--allow-pickle", is_flag=True, help="Load pickle weights (pytorch_model.bin); only for trusted files.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow custom model or tokenizer code from the checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Replace checkpoints already extracted (or interrupted) under "
+              "another configuration.")
+@click.option("--state-every", type=click.FloatRange(0), default=120.0, show_default=True,
+              help="Seconds between saves of the resume state (a killed run continues from the last save).")
+def extract(paths, store, overwrite, **options):
+    """Extract the statistics of every checkpoint under PATHS into the store.
+
+    \b
+    PATHS: a Trainer output folder (checkpoint-N/ subfolders), a single model folder
+    (config.json + model.safetensors), or a folder of several runs.
+
+    One streamed pass over the train tokens gives, per token class, the exact count, mean,
+    variance and pooled within-class covariance (float64); a short pass over validation
+    tokens gives NC4's decision counts. Interrupted runs resume where they stopped; finished
+    checkpoints are skipped.
+
+    \b
+    Example:
+      ncanalyze extract runs/neo-L2-d64 --dataset data/train.txt --max-train-tokens 1000000
+    """
+    from ncanalyze.store.extract import ExtractConfig, extract as run
+
+    for path in paths:
+        results = run(path, store, ExtractConfig(**options), overwrite=overwrite, echo=click.echo)
+        n = {s: sum(v == s for v in results.values()) for s in ("done", "resumed", "skipped")}
+        click.echo(f"{path}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}")

@@ -1,0 +1,71 @@
+"""A uniform sample of at most K raw features per class, exact, mergeable and resumable.
+
+Each token position gets a pseudo-random key (splitmix64 of its position in the stream and a seed);
+a class keeps the K positions with the smallest keys (bottom-k sampling), which is a uniform sample
+without replacement. Keys depend only on positions, so a resumed run keeps the same sample and every
+checkpoint of a run samples the same positions: an embedding can be followed over training.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+EMPTY = np.iinfo(np.uint64).max
+
+
+def position_keys(pos: np.ndarray, seed: int = 0) -> np.ndarray:
+    """splitmix64 of ``pos + seed * golden``: a bijective hash, so keys never tie."""
+    with np.errstate(over="ignore"):
+        z = pos.astype(np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (z ^ (z >> np.uint64(31))) >> np.uint64(1)  # never EMPTY
+
+
+class Reservoir:
+    def __init__(self, num_classes: int, k: int, dim: int, seed: int = 0):
+        self.k, self.seed = k, seed
+        self.key = np.full((num_classes, k), EMPTY, dtype=np.uint64)
+        self.position = np.full((num_classes, k), -1, dtype=np.int64)
+        self.samples = np.zeros((num_classes, k, dim), dtype=np.float32)
+
+    def update(self, h: torch.Tensor, y: np.ndarray, pos: np.ndarray) -> None:
+        """Offer features ``h`` (n x d) with labels ``y`` and stream positions ``pos``."""
+        if self.k == 0:
+            return
+        keys = position_keys(pos, self.seed)
+        cand = np.flatnonzero(keys < self.key[y, -1])  # beats the class's current K-th smallest key
+        if cand.size == 0:
+            return
+        cls, inv = np.unique(y[cand], return_inverse=True)
+        k, u = self.k, len(cls)
+        all_key = np.concatenate([self.key[cls].ravel(), keys[cand]])
+        all_cls = np.concatenate([np.repeat(np.arange(u), k), inv])
+        order = np.lexsort((all_key, all_cls))
+        starts = np.searchsorted(all_cls[order], np.arange(u))
+        rank = np.arange(len(order)) - starts[all_cls[order]]
+        keep = order[rank < k]  # exactly k per class, sorted by key
+        rows, slots = np.repeat(cls, k), np.tile(np.arange(k), u)
+        old = keep < u * k  # an entry already in the reservoir, else a new candidate
+        src_row, src_slot = cls[keep[old] // k], keep[old] % k
+        new = cand[keep[~old] - u * k]
+        samples = np.empty((u * k, self.samples.shape[2]), dtype=np.float32)
+        samples[old] = self.samples[src_row, src_slot]
+        samples[~old] = h[torch.as_tensor(new, device=h.device)].float().cpu().numpy()
+        position = np.empty(u * k, dtype=np.int64)
+        position[old] = self.position[src_row, src_slot]
+        position[~old] = pos[new]
+        self.key[rows, slots] = all_key[keep]
+        self.position[rows, slots] = position
+        self.samples[rows, slots] = samples
+
+    @property
+    def n_samples(self) -> np.ndarray:
+        return (self.key != EMPTY).sum(1).astype(np.int64)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"key": self.key, "position": self.position, "samples": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, v in state.items():
+            getattr(self, name)[...] = v
