@@ -53,3 +53,30 @@ def trained_run(corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "neo-2x32"
     return train_sweep.train([corpus["train"]], [corpus["val"]], corpus["tokenizer"], out, n_layer=2, width=32,
                              n_head=4, block_size=32, batch_size=8, max_steps=60, save_steps=20, seed=0)
+
+
+def run_cli(*args: str, ok: bool = True):
+    """Run the ``ncanalyze`` CLI in-process; with ``ok`` assert it succeeded, else that it failed cleanly."""
+    from click.testing import CliRunner
+
+    from ncanalyze.cli.main import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, result.output + repr(result.exception)
+    else:
+        assert result.exit_code != 0, result.output
+        assert isinstance(result.exception, SystemExit), f"traceback instead of a clean error: {result.exception!r}"
+        assert "Traceback" not in result.output
+    return result
+
+
+EXTRACT_OPTS = ("--max-train-tokens", 8192, "--max-val-tokens", 4096, "--batch-size", 8, "--samples-per-class", 4)
+
+
+@pytest.fixture(scope="session")
+def extracted_store(trained_run, corpus, tmp_path_factory) -> Path:
+    """The store of ``ncanalyze extract`` over every checkpoint of ``trained_run`` (validation.txt found beside)."""
+    store = tmp_path_factory.mktemp("stores") / "study.zarr"
+    run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS)
+    return store
