@@ -1,0 +1,313 @@
+"""Tables and figures of a study from its metrics table (one row per checkpoint): CSV, Markdown, LaTeX and PNG."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+
+from ncanalyze.analyzer.errors import UserError  # noqa: E402
+from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N, correlations  # noqa: E402
+
+ID_COLUMNS = ("run", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss")
+LABELS = {  # panel titles
+    "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV, squared distances",
+    "nc1_trace": "NC1: Tr(Σ_W Σ_B⁺)/K", "nc2_norm_cv": "NC2: equinorm (CV of norms)",
+    "nc2_lognorm_std": "NC2: std of log norms", "nc2_cos_mean": "NC2: mean cosine",
+    "nc2_cos_std": "NC2: equiangularity (std of cosines)", "nc2_etf_error": "NC2: distance to simplex ETF",
+    "gnc2_log_mean": "GNC2: mean log inverse distance", "gnc2_log_std": "GNC2: hyperspherical uniformity",
+    "nc3_cos_mean": "NC3: self-duality (mean cosine)", "unc3_cos_cv": "UNC3: uniform duality (CV of cosines)",
+    "nc3_dual_error": "NC3: distance to self-dual ETF", "nc4_agreement": "NC4: agreement with nearest class mean",
+    "eval_loss": "validation loss",
+}
+FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
+    "fig1_nc_vs_loss": ("NC properties against {target}",
+                        ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")),
+    "fig2_nc2_vs_gnc2": ("Equinorm and equiangularity (NC2) against hyperspherical uniformity (GNC2)",
+                         ("nc2_norm_cv", "nc2_cos_std", "gnc2_log_std")),
+    "fig3_nc3_vs_unc3": ("Self-duality (NC3) against uniform duality (UNC3)", ("nc3_cos_mean", "unc3_cos_cv")),
+}
+TOKEN_VARIABLES = {"count": "count", "variance": "variance", "class_norm": "norm", "class_cdnv": "mean CDNV",
+                   "class_interference": "mean interference", "class_duality": "duality cos", "class_nc4": "NC4 rate"}
+AVERAGE_TOKEN = "(average token)"
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def select(df: pd.DataFrame, where: str | None) -> pd.DataFrame:
+    """The rows matching the pandas query ``where`` (all rows without one)."""
+    if not where:
+        return df
+    try:
+        out = df.query(where)
+    except Exception as e:
+        raise UserError(f"--where {where!r} is not a valid pandas query on the metrics table ({e}); columns: "
+                        f"{', '.join(df.columns)}") from None
+    if out.empty:
+        raise UserError(f"no checkpoint matches --where {where!r} ({len(df)} in the table)")
+    return out
+
+
+MISSING = "—"
+
+
+def fmt_p(p: float) -> str:
+    return MISSING if not np.isfinite(p) else f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}"
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    return MISSING if not np.isfinite(x) else f"{x:.{digits}f}"
+
+
+def summary(stats: pd.DataFrame) -> pd.DataFrame:
+    """One display row per metric: n, and R², r, permutation p and the partial r with its Freedman-Lane p, raw and
+    on log scale. Empty cells are explained in the notes."""
+    r2 = "R²"
+    rows = []
+    for metric, s in stats.groupby("metric", sort=False):
+        row = {"metric": metric, "n": int(s.n.max())}
+        for _, t in s.iterrows():
+            sfx = " (log)" if t.scale == "log" else ""
+            row |= {r2 + sfx: fmt(t.r2), "r" + sfx: fmt(t.r), "p" + sfx: fmt_p(t.p_perm),
+                    "partial r" + sfx: fmt(t.partial_r), "p FL" + sfx: fmt_p(t.partial_p_perm)}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def notes(stats: pd.DataFrame) -> list[str]:
+    """Each distinct note with the metrics it applies to ('metric (log)' when it holds for one scale only)."""
+    atoms = stats.assign(note=stats.note.str.split("; ")).explode("note")
+    atoms = atoms[atoms.note.fillna("") != ""]
+    out = []
+    for note, g in atoms.groupby("note", sort=False):
+        scales = g.groupby("metric", sort=False).scale.apply(list)
+        names = [m if len(sc) == 2 else f"{m} ({sc[0]})" for m, sc in scales.items()]
+        out.append(f"{note}: {', '.join(names)}")
+    return out
+
+
+def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame, title: str):
+    """One panel per metric: target against the metric (log axis where the metric is positive), points coloured by
+    n_params on a log colour scale, the least-squares line with its R² in the legend."""
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.9 * len(metrics) + 1.2, 4.0), sharey=True, squeeze=False,
+                             layout="constrained")
+    sizes = pd.to_numeric(df.get("n_params", pd.Series(np.nan, index=df.index)), errors="coerce")
+    lo, hi = (sizes.min(), sizes.max()) if sizes.gt(0).any() else (np.nan, np.nan)
+    norm = LogNorm(lo / 1.5, hi * 1.5) if lo == hi else LogNorm(lo, hi) if np.isfinite(lo) else None
+    mappable = None
+    for ax, m in zip(axes[0], metrics):
+        st = stats[(stats.metric == m)].set_index("scale") if m in set(stats.metric) else None
+        if m not in df.columns or st is None:
+            ax.text(0.5, 0.5, f"{m}\nnot measured", ha="center", va="center", transform=ax.transAxes)
+            ax.set_title(label(m), fontsize=10)
+            continue
+        d = pd.DataFrame({"x": pd.to_numeric(df[m], errors="coerce"), "y": pd.to_numeric(df[target], errors="coerce"),
+                          "c": sizes}).replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
+        scale = "log" if np.isfinite(st.loc["log", "r"]) or st.loc["log", "note"] == "" else "raw"
+        if scale == "log":
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        kw = dict(c=d.c, cmap="viridis", norm=norm) if norm is not None else dict(color="tab:blue")
+        mappable = ax.scatter(d.x, d.y, s=24, edgecolors="black", linewidths=0.3, **kw)
+        s = st.loc[scale]
+        if np.isfinite(s.r):
+            u = np.log10(d.x) if scale == "log" else d.x
+            slope, icept = np.polyfit(u, d.y, 1)
+            grid = np.linspace(u.min(), u.max(), 50)
+            ax.plot(10 ** grid if scale == "log" else grid, icept + slope * grid, "--", color="crimson",
+                    label=f"fit: $R^2$ = {s.r2:.2f} (n = {s.n})")
+        else:
+            ax.plot([], [], " ", label=f"$R^2$: n/a (n = {s.n})")
+        ax.legend(loc="best", fontsize=8, framealpha=0.85)
+        ax.set_xlabel(m + (" (log scale)" if scale == "log" else ""))
+        ax.set_title(label(m), fontsize=10)
+        ax.grid(alpha=0.3, which="both" if scale == "raw" else "major")
+    axes[0][0].set_ylabel(label(target))
+    if norm is not None and mappable is not None:
+        fig.colorbar(mappable, ax=axes[0].tolist(), label="parameters (log scale)", pad=0.01)
+    fig.suptitle(title)
+    return fig
+
+
+# ------------------------------------------------------------------ per-token table (the paper's Table 5)
+
+def _open_group(store: str | Path, group: str):
+    import xarray as xr
+
+    try:
+        return xr.open_zarr(Path(store), group=group, consolidated=False, zarr_format=3)
+    except Exception as e:
+        raise UserError(f"cannot open checkpoint group {group!r} in {store} ({e}); groups are <run>/<checkpoint>, as in "
+                        f"metrics.csv") from None
+
+
+def resolve_token(spec: str, strings: np.ndarray | None, tokenizer: str | None, vocab_size: int) -> int:
+    """A token id from an integer or a token string: the decoded ``token`` coordinate (exact match first, then a
+    unique match ignoring surrounding spaces), else the checkpoint's tokenizer if it encodes ``spec`` as one token."""
+    if spec.strip().isdigit():
+        i = int(spec)
+        if i >= vocab_size:
+            raise UserError(f"token id {i} is outside the vocabulary (size {vocab_size})")
+        return i
+    if strings is not None:
+        exact = np.flatnonzero(strings == spec)
+        if len(exact):
+            return int(exact[0])
+        near = np.flatnonzero(pd.Series(strings).str.strip() == spec.strip())
+        if len(near) == 1:
+            return int(near[0])
+        if len(near) > 1:
+            raise UserError(f"token {spec!r} is ambiguous: {', '.join(repr(strings[i]) for i in near)}; pass the "
+                            "exact string (with its spaces) or the id")
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            ids = AutoTokenizer.from_pretrained(tokenizer).encode(spec, add_special_tokens=False)
+        except Exception as e:
+            raise UserError(f"cannot load the checkpoint's tokenizer {tokenizer!r} to resolve {spec!r} ({e}); pass "
+                            "token ids instead") from None
+        if len(ids) == 1:
+            return int(ids[0])
+        raise UserError(f"{spec!r} is {len(ids)} tokens ({ids}) for this checkpoint's tokenizer, not one; pass a "
+                        "single token (e.g. with its leading space) or an id")
+    raise UserError(f"token {spec!r} not found: the store has no decoded tokens or tokenizer; pass token ids")
+
+
+def token_table(store: str | Path, groups: Sequence[str], tokens: Sequence[str]) -> pd.DataFrame:
+    """Per group and token: id, count, variance, norm, mean CDNV to the other kept classes, mean interference,
+    duality and NC4 rate where measured, and an average-token row (the mean over the kept classes)."""
+    rows = []
+    for g in groups:
+        ds = _open_group(store, g)
+        strings = ds["token"].values.astype(str) if "token" in ds.coords else None
+        ids = [resolve_token(t, strings, ds.attrs.get("tokenizer"), ds.sizes["vocab"]) for t in tokens]
+        per_class = ds[[v for v in TOKEN_VARIABLES if v in ds]].load()
+        kept = per_class["class_cdnv"].notnull() if "class_cdnv" in per_class else per_class["count"] > 0
+        for i in ids:
+            tok = strings[i] if strings is not None else str(i)
+            rows.append({"checkpoint": g, "token": tok, "id": i,
+                         **{TOKEN_VARIABLES[v]: float(per_class[v][i]) for v in per_class.data_vars}})
+        avg = per_class.where(kept).mean("vocab")
+        rows.append({"checkpoint": g, "token": AVERAGE_TOKEN, "id": np.nan,
+                     **{TOKEN_VARIABLES[v]: float(avg[v]) for v in per_class.data_vars}})
+    return pd.DataFrame(rows)
+
+
+def latest_checkpoints(df: pd.DataFrame) -> list[str]:
+    """``run/checkpoint`` of each run's latest checkpoint (by global_step) among the rows."""
+    last = df.sort_values("global_step").groupby("run", sort=True).tail(1)
+    return [f"{r}/{c}" for r, c in zip(last.run, last.checkpoint)]
+
+
+# ------------------------------------------------------------------ the whole report
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def tex_escape(s: str) -> str:
+    return "".join(_TEX.get(c, c) for c in str(s))
+
+
+def _latex(table: pd.DataFrame, caption: str, label_: str) -> str:
+    """A booktabs table; cells and headers escaped, R² set as math."""
+    table = table.rename(columns=lambda c: tex_escape(c).replace("R²", "$R^2$"))
+    sty = table.style.hide(axis="index").format(escape="latex", na_rep="---")
+    return sty.to_latex(hrules=True, caption=caption, label=label_, position="htbp", position_float="centering",
+                        column_format="l" + "r" * (table.shape[1] - 1))
+
+
+def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
+                 controls: Sequence[str] = CONTROLS, where: str | None = None, n_perm: int = 10_000,
+                 seed: int | None = 0, store: str | Path | None = None, tokens: Sequence[str] = (),
+                 checkpoints: Sequence[str] = ()) -> dict[str, Path]:
+    """Write metrics.csv, stats.csv, the figures, tokens.csv (with ``tokens``), report.md and tables.tex into
+    ``out``; returns their paths by name."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    missing = [m for m in metrics if m not in df.columns]
+    if missing:
+        raise UserError(f"unknown metric(s) {', '.join(missing)}; the table has: {', '.join(df.columns)}")
+    if tokens and store is None:
+        raise UserError("--tokens needs a store (per-class statistics), not a metrics CSV")
+    sel = select(df, where)
+    first = [c for c in ID_COLUMNS if c in sel.columns]
+    sel = sel[first + [c for c in sel.columns if c not in first]]
+    stats = correlations(sel, metrics, target, controls, n_perm, seed)
+    files = {"metrics": out / "metrics.csv", "stats": out / "stats.csv"}
+    sel.to_csv(files["metrics"], index=False)
+    stats.to_csv(files["stats"], index=False)
+
+    for stem, (title, fig_metrics) in FIGURES.items():
+        shown = [m for m in fig_metrics if m in metrics]
+        if shown:
+            fig = scatter_figure(sel, shown, target, stats, title.format(target=label(target)))
+            files[stem] = out / f"{stem}.png"
+            fig.savefig(files[stem], dpi=150)
+            plt.close(fig)
+
+    tok = None
+    if tokens:
+        tok = token_table(store, list(checkpoints) or latest_checkpoints(sel), tokens)
+        files["tokens"] = out / "tokens.csv"
+        tok.to_csv(files["tokens"], index=False)
+
+    table = summary(stats)
+    n_runs = sel["run"].nunique() if "run" in sel else 1
+    perm = (f"{n_perm} random permutations (seed {seed}); exact, over all n! permutations, where n! <= {n_perm}"
+            if n_perm > 0 else "no permutations")
+    md = [f"# ncanalyze report: NC metrics against {target}", "",
+          f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" (`{where}`)" if where else "") +
+          (f" in `{store}`" if store else "") + ".", "",
+          f"## Correlation with {target}", "", table.to_markdown(index=False, disable_numparse=True), ""]
+    if len(sel) < MIN_N:
+        md += [f"**Only {len(sel)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
+    md += ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line. "
+           "\"(log)\": log10 of the metric (the paper's axes), where it is positive; the target is not logged. "
+           f"partial r: controlling for {', '.join(f'`{c}`' for c in controls)} (pingouin.partial_corr). "
+           f"p: two-sided permutation p-value, P(|r*| ≥ |r|), {perm}; "
+           "p FL: the same for the partial r, permuting the target's residuals on the controls (Freedman-Lane). "
+           "Parametric p-values and the partial r's 95% CI are in stats.csv.", ""]
+    md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""] if notes(stats) else []
+    md += ["## Figures", ""] + [f"![{FIGURES[k][0].format(target=label(target))}]({files[k].name})\n"
+                                for k in FIGURES if k in files]
+    if tok is not None:
+        md += ["## Per-token statistics", "",
+               "Mean CDNV and mean interference are to the other kept classes; the average token is the mean over "
+               "the kept classes.", ""]
+        for g, t in tok.groupby("checkpoint", sort=False):
+            shown = t.drop(columns="checkpoint").assign(token=[x if x == AVERAGE_TOKEN else repr(x) for x in t.token],
+                                                         id=t.id.map(lambda i: "" if pd.isna(i) else str(int(i))))
+            md += [f"### {g}", "", shown.to_markdown(index=False, floatfmt=".4g"), ""]
+    md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
+           "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
+    if tok is not None:
+        md += ["- `tokens.csv`: the per-token table"]
+    files["report"] = out / "report.md"
+    files["report"].write_text("\n".join(md) + "\n")
+
+    tex = ["% ncanalyze report tables; \\usepackage{booktabs}",
+           _latex(table, f"NC metrics against {tex_escape(target)}: Pearson $r$, $R^2$, permutation $p$; partial $r$ "
+                         f"controlling for {tex_escape(', '.join(controls))} with Freedman-Lane $p$.",
+                  "tab:nc-correlations")]
+    if tok is not None:
+        for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):
+            t = t.drop(columns="checkpoint").assign(token=[x if x == AVERAGE_TOKEN else ascii(x) for x in t.token],
+                                                    id=t.id.map(lambda i: "" if pd.isna(i) else str(int(i))))
+            tex.append(_latex(t.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v),
+                              f"Per-token statistics, {tex_escape(g)}.", f"tab:tokens-{i}"))
+    files["tex"] = out / "tables.tex"
+    files["tex"].write_text("\n".join(tex))
+    return files

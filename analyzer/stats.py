@@ -1,0 +1,212 @@
+"""Correlation of NC metrics with a target (eval loss): Pearson r, R², partial r, and permutation p-values.
+
+Scales. Each metric is correlated with the target twice: raw, and with log10 of the metric where the metric is
+positive on every selected checkpoint (the paper plots eval loss against log-scaled NC axes and fits there). The
+target itself is never logged. R² is that of the least-squares line, i.e. r².
+
+Partial correlation. Controls are pandas ``eval`` expressions over the metrics table; by default
+``log(n_params)`` (scale) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
+so its log is the linear scale; the +1 keeps a step-0 checkpoint). Absolute step, not the fraction of a run's last
+step, because a final checkpoint has fraction 1 whether its run trained one epoch or ten. Controls that are
+constant or collinear on the selected rows are dropped (and said so).
+
+Permutation p-values are two-sided, P(|r*| >= |r|): for r the target is permuted; for the partial r the
+target's residuals on the controls are permuted (Freedman & Lane 1983), y* = yhat_Z + P e_Z. All permutations of
+a chunk, and all metrics, are one matrix product. When n! <= the number of permutations every permutation is
+enumerated and p is exact; otherwise p = (1 + #{|r*| >= |r|}) / (1 + B) (Phipson & Smyth), as in
+``scipy.stats.permutation_test``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+import pingouin as pg
+from scipy.linalg import orth
+from scipy.stats import pearsonr
+
+from ncanalyze.analyzer.errors import UserError
+
+METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
+           "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
+           "nc4_agreement")
+CONTROLS = ("log(n_params)", "log1p(global_step)")
+MIN_N = 3  # fewest points for which a correlation means anything
+_TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)
+_CHUNK_ELEMS = 2 ** 20  # permutations per chunk x n: bounds memory at a few (chunk x n) float arrays
+
+
+def _unit(a: np.ndarray) -> np.ndarray:
+    """Centred columns scaled to unit norm, so that a dot product of two is their Pearson r."""
+    a = a - a.mean(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return a / np.linalg.norm(a, axis=0)
+
+
+def permutation_chunks(n: int, n_perm: int, seed: int | None) -> tuple[Iterator[np.ndarray], int, bool]:
+    """Index arrays (chunk x n) of permutations of range(n), their total and whether they are all n! of them."""
+    chunk = max(1, _CHUNK_ELEMS // max(n, 1))
+    if math.factorial(n) <= n_perm:
+        perms = itertools.permutations(range(n))
+        gen = (np.array(block) for block in iter(lambda: list(itertools.islice(perms, chunk)), []))
+        return gen, math.factorial(n), True
+    rng = np.random.default_rng(seed)
+    base = np.arange(n)
+    sizes = [chunk] * (n_perm // chunk) + ([n_perm % chunk] if n_perm % chunk else [])
+    return (rng.permuted(np.broadcast_to(base, (b, n)), axis=1) for b in sizes), n_perm, False
+
+
+def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = 10_000,
+              seed: int | None = 0) -> dict[str, np.ndarray]:
+    """Pearson r of ``y`` (n) with each column of ``X`` (n x m), partial r given controls ``C`` (n x k), and
+    two-sided permutation p-values for both (Freedman-Lane for the partial r). All inputs finite."""
+    n = len(y)
+    C = np.empty((n, 0)) if C is None else np.asarray(C, float).reshape(n, -1)
+    if n < MIN_N:
+        raise ValueError(f"perm_test needs n >= {MIN_N}, got {n}")
+    Q = orth(np.column_stack([np.ones(n), C]))  # orthonormal basis of span{1, controls}
+    resid = lambda a: a - Q @ (Q.T @ a)  # noqa: E731  residual maker R = I - QQ^T
+    zy, zx = _unit(y), _unit(X)
+    ey, ex = resid(y), resid(X)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ex = ex / np.linalg.norm(ex, axis=0)
+        r = zy @ zx
+        pr = ey @ ex / np.linalg.norm(ey)
+    out = {"r": r, "partial_r": pr, "p_perm": np.full_like(r, np.nan), "partial_p_perm": np.full_like(r, np.nan),
+           "n_perm": 0, "exact": False}
+    if n_perm <= 0:
+        return out
+    chunks, total, exact = permutation_chunks(n, n_perm, seed)
+    hits_r = np.zeros(r.shape, np.int64)
+    hits_pr = np.zeros(r.shape, np.int64)
+    for idx in chunks:
+        E = ey[idx]  # permuted residuals, one permutation per row; R(P e) has norm^2 = |e|^2 - |Q^T P e|^2
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r_null = zy[idx] @ zx
+            pr_null = (E @ ex) / np.sqrt(ey @ ey - ((E @ Q) ** 2).sum(1))[:, None]
+        hits_r += (np.abs(r_null) >= np.abs(r) * (1 - _TIE)).sum(0)
+        hits_pr += (np.abs(pr_null) >= np.abs(pr) * (1 - _TIE)).sum(0)
+    add = 0 if exact else 1
+    with np.errstate(invalid="ignore"):
+        out["p_perm"] = np.where(np.isfinite(r), (hits_r + add) / (total + add), np.nan)
+        out["partial_p_perm"] = np.where(np.isfinite(pr), (hits_pr + add) / (total + add), np.nan)
+    out.update(n_perm=total, exact=exact)
+    return out
+
+
+def independent_controls(C: pd.DataFrame) -> list[str]:
+    """The controls, in order, that add rank to [1, controls so far] (constant or collinear ones dropped)."""
+    keep: list[str] = []
+    basis = np.ones((len(C), 1))
+    for name in C.columns:
+        trial = np.column_stack([basis, C[name].to_numpy(float)])
+        if np.linalg.matrix_rank(trial) > basis.shape[1]:
+            keep.append(name)
+            basis = trial
+    return keep
+
+
+def _numeric(df: pd.DataFrame, col: str, what: str) -> pd.Series:
+    if col not in df.columns:
+        raise UserError(f"{what} {col!r} is not a column of the metrics table; columns: {', '.join(df.columns)}")
+    s = pd.to_numeric(df[col], errors="coerce")
+    if s.notna().sum() == 0:
+        raise UserError(f"{what} {col!r} has no numeric values in the selected checkpoints")
+    return s.astype(float)
+
+
+def eval_controls(df: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
+    """Evaluate each control expression (``df.eval``) to a column named by the expression."""
+    out = {}
+    for expr in controls:
+        try:
+            out[expr] = pd.to_numeric(pd.Series(df.eval(expr), index=df.index), errors="coerce").astype(float)
+        except Exception as e:
+            raise UserError(f"control {expr!r} cannot be evaluated on the metrics table ({e}); use a pandas "
+                            f"expression over its columns, e.g. 'log(n_params)'") from None
+    return pd.DataFrame(out, index=df.index).replace([np.inf, -np.inf], np.nan)
+
+
+def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFrame, dict]:
+    """Columns (metric, "raw") and (metric, "log") = log10 where the metric is positive on every row (else nan),
+    and a note per column saying why it is empty."""
+    cols, notes = {}, {}
+    for m in metrics:
+        x = _numeric(df, m, "metric")
+        x = x.where(np.isfinite(x))
+        positive = x.notna().any() and bool((x.dropna() > 0).all())
+        cols[m, "raw"], notes[m, "raw"] = x, []
+        cols[m, "log"] = np.log10(x.where(x > 0)) if positive else x * np.nan
+        notes[m, "log"] = [] if positive else ["not positive everywhere: no log scale"]
+    return pd.DataFrame(cols, index=df.index), notes
+
+
+def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
+                 controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0) -> pd.DataFrame:
+    """One row per (metric, scale in raw|log): n, r, r2, p_perm, p_param, partial_r, partial_p_perm,
+    partial_p_param, partial_ci_low/high, the controls used, and a note saying why a statistic is missing.
+    Rows with a missing target, metric or control are left out of that metric's statistics."""
+    y = _numeric(df, target, "target")
+    C = eval_controls(df, controls)
+    ok = y.notna() & C.notna().all(axis=1)
+    y, C = y[ok], C[ok]
+    X, notes = scaled_metrics(df[ok], metrics)
+    # columns with the same rows present share one permutation run, all of them in one matrix product
+    groups: dict[bytes, list] = {}
+    for key in X.columns:
+        groups.setdefault(X[key].notna().to_numpy().tobytes(), []).append(key)
+    rows = []
+    for keys in groups.values():
+        mask = X[keys[0]].notna()
+        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, n_perm, seed)
+    out = pd.DataFrame(rows)
+    order = {m: i for i, m in enumerate(metrics)}
+    out = out.sort_values(["metric", "scale"], key=lambda s: s.map(order) if s.name == "metric" else s != "raw")
+    out = out.reset_index(drop=True)
+    out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed)
+    return out
+
+
+def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, n_perm: int,
+                 seed: int | None) -> list[dict]:
+    """Statistics of the columns of X, which all have the same rows, against y given controls C."""
+    n = len(y)
+    ctrl = independent_controls(C) if n else []
+    k = len(ctrl)
+    dropped = [c for c in C.columns if c not in ctrl]
+    res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed) if n >= MIN_N else None
+    rows = []
+    for j, (metric, scale) in enumerate(X.columns):
+        x = X[metric, scale]
+        note = list(notes[metric, scale])
+        row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, p_perm=np.nan, p_param=np.nan,
+                   partial_r=np.nan, partial_p_perm=np.nan, partial_p_param=np.nan, partial_ci_low=np.nan,
+                   partial_ci_high=np.nan, controls=", ".join(ctrl), n_perm=0, exact=False)
+        rows.append(row)
+        if note:
+            pass
+        elif n < MIN_N:
+            note.append(f"n={n} < {MIN_N} checkpoints: too few for a correlation")
+        elif x.nunique() < 2 or y.nunique() < 2:
+            note.append(("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints")
+        else:
+            r = float(res["r"][j])
+            row.update(r=r, r2=r * r, p_perm=res["p_perm"][j], n_perm=res["n_perm"], exact=res["exact"],
+                       p_param=float(pearsonr(x, y).pvalue))
+            if dropped:
+                note.append(f"partial r ignores {', '.join(dropped)} (constant or collinear here)")
+            if n < k + MIN_N:
+                note.append(f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})")
+            elif not np.isfinite(res["partial_r"][j]):
+                note.append("metric or target is determined by the controls: no partial r")
+            else:
+                data = pd.concat({"x": x, "y": y, **{f"c{i}": C[c] for i, c in enumerate(ctrl)}}, axis=1)
+                part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
+                lo, hi = part["CI95"].iloc[0]
+                row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
+                           partial_p_param=float(part["p_val"].iloc[0]), partial_ci_low=lo, partial_ci_high=hi)
+        row["note"] = "; ".join(note)
+    return rows

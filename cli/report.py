@@ -1,0 +1,77 @@
+"""``ncanalyze report``: measure what is new, then tables, figures and statistics over the store."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pandas as pd
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N
+from ncanalyze.cli.common import default_store
+from ncanalyze.cli.main import main
+
+
+def _split(s: str | None) -> list[str]:
+    return [x for x in (s or "").split(",") if x.strip()]
+
+
+def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.DataFrame, str | None]:
+    """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV; and the store."""
+    path = Path(source)
+    if path.suffix == ".csv":
+        if not path.is_file():
+            raise UserError(f"no metrics table at {path}")
+        return pd.read_csv(path), None
+    if not path.exists():
+        raise UserError(f"no store at {path}: run `ncanalyze extract CHECKPOINTS --store {path}` first, pass the "
+                        "store's path, or set NCANALYZE_STORE")
+    from ncanalyze.analyzer.measure_store import measure_store
+
+    return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)
+
+
+@main.command()
+@click.argument("store", required=False, metavar="[STORE]")
+@click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
+              help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the PNG figures.")
+@click.option("--where", help="pandas query selecting checkpoints, e.g. \"n_layers == 4 and hidden_size == 256\".")
+@click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")
+@click.option("--target", default="eval_loss", show_default=True, help="Column to correlate the metrics with.")
+@click.option("--controls", default=",".join(CONTROLS), show_default=True,
+              help="Comma-separated pandas expressions held fixed by the partial correlation.")
+@click.option("--permutations", type=click.IntRange(min=0), default=10_000, show_default=True,
+              help="Permutations per p-value (0: none).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the permutations.")
+@click.option("--tokens", help="Comma-separated tokens (strings as decoded, or ids) for the per-token table.")
+@click.option("--checkpoint", "checkpoints", multiple=True, metavar="RUN/CHECKPOINT",
+              help="Checkpoint(s) of the per-token table (default: each selected run's latest). Repeatable.")
+@click.option("--min-count", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Keep classes with at least this many train tokens (when measuring).")
+@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", help="Dask scheduler address for measuring.")
+def report(store, out, where, metrics_, target, controls, permutations, seed, tokens, checkpoints, min_count,
+           scheduler):
+    """Tables, figures and statistics of NC metrics against eval loss over a STORE (default ./ncanalyze.zarr
+    or $NCANALYZE_STORE; a metrics.csv from an earlier report also works).
+
+    \b
+    For every metric: Pearson r and R² (raw, and with log10 of the metric where positive), the partial r
+    controlling for model size and training progress, and permutation p-values (Freedman-Lane for the partial r).
+    """
+    from ncanalyze.analyzer.report import write_report
+
+    df, store_path = load_table(store or default_store(), min_count, scheduler)
+    metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
+    files = write_report(df, out, metrics=metrics, target=target, controls=_split(controls), where=where,
+                         n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
+                         checkpoints=checkpoints)
+    stats = pd.read_csv(files["stats"])
+    n = int(pd.read_csv(files["metrics"]).shape[0])
+    if n < MIN_N:
+        click.echo(f"warning: only {n} checkpoint(s) selected; correlations need at least {MIN_N}", err=True)
+    for line in sorted(set(stats.note.dropna()) - {""}):
+        if "too few" in line:
+            click.echo(f"note: {line}", err=True)
+    click.echo(f"{n} checkpoints, {len(metrics)} metrics -> {Path(out) / 'report.md'}")
+    for f in files.values():
+        click.echo(f"  {f}")
