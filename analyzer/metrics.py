@@ -1,0 +1,413 @@
+"""The neural-collapse metrics of SPEC section 4, exact (float64) and out-of-core.
+
+Notation, over the kept classes K = {c : count_c >= min_count} (n = |K|, pairs P = {c < c'}):
+m_c = mu_c - mu_G (centred mean), r_c = ||m_c||, u_c = m_c / r_c, T_cc' = ||u_c - u_c'||^2 = 2 - 2 cos(m_c, m_c'),
+D_cc' = ||mu_c - mu_c'||^2.
+
+Everything that is not a pairwise sum is d x d or O(n d) algebra on M (n x d, the centred means): the ETF error
+from the eigenvalues of M^T M, the dual error from <M^T M, W^T W>, the mean cosine from s = sum_c u_c.
+The pairwise sums (CDNV, the spread of the cosines, GNC2) are accumulated tile by tile with dask over blocks of
+K, from one Gram block per tile pair i <= j; no n x n array is ever formed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import psutil
+import scipy.linalg
+import scipy.linalg.blas
+import threadpoolctl
+import torch
+import xarray as xr
+
+from ncanalyze.analyzer.accumulate import ClassStats
+from ncanalyze.analyzer.errors import UserError
+
+SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
+           "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
+           "nc4_agreement")
+PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4")
+MAX_TILE = 2048
+COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
+
+
+# ---------------------------------------------------------------- the kept set
+
+def kept_classes(count: Any, min_count: int) -> np.ndarray:
+    """K = {c : count_c >= min_count}, sorted: the one place where min_count is applied."""
+    if int(min_count) < 1:
+        raise UserError(f"min_count must be at least 1 (got {min_count})")
+    return np.flatnonzero(np.asarray(count) >= int(min_count))
+
+
+def auto_tile(n: int, threads: int | None = None, budget: float = 0.1) -> int:
+    """Tile size: the largest t <= 2048 whose t x t float64 Gram block per worker thread fits ``budget`` of the
+    available memory (a task holds one such block plus O(t d) inputs)."""
+    threads = threads or os.cpu_count() or 1
+    t = int(math.sqrt(budget * psutil.virtual_memory().available / threads / 8))
+    return max(1, min(n, MAX_TILE, t))
+
+
+# ---------------------------------------------------------------- plain arrays -> statistics
+
+def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: Any = None,
+                classifier_bias: Any = None, val_embeddings: Any = None, val_labels: Any = None,
+                min_count: int = 1, batch_size: int = 65536) -> xr.Dataset:
+    """Exact class statistics of plain arrays (numpy, dask or torch; n x d features, n labels) as a dataset with
+    the store's variables, ready for :func:`measure`.
+
+    ``classifier`` (num_classes x d) and ``classifier_bias`` add NC3; with them, ``val_embeddings`` and
+    ``val_labels`` add NC4's counts (decisions over the classes with count >= ``min_count``, as extraction does).
+    """
+    acc = None
+    for h, y in _batches(embeddings, labels, batch_size, num_classes, "embeddings"):
+        if acc is None:
+            acc = ClassStats(num_classes, h.shape[1], device=h.device)
+        acc.update(h, y)
+    if acc is None or int(acc.count.sum()) == 0:
+        raise UserError("class_stats got no embeddings: pass a non-empty (n x d) array and n labels")
+    ds = xr.Dataset(
+        {"count": ("vocab", acc.count.cpu().numpy()), "mean": (("vocab", "hidden"), acc.mean.cpu().numpy()),
+         "variance": ("vocab", acc.variance.cpu().numpy()),
+         "within_covariance": (("hidden", "hidden2"), acc.within_covariance.cpu().numpy())},
+        coords={"vocab": np.arange(num_classes)},
+        attrs={"min_count": int(min_count), "train_tokens": int(acc.count.sum())})
+    if classifier is not None:
+        ds["classifier"] = ("vocab", "hidden"), _numpy(classifier)
+        if classifier_bias is not None:
+            ds["classifier_bias"] = "vocab", _numpy(classifier_bias)
+    if val_embeddings is not None:
+        if classifier is None:
+            raise UserError("NC4 needs the classifier: pass classifier= (and classifier_bias=) with val_embeddings")
+        for name, v in _val_counts(ds, val_embeddings, val_labels, min_count, batch_size).items():
+            ds[name] = "vocab", v
+        ds.attrs["val_tokens"] = int(ds["val_count"].sum())
+    return ds
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):
+    """(features, labels) as float64 / int64 torch batches, validated; dask input chunk by chunk."""
+    if h.ndim != 2 or y.ndim != 1 or h.shape[0] != y.shape[0]:
+        raise UserError(f"{what} must be (n x d) with n labels; got shapes {tuple(h.shape)} and {tuple(y.shape)}")
+    if isinstance(h, da.Array) or isinstance(y, da.Array):
+        h, y = da.asarray(h), da.asarray(y)
+        y = y.rechunk((h.chunks[0],))
+        parts = ((hb, yb) for hb, yb in zip(h.to_delayed()[:, 0], y.to_delayed()))
+        parts = (dask.compute(hb, yb) for hb, yb in parts)
+    else:
+        parts = ((h[s:s + batch_size], y[s:s + batch_size]) for s in range(0, h.shape[0], batch_size))
+    for hb, yb in parts:
+        hb, yb = torch.as_tensor(hb), torch.as_tensor(yb)
+        if yb.dtype.is_floating_point or yb.dtype == torch.bool:
+            raise UserError(f"{what} labels must be integers (got {yb.dtype})")
+        hb, yb = hb.to(torch.float64), yb.to(torch.int64)
+        if len(yb) and (int(yb.min()) < 0 or int(yb.max()) >= num_classes):
+            raise UserError(f"{what} labels must lie in [0, {num_classes}); got {int(yb.min())}..{int(yb.max())}")
+        if not torch.isfinite(hb).all():
+            raise UserError(f"{what} contain NaN or Inf")
+        yield hb, yb
+
+
+def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int) -> dict[str, np.ndarray]:
+    """Per true class: validation tokens, hits of the linear argmax over K, and agreements of that argmax with the
+    nearest-class-mean decision argmin_{c in K} ||h - mu_c||^2."""
+    vocab = ds.sizes["vocab"]
+    K = torch.as_tensor(kept_classes(ds["count"].values, min_count))
+    w, mu = torch.as_tensor(ds["classifier"].values)[K], torch.as_tensor(ds["mean"].values)[K]
+    b = torch.as_tensor(ds["classifier_bias"].values)[K] if "classifier_bias" in ds else torch.zeros(len(K),
+                                                                                                   dtype=w.dtype)
+    half_sq = 0.5 * (mu * mu).sum(1)
+    out = {k: torch.zeros(vocab, dtype=torch.int64) for k in ("val_count", "val_correct", "val_ncc_agree")}
+    rows = max(1, min(batch_size, (1 << 24) // max(1, len(K))))  # n x |K| scores stay ~128 MB
+    for hb, yb in _batches(h, y, rows, vocab, "val_embeddings"):
+        hb, yb = hb.cpu(), yb.cpu()
+        linear = K[(hb @ w.T + b).argmax(1)]
+        ncc = K[(hb @ mu.T - half_sq).argmax(1)]
+        out["val_count"] += torch.bincount(yb, minlength=vocab)
+        out["val_correct"] += torch.bincount(yb[linear == yb], minlength=vocab)
+        out["val_ncc_agree"] += torch.bincount(yb[linear == ncc], minlength=vocab)
+    return {k: v.numpy() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- statistics -> metrics
+
+def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> dict[str, float]:
+    """The scalar metrics of one checkpoint (SPEC section 4): name -> float. nc3_* need ``classifier``, nc4 needs
+    ``val_*`` counts taken over the same kept set (else nc4_agreement is nan, with a warning saying why)."""
+    return measure_all(ds, min_count, tile)[0]
+
+
+def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> xr.Dataset:
+    """Per-class views over the kept set (nan elsewhere): ``class_norm`` ||m_c||, ``class_cdnv`` mean CDNV to the
+    other kept classes, ``class_interference`` mean cos(m_c, m_c') over them, ``class_duality`` cos(w_c, m_c),
+    ``class_nc4`` val_ncc_agree / val_count."""
+    return measure_all(ds, min_count, tile)[1]
+
+
+def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> tuple[dict[str, float], xr.Dataset]:
+    """:func:`measure` and :func:`class_metrics` from one pass."""
+    count = np.asarray(ds["count"].values)
+    K = kept_classes(count, min_count)
+    n = K.size
+    if n < 2:
+        raise UserError(f"only {n} class(es) have count >= min_count={min_count}; the metrics need at least 2: "
+                        "lower --min-count or extract more train tokens")
+    tile = int(tile or auto_tile(n))
+    if tile < 1:
+        raise UserError(f"tile must be a positive number of classes (got {tile})")
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):   # one BLAS thread per dask thread
+        return _measure(ds, count, K, min_count, tile)
+
+
+def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, tile: int):
+    n = K.size
+    mean = _dask(ds["mean"])[K].astype(np.float64)
+    M = (mean - mean.mean(0)).rechunk((tile, -1)).persist()       # m_c = mu_c - mu_G, in blocks of K
+    var = np.asarray(ds["variance"].values, dtype=np.float64)[K]
+    r_lazy = da.sqrt((M * M).sum(1))
+    s_lazy = (M / r_lazy[:, None]).sum(0)                         # s = sum_c u_c
+    lazy = {"r": r_lazy, "s": s_lazy, "us": (M @ s_lazy) / r_lazy, "MtM": M.T @ M}
+    if "classifier" in ds:
+        W = _dask(ds["classifier"])[K].astype(np.float64).rechunk((tile, -1))
+        lazy |= {"wm": (W * M).sum(1), "wn": da.sqrt((W * W).sum(1)), "WtW": W.T @ W, "w_sum": W.sum(0),
+                 "m_sum": M.sum(0)}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = dict(zip(lazy, dask.compute(*lazy.values())))
+    r = got["r"]
+    _check_finite(np.r_[r, var], "class means or variances")
+    zero = np.flatnonzero(r <= 1e-12 * r.max())
+    if zero.size:
+        raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
+                        "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
+                        "--min-count or leave them out")
+    out: dict[str, float] = {}
+    per: dict[str, np.ndarray] = {"class_norm": r}
+    lam, V = np.linalg.eigh(got["MtM"])                           # M^T M = n Sigma_B, d x d
+
+    # NC1: Tr(Sigma_W Sigma_B^+)/n = sum_i v_i^T Sigma_W v_i / lam_i over lam_i > d eps max(lam) (numpy's pinv cut)
+    if "within_covariance" in ds:
+        sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64)
+        keep = lam > lam.size * np.finfo(float).eps * lam.max()
+        Vk = V[:, keep]
+        out["nc1_trace"] = float(np.sum(np.sum(Vk * (sigma_w @ Vk), 0) / lam[keep]))
+
+    # NC2: norms; the cosines' mean from s; the ETF error from the spectrum
+    out["nc2_norm_cv"] = r.std() / r.mean()
+    out["nc2_lognorm_std"] = np.log(r).std()
+    cos_mean = (got["s"] @ got["s"] - n) / (n * (n - 1))          # mean over P of u_c . u_c'
+    per["class_interference"] = (got["us"] - 1) / (n - 1)
+    out["nc2_etf_error"] = etf_error_from_spectrum(lam, n)
+
+    # the pairwise sums, tile by tile; t0 = mean of T over P centres them
+    t0 = 2 - 2 * cos_mean
+    sums, row_cdnv = pair_sums(M, r, var, t0)
+    if not sums["min_T"] >= COINCIDENT:
+        _raise_coincident(M.compute(), r, K, tile)
+    pairs = n * (n - 1) / 2
+    out["nc1_cdnv"] = sums["cdnv"] / (2 * pairs)
+    out["nc1_cdnv_p2"] = sums["cdnv_p2"] / (2 * pairs)
+    per["class_cdnv"] = row_cdnv / (2 * (n - 1))
+    out["nc2_cos_mean"] = cos_mean
+    out["nc2_cos_std"] = t0 / 2 * math.sqrt(sums["xx"] / pairs)   # cos - mean = -(t0/2) x
+    ml = sums["l"] / pairs                                        # l = log(T/t0); log(1/||u - u'||) = -log(T)/2
+    out["gnc2_log_mean"] = -0.5 * (ml + math.log(t0))
+    out["gnc2_log_std"] = 0.5 * math.sqrt(max(sums["ll"] / pairs - ml * ml, 0.0))
+
+    # NC3: duality of classifier rows and centred means
+    if "classifier" in ds:
+        dead = np.flatnonzero(got["wn"] == 0)
+        if dead.size:
+            raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
+        dual = got["wm"] / (got["wn"] * r)
+        per["class_duality"] = dual
+        out["nc3_cos_mean"] = dual.mean()
+        out["unc3_cos_cv"] = dual.std() / dual.mean()
+        out["nc3_dual_error"] = dual_error(got["MtM"], got["WtW"], got["wm"].sum(), got["m_sum"], got["w_sum"], n)
+
+    # NC4: decisions counted at extraction over its kept set, which must be this one
+    if "val_ncc_agree" in ds and int(np.asarray(ds["val_count"].values).sum()) > 0:
+        extract_min = int(ds.attrs.get("min_count", 1))
+        vc, agree = (np.asarray(ds[v].values)[K].astype(np.float64) for v in ("val_count", "val_ncc_agree"))
+        why = None
+        if not np.array_equal(K, kept_classes(count, extract_min)):
+            why = (f"its decisions were counted at extraction over the classes with count >= {extract_min}, not the "
+                   f"{n} with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
+        elif vc.sum() == 0:
+            why = "no validation token has a kept label"
+        if why:
+            warnings.warn(f"nc4_agreement is nan: {why}", stacklevel=3)
+            out["nc4_agreement"] = math.nan
+        else:
+            out["nc4_agreement"] = agree.sum() / vc.sum()
+            with np.errstate(invalid="ignore", divide="ignore"):
+                per["class_nc4"] = np.where(vc > 0, agree / vc, np.nan)
+    return {k: float(out[k]) for k in SCALARS if k in out}, _per_class(ds, K, per)
+
+
+def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.Dataset:
+    vocab = ds.sizes["vocab"]
+    data = {}
+    for name in PER_CLASS:
+        full = np.full(vocab, np.nan)
+        if name in per:
+            full[K] = per[name]
+        data[name] = ("vocab", full)
+    coords = {"vocab": ds["vocab"].values} if "vocab" in ds.coords else None
+    return xr.Dataset(data, coords=coords)
+
+
+def _dask(var: xr.DataArray) -> da.Array:
+    """A variable as a dask array, in the store's own chunks when it has them."""
+    if isinstance(var.data, da.Array):
+        return var.data
+    chunks = var.encoding.get("chunks") or var.encoding.get("preferred_chunks")
+    if isinstance(chunks, dict):
+        chunks = tuple(chunks.get(dim, -1) for dim in var.dims)
+    return da.from_array(np.asarray(var.values) if chunks is None else var.variable._data,
+                         chunks=chunks or "auto")
+
+
+def _check_finite(x: np.ndarray, what: str) -> None:
+    if not np.isfinite(x).all():
+        raise UserError(f"the {what} of kept classes contain NaN or Inf: the statistics are corrupt; extract again")
+
+
+def etf_error_from_spectrum(lam: np.ndarray, n: int) -> float:
+    """||G/||G||_F - (I - 11^T/n)/sqrt(n-1)||_F from the eigenvalues of M^T M (= the non-zero ones of G = M M^T).
+
+    M is centred, so G lives on the (n-1)-space orthogonal to 1, where the simplex target is I/sqrt(n-1): the
+    error is a sum of squares over G's n-1 eigenvalues there (the top ones of M^T M, padded with zeros), exact to
+    rounding even at 0.
+    """
+    lam = np.sort(lam)[::-1][: n - 1]
+    g = math.sqrt(float(np.sum(lam * lam)))
+    target = 1 / math.sqrt(n - 1)
+    return math.sqrt(float(np.sum((lam / g - target) ** 2)) + (n - 1 - lam.size) * target ** 2)
+
+
+def dual_error(MtM: np.ndarray, WtW: np.ndarray, trace_s: float, m_sum: np.ndarray, w_sum: np.ndarray,
+               n: int) -> float:
+    """||S/||S||_F - (I - 11^T/n)/sqrt(n-1)||_F for S = M W^T, from d x d quantities: ||S||_F^2 = <M^T M, W^T W>,
+    <S, I - 11^T/n> = tr S - (1^T M)(W^T 1)/n. The expanded square loses ~1e-8 absolute near 0."""
+    s_norm = math.sqrt(float(np.sum(MtM * WtW)))
+    inner = (trace_s - float(m_sum @ w_sum) / n) / (s_norm * math.sqrt(n - 1))
+    return math.sqrt(max(2 - 2 * inner, 0.0))
+
+
+# ---------------------------------------------------------------- the pairwise sums, tile by tile
+
+def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float) -> tuple[dict[str, float], np.ndarray]:
+    """Sums over the pairs c < c' of K of x^2 with x = T/t0 - 1 (cosines; x sums to 0 since t0 is T's mean),
+    l = log(T/t0) and l^2 (GNC2),
+    (v_c + v_c')/D and (v_c + v_c')/D^2 (CDNV), the minimum of T, and each class's CDNV sum over the others.
+
+    One dask task per tile pair i <= j of M's row blocks computes the block's Gram once (never n x n); shifting
+    by t0, the mean of T, keeps the second moments exact to rounding.
+    """
+    edges = np.cumsum((0,) + M.chunks[0])
+    side = np.stack([r, 1 / r, var])                              # per class: r_c, 1/r_c, var_c
+    blocks = M.to_delayed()[:, 0]
+    tasks, spans = [], []
+    for i in range(len(blocks)):
+        for j in range(i, len(blocks)):
+            si, sj = slice(edges[i], edges[i + 1]), slice(edges[j], edges[j + 1])
+            tasks.append(dask.delayed(_tile_sums, pure=True)(blocks[i], blocks[j], side[:, si], side[:, sj], t0,
+                                                             i == j))
+            spans.append((si, sj))
+    results = dask.compute(*tasks)
+    acc, row = np.zeros(6), np.zeros(len(r))
+    acc[5] = np.inf
+    for (si, sj), (a, rows, cols) in zip(spans, results):
+        acc[:5] += a[:5]
+        acc[5] = min(acc[5], a[5])
+        row[si] += rows
+        row[sj] += cols
+    sums = dict(zip(("xx", "l", "ll", "cdnv", "cdnv_p2"), acc[:5].tolist()), min_T=t0 * (acc[5] + 1))
+    return sums, row
+
+
+def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
+               cells: int = 1 << 15) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pair sums of one tile pair: ([xx, l, ll, cdnv, cdnv_p2, min x], row sums, column sums).
+
+    With Ui = [u_i, 1] and Rj = [-2 u_j, 2 - t0] / t0, one GEMM gives x = T/t0 - 1, and l = log1p(x); a rank-3
+    update (BLAS, in place) turns x into D/(t0 r r'), since D/(r r') = T + r/r' + r'/r - 2; its reciprocal R gives
+    1/D = R / (t0 r r'), so the CDNV sums are thin GEMMs of R and R^2 with per-class weights. The work goes in
+    cache-sized strips; a diagonal tile covers only its upper triangle.
+    """
+    (ri, bi, vi), (rj, bj, vj) = side_i, side_j
+    Ui = np.hstack([Mi * bi[:, None], np.ones((len(ri), 1))])
+    Rj = np.hstack([Mj * (-2 * bj / t0)[:, None], np.full((len(rj), 1), 2 / t0 - 1)])
+    lift_i = np.asfortranarray(np.stack([ri, bi, np.ones_like(ri)]))          # 3 x ti
+    lift_j = np.asfortranarray(np.stack([bj, rj, np.full_like(rj, t0 - 2)], 1) / t0)  # tj x 3
+    wi, wj = np.stack([bi, vi * bi]), np.stack([bj, vj * bj], 1)
+    wj2 = wj * bj[:, None]
+    acc, rows, cols = np.zeros(6), np.zeros(len(ri)), np.zeros(len(rj))
+    acc[5] = np.inf
+    panel = min(len(ri), 256) if diag else len(ri)
+    for a in range(0, len(ri), panel):
+        c0 = a if diag else 0
+        X = Ui[a:a + panel] @ Rj[c0:].T                           # x = T/t0 - 1, rows a.., columns c0..
+        step = max(1, cells // X.shape[1])
+        for e in range(0, X.shape[0], step):
+            x = X[e:e + step]
+            ii, jj = slice(a + e, a + e + len(x)), slice(c0, None)
+            if diag:                                               # drop pairs with column <= row
+                skip = np.tri(len(x), e + len(x), k=e, dtype=bool)
+                x[:, :skip.shape[1]][skip] = 0.0                   # x = 0 adds nothing to the x and l sums
+            acc[5] = min(acc[5], x.min())
+            acc[0] += np.vdot(x, x)
+            lg = np.log1p(x)                                      # log(T/t0)
+            acc[1] += lg.sum()
+            acc[2] += np.vdot(lg, lg)
+            _add_outer(x, lift_i[:, ii], lift_j[jj])             # x := D/(t0 r r')
+            if diag:
+                x[:, :skip.shape[1]][skip] = np.inf                # R = 0 there
+            np.reciprocal(x, out=x)                               # R
+            p, q = x @ wj[jj], wi[:, ii] @ x
+            rows[ii] += bi[ii] / t0 * (vi[ii] * p[:, 0] + p[:, 1])
+            cols[jj] += bj[jj] / t0 * (vj[jj] * q[0] + q[1])
+            np.square(x, out=x)
+            p2 = x @ wj2[jj]
+            acc[4] += np.sum((bi[ii] / t0) ** 2 * (vi[ii] * p2[:, 0] + p2[:, 1]))
+    acc[3] = rows.sum()
+    return acc, rows, cols
+
+
+def _add_outer(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """x += a.T @ b.T in place (x C-ordered s x w, a k x s, b w x k): one BLAS dgemm with beta = 1 on x.T."""
+    out = scipy.linalg.blas.dgemm(1.0, b, a, beta=1.0, c=x.T, overwrite_c=True)
+    if not np.shares_memory(out, x):  # BLAS had to copy (an unusual layout): fall back
+        x += a.T @ b.T
+
+
+def _raise_coincident(M: np.ndarray, r: np.ndarray, K: np.ndarray, tile: int) -> None:
+    """Name the pair of kept classes whose centred means point the same way (the error path; tile by tile)."""
+    U = M / r[:, None]
+    best = (-np.inf, 0, 0)
+    for a in range(0, len(U), tile):
+        for c in range(a, len(U), tile):
+            C = U[a:a + tile] @ U[c:c + tile].T
+            if a == c:
+                C[np.tri(*C.shape, dtype=bool)] = -np.inf
+            k = np.unravel_index(np.argmax(C), C.shape)
+            best = max(best, (C[k], a + k[0], c + k[1]))
+    _, i, j = best
+    dist = float(np.sum((M[i] - M[j]) ** 2))
+    if dist <= COINCIDENT * r[i] * r[j]:
+        raise UserError(f"classes {K[i]} and {K[j]} have coincident means, so their CDNV is infinite: "
+                        "leave one out (raise --min-count) or check the statistics")
+    raise UserError(f"the centred means of classes {K[i]} and {K[j]} point the same way (||u - u'||^2 < "
+                    f"{COINCIDENT:g}), so GNC2's log(1/||u - u'||) is infinite; leave one out (raise --min-count)")

@@ -1,0 +1,105 @@
+"""Benchmark: the whole metric suite of one checkpoint against one symmetric Gram of its centred means.
+
+    python benchmarks/metrics.py                 # K = 8,192, d = 256
+    python benchmarks/metrics.py --paper         # also K = 29,233, d = 1,024 (the paper's scale; ~2 GB, minutes)
+    python benchmarks/metrics.py --sizes 20000x64 --repeats 1
+
+For each size it prints the median time of `measure` (all 14 metrics and the per-class views' pairwise sums)
+and of the Gram G = M M^T of the centred means, computed three ways in the same run: tile by tile over the upper
+triangle (the work the metrics do, |K|^2 d / 2 multiply-adds) with multi-threaded BLAS, the same tiles as dask
+tasks with one BLAS thread each (how the metrics run), and, where it fits in a quarter of the memory, as one BLAS
+call. The ratio is over the fastest of the three. Peak memory of `measure` is traced with tracemalloc
+(numpy's buffers; BLAS's own small buffers are not seen) and set against |K|^2 x 8 bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import tracemalloc
+
+import dask
+import numpy as np
+import psutil
+import threadpoolctl
+import xarray as xr
+
+from ncanalyze.analyzer.metrics import auto_tile, measure
+
+
+def checkpoint(k: int, d: int, seed: int = 0) -> xr.Dataset:
+    """A synthetic checkpoint's statistics: random class means, variances, covariance, classifier, NC4 counts."""
+    rng = np.random.default_rng(seed)
+    mean = rng.standard_normal((k, d))
+    a = rng.standard_normal((d, d)) / d
+    val = rng.integers(1, 50, k)
+    return xr.Dataset({
+        "count": ("vocab", rng.integers(1, 1000, k)), "mean": (("vocab", "hidden"), mean),
+        "variance": ("vocab", rng.random(k) * d), "within_covariance": (("hidden", "hidden2"), a @ a.T),
+        "classifier": (("vocab", "hidden"), mean + rng.standard_normal((k, d))),
+        "val_count": ("vocab", val), "val_ncc_agree": ("vocab", rng.integers(0, val + 1))}, attrs={"min_count": 1})
+
+
+def tiled_gram(M: np.ndarray, tile: int) -> float:
+    """The upper-triangle tiles of M M^T, each computed once, BLAS using every core (a checksum, so nothing is
+    optimised away)."""
+    total = 0.0
+    for a in range(0, len(M), tile):
+        for c in range(a, len(M), tile):
+            total += (M[a:a + tile] @ M[c:c + tile].T)[0, 0]
+    return total
+
+
+def dask_gram(M: np.ndarray, tile: int) -> float:
+    """The same tiles as dask tasks on the threaded scheduler, one BLAS thread per task (as the metrics run)."""
+    def block(a: int, c: int) -> float:
+        return float((M[a:a + tile] @ M[c:c + tile].T)[0, 0])
+    tasks = [dask.delayed(block)(a, c) for a in range(0, len(M), tile) for c in range(a, len(M), tile)]
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        return sum(dask.compute(*tasks))
+
+
+def timed(f, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(k: int, d: int, repeats: int) -> None:
+    ds = checkpoint(k, d)
+    M = ds["mean"].values - ds["mean"].values.mean(0)
+    tile = auto_tile(k)
+    measure(ds)  # warm-up: imports, thread pools
+    t_metrics = timed(lambda: measure(ds), repeats)
+    t_tiled = timed(lambda: tiled_gram(M, tile), repeats)
+    t_dask = timed(lambda: dask_gram(M, tile), repeats)
+    full_bytes = k * k * 8
+    t_full = timed(lambda: M @ M.T, repeats) if full_bytes < psutil.virtual_memory().available / 4 else float("nan")
+    tracemalloc.start()
+    measure(ds)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    gram = np.nanmin([t_tiled, t_dask, t_full])
+    print(f"K={k:,} d={d:,} tile={tile}: metrics {t_metrics:.2f} s | Gram: tiled {t_tiled:.2f} s, tiled on dask "
+          f"{t_dask:.2f} s, one call {t_full:.2f} s | ratio {t_metrics / gram:.2f} (target <= 1.5) | peak {peak / 2**20:,.0f} MiB traced "
+          f"(|K| d x 8 = {k * d * 8 / 2**20:,.0f} MiB, |K|^2 x 8 = {full_bytes / 2**20:,.0f} MiB)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paper", action="store_true", help="also K = 29,233, d = 1,024 (heavy)")
+    p.add_argument("--sizes", nargs="*", default=None, help="KxD sizes instead of the defaults, e.g. 8192x256")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    sizes = [tuple(map(int, s.split("x"))) for s in args.sizes] if args.sizes else [(8192, 256)]
+    if args.paper:
+        sizes.append((29233, 1024))
+    for k, d in sizes:
+        run(k, d, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
