@@ -272,11 +272,7 @@ def _dask(var: xr.DataArray) -> da.Array:
     """A variable as a dask array, in the store's own chunks when it has them."""
     if isinstance(var.data, da.Array):
         return var.data
-    chunks = var.encoding.get("chunks") or var.encoding.get("preferred_chunks")
-    if isinstance(chunks, dict):
-        chunks = tuple(chunks.get(dim, -1) for dim in var.dims)
-    return da.from_array(np.asarray(var.values) if chunks is None else var.variable._data,
-                         chunks=chunks or "auto")
+    return var.chunk(var.encoding.get("preferred_chunks") or {}).data
 
 
 def _check_finite(x: np.ndarray, what: str) -> None:

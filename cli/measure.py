@@ -1,0 +1,45 @@
+"""``ncanalyze measure``: the neural-collapse metrics of every checkpoint in the store not yet measured."""
+from __future__ import annotations
+
+import click
+
+from ncanalyze.cli.common import default_store
+from ncanalyze.cli.main import main
+
+SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
+
+
+@main.command()
+@click.argument("store", required=False, default=default_store, metavar="[STORE]")
+@click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
+              help="Keep only classes with at least this many train tokens.")
+@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS",
+              help="Dask distributed scheduler (e.g. tcp://host:8786) [env: DASK_SCHEDULER_ADDRESS; default: local "
+                   "threads]. Its workers must see the store's path.")
+@click.option("--tile", type=click.IntRange(1), help="Classes per tile of the pairwise sums [default: from the "
+              "available memory, at most 2048].")
+@click.option("--force", is_flag=True, help="Measure again checkpoints already measured.")
+def measure(store, min_count, scheduler, tile, force):
+    """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
+
+    \b
+    STORE defaults to ./ncanalyze.zarr (or $NCANALYZE_STORE). The 14 scalar metrics go into each
+    checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
+    class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
+    when its statistics or --min-count change.
+    """
+    import pandas as pd
+
+    from ncanalyze.analyzer.measure_store import measure_store
+
+    df = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force)
+    done = df.attrs["measured"]
+    if not done:
+        click.echo(f"all {len(df)} checkpoints in {store} already measured (min_count={min_count}); --force measures "
+                   "them again")
+        return
+    rows = df[[f"{r}/{c}" in set(done) for r, c in zip(df.run, df.checkpoint)]]
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        click.echo(rows[["run", "checkpoint", "global_step", *SHOWN]].to_string(index=False, float_format="{:.4g}".format))
+    click.echo(f"measured {len(done)} of {len(df)} checkpoints in {store} (min_count={min_count}); all 14 metrics: "
+               "ncanalyze report, or the group attributes `metrics`")
