@@ -191,7 +191,7 @@ def token_table(store: str | Path, groups: Sequence[str], tokens: Sequence[str])
     rows = []
     for g in groups:
         ds = _open_group(store, g)
-        strings = ds["token"].values.astype(str) if "token" in ds.coords else None
+        strings = np.array(ds["token"].values.tolist(), dtype=object) if "token" in ds.coords else None
         ids = [resolve_token(t, strings, ds.attrs.get("tokenizer"), ds.sizes["vocab"]) for t in tokens]
         per_class = ds[[v for v in TOKEN_VARIABLES if v in ds]].load()
         kept = per_class["class_cdnv"].notnull() if "class_cdnv" in per_class else per_class["count"] > 0
@@ -229,14 +229,67 @@ def _latex(table: pd.DataFrame, caption: str, label_: str) -> str:
                         column_format="l" + "r" * (table.shape[1] - 1))
 
 
+def _token_rows(t: pd.DataFrame, quote) -> pd.DataFrame:
+    """A checkpoint's token rows for display: tokens quoted with ``quote``, ids as integers."""
+    return t.drop(columns="checkpoint").assign(token=[x if x == AVERAGE_TOKEN else quote(x) for x in t.token],
+                                               id=t.id.map(lambda i: "" if pd.isna(i) else str(int(i))))
+
+
+def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, figures: dict[str, Path], *,
+             target: str, controls: Sequence[str], where: str | None, n_perm: int, seed: int | None,
+             store: str | Path | None) -> str:
+    """report.md: the correlation table with how to read it, notes, figure links and the per-token tables."""
+    n_runs = sel["run"].nunique() if "run" in sel else 1
+    perm = (f"{n_perm} random permutations (seed {seed}); exact, over all n! permutations, where n! <= {n_perm}"
+            if n_perm > 0 else "no permutations")
+    md = [f"# ncanalyze report: NC metrics against {target}", "",
+          f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" (`{where}`)" if where else "") +
+          (f" in `{store}`" if store else "") + ".", "",
+          f"## Correlation with {target}", "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
+    if len(sel) < MIN_N:
+        md += [f"**Only {len(sel)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
+    md += ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line. "
+           "\"(log)\": log10 of the metric (the paper's axes), where it is positive; the target is not logged. "
+           f"partial r: controlling for {', '.join(f'`{c}`' for c in controls)} (pingouin.partial_corr). "
+           f"p: two-sided permutation p-value, P(|r*| ≥ |r|), {perm}; "
+           "p FL: the same for the partial r, permuting the target's residuals on the controls (Freedman-Lane). "
+           "Parametric p-values and the partial r's 95% CI are in stats.csv.", ""]
+    if notes(stats):
+        md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""]
+    md += ["## Figures", ""] + [f"![{FIGURES[k][0].format(target=label(target))}]({f.name})\n"
+                                for k, f in figures.items()]
+    if tok is not None:
+        md += ["## Per-token statistics", "", "Mean CDNV and mean interference are to the other kept classes; "
+               "the average token is the mean over the kept classes.", ""]
+        for g, t in tok.groupby("checkpoint", sort=False):
+            rows = _token_rows(t, lambda x: repr(x).replace("|", r"\|"))
+            md += [f"### {g}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
+    md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
+           "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
+    if tok is not None:
+        md += ["- `tokens.csv`: the per-token table"]
+    return "\n".join(md) + "\n"
+
+
+def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: Sequence[str]) -> str:
+    """tables.tex: the correlation table and the per-token tables (booktabs; tokens as Python ASCII literals)."""
+    tex = ["% ncanalyze report tables; \\usepackage{booktabs}",
+           _latex(summary(stats), f"NC metrics against {tex_escape(target)}: Pearson $r$, $R^2$, permutation $p$; "
+                  f"partial $r$ controlling for {tex_escape(', '.join(controls))} with Freedman-Lane $p$.",
+                  "tab:nc-correlations")]
+    if tok is not None:
+        for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):
+            rows = _token_rows(t, ascii).map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
+            tex.append(_latex(rows, f"Per-token statistics, {tex_escape(g)}.", f"tab:tokens-{i}"))
+    return "\n".join(tex)
+
+
 def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                  controls: Sequence[str] = CONTROLS, where: str | None = None, n_perm: int = 10_000,
                  seed: int | None = 0, store: str | Path | None = None, tokens: Sequence[str] = (),
                  checkpoints: Sequence[str] = ()) -> dict[str, Path]:
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with ``tokens``), report.md and tables.tex into
     ``out``; returns their paths by name."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     missing = [m for m in metrics if m not in df.columns]
     if missing:
         raise UserError(f"unknown metric(s) {', '.join(missing)}; the table has: {', '.join(df.columns)}")
@@ -246,68 +299,28 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
     first = [c for c in ID_COLUMNS if c in sel.columns]
     sel = sel[first + [c for c in sel.columns if c not in first]]
     stats = correlations(sel, metrics, target, controls, n_perm, seed)
+    tok = token_table(store, list(checkpoints) or latest_checkpoints(sel), tokens) if tokens else None
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     files = {"metrics": out / "metrics.csv", "stats": out / "stats.csv"}
     sel.to_csv(files["metrics"], index=False)
     stats.to_csv(files["stats"], index=False)
-
+    if tok is not None:
+        files["tokens"] = out / "tokens.csv"
+        tok.to_csv(files["tokens"], index=False)
+    figures = {}
     for stem, (title, fig_metrics) in FIGURES.items():
         shown = [m for m in fig_metrics if m in metrics]
         if shown:
             fig = scatter_figure(sel, shown, target, stats, title.format(target=label(target)))
-            files[stem] = out / f"{stem}.png"
-            fig.savefig(files[stem], dpi=150)
+            figures[stem] = out / f"{stem}.png"
+            fig.savefig(figures[stem], dpi=150)
             plt.close(fig)
-
-    tok = None
-    if tokens:
-        tok = token_table(store, list(checkpoints) or latest_checkpoints(sel), tokens)
-        files["tokens"] = out / "tokens.csv"
-        tok.to_csv(files["tokens"], index=False)
-
-    table = summary(stats)
-    n_runs = sel["run"].nunique() if "run" in sel else 1
-    perm = (f"{n_perm} random permutations (seed {seed}); exact, over all n! permutations, where n! <= {n_perm}"
-            if n_perm > 0 else "no permutations")
-    md = [f"# ncanalyze report: NC metrics against {target}", "",
-          f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" (`{where}`)" if where else "") +
-          (f" in `{store}`" if store else "") + ".", "",
-          f"## Correlation with {target}", "", table.to_markdown(index=False, disable_numparse=True), ""]
-    if len(sel) < MIN_N:
-        md += [f"**Only {len(sel)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
-    md += ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line. "
-           "\"(log)\": log10 of the metric (the paper's axes), where it is positive; the target is not logged. "
-           f"partial r: controlling for {', '.join(f'`{c}`' for c in controls)} (pingouin.partial_corr). "
-           f"p: two-sided permutation p-value, P(|r*| ≥ |r|), {perm}; "
-           "p FL: the same for the partial r, permuting the target's residuals on the controls (Freedman-Lane). "
-           "Parametric p-values and the partial r's 95% CI are in stats.csv.", ""]
-    md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""] if notes(stats) else []
-    md += ["## Figures", ""] + [f"![{FIGURES[k][0].format(target=label(target))}]({files[k].name})\n"
-                                for k in FIGURES if k in files]
-    if tok is not None:
-        md += ["## Per-token statistics", "",
-               "Mean CDNV and mean interference are to the other kept classes; the average token is the mean over "
-               "the kept classes.", ""]
-        for g, t in tok.groupby("checkpoint", sort=False):
-            shown = t.drop(columns="checkpoint").assign(token=[x if x == AVERAGE_TOKEN else repr(x) for x in t.token],
-                                                         id=t.id.map(lambda i: "" if pd.isna(i) else str(int(i))))
-            md += [f"### {g}", "", shown.to_markdown(index=False, floatfmt=".4g"), ""]
-    md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
-           "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
-    if tok is not None:
-        md += ["- `tokens.csv`: the per-token table"]
+    files |= figures
     files["report"] = out / "report.md"
-    files["report"].write_text("\n".join(md) + "\n")
-
-    tex = ["% ncanalyze report tables; \\usepackage{booktabs}",
-           _latex(table, f"NC metrics against {tex_escape(target)}: Pearson $r$, $R^2$, permutation $p$; partial $r$ "
-                         f"controlling for {tex_escape(', '.join(controls))} with Freedman-Lane $p$.",
-                  "tab:nc-correlations")]
-    if tok is not None:
-        for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):
-            t = t.drop(columns="checkpoint").assign(token=[x if x == AVERAGE_TOKEN else ascii(x) for x in t.token],
-                                                    id=t.id.map(lambda i: "" if pd.isna(i) else str(int(i))))
-            tex.append(_latex(t.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v),
-                              f"Per-token statistics, {tex_escape(g)}.", f"tab:tokens-{i}"))
+    files["report"].write_text(markdown(sel, stats, tok, figures, target=target, controls=controls, where=where,
+                                        n_perm=n_perm, seed=seed, store=store))
     files["tex"] = out / "tables.tex"
-    files["tex"].write_text("\n".join(tex))
+    files["tex"].write_text(latex(stats, tok, target, controls))
     return files

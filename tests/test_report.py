@@ -1,0 +1,259 @@
+"""The report's files: CSV columns, Markdown tables, LaTeX syntax, PNG panels; the per-token table; the CLI."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+from conftest import run_cli
+from PIL import Image
+from test_stats import study
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.report import AVERAGE_TOKEN, FIGURES, ID_COLUMNS, token_table, write_report
+from ncanalyze.analyzer.stats import METRICS
+
+STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
+                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note"}
+SUMMARY_HEADER = ["metric", "n", "R²", "r", "p", "partial r", "p FL", "R² (log)", "r (log)", "p (log)",
+                  "partial r (log)", "p FL (log)"]
+
+
+# ---------------------------------------------------------------- parsers the tests check the files with
+
+def markdown_tables(text: str) -> list[list[list[str]]]:
+    """Every pipe table: a header row, a |:---| separator, body rows all with the header's number of cells."""
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            rows = [[c.strip() for c in re.split(r"(?<!\\)\|", ln.strip()[1:-1])] for ln in block]
+            assert len(rows) >= 3, block
+            assert all(re.fullmatch(r":?-+:?", c) for c in rows[1]), block[1]
+            assert {len(r) for r in rows} == {len(rows[0])}, block
+            tables.append([rows[0]] + rows[2:])
+            block = []
+    return tables
+
+
+def check_latex(tex: str) -> int:
+    """Balanced, properly nested environments; every tabular row has as many cells as its column spec.
+    Returns the number of tabulars."""
+    stack, n_tab = [], 0
+    for m in re.finditer(r"\\(begin|end)\{(\w+)\}(\{([^}]*)\})?", tex):
+        if m.group(1) == "begin":
+            stack.append(m.group(2))
+            if m.group(2) == "tabular":
+                n_tab += 1
+                ncol = len(re.findall(r"[lcrp]", m.group(4)))
+                body = tex[m.end():tex.index(r"\end{tabular}", m.end())]
+                rows = [r for r in body.split("\\\\") if r.strip() and not re.fullmatch(r"\s*\\\w+rule\s*", r)]
+                for row in rows:
+                    row = re.sub(r"\\(top|mid|bottom)rule", "", row)
+                    if row.strip():
+                        assert len(re.findall(r"(?<!\\)&", row)) + 1 == ncol, row
+        else:
+            assert stack and stack.pop() == m.group(2), f"unbalanced \\end{{{m.group(2)}}}"
+    assert not stack, f"unclosed environments {stack}"
+    assert tex.count("{") - tex.count(r"\{") == tex.count("}") - tex.count(r"\}")
+    return n_tab
+
+
+def compile_latex(tex_file: Path, tmp: Path) -> None:
+    """With pdflatex on the machine (apt texlive-latex-base + -recommended), the tables must compile."""
+    if shutil.which("pdflatex") is None:
+        return
+    doc = tmp / "doc.tex"
+    doc.write_text("\\documentclass{article}\n\\usepackage[T1]{fontenc}\n\\usepackage{booktabs}\n"
+                   f"\\begin{{document}}\n\\input{{{tex_file.resolve()}}}\n\\end{{document}}\n")
+    res = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=tmp,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:]
+
+
+def spine_runs(png: Path) -> int:
+    """Long dark vertical lines: two per panel (left and right spines) and two for the colour bar's outline."""
+    img = np.asarray(Image.open(png).convert("L"), float)
+    lines = (img < 80).mean(axis=0) > 0.5
+    return int(np.count_nonzero(np.diff(np.r_[0, lines.astype(int)]) == 1))
+
+
+def check_png(png: Path, panels: int) -> None:
+    img = Image.open(png)
+    assert img.size == (round((3.9 * panels + 1.2) * 150), 600)
+    gray = np.asarray(img.convert("L"), float)
+    assert gray.std() > 20 and (gray < 250).mean() > 0.05, "blank figure"
+    assert spine_runs(png) == 2 * panels + 2
+
+
+# ---------------------------------------------------------------- the report on a synthetic study
+
+@pytest.fixture(scope="module")
+def synthetic_report(tmp_path_factory):
+    df = study(n_runs=5, per_run=6, seed=11)
+    out = tmp_path_factory.mktemp("report")
+    return df, write_report(df, out, n_perm=500, seed=3)
+
+
+def test_csv_files(synthetic_report):
+    df, files = synthetic_report
+    metrics = pd.read_csv(files["metrics"])
+    present = [c for c in ID_COLUMNS if c in df.columns]
+    assert list(metrics.columns[:len(present)]) == present
+    assert set(METRICS) <= set(metrics.columns) and len(metrics) == len(df)
+    stats = pd.read_csv(files["stats"])
+    assert set(stats.columns) == STATS_COLUMNS
+    assert len(stats) == 2 * len(METRICS)
+    assert stats.n_perm.max() == 500
+
+
+def test_markdown_tables_and_links(synthetic_report):
+    df, files = synthetic_report
+    text = files["report"].read_text()
+    (table,) = markdown_tables(text)
+    assert table[0] == SUMMARY_HEADER
+    assert [row[0] for row in table[1:]] == list(METRICS)
+    stats = pd.read_csv(files["stats"]).set_index(["metric", "scale"])
+    r2 = {row[0]: row[2] for row in table[1:]}
+    assert r2["unc3_cos_cv"] == f"{stats.loc[('unc3_cos_cv', 'raw'), 'r2']:.3f}"
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    assert sorted(links) == sorted(f"{k}.png" for k in FIGURES)
+    assert all((files["report"].parent / name).is_file() for name in links)
+    assert "no log scale: nc2_cos_mean (log)" in text
+
+
+def test_latex_tables(synthetic_report, tmp_path):
+    _, files = synthetic_report
+    tex = files["tex"].read_text()
+    assert check_latex(tex) == 1
+    assert "nc1\\_cdnv" in tex and "$R^2$" in tex
+    compile_latex(files["tex"], tmp_path)
+
+
+def test_figures_have_their_panels(synthetic_report):
+    _, files = synthetic_report
+    for stem, (_, metrics) in FIGURES.items():
+        check_png(files[stem], len(metrics))
+
+
+def test_unknown_metric_and_bad_query_are_user_errors(tmp_path):
+    df = study(n_runs=2, per_run=3)
+    with pytest.raises(UserError, match="unknown metric"):
+        write_report(df, tmp_path, metrics=["nc9"], n_perm=0)
+    with pytest.raises(UserError, match="not a valid pandas query"):
+        write_report(df, tmp_path, where="n_params >", n_perm=0)
+    with pytest.raises(UserError, match="no checkpoint matches"):
+        write_report(df, tmp_path, where="n_params < 0", n_perm=0)
+
+
+def test_cli_on_a_metrics_csv_with_where_and_target(tmp_path):
+    df = study(n_runs=4, per_run=5, seed=2)
+    csv = tmp_path / "m.csv"
+    df.to_csv(csv, index=False)
+    run_cli("report", csv, "--out", tmp_path / "r", "--where", "run != 'r0'", "--metrics", "nc1_cdnv,nc4_agreement",
+            "--target", "eval_loss", "--permutations", 300, "--seed", 4)
+    metrics = pd.read_csv(tmp_path / "r" / "metrics.csv")
+    assert len(metrics) == 15 and "r0" not in set(metrics.run)
+    stats = pd.read_csv(tmp_path / "r" / "stats.csv")
+    assert list(stats.metric.unique()) == ["nc1_cdnv", "nc4_agreement"] and (stats.n == 15).all()
+    check_png(tmp_path / "r" / "fig1_nc_vs_loss.png", 2)  # only the chosen metrics of Figure 1
+    assert not (tmp_path / "r" / "fig2_nc2_vs_gnc2.png").exists()
+    err = run_cli("report", csv, "--out", tmp_path / "bad", "--where", "nope == 1", ok=False)
+    assert "not a valid pandas query" in err.output and len(err.output.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- per-token table on a hand-made store
+
+TOKENS = np.array(["<eos>", " Anna", "Anna", " Tim", "the", " Bob", "Bob ", "x", " |", "&%$_\\{"], dtype=object)
+
+
+def write_store(path: Path, tokenizer: str | None = None, vocab: int | None = None) -> dict[str, xr.Dataset]:
+    """Two checkpoints whose names sort against their steps, with the per-class arrays ``measure`` writes; decoded
+    tokens TOKENS, or with ``vocab`` no token coordinate (then tokens are resolved by the tokenizer)."""
+    rng = np.random.default_rng(0)
+    groups = {}
+    with_tokens = vocab is None
+    for name, step in (("checkpoint-100", 100), ("checkpoint-20", 20)):
+        v = vocab or len(TOKENS)
+        count = rng.integers(1, 50, v)
+        count[7] = 0  # a class outside the kept set
+        kept = count > 0
+        per_class = {k: np.where(kept, rng.uniform(0.1, 2, v), np.nan) for k in
+                     ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4")}
+        ds = xr.Dataset({"count": ("vocab", count), "variance": ("vocab", np.where(kept, rng.uniform(0, 1, v), np.nan)),
+                         **{k: ("vocab", a) for k, a in per_class.items()}},
+                        coords={"vocab": np.arange(v), **({"token": ("vocab", TOKENS)} if with_tokens else {})},
+                        attrs={"run": "runA", "checkpoint": name, "global_step": step,
+                               **({"tokenizer": tokenizer} if tokenizer else {})})
+        ds.to_zarr(path, group=f"runA/{name}", mode="w", consolidated=False, zarr_format=3)
+        groups[f"runA/{name}"] = ds
+    return groups
+
+
+def test_token_table_values_and_average_row(tmp_path):
+    store = tmp_path / "s.zarr"
+    groups = write_store(store)
+    table = token_table(store, ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
+    ds = groups["runA/checkpoint-20"]
+    assert list(table.id[:4]) == [1, 3, 7, 2]  # exact string, unique match without spaces, id, exact string
+    assert list(table.token) == [" Anna", " Tim", "x", "Anna", AVERAGE_TOKEN]
+    for j, i in enumerate([1, 3, 7, 2]):
+        row = table.iloc[j]
+        assert row["count"] == ds["count"][i] and row["variance"] == pytest.approx(float(ds.variance[i]), nan_ok=True)
+        for var, col in (("class_norm", "norm"), ("class_cdnv", "mean CDNV"), ("class_interference",
+                         "mean interference"), ("class_duality", "duality cos"), ("class_nc4", "NC4 rate")):
+            assert row[col] == pytest.approx(float(ds[var][i]), nan_ok=True)
+    avg = table.iloc[-1]
+    kept = ds["count"].values > 0
+    assert avg["mean CDNV"] == pytest.approx(ds.class_cdnv.values[kept].mean())
+    assert avg["mean interference"] == pytest.approx(ds.class_interference.values[kept].mean())
+    assert avg["count"] == pytest.approx(ds["count"].values[kept].mean())
+    assert avg["variance"] == pytest.approx(ds.variance.values[kept].mean())
+    assert np.isnan(table.iloc[2]["mean CDNV"])  # token 7 is not kept
+
+
+@pytest.mark.parametrize("tok, match", [("Bob", "ambiguous"), ("99", "outside the vocabulary"),
+                                        ("Zed", "not found")])
+def test_bad_tokens_are_user_errors(tmp_path, tok, match):
+    store = tmp_path / "s.zarr"
+    write_store(store)
+    with pytest.raises(UserError, match=match):
+        token_table(store, ["runA/checkpoint-20"], [tok])
+
+
+def test_tokens_resolved_with_the_checkpoints_tokenizer(tmp_path, corpus):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    store = tmp_path / "s.zarr"
+    ds = write_store(store, tokenizer=str(corpus["tokenizer"]), vocab=len(tok))["runA/checkpoint-20"]
+    (the,) = tok.encode("the", add_special_tokens=False)
+    table = token_table(store, ["runA/checkpoint-20"], ["the"])
+    assert table.id[0] == the and table["count"][0] == ds["count"][the]
+    assert len(tok.encode("the big dog", add_special_tokens=False)) > 1
+    with pytest.raises(UserError, match="tokens .* not one"):
+        token_table(store, ["runA/checkpoint-20"], ["the big dog"])
+
+
+def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
+    store = tmp_path / "s.zarr"
+    write_store(store)
+    df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
+                       "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
+    files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store,
+                         tokens=[" Anna", "3", "8", "9"])
+    tokens = pd.read_csv(files["tokens"], keep_default_na=False)
+    assert set(tokens.checkpoint) == {"runA/checkpoint-100"}  # by step, not by name
+    text = files["report"].read_text()
+    tables = markdown_tables(text)
+    assert tables[1][0][:3] == ["token", "id", "count"]
+    assert [r[0] for r in tables[1][1:]] == ["' Anna'", "' Tim'", "' \\|'", "'&%$_\\\\{'", AVERAGE_TOKEN]
+    assert "too few for a correlation" in text
+    assert check_latex(files["tex"].read_text()) == 2
+    compile_latex(files["tex"], tmp_path)
