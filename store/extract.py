@@ -223,21 +223,20 @@ def train_pass(model, blocks: Blocks, ex: Extraction, cfg: ExtractConfig, saver:
     vocab, device, L = ex.stats.count.shape[0], ex.stats.mean.device, blocks.block_size
     offsets = np.arange(L - 1)
     total = blocks.total and -(-blocks.total // cfg.batch_size)
-    bar = tqdm(total=total, initial=ex.batches, desc=f"{desc} train", unit="batch", leave=False)
-    for batch in blocks.batches(cfg.batch_size, skip=ex.batches):
-        _check_ids(batch, vocab, blocks.spec)
-        ids = torch.from_numpy(batch).to(device)
-        h = features(model, ids)
-        _check_finite(h, f"{desc}, train batch {ex.batches}")
-        h, y = h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1)
-        ex.stats.update(h, y)
-        first = ex.batches * cfg.batch_size
-        pos = ((first + np.arange(len(batch)))[:, None] * L + offsets).ravel()
-        ex.reservoir.update(h, batch[:, 1:].ravel(), pos)
-        ex.batches += 1
-        bar.update()
-        saver.maybe(ex)
-    bar.close()
+    with tqdm(total=total, initial=ex.batches, desc=f"{desc} train", unit="batch", leave=False) as bar:
+        for batch in blocks.batches(cfg.batch_size, skip=ex.batches):
+            _check_ids(batch, vocab, blocks.spec)
+            ids = torch.from_numpy(batch).to(device)
+            h = features(model, ids)
+            _check_finite(h, f"{desc}, train batch {ex.batches}")
+            h, y = h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1)
+            ex.stats.update(h, y)
+            first = ex.batches * cfg.batch_size
+            pos = ((first + np.arange(len(batch)))[:, None] * L + offsets).ravel()
+            ex.reservoir.update(h, batch[:, 1:].ravel(), pos)
+            ex.batches += 1
+            bar.update()
+            saver.maybe(ex)
     if ex.stats.count.sum() == 0:
         raise UserError(f"{blocks.spec} ({cfg.split}) holds no full block of {L} tokens: the dataset is empty or "
                         "shorter than --block-size")
@@ -254,24 +253,23 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     half_sq = 0.5 * (mu * mu).sum(1)
     chunk = _ncc_chunk(len(kept))
     total = blocks.total and -(-blocks.total // cfg.batch_size)
-    bar = tqdm(total=total, initial=ex.batches, desc=f"{desc} validation", unit="batch", leave=False)
-    for batch in blocks.batches(cfg.batch_size, skip=ex.batches):
-        _check_ids(batch, vocab, blocks.spec)
-        ids = torch.from_numpy(batch).to(w.device)
-        h = features(model, ids)
-        _check_finite(h, f"{desc}, validation batch {ex.batches}")
-        h, y = h.reshape(-1, h.shape[-1]).double(), ids[:, 1:].reshape(-1)
-        for s in range(0, len(y), chunk):
-            hc, yc = h[s:s + chunk], y[s:s + chunk]
-            linear = kept[(hc @ w.T + b).argmax(1)]
-            ncc = kept[(hc @ mu.T - half_sq).argmax(1)]
-            ex.val["val_count"] += torch.bincount(yc, minlength=vocab)
-            ex.val["val_correct"] += torch.bincount(yc[linear == yc], minlength=vocab)
-            ex.val["val_ncc_agree"] += torch.bincount(yc[linear == ncc], minlength=vocab)
-        ex.batches += 1
-        bar.update()
-        saver.maybe(ex)
-    bar.close()
+    with tqdm(total=total, initial=ex.batches, desc=f"{desc} validation", unit="batch", leave=False) as bar:
+        for batch in blocks.batches(cfg.batch_size, skip=ex.batches):
+            _check_ids(batch, vocab, blocks.spec)
+            ids = torch.from_numpy(batch).to(w.device)
+            h = features(model, ids)
+            _check_finite(h, f"{desc}, validation batch {ex.batches}")
+            h, y = h.reshape(-1, h.shape[-1]).double(), ids[:, 1:].reshape(-1)
+            for s in range(0, len(y), chunk):
+                hc, yc = h[s:s + chunk], y[s:s + chunk]
+                linear = kept[(hc @ w.T + b).argmax(1)]
+                ncc = kept[(hc @ mu.T - half_sq).argmax(1)]
+                ex.val["val_count"] += torch.bincount(yc, minlength=vocab)
+                ex.val["val_correct"] += torch.bincount(yc[linear == yc], minlength=vocab)
+                ex.val["val_ncc_agree"] += torch.bincount(yc[linear == ncc], minlength=vocab)
+            ex.batches += 1
+            bar.update()
+            saver.maybe(ex)
 
 
 # ---------------------------------------------------------------- the store
@@ -360,8 +358,12 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     model = load_model(ckpt, cfg, device)
     tokenizer, tok_name = find_tokenizer(ckpt, cfg)
     block_size = _block_size(cfg, model)
-    val_spec, val_split = (cfg.val_dataset, cfg.val_split) if cfg.val_dataset else \
-        default_val_spec(cfg.dataset, cfg.val_split)
+    if cfg.max_val_tokens == 0:
+        val_spec, val_split = None, None
+    elif cfg.val_dataset:
+        val_spec, val_split = cfg.val_dataset, cfg.val_split
+    else:
+        val_spec, val_split = default_val_spec(cfg.dataset, cfg.val_split)
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
     chash = config_hash(record)
 
@@ -395,7 +397,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         ex.phase, ex.batches = 1, 0
         saver.maybe(ex, force=True)
     if ex.phase == 1:
-        if cfg.max_val_tokens != 0:
+        if val_spec is not None:
             val = _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer)
             val_pass(model, val, ex, classifier, bias, cfg, saver, ckpt.group)
         ex.phase = 2
@@ -407,7 +409,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
         "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
         "val_tokens": int(ex.val["val_count"].sum()), "min_count": cfg.min_count, "block_size": block_size,
-        "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec if cfg.max_val_tokens != 0 else None,
+        "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
         "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
         "ncanalyze_version": _version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
@@ -443,9 +445,9 @@ def estimate(ckpts: list[Checkpoint], cfg: ExtractConfig, store: Path) -> str:
         return (f"{len(ckpts)} checkpoint(s); train tokens unknown (uncapped text: pass --max-train-tokens for a "
                 f"bound); forward pass ~{rate:,.0f} tokens/s on {device}; {disk}")
     tokens = len(ckpts) * (n_train + (n_val or 0))
-    return (f"{len(ckpts)} checkpoint(s) x {n_train:,} train + {'up to ' + format(n_val, ',') if n_val else 'all'} "
-            f"val tokens; ~{tokens / rate / 60:,.1f} min at ~{rate:,.0f} tokens/s on {device}"
-            f"{'' if n_val else ' (plus the validation split)'}; {disk}")
+    val = "no validation" if n_val == 0 else f"{n_val:,} val tokens" if n_val else "the validation split"
+    return (f"{len(ckpts)} checkpoint(s) x {n_train:,} train tokens + {val}; ~{tokens / rate / 60:,.1f} min "
+            f"{'' if n_val is not None else '+ validation '}at ~{rate:,.0f} tokens/s on {device}; {disk}")
 
 
 def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,

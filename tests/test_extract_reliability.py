@@ -1,0 +1,196 @@
+"""Kill-and-resume identity, config guards, re-runs, and every bad input of SPEC section 7."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from safetensors.torch import load_file, save_file
+
+import ncanalyze.store
+
+CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
+
+
+def assert_same_group(a, b, group: str) -> None:
+    da, db = (ncanalyze.store.open(s)[group].to_dataset() for s in (a, b))
+    assert set(da.data_vars) == set(db.data_vars)
+    for name in da.data_vars:
+        np.testing.assert_array_equal(da[name].values, db[name].values, err_msg=name)  # bit for bit
+    assert {k: v for k, v in da.attrs.items()} == {k: v for k, v in db.attrs.items()}
+
+
+def _state(store):
+    return store.with_name(store.name + ".partial")
+
+
+def test_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
+    ck = trained_run / "checkpoint-40"
+    args = ["extract", ck, "--dataset", corpus["train"], "--max-train-tokens", 16384, "--max-val-tokens", 8192,
+            "--batch-size", 2, "--state-every", 0]
+    ref = tmp_path / "ref.zarr"
+    run_cli(*args, "--store", ref)
+
+    store = tmp_path / "killed.zarr"
+    for phase in (0, 1):  # kill once in the train pass and once in the validation pass
+        proc = subprocess.Popen(CLI + [str(a) for a in args] + ["--store", str(store)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        state = _state(store) / trained_run.name / "checkpoint-40.npz"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with np.load(state) as s:
+                    if int(s["phase"]) == phase and int(s["batches"]) >= 5:
+                        break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with np.load(state) as s:
+            assert int(s["phase"]) == phase
+        # the killed store still opens, and holds no half-finished group
+        tree = ncanalyze.store.open(store)
+        assert f"{trained_run.name}/checkpoint-40" not in tree.to_dict()
+
+    # a resume under another configuration is refused, and loses nothing
+    r = run_cli(*args[:-4], "--batch-size", 4, "--state-every", 0, "--store", store, ok=False)
+    assert "another configuration" in r.output and "batch_size: 2 -> 4" in r.output and "--overwrite" in r.output
+    r = run_cli(*args, "--store", store)
+    assert "1 resumed" in r.output
+    assert_same_group(ref, store, f"{trained_run.name}/checkpoint-40")
+    assert not _state(store).exists()
+
+    # finished: a re-run is a no-op, another config is refused unless --overwrite
+    r = run_cli(*args, "--store", store)
+    assert "1 already in" in r.output
+    r = run_cli(*args[:-4], "--batch-size", 4, "--store", store, ok=False)
+    assert "already in" in r.output and "--overwrite" in r.output
+    assert_same_group(ref, store, f"{trained_run.name}/checkpoint-40")
+
+
+@pytest.fixture(scope="module")
+def kept_store(trained_run, corpus, tmp_path_factory):
+    """A store with one finished checkpoint, which no failed command below may damage."""
+    store = tmp_path_factory.mktemp("kept") / "kept.zarr"
+    run_cli("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], "--store", store,
+            "--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1)
+    return store
+
+
+def _copy(trained_run, tmp_path):
+    """checkpoint-60 alone in a folder, with the run's tokenizer beside its weights."""
+    ck = tmp_path / "checkpoint-60"
+    shutil.copytree(trained_run / "checkpoint-60", ck)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_run / f, ck / f)
+    return ck
+
+
+def _nan_model(ck, tmp):
+    w = load_file(ck / "model.safetensors")
+    w["transformer.ln_f.weight"] = torch.full_like(w["transformer.ln_f.weight"], float("nan"))
+    save_file(w, ck / "model.safetensors", metadata={"format": "pt"})
+    return ck, []
+
+
+def _pickle_only(ck, tmp=None):
+    torch.save(load_file(ck / "model.safetensors"), ck / "pytorch_model.bin")
+    (ck / "model.safetensors").unlink()
+    return ck, []
+
+
+def _corrupt(ck, tmp):
+    (ck / "model.safetensors").write_bytes(b"\x10\x00garbage")
+    return ck, []
+
+
+def _no_tokenizer(ck, tmp):
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (ck / f).unlink()
+    return ck, []
+
+
+def _empty_folder(ck, tmp):
+    (tmp / "empty").mkdir()
+    return tmp / "empty", []
+
+
+def _ids_outside_vocab(ck, tmp):
+    np.save(tmp / "ids.npy", np.arange(6400) % 400)  # the model has 300 tokens
+    return ck, ["--dataset", tmp / "ids.npy", "--max-val-tokens", 0]
+
+
+def _empty_dataset(ck, tmp):
+    (tmp / "empty.txt").write_text("")
+    return ck, ["--dataset", tmp / "empty.txt", "--max-val-tokens", 0]
+
+
+BAD = {  # case: (prepare(checkpoint copy, tmp) -> (path, extra args), words of the one-line error)
+    "missing folder": (lambda ck, tmp: (tmp / "nope", []), ["does not exist"]),
+    "empty folder": (_empty_folder, ["no checkpoints found"]),
+    "corrupt weights": (_corrupt, ["cannot load the model", "complete"]),
+    "pickle-only weights": (_pickle_only, ["pickle", "--allow-pickle"]),
+    "no tokenizer": (_no_tokenizer, ["needs a tokenizer", "--tokenizer"]),
+    "ids outside the vocabulary": (_ids_outside_vocab, ["outside the model's vocabulary"]),
+    "empty dataset": (_empty_dataset, ["empty"]),
+    "NaN features": (_nan_model, ["NaN/Inf features"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_clean_line_and_loses_nothing(case, kept_store, trained_run, corpus, tmp_path):
+    before = ncanalyze.store.open(kept_store).to_dict()
+    prepare, words = BAD[case]
+    ck = _copy(trained_run, tmp_path)
+    path, extra = prepare(ck, tmp_path)
+    if "--dataset" not in extra:
+        extra = ["--dataset", corpus["train"], *extra]
+    r = run_cli("extract", path, "--store", kept_store, "--max-train-tokens", 512, *extra, ok=False)
+    error = [line.split("Error:", 1)[1] for line in r.output.splitlines() if "Error:" in line]
+    assert len(error) == 1 and all(w in error[0] for w in words), r.output
+    after = ncanalyze.store.open(kept_store).to_dict()
+    assert list(after) == list(before)
+    for g, node in before.items():
+        assert node.identical(after[g]), g
+
+
+def test_allow_pickle_loads_trusted_pickle_weights(trained_run, corpus, tmp_path):
+    ck, _ = _pickle_only(_copy(trained_run, tmp_path))
+    run_cli("extract", ck, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr", "--max-train-tokens", 512,
+            "--max-val-tokens", 256, "--allow-pickle")
+    assert ncanalyze.store.open(tmp_path / "s.zarr")[f"{tmp_path.name}/checkpoint-60"]["count"].sum() == 16 * 31
+
+
+def test_full_disk_is_a_clean_error_and_resumes(trained_run, corpus, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        store = disk / "s.zarr"
+        opts = ["--dataset", corpus["train"], "--store", store, "--max-train-tokens", 1024, "--max-val-tokens", 512,
+                "--samples-per-class", 1]
+        run_cli("extract", trained_run / "checkpoint-20", *opts)
+        before = ncanalyze.store.open(store).to_dict()
+        free = os.statvfs(disk)
+        (disk / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 16384))
+        r = run_cli("extract", trained_run, *opts, ok=False)
+        assert "disk full" in r.output and "resume" in r.output
+        tree = ncanalyze.store.open(store)
+        g = f"{trained_run.name}/checkpoint-20"
+        assert tree[g].to_dataset().identical(before[f"/{g}"])
+        (disk / "filler").unlink()
+        r = run_cli("extract", trained_run, *opts)
+        assert sorted(ncanalyze.store.open(store)[trained_run.name].children) == [
+            "checkpoint-20", "checkpoint-40", "checkpoint-60"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
