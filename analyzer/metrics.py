@@ -334,6 +334,7 @@ def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float) -> tuple[d
     return sums, row
 
 
+@np.errstate(divide="ignore", invalid="ignore")  # T = 0 (coincident means): the caller reports it
 def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
                cells: int = 1 << 15) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The pair sums of one tile pair: ([xx, l, ll, cdnv, cdnv_p2, min x], row sums, column sums).
@@ -357,6 +358,7 @@ def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.nd
         c0 = a if diag else 0
         X = Ui[a:a + panel] @ Rj[c0:].T                           # x = T/t0 - 1, rows a.., columns c0..
         step = max(1, cells // X.shape[1])
+        buf = np.empty(step * X.shape[1])
         for e in range(0, X.shape[0], step):
             x = X[e:e + step]
             ii, jj = slice(a + e, a + e + len(x)), slice(c0, None)
@@ -365,7 +367,7 @@ def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.nd
                 x[:, :skip.shape[1]][skip] = 0.0                   # x = 0 adds nothing to the x and l sums
             acc[5] = min(acc[5], x.min())
             acc[0] += np.vdot(x, x)
-            lg = np.log1p(x)                                      # log(T/t0)
+            lg = np.log1p(x, out=buf[:x.size].reshape(x.shape))  # log(T/t0)
             acc[1] += lg.sum()
             acc[2] += np.vdot(lg, lg)
             _add_outer(x, lift_i[:, ii], lift_j[jj])             # x := D/(t0 r r')
