@@ -37,6 +37,7 @@ FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
 TOKEN_VARIABLES = {"count": "count", "variance": "variance", "class_norm": "norm", "class_cdnv": "mean CDNV",
                    "class_interference": "mean interference", "class_duality": "duality cos", "class_nc4": "NC4 rate"}
 AVERAGE_TOKEN = "(average token)"
+FIGSIZE = lambda panels: (3.9 * panels + 1.2, 4.0)  # noqa: E731  inches, for 1 x panels scatter plots
 
 
 def label(name: str) -> str:
@@ -84,11 +85,16 @@ def summary(stats: pd.DataFrame) -> pd.DataFrame:
 
 
 def notes(stats: pd.DataFrame) -> list[str]:
-    """Each distinct note with the metrics it applies to ('metric (log)' when it holds for one scale only)."""
+    """Each distinct note with the metrics it applies to ('metric (log)' when it holds for one scale only, 'every
+    metric' when it holds for every row with statistics)."""
     atoms = stats.assign(note=stats.note.str.split("; ")).explode("note")
     atoms = atoms[atoms.note.fillna("") != ""]
+    computed = set(stats.index[stats.r.notna()])
     out = []
     for note, g in atoms.groupby("note", sort=False):
+        if computed and computed <= set(g.index):
+            out.append(f"{note}: every metric")
+            continue
         scales = g.groupby("metric", sort=False).scale.apply(list)
         names = [m if len(sc) == 2 else f"{m} ({sc[0]})" for m, sc in scales.items()]
         out.append(f"{note}: {', '.join(names)}")
@@ -98,8 +104,11 @@ def notes(stats: pd.DataFrame) -> list[str]:
 def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame, title: str):
     """One panel per metric: target against the metric (log axis where the metric is positive), points coloured by
     n_params on a log colour scale, the least-squares line with its R² in the legend."""
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.9 * len(metrics) + 1.2, 4.0), sharey=True, squeeze=False,
-                             layout="constrained")
+    k, (w, h) = len(metrics), FIGSIZE(len(metrics))
+    left, right, bottom, top, gap = 0.75, 1.3, 0.6, 0.65, 0.15  # margins in inches; a fixed layout draws fast
+    fig, axes = plt.subplots(1, k, figsize=(w, h), sharey=True, squeeze=False)
+    fig.subplots_adjust(left=left / w, right=1 - right / w, bottom=bottom / h, top=1 - top / h,
+                        wspace=gap * k / (w - left - right - gap * (k - 1)))
     sizes = pd.to_numeric(df.get("n_params", pd.Series(np.nan, index=df.index)), errors="coerce")
     lo, hi = (sizes.min(), sizes.max()) if sizes.gt(0).any() else (np.nan, np.nan)
     norm = LogNorm(lo / 1.5, hi * 1.5) if lo == hi else LogNorm(lo, hi) if np.isfinite(lo) else None
@@ -135,7 +144,8 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
         ax.grid(alpha=0.3, which="both" if scale == "raw" else "major")
     axes[0][0].set_ylabel(label(target))
     if norm is not None and mappable is not None:
-        fig.colorbar(mappable, ax=axes[0].tolist(), label="parameters (log scale)", pad=0.01)
+        cax = fig.add_axes((1 - (right - 0.2) / w, bottom / h, 0.15 / w, 1 - (bottom + top) / h))
+        fig.colorbar(mappable, cax=cax, label="parameters (log scale)")
     fig.suptitle(title)
     return fig
 
@@ -200,9 +210,9 @@ def token_table(store: str | Path, groups: Sequence[str], tokens: Sequence[str])
             rows.append({"checkpoint": g, "token": tok, "id": i,
                          **{TOKEN_VARIABLES[v]: float(per_class[v][i]) for v in per_class.data_vars}})
         avg = per_class.where(kept).mean("vocab")
-        rows.append({"checkpoint": g, "token": AVERAGE_TOKEN, "id": np.nan,
+        rows.append({"checkpoint": g, "token": AVERAGE_TOKEN, "id": None,
                      **{TOKEN_VARIABLES[v]: float(avg[v]) for v in per_class.data_vars}})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).astype({"id": "Int64"})
 
 
 def latest_checkpoints(df: pd.DataFrame) -> list[str]:

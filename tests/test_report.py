@@ -15,7 +15,7 @@ from PIL import Image
 from test_stats import study
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.report import AVERAGE_TOKEN, FIGURES, ID_COLUMNS, token_table, write_report
+from ncanalyze.analyzer.report import AVERAGE_TOKEN, FIGSIZE, FIGURES, ID_COLUMNS, token_table, write_report
 from ncanalyze.analyzer.stats import METRICS
 
 STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
@@ -86,7 +86,7 @@ def spine_runs(png: Path) -> int:
 
 def check_png(png: Path, panels: int) -> None:
     img = Image.open(png)
-    assert img.size == (round((3.9 * panels + 1.2) * 150), 600)
+    assert img.size == tuple(round(150 * x) for x in FIGSIZE(panels))
     gray = np.asarray(img.convert("L"), float)
     assert gray.std() > 20 and (gray < 250).mean() > 0.05, "blank figure"
     assert spine_runs(png) == 2 * panels + 2
@@ -257,3 +257,50 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     assert "too few for a correlation" in text
     assert check_latex(files["tex"].read_text()) == 2
     compile_latex(files["tex"], tmp_path)
+
+
+# ---------------------------------------------------------------- the whole command on a real extracted store
+
+def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
+    from transformers import AutoTokenizer
+
+    from ncanalyze.analyzer.measure_store import measure_store
+
+    store = tmp_path / "study.zarr"
+    shutil.copytree(extracted_store, store)  # report measures into the store: leave the session's one as it is
+    out = tmp_path / "report"
+    res = run_cli("report", store, "--out", out, "--tokens", "the, red,quiet,5", "--permutations", 1000, "--seed", 1)
+    assert "report.md" in res.output
+
+    measured = measure_store(store)  # already measured by the report: the same table
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert len(metrics) == len(measured) >= 3
+    assert list(metrics.columns) == list(measured.columns)
+    pd.testing.assert_frame_equal(metrics, measured.reset_index(drop=True), check_dtype=False)
+
+    stats = pd.read_csv(out / "stats.csv")
+    assert set(stats.columns) == STATS_COLUMNS and len(stats) == 2 * len(METRICS)
+    raw = stats[stats.scale == "raw"].set_index("metric")
+    ok = measured[["nc1_cdnv", "eval_loss"]].dropna()
+    assert raw.loc["nc1_cdnv", "r"] == pytest.approx(np.corrcoef(ok.nc1_cdnv, ok.eval_loss)[0, 1], abs=1e-12)
+
+    text = (out / "report.md").read_text()
+    tables = markdown_tables(text)
+    assert tables[0][0] == SUMMARY_HEADER and len(tables[0]) == 1 + len(METRICS)
+    tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    ids = [tok.encode(t, add_special_tokens=False) for t in ("the", " red", " quiet")]
+    assert all(len(i) == 1 for i in ids)  # single tokens of this vocabulary; 'quiet' is found as ' quiet'
+    ids = [i[0] for i in ids] + [5]
+    tokens = pd.read_csv(out / "tokens.csv")
+    last = measured.sort_values("global_step").iloc[-1]
+    assert set(tokens.checkpoint) == {f"{last.run}/{last.checkpoint}"}
+    assert list(tokens.id[:4].astype(int)) == ids and tokens.token.iloc[-1] == AVERAGE_TOKEN
+    ds = xr.open_zarr(store, group=f"{last.run}/{last.checkpoint}", consolidated=False)
+    assert list(tokens["count"][:4]) == [int(ds["count"][i]) for i in ids]
+    assert tokens["mean CDNV"][0] == pytest.approx(float(ds.class_cdnv[ids[0]]))
+    assert len(tables) == 2 and tables[1][-1][0] == AVERAGE_TOKEN
+
+    assert check_latex((out / "tables.tex").read_text()) == 2
+    compile_latex(out / "tables.tex", tmp_path)
+    for stem, (_, fig_metrics) in FIGURES.items():
+        check_png(out / f"{stem}.png", len(fig_metrics))
