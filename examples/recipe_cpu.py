@@ -1,0 +1,165 @@
+"""Linguistic Collapse at CPU scale, end to end, in one command (about 25 minutes on 2 cores):
+
+    python examples/recipe_cpu.py [--text FILE] [--out examples/out/cpu]
+
+1. corpus: --text, else ../shared/data/kjv.txt, else the King James Bible from the `bible` command (Debian or
+   Ubuntu: apt-get install bible-kjv); split into train/validation, a 1,024-token BPE trained on the train split,
+   both splits tokenized once (examples/prepare_text.py)
+2. a GPT-Neo depth x width grid with checkpoints over training, and seed replicas of one architecture
+   (examples/train_sweep.py), one run per core
+3. ncanalyze extract (train statistics capped at --train-tokens per checkpoint), measure, and three reports:
+   every checkpoint; the grid's final models; the seed replicas' final models
+4. examples/explore_store.py on the store
+
+Each step prints the equivalent shell command. Finished work is skipped when the command runs again (trained
+runs, extracted and measured checkpoints), so an interrupted recipe continues. Wall times go to timings.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TQDM_MININTERVAL", "10")  # progress bars update every 10 s: a readable log
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+
+def find_text(text: Path | None, out: Path) -> Path:
+    """--text, else ../shared/data/kjv.txt beside the repository, else the KJV from `bible` (bible-kjv)."""
+    if text is None:
+        shared = ROOT.parent / "shared" / "data" / "kjv.txt"
+        if shared.is_file():
+            text = shared
+        elif shutil.which("bible"):
+            text = out / "kjv.txt"
+            if not text.is_file() or text.stat().st_size == 0:
+                print("$ bible gen1:1-rev22:21 > " + str(text))
+                text.write_bytes(subprocess.run(["bible", "gen1:1-rev22:21"], check=True, capture_output=True).stdout)
+        else:
+            raise SystemExit("error: no text to train on. Pass one (--text FILE), or install the King James Bible "
+                             "(Debian/Ubuntu: sudo apt-get install bible-kjv), which the recipe then reads with "
+                             "`bible gen1:1-rev22:21`.")
+    if not text.is_file() or text.stat().st_size == 0:
+        raise SystemExit(f"error: {text} is not a non-empty file")
+    return text
+
+
+def ncanalyze(*args: str) -> None:
+    """Run an ncanalyze command in this process (the console script would import everything again)."""
+    import click
+    from ncanalyze.cli.main import main
+
+    print("$ ncanalyze " + shlex.join(args), flush=True)
+    try:
+        main(list(args), standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        raise SystemExit(1) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--text", type=Path, help="UTF-8 text to train on [default: ../shared/data/kjv.txt, else "
+                   "`bible gen1:1-rev22:21`]")
+    p.add_argument("--out", type=Path, default=HERE / "out" / "cpu", help="working folder")
+    p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary")
+    p.add_argument("--depths", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--widths", nargs="+", type=int, default=[32, 64, 128, 256])
+    p.add_argument("--replicas", default="2x64", help="DEPTHxWIDTH of the seed replicas")
+    p.add_argument("--replica-seeds", nargs="+", type=int, default=list(range(10)))
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=128, help="tokens per block (the paper: 1024)")
+    p.add_argument("--batch-size", type=int, default=16, help="blocks per step (the paper: 16)")
+    p.add_argument("--steps", type=int, default=600, help="steps per run (600 x 16 x 128: 0.86 epoch of the KJV)")
+    p.add_argument("--save-steps", type=int, default=150, help="a checkpoint and an eval loss every N steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine, 5%% warmup)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW (the paper ablates 0.0005 and 0.1)")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at once (one per core)")
+    p.add_argument("--train-tokens", type=int, default=131072, help="train tokens per checkpoint for the statistics")
+    p.add_argument("--val-tokens", type=int, default=65536, help="validation tokens per checkpoint for NC4")
+    p.add_argument("--permutations", type=int, default=10_000, help="per permutation p-value")
+    p.add_argument("--tokens", default=" the, LORD, God, and,:",
+                   help="comma-separated tokens for the per-token table and the embedding plot")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    t_start = t = time.time()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        times[name] = round(time.time() - t, 1)
+        print(f"== {name}: {times[name]:.0f} s (total {time.time() - t_start:.0f} s)\n", flush=True)
+        t = time.time()
+
+    text = find_text(args.text, out)
+    data = out / "data"
+    if not (data / "validation.npy").is_file():
+        import prepare_text
+
+        cmd = [str(text), str(data), "--vocab", str(args.vocab)]
+        print("$ python examples/prepare_text.py " + shlex.join(cmd), flush=True)
+        prepare_text.main(cmd)
+    lap("corpus")
+
+    import train_sweep
+
+    sweep = ["--out", str(out / "runs"), "--train-tokens", str(data / "train.npy"),
+             "--val-tokens", str(data / "validation.npy"), "--tokenizer", str(data / "tokenizer"),
+             "--depths", *map(str, args.depths), "--widths", *map(str, args.widths), "--seeds", "0",
+             "--replicas", args.replicas, "--replica-seeds", *map(str, args.replica_seeds),
+             "--block-size", str(args.block_size), "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+             "--save-steps", str(args.save_steps), "--lr", str(args.lr), "--lr-scheduler", "cosine",
+             "--warmup-steps", str(args.steps // 20), "--weight-decay", str(args.weight_decay),
+             "--heads", str(args.heads), "--attention", "global", "--jobs", str(args.jobs)]
+    print("$ python examples/train_sweep.py " + shlex.join(sweep), flush=True)
+    train_sweep.main(sweep)
+    lap("training")
+
+    store = str(out / "store.zarr")
+    ncanalyze("extract", str(out / "runs"), "--store", store, "--dataset", str(data / "train.npy"),
+              "--val-dataset", str(data / "validation.npy"), "--block-size", str(args.block_size),
+              "--batch-size", "32", "--max-train-tokens", str(args.train_tokens),
+              "--max-val-tokens", str(args.val_tokens), "--device", "cpu")
+    lap("extract")
+    ncanalyze("measure", store)
+    lap("measure")
+
+    depth, width = args.replicas.lower().split("x")
+    tag = train_sweep.run_name(0, 0, 0, args.weight_decay).split("-s0")[1]  # "-wd0.1" or ""
+    perms = ["--permutations", str(args.permutations)]
+    ncanalyze("report", store, "--out", str(out / "report-all"), *perms, "--tokens", args.tokens)
+    ncanalyze("report", store, "--out", str(out / "report-final"), *perms,
+              "--where", f"global_step == {args.steps} and run.str.endswith('-s0{tag}')")
+    ncanalyze("report", store, "--out", str(out / "report-seeds"), *perms,
+              "--where", f"n_layers == {depth} and hidden_size == {width} and global_step == {args.steps}")
+    lap("report")
+
+    import explore_store
+
+    cmd = [store, "--out", str(out / "explore"), "--tokens", *args.tokens.split(",")]
+    print("$ python examples/explore_store.py " + shlex.join(cmd), flush=True)
+    explore_store.main(cmd)
+    lap("explore")
+    times["total"] = round(time.time() - t_start, 1)
+    (out / "timings.json").write_text(json.dumps(times, indent=1) + "\n")
+    print(f"done in {times['total'] / 60:.1f} min: reports in {out}/report-{{all,final,seeds}}, "
+          f"store {store}, figures of the store in {out}/explore")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
