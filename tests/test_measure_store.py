@@ -1,0 +1,183 @@
+"""measure_store and ``ncanalyze measure``: metrics stored back per checkpoint, recomputed only when needed, equal on
+a dask.distributed cluster, and right (against brute force) on checkpoints extracted from a real Trainer run."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import zarr
+from click.testing import CliRunner
+from test_metrics import assert_metrics, brute_force, random_study
+
+import ncanalyze.store
+from ncanalyze.analyzer import PER_CLASS, SCALARS, UserError, class_stats, measure_all
+from ncanalyze.analyzer.measure_store import INFO, measure_store
+from ncanalyze.cli.main import main
+
+
+def write_checkpoint(store, run: str, step: int, seed: int, complete: bool = True):
+    """A checkpoint group as extraction leaves it: the statistics, its attributes, then ``complete``."""
+    h, y, W, b, hv, yv = random_study(seed=seed, V=40, d=6, N=2000)
+    ds = class_stats(h, y, 40, classifier=W, classifier_bias=b, val_embeddings=hv, val_labels=yv)
+    group = f"{run}/checkpoint-{step}"
+    ds.attrs |= {"run": run, "checkpoint": f"checkpoint-{step}", "global_step": step, "epoch": step / 10,
+                 "n_params": 1000, "n_layers": 2, "hidden_size": 6, "eval_loss": 4 - step / 100,
+                 "config_hash": f"hash-{seed}", "complete": False}
+    ds.to_zarr(store, group=group, mode="w", consolidated=False, zarr_format=3)
+    if complete:
+        zarr.open_group(store, path=group, mode="r+", zarr_format=3).attrs["complete"] = True
+    return ds
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    store = tmp_path / "study.zarr"
+    data = {f"a/checkpoint-{s}": write_checkpoint(store, "a", s, seed=s) for s in (20, 10)}
+    data["b/checkpoint-5"] = write_checkpoint(store, "b", 5, seed=5)
+    write_checkpoint(store, "b", 99, seed=99, complete=False)  # an interrupted extraction: not measured
+    return store, data
+
+
+def attrs(store, group: str) -> dict:
+    return dict(zarr.open_group(store, path=group, mode="r", zarr_format=3).attrs)
+
+
+def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
+    store, data = small_store
+    df = measure_store(store, tile=7)
+    assert list(df.columns) == [*INFO, *SCALARS]
+    assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
+                                                                  "b/checkpoint-5"]
+    assert sorted(df.attrs["measured"]) == sorted(data)
+    tree = ncanalyze.store.open(store)
+    for row in df.itertuples():
+        g = f"{row.run}/{row.checkpoint}"
+        ds = data[g]
+        assert (row.global_step, row.epoch, row.eval_loss) == (ds.attrs["global_step"], ds.attrs["epoch"],
+                                                              ds.attrs["eval_loss"])
+        want, want_per = brute_force(ds, 1)
+        assert_metrics(row._asdict(), want)
+        a = attrs(store, g)
+        assert a["metrics"] == {k: getattr(row, k) for k in SCALARS}
+        assert (a["metrics_min_count"], a["metrics_config_hash"], a["complete"]) == (1, ds.attrs["config_hash"], True)
+        stored = tree[g].to_dataset()
+        K = np.flatnonzero(ds["count"].values >= 1)
+        for name in PER_CLASS:
+            assert stored[name].dims == ("vocab",) and stored[name].dtype == np.float64
+            np.testing.assert_allclose(stored[name].values[K], want_per[name], rtol=1e-9, err_msg=name)
+        np.testing.assert_array_equal(stored["mean"].values, ds["mean"].values)  # the statistics are untouched
+
+
+def test_recomputes_only_when_statistics_or_min_count_change(small_store):
+    store, data = small_store
+    first = measure_store(store)
+    assert measure_store(store).attrs["measured"] == []
+    # re-extraction rewrites a group (new statistics, new config hash, no metrics): only it is measured again
+    new = write_checkpoint(store, "a", 10, seed=11)
+    again = measure_store(store)
+    assert again.attrs["measured"] == ["a/checkpoint-10"]
+    assert_metrics(again.iloc[0].to_dict(), brute_force(new, 1)[0])
+    assert again.iloc[1:].equals(first.iloc[1:])
+    # a group whose statistics changed under the same metrics record (hash differs) is measured again
+    zarr.open_group(store, path="b/checkpoint-5", mode="r+", zarr_format=3).attrs["config_hash"] = "changed"
+    assert measure_store(store).attrs["measured"] == ["b/checkpoint-5"]
+    # another min_count: everything, over the new kept set, and NC4 is nan (its kept set was fixed at extraction)
+    with pytest.warns(UserWarning, match="nc4_agreement is nan"):
+        df = measure_store(store, min_count=60)
+    assert len(df.attrs["measured"]) == 3
+    assert df.nc4_agreement.isna().all() and attrs(store, "a/checkpoint-20")["metrics"]["nc4_agreement"] is None
+    assert_metrics(df.iloc[1].to_dict(), {k: v for k, v in brute_force(data["a/checkpoint-20"], 60)[0].items()
+                                          if k != "nc4_agreement"})
+    assert measure_store(store, min_count=60).attrs["measured"] == []
+    assert len(measure_store(store, min_count=60, force=True).attrs["measured"]) == 3
+
+
+def test_a_write_cut_short_is_measured_again(small_store):
+    store, _ = small_store
+    measure_store(store)
+    g = zarr.open_group(store, path="a/checkpoint-20", mode="r+", zarr_format=3)
+    del g.attrs["metrics_config_hash"]  # what a crash between the arrays and the record leaves
+    assert measure_store(store).attrs["measured"] == ["a/checkpoint-20"]
+
+
+def test_bad_stores(tmp_path):
+    with pytest.raises(UserError, match="no ncanalyze store"):
+        measure_store(tmp_path / "missing.zarr")
+    write_checkpoint(tmp_path / "s.zarr", "a", 1, seed=1, complete=False)
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        measure_store(tmp_path / "s.zarr")
+
+
+def test_distributed_cluster_equals_local(small_store, tmp_path):
+    distributed = pytest.importorskip("distributed")
+    store, _ = small_store
+    other = tmp_path / "copy.zarr"
+    shutil.copytree(store, other)
+    local = measure_store(store, tile=7)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
+            distributed.Client(cl) as client:
+        result = CliRunner().invoke(main, ["measure", str(other), "--tile", "7"],
+                                    env={"DASK_SCHEDULER_ADDRESS": cl.scheduler_address})
+        assert result.exit_code == 0, result.output
+        ran = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes))
+    assert any("tile_sums" in p for p in ran), ran  # the pairwise sums ran on the cluster
+    remote = measure_store(other)
+    assert remote.attrs["measured"] == []
+    np.testing.assert_allclose(remote[list(SCALARS)].to_numpy(float), local[list(SCALARS)].to_numpy(float),
+                               rtol=1e-13, atol=0)
+    a, b = ncanalyze.store.open(store), ncanalyze.store.open(other)
+    for g in local.attrs["measured"]:
+        for name in PER_CLASS:
+            np.testing.assert_allclose(b[g][name].values, a[g][name].values, rtol=1e-13, equal_nan=True)
+
+
+def test_cli(small_store):
+    store, _ = small_store
+    runner = CliRunner()
+    result = runner.invoke(main, ["measure", "--min-count", "2"], env={"NCANALYZE_STORE": str(store)})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:4] == ["run", "checkpoint", "global_step", "nc1_cdnv"]
+    assert [ln.split()[1] for ln in lines[1:4]] == ["checkpoint-10", "checkpoint-20", "checkpoint-5"]
+    assert "measured 3 of 3 checkpoints" in result.output
+    result = runner.invoke(main, ["measure", str(store), "--min-count", "2"])
+    assert result.exit_code == 0 and "all 3 checkpoints" in result.output and "already measured" in result.output
+    result = runner.invoke(main, ["measure", str(store.parent / "nothing.zarr")])
+    assert result.exit_code == 1 and result.output.startswith("Error: no ncanalyze store")
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+# ---------------------------------------------------------------- a real Trainer run, extracted
+
+@pytest.fixture
+def real_store(extracted_store, tmp_path):
+    """A private copy of the session's extracted store (other tests measure theirs)."""
+    store = tmp_path / "real.zarr"
+    shutil.copytree(extracted_store, store)
+    return store
+
+
+def test_real_checkpoints_match_brute_force(real_store):
+    result = CliRunner().invoke(main, ["measure", str(real_store), "--tile", "16"])
+    assert result.exit_code == 0, result.output
+    df = measure_store(real_store)
+    assert df.attrs["measured"] == []
+    assert {"checkpoint-20", "checkpoint-40", "checkpoint-60"} <= set(df.checkpoint)
+    assert df.global_step.notna().all() and df.eval_loss.notna().all() and df.n_params.gt(0).all()
+    tree = ncanalyze.store.open(real_store)
+    for row in df.itertuples():
+        ds = tree[f"{row.run}/{row.checkpoint}"].to_dataset()
+        n_kept = int((ds["count"].values >= 1).sum())
+        assert 20 < n_kept < ds.sizes["vocab"]  # several tiles of 16, and unseen tokens left out
+        want, want_per = brute_force(ds, 1)
+        assert_metrics(row._asdict(), want)
+        K = np.flatnonzero(ds["count"].values >= 1)
+        for name, values in want_per.items():
+            np.testing.assert_allclose(ds[name].values[K], values, rtol=1e-9, err_msg=name)
+        assert 0 < row.nc4_agreement <= 1 and not math.isnan(row.nc1_trace)
+    # the same numbers straight from measure_all on the stored dataset, with another tile
+    g = f"{df.run[0]}/{df.checkpoint[0]}"
+    got, _ = measure_all(tree[g].to_dataset(), 1, tile=1000)
+    assert_metrics(got, df.iloc[0][list(SCALARS)].to_dict())
