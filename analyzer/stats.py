@@ -118,9 +118,20 @@ def _numeric(df: pd.DataFrame, col: str, what: str) -> pd.Series:
     return s.astype(float)
 
 
+def _numbers(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with object columns that hold only numbers or None as floats (a store may lack an attribute)."""
+    out = df.copy()
+    for c in out.columns[out.dtypes == object]:
+        v = pd.to_numeric(out[c], errors="coerce")
+        if v.notna().sum() == out[c].notna().sum():
+            out[c] = v.astype(float)
+    return out
+
+
 def eval_controls(df: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
     """Evaluate each control expression (``df.eval``) to a column named by the expression."""
     out = {}
+    df = _numbers(df)
     for expr in controls:
         try:
             out[expr] = pd.to_numeric(pd.Series(df.eval(expr), index=df.index), errors="coerce").astype(float)
@@ -151,9 +162,12 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     Rows with a missing target, metric or control are left out of that metric's statistics."""
     y = _numeric(df, target, "target")
     C = eval_controls(df, controls)
+    empty = [c for c in C.columns if C.loc[y.notna(), c].isna().all()]  # e.g. a step no checkpoint recorded
+    C = C.drop(columns=empty)
     ok = y.notna() & C.notna().all(axis=1)
     y, C = y[ok], C[ok]
     X, notes = scaled_metrics(df[ok], metrics)
+    unused = [f"control {c} has no values: not used" for c in empty]
     # columns with the same rows present share one permutation run, all of them in one matrix product
     groups: dict[bytes, list] = {}
     for key in X.columns:
@@ -161,7 +175,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     rows = []
     for keys in groups.values():
         mask = X[keys[0]].notna()
-        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, n_perm, seed)
+        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed)
     out = pd.DataFrame(rows)
     order = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(order) if s.name == "metric" else s != "raw")
@@ -170,9 +184,10 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     return out
 
 
-def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, n_perm: int,
+def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, unused: list[str], n_perm: int,
                  seed: int | None) -> list[dict]:
-    """Statistics of the columns of X, which all have the same rows, against y given controls C."""
+    """Statistics of the columns of X, which all have the same rows, against y given controls C; ``notes`` say
+    why a column has none, ``unused`` is said of every column."""
     n = len(y)
     ctrl = independent_controls(C) if n else []
     k = len(ctrl)
@@ -180,33 +195,33 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, n_
     res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed) if n >= MIN_N else None
     rows = []
     for j, (metric, scale) in enumerate(X.columns):
-        x = X[metric, scale]
-        note = list(notes[metric, scale])
         row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, p_perm=np.nan, p_param=np.nan,
                    partial_r=np.nan, partial_p_perm=np.nan, partial_p_param=np.nan, partial_ci_low=np.nan,
                    partial_ci_high=np.nan, controls=", ".join(ctrl), n_perm=0, exact=False)
-        rows.append(row)
-        if note:
-            pass
-        elif n < MIN_N:
-            note.append(f"n={n} < {MIN_N} checkpoints: too few for a correlation")
-        elif x.nunique() < 2 or y.nunique() < 2:
-            note.append(("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints")
-        else:
-            r = float(res["r"][j])
-            row.update(r=r, r2=r * r, p_perm=res["p_perm"][j], n_perm=res["n_perm"], exact=res["exact"],
-                       p_param=float(pearsonr(x, y).pvalue))
-            if dropped:
-                note.append(f"partial r ignores {', '.join(dropped)} (constant or collinear here)")
-            if n < k + MIN_N:
-                note.append(f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})")
-            elif not np.isfinite(res["partial_r"][j]):
-                note.append("metric or target is determined by the controls: no partial r")
-            else:
-                data = pd.concat({"x": x, "y": y, **{f"c{i}": C[c] for i, c in enumerate(ctrl)}}, axis=1)
-                part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
-                lo, hi = part["CI95"].iloc[0]
-                row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
-                           partial_p_param=float(part["p_val"].iloc[0]), partial_ci_low=lo, partial_ci_high=hi)
-        row["note"] = "; ".join(note)
+        note = notes[metric, scale] or _fill(row, X[metric, scale], y, C[ctrl], res, j, dropped) + unused
+        rows.append(row | {"note": "; ".join(note)})
     return rows
+
+
+def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | None, j: int,
+          dropped: list[str]) -> list[str]:
+    """Put column j's r, R², p-values and partial r (pingouin) into ``row``; return notes on what is missing."""
+    n, k = len(x), C.shape[1]
+    if n < MIN_N:
+        return [f"n={n} < {MIN_N} checkpoints: too few for a correlation"]
+    if x.nunique() < 2 or y.nunique() < 2:
+        return [("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints"]
+    r = float(res["r"][j])
+    row.update(r=r, r2=r * r, p_perm=res["p_perm"][j], n_perm=res["n_perm"], exact=res["exact"],
+               p_param=float(pearsonr(x, y).pvalue))
+    note = [f"partial r ignores {', '.join(dropped)} (constant or collinear here)"] if dropped else []
+    if n < k + MIN_N:
+        return note + [f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})"]
+    if not np.isfinite(res["partial_r"][j]):
+        return note + ["metric or target is determined by the controls: no partial r"]
+    data = pd.concat({"x": x, "y": y, **{f"c{i}": C[c] for i, c in enumerate(C.columns)}}, axis=1)
+    part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
+    lo, hi = part["CI95"].iloc[0]
+    row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
+               partial_p_param=float(part["p_val"].iloc[0]), partial_ci_low=lo, partial_ci_high=hi)
+    return note

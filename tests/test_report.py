@@ -164,6 +164,9 @@ def test_cli_on_a_metrics_csv_with_where_and_target(tmp_path):
     assert list(stats.metric.unique()) == ["nc1_cdnv", "nc4_agreement"] and (stats.n == 15).all()
     check_png(tmp_path / "r" / "fig1_nc_vs_loss.png", 2)  # only the chosen metrics of Figure 1
     assert not (tmp_path / "r" / "fig2_nc2_vs_gnc2.png").exists()
+    few = run_cli("report", csv, "--out", tmp_path / "few", "--where", "run == 'r1' and global_step <= 200")
+    assert "only 2 checkpoint(s) selected; correlations need at least 3" in few.output
+    assert "Only 2 checkpoint(s)" in (tmp_path / "few" / "report.md").read_text()
     err = run_cli("report", csv, "--out", tmp_path / "bad", "--where", "nope == 1", ok=False)
     assert "not a valid pandas query" in err.output and len(err.output.strip().splitlines()) == 1
 

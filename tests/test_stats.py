@@ -233,3 +233,14 @@ def test_constant_metric_says_so():
 def test_bad_input_is_a_user_error(kw, match):
     with pytest.raises(UserError, match=match):
         correlations(study(), n_perm=10, **kw)
+
+
+def test_a_control_nobody_recorded_is_not_used_and_said_so():
+    df = study().astype({"global_step": object})
+    df["global_step"] = None  # e.g. model folders without trainer_state.json
+    out = correlations(df, metrics=["nc1_cdnv"], n_perm=100)
+    raw = out[out.scale == "raw"].iloc[0]
+    assert raw.n == len(df) and raw.controls == "log(n_params)"
+    assert "control log1p(global_step) has no values: not used" in raw.note
+    d = pd.DataFrame({"x": df.nc1_cdnv, "y": df.eval_loss, "s": np.log(df.n_params)})
+    assert raw.partial_r == pytest.approx(pg.partial_corr(d, "x", "y", ["s"])["r"].iloc[0], abs=1e-12)
