@@ -47,11 +47,12 @@ def kept_classes(count: Any, min_count: int) -> np.ndarray:
 
 
 def auto_tile(n: int, threads: int | None = None, budget: float = 0.1) -> int:
-    """Tile size: the largest t <= 2048 whose t x t float64 Gram block per worker thread fits ``budget`` of the
-    available memory (a task holds one such block plus O(t d) inputs)."""
+    """Tile size: at most 2048 classes, small enough that a t x t float64 Gram block per worker thread fits
+    ``budget`` of the available memory (a task holds one such block plus O(t d) inputs), and at most n/8 (but
+    not below 256) so that the tile pairs spread evenly over the threads."""
     threads = threads or os.cpu_count() or 1
     t = int(math.sqrt(budget * psutil.virtual_memory().available / threads / 8))
-    return max(1, min(n, MAX_TILE, t))
+    return max(1, min(n, MAX_TILE, t, max(256, -(-n // 8))))
 
 
 # ---------------------------------------------------------------- plain arrays -> statistics
@@ -347,12 +348,12 @@ def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.nd
     (ri, bi, vi), (rj, bj, vj) = side_i, side_j
     Ui = np.hstack([Mi * bi[:, None], np.ones((len(ri), 1))])
     Rj = np.hstack([Mj * (-2 * bj / t0)[:, None], np.full((len(rj), 1), 2 / t0 - 1)])
-    lift_i = np.asfortranarray(np.stack([ri, bi, np.ones_like(ri)]))          # 3 x ti
-    lift_j = np.asfortranarray(np.stack([bj, rj, np.full_like(rj, t0 - 2)], 1) / t0)  # tj x 3
-    wi, wj = np.stack([bi, vi * bi]), np.stack([bj, vj * bj], 1)
-    wj2 = wj * bj[:, None]
-    acc, rows, cols = np.zeros(6), np.zeros(len(ri)), np.zeros(len(rj))
-    acc[5] = np.inf
+    lift_i = np.asfortranarray(np.stack([ri, bi, np.ones_like(ri)]))               # 3 x ti
+    lift_j = np.stack([bj, rj, np.full_like(rj, t0 - 2)], 1) / t0                  # tj x 3
+    wi, wj = np.stack([bi, vi * bi]), np.stack([bj, vj * bj], 1)                   # weights of R's sums
+    wj2 = wj * bj[:, None]                                                         # ... and of R^2's
+    P, P2, Q = np.zeros((len(ri), 2)), np.zeros((len(ri), 2)), np.zeros((2, len(rj)))
+    acc = np.array([0.0, 0.0, 0.0, 0.0, 0.0, np.inf])
     panel = min(len(ri), 256) if diag else len(ri)
     for a in range(0, len(ri), panel):
         c0 = a if diag else 0
@@ -374,13 +375,14 @@ def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.nd
             if diag:
                 x[:, :skip.shape[1]][skip] = np.inf                # R = 0 there
             np.reciprocal(x, out=x)                               # R
-            p, q = x @ wj[jj], wi[:, ii] @ x
-            rows[ii] += bi[ii] / t0 * (vi[ii] * p[:, 0] + p[:, 1])
-            cols[jj] += bj[jj] / t0 * (vj[jj] * q[0] + q[1])
+            np.matmul(x, wj[jj], out=P[ii])
+            Q[:, jj] += wi[:, ii] @ x
             np.square(x, out=x)
-            p2 = x @ wj2[jj]
-            acc[4] += np.sum((bi[ii] / t0) ** 2 * (vi[ii] * p2[:, 0] + p2[:, 1]))
+            np.matmul(x, wj2[jj], out=P2[ii])
+    rows = bi / t0 * (vi * P[:, 0] + P[:, 1])                     # sum_j (v_i + v_j)/D_ij
+    cols = bj / t0 * (vj * Q[0] + Q[1])                           # sum_i (v_i + v_j)/D_ij
     acc[3] = rows.sum()
+    acc[4] = np.sum((bi / t0) ** 2 * (vi * P2[:, 0] + P2[:, 1]))  # sum (v_i + v_j)/D_ij^2
     return acc, rows, cols
 
 
