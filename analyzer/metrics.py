@@ -80,22 +80,26 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
         coords={"vocab": np.arange(num_classes)},
         attrs={"min_count": int(min_count), "train_tokens": int(acc.count.sum())})
     if classifier is not None:
-        ds["classifier"] = ("vocab", "hidden"), _numpy(classifier)
+        ds["classifier"] = ("vocab", "hidden"), _numpy(classifier, (num_classes, ds.sizes["hidden"]), "classifier")
         if classifier_bias is not None:
-            ds["classifier_bias"] = "vocab", _numpy(classifier_bias)
+            ds["classifier_bias"] = "vocab", _numpy(classifier_bias, (num_classes,), "classifier_bias")
     if val_embeddings is not None:
-        if classifier is None:
-            raise UserError("NC4 needs the classifier: pass classifier= (and classifier_bias=) with val_embeddings")
+        if classifier is None or val_labels is None:
+            raise UserError("NC4 needs the classifier and the labels: pass classifier= (and classifier_bias=) and "
+                            "val_labels= with val_embeddings")
         for name, v in _val_counts(ds, val_embeddings, val_labels, min_count, batch_size).items():
             ds[name] = "vocab", v
         ds.attrs["val_tokens"] = int(ds["val_count"].sum())
     return ds
 
 
-def _numpy(x: Any) -> np.ndarray:
+def _numpy(x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
-    return np.asarray(x, dtype=np.float64)
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape != shape:
+        raise UserError(f"{what} must have shape {shape} (classes x hidden); got {x.shape}")
+    return x
 
 
 def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):

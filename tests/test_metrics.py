@@ -376,3 +376,5 @@ def test_class_stats_bad_input():
         class_stats(np.ones((0, 3)), np.zeros(0, int), 4)
     with pytest.raises(UserError, match="needs the classifier"):
         class_stats(h, y, 4, val_embeddings=h, val_labels=y)
+    with pytest.raises(UserError, match=r"classifier must have shape \(4, 3\)"):
+        class_stats(h, y, 4, classifier=np.ones((4, 2)))
