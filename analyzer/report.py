@@ -121,7 +121,7 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
             continue
         d = pd.DataFrame({"x": pd.to_numeric(df[m], errors="coerce"), "y": pd.to_numeric(df[target], errors="coerce"),
                           "c": sizes}).replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
-        scale = "log" if np.isfinite(st.loc["log", "r"]) or st.loc["log", "note"] == "" else "raw"
+        scale = "log" if (d.x > 0).all() and "not positive" not in st.loc["log", "note"] else "raw"
         if scale == "log":
             ax.set_xscale("log")
             ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))

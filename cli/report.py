@@ -35,7 +35,8 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 @click.argument("store", required=False, metavar="[STORE]")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
               help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the PNG figures.")
-@click.option("--where", help="pandas query selecting checkpoints, e.g. \"n_layers == 4 and hidden_size == 256\".")
+@click.option("--where", help="pandas query selecting the checkpoints the report covers, e.g. "
+              "\"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture).")
 @click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")
 @click.option("--target", default="eval_loss", show_default=True, help="Column to correlate the metrics with.")
 @click.option("--controls", default=",".join(CONTROLS), show_default=True,
