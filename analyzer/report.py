@@ -115,12 +115,13 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
     mappable = None
     for ax, m in zip(axes[0], metrics):
         st = stats[(stats.metric == m)].set_index("scale") if m in set(stats.metric) else None
-        if m not in df.columns or st is None:
-            ax.text(0.5, 0.5, f"{m}\nnot measured", ha="center", va="center", transform=ax.transAxes)
-            ax.set_title(label(m), fontsize=10)
-            continue
+        ax.set_title(label(m), fontsize=10)
         d = pd.DataFrame({"x": pd.to_numeric(df[m], errors="coerce"), "y": pd.to_numeric(df[target], errors="coerce"),
                           "c": sizes}).replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
+        if st is None or d.empty:
+            ax.text(0.5, 0.5, f"{m}:\nno values", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            continue
         scale = "log" if (d.x > 0).all() and "not positive" not in st.loc["log", "note"] else "raw"
         if scale == "log":
             ax.set_xscale("log")
@@ -140,7 +141,6 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
             ax.plot([], [], " ", label=f"$R^2$: n/a (n = {s.n})")
         ax.legend(loc="best", fontsize=8, framealpha=0.85)
         ax.set_xlabel(m + (" (log scale)" if scale == "log" else ""))
-        ax.set_title(label(m), fontsize=10)
         ax.grid(alpha=0.3, which="both" if scale == "raw" else "major")
     axes[0][0].set_ylabel(label(target))
     if norm is not None and mappable is not None:

@@ -112,10 +112,7 @@ def independent_controls(C: pd.DataFrame) -> list[str]:
 def _numeric(df: pd.DataFrame, col: str, what: str) -> pd.Series:
     if col not in df.columns:
         raise UserError(f"{what} {col!r} is not a column of the metrics table; columns: {', '.join(df.columns)}")
-    s = pd.to_numeric(df[col], errors="coerce")
-    if s.notna().sum() == 0:
-        raise UserError(f"{what} {col!r} has no numeric values in the selected checkpoints")
-    return s.astype(float)
+    return pd.to_numeric(df[col], errors="coerce").astype(float)
 
 
 def _numbers(df: pd.DataFrame) -> pd.DataFrame:
@@ -149,9 +146,12 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
         x = _numeric(df, m, "metric")
         x = x.where(np.isfinite(x))
         positive = x.notna().any() and bool((x.dropna() > 0).all())
-        cols[m, "raw"], notes[m, "raw"] = x, []
+        cols[m, "raw"] = x
         cols[m, "log"] = np.log10(x.where(x > 0)) if positive else x * np.nan
-        notes[m, "log"] = [] if positive else ["not positive everywhere: no log scale"]
+        if x.isna().all():
+            notes[m, "raw"] = notes[m, "log"] = ["no values (not measurable here)"]
+        else:
+            notes[m, "raw"], notes[m, "log"] = [], ([] if positive else ["not positive everywhere: no log scale"])
     return pd.DataFrame(cols, index=df.index), notes
 
 
@@ -161,6 +161,9 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     partial_p_param, partial_ci_low/high, the controls used, and a note saying why a statistic is missing.
     Rows with a missing target, metric or control are left out of that metric's statistics."""
     y = _numeric(df, target, "target")
+    if y.isna().all():
+        raise UserError(f"target {target!r} has no values in the selected checkpoints (for eval_loss: the runs "
+                        "logged no evaluation); pass --target with another column")
     C = eval_controls(df, controls)
     empty = [c for c in C.columns if C.loc[y.notna(), c].isna().all()]  # e.g. a step no checkpoint recorded
     C = C.drop(columns=empty)

@@ -307,3 +307,10 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     compile_latex(out / "tables.tex", tmp_path)
     for stem, (_, fig_metrics) in FIGURES.items():
         check_png(out / f"{stem}.png", len(fig_metrics))
+
+
+def test_a_metric_without_values_keeps_its_panel_and_is_explained(tmp_path):
+    df = study(n_runs=3, per_run=4).assign(nc4_agreement=np.nan)  # extracted without validation tokens
+    files = write_report(df, tmp_path, n_perm=0)
+    check_png(files["fig1_nc_vs_loss"], 4)
+    assert "no values (not measurable here): nc4_agreement" in files["report"].read_text()

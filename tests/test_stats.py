@@ -225,8 +225,17 @@ def test_constant_metric_says_so():
     assert out.r.isna().all() and out.note.str.contains("metric constant").all()
 
 
+def test_a_metric_without_values_is_a_note():
+    df = study().assign(nc4_agreement=np.nan)  # e.g. extracted without validation tokens
+    out = correlations(df, metrics=["nc1_cdnv", "nc4_agreement"], n_perm=100).set_index(["metric", "scale"])
+    assert out.loc["nc4_agreement"].r.isna().all() and (out.loc["nc4_agreement"].note == "no values "
+                                                           "(not measurable here)").all()
+    assert np.isfinite(out.loc[("nc1_cdnv", "raw"), "r"])
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(target="nope"), "target 'nope' is not a column"),
+    (dict(target="run"), "target 'run' has no values"),
     (dict(metrics=["nope"]), "metric 'nope' is not a column"),
     (dict(controls=["log(nope)"]), "control 'log\\(nope\\)' cannot be evaluated"),
 ])
