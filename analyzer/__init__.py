@@ -1,14 +1,22 @@
-"""Neural-collapse statistics and metrics."""
-from ncanalyze.analyzer.accumulate import ClassStats
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.metrics import PER_CLASS, SCALARS, class_metrics, class_stats, kept_classes, measure, measure_all
+"""Neural-collapse statistics and metrics.
 
-__all__ = ["ClassStats", "UserError", "class_stats", "measure", "class_metrics", "measure_all", "kept_classes",
-           "SCALARS", "PER_CLASS", "measure_store"]
+Exports load on first use, so that importing the package (the CLI, dask workers) does not pull in torch.
+"""
+from importlib import import_module
+
+from ncanalyze.analyzer.errors import UserError
+
+_LAZY = {
+    "ClassStats": "accumulate",
+    "class_stats": "metrics", "measure": "metrics", "class_metrics": "metrics", "measure_all": "metrics",
+    "kept_classes": "metrics", "SCALARS": "metrics", "PER_CLASS": "metrics",
+    "measure_store": "measure_store",
+}
+
+__all__ = ["UserError", *_LAZY]
 
 
 def __getattr__(name: str):
-    if name == "measure_store":  # the store side imports zarr/tqdm: only when asked for
-        from ncanalyze.analyzer.measure_store import measure_store
-        return measure_store
-    raise AttributeError(name)
+    if name in _LAZY:
+        return getattr(import_module(f"ncanalyze.analyzer.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,10 +23,8 @@ import psutil
 import scipy.linalg
 import scipy.linalg.blas
 import threadpoolctl
-import torch
 import xarray as xr
 
-from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
 
 SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
@@ -66,6 +64,8 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
     ``classifier`` (num_classes x d) and ``classifier_bias`` add NC3; with them, ``val_embeddings`` and
     ``val_labels`` add NC4's counts (decisions over the classes with count >= ``min_count``, as extraction does).
     """
+    from ncanalyze.analyzer.accumulate import ClassStats
+
     acc = None
     for h, y in _batches(embeddings, labels, batch_size, num_classes, "embeddings"):
         if acc is None:
@@ -94,7 +94,7 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
 
 
 def _numpy(x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
+    if hasattr(x, "detach"):  # a torch tensor
         x = x.detach().cpu()
     x = np.asarray(x, dtype=np.float64)
     if x.shape != shape:
@@ -104,6 +104,8 @@ def _numpy(x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
 
 def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):
     """(features, labels) as float64 / int64 torch batches, validated; dask input chunk by chunk."""
+    import torch
+
     if h.ndim != 2 or y.ndim != 1 or h.shape[0] != y.shape[0]:
         raise UserError(f"{what} must be (n x d) with n labels; got shapes {tuple(h.shape)} and {tuple(y.shape)}")
     if isinstance(h, da.Array) or isinstance(y, da.Array):
@@ -128,6 +130,8 @@ def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):
 def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int) -> dict[str, np.ndarray]:
     """Per true class: validation tokens, hits of the linear argmax over K, and agreements of that argmax with the
     nearest-class-mean decision argmin_{c in K} ||h - mu_c||^2."""
+    import torch
+
     vocab = ds.sizes["vocab"]
     K = torch.as_tensor(kept_classes(ds["count"].values, min_count))
     w, mu = torch.as_tensor(ds["classifier"].values)[K], torch.as_tensor(ds["mean"].values)[K]
