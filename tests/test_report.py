@@ -314,3 +314,19 @@ def test_a_metric_without_values_keeps_its_panel_and_is_explained(tmp_path):
     files = write_report(df, tmp_path, n_perm=0)
     check_png(files["fig1_nc_vs_loss"], 4)
     assert "no values (not measurable here): nc4_agreement" in files["report"].read_text()
+
+
+def test_tokens_of_chosen_checkpoints(tmp_path):
+    store = tmp_path / "s.zarr"
+    groups = write_store(store)
+    df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
+                       "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
+    files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
+                         checkpoints=["runA/checkpoint-20", "runA/checkpoint-100"])
+    tokens = pd.read_csv(files["tokens"])
+    assert list(tokens.checkpoint) == ["runA/checkpoint-20"] * 2 + ["runA/checkpoint-100"] * 2
+    assert list(tokens["count"][::2]) == [int(groups[g]["count"][4]) for g in ("runA/checkpoint-20",
+                                                                                 "runA/checkpoint-100")]
+    with pytest.raises(UserError, match="cannot open checkpoint group 'runA/checkpoint-7'"):
+        write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
+                     checkpoints=["runA/checkpoint-7"])
