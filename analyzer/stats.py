@@ -24,9 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
-import pingouin as pg
 from scipy.linalg import orth
-from scipy.stats import pearsonr
 
 from ncanalyze.analyzer.errors import UserError
 
@@ -209,6 +207,8 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
 def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | None, j: int,
           dropped: list[str]) -> list[str]:
     """Put column j's r, R², p-values and partial r (pingouin) into ``row``; return notes on what is missing."""
+    import pingouin as pg  # seconds to import: not at the CLI's start
+    from scipy.stats import pearsonr
     n, k = len(x), C.shape[1]
     if n < MIN_N:
         return [f"n={n} < {MIN_N} checkpoints: too few for a correlation"]

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import pandas as pd
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N
 from ncanalyze.cli.common import default_store
 from ncanalyze.cli.main import main
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def _split(s: str | None) -> list[str]:
@@ -18,6 +21,8 @@ def _split(s: str | None) -> list[str]:
 
 def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.DataFrame, str | None]:
     """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV; and the store."""
+    import pandas as pd
+
     path = Path(source)
     if path.suffix == ".csv":
         if not path.is_file():
@@ -59,6 +64,8 @@ def report(store, out, where, metrics_, target, controls, permutations, seed, to
     For every metric: Pearson r and R² (raw, and with log10 of the metric where positive), the partial r
     controlling for model size and training progress, and permutation p-values (Freedman-Lane for the partial r).
     """
+    import pandas as pd
+
     from ncanalyze.analyzer.report import write_report
 
     df, store_path = load_table(store or default_store(), min_count, scheduler)
