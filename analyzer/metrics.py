@@ -315,21 +315,25 @@ def dual_error(MtM: np.ndarray, WtW: np.ndarray, trace_s: float, m_sum: np.ndarr
 
 def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float) -> tuple[dict[str, float], np.ndarray]:
     """Sums over the pairs c < c' of K of x^2 with x = T/t0 - 1 (cosines; x sums to 0 since t0 is T's mean),
-    l = log(T/t0) and l^2 (GNC2),
-    (v_c + v_c')/D and (v_c + v_c')/D^2 (CDNV), the minimum of T, and each class's CDNV sum over the others.
+    l = log(T/t0) and l^2 (GNC2), (v_c + v_c')/D and (v_c + v_c')/D^2 (CDNV), the minimum of T, and each class's
+    CDNV sum over the others.
 
-    One dask task per tile pair i <= j of M's row blocks computes the block's Gram once (never n x n); shifting
-    by t0, the mean of T, keeps the second moments exact to rounding.
+    One dask task per tile pair i <= j of M's row blocks computes that pair's Gram block once (never n x n);
+    shifting by t0, the mean of T, keeps the second moments exact to rounding.
     """
+    d = M.shape[1]
+    # [u_c, 1] and [-2 u_c, 2 - t0] / t0, once per block: their product is x = T/t0 - 1
+    left = da.map_blocks(_unit_rows_and_one, M, da.from_array(r[:, None], chunks=(M.chunks[0], 1)),
+                         chunks=(M.chunks[0], (d + 1,)), dtype=float)
+    right = left * np.r_[np.full(d, -2 / t0), 2 / t0 - 1]
     edges = np.cumsum((0,) + M.chunks[0])
     side = np.stack([r, 1 / r, var])                              # per class: r_c, 1/r_c, var_c
-    blocks = M.to_delayed()[:, 0]
+    L, R = left.to_delayed()[:, 0], right.to_delayed()[:, 0]
     tasks, spans = [], []
-    for i in range(len(blocks)):
-        for j in range(i, len(blocks)):
+    for i in range(len(L)):
+        for j in range(i, len(L)):
             si, sj = slice(edges[i], edges[i + 1]), slice(edges[j], edges[j + 1])
-            tasks.append(dask.delayed(_tile_sums, pure=True)(blocks[i], blocks[j], side[:, si], side[:, sj], t0,
-                                                             i == j))
+            tasks.append(dask.delayed(_tile_sums, pure=True)(L[i], R[j], side[:, si], side[:, sj], t0, i == j))
             spans.append((si, sj))
     results = dask.compute(*tasks)
     acc, row = np.zeros(6), np.zeros(len(r))
@@ -343,19 +347,21 @@ def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float) -> tuple[d
     return sums, row
 
 
+def _unit_rows_and_one(m: np.ndarray, r: np.ndarray) -> np.ndarray:
+    return np.hstack([m / r, np.ones_like(r)])
+
+
 @np.errstate(divide="ignore", invalid="ignore")  # T = 0 (coincident means): the caller reports it
-def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
+def _tile_sums(Ui: np.ndarray, Rj: np.ndarray, side_i: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
                cells: int = 1 << 15) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The pair sums of one tile pair: ([xx, l, ll, cdnv, cdnv_p2, min x], row sums, column sums).
 
-    With Ui = [u_i, 1] and Rj = [-2 u_j, 2 - t0] / t0, one GEMM gives x = T/t0 - 1, and l = log1p(x); a rank-3
+    Ui = [u_i, 1] and Rj = [-2 u_j, 2 - t0] / t0, so one GEMM gives x = T/t0 - 1, and l = log(x + 1); a rank-3
     update (BLAS, in place) turns x into D/(t0 r r'), since D/(r r') = T + r/r' + r'/r - 2; its reciprocal R gives
     1/D = R / (t0 r r'), so the CDNV sums are thin GEMMs of R and R^2 with per-class weights. The work goes in
     cache-sized strips; a diagonal tile covers only its upper triangle.
     """
     (ri, bi, vi), (rj, bj, vj) = side_i, side_j
-    Ui = np.hstack([Mi * bi[:, None], np.ones((len(ri), 1))])
-    Rj = np.hstack([Mj * (-2 * bj / t0)[:, None], np.full((len(rj), 1), 2 / t0 - 1)])
     lift_i = np.asfortranarray(np.stack([ri, bi, np.ones_like(ri)]))               # 3 x ti
     lift_j = np.stack([bj, rj, np.full_like(rj, t0 - 2)], 1) / t0                  # tj x 3
     wi, wj = np.stack([bi, vi * bi]), np.stack([bj, vj * bj], 1)                   # weights of R's sums
@@ -367,7 +373,7 @@ def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.nd
         c0 = a if diag else 0
         X = Ui[a:a + panel] @ Rj[c0:].T                           # x = T/t0 - 1, rows a.., columns c0..
         step = max(1, cells // X.shape[1])
-        buf = np.empty(step * X.shape[1])
+        buf, ones = np.empty(step * X.shape[1]), np.ones(X.shape[1])
         for e in range(0, X.shape[0], step):
             x = X[e:e + step]
             ii, jj = slice(a + e, a + e + len(x)), slice(c0, None)
@@ -376,8 +382,9 @@ def _tile_sums(Mi: np.ndarray, Mj: np.ndarray, side_i: np.ndarray, side_j: np.nd
                 x[:, :skip.shape[1]][skip] = 0.0                   # x = 0 adds nothing to the x and l sums
             acc[5] = min(acc[5], x.min())
             acc[0] += np.vdot(x, x)
-            lg = np.log1p(x, out=buf[:x.size].reshape(x.shape))  # log(T/t0)
-            acc[1] += lg.sum()
+            lg = np.add(x, 1.0, out=buf[:x.size].reshape(x.shape))
+            np.log(lg, out=lg)                                    # l = log(T/t0)
+            acc[1] += np.sum(lg @ ones)
             acc[2] += np.vdot(lg, lg)
             _add_outer(x, lift_i[:, ii], lift_j[jj])             # x := D/(t0 r r')
             if diag:
