@@ -353,7 +353,7 @@ def _unit_rows_and_one(m: np.ndarray, r: np.ndarray) -> np.ndarray:
 
 @np.errstate(divide="ignore", invalid="ignore")  # T = 0 (coincident means): the caller reports it
 def _tile_sums(Ui: np.ndarray, Rj: np.ndarray, side_i: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
-               cells: int = 1 << 15) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               cells: int = 1 << 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The pair sums of one tile pair: ([xx, l, ll, cdnv, cdnv_p2, min x], row sums, column sums).
 
     Ui = [u_i, 1] and Rj = [-2 u_j, 2 - t0] / t0, so one GEMM gives x = T/t0 - 1, and l = log(x + 1); a rank-3
