@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 from pathlib import Path
 
 import pytest
+
+# The test models are tiny: one thread per process beats two spinning ones, and keeps the suite steady when the
+# two cores are shared (subprocesses and dask workers inherit it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -33,8 +33,8 @@ def _state(store):
 
 def test_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
     ck = trained_run / "checkpoint-40"
-    args = ["extract", ck, "--dataset", corpus["train"], "--max-train-tokens", 16384, "--max-val-tokens", 8192,
-            "--batch-size", 2, "--state-every", 0]
+    args = ["extract", ck, "--dataset", corpus["train"], "--max-train-tokens", 4096, "--max-val-tokens", 4096,
+            "--batch-size", 1, "--state-every", 0]
     ref = tmp_path / "ref.zarr"
     run_cli(*args, "--store", ref)
 
@@ -63,7 +63,7 @@ def test_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
 
     # a resume under another configuration is refused, and loses nothing
     r = run_cli(*args[:-4], "--batch-size", 4, "--state-every", 0, "--store", store, ok=False)
-    assert "another configuration" in r.output and "batch_size: 2 -> 4" in r.output and "--overwrite" in r.output
+    assert "another configuration" in r.output and "batch_size: 1 -> 4" in r.output and "--overwrite" in r.output
     r = run_cli(*args, "--store", store)
     assert "1 resumed" in r.output
     assert_same_group(ref, store, f"{trained_run.name}/checkpoint-40")
