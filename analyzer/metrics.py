@@ -182,18 +182,11 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> 
 
 def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, tile: int):
     n = K.size
-    mean = _dask(ds["mean"])[K].astype(np.float64)
-    M = (mean - mean.mean(0)).rechunk((tile, -1)).persist()       # m_c = mu_c - mu_G, in blocks of K
+    mean = _dask(ds["mean"])[K].astype(np.float64).rechunk((tile, -1)).persist()  # read once, in blocks of K
+    M = mean - mean.mean(0).compute()                             # m_c = mu_c - mu_G
     var = np.asarray(ds["variance"].values, dtype=np.float64)[K]
-    r_lazy = da.sqrt((M * M).sum(1))
-    s_lazy = (M / r_lazy[:, None]).sum(0)                         # s = sum_c u_c
-    lazy = {"r": r_lazy, "s": s_lazy, "us": (M @ s_lazy) / r_lazy, "MtM": M.T @ M}
-    if "classifier" in ds:
-        W = _dask(ds["classifier"])[K].astype(np.float64).rechunk((tile, -1))
-        lazy |= {"wm": (W * M).sum(1), "wn": da.sqrt((W * W).sum(1)), "WtW": W.T @ W, "w_sum": W.sum(0),
-                 "m_sum": M.sum(0)}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        got = dict(zip(lazy, dask.compute(*lazy.values())))
+    W = _dask(ds["classifier"])[K].astype(np.float64).rechunk((tile, -1)) if "classifier" in ds else None
+    got = _row_stats(M, W)
     r = got["r"]
     _check_finite(np.r_[r, var], "class means or variances")
     zero = np.flatnonzero(r <= 1e-12 * r.max())
@@ -216,12 +209,13 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
     out["nc2_norm_cv"] = r.std() / r.mean()
     out["nc2_lognorm_std"] = np.log(r).std()
     cos_mean = (got["s"] @ got["s"] - n) / (n * (n - 1))          # mean over P of u_c . u_c'
-    per["class_interference"] = (got["us"] - 1) / (n - 1)
     out["nc2_etf_error"] = etf_error_from_spectrum(lam, n)
 
     # the pairwise sums, tile by tile; t0 = mean of T over P centres them
     t0 = 2 - 2 * cos_mean
-    sums, row_cdnv = pair_sums(M, r, var, t0)
+    sums, row_cdnv, u_s = pair_sums(M, r, var, t0, got["s"])
+    per["class_interference"] = (u_s - 1) / (n - 1)               # mean over c' != c of u_c . u_c'
+
     if not sums["min_T"] >= COINCIDENT:
         _raise_coincident(M.compute(), r, K, tile)
     pairs = n * (n - 1) / 2
@@ -263,6 +257,25 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
             with np.errstate(invalid="ignore", divide="ignore"):
                 per["class_nc4"] = np.where(vc > 0, agree / vc, np.nan)
     return {k: float(out[k]) for k in SCALARS if k in out}, _per_class(ds, K, per)
+
+
+def _row_stats(M: da.Array, W: da.Array | None) -> dict[str, np.ndarray]:
+    """One pass over the blocks of M (and W): norms r, M^T M, s = sum_c u_c; with W: w_c . m_c, ||w_c||, W^T W,
+    and the column sums of W and M."""
+    Ws = W.to_delayed()[:, 0] if W is not None else [None] * M.numblocks[0]
+    parts = dask.compute(*[dask.delayed(_block_stats)(m, w) for m, w in zip(M.to_delayed()[:, 0], Ws)])
+    return {k: np.concatenate([p[k] for p in parts]) if k in ("r", "wm", "wn") else sum(p[k] for p in parts)
+            for k in parts[0]}
+
+
+def _block_stats(m: np.ndarray, w: np.ndarray | None) -> dict[str, np.ndarray]:
+    r = np.sqrt(np.einsum("ij,ij->i", m, m))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = {"r": r, "MtM": m.T @ m, "s": (m / r[:, None]).sum(0)}
+    if w is not None:
+        out |= {"wm": np.einsum("ij,ij->i", w, m), "wn": np.sqrt(np.einsum("ij,ij->i", w, w)), "WtW": w.T @ w,
+                "w_sum": w.sum(0), "m_sum": m.sum(0)}
+    return out
 
 
 def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.Dataset:
@@ -313,10 +326,11 @@ def dual_error(MtM: np.ndarray, WtW: np.ndarray, trace_s: float, m_sum: np.ndarr
 
 # ---------------------------------------------------------------- the pairwise sums, tile by tile
 
-def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float) -> tuple[dict[str, float], np.ndarray]:
+def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float,
+              s: np.ndarray) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
     """Sums over the pairs c < c' of K of x^2 with x = T/t0 - 1 (cosines; x sums to 0 since t0 is T's mean),
     l = log(T/t0) and l^2 (GNC2), (v_c + v_c')/D and (v_c + v_c')/D^2 (CDNV), the minimum of T, and each class's
-    CDNV sum over the others.
+    CDNV sum over the others; and u_c . s for the given s.
 
     One dask task per tile pair i <= j of M's row blocks computes that pair's Gram block once (never n x n);
     shifting by t0, the mean of T, keeps the second moments exact to rounding.
@@ -335,7 +349,8 @@ def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float) -> tuple[d
             si, sj = slice(edges[i], edges[i + 1]), slice(edges[j], edges[j + 1])
             tasks.append(dask.delayed(_tile_sums, pure=True)(L[i], R[j], side[:, si], side[:, sj], t0, i == j))
             spans.append((si, sj))
-    results = dask.compute(*tasks)
+    u_s = [dask.delayed(np.dot)(b, np.r_[s, 0.0]) for b in L]
+    results, u_s = dask.compute(tasks, u_s)
     acc, row = np.zeros(6), np.zeros(len(r))
     acc[5] = np.inf
     for (si, sj), (a, rows, cols) in zip(spans, results):
@@ -344,7 +359,7 @@ def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float) -> tuple[d
         row[si] += rows
         row[sj] += cols
     sums = dict(zip(("xx", "l", "ll", "cdnv", "cdnv_p2"), acc[:5].tolist()), min_T=t0 * (acc[5] + 1))
-    return sums, row
+    return sums, row, np.concatenate(u_s)
 
 
 def _unit_rows_and_one(m: np.ndarray, r: np.ndarray) -> np.ndarray:
