@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,10 +57,14 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
         raise UserError(f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
     attrs = {g: dict(tree[g].attrs) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
-    with _scheduler(scheduler):
+    with _scheduler(scheduler), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for g in tqdm(todo, desc="measuring", unit="checkpoint", disable=None):
             scalars, per_class = measure_all(tree[g].to_dataset(), min_count, tile)
             attrs[g] |= write_metrics(store, g, scalars, per_class, min_count, attrs[g].get("config_hash"))
+    for message in dict.fromkeys(str(w.message) for w in caught):  # once each, not once per checkpoint
+        n = sum(str(w.message) == message for w in caught)
+        warnings.warn(f"{message} ({n} checkpoint{'s' * (n > 1)})", stacklevel=2)
     df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g]["metrics"])} for g in groups],
                       columns=[*INFO, *SCALARS])
     df = df.sort_values(["run", "global_step"], kind="stable", ignore_index=True)

@@ -245,8 +245,8 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
         vc, agree = (np.asarray(ds[v].values)[K].astype(np.float64) for v in ("val_count", "val_ncc_agree"))
         why = None
         if not np.array_equal(K, kept_classes(count, extract_min)):
-            why = (f"its decisions were counted at extraction over the classes with count >= {extract_min}, not the "
-                   f"{n} with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
+            why = (f"its decisions were counted at extraction over the classes with count >= {extract_min}, not over "
+                   f"those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
         elif vc.sum() == 0:
             why = "no validation token has a kept label"
         if why:
