@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def resolve_device(device: str) -> torch.device:
 
 def load_model(ckpt: Checkpoint, cfg: ExtractConfig, device: torch.device):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own bars say what is going on
     safe = any((ckpt.path / w).is_file() for w in WEIGHTS)
     if not safe and not cfg.allow_pickle:
         raise UserError(f"{ckpt.path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
@@ -352,8 +355,11 @@ def _decoded(tokenizer, vocab: int) -> list[str] | None:
     return tokenizer.batch_decode([[i] for i in range(n)]) + [""] * (vocab - n)
 
 
-def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False) -> str:
-    """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'."""
+def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+                       announce: Callable[[object, Blocks], None] | None = None) -> str:
+    """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
+
+    ``announce(model, train_blocks)`` is called before the passes start (the CLI prints its estimate there)."""
     device = resolve_device(cfg.device)
     model = load_model(ckpt, cfg, device)
     tokenizer, tok_name = find_tokenizer(ckpt, cfg)
@@ -391,8 +397,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                 status = "resumed"
     saver = Saver(spath, record, cfg.state_every)
 
+    train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer)
+    if announce:
+        announce(model, train)
     if ex.phase == 0:
-        train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer)
         train_pass(model, train, ex, cfg, saver, ckpt.group)
         ex.phase, ex.batches = 1, 0
         saver.maybe(ex, force=True)
@@ -424,29 +432,27 @@ def _version() -> str:
     return version()
 
 
-def estimate(ckpts: list[Checkpoint], cfg: ExtractConfig, store: Path) -> str:
-    """One line: tokens, time (from a timed forward pass of the first model) and disk, before starting."""
-    device = resolve_device(cfg.device)
-    model = load_model(ckpts[0], cfg, device)
-    tokenizer, _ = find_tokenizer(ckpts[0], cfg)
-    L = _block_size(cfg, model)
-    train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, L, tokenizer)
+def estimate(n_ckpts: int, model, train: Blocks, cfg: ExtractConfig, store: Path) -> str:
+    """One line before starting: tokens, time (from a timed forward pass of this model) and disk."""
+    device = next(model.parameters()).device
     vocab, d = model.get_output_embeddings().weight.shape
     ids = torch.randint(0, vocab, (cfg.batch_size, train.block_size), device=device)
     features(model, ids)  # warm-up
     t0 = time.perf_counter()
     features(model, ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     rate = cfg.batch_size * train.block_size / (time.perf_counter() - t0)
-    n_train = train.total and train.total * train.block_size
-    n_val = cfg.max_val_tokens
-    per_ckpt = vocab * d * (8 + 4 + 4 * cfg.samples_per_class + 8 * 6 / d) + d * d * 8
-    disk = f"~{len(ckpts) * per_ckpt / 1e6:,.0f} MB in {store}"
+    per_ckpt = vocab * d * (8 + 4 + 4 * cfg.samples_per_class) + vocab * 8 * 6 + d * d * 8
+    disk = f"~{n_ckpts * per_ckpt / 1e6:,.0f} MB in {store}"
+    n_train, n_val = train.total and train.total * train.block_size, cfg.max_val_tokens
     if n_train is None:
-        return (f"{len(ckpts)} checkpoint(s); train tokens unknown (uncapped text: pass --max-train-tokens for a "
+        return (f"{n_ckpts} checkpoint(s); train tokens unknown (uncapped text: pass --max-train-tokens for a "
                 f"bound); forward pass ~{rate:,.0f} tokens/s on {device}; {disk}")
-    tokens = len(ckpts) * (n_train + (n_val or 0))
+    secs = n_ckpts * (n_train + (n_val or 0)) / rate
+    took = f"{secs:,.0f} s" if secs < 120 else f"{secs / 60:,.1f} min" if secs < 7200 else f"{secs / 3600:,.1f} h"
     val = "no validation" if n_val == 0 else f"{n_val:,} val tokens" if n_val else "the validation split"
-    return (f"{len(ckpts)} checkpoint(s) x {n_train:,} train tokens + {val}; ~{tokens / rate / 60:,.1f} min "
+    return (f"{n_ckpts} checkpoint(s) x {n_train:,} train tokens + {val}; ~{took} "
             f"{'' if n_val is not None else '+ validation '}at ~{rate:,.0f} tokens/s on {device}; {disk}")
 
 
@@ -456,11 +462,15 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     store = Path(store)
     ckpts = discover(path)
     zarr.open_group(store, mode="a", zarr_format=3)  # the root group, so the store opens even while empty
-    todo = [c for c in ckpts if overwrite or not (group_attrs(store, c.group) or {}).get("complete")]
-    if todo:
-        echo(f"estimate: {estimate(todo, cfg, store)}")
+    todo = sum(overwrite or not (group_attrs(store, c.group) or {}).get("complete") for c in ckpts)
+    announced = []
+
+    def announce(model, train: Blocks) -> None:  # once, at the first checkpoint that does work
+        if not announced:
+            announced.append(echo(f"estimate: {estimate(todo, model, train, cfg, store)}"))
+
     results = {}
     for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
-        results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite)
+        results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite, announce)
         echo(f"{ckpt.group}: {results[ckpt.group]}")
     return results

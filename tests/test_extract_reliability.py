@@ -194,3 +194,14 @@ def test_full_disk_is_a_clean_error_and_resumes(trained_run, corpus, tmp_path):
             "checkpoint-20", "checkpoint-40", "checkpoint-60"]
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_a_clean_error(trained_run, corpus, tmp_path):
+    from ncanalyze.store.extract import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert resolve_device("auto") == torch.device("cpu")
+    r = run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr",
+                "--device", "cuda", ok=False)
+    assert "no CUDA device" in r.output and "--device cpu" in r.output
