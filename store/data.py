@@ -144,7 +144,7 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
     except Exception as e:  # connection errors, missing files, malformed json ...
         raise UserError(f"cannot read dataset {spec} (split {split!r}): {type(e).__name__}: {e}".splitlines()[0]) \
             from None
-    if column not in (ds.column_names or []):
+    if ds.column_names is not None and column not in ds.column_names:  # a stream may not know its columns
         raise UserError(f"dataset {spec} has no column {column!r} (columns: {ds.column_names}); "
                         "pass --text-column")
 
