@@ -182,10 +182,10 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> 
 
 def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, tile: int):
     n = K.size
-    mean = _dask(ds["mean"])[K].astype(np.float64).rechunk((tile, -1)).persist()  # read once, in blocks of K
+    mean = _dask(ds["mean"], tile)[K].astype(np.float64).rechunk((tile, -1)).persist()  # read once, in blocks of K
     M = mean - mean.mean(0).compute()                             # m_c = mu_c - mu_G
     var = np.asarray(ds["variance"].values, dtype=np.float64)[K]
-    W = _dask(ds["classifier"])[K].astype(np.float64).rechunk((tile, -1)) if "classifier" in ds else None
+    W = _dask(ds["classifier"], tile)[K].astype(np.float64).rechunk((tile, -1)) if "classifier" in ds else None
     got = _row_stats(M, W)
     r = got["r"]
     _check_finite(np.r_[r, var], "class means or variances")
@@ -290,11 +290,11 @@ def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.
     return xr.Dataset(data, coords=coords)
 
 
-def _dask(var: xr.DataArray) -> da.Array:
-    """A variable as a dask array, in the store's own chunks when it has them."""
+def _dask(var: xr.DataArray, rows: int) -> da.Array:
+    """A variable as a dask array: in the store's own chunks when it has them, else in blocks of ``rows``."""
     if isinstance(var.data, da.Array):
         return var.data
-    return var.chunk(var.encoding.get("preferred_chunks") or {}).data
+    return var.chunk(var.encoding.get("preferred_chunks") or {"vocab": rows}).data
 
 
 def _check_finite(x: np.ndarray, what: str) -> None:
