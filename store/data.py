@@ -116,6 +116,7 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
     import datasets
 
     p = Path(spec)
+    stream = "[" not in split  # streamed (nothing cached on disk), except slices like 'train[:95%]'
     try:
         if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
             ds = datasets.load_from_disk(str(p))
@@ -127,13 +128,13 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
                 raise UserError(f"{spec}: unknown file type {p.suffix!r}; use .txt, .json, .jsonl, .parquet, .csv, "
                                 ".npy or .bin")
             name = split.split("[")[0]  # a single file is whichever split is asked for (slices apply)
-            ds = datasets.load_dataset(builder, data_files={name: str(p)}, split=split)
+            ds = datasets.load_dataset(builder, data_files={name: str(p)}, split=split, streaming=stream)
         elif p.exists() or "/" in spec and spec.startswith((".", "/")):
             if not p.exists():
                 raise UserError(f"dataset {spec} does not exist")
-            ds = datasets.load_dataset(str(p), split=split)
-        else:  # a Hub name: streamed, so the corpus never has to fit on disk
-            ds = datasets.load_dataset(spec, split=split, streaming=True)
+            ds = datasets.load_dataset(str(p), split=split, streaming=stream)
+        else:  # a Hub name
+            ds = datasets.load_dataset(spec, split=split, streaming=stream)
     except UserError:
         raise
     except ValueError as e:

@@ -169,3 +169,18 @@ def test_every_data_form_gives_the_same_exact_statistics(trained_run, corpus, st
         run_cli(*args)
         ds = ncanalyze.store.open(store)["model/final"].to_dataset()
         assert_matches(ds, ref)
+
+
+def test_split_slices_of_one_text_file(trained_run, corpus, tokenizer, tmp_path):
+    """--split 'train[:50%]' with --val-split 'train[50%:]' of the same file: the README's recipe for one file."""
+    ck = _single(trained_run, tmp_path)
+    lines = open(corpus["train"]).read().splitlines()
+    half = tmp_path / "half.txt"
+    half.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    store = tmp_path / "s.zarr"
+    run_cli("extract", ck, "--dataset", corpus["train"], "--split", "train[:50%]", "--val-dataset", corpus["train"],
+            "--val-split", "train[50%:]", "--store", store, "--max-val-tokens", 512, "--samples-per-class", 0)
+    ds = ncanalyze.store.open(store)["model/final"].to_dataset()
+    want = text_blocks(half, tokenizer, None)
+    np.testing.assert_array_equal(ds["count"].values, np.bincount(want[:, 1:].ravel(), minlength=ds.sizes["vocab"]))
+    assert ds.attrs["val_tokens"] == 512 // BLOCK * (BLOCK - 1)
