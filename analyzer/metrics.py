@@ -20,7 +20,6 @@ import dask
 import dask.array as da
 import numpy as np
 import psutil
-import scipy.linalg
 import scipy.linalg.blas
 import threadpoolctl
 import xarray as xr
