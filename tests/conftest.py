@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,11 @@ def extracted_store(trained_run, corpus, tmp_path_factory) -> Path:
     store = tmp_path_factory.mktemp("stores") / "study.zarr"
     run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS)
     return store
+
+
+def lone_model(trained_run: Path, dest: Path) -> Path:
+    """A copy of ``trained_run``'s last checkpoint at ``dest``, with the run's tokenizer beside its weights."""
+    shutil.copytree(trained_run / "checkpoint-60", dest)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_run / f, dest / f)
+    return dest

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-from conftest import EXTRACT_OPTS, run_cli
+from conftest import EXTRACT_OPTS, lone_model, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ncanalyze.store
@@ -114,15 +114,6 @@ def test_reservoir_is_a_uniform_bottom_k_sample(extracted_store, trained_run, co
     np.testing.assert_allclose(ds.samples.sel(vocab=t).values, H[rows], rtol=1e-6)
 
 
-def _single(trained_run, tmp_path):
-    """checkpoint-60 as a lone model folder, with the run's tokenizer beside it."""
-    ck = tmp_path / "model"
-    shutil.copytree(trained_run / "checkpoint-60", ck)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(trained_run / f, ck / f)
-    return ck
-
-
 def _write_forms(tmp_path, corpus, streams) -> dict[str, tuple[str, str]]:
     """The same tokens as every data form: {form: (train spec, val spec)}."""
     import datasets
@@ -156,7 +147,7 @@ def _write_forms(tmp_path, corpus, streams) -> dict[str, tuple[str, str]]:
 
 
 def test_every_data_form_gives_the_same_exact_statistics(trained_run, corpus, streams, tmp_path):
-    ck = _single(trained_run, tmp_path)
+    ck = lone_model(trained_run, tmp_path / "model")
     ref = brute_force(ck, *streams)
     for form, (train, val) in _write_forms(tmp_path, corpus, streams).items():
         store = tmp_path / f"{form}.zarr"
@@ -173,7 +164,7 @@ def test_every_data_form_gives_the_same_exact_statistics(trained_run, corpus, st
 
 def test_split_slices_of_one_text_file(trained_run, corpus, tokenizer, tmp_path):
     """--split 'train[:50%]' with --val-split 'train[50%:]' of the same file: the README's recipe for one file."""
-    ck = _single(trained_run, tmp_path)
+    ck = lone_model(trained_run, tmp_path / "model")
     lines = open(corpus["train"]).read().splitlines()
     half = tmp_path / "half.txt"
     half.write_text("\n".join(lines[: len(lines) // 2]) + "\n")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import lone_model, run_cli
 from safetensors.torch import load_file, save_file
 
 import ncanalyze.store
@@ -86,15 +85,6 @@ def kept_store(trained_run, corpus, tmp_path_factory):
     return store
 
 
-def _copy(trained_run, tmp_path):
-    """checkpoint-60 alone in a folder, with the run's tokenizer beside its weights."""
-    ck = tmp_path / "checkpoint-60"
-    shutil.copytree(trained_run / "checkpoint-60", ck)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(trained_run / f, ck / f)
-    return ck
-
-
 def _nan_model(ck, tmp):
     w = load_file(ck / "model.safetensors")
     w["transformer.ln_f.weight"] = torch.full_like(w["transformer.ln_f.weight"], float("nan"))
@@ -150,7 +140,7 @@ BAD = {  # case: (prepare(checkpoint copy, tmp) -> (path, extra args), words of 
 def test_bad_input_is_one_clean_line_and_loses_nothing(case, kept_store, trained_run, corpus, tmp_path):
     before = ncanalyze.store.open(kept_store).to_dict()
     prepare, words = BAD[case]
-    ck = _copy(trained_run, tmp_path)
+    ck = lone_model(trained_run, tmp_path / "checkpoint-60")
     path, extra = prepare(ck, tmp_path)
     if "--dataset" not in extra:
         extra = ["--dataset", corpus["train"], *extra]
@@ -164,7 +154,7 @@ def test_bad_input_is_one_clean_line_and_loses_nothing(case, kept_store, trained
 
 
 def test_allow_pickle_loads_trusted_pickle_weights(trained_run, corpus, tmp_path):
-    ck, _ = _pickle_only(_copy(trained_run, tmp_path))
+    ck, _ = _pickle_only(lone_model(trained_run, tmp_path / "checkpoint-60"))
     run_cli("extract", ck, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr", "--max-train-tokens", 512,
             "--max-val-tokens", 256, "--allow-pickle")
     assert ncanalyze.store.open(tmp_path / "s.zarr")[f"{tmp_path.name}/checkpoint-60"]["count"].sum() == 16 * 31
