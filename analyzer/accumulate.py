@@ -56,3 +56,39 @@ class ClassStats:
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():
             getattr(self, k).copy_(torch.as_tensor(v))
+
+
+class DecisionCounts:
+    """NC4's counts per true class, over the kept classes ``kept`` (float64): ``val_count`` tokens,
+    ``val_correct`` hits of the linear argmax_c (w_c . h + b_c), and ``val_ncc_agree`` tokens where that
+    argmax equals the nearest-class-mean decision argmin_c ||h - mu_c||^2 = argmax_c (mu_c . h - ||mu_c||^2 / 2).
+
+    Scores are formed for at most ``budget`` (token, class) cells at a time; ``counts`` may be given to
+    continue from earlier counts (updated in place).
+    """
+
+    NAMES = ("val_count", "val_correct", "val_ncc_agree")
+
+    def __init__(self, classifier: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor, kept: torch.Tensor,
+                 counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25):
+        device = mean.device
+        self.kept = kept.to(device)
+        self.w = classifier.to(device, torch.float64)[self.kept]
+        self.b = (bias.to(device, torch.float64)[self.kept] if bias is not None
+                  else torch.zeros(len(self.kept), dtype=torch.float64, device=device))
+        self.mu = mean.to(torch.float64)[self.kept]
+        self.half_sq = 0.5 * (self.mu * self.mu).sum(1)
+        self.counts = counts or {n: torch.zeros(classifier.shape[0], dtype=torch.int64, device=device)
+                                 for n in self.NAMES}
+        self.chunk = max(1, budget // max(1, len(self.kept)))
+
+    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        h, y = h.to(self.mu.device, torch.float64), y.to(self.mu.device, torch.int64)
+        vocab = self.counts["val_count"].shape[0]
+        for s in range(0, len(y), self.chunk):
+            hc, yc = h[s:s + self.chunk], y[s:s + self.chunk]
+            linear = self.kept[(hc @ self.w.T + self.b).argmax(1)]
+            ncc = self.kept[(hc @ self.mu.T - self.half_sq).argmax(1)]
+            self.counts["val_count"] += torch.bincount(yc, minlength=vocab)
+            self.counts["val_correct"] += torch.bincount(yc[linear == yc], minlength=vocab)
+            self.counts["val_ncc_agree"] += torch.bincount(yc[linear == ncc], minlength=vocab)

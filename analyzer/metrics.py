@@ -127,26 +127,17 @@ def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):
 
 
 def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int) -> dict[str, np.ndarray]:
-    """Per true class: validation tokens, hits of the linear argmax over K, and agreements of that argmax with the
-    nearest-class-mean decision argmin_{c in K} ||h - mu_c||^2."""
+    """NC4's counts per true class, over the kept classes, exactly as extraction counts them."""
     import torch
 
-    vocab = ds.sizes["vocab"]
+    from ncanalyze.analyzer.accumulate import DecisionCounts
+
     K = torch.as_tensor(kept_classes(ds["count"].values, min_count))
-    w, mu = torch.as_tensor(ds["classifier"].values)[K], torch.as_tensor(ds["mean"].values)[K]
-    b = torch.as_tensor(ds["classifier_bias"].values)[K] if "classifier_bias" in ds else torch.zeros(len(K),
-                                                                                                   dtype=w.dtype)
-    half_sq = 0.5 * (mu * mu).sum(1)
-    out = {k: torch.zeros(vocab, dtype=torch.int64) for k in ("val_count", "val_correct", "val_ncc_agree")}
-    rows = max(1, min(batch_size, (1 << 24) // max(1, len(K))))  # n x |K| scores stay ~128 MB
-    for hb, yb in _batches(h, y, rows, vocab, "val_embeddings"):
-        hb, yb = hb.cpu(), yb.cpu()
-        linear = K[(hb @ w.T + b).argmax(1)]
-        ncc = K[(hb @ mu.T - half_sq).argmax(1)]
-        out["val_count"] += torch.bincount(yb, minlength=vocab)
-        out["val_correct"] += torch.bincount(yb[linear == yb], minlength=vocab)
-        out["val_ncc_agree"] += torch.bincount(yb[linear == ncc], minlength=vocab)
-    return {k: v.numpy() for k, v in out.items()}
+    bias = torch.as_tensor(ds["classifier_bias"].values) if "classifier_bias" in ds else None
+    counts = DecisionCounts(torch.as_tensor(ds["classifier"].values), bias, torch.as_tensor(ds["mean"].values), K)
+    for hb, yb in _batches(h, y, batch_size, ds.sizes["vocab"], "val_embeddings"):
+        counts.update(hb, yb)
+    return {k: v.cpu().numpy() for k, v in counts.counts.items()}
 
 
 # ---------------------------------------------------------------- statistics -> metrics

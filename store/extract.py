@@ -23,7 +23,7 @@ import xarray as xr
 import zarr
 from tqdm.auto import tqdm
 
-from ncanalyze.analyzer.accumulate import ClassStats
+from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import Blocks, default_val_spec, open_blocks
 from ncanalyze.store.discover import PICKLE_WEIGHTS, WEIGHTS, Checkpoint, discover, training_metadata
@@ -167,8 +167,7 @@ class Extraction:
     def __init__(self, vocab: int, dim: int, k: int, seed: int, device: torch.device):
         self.stats = ClassStats(vocab, dim, device)
         self.reservoir = Reservoir(vocab, k, dim, seed)
-        self.val = {n: torch.zeros(vocab, dtype=torch.int64, device=device)
-                    for n in ("val_count", "val_correct", "val_ncc_agree")}
+        self.val = {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in DecisionCounts.NAMES}
         self.phase, self.batches = 0, 0  # phase 0: train pass, 1: validation pass, 2: done
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
@@ -204,10 +203,6 @@ def _check_finite(h: torch.Tensor, where: str) -> None:
     if not torch.isfinite(h).all():
         raise UserError(f"NaN/Inf features in {where}: the checkpoint has diverged or the dtype overflows; "
                         "try --dtype float32, or exclude this checkpoint")
-
-
-def _ncc_chunk(n_classes: int, budget: int = 1 << 25) -> int:
-    return max(1, budget // max(1, n_classes))
 
 
 class Saver:
@@ -247,29 +242,17 @@ def train_pass(model, blocks: Blocks, ex: Extraction, cfg: ExtractConfig, saver:
 
 def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
              cfg: ExtractConfig, saver: Saver, desc: str) -> None:
-    """Per true class: validation tokens, hits of the linear argmax over kept classes, and tokens where it
-    equals the nearest-class-mean decision argmin_c ||h - mu_c||^2 (float64, kept classes only)."""
-    vocab = classifier.shape[0]
+    """NC4's decision counts over the classes kept at extraction (count >= --min-count)."""
     kept = torch.nonzero(ex.stats.count >= cfg.min_count).squeeze(1)
-    w, mu = classifier[kept].double(), ex.stats.mean[kept]
-    b = bias[kept].double() if bias is not None else torch.zeros(len(kept), dtype=torch.float64, device=w.device)
-    half_sq = 0.5 * (mu * mu).sum(1)
-    chunk = _ncc_chunk(len(kept))
+    counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
     total = blocks.total and -(-blocks.total // cfg.batch_size)
     with tqdm(total=total, initial=ex.batches, desc=f"{desc} validation", unit="batch", leave=False) as bar:
         for batch in blocks.batches(cfg.batch_size, skip=ex.batches):
-            _check_ids(batch, vocab, blocks.spec)
-            ids = torch.from_numpy(batch).to(w.device)
+            _check_ids(batch, classifier.shape[0], blocks.spec)
+            ids = torch.from_numpy(batch).to(classifier.device)
             h = features(model, ids)
             _check_finite(h, f"{desc}, validation batch {ex.batches}")
-            h, y = h.reshape(-1, h.shape[-1]).double(), ids[:, 1:].reshape(-1)
-            for s in range(0, len(y), chunk):
-                hc, yc = h[s:s + chunk], y[s:s + chunk]
-                linear = kept[(hc @ w.T + b).argmax(1)]
-                ncc = kept[(hc @ mu.T - half_sq).argmax(1)]
-                ex.val["val_count"] += torch.bincount(yc, minlength=vocab)
-                ex.val["val_correct"] += torch.bincount(yc[linear == yc], minlength=vocab)
-                ex.val["val_ncc_agree"] += torch.bincount(yc[linear == ncc], minlength=vocab)
+            counts.update(h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1))
             ex.batches += 1
             bar.update()
             saver.maybe(ex)
