@@ -34,30 +34,27 @@ class Reservoir:
         if self.k == 0:
             return
         keys = position_keys(pos, self.seed)
-        cand = np.flatnonzero(keys < self.key[y, -1])  # beats the class's current K-th smallest key
+        cand = np.flatnonzero(keys < self.key[y].max(1))  # beats its class's largest kept key, or an empty slot
         if cand.size == 0:
             return
         cls, inv = np.unique(y[cand], return_inverse=True)
         k, u = self.k, len(cls)
         all_key = np.concatenate([self.key[cls].ravel(), keys[cand]])
         all_cls = np.concatenate([np.repeat(np.arange(u), k), inv])
-        order = np.lexsort((all_key, all_cls))
+        # ties are only between empty slots: the highest sort first, so the lowest are the ones freed
+        tie = np.concatenate([-np.tile(np.arange(k), u), np.zeros(len(cand), dtype=np.int64)])
+        order = np.lexsort((tie, all_key, all_cls))
         starts = np.searchsorted(all_cls[order], np.arange(u))
         rank = np.arange(len(order)) - starts[all_cls[order]]
-        keep = order[rank < k]  # exactly k per class, sorted by key
-        rows, slots = np.repeat(cls, k), np.tile(np.arange(k), u)
-        old = keep < u * k  # an entry already in the reservoir, else a new candidate
-        src_row, src_slot = cls[keep[old] // k], keep[old] % k
-        new = cand[keep[~old] - u * k]
-        samples = np.empty((u * k, self.samples.shape[2]), dtype=np.float32)
-        samples[old] = self.samples[src_row, src_slot]
-        samples[~old] = h[torch.as_tensor(new, device=h.device)].float().cpu().numpy()
-        position = np.empty(u * k, dtype=np.int64)
-        position[old] = self.position[src_row, src_slot]
-        position[~old] = pos[new]
-        self.key[rows, slots] = all_key[keep]
-        self.position[rows, slots] = position
-        self.samples[rows, slots] = samples
+        keep = order[rank < k]  # the k smallest keys of each class
+        stays = np.zeros(u * k, dtype=bool)
+        stays[keep[keep < u * k]] = True
+        freed = np.flatnonzero(~stays)  # evicted or empty slots, in class order, as many as new winners
+        new = cand[keep[keep >= u * k] - u * k]  # the winners among the offered tokens, in class order
+        rows, slots = cls[freed // k], freed % k
+        self.key[rows, slots] = keys[new]
+        self.position[rows, slots] = pos[new]
+        self.samples[rows, slots] = h[torch.as_tensor(new, device=h.device)].float().cpu().numpy()
 
     @property
     def n_samples(self) -> np.ndarray:
