@@ -6,7 +6,8 @@ per-class CDNV (the ``class_cdnv`` variable ``ncanalyze measure`` writes) as a h
 Prints the store's checkpoints, then for the chosen checkpoint (default: the largest model's latest) each
 token's train count and its sampled embeddings (``ds.samples.sel(vocab=t)``), and writes
 ``embeddings.png`` (the samples of those tokens and their class means, projected on two principal axes)
-and ``cdnv_hist.png``. A starting point for your own questions: every variable is an xarray DataArray.
+and ``cdnv_hist.png`` (that checkpoint's per-class CDNV beside its run's first checkpoint). A starting point
+for your own questions: every variable is an xarray DataArray.
 """
 from __future__ import annotations
 
@@ -95,15 +96,19 @@ def show_embeddings(ds: xr.Dataset, tokens: list[int], out: Path) -> None:
     plt.close(fig)
 
 
-def cdnv_histogram(cdnv: xr.DataArray, group: str, out: Path) -> None:
-    values = cdnv.values[np.isfinite(cdnv.values)]
-    print(f"  per-class CDNV over {len(values)} kept classes: median {np.median(values):.3g}, "
-          f"10%-90% {np.quantile(values, 0.1):.3g} - {np.quantile(values, 0.9):.3g}")
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    ax.hist(np.log10(values), bins=40, color="tab:blue")
-    ax.set_xlabel("log10 per-class CDNV (mean over the other classes)")
+def cdnv_histogram(curves: dict[str, xr.DataArray], out: Path) -> None:
+    """One histogram per checkpoint (e.g. early and late in a run) of log10 per-class CDNV."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    logs = {g: np.log10(c.values[np.isfinite(c.values) & (c.values > 0)]) for g, c in curves.items()}
+    bins = np.histogram_bin_edges(np.concatenate(list(logs.values())), bins=40)
+    for group, cdnv in curves.items():
+        values = cdnv.values[np.isfinite(cdnv.values)]
+        print(f"  per-class CDNV of {group}, {len(values)} kept classes: median {np.median(values):.3g}, "
+              f"10%-90% {np.quantile(values, 0.1):.3g} - {np.quantile(values, 0.9):.3g}")
+        ax.hist(logs[group], bins=bins, alpha=0.55, label=group)
+    ax.set_xlabel("log10 per-class CDNV (mean over the other kept classes)")
     ax.set_ylabel("classes")
-    ax.set_title(group, fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "cdnv_hist.png", dpi=120)
     plt.close(fig)
@@ -132,11 +137,13 @@ def main(argv=None) -> int:
     print(f"\n{group}: {dict(ds.sizes)}, eval loss {ds.attrs.get('eval_loss')}")
     args.out.mkdir(parents=True, exist_ok=True)
     show_embeddings(ds, [token_id(t, ds) for t in args.tokens], args.out)
-    cdnv = find_var(tree, group, "class_cdnv")
-    if cdnv is None:
+    run = table[table["group"] == group].iloc[0]["run"]
+    first = table[table["run"] == run].sort_values("global_step").iloc[0]["group"]  # the run's earliest, to compare
+    curves = {g: find_var(tree, g, "class_cdnv") for g in dict.fromkeys([first, group])}
+    if any(v is None for v in curves.values()):
         print(f"  no class_cdnv in {group}: run `ncanalyze measure {args.store}` first for the CDNV histogram")
     else:
-        cdnv_histogram(cdnv, group, args.out)
+        cdnv_histogram(curves, args.out)
     print(f"figures in {args.out}/")
     return 0
 

@@ -12,7 +12,8 @@
 4. examples/explore_store.py on the store
 
 Each step prints the equivalent shell command. Finished work is skipped when the command runs again (trained
-runs, extracted and measured checkpoints), so an interrupted recipe continues. Wall times go to timings.json.
+runs, extracted and measured checkpoints), so an interrupted recipe continues. Wall times are appended to
+timings.jsonl.
 """
 from __future__ import annotations
 
@@ -73,14 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=HERE / "out" / "cpu", help="working folder")
     p.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary")
     p.add_argument("--depths", nargs="+", type=int, default=[1, 2, 4])
-    p.add_argument("--widths", nargs="+", type=int, default=[32, 64, 128, 256])
+    p.add_argument("--widths", nargs="+", type=int, default=[16, 32, 64, 128])
     p.add_argument("--replicas", default="2x64", help="DEPTHxWIDTH of the seed replicas")
     p.add_argument("--replica-seeds", nargs="+", type=int, default=list(range(10)))
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--block-size", type=int, default=128, help="tokens per block (the paper: 1024)")
     p.add_argument("--batch-size", type=int, default=16, help="blocks per step (the paper: 16)")
-    p.add_argument("--steps", type=int, default=600, help="steps per run (600 x 16 x 128: 0.86 epoch of the KJV)")
-    p.add_argument("--save-steps", type=int, default=150, help="a checkpoint and an eval loss every N steps")
+    p.add_argument("--steps", type=int, default=480, help="steps per run (480 x 16 x 128: 0.69 epoch of the KJV)")
+    p.add_argument("--save-steps", type=int, default=120, help="a checkpoint and an eval loss every N steps")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine, 5%% warmup)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW (the paper ablates 0.0005 and 0.1)")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (one per core)")
@@ -141,7 +142,9 @@ def main(argv=None) -> int:
     depth, width = args.replicas.lower().split("x")
     tag = train_sweep.run_name(0, 0, 0, args.weight_decay).split("-s0")[1]  # "-wd0.1" or ""
     perms = ["--permutations", str(args.permutations)]
-    ncanalyze("report", store, "--out", str(out / "report-all"), *perms, "--tokens", args.tokens)
+    smallest, largest = (train_sweep.run_name(f(args.depths), f(args.widths), 0, args.weight_decay) for f in (min, max))
+    ncanalyze("report", store, "--out", str(out / "report-all"), *perms, "--tokens", args.tokens,
+              "--checkpoint", f"{smallest}/checkpoint-{args.steps}", "--checkpoint", f"{largest}/checkpoint-{args.steps}")
     ncanalyze("report", store, "--out", str(out / "report-final"), *perms,
               "--where", f"global_step == {args.steps} and run.str.endswith('-s0{tag}')")
     ncanalyze("report", store, "--out", str(out / "report-seeds"), *perms,
@@ -155,7 +158,8 @@ def main(argv=None) -> int:
     explore_store.main(cmd)
     lap("explore")
     times["total"] = round(time.time() - t_start, 1)
-    (out / "timings.json").write_text(json.dumps(times, indent=1) + "\n")
+    with open(out / "timings.jsonl", "a") as f:  # one line per invocation (a rerun skips finished work)
+        f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), **times}) + "\n")
     print(f"done in {times['total'] / 60:.1f} min: reports in {out}/report-{{all,final,seeds}}, "
           f"store {store}, figures of the store in {out}/explore")
     return 0

@@ -79,8 +79,9 @@ def test_reports_and_figures(recipe):
     seeds = pd.read_csv(recipe / "report-seeds" / "metrics.csv")
     assert set(seeds["run"]) == {"neo-L1-d16-s0-wd0.1", "neo-L1-d16-s1-wd0.1", "neo-L1-d16-s2-wd0.1"}
     assert (recipe / "explore" / "embeddings.png").is_file() and (recipe / "explore" / "cdnv_hist.png").is_file()
-    times = json.loads((recipe / "timings.json").read_text())
-    assert set(times) == {"corpus", "training", "extract", "measure", "report", "explore", "total"}
+    times = [json.loads(line) for line in (recipe / "timings.jsonl").read_text().splitlines()]
+    assert len(times) == 1
+    assert set(times[0]) == {"date", "corpus", "training", "extract", "measure", "report", "explore", "total"}
     assert "$ ncanalyze extract " in stdout and "done in" in stdout
 
 
