@@ -7,7 +7,7 @@ from ncanalyze.cli.common import store_option
 from ncanalyze.cli.main import main
 
 
-@main.command()
+@main.command(short_help="Exact per-class statistics of every checkpoint into the store.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @store_option
 @click.option("--dataset", required=True, metavar="SPEC",

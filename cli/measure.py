@@ -9,7 +9,7 @@ from ncanalyze.cli.main import main
 SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
 
 
-@main.command()
+@main.command(short_help="NC metrics of every checkpoint not yet measured, into the store.")
 @click.argument("store", required=False, default=default_store, metavar="[STORE]")
 @click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
               help="Keep only classes with at least this many train tokens.")

@@ -36,7 +36,7 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
     return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)
 
 
-@main.command()
+@main.command(short_help="Tables, figures and statistics of the metrics against eval loss.")
 @click.argument("store", required=False, metavar="[STORE]")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
               help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the PNG figures.")
