@@ -38,13 +38,5 @@ def main() -> None:
     """
 
 
-def _register() -> None:
-    for name in ("extract", "measure", "report"):  # each module adds its command to `main`
-        try:
-            __import__(f"ncanalyze.cli.{name}")
-        except ModuleNotFoundError as e:  # a command not yet built
-            if e.name != f"ncanalyze.cli.{name}":
-                raise
-
-
-_register()
+# each module adds its command to `main`
+from ncanalyze.cli import extract, measure, report  # noqa: E402,F401
