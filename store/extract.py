@@ -217,24 +217,31 @@ class Saver:
             self.last = time.monotonic()
 
 
-def train_pass(model, blocks: Blocks, ex: Extraction, cfg: ExtractConfig, saver: Saver, desc: str) -> None:
-    vocab, device, L = ex.stats.count.shape[0], ex.stats.mean.device, blocks.block_size
-    offsets = np.arange(L - 1)
+def batch_features(model, blocks: Blocks, ex: Extraction, cfg: ExtractConfig, saver: Saver, desc: str):
+    """(features n x d, labels n, the batch of blocks) for every batch not yet done; after each is consumed it
+    counts as done and the state may be saved."""
+    vocab, device = ex.stats.count.shape[0], ex.stats.mean.device
     total = blocks.total and -(-blocks.total // cfg.batch_size)
-    with tqdm(total=total, initial=ex.batches, desc=f"{desc} train", unit="batch", leave=False) as bar:
+    with tqdm(total=total, initial=ex.batches, desc=desc, unit="batch", leave=False) as bar:
         for batch in blocks.batches(cfg.batch_size, skip=ex.batches):
             _check_ids(batch, vocab, blocks.spec)
             ids = torch.from_numpy(batch).to(device)
             h = features(model, ids)
-            _check_finite(h, f"{desc}, train batch {ex.batches}")
-            h, y = h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1)
-            ex.stats.update(h, y)
-            first = ex.batches * cfg.batch_size
-            pos = ((first + np.arange(len(batch)))[:, None] * L + offsets).ravel()
-            ex.reservoir.update(h, batch[:, 1:].ravel(), pos)
+            _check_finite(h, f"{desc}, batch {ex.batches}")
+            yield h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
             ex.batches += 1
             bar.update()
             saver.maybe(ex)
+
+
+def train_pass(model, blocks: Blocks, ex: Extraction, cfg: ExtractConfig, saver: Saver, desc: str) -> None:
+    """Class statistics and the reservoir; positions count tokens in the train stream."""
+    L = blocks.block_size
+    for h, y, batch in batch_features(model, blocks, ex, cfg, saver, f"{desc} train"):
+        ex.stats.update(h, y)
+        first = ex.batches * cfg.batch_size
+        ex.reservoir.update(h, batch[:, 1:].ravel(), ((first + np.arange(len(batch)))[:, None] * L
+                                                      + np.arange(L - 1)).ravel())
     if ex.stats.count.sum() == 0:
         raise UserError(f"{blocks.spec} ({cfg.split}) holds no full block of {L} tokens: the dataset is empty or "
                         "shorter than --block-size")
@@ -245,17 +252,8 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     """NC4's decision counts over the classes kept at extraction (count >= --min-count)."""
     kept = torch.nonzero(ex.stats.count >= cfg.min_count).squeeze(1)
     counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
-    total = blocks.total and -(-blocks.total // cfg.batch_size)
-    with tqdm(total=total, initial=ex.batches, desc=f"{desc} validation", unit="batch", leave=False) as bar:
-        for batch in blocks.batches(cfg.batch_size, skip=ex.batches):
-            _check_ids(batch, classifier.shape[0], blocks.spec)
-            ids = torch.from_numpy(batch).to(classifier.device)
-            h = features(model, ids)
-            _check_finite(h, f"{desc}, validation batch {ex.batches}")
-            counts.update(h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1))
-            ex.batches += 1
-            bar.update()
-            saver.maybe(ex)
+    for h, y, _ in batch_features(model, blocks, ex, cfg, saver, f"{desc} validation"):
+        counts.update(h, y)
 
 
 # ---------------------------------------------------------------- the store
