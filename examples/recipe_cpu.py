@@ -1,4 +1,4 @@
-"""Linguistic Collapse at CPU scale, end to end, in one command (about 25 minutes on 2 cores):
+"""Linguistic Collapse at CPU scale, end to end, in one command (about 20 minutes on 2 cores):
 
     python examples/recipe_cpu.py [--text FILE] [--out examples/out/cpu]
 
