@@ -128,11 +128,14 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
                 raise UserError(f"{spec}: unknown file type {p.suffix!r}; use .txt, .json, .jsonl, .parquet, .csv, "
                                 ".npy or .bin")
             name = split.split("[")[0]  # a single file is whichever split is asked for (slices apply)
-            ds = datasets.load_dataset(builder, data_files={name: str(p)}, split=split, streaming=stream)
+            ds = datasets.load_dataset(builder, data_files={name: str(p)}, split=split, streaming=stream,
+                                       **_text_options(builder))
         elif p.exists() or "/" in spec and spec.startswith((".", "/")):
             if not p.exists():
                 raise UserError(f"dataset {spec} does not exist")
-            ds = datasets.load_dataset(str(p), split=split, streaming=stream)
+            suffixes = {f.suffix.lower() for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")}
+            text = suffixes and all(TEXT_SUFFIXES.get(x) == "text" for x in suffixes)
+            ds = datasets.load_dataset(str(p), split=split, streaming=stream, **_text_options("text" if text else ""))
         else:  # a Hub name
             ds = datasets.load_dataset(spec, split=split, streaming=stream)
     except UserError:
@@ -153,6 +156,11 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
         yield from (b[column] for b in ds.select_columns([column]).iter(batch_size=chunk))
 
     return rows
+
+
+def _text_options(builder: str) -> dict:
+    """Plain text keeps its line breaks, as ``run_clm`` reads it (``keep_linebreaks=True``)."""
+    return {"keep_linebreaks": True} if builder == "text" else {}
 
 
 def _split(dd, split: str, spec: str):

@@ -18,7 +18,7 @@ BLOCK = 32  # the fixture model's context
 
 def text_blocks(path, tokenizer, max_tokens: int | None, block: int = BLOCK) -> np.ndarray:
     """run_clm's recipe written out: tokenize each line, concatenate, cut into blocks (remainder dropped)."""
-    lines = open(path).read().splitlines()
+    lines = open(path).read().splitlines(keepends=True)  # run_clm keeps line breaks
     ids = np.array([t for doc in tokenizer(lines)["input_ids"] for t in doc], dtype=np.int64)
     n = len(ids) // block if max_tokens is None else min(len(ids) // block, max_tokens // block)
     return ids[:n * block].reshape(n, block)
@@ -121,7 +121,8 @@ def _write_forms(tmp_path, corpus, streams) -> dict[str, tuple[str, str]]:
     train, val = streams
     d = tmp_path / "data"
     d.mkdir()
-    lines = {s: open(corpus[k]).read().splitlines() for s, k in (("train", "train"), ("validation", "val"))}
+    lines = {s: open(corpus[k]).read().splitlines(keepends=True)
+             for s, k in (("train", "train"), ("validation", "val"))}
     for s, blocks in (("train", train), ("val", val)):
         np.save(d / f"{s}.npy", blocks.ravel())
         np.save(d / f"{s}2d.npy", blocks)
@@ -165,9 +166,9 @@ def test_every_data_form_gives_the_same_exact_statistics(trained_run, corpus, st
 def test_split_slices_of_one_text_file(trained_run, corpus, tokenizer, tmp_path):
     """--split 'train[:50%]' with --val-split 'train[50%:]' of the same file: the README's recipe for one file."""
     ck = lone_model(trained_run, tmp_path / "model")
-    lines = open(corpus["train"]).read().splitlines()
+    lines = open(corpus["train"]).read().splitlines(keepends=True)
     half = tmp_path / "half.txt"
-    half.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    half.write_text("".join(lines[: len(lines) // 2]))
     store = tmp_path / "s.zarr"
     run_cli("extract", ck, "--dataset", corpus["train"], "--split", "train[:50%]", "--val-dataset", corpus["train"],
             "--val-split", "train[50%:]", "--store", store, "--max-val-tokens", 512, "--samples-per-class", 0)
