@@ -191,7 +191,6 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     why a column has none, ``unused`` is said of every column."""
     n = len(y)
     ctrl = independent_controls(C) if n else []
-    k = len(ctrl)
     dropped = [c for c in C.columns if c not in ctrl]
     res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed) if n >= MIN_N else None
     rows = []

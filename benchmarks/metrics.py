@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import timeit
 import tracemalloc
 
 import dask
@@ -60,12 +60,8 @@ def dask_gram(M: np.ndarray, tile: int) -> float:
 
 
 def timed(f, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of ``repeats`` calls."""
+    return statistics.median(timeit.repeat(f, number=1, repeat=repeats))
 
 
 def run(k: int, d: int, repeats: int) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import timeit
 import tempfile
-import time
 
 import numpy as np
 import pandas as pd
@@ -38,12 +38,8 @@ def study(n: int, seed: int = 0) -> pd.DataFrame:
 
 
 def timed(f, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of ``repeats`` calls."""
+    return statistics.median(timeit.repeat(f, number=1, repeat=repeats))
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
