@@ -88,6 +88,18 @@ def load_model(ckpt: Checkpoint, cfg: ExtractConfig, device: torch.device):
     return model.to(device).eval()
 
 
+def load_config(ckpt: Checkpoint, cfg: ExtractConfig):
+    """The checkpoint's model config, read without its weights."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(ckpt.path), trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read the model config in {ckpt.path}: {msg} (custom code needs "
+                        "--trust-remote-code)") from None
+
+
 def find_tokenizer(ckpt: Checkpoint, cfg: ExtractConfig):
     """The tokenizer named by --tokenizer, else the checkpoint's, else its run's; None if there is none."""
     from transformers import AutoTokenizer
@@ -95,13 +107,13 @@ def find_tokenizer(ckpt: Checkpoint, cfg: ExtractConfig):
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
     candidates = [cfg.tokenizer] if cfg.tokenizer else [
         str(p) for p in (ckpt.path, ckpt.run_dir) if any((p / n).is_file() for n in names)]
-    for name in candidates:
-        try:
-            return AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code), name
-        except Exception as e:
-            raise UserError(f"cannot load tokenizer {name}: {str(e).splitlines()[0] if str(e) else e!r}; "
-                            "pass --tokenizer with a local folder") from None
-    return None, None
+    if not candidates:
+        return None, None
+    try:
+        return AutoTokenizer.from_pretrained(candidates[0], trust_remote_code=cfg.trust_remote_code), candidates[0]
+    except Exception as e:
+        raise UserError(f"cannot load tokenizer {candidates[0]}: {str(e).splitlines()[0] if str(e) else e!r}; "
+                        "pass --tokenizer with a local folder") from None
 
 
 def weights_fingerprint(path: Path) -> str:
@@ -316,10 +328,10 @@ def _n_layers(config) -> int | None:
     return None
 
 
-def _block_size(cfg: ExtractConfig, model) -> int:
+def _block_size(cfg: ExtractConfig, config) -> int:
     if cfg.block_size:
         return cfg.block_size
-    n = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 1024
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1024
     return min(int(n), 1024)
 
 
@@ -341,9 +353,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
 
     ``announce(model, train_blocks)`` is called before the passes start (the CLI prints its estimate there)."""
     device = resolve_device(cfg.device)
-    model = load_model(ckpt, cfg, device)
-    tokenizer, tok_name = find_tokenizer(ckpt, cfg)
-    block_size = _block_size(cfg, model)
+    block_size = _block_size(cfg, load_config(ckpt, cfg))
     if cfg.max_val_tokens == 0:
         val_spec, val_split = None, None
     elif cfg.val_dataset:
@@ -360,6 +370,8 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         raise UserError(f"{ckpt.group} is already in {store} under another configuration "
                         f"({_differences(json.loads(existing.get('config', '{}')), record)}); "
                         "rerun with the same options, or pass --overwrite to replace it")
+    model = load_model(ckpt, cfg, device)  # only now: a finished checkpoint is skipped without loading weights
+    tokenizer, tok_name = find_tokenizer(ckpt, cfg)
     spath = state_path(store, ckpt)
     out = model.get_output_embeddings()
     classifier, bias = out.weight.detach(), (out.bias.detach() if getattr(out, "bias", None) is not None else None)
@@ -443,11 +455,13 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     ckpts = discover(path)
     zarr.open_group(store, mode="a", zarr_format=3)  # the root group, so the store opens even while empty
     todo = sum(overwrite or not (group_attrs(store, c.group) or {}).get("complete") for c in ckpts)
-    announced = []
+    announced = False
 
     def announce(model, train: Blocks) -> None:  # once, at the first checkpoint that does work
+        nonlocal announced
         if not announced:
-            announced.append(echo(f"estimate: {estimate(todo, model, train, cfg, store)}"))
+            echo(f"estimate: {estimate(todo, model, train, cfg, store)}")
+            announced = True
 
     results = {}
     for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
