@@ -23,7 +23,6 @@ class Blocks:
     max_blocks: int | None
     n_blocks: int | None  # known length (token files), else None
     _iter: Callable[[], Iterator[np.ndarray]]
-    needs_tokenizer: bool
 
     def batches(self, batch_size: int, skip: int = 0) -> Iterator[np.ndarray]:
         """Batches of blocks (b x block_size), skipping the first ``skip`` batches."""
@@ -80,7 +79,7 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
             rows = lambda: (np.asarray(r, dtype=np.int64) for r in arr)
             block_size = arr.shape[1]
             max_blocks = None if max_tokens is None else max_tokens // block_size
-        return Blocks(spec, block_size, max_blocks, n, rows, needs_tokenizer=False)
+        return Blocks(spec, block_size, max_blocks, n, rows)
     if tokenize is None:
         raise UserError(f"{spec} is text and needs a tokenizer: none was found beside the checkpoint or its run; "
                         "pass --tokenizer PATH_OR_NAME")
@@ -95,7 +94,7 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
             yield from pending[:n * block_size].reshape(n, block_size)
             pending = pending[n * block_size:]
 
-    return Blocks(spec, block_size, max_blocks, None, grouped, needs_tokenizer=True)
+    return Blocks(spec, block_size, max_blocks, None, grouped)
 
 
 def _token_array(spec: str) -> np.ndarray:
