@@ -20,18 +20,16 @@ import dask
 import dask.array as da
 import numpy as np
 import psutil
-import scipy.linalg.blas
-import threadpoolctl
 import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.pairs import COINCIDENT, pair_sums
 
 SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
            "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
            "nc4_agreement")
 PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4")
 MAX_TILE = 2048
-COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
 
 
 # ---------------------------------------------------------------- the kept set
@@ -166,27 +164,27 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> 
     tile = int(tile or auto_tile(n))
     if tile < 1:
         raise UserError(f"tile must be a positive number of classes (got {tile})")
-    with threadpoolctl.threadpool_limits(1, user_api="blas"):   # one BLAS thread per dask thread
-        return _measure(ds, count, K, min_count, tile)
+    return _measure(ds, count, K, min_count, tile)
 
 
 def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, tile: int):
     n = K.size
-    mean = _dask(ds["mean"], tile)[K].astype(np.float64).rechunk((tile, -1)).persist()  # read once, in blocks of K
-    M = mean - mean.mean(0).compute()                             # m_c = mu_c - mu_G
-    var = np.asarray(ds["variance"].values, dtype=np.float64)[K]
-    W = _dask(ds["classifier"], tile)[K].astype(np.float64).rechunk((tile, -1)) if "classifier" in ds else None
-    got = _row_stats(M, W)
-    r = got["r"]
+    mean = _rows(ds["mean"], K)
+    M = mean - mean.mean(0)                                       # m_c = mu_c - mu_G
+    var = _rows(ds["variance"], K)
+    r = np.sqrt(np.einsum("ij,ij->i", M, M))
     _check_finite(np.r_[r, var], "class means or variances")
     zero = np.flatnonzero(r <= 1e-12 * r.max())
     if zero.size:
         raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
                         "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
                         "--min-count or leave them out")
+    U = M / r[:, None]
+    s = U.sum(0)
+    MtM = M.T @ M                                                 # n Sigma_B, d x d
     out: dict[str, float] = {}
     per: dict[str, np.ndarray] = {"class_norm": r}
-    lam, V = np.linalg.eigh(got["MtM"])                           # M^T M = n Sigma_B, d x d
+    lam, V = np.linalg.eigh(MtM)
 
     # NC1: Tr(Sigma_W Sigma_B^+)/n = sum_i v_i^T Sigma_W v_i / lam_i over lam_i > d eps max(lam) (numpy's pinv cut)
     if "within_covariance" in ds:
@@ -198,16 +196,15 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
     # NC2: norms; the cosines' mean from s; the ETF error from the spectrum
     out["nc2_norm_cv"] = r.std() / r.mean()
     out["nc2_lognorm_std"] = np.log(r).std()
-    cos_mean = (got["s"] @ got["s"] - n) / (n * (n - 1))          # mean over P of u_c . u_c'
+    cos_mean = (s @ s - n) / (n * (n - 1))                        # mean over P of u_c . u_c'
     out["nc2_etf_error"] = etf_error_from_spectrum(lam, n)
 
     # the pairwise sums, tile by tile; t0 = mean of T over P centres them
     t0 = 2 - 2 * cos_mean
-    sums, row_cdnv, u_s = pair_sums(M, r, var, t0, got["s"])
-    per["class_interference"] = (u_s - 1) / (n - 1)               # mean over c' != c of u_c . u_c'
-
-    if not sums["min_T"] >= COINCIDENT:
-        _raise_coincident(M.compute(), r, K, tile)
+    sums, row_cdnv = pair_sums(U, r, var, t0, tile)
+    per["class_interference"] = (U @ s - 1) / (n - 1)             # mean over c' != c of u_c . u_c'
+    if sums["coincident"] or not np.isfinite(list(sums.values())).all():
+        _raise_coincident(M, r, K, tile)
     pairs = n * (n - 1) / 2
     out["nc1_cdnv"] = sums["cdnv"] / (2 * pairs)
     out["nc1_cdnv_p2"] = sums["cdnv_p2"] / (2 * pairs)
@@ -220,14 +217,17 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
 
     # NC3: duality of classifier rows and centred means
     if "classifier" in ds:
-        dead = np.flatnonzero(got["wn"] == 0)
+        W = _rows(ds["classifier"], K)
+        wn = np.sqrt(np.einsum("ij,ij->i", W, W))
+        dead = np.flatnonzero(wn == 0)
         if dead.size:
             raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
-        dual = got["wm"] / (got["wn"] * r)
+        wm = np.einsum("ij,ij->i", W, M)
+        dual = wm / (wn * r)
         per["class_duality"] = dual
         out["nc3_cos_mean"] = dual.mean()
         out["unc3_cos_cv"] = dual.std() / dual.mean()
-        out["nc3_dual_error"] = dual_error(got["MtM"], got["WtW"], got["wm"].sum(), got["m_sum"], got["w_sum"], n)
+        out["nc3_dual_error"] = dual_error(MtM, W.T @ W, wm.sum(), M.sum(0), W.sum(0), n)
 
     # NC4: decisions counted at extraction over its kept set, which must be this one
     if "val_ncc_agree" in ds and int(np.asarray(ds["val_count"].values).sum()) > 0:
@@ -249,25 +249,6 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
     return {k: float(out[k]) for k in SCALARS if k in out}, _per_class(ds, K, per)
 
 
-def _row_stats(M: da.Array, W: da.Array | None) -> dict[str, np.ndarray]:
-    """One pass over the blocks of M (and W): norms r, M^T M, s = sum_c u_c; with W: w_c . m_c, ||w_c||, W^T W,
-    and the column sums of W and M."""
-    Ws = W.to_delayed()[:, 0] if W is not None else [None] * M.numblocks[0]
-    parts = dask.compute(*[dask.delayed(_block_stats)(m, w) for m, w in zip(M.to_delayed()[:, 0], Ws)])
-    return {k: np.concatenate([p[k] for p in parts]) if k in ("r", "wm", "wn") else sum(p[k] for p in parts)
-            for k in parts[0]}
-
-
-def _block_stats(m: np.ndarray, w: np.ndarray | None) -> dict[str, np.ndarray]:
-    r = np.sqrt(np.einsum("ij,ij->i", m, m))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = {"r": r, "MtM": m.T @ m, "s": (m / r[:, None]).sum(0)}
-    if w is not None:
-        out |= {"wm": np.einsum("ij,ij->i", w, m), "wn": np.sqrt(np.einsum("ij,ij->i", w, w)), "WtW": w.T @ w,
-                "w_sum": w.sum(0), "m_sum": m.sum(0)}
-    return out
-
-
 def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.Dataset:
     vocab = ds.sizes["vocab"]
     data = {}
@@ -280,11 +261,9 @@ def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.
     return xr.Dataset(data, coords=coords)
 
 
-def _dask(var: xr.DataArray, rows: int) -> da.Array:
-    """A variable as a dask array: in the store's own chunks when it has them, else in blocks of ``rows``."""
-    if isinstance(var.data, da.Array):
-        return var.data
-    return var.chunk(var.encoding.get("preferred_chunks") or {"vocab": rows}).data
+def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
+    """The kept classes' rows of a (vocab, ...) variable, read once, as float64 (O(|K| d) memory)."""
+    return np.asarray(var.values, dtype=np.float64)[K]
 
 
 def _check_finite(x: np.ndarray, what: str) -> None:
@@ -312,105 +291,6 @@ def dual_error(MtM: np.ndarray, WtW: np.ndarray, trace_s: float, m_sum: np.ndarr
     s_norm = math.sqrt(float(np.sum(MtM * WtW)))
     inner = (trace_s - float(m_sum @ w_sum) / n) / (s_norm * math.sqrt(n - 1))
     return math.sqrt(max(2 - 2 * inner, 0.0))
-
-
-# ---------------------------------------------------------------- the pairwise sums, tile by tile
-
-def pair_sums(M: da.Array, r: np.ndarray, var: np.ndarray, t0: float,
-              s: np.ndarray) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
-    """Sums over the pairs c < c' of K of x^2 with x = T/t0 - 1 (cosines; x sums to 0 since t0 is T's mean),
-    l = log(T/t0) and l^2 (GNC2), (v_c + v_c')/D and (v_c + v_c')/D^2 (CDNV), the minimum of T, and each class's
-    CDNV sum over the others; and u_c . s for the given s.
-
-    One dask task per tile pair i <= j of M's row blocks computes that pair's Gram block once (never n x n);
-    shifting by t0, the mean of T, keeps the second moments exact to rounding.
-    """
-    d = M.shape[1]
-    # [u_c, 1] and [-2 u_c, 2 - t0] / t0, once per block: their product is x = T/t0 - 1
-    left = da.map_blocks(_unit_rows_and_one, M, da.from_array(r[:, None], chunks=(M.chunks[0], 1)),
-                         chunks=(M.chunks[0], (d + 1,)), dtype=float)
-    right = left * np.r_[np.full(d, -2 / t0), 2 / t0 - 1]
-    edges = np.cumsum((0,) + M.chunks[0])
-    side = np.stack([r, 1 / r, var])                              # per class: r_c, 1/r_c, var_c
-    L, R = left.to_delayed()[:, 0], right.to_delayed()[:, 0]
-    tasks, spans = [], []
-    for i in range(len(L)):
-        for j in range(i, len(L)):
-            si, sj = slice(edges[i], edges[i + 1]), slice(edges[j], edges[j + 1])
-            tasks.append(dask.delayed(_tile_sums, pure=True)(L[i], R[j], side[:, si], side[:, sj], t0, i == j))
-            spans.append((si, sj))
-    u_s = [dask.delayed(np.dot)(b, np.r_[s, 0.0]) for b in L]
-    results, u_s = dask.compute(tasks, u_s)
-    acc, row = np.zeros(6), np.zeros(len(r))
-    acc[5] = np.inf
-    for (si, sj), (a, rows, cols) in zip(spans, results):
-        acc[:5] += a[:5]
-        acc[5] = min(acc[5], a[5])
-        row[si] += rows
-        row[sj] += cols
-    sums = dict(zip(("xx", "l", "ll", "cdnv", "cdnv_p2"), acc[:5].tolist()), min_T=t0 * (acc[5] + 1))
-    return sums, row, np.concatenate(u_s)
-
-
-def _unit_rows_and_one(m: np.ndarray, r: np.ndarray) -> np.ndarray:
-    return np.hstack([m / r, np.ones_like(r)])
-
-
-@np.errstate(divide="ignore", invalid="ignore")  # T = 0 (coincident means): the caller reports it
-def _tile_sums(Ui: np.ndarray, Rj: np.ndarray, side_i: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
-               cells: int = 1 << 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The pair sums of one tile pair: ([xx, l, ll, cdnv, cdnv_p2, min x], row sums, column sums).
-
-    Ui = [u_i, 1] and Rj = [-2 u_j, 2 - t0] / t0, so one GEMM gives x = T/t0 - 1, and l = log(x + 1); a rank-3
-    update (BLAS, in place) turns x into D/(t0 r r'), since D/(r r') = T + r/r' + r'/r - 2; its reciprocal R gives
-    1/D = R / (t0 r r'), so the CDNV sums are thin GEMMs of R and R^2 with per-class weights. The work goes in
-    cache-sized strips; a diagonal tile covers only its upper triangle.
-    """
-    (ri, bi, vi), (rj, bj, vj) = side_i, side_j
-    lift_i = np.asfortranarray(np.stack([ri, bi, np.ones_like(ri)]))               # 3 x ti
-    lift_j = np.stack([bj, rj, np.full_like(rj, t0 - 2)], 1) / t0                  # tj x 3
-    wi, wj = np.stack([bi, vi * bi]), np.stack([bj, vj * bj], 1)                   # weights of R's sums
-    wj2 = wj * bj[:, None]                                                         # ... and of R^2's
-    P, P2, Q = np.zeros((len(ri), 2)), np.zeros((len(ri), 2)), np.zeros((2, len(rj)))
-    acc = np.array([0.0, 0.0, 0.0, 0.0, 0.0, np.inf])
-    panel = min(len(ri), 256) if diag else len(ri)
-    for a in range(0, len(ri), panel):
-        c0 = a if diag else 0
-        X = Ui[a:a + panel] @ Rj[c0:].T                           # x = T/t0 - 1, rows a.., columns c0..
-        step = max(1, cells // X.shape[1])
-        buf, ones = np.empty(step * X.shape[1]), np.ones(X.shape[1])
-        for e in range(0, X.shape[0], step):
-            x = X[e:e + step]
-            ii, jj = slice(a + e, a + e + len(x)), slice(c0, None)
-            if diag:                                               # drop pairs with column <= row
-                skip = np.tri(len(x), e + len(x), k=e, dtype=bool)
-                x[:, :skip.shape[1]][skip] = 0.0                   # x = 0 adds nothing to the x and l sums
-            acc[5] = min(acc[5], x.min())
-            acc[0] += np.vdot(x, x)
-            lg = np.add(x, 1.0, out=buf[:x.size].reshape(x.shape))
-            np.log(lg, out=lg)                                    # l = log(T/t0)
-            acc[1] += np.sum(lg @ ones)
-            acc[2] += np.vdot(lg, lg)
-            _add_outer(x, lift_i[:, ii], lift_j[jj])             # x := D/(t0 r r')
-            if diag:
-                x[:, :skip.shape[1]][skip] = np.inf                # R = 0 there
-            np.reciprocal(x, out=x)                               # R
-            np.matmul(x, wj[jj], out=P[ii])
-            Q[:, jj] += wi[:, ii] @ x
-            np.square(x, out=x)
-            np.matmul(x, wj2[jj], out=P2[ii])
-    rows = bi / t0 * (vi * P[:, 0] + P[:, 1])                     # sum_j (v_i + v_j)/D_ij
-    cols = bj / t0 * (vj * Q[0] + Q[1])                           # sum_i (v_i + v_j)/D_ij
-    acc[3] = rows.sum()
-    acc[4] = np.sum((bi / t0) ** 2 * (vi * P2[:, 0] + P2[:, 1]))  # sum (v_i + v_j)/D_ij^2
-    return acc, rows, cols
-
-
-def _add_outer(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """x += a.T @ b.T in place (x C-ordered s x w, a k x s, b w x k): one BLAS dgemm with beta = 1 on x.T."""
-    out = scipy.linalg.blas.dgemm(1.0, b, a, beta=1.0, c=x.T, overwrite_c=True)
-    if not np.shares_memory(out, x):  # BLAS had to copy (an unusual layout): fall back
-        x += a.T @ b.T
 
 
 def _raise_coincident(M: np.ndarray, r: np.ndarray, K: np.ndarray, tile: int) -> None:

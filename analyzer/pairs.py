@@ -1,0 +1,161 @@
+"""The pairwise sums of the metrics, tile by tile: one Gram block per tile pair, then one fused pass over it.
+
+Over the pairs c < c' of the kept classes, with g = u_c . u_c' (the Gram of the unit centred means), these are
+the sums the metrics need (SPEC section 4):
+
+- T = ||u_c - u_c'||^2 = 2 - 2g, shifted by t0 (T's mean over the pairs, from d-dimensional algebra) so that
+  second moments stay exact: x = T/t0 - 1 (sum x^2: the spread of the cosines) and l = log(T/t0) (sums l, l^2:
+  GNC2);
+- D = ||mu_c - mu_c'||^2 = r r' (r/r' + r'/r - 2g), from the same g and the norms (the CDNV sums);
+- the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless.
+
+The Gram block is one BLAS call; everything after it is one numba loop over the block (a log, a reciprocal and
+a few multiply-adds per pair), so the whole costs about one tiled Gram. No |K| x |K| array is ever formed.
+"""
+from __future__ import annotations
+
+
+import dask
+import numba
+import numpy as np
+import threadpoolctl
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
+PANEL_CELLS = 1 << 19  # Gram cells per BLAS call (4 MiB): the block stays in cache for the pass over it
+SUMS = ("coincident", "xx", "l", "ll", "cdnv", "cdnv_p2")
+
+
+def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float,
+              tile: int) -> tuple[dict[str, float], np.ndarray]:
+    """The sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l, l^2; and
+    (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV) and, per class, its CDNV sum sum_{c' != c} (v_c + v_c')/D.
+
+    ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances and ``t0`` the mean of T
+    over the pairs. One dask task per pair of row blocks i <= j of ``tile`` classes, on the current scheduler
+    (locally, one BLAS thread per task).
+    """
+    edges = list(range(0, len(U), tile)) + [len(U)]
+    spans = [slice(a, b) for a, b in zip(edges, edges[1:])]
+    side = np.stack([r, 1 / r, var])                              # per class: r_c, 1/r_c, var_c
+    blocks = [(dask.delayed(U[s]), dask.delayed(side[:, s])) for s in spans]
+    tasks = [dask.delayed(tile_sums)(*blocks[i], *blocks[j], t0, i == j)
+             for i in range(len(spans)) for j in range(i, len(spans))]
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        results = dask.compute(*tasks)
+    acc, row = np.zeros(len(SUMS)), np.zeros(len(U))
+    pairs = ((i, j) for i in range(len(spans)) for j in range(i, len(spans)))
+    for (i, j), (a, rows, cols) in zip(pairs, results):
+        acc += a
+        row[spans[i]] += rows
+        row[spans[j]] += cols
+    return dict(zip(SUMS, acc.tolist())), row
+
+
+def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
+              diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One tile pair's sums (in ``SUMS`` order), row sums and column sums of (v + v')/D, over its pairs (on a
+    diagonal tile, i < j only). The Gram goes in row panels of about PANEL_CELLS; a diagonal tile's panel starts
+    at its own first column."""
+    acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
+    step = max(1, PANEL_CELLS // len(Uj))
+    buf = np.empty(step * len(Uj))
+    for a in range(0, len(Ui), step):
+        b, c0 = min(a + step, len(Ui)), (a if diag else 0)
+        G = np.matmul(Ui[a:b], Uj[c0:].T, out=buf[:(b - a) * (len(Uj) - c0)].reshape(b - a, -1))
+        _pass(G, *side_i[:, a:b], *side_j[:, c0:], 2 / t0, diag, acc, rows[a:b], cols[c0:])
+    return acc, rows, cols
+
+
+# ---------------------------------------------------------------- the fused pass (numba)
+
+@intrinsic
+def _bits(typingctx, x):
+    """The bits of a float64 as an int64 (a bitcast, so loops around it still vectorise)."""
+    return types.int64(types.float64), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(64))
+
+
+@intrinsic
+def _float(typingctx, i):
+    """The float64 whose bits are this int64."""
+    return types.float64(types.int64), lambda context, builder, sig, args: builder.bitcast(args[0], ir.DoubleType())
+
+
+# musl's log (from FreeBSD's e_log.c): ln 2 in two parts and the minimax coefficients of its polynomial
+LN2_HI, LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+LG1, LG2, LG3, LG4 = 6.666666666666735130e-01, 3.999999999940941908e-01, 2.857142874366239149e-01, 2.222219843214978396e-01
+LG5, LG6, LG7 = 1.818357216161805012e-01, 1.531383769920937332e-01, 1.479819860511658591e-01
+_SQRT_HALF_HI = 0x3FE6A09E00000000  # the high word of sqrt(1/2): the mantissa is reduced into [sqrt(1/2), sqrt(2))
+
+
+@numba.njit(inline="always", error_model="numpy")
+def _reduce(y: float) -> tuple[float, float]:
+    """y = 2^k (1 + f) with 1 + f in [sqrt(1/2), sqrt(2)): (k, f), branch-free, for positive normal y."""
+    ix = _bits(y) + (0x3FF0000000000000 - _SQRT_HALF_HI)
+    k = float((ix >> 52) - 0x3FF)
+    f = _float(((ix & 0x000FFFFF00000000) + _SQRT_HALF_HI) | (ix & 0xFFFFFFFF)) - 1.0
+    return k, f
+
+
+@numba.njit(inline="always", error_model="numpy")
+def _log_reduced(k: float, f: float, s: float) -> float:
+    """log(2^k (1 + f)) given s = f / (2 + f) (musl's log, < 1 ulp)."""
+    hfsq = 0.5 * f * f
+    z = s * s
+    t = z * (LG1 + z * (LG2 + z * (LG3 + z * (LG4 + z * (LG5 + z * (LG6 + z * LG7))))))  # Horner: fewest operations
+    return s * (hfsq + t) + k * LN2_LO - hfsq + f + k * LN2_HI
+
+
+@numba.njit(error_model="numpy", cache=True)
+def vlog(y: np.ndarray) -> np.ndarray:
+    """The natural log of positive normal values, as the pass computes it (for tests)."""
+    out = np.empty_like(y)
+    for i in range(y.size):
+        k, f = _reduce(y[i])
+        out[i] = _log_reduced(k, f, f / (2.0 + f))
+    return out
+
+
+@numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False,
+            cache=True)
+def _pass(G, ri, bi, vi, rj, bj, vj, c, diag, acc, rows, cols):  # pragma: no cover (compiled)
+    """Accumulate one Gram block's pair sums into acc (SUMS order), rows and cols (see tile_sums); on a diagonal
+    block only the pairs j > i.
+
+    x = T/t0 - 1 = (c - 1) - c g with c = 2/t0 (given ready-made: from t0, reassociation would turn it into a
+    division per pair); e = r/r' + r'/r - 2g = D/(r r'), so with b = 1/r, 1/D = b b'/e and every CDNV sum is a
+    weighted sum of 1/e and 1/e^2. The log shares that division: 1/(e (2 + f)) gives both 1/e and musl's
+    s = f/(2 + f). Reductions may be reordered (fastmath reassoc), which is what lets the loop vectorise; every
+    term is float64.
+    """
+    g_max = 1.0 - COINCIDENT / 2                                  # T = 2 - 2g < COINCIDENT
+    col = np.zeros(G.shape[1])                                    # sum_i (v_i + v_j) / D_ij
+    bad = xx = l1 = l2 = cdnv = p2 = 0.0
+    for i in range(G.shape[0]):
+        r_i, b_i, v_i = ri[i], bi[i], vi[i]
+        lo = i + 1 if diag else 0
+        g_row, r_j, b_j, v_j, col_j = G[i, lo:], rj[lo:], bj[lo:], vj[lo:], col[lo:]  # views: the loop vectorises
+        row = row2 = 0.0
+        for j in range(g_row.size):
+            g = g_row[j]
+            bad += 1.0 if g > g_max else 0.0
+            x = (c - 1.0) - c * g                                 # T/t0 - 1
+            xx += x * x
+            k, f = _reduce(x + 1.0)
+            e = r_i * b_j[j] + b_i * r_j[j] - 2.0 * g             # D/(r r')
+            inv = 1.0 / (e * (2.0 + f))
+            l = _log_reduced(k, f, f * e * inv)                   # log(T/t0)
+            l1 += l
+            l2 += l * l
+            qb = inv * (2.0 + f) * b_j[j]                         # b'/e = r/D
+            t = qb * (v_i + v_j[j])                               # (v + v') r / D
+            row += t
+            row2 += t * qb                                        # (v + v') r^2 / D^2
+            col_j[j] += t * b_i
+        rows[i] += b_i * row
+        cdnv += b_i * row
+        p2 += b_i * b_i * row2
+    cols += col
+    acc += np.array([bad, xx, l1, l2, cdnv, p2])
