@@ -20,10 +20,11 @@ import dask
 import dask.array as da
 import numpy as np
 import psutil
+import threadpoolctl
 import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.pairs import COINCIDENT, pair_sums
+from ncanalyze.analyzer.pairs import COINCIDENT, blocks, pair_sums
 
 SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
            "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
@@ -181,10 +182,16 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
                         "--min-count or leave them out")
     U = M / r[:, None]
     s = U.sum(0)
-    MtM = M.T @ M                                                 # n Sigma_B, d x d
+    cos_mean = (s @ s - n) / (n * (n - 1))                        # mean over P of u_c . u_c'
+    t0 = 2 - 2 * cos_mean                                         # the mean of T over P: centres the pair sums
+    W = _rows(ds["classifier"], K) if "classifier" in ds else None
+    # one dask compute: the pair tiles, and beside them (one task) the d x d second moments
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):    # one BLAS thread per dask thread
+        (sums, row_cdnv), mom = dask.compute(pair_sums(U, r, var, t0, blocks(n, tile)),
+                                             dask.delayed(_moments)(M, W))
+    lam, V = mom["lam"], mom["V"]
     out: dict[str, float] = {}
     per: dict[str, np.ndarray] = {"class_norm": r}
-    lam, V = np.linalg.eigh(MtM)
 
     # NC1: Tr(Sigma_W Sigma_B^+)/n = sum_i v_i^T Sigma_W v_i / lam_i over lam_i > d eps max(lam) (numpy's pinv cut)
     if "within_covariance" in ds:
@@ -196,12 +203,9 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
     # NC2: norms; the cosines' mean from s; the ETF error from the spectrum
     out["nc2_norm_cv"] = r.std() / r.mean()
     out["nc2_lognorm_std"] = np.log(r).std()
-    cos_mean = (s @ s - n) / (n * (n - 1))                        # mean over P of u_c . u_c'
     out["nc2_etf_error"] = etf_error_from_spectrum(lam, n)
 
-    # the pairwise sums, tile by tile; t0 = mean of T over P centres them
-    t0 = 2 - 2 * cos_mean
-    sums, row_cdnv = pair_sums(U, r, var, t0, tile)
+    # the pairwise sums
     per["class_interference"] = (U @ s - 1) / (n - 1)             # mean over c' != c of u_c . u_c'
     if sums["coincident"] or not np.isfinite(list(sums.values())).all():
         _raise_coincident(M, r, K, tile)
@@ -217,17 +221,15 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
 
     # NC3: duality of classifier rows and centred means
     if "classifier" in ds:
-        W = _rows(ds["classifier"], K)
-        wn = np.sqrt(np.einsum("ij,ij->i", W, W))
+        wn, wm = mom["wn"], mom["wm"]
         dead = np.flatnonzero(wn == 0)
         if dead.size:
             raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
-        wm = np.einsum("ij,ij->i", W, M)
         dual = wm / (wn * r)
         per["class_duality"] = dual
         out["nc3_cos_mean"] = dual.mean()
         out["unc3_cos_cv"] = dual.std() / dual.mean()
-        out["nc3_dual_error"] = dual_error(MtM, W.T @ W, wm.sum(), M.sum(0), W.sum(0), n)
+        out["nc3_dual_error"] = dual_error(mom["MtM"], mom["WtW"], wm.sum(), M.sum(0), mom["w_sum"], n)
 
     # NC4: decisions counted at extraction over its kept set, which must be this one
     if "val_ncc_agree" in ds and int(np.asarray(ds["val_count"].values).sum()) > 0:
@@ -261,9 +263,20 @@ def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.
     return xr.Dataset(data, coords=coords)
 
 
+def _moments(M: np.ndarray, W: np.ndarray | None) -> dict[str, np.ndarray]:
+    """M^T M (= |K| Sigma_B) with its eigenvalues ``lam`` and eigenvectors ``V``; with W, also W^T W, the row
+    norms ``wn`` of W, the row products ``wm`` w_c . m_c and the column sums ``w_sum``. One task: O(|K| d^2)."""
+    out = {"MtM": M.T @ M}
+    out["lam"], out["V"] = np.linalg.eigh(out["MtM"])
+    if W is not None:
+        out |= {"WtW": W.T @ W, "wn": np.sqrt(np.einsum("ij,ij->i", W, W)), "wm": np.einsum("ij,ij->i", W, M),
+                "w_sum": W.sum(0)}
+    return out
+
+
 def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
-    """The kept classes' rows of a (vocab, ...) variable, read once, as float64 (O(|K| d) memory)."""
-    return np.asarray(var.values, dtype=np.float64)[K]
+    """The kept classes' rows of a (vocab, ...) variable as float64, read once (O(|K| d) memory)."""
+    return np.asarray(var.isel(vocab=K).values, dtype=np.float64)
 
 
 def _check_finite(x: np.ndarray, what: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dask
 import numba
 import numpy as np
-import threadpoolctl
+from dask.delayed import Delayed
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
@@ -28,39 +28,41 @@ PANEL_CELLS = 1 << 19  # Gram cells per BLAS call (4 MiB): the block stays in ca
 SUMS = ("coincident", "xx", "l", "ll", "cdnv", "cdnv_p2")
 
 
-def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float,
-              tile: int) -> tuple[dict[str, float], np.ndarray]:
-    """The sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l, l^2; and
-    (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV) and, per class, its CDNV sum sum_{c' != c} (v_c + v_c')/D.
+def blocks(n: int, tile: int) -> list[slice]:
+    """The row blocks of ``tile`` classes that the tasks work on."""
+    return [slice(a, min(a + tile, n)) for a in range(0, n, tile)]
+
+
+def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float, spans: list[slice]) -> Delayed:
+    """A dask task for the sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l,
+    l^2; and (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV) and, per class, its CDNV sum over the others.
 
     ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances and ``t0`` the mean of T
-    over the pairs. One dask task per pair of row blocks i <= j of ``tile`` classes, on the current scheduler
-    (locally, one BLAS thread per task).
+    over the pairs; one task per pair of row blocks i <= j of ``spans``.
     """
-    edges = list(range(0, len(U), tile)) + [len(U)]
-    spans = [slice(a, b) for a, b in zip(edges, edges[1:])]
     side = np.stack([r, 1 / r, var])                              # per class: r_c, 1/r_c, var_c
-    blocks = [(dask.delayed(U[s]), dask.delayed(side[:, s])) for s in spans]
-    tasks = [dask.delayed(tile_sums)(*blocks[i], *blocks[j], t0, i == j)
-             for i in range(len(spans)) for j in range(i, len(spans))]
-    with threadpoolctl.threadpool_limits(1, user_api="blas"):
-        results = dask.compute(*tasks)
-    acc, row = np.zeros(len(SUMS)), np.zeros(len(U))
-    pairs = ((i, j) for i in range(len(spans)) for j in range(i, len(spans)))
-    for (i, j), (a, rows, cols) in zip(pairs, results):
+    parts = [(dask.delayed(U[s]), dask.delayed(side[:, s])) for s in spans]
+    pairs = [(i, j) for i in range(len(spans)) for j in range(i, len(spans))]
+    tiles = [dask.delayed(tile_sums)(*parts[i], *parts[j], t0, i == j) for i, j in pairs]
+    return dask.delayed(_gather)(tiles, [(spans[i], spans[j]) for i, j in pairs], len(U))
+
+
+def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[dict[str, float], np.ndarray]:
+    acc, row = np.zeros(len(SUMS)), np.zeros(n)
+    for (si, sj), (a, rows, cols) in zip(spans, tiles):
         acc += a
-        row[spans[i]] += rows
-        row[spans[j]] += cols
+        row[si] += rows
+        row[sj] += cols
     return dict(zip(SUMS, acc.tolist())), row
 
 
-def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
-              diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
+              panel_cells: int = PANEL_CELLS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One tile pair's sums (in ``SUMS`` order), row sums and column sums of (v + v')/D, over its pairs (on a
-    diagonal tile, i < j only). The Gram goes in row panels of about PANEL_CELLS; a diagonal tile's panel starts
-    at its own first column."""
+    diagonal tile, i < j only); ``side`` holds each class's r, 1/r and variance. The Gram goes in row panels of
+    about ``panel_cells`` into one reused buffer; a diagonal tile's panel starts at its own first column."""
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
-    step = max(1, PANEL_CELLS // len(Uj))
+    step = max(1, panel_cells // len(Uj))
     buf = np.empty(step * len(Uj))
     for a in range(0, len(Ui), step):
         b, c0 = min(a + step, len(Ui)), (a if diag else 0)

@@ -1,0 +1,58 @@
+"""The fused pass over Gram blocks (analyzer/pairs.py) against brute force, panel by panel."""
+import numpy as np
+import pytest
+
+from ncanalyze.analyzer.pairs import COINCIDENT, SUMS, tile_sums, vlog
+
+
+def test_log_is_within_one_ulp_of_numpy():
+    rng = np.random.default_rng(0)
+    y = np.r_[np.exp(rng.uniform(-700, 700, 10**5)), rng.uniform(0.25, 4, 10**5), 1 + np.arange(-500, 500) * 2.0**-52,
+              np.sqrt(0.5) * (1 + np.arange(-50, 50) * 2.0**-52), np.sqrt(2) * (1 + np.arange(-50, 50) * 2.0**-52),
+              2.0 ** np.arange(-1020, 1020), np.nextafter(2.0 ** np.arange(-1020, 1020), 0)]
+    want = np.log(y)
+    ulps = np.abs(vlog(y) - want) / np.spacing(np.maximum(np.abs(want), np.finfo(float).tiny))
+    assert ulps.max() <= 1
+    assert vlog(np.array([1.0]))[0] == 0.0
+
+
+def brute(U, r, v, t0, pairs):
+    """Every sum of one tile in float64 from explicit loops over its pairs (i, j)."""
+    acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(U[0])), np.zeros(len(U[1]))
+    for i, j in pairs:
+        g = float(U[0][i] @ U[1][j])
+        T = float(np.sum((U[0][i] - U[1][j]) ** 2))
+        D = float(np.sum((r[0][i] * U[0][i] - r[1][j] * U[1][j]) ** 2))
+        c = (v[0][i] + v[1][j]) / D
+        acc += [g > 1 - COINCIDENT / 2, (T / t0 - 1) ** 2, np.log(T / t0), np.log(T / t0) ** 2, c, c / D]
+        rows[i] += c
+        cols[j] += c
+    return acc, rows, cols
+
+
+@pytest.mark.parametrize("diag", [False, True])
+@pytest.mark.parametrize("panel_rows", [1, 3, 7, 100])
+def test_tile_sums_match_loops_over_pairs(diag, panel_rows):
+    rng = np.random.default_rng(panel_rows)
+    (ni, nj), d = ((17, 17) if diag else (13, 19)), 6
+    U = [rng.standard_normal((n, d)) for n in (ni, nj)]
+    U = [u / np.linalg.norm(u, axis=1, keepdims=True) for u in U]
+    if diag:
+        U[1] = U[0]
+    r = [rng.uniform(0.5, 3, n) for n in (ni, nj)]
+    v = [rng.uniform(0, 2, n) for n in (ni, nj)]
+    if diag:
+        r[1], v[1] = r[0], v[0]
+    t0 = 1.7
+    side = [np.stack([r[k], 1 / r[k], v[k]]) for k in (0, 1)]
+    got = tile_sums(U[0], side[0], U[1], side[1], t0, diag, panel_cells=panel_rows * nj)
+    pairs = [(i, j) for i in range(ni) for j in range(nj) if j > i or not diag]
+    for g, w in zip(got, brute(U, r, v, t0, pairs)):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
+
+
+def test_coincident_directions_are_counted():
+    u = np.array([[1.0, 0.0], [np.cos(1e-6), np.sin(1e-6)], [0.0, 1.0]])     # T = 1e-12 between the first two
+    side = np.stack([np.ones(3), np.ones(3), np.ones(3)])
+    acc, _, _ = tile_sums(u, side, u, side, 1.0, True)
+    assert acc[SUMS.index("coincident")] == 1
