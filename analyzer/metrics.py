@@ -22,6 +22,7 @@ import numpy as np
 import psutil
 import threadpoolctl
 import xarray as xr
+from dask.delayed import Delayed
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.pairs import COINCIDENT, blocks, pair_sums
@@ -185,10 +186,10 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
     cos_mean = (s @ s - n) / (n * (n - 1))                        # mean over P of u_c . u_c'
     t0 = 2 - 2 * cos_mean                                         # the mean of T over P: centres the pair sums
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
-    # one dask compute: the pair tiles, and beside them (one task) the d x d second moments
+    # one dask compute: the pair tiles, and beside them the d x d second moments block by block
+    spans = blocks(n, tile)
     with threadpoolctl.threadpool_limits(1, user_api="blas"):    # one BLAS thread per dask thread
-        (sums, row_cdnv), mom = dask.compute(pair_sums(U, r, var, t0, blocks(n, tile)),
-                                             dask.delayed(_moments)(M, W))
+        (sums, row_cdnv), mom = dask.compute(pair_sums(U, r, var, t0, spans), _moments(M, W, spans))
     lam, V = mom["lam"], mom["V"]
     out: dict[str, float] = {}
     per: dict[str, np.ndarray] = {"class_norm": r}
@@ -263,14 +264,26 @@ def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.
     return xr.Dataset(data, coords=coords)
 
 
-def _moments(M: np.ndarray, W: np.ndarray | None) -> dict[str, np.ndarray]:
-    """M^T M (= |K| Sigma_B) with its eigenvalues ``lam`` and eigenvectors ``V``; with W, also W^T W, the row
-    norms ``wn`` of W, the row products ``wm`` w_c . m_c and the column sums ``w_sum``. One task: O(|K| d^2)."""
-    out = {"MtM": M.T @ M}
+def _moments(M: np.ndarray, W: np.ndarray | None, spans: list[slice]) -> Delayed:
+    """A dask task for M^T M (= |K| Sigma_B) with its eigenvalues ``lam`` and eigenvectors ``V``; with W, also
+    W^T W, the row norms ``wn`` of W, the row products ``wm`` (w_c . m_c) and the column sums ``w_sum``. One task
+    per row block (O(tile d^2) each), then their sum and the eigendecomposition (O(d^3))."""
+    parts = [dask.delayed(_block_moments)(M[s], None if W is None else W[s]) for s in spans]
+    return dask.delayed(_sum_moments)(parts)
+
+
+def _block_moments(m: np.ndarray, w: np.ndarray | None) -> dict[str, np.ndarray]:
+    out = {"MtM": m.T @ m}
+    if w is not None:
+        out |= {"WtW": w.T @ w, "wn": np.sqrt(np.einsum("ij,ij->i", w, w)), "wm": np.einsum("ij,ij->i", w, m),
+                "w_sum": w.sum(0)}
+    return out
+
+
+def _sum_moments(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    out = {k: np.concatenate([p[k] for p in parts]) if k in ("wn", "wm") else sum(p[k] for p in parts)
+           for k in parts[0]}
     out["lam"], out["V"] = np.linalg.eigh(out["MtM"])
-    if W is not None:
-        out |= {"WtW": W.T @ W, "wn": np.sqrt(np.einsum("ij,ij->i", W, W)), "wm": np.einsum("ij,ij->i", W, M),
-                "w_sum": W.sum(0)}
     return out
 
 

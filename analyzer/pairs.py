@@ -24,7 +24,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
-PANEL_CELLS = 1 << 19  # Gram cells per BLAS call (4 MiB): the block stays in cache for the pass over it
+PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
 SUMS = ("coincident", "xx", "l", "ll", "cdnv", "cdnv_p2")
 
 
@@ -97,7 +97,7 @@ def _reduce(y: float) -> tuple[float, float]:
     """y = 2^k (1 + f) with 1 + f in [sqrt(1/2), sqrt(2)): (k, f), branch-free, for positive normal y."""
     ix = _bits(y) + (0x3FF0000000000000 - _SQRT_HALF_HI)
     k = float((ix >> 52) - 0x3FF)
-    f = _float(((ix & 0x000FFFFF00000000) + _SQRT_HALF_HI) | (ix & 0xFFFFFFFF)) - 1.0
+    f = _float((ix & 0x000FFFFFFFFFFFFF) + _SQRT_HALF_HI) - 1.0  # no carry: the constant's low word is 0
     return k, f
 
 
