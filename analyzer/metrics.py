@@ -171,8 +171,8 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> 
 
 def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, tile: int):
     n = K.size
-    mean = _rows(ds["mean"], K)
-    M = mean - mean.mean(0)                                       # m_c = mu_c - mu_G
+    M = _rows(ds["mean"], K)
+    M = M - M.mean(0)                                             # m_c = mu_c - mu_G
     var = _rows(ds["variance"], K)
     r = np.sqrt(np.einsum("ij,ij->i", M, M))
     _check_finite(np.r_[r, var], "class means or variances")
