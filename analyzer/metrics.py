@@ -6,8 +6,9 @@ D_cc' = ||mu_c - mu_c'||^2.
 
 Everything that is not a pairwise sum is d x d or O(n d) algebra on M (n x d, the centred means): the ETF error
 from the eigenvalues of M^T M, the dual error from <M^T M, W^T W>, the mean cosine from s = sum_c u_c.
-The pairwise sums (CDNV, the spread of the cosines, GNC2) are accumulated tile by tile with dask over blocks of
-K, from one Gram block per tile pair i <= j; no n x n array is ever formed.
+The pairwise sums (CDNV, the spread of the cosines, GNC2) come from pairs.py: one Gram block per tile pair
+i <= j and one fused pass over it; no n x n array is ever formed. Both run in one dask compute, one BLAS thread
+per task.
 """
 from __future__ import annotations
 

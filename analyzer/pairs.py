@@ -136,7 +136,7 @@ def vlog(y: np.ndarray) -> np.ndarray:
 
 @numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False,
             cache=True)
-def _pass(G, ri, bi, vi, rj, bj, vj, c, diag, acc, rows, cols):  # pragma: no cover (compiled)
+def _pass(G, ri, bi, vi, rj, bj, vj, c, diag, acc, rows, cols):
     """Accumulate one Gram block's pair sums into acc (SUMS order), rows and cols (see tile_sums); on a diagonal
     block only the pairs j > i.
 
