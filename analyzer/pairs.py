@@ -40,7 +40,8 @@ def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float, spans: l
 
     ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances and ``t0`` the mean of T
     over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is written as a plain dask
-    graph (a dict of tasks): building it through dask.delayed costs ~1 ms a task, a tenth of a tile's work.
+    graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of the whole run at
+    K = 8,192, d = 256.
     """
     token = uuid.uuid4().hex
     data, out = f"unit-side-{token}", f"pair_sums-{token}"

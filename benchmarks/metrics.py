@@ -76,20 +76,19 @@ def run(k: int, d: int, rounds: int) -> None:
     M = ds["mean"].values - ds["mean"].values.mean(0)
     tile = auto_tile(k)
     measure(ds)  # warm-up: imports, thread pools, the compiled pass
-    t_tiled = statistics.median(timeit.repeat(lambda: tiled_gram(M, tile), number=1, repeat=rounds))
-    t_dask = statistics.median(timeit.repeat(lambda: dask_gram(M, tile), number=1, repeat=rounds))
+    grams = {"tiled": lambda: tiled_gram(M, tile), "tiled on dask": lambda: dask_gram(M, tile)}
     full_bytes = k * k * 8
-    t_full = (statistics.median(timeit.repeat(lambda: M @ M.T, number=1, repeat=rounds))
-              if full_bytes < psutil.virtual_memory().available / 4 else float("nan"))
-    fastest = {t_tiled: tiled_gram, t_dask: dask_gram}.get(np.nanmin([t_tiled, t_dask, t_full]))
-    gram = (lambda: fastest(M, tile)) if fastest else (lambda: M @ M.T)
+    if full_bytes < psutil.virtual_memory().available / 4:
+        grams["one call"] = lambda: M @ M.T
+    times = {name: statistics.median(timeit.repeat(g, number=1, repeat=rounds)) for name, g in grams.items()}
+    gram = grams[min(times, key=times.get)]
     t_metrics, t_gram, ratio = ratios(lambda: measure(ds), gram, rounds)
     tracemalloc.start()
     measure(ds)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    print(f"K={k:,} d={d:,} tile={tile}: Gram tiled {t_tiled:.2f} s, tiled on dask {t_dask:.2f} s, one call "
-          f"{t_full:.2f} s | {rounds} alternating rounds: metrics {t_metrics:.2f} s, fastest Gram {t_gram:.2f} s, "
+    print(f"K={k:,} d={d:,} tile={tile}: Gram " + ", ".join(f"{name} {t:.2f} s" for name, t in times.items()) +
+          f" | {rounds} alternating rounds: metrics {t_metrics:.2f} s, fastest Gram {t_gram:.2f} s, "
           f"ratio {ratio:.2f} (median per round; target <= 1.5) | peak {peak / 2**20:,.0f} MiB traced "
           f"(|K| d x 8 = {k * d * 8 / 2**20:,.0f} MiB, |K|^2 x 8 = {full_bytes / 2**20:,.0f} MiB)", flush=True)
 
