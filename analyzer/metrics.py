@@ -173,7 +173,7 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> 
 def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, tile: int):
     n = K.size
     M = _rows(ds["mean"], K)
-    M = M - M.mean(0)                                             # m_c = mu_c - mu_G
+    M -= M.mean(0)                                                # m_c = mu_c - mu_G
     var = _rows(ds["variance"], K)
     r = np.sqrt(np.einsum("ij,ij->i", M, M))
     _check_finite(np.r_[r, var], "class means or variances")
@@ -289,8 +289,9 @@ def _sum_moments(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
-    """The kept classes' rows of a (vocab, ...) variable as float64, read once (O(|K| d) memory)."""
-    return np.asarray(var.isel(vocab=K).values, dtype=np.float64)
+    """The kept classes' rows of a (vocab, ...) variable as a new float64 array (np.take always copies, so the
+    caller may write to it), read once: O(|V| d) memory."""
+    return np.take(var.values, K, axis=0).astype(np.float64, copy=False)
 
 
 def _check_finite(x: np.ndarray, what: str) -> None:

@@ -213,6 +213,15 @@ def stats_dataset(means: np.ndarray, variance: np.ndarray | float = 1.0, classif
     return ds
 
 
+def test_measure_leaves_its_input_untouched():
+    """Every class is kept, so no indexing copies on the way: the centring must still not write to the dataset."""
+    rng = np.random.default_rng(3)
+    ds = stats_dataset(rng.standard_normal((40, 5)) + 2, classifier=rng.standard_normal((40, 5)))
+    before = ds.copy(deep=True)
+    measure(ds, tile=7)
+    xr.testing.assert_identical(ds, before)
+
+
 def simplex(K: int, d: int, scale: float = 3.0, seed: int = 0) -> np.ndarray:
     """K vertices of a regular simplex, randomly rotated into d >= K - 1 dimensions and shifted off the origin."""
     rng = np.random.default_rng(seed)
