@@ -210,7 +210,7 @@ def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, t
     # the pairwise sums
     per["class_interference"] = (U @ s - 1) / (n - 1)             # mean over c' != c of u_c . u_c'
     if sums["coincident"] or not np.isfinite(list(sums.values())).all():
-        _raise_coincident(M, r, K, tile)
+        _raise_coincident(M, U, r, K, tile)
     pairs = n * (n - 1) / 2
     out["nc1_cdnv"] = sums["cdnv"] / (2 * pairs)
     out["nc1_cdnv_p2"] = sums["cdnv_p2"] / (2 * pairs)
@@ -321,9 +321,9 @@ def dual_error(MtM: np.ndarray, WtW: np.ndarray, trace_s: float, m_sum: np.ndarr
     return math.sqrt(max(2 - 2 * inner, 0.0))
 
 
-def _raise_coincident(M: np.ndarray, r: np.ndarray, K: np.ndarray, tile: int) -> None:
-    """Name the pair of kept classes whose centred means point the same way (the error path; tile by tile)."""
-    U = M / r[:, None]
+def _raise_coincident(M: np.ndarray, U: np.ndarray, r: np.ndarray, K: np.ndarray, tile: int) -> None:
+    """Name the pair of kept classes whose centred means point the same way (the error path; tile by tile over
+    the unit means U)."""
     best = (-np.inf, 0, 0)
     for a in range(0, len(U), tile):
         for c in range(a, len(U), tile):
