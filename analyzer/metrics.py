@@ -9,12 +9,17 @@ from the eigenvalues of M^T M, the dual error from <M^T M, W^T W>, the mean cosi
 The pairwise sums (CDNV, the spread of the cosines, GNC2) come from pairs.py: one Gram block per tile pair
 i <= j and one fused pass over it; no n x n array is ever formed. Both run in one dask compute, one BLAS thread
 per task.
+
+Reading order: :func:`geometry` gathers those quantities into a :class:`Geometry`; then each metric is one small
+function of it, named as in SPEC section 4 (``nc1_cdnv`` ... ``nc4_agreement``, and the per-class views), whose
+docstring gives the formula and the citation; :func:`measure_all` applies them.
 """
 from __future__ import annotations
 
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -26,12 +31,9 @@ import xarray as xr
 from dask.delayed import Delayed
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.pairs import COINCIDENT, blocks, pair_sums
+from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums
+from ncanalyze.analyzer.schema import PER_CLASS, SCALARS, stats_dataset
 
-SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
-           "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
-           "nc4_agreement")
-PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4")
 MAX_TILE = 2048
 
 
@@ -73,16 +75,11 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
         acc.update(h, y)
     if acc is None or int(acc.count.sum()) == 0:
         raise UserError("class_stats got no embeddings: pass a non-empty (n x d) array and n labels")
-    ds = xr.Dataset(
-        {"count": ("vocab", acc.count.cpu().numpy()), "mean": (("vocab", "hidden"), acc.mean.cpu().numpy()),
-         "variance": ("vocab", acc.variance.cpu().numpy()),
-         "within_covariance": (("hidden", "hidden2"), acc.within_covariance.cpu().numpy())},
-        coords={"vocab": np.arange(num_classes)},
-        attrs={"min_count": int(min_count), "train_tokens": int(acc.count.sum())})
-    if classifier is not None:
-        ds["classifier"] = ("vocab", "hidden"), _numpy(classifier, (num_classes, ds.sizes["hidden"]), "classifier")
-        if classifier_bias is not None:
-            ds["classifier_bias"] = "vocab", _numpy(classifier_bias, (num_classes,), "classifier_bias")
+    d = acc.mean.shape[1]
+    W = None if classifier is None else _numpy(classifier, (num_classes, d), "classifier")
+    b = None if W is None or classifier_bias is None else _numpy(classifier_bias, (num_classes,), "classifier_bias")
+    ds = stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, classifier=W, classifier_bias=b,
+                       attrs={"min_count": int(min_count), "train_tokens": int(acc.count.sum())})
     if val_embeddings is not None:
         if classifier is None or val_labels is None:
             raise UserError("NC4 needs the classifier and the labels: pass classifier= (and classifier_bias=) and "
@@ -141,7 +138,240 @@ def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int)
     return {k: v.cpu().numpy() for k, v in counts.counts.items()}
 
 
-# ---------------------------------------------------------------- statistics -> metrics
+# ---------------------------------------------------------------- statistics -> the geometry of the kept classes
+
+@dataclass
+class Geometry:
+    """What the definitions below read, over the kept classes K (n = |K|; vectors are indexed like K).
+
+    m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, t0 = mean over P of T = ||u_c - u_c'||^2;
+    ``pairs`` holds the pairwise sums (pairs.py) and ``row_cdnv`` each class's sum of (var_c + var_c') / D over the
+    others; ``lam``, ``V`` the eigen-decomposition of M^T M. The NC3 fields need the classifier (``w_norm``
+    ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the within-class covariance, the NC4 fields the
+    validation counts over the same kept set.
+    """
+    K: np.ndarray
+    var: np.ndarray
+    r: np.ndarray
+    U: np.ndarray
+    s: np.ndarray
+    t0: float
+    pairs: PairSums
+    row_cdnv: np.ndarray
+    MtM: np.ndarray
+    lam: np.ndarray
+    V: np.ndarray
+    m_sum: np.ndarray
+    sigma_w: np.ndarray | None = None
+    w_norm: np.ndarray | None = None
+    wm: np.ndarray | None = None
+    WtW: np.ndarray | None = None
+    w_sum: np.ndarray | None = None
+    val_count: np.ndarray | None = None
+    val_agree: np.ndarray | None = None
+    nc4_nan_because: str | None = None   # NC4 is defined here but not measurable, and why
+
+    @property
+    def n(self) -> int:
+        return self.K.size
+
+    @property
+    def n_pairs(self) -> float:
+        return self.n * (self.n - 1) / 2
+
+    @property
+    def duality(self) -> np.ndarray:
+        """cos(w_c, m_c) per kept class."""
+        return self.wm / (self.w_norm * self.r)
+
+    def has(self, needs: str | None) -> bool:
+        return needs is None or getattr(self, needs) is not None
+
+
+def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> Geometry:
+    """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra here, the pairwise sums and the
+    d x d moments in one dask compute (one BLAS thread per task). Degenerate input is a UserError naming it."""
+    K = kept_classes(ds["count"].values, min_count)
+    n = K.size
+    if n < 2:
+        raise UserError(f"only {n} class(es) have count >= min_count={min_count}; the metrics need at least 2: "
+                        "lower --min-count or extract more train tokens")
+    tile = int(tile or auto_tile(n))
+    if tile < 1:
+        raise UserError(f"tile must be a positive number of classes (got {tile})")
+    M = _rows(ds["mean"], K)
+    M -= M.mean(0)                                                # m_c = mu_c - mu_G
+    var = _rows(ds["variance"], K)
+    r = np.sqrt(np.einsum("ij,ij->i", M, M))
+    _check_finite(np.r_[r, var], "class means or variances")
+    zero = np.flatnonzero(r <= 1e-12 * r.max())
+    if zero.size:
+        raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
+                        "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
+                        "--min-count or leave them out")
+    U = M / r[:, None]
+    s = U.sum(0)
+    t0 = 2 - 2 * (s @ s - n) / (n * (n - 1))                      # mean over P of T = 2 - 2 cos
+    W = _rows(ds["classifier"], K) if "classifier" in ds else None
+    spans = blocks(n, tile)
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        (pairs, row_cdnv), mom = dask.compute(pair_sums(U, r, var, t0, spans), _moments(M, W, spans))
+    if pairs.coincident or not np.isfinite(pairs).all():
+        _raise_coincident(M, U, r, K, tile)
+    g = Geometry(K=K, var=var, r=r, U=U, s=s, t0=t0, pairs=pairs, row_cdnv=row_cdnv, MtM=mom["MtM"],
+                 lam=mom["lam"], V=mom["V"], m_sum=M.sum(0))
+    if "within_covariance" in ds:
+        g.sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64)
+    if W is not None:
+        dead = np.flatnonzero(mom["wn"] == 0)
+        if dead.size:
+            raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
+        g.w_norm, g.wm, g.WtW, g.w_sum = mom["wn"], mom["wm"], mom["WtW"], mom["w_sum"]
+    if "val_ncc_agree" in ds and int(np.asarray(ds["val_count"].values).sum()) > 0:
+        g.val_count, g.val_agree = (np.asarray(ds[v].values)[K].astype(np.float64)
+                                    for v in ("val_count", "val_ncc_agree"))
+        extract_min = int(ds.attrs.get("min_count", 1))
+        if not np.array_equal(K, kept_classes(ds["count"].values, extract_min)):
+            g.nc4_nan_because = (
+                f"its decisions were counted at extraction over the classes with count >= {extract_min}, not over "
+                f"those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
+        elif g.val_count.sum() == 0:
+            g.nc4_nan_because = "no validation token has a kept label"
+    return g
+
+
+# ---------------------------------------------------------------- the metrics (SPEC section 4), one function each
+# Each takes the Geometry and returns a float; `needs` names the Geometry field it requires (the metric is left out
+# of the result where that is missing). Their names are schema.SCALARS and schema.PER_CLASS.
+
+def needs(field: str):
+    def mark(f):
+        f.needs = field
+        return f
+    return mark
+
+
+def nc1_cdnv(g: Geometry) -> float:
+    """mean over P of (var_c + var_c') / (2 ||mu_c - mu_c'||^2): class-distance normalized variance (Galanti et
+    al. 2022, "On the role of neural collapse in transfer learning")."""
+    return g.pairs.cdnv / (2 * g.n_pairs)
+
+
+def nc1_cdnv_p2(g: Geometry) -> float:
+    """mean over P of (var_c + var_c') / (2 ||mu_c - mu_c'||^4): the form in Wu & Papyan's code (2024)."""
+    return g.pairs.cdnv_p2 / (2 * g.n_pairs)
+
+
+@needs("sigma_w")
+def nc1_trace(g: Geometry) -> float:
+    """Tr(Sigma_W Sigma_B^+) / |K| (Papyan, Han & Donoho 2020), Sigma_B = M^T M / n. With M^T M = V diag(lam) V^T,
+    Sigma_B^+ = n V diag(1/lam) V^T over lam > d eps max(lam) (numpy's pinv cut), so the value is
+    sum_i v_i^T Sigma_W v_i / lam_i."""
+    keep = g.lam > g.lam.size * np.finfo(float).eps * g.lam.max()
+    V = g.V[:, keep]
+    return float(np.sum(np.sum(V * (g.sigma_w @ V), 0) / g.lam[keep]))
+
+
+def nc2_norm_cv(g: Geometry) -> float:
+    """std / mean of ||m_c|| over K: equinorm (Papyan, Han & Donoho 2020)."""
+    return g.r.std() / g.r.mean()
+
+
+def nc2_lognorm_std(g: Geometry) -> float:
+    """std of log ||m_c|| over K (Wu & Papyan 2024)."""
+    return np.log(g.r).std()
+
+
+def nc2_cos_mean(g: Geometry) -> float:
+    """mean over P of cos(m_c, m_c') = (||s||^2 - n) / (n (n - 1)), s = sum_c u_c."""
+    return (g.s @ g.s - g.n) / (g.n * (g.n - 1))
+
+
+def nc2_cos_std(g: Geometry) -> float:
+    """std over P of cos(m_c, m_c'): equiangularity (Papyan, Han & Donoho 2020). cos = 1 - T/2, so
+    cos - mean = -(t0/2) x with x = T/t0 - 1, and the std is (t0/2) sqrt(mean x^2)."""
+    return g.t0 / 2 * math.sqrt(g.pairs.xx / g.n_pairs)
+
+
+def nc2_etf_error(g: Geometry) -> float:
+    """||G/||G||_F - (I - 11^T/n)/sqrt(n-1)||_F, G = Gram of the m_c: distance to a simplex ETF (Papyan et al.)."""
+    return etf_error_from_spectrum(g.lam, g.n)
+
+
+def gnc2_log_mean(g: Geometry) -> float:
+    """mean over P of log(1/||u_c - u_c'||) = -(mean l + log t0) / 2, l = log(T/t0): the logarithmic energy of
+    hyperspherical uniformity (Liu et al. 2023; Wu & Papyan 2024)."""
+    return -0.5 * (g.pairs.l / g.n_pairs + math.log(g.t0))
+
+
+def gnc2_log_std(g: Geometry) -> float:
+    """std over P of log(1/||u_c - u_c'||) = std(l) / 2: hyperspherical uniformity (GNC2, Wu & Papyan 2024)."""
+    ml = g.pairs.l / g.n_pairs
+    return 0.5 * math.sqrt(max(g.pairs.ll / g.n_pairs - ml * ml, 0.0))
+
+
+@needs("wm")
+def nc3_cos_mean(g: Geometry) -> float:
+    """mean over K of cos(w_c, m_c): self-duality (Papyan, Han & Donoho 2020)."""
+    return g.duality.mean()
+
+
+@needs("wm")
+def unc3_cos_cv(g: Geometry) -> float:
+    """std / mean over K of cos(w_c, m_c): uniform duality (UNC3, Wu & Papyan 2024)."""
+    return g.duality.std() / g.duality.mean()
+
+
+@needs("wm")
+def nc3_dual_error(g: Geometry) -> float:
+    """nc2_etf_error with G replaced by S = [m_c . w_c'] (Papyan, Han & Donoho 2020)."""
+    return dual_error(g.MtM, g.WtW, g.wm.sum(), g.m_sum, g.w_sum, g.n)
+
+
+@needs("val_count")
+def nc4_agreement(g: Geometry) -> float:
+    """Over validation tokens with a kept label: the fraction where argmax_c (w_c . h + b_c) equals
+    argmin_c ||h - mu_c||^2, both over K (Papyan, Han & Donoho 2020), counted at extraction (DecisionCounts)."""
+    if g.nc4_nan_because:
+        return math.nan
+    return g.val_agree.sum() / g.val_count.sum()
+
+
+def class_norm(g: Geometry) -> np.ndarray:
+    """||m_c||."""
+    return g.r
+
+
+def class_cdnv(g: Geometry) -> np.ndarray:
+    """mean over c' != c in K of (var_c + var_c') / (2 ||mu_c - mu_c'||^2)."""
+    return g.row_cdnv / (2 * (g.n - 1))
+
+
+def class_interference(g: Geometry) -> np.ndarray:
+    """mean over c' != c in K of cos(m_c, m_c') = (u_c . s - 1) / (n - 1)."""
+    return (g.U @ g.s - 1) / (g.n - 1)
+
+
+@needs("wm")
+def class_duality(g: Geometry) -> np.ndarray:
+    """cos(w_c, m_c)."""
+    return g.duality
+
+
+@needs("val_count")
+def class_nc4(g: Geometry) -> np.ndarray:
+    """val_ncc_agree / val_count (nan where a class has no validation token)."""
+    if g.nc4_nan_because:
+        return np.full(g.n, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(g.val_count > 0, g.val_agree / g.val_count, np.nan)
+
+
+DEFINITIONS = {name: globals()[name] for name in SCALARS}
+PER_CLASS_DEFINITIONS = {name: globals()[name] for name in PER_CLASS}
+
+
+# ---------------------------------------------------------------- the entry points
 
 def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> dict[str, float]:
     """The scalar metrics of one checkpoint (SPEC section 4): name -> float. nc3_* need ``classifier``, nc4 needs
@@ -158,99 +388,12 @@ def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -
 
 def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> tuple[dict[str, float], xr.Dataset]:
     """:func:`measure` and :func:`class_metrics` from one pass."""
-    count = np.asarray(ds["count"].values)
-    K = kept_classes(count, min_count)
-    n = K.size
-    if n < 2:
-        raise UserError(f"only {n} class(es) have count >= min_count={min_count}; the metrics need at least 2: "
-                        "lower --min-count or extract more train tokens")
-    tile = int(tile or auto_tile(n))
-    if tile < 1:
-        raise UserError(f"tile must be a positive number of classes (got {tile})")
-    return _measure(ds, count, K, min_count, tile)
-
-
-def _measure(ds: xr.Dataset, count: np.ndarray, K: np.ndarray, min_count: int, tile: int):
-    n = K.size
-    M = _rows(ds["mean"], K)
-    M -= M.mean(0)                                                # m_c = mu_c - mu_G
-    var = _rows(ds["variance"], K)
-    r = np.sqrt(np.einsum("ij,ij->i", M, M))
-    _check_finite(np.r_[r, var], "class means or variances")
-    zero = np.flatnonzero(r <= 1e-12 * r.max())
-    if zero.size:
-        raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
-                        "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
-                        "--min-count or leave them out")
-    U = M / r[:, None]
-    s = U.sum(0)
-    cos_mean = (s @ s - n) / (n * (n - 1))                        # mean over P of u_c . u_c'
-    t0 = 2 - 2 * cos_mean                                         # the mean of T over P: centres the pair sums
-    W = _rows(ds["classifier"], K) if "classifier" in ds else None
-    # one dask compute: the pair tiles, and beside them the d x d second moments block by block
-    spans = blocks(n, tile)
-    with threadpoolctl.threadpool_limits(1, user_api="blas"):    # one BLAS thread per dask thread
-        (sums, row_cdnv), mom = dask.compute(pair_sums(U, r, var, t0, spans), _moments(M, W, spans))
-    lam, V = mom["lam"], mom["V"]
-    out: dict[str, float] = {}
-    per: dict[str, np.ndarray] = {"class_norm": r}
-
-    # NC1: Tr(Sigma_W Sigma_B^+)/n = sum_i v_i^T Sigma_W v_i / lam_i over lam_i > d eps max(lam) (numpy's pinv cut)
-    if "within_covariance" in ds:
-        sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64)
-        keep = lam > lam.size * np.finfo(float).eps * lam.max()
-        Vk = V[:, keep]
-        out["nc1_trace"] = float(np.sum(np.sum(Vk * (sigma_w @ Vk), 0) / lam[keep]))
-
-    # NC2: norms; the cosines' mean from s; the ETF error from the spectrum
-    out["nc2_norm_cv"] = r.std() / r.mean()
-    out["nc2_lognorm_std"] = np.log(r).std()
-    out["nc2_etf_error"] = etf_error_from_spectrum(lam, n)
-
-    # the pairwise sums
-    per["class_interference"] = (U @ s - 1) / (n - 1)             # mean over c' != c of u_c . u_c'
-    if sums["coincident"] or not np.isfinite(list(sums.values())).all():
-        _raise_coincident(M, U, r, K, tile)
-    pairs = n * (n - 1) / 2
-    out["nc1_cdnv"] = sums["cdnv"] / (2 * pairs)
-    out["nc1_cdnv_p2"] = sums["cdnv_p2"] / (2 * pairs)
-    per["class_cdnv"] = row_cdnv / (2 * (n - 1))
-    out["nc2_cos_mean"] = cos_mean
-    out["nc2_cos_std"] = t0 / 2 * math.sqrt(sums["xx"] / pairs)   # cos - mean = -(t0/2) x
-    ml = sums["l"] / pairs                                        # l = log(T/t0); log(1/||u - u'||) = -log(T)/2
-    out["gnc2_log_mean"] = -0.5 * (ml + math.log(t0))
-    out["gnc2_log_std"] = 0.5 * math.sqrt(max(sums["ll"] / pairs - ml * ml, 0.0))
-
-    # NC3: duality of classifier rows and centred means
-    if "classifier" in ds:
-        wn, wm = mom["wn"], mom["wm"]
-        dead = np.flatnonzero(wn == 0)
-        if dead.size:
-            raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
-        dual = wm / (wn * r)
-        per["class_duality"] = dual
-        out["nc3_cos_mean"] = dual.mean()
-        out["unc3_cos_cv"] = dual.std() / dual.mean()
-        out["nc3_dual_error"] = dual_error(mom["MtM"], mom["WtW"], wm.sum(), M.sum(0), mom["w_sum"], n)
-
-    # NC4: decisions counted at extraction over its kept set, which must be this one
-    if "val_ncc_agree" in ds and int(np.asarray(ds["val_count"].values).sum()) > 0:
-        extract_min = int(ds.attrs.get("min_count", 1))
-        vc, agree = (np.asarray(ds[v].values)[K].astype(np.float64) for v in ("val_count", "val_ncc_agree"))
-        why = None
-        if not np.array_equal(K, kept_classes(count, extract_min)):
-            why = (f"its decisions were counted at extraction over the classes with count >= {extract_min}, not over "
-                   f"those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
-        elif vc.sum() == 0:
-            why = "no validation token has a kept label"
-        if why:
-            warnings.warn(f"nc4_agreement is nan: {why}", stacklevel=3)
-            out["nc4_agreement"] = math.nan
-        else:
-            out["nc4_agreement"] = agree.sum() / vc.sum()
-            with np.errstate(invalid="ignore", divide="ignore"):
-                per["class_nc4"] = np.where(vc > 0, agree / vc, np.nan)
-    return {k: float(out[k]) for k in SCALARS if k in out}, _per_class(ds, K, per)
+    g = geometry(ds, min_count, tile)
+    if g.nc4_nan_because:
+        warnings.warn(f"nc4_agreement is nan: {g.nc4_nan_because}", stacklevel=2)
+    scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    per = {name: f(g) for name, f in PER_CLASS_DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    return scalars, _per_class(ds, g.K, per)
 
 
 def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.Dataset:

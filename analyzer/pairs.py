@@ -11,10 +11,15 @@ the sums the metrics need (SPEC section 4):
 
 The Gram block is one BLAS call; everything after it is one numba loop over the block (a log, a reciprocal and
 a few multiply-adds per pair), so the whole costs about one tiled Gram. No |K| x |K| array is ever formed.
+
+Two implementations of one tile's sums, with the same signature and result: :func:`reference_tile_sums`, plain
+numpy that reads like the definitions above (O(tile^2) temporaries), and :func:`tile_sums`, the fused pass that the
+metrics run. The tests hold the second to the first, tile by tile.
 """
 from __future__ import annotations
 
 import uuid
+from typing import NamedTuple
 
 import dask
 import numba
@@ -26,7 +31,19 @@ from numba.extending import intrinsic
 
 COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
-SUMS = ("coincident", "xx", "l", "ll", "cdnv", "cdnv_p2")
+
+
+class PairSums(NamedTuple):
+    """Sums over the pairs P = {c < c'} of the kept classes (x = T/t0 - 1, l = log(T/t0), D = ||mu_c - mu_c'||^2)."""
+    coincident: float   # #{T < COINCIDENT}
+    xx: float           # sum x^2
+    l: float            # sum l
+    ll: float           # sum l^2
+    cdnv: float         # sum (var_c + var_c') / D
+    cdnv_p2: float      # sum (var_c + var_c') / D^2
+
+
+SUMS = PairSums._fields
 
 
 def blocks(n: int, tile: int) -> list[slice]:
@@ -59,13 +76,31 @@ def _tile(data: tuple[np.ndarray, np.ndarray], si: slice, sj: slice, t0: float):
     return tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
 
 
-def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[dict[str, float], np.ndarray]:
+def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[PairSums, np.ndarray]:
+    """The tiles' sums added up, and per class its sum of (var_c + var_c') / D over the other classes."""
     acc, row = np.zeros(len(SUMS)), np.zeros(n)
     for (si, sj), (a, rows, cols) in zip(spans, tiles):
         acc += a
         row[si] += rows
         row[sj] += cols
-    return dict(zip(SUMS, acc.tolist())), row
+    return PairSums(*acc.tolist()), row
+
+
+def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
+                        diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading)."""
+    (ri, _, vi), (rj, _, vj) = side_i, side_j
+    g = Ui @ Uj.T                                                  # cos(m_c, m_c')
+    T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
+    D = ri[:, None] ** 2 + rj[None, :] ** 2 - 2 * np.outer(ri, rj) * g   # ||m_c - m_c'||^2 = ||mu_c - mu_c'||^2
+    pair = np.triu(np.ones(g.shape, dtype=bool), k=1) if diag else np.ones(g.shape, dtype=bool)
+    with np.errstate(divide="ignore", invalid="ignore"):        # a diagonal tile's c = c' cells, left out below
+        q = (vi[:, None] + vj[None, :]) / D
+        x, l = T / t0 - 1, np.log(T / t0)
+    sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
+            np.sum(q[pair]), np.sum((q / D)[pair])]
+    q = np.where(pair, q, 0.0)
+    return np.array(sums, dtype=np.float64), q.sum(1), q.sum(0)
 
 
 def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
@@ -87,6 +122,19 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
 
 
 # ---------------------------------------------------------------- the fused pass (numba)
+#
+# Invariants of the pass; change none of them without re-running tests/test_pairs.py and benchmarks/metrics.py.
+# - fastmath is {"reassoc", "contract", "nsz"}: reassoc lets LLVM reorder the running sums so the loop vectorises;
+#   contract allows fused multiply-adds; nsz ignores the sign of zero. "nnan" and "ninf" are excluded on purpose: a
+#   coincident pair makes T ~ 0 and D = 0, and the resulting inf/nan must reach the sums, where the caller's
+#   isfinite check and the coincident count catch them; with nnan/ninf LLVM may assume they never occur. "arcp" and
+#   "afn" are excluded too: they would replace the one division and the log with approximations.
+# - The log is musl's, on positive normal input only: y = T/t0 = x + 1 in (0, 4/t0]. A zero or subnormal y
+#   (coincident directions) gives a wrong finite log, which is harmless only because such a pair is counted in
+#   `coincident` (T < COINCIDENT) and the caller refuses any count above zero.
+# - Every term is float64. The order of the sums differs from a sequential loop's (reassociation, and the
+#   tiles' own order), so results agree with reference_tile_sums to about 1e-13 relative, not bit for bit; they
+#   are bit-reproducible for a given tile size and machine.
 
 @intrinsic
 def _bits(typingctx, x):

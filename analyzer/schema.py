@@ -1,0 +1,62 @@
+"""The names everything else agrees on, defined once: a checkpoint dataset's variables (SPEC section 3), the metric
+names (section 4) and the descriptive columns of a metrics table (section 5); and the one builder of a checkpoint
+dataset, used by extraction (``ncanalyze.store``) and by :func:`ncanalyze.analyzer.class_stats`.
+
+Light on purpose (numpy and xarray only), so the CLI and the report can import the names without the metrics'
+compiled code.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+# the scalar metrics, in SPEC order; each is a function of the same name in metrics.py
+SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
+           "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
+           "nc4_agreement")
+# the per-class views (vocab), written back into each group by `ncanalyze measure`
+PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4")
+# the attributes that describe a checkpoint in a metrics table, before the metrics
+INFO = ("run", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss")
+# NC4's counts per true class, from the validation pass
+VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
+
+
+def _np(x: Any) -> np.ndarray:
+    """A torch tensor (any device) or array-like as a numpy array."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, *, classifier: Any = None,
+                  classifier_bias: Any = None, val: dict[str, Any] | None = None, samples: Any = None,
+                  n_samples: Any = None, sample_position: Any = None, tokens: list[str] | None = None,
+                  attrs: dict | None = None) -> xr.Dataset:
+    """One checkpoint's dataset with the store's variables and dimensions (vocab, hidden, hidden2, slot).
+
+    Arrays keep their dtype (extraction passes the classifier as float32, as the model holds it); ``val`` maps the names in
+    ``VAL_COUNTS`` to per-class counts; ``samples`` (vocab x slot x hidden, float32) with ``n_samples`` and
+    ``sample_position`` is the reservoir; ``tokens`` adds the decoded ``token`` coordinate."""
+    mean = _np(mean)
+    data: dict[str, tuple] = {
+        "count": ("vocab", _np(count)),
+        "mean": (("vocab", "hidden"), mean),
+        "variance": ("vocab", _np(variance)),
+        "within_covariance": (("hidden", "hidden2"), _np(within_covariance)),
+    }
+    if classifier is not None:
+        data["classifier"] = (("vocab", "hidden"), _np(classifier))
+    if classifier_bias is not None:
+        data["classifier_bias"] = ("vocab", _np(classifier_bias))
+    for name, v in (val or {}).items():
+        data[name] = ("vocab", _np(v))
+    if samples is not None:
+        data |= {"samples": (("vocab", "slot", "hidden"), _np(samples)), "n_samples": ("vocab", _np(n_samples)),
+                 "sample_position": (("vocab", "slot"), _np(sample_position))}
+    coords: dict[str, Any] = {"vocab": np.arange(mean.shape[0])}
+    if tokens is not None:
+        coords["token"] = ("vocab", np.array(tokens, dtype=object))
+    return xr.Dataset(data, coords=coords, attrs=attrs or {})
