@@ -1,4 +1,5 @@
-"""Neural-collapse statistics and metrics.
+"""Neural-collapse statistics and metrics: the maths. Arrays and datasets in, numbers and datasets out; this
+package imports neither ``ncanalyze.store`` nor ``ncanalyze.cli``.
 
 Exports load on first use, so that importing the package (the CLI, dask workers) does not pull in torch.
 """
@@ -9,8 +10,8 @@ from ncanalyze.analyzer.errors import UserError
 _LAZY = {
     "ClassStats": "accumulate",
     "class_stats": "metrics", "measure": "metrics", "class_metrics": "metrics", "measure_all": "metrics",
-    "kept_classes": "metrics", "SCALARS": "metrics", "PER_CLASS": "metrics",
-    "measure_store": "measure_store",
+    "kept_classes": "metrics", "SCALARS": "schema", "PER_CLASS": "schema", "INFO": "schema",
+    "stats_dataset": "schema",
 }
 
 __all__ = ["UserError", *_LAZY]

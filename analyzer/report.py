@@ -1,7 +1,7 @@
 """Tables and figures of a study from its metrics table (one row per checkpoint): CSV, Markdown, LaTeX and PNG."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -10,13 +10,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+import xarray as xr  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from ncanalyze.analyzer.errors import UserError  # noqa: E402
+from ncanalyze.analyzer.schema import INFO as ID_COLUMNS  # noqa: E402
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N, correlations  # noqa: E402
-
-ID_COLUMNS = ("run", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss")
 LABELS = {  # panel titles
     "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV, squared distances",
     "nc1_trace": "NC1: Tr(Σ_W Σ_B⁺)/K", "nc2_norm_cv": "NC2: equinorm (CV of norms)",
@@ -152,16 +152,6 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
 
 # ------------------------------------------------------------------ per-token table (the paper's Table 5)
 
-def _open_group(store: str | Path, group: str):
-    import xarray as xr
-
-    try:
-        return xr.open_zarr(Path(store), group=group, consolidated=False, zarr_format=3)
-    except Exception as e:
-        raise UserError(f"cannot open checkpoint group {group!r} in {store} ({e}); groups are <run>/<checkpoint>, as in "
-                        f"metrics.csv") from None
-
-
 def resolve_token(spec: str, strings: np.ndarray | None, tokenizer: str | None, vocab_size: int) -> int:
     """A token id from an integer or a token string: the decoded ``token`` coordinate (exact match first, then a
     unique match ignoring surrounding spaces), else the checkpoint's tokenizer if it encodes ``spec`` as one token."""
@@ -195,12 +185,13 @@ def resolve_token(spec: str, strings: np.ndarray | None, tokenizer: str | None, 
     raise UserError(f"token {spec!r} not found: the store has no decoded tokens or tokenizer; pass token ids")
 
 
-def token_table(store: str | Path, groups: Sequence[str], tokens: Sequence[str]) -> pd.DataFrame:
+def token_table(read_group: Callable[[str], xr.Dataset], groups: Sequence[str], tokens: Sequence[str]) -> pd.DataFrame:
     """Per group and token: id, count, variance, norm, mean CDNV to the other kept classes, mean interference,
-    duality and NC4 rate where measured, and an average-token row (the mean over the kept classes)."""
+    duality and NC4 rate where measured, and an average-token row (the mean over the kept classes).
+    ``read_group(group)`` gives a checkpoint's dataset (``ncanalyze.store.io.read_group`` on a store)."""
     rows = []
     for g in groups:
-        ds = _open_group(store, g)
+        ds = read_group(g)
         strings = np.array(ds["token"].values.tolist(), dtype=object) if "token" in ds.coords else None
         ids = [resolve_token(t, strings, ds.attrs.get("tokenizer"), ds.sizes["vocab"]) for t in tokens]
         per_class = ds[[v for v in TOKEN_VARIABLES if v in ds]].load()
@@ -297,19 +288,21 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
 def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                  controls: Sequence[str] = CONTROLS, where: str | None = None, n_perm: int = 10_000,
                  seed: int | None = 0, store: str | Path | None = None, tokens: Sequence[str] = (),
-                 checkpoints: Sequence[str] = ()) -> dict[str, Path]:
+                 checkpoints: Sequence[str] = (), read_group: Callable[[str], xr.Dataset] | None = None
+                 ) -> dict[str, Path]:
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with ``tokens``), report.md and tables.tex into
-    ``out``; returns their paths by name."""
+    ``out``; returns their paths by name. ``store`` names the data's source in report.md; the per-token table reads
+    checkpoints through ``read_group``."""
     missing = [m for m in metrics if m not in df.columns]
     if missing:
         raise UserError(f"unknown metric(s) {', '.join(missing)}; the table has: {', '.join(df.columns)}")
-    if tokens and store is None:
+    if tokens and read_group is None:
         raise UserError("--tokens needs a store (per-class statistics), not a metrics CSV")
     sel = select(df, where)
     first = [c for c in ID_COLUMNS if c in sel.columns]
     sel = sel[first + [c for c in sel.columns if c not in first]]
     stats = correlations(sel, metrics, target, controls, n_perm, seed)
-    tok = token_table(store, list(checkpoints) or latest_checkpoints(sel), tokens) if tokens else None
+    tok = token_table(read_group, list(checkpoints) or latest_checkpoints(sel), tokens) if tokens else None
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,10 +27,9 @@ import pandas as pd
 from scipy.linalg import orth
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.schema import SCALARS
 
-METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
-           "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
-           "nc4_agreement")
+METRICS = SCALARS  # the metrics tested by default: all of them
 CONTROLS = ("log(n_params)", "log1p(global_step)")
 MIN_N = 3  # fewest points for which a correlation means anything
 _TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)

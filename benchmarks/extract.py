@@ -21,7 +21,8 @@ import torch
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 from ncanalyze.store.data import open_blocks
-from ncanalyze.store.extract import ExtractConfig, Extraction, Saver, train_pass
+from ncanalyze.store.passes import Extraction, train_pass
+from ncanalyze.store.resume import Saver
 
 
 def tokens(args, vocab: int) -> np.ndarray:
@@ -61,8 +62,6 @@ def main() -> None:
         blocks = open_blocks(str(ids_file), "train", args.block_size, args.tokens, "text", None)
         batches = list(blocks.batches(args.batch_size))
         n_tok = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
-        cfg = ExtractConfig(dataset=str(ids_file), batch_size=args.batch_size, state_every=1e9,
-                            samples_per_class=args.samples_per_class)
 
         @torch.inference_mode()
         def forward(fn) -> float:
@@ -75,9 +74,9 @@ def main() -> None:
 
         def ours() -> float:
             ex = Extraction(args.vocab, args.width, args.samples_per_class, 0, device)
-            saver = Saver(Path(tmp) / "state.npz", {}, cfg.state_every)
+            saver = Saver(Path(tmp) / "state.npz", dict, every=1e9)
             t0 = time.perf_counter()
-            train_pass(model, blocks, ex, cfg, saver, "bench")
+            train_pass(model, blocks, ex, args.batch_size, saver, "bench")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             return time.perf_counter() - t0

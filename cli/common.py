@@ -1,19 +1,12 @@
-"""Helpers shared by the commands: store location, user errors."""
+"""What the commands share: where the store is, and how a command takes it."""
 from __future__ import annotations
 
 import os
-from importlib.metadata import PackageNotFoundError, version as _pkg_version
+from collections.abc import Callable
 
 import click
 
 DEFAULT_STORE = "ncanalyze.zarr"
-
-
-def version() -> str:
-    try:
-        return _pkg_version("ncanalyze")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def default_store() -> str:
@@ -21,7 +14,20 @@ def default_store() -> str:
     return os.environ.get("NCANALYZE_STORE", DEFAULT_STORE)
 
 
-store_option = click.option(
-    "--store", type=click.Path(file_okay=False), default=default_store, show_default="./ncanalyze.zarr or $NCANALYZE_STORE",
-    help="Zarr store to write to / read from.",
-)
+def store_option(f: Callable) -> Callable:
+    """``--store PATH`` (default ``$NCANALYZE_STORE`` or ./ncanalyze.zarr), passed as ``store``."""
+    return click.option("--store", type=click.Path(), default=None, metavar="PATH",
+                        help="Zarr store [default: $NCANALYZE_STORE, else ./ncanalyze.zarr].")(f)
+
+
+def store_argument(f: Callable) -> Callable:
+    """The store as a positional ``[STORE]`` (passed as ``store_positional``) or ``--store PATH``; the command
+    reconciles the two with :func:`resolve_store`."""
+    return click.argument("store_positional", required=False, metavar="[STORE]")(store_option(f))
+
+
+def resolve_store(positional: str | None, option: str | None) -> str:
+    """The one store a command was given (either form; both must agree), else the default."""
+    if positional and option and positional != option:
+        raise click.UsageError(f"two stores given: {positional} and --store {option}; pass one")
+    return positional or option or default_store()

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import click
 
-from ncanalyze.cli.common import store_option
-from ncanalyze.cli.main import main
+from ncanalyze.cli.common import default_store, store_option
 
 
-@main.command(short_help="Exact per-class statistics of every checkpoint into the store.")
+@click.command(short_help="Exact per-class statistics of every checkpoint into the store.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @store_option
 @click.option("--dataset", required=True, metavar="SPEC",
@@ -60,7 +59,8 @@ def extract(paths, store, overwrite, **options):
     """
     from ncanalyze.store.extract import ExtractConfig, extract as run
 
+    store = store or default_store()
     for path in paths:
-        results = run(path, store, ExtractConfig(**options), overwrite=overwrite, echo=click.echo)
+        results = run(path, store, ExtractConfig(**options), overwrite=overwrite)
         n = {s: sum(v == s for v in results.values()) for s in ("done", "resumed", "skipped")}
         click.echo(f"{path}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}")

@@ -1,31 +1,60 @@
-"""The ``ncanalyze`` console script: a click group whose commands live beside it in this package."""
+"""The ``ncanalyze`` console script: a click group, its global options, and the commands registered on it."""
 from __future__ import annotations
+
+import logging
+import warnings
 
 import click
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.cli.common import version
+from ncanalyze.cli.extract import extract
+from ncanalyze.cli.measure import measure
+from ncanalyze.cli.report import report
+from ncanalyze.store.io import version
+
+log = logging.getLogger("ncanalyze")
+
+
+class _ClickHandler(logging.Handler):
+    """Log records as lines on stderr through click (so they interleave with the progress bars and tests see them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(self.format(record), err=True)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    log.warning("warning: %s: %s", category.__name__, message)
 
 
 class _Group(click.Group):
-    """Turns a :class:`UserError` (and a full disk) into a one-line error and exit code 1, never a traceback."""
+    """A :class:`UserError` (and a full disk) is a one-line error and exit code 1; anything else is a bug and shows
+    its traceback. With ``--debug`` every error shows its traceback."""
 
     def invoke(self, ctx: click.Context):
+        debug = ctx.params.get("debug", False)
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings():
+                warnings.showwarning = _show_warning
+                return super().invoke(ctx)
         except UserError as e:
+            if debug:
+                e.__suppress_context__ = False  # show what it was raised from
+                raise
             raise click.ClickException(str(e)) from None
         except OSError as e:
-            if e.errno == 28:  # ENOSPC
-                raise click.ClickException(
-                    f"disk full while writing ({e.filename or 'store'}); free space or pass --store on another disk, "
-                    "then run the same command again to resume") from None
-            raise
+            if e.errno != 28 or debug:  # ENOSPC
+                raise
+            raise click.ClickException(
+                f"disk full while writing ({e.filename or 'store'}); free space or pass --store on another disk, "
+                "then run the same command again to resume") from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(version(), prog_name="ncanalyze")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the full traceback of every error.")
+@click.option("-v", "--verbose", count=True, help="More messages (-v: debug detail).")
+@click.option("-q", "--quiet", count=True, help="Fewer messages (-q: warnings and errors only).")
+def main(debug: bool, verbose: int, quiet: int) -> None:
     """Neural collapse in causal language models, measured post hoc over training checkpoints.
 
     \b
@@ -36,7 +65,13 @@ def main() -> None:
     The store (default ./ncanalyze.zarr, or $NCANALYZE_STORE) is a Zarr v3 store that
     xarray opens: ncanalyze.store.open(path) gives one group per checkpoint.
     """
+    handler = _ClickHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(logging.INFO + 10 * (quiet - verbose))
 
 
-# each module adds its command to `main`
-from ncanalyze.cli import extract, measure, report  # noqa: E402,F401
+main.add_command(extract)
+main.add_command(measure)
+main.add_command(report)

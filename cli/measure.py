@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import click
 
-from ncanalyze.cli.common import default_store
-from ncanalyze.cli.main import main
+from ncanalyze.cli.common import resolve_store, store_argument
 
 SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
 
 
-@main.command(short_help="NC metrics of every checkpoint not yet measured, into the store.")
-@click.argument("store", required=False, default=default_store, metavar="[STORE]")
+@click.command(short_help="NC metrics of every checkpoint not yet measured, into the store.")
+@store_argument
 @click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
               help="Keep only classes with at least this many train tokens.")
 @click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS",
@@ -19,19 +18,20 @@ SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_er
 @click.option("--tile", type=click.IntRange(1), help="Classes per tile of the pairwise sums [default: from the "
               "available memory, at most 2048].")
 @click.option("--force", is_flag=True, help="Measure again checkpoints already measured.")
-def measure(store, min_count, scheduler, tile, force):
+def measure(store_positional, store, min_count, scheduler, tile, force):
     """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
 
     \b
-    STORE defaults to ./ncanalyze.zarr (or $NCANALYZE_STORE). The 14 scalar metrics go into each
+    STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The 14 scalar metrics go into each
     checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
     class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
     when its statistics or --min-count change.
     """
     import pandas as pd
 
-    from ncanalyze.analyzer.measure_store import measure_store
+    from ncanalyze.store.measure import measure_store
 
+    store = resolve_store(store_positional, store)
     df = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force)
     done = df.attrs["measured"]
     if not done:

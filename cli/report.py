@@ -1,6 +1,8 @@
 """``ncanalyze report``: measure what is new, then tables, figures and statistics over the store."""
 from __future__ import annotations
 
+import logging
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -8,8 +10,9 @@ import click
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N
-from ncanalyze.cli.common import default_store
-from ncanalyze.cli.main import main
+from ncanalyze.cli.common import resolve_store, store_argument
+
+log = logging.getLogger("ncanalyze")
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -31,13 +34,13 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
     if not path.exists():
         raise UserError(f"no store at {path}: run `ncanalyze extract CHECKPOINTS --store {path}` first, pass the "
                         "store's path, or set NCANALYZE_STORE")
-    from ncanalyze.analyzer.measure_store import measure_store
+    from ncanalyze.store.measure import measure_store
 
     return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)
 
 
-@main.command(short_help="Tables, figures and statistics of the metrics against eval loss.")
-@click.argument("store", required=False, metavar="[STORE]")
+@click.command(short_help="Tables, figures and statistics of the metrics against eval loss.")
+@store_argument
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
               help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the PNG figures.")
 @click.option("--where", help="pandas query selecting the checkpoints the report covers, e.g. "
@@ -55,10 +58,10 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 @click.option("--min-count", type=click.IntRange(min=1), default=1, show_default=True,
               help="Keep classes with at least this many train tokens (when measuring).")
 @click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", help="Dask scheduler address for measuring.")
-def report(store, out, where, metrics_, target, controls, permutations, seed, tokens, checkpoints, min_count,
-           scheduler):
-    """Tables, figures and statistics of NC metrics against eval loss over a STORE (default ./ncanalyze.zarr
-    or $NCANALYZE_STORE; a metrics.csv from an earlier report also works).
+def report(store_positional, store, out, where, metrics_, target, controls, permutations, seed, tokens, checkpoints,
+           min_count, scheduler):
+    """Tables, figures and statistics of NC metrics against eval loss over a STORE (or --store; default
+    $NCANALYZE_STORE, else ./ncanalyze.zarr; a metrics.csv from an earlier report also works).
 
     \b
     For every metric: Pearson r and R² (raw, and with log10 of the metric where positive), the partial r
@@ -67,19 +70,20 @@ def report(store, out, where, metrics_, target, controls, permutations, seed, to
     import pandas as pd
 
     from ncanalyze.analyzer.report import write_report
+    from ncanalyze.store.io import read_group
 
-    df, store_path = load_table(store or default_store(), min_count, scheduler)
+    df, store_path = load_table(resolve_store(store_positional, store), min_count, scheduler)
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
     files = write_report(df, out, metrics=metrics, target=target, controls=_split(controls), where=where,
                          n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
-                         checkpoints=checkpoints)
+                         checkpoints=checkpoints, read_group=store_path and partial(read_group, store_path))
     stats = pd.read_csv(files["stats"])
     n = int(pd.read_csv(files["metrics"]).shape[0])
     if n < MIN_N:
-        click.echo(f"warning: only {n} checkpoint(s) selected; correlations need at least {MIN_N}", err=True)
+        log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)
     for line in sorted(set(stats.note.dropna()) - {""}):
         if "too few" in line:
-            click.echo(f"note: {line}", err=True)
+            log.warning("note: %s", line)
     click.echo(f"{n} checkpoints, {len(metrics)} metrics -> {Path(out) / 'report.md'}")
     for f in files.values():
         click.echo(f"  {f}")

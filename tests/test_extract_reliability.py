@@ -187,7 +187,7 @@ def test_full_disk_is_a_clean_error_and_resumes(trained_run, corpus, tmp_path):
 
 
 def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_a_clean_error(trained_run, corpus, tmp_path):
-    from ncanalyze.store.extract import resolve_device
+    from ncanalyze.store.load import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

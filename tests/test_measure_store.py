@@ -13,7 +13,8 @@ from test_metrics import assert_metrics, brute_force, random_study
 
 import ncanalyze.store
 from ncanalyze.analyzer import PER_CLASS, SCALARS, UserError, class_stats, measure_all
-from ncanalyze.analyzer.measure_store import INFO, measure_store
+from ncanalyze.analyzer.schema import INFO
+from ncanalyze.store.measure import measure_store
 from ncanalyze.cli.main import main
 
 
@@ -84,7 +85,8 @@ def test_recomputes_only_when_statistics_or_min_count_change(small_store):
     zarr.open_group(store, path="b/checkpoint-5", mode="r+", zarr_format=3).attrs["config_hash"] = "changed"
     assert measure_store(store).attrs["measured"] == ["b/checkpoint-5"]
     # another min_count: everything, over the new kept set, and NC4 is nan (its kept set was fixed at extraction)
-    with pytest.warns(UserWarning, match=r"nc4_agreement is nan: .* count >= 60; .* \(3 checkpoints\)"):
+    with pytest.warns(UserWarning, match=r"nc4_agreement is nan: .* count >= 60; .* \(3 checkpoints: a/checkpoint-10, a/checkpoint-20, "
+                                             r"b/checkpoint-5\)"):
         df = measure_store(store, min_count=60)
     assert len(df.attrs["measured"]) == 3
     assert df.nc4_agreement.isna().all() and attrs(store, "a/checkpoint-20")["metrics"]["nc4_agreement"] is None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from functools import partial
 import subprocess
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from PIL import Image
 from test_stats import study
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store.io import read_group
 from ncanalyze.analyzer.report import AVERAGE_TOKEN, FIGSIZE, FIGURES, ID_COLUMNS, token_table, write_report
 from ncanalyze.analyzer.stats import METRICS
 
@@ -202,7 +204,7 @@ def write_store(path: Path, tokenizer: str | None = None, vocab: int | None = No
 def test_token_table_values_and_average_row(tmp_path):
     store = tmp_path / "s.zarr"
     groups = write_store(store)
-    table = token_table(store, ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
+    table = token_table(partial(read_group, store), ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
     ds = groups["runA/checkpoint-20"]
     assert list(table.id[:4]) == [1, 3, 7, 2]  # exact string, unique match without spaces, id, exact string
     assert list(table.token) == [" Anna", " Tim", "x", "Anna", AVERAGE_TOKEN]
@@ -227,7 +229,7 @@ def test_bad_tokens_are_user_errors(tmp_path, tok, match):
     store = tmp_path / "s.zarr"
     write_store(store)
     with pytest.raises(UserError, match=match):
-        token_table(store, ["runA/checkpoint-20"], [tok])
+        token_table(partial(read_group, store), ["runA/checkpoint-20"], [tok])
 
 
 def test_tokens_resolved_with_the_checkpoints_tokenizer(tmp_path, corpus):
@@ -237,11 +239,11 @@ def test_tokens_resolved_with_the_checkpoints_tokenizer(tmp_path, corpus):
     store = tmp_path / "s.zarr"
     ds = write_store(store, tokenizer=str(corpus["tokenizer"]), vocab=len(tok))["runA/checkpoint-20"]
     (the,) = tok.encode("the", add_special_tokens=False)
-    table = token_table(store, ["runA/checkpoint-20"], ["the"])
+    table = token_table(partial(read_group, store), ["runA/checkpoint-20"], ["the"])
     assert table.id[0] == the and table["count"][0] == ds["count"][the]
     assert len(tok.encode("the big dog", add_special_tokens=False)) > 1
     with pytest.raises(UserError, match="tokens .* not one"):
-        token_table(store, ["runA/checkpoint-20"], ["the big dog"])
+        token_table(partial(read_group, store), ["runA/checkpoint-20"], ["the big dog"])
 
 
 def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
@@ -250,6 +252,7 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
     files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store,
+                         read_group=partial(read_group, store),
                          tokens=[" Anna", "3", "8", "9"])
     tokens = pd.read_csv(files["tokens"], keep_default_na=False)
     assert set(tokens.checkpoint) == {"runA/checkpoint-100"}  # by step, not by name
@@ -267,7 +270,7 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
 def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     from transformers import AutoTokenizer
 
-    from ncanalyze.analyzer.measure_store import measure_store
+    from ncanalyze.store.measure import measure_store
 
     store = tmp_path / "study.zarr"
     shutil.copytree(extracted_store, store)  # report measures into the store: leave the session's one as it is
@@ -322,11 +325,11 @@ def test_tokens_of_chosen_checkpoints(tmp_path):
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
     files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
-                         checkpoints=["runA/checkpoint-20", "runA/checkpoint-100"])
+                         read_group=partial(read_group, store), checkpoints=["runA/checkpoint-20", "runA/checkpoint-100"])
     tokens = pd.read_csv(files["tokens"])
     assert list(tokens.checkpoint) == ["runA/checkpoint-20"] * 2 + ["runA/checkpoint-100"] * 2
     assert list(tokens["count"][::2]) == [int(groups[g]["count"][4]) for g in ("runA/checkpoint-20",
                                                                                  "runA/checkpoint-100")]
-    with pytest.raises(UserError, match="cannot open checkpoint group 'runA/checkpoint-7'"):
+    with pytest.raises(UserError, match="no checkpoint group 'runA/checkpoint-7'"):
         write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
-                     checkpoints=["runA/checkpoint-7"])
+                     read_group=partial(read_group, store), checkpoints=["runA/checkpoint-7"])

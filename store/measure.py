@@ -1,5 +1,6 @@
 """Measure the checkpoints of a store: the scalar metrics go into each group's attributes (``metrics``, with
-``metrics_min_count`` and ``metrics_config_hash``), the per-class views into variables ``class_*`` (vocab)."""
+``metrics_min_count`` and ``metrics_config_hash``), the per-class views into variables ``class_*`` (vocab).
+The maths is ``ncanalyze.analyzer.measure_all``; reading and writing the store is io.py."""
 from __future__ import annotations
 
 import contextlib
@@ -10,30 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import dask
-import numpy as np
 import pandas as pd
-import xarray as xr
-import zarr
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.metrics import PER_CLASS, SCALARS, measure_all
-
-INFO = ("run", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss")
-RECORD = ("metrics", "metrics_min_count", "metrics_config_hash")
-
-
-def open_tree(store: str | Path) -> xr.DataTree:
-    """The store as a lazy DataTree (``ncanalyze.store.open``)."""
-    from ncanalyze.store import open as open_store
-
-    return open_store(store)
-
-
-def checkpoint_groups(tree: xr.DataTree) -> list[str]:
-    """``run/checkpoint`` of every complete checkpoint group."""
-    return [node.path.strip("/") for node in tree.subtree
-            if node.attrs.get("complete") is True and "mean" in node.data_vars]
+from ncanalyze.analyzer.metrics import measure_all
+from ncanalyze.analyzer.schema import INFO, SCALARS
+from ncanalyze.store.io import checkpoint_groups, open_tree, write_metrics
 
 
 def is_measured(attrs: dict, min_count: int) -> bool:
@@ -57,14 +41,20 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
         raise UserError(f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
     attrs = {g: dict(tree[g].attrs) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
-    with _scheduler(scheduler), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
+    with _scheduler(scheduler):
         for g in tqdm(todo, desc="measuring", unit="checkpoint", disable=None):
-            scalars, per_class = measure_all(tree[g].to_dataset(), min_count, tile)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    scalars, per_class = measure_all(tree[g].to_dataset(), min_count, tile)
+                except UserError as e:
+                    raise UserError(f"{g}: {e}") from None
+            for w in caught:
+                raised.setdefault((w.category, str(w.message)), []).append(g)
             attrs[g] |= write_metrics(store, g, scalars, per_class, min_count, attrs[g].get("config_hash"))
-    for message in dict.fromkeys(str(w.message) for w in caught):  # once each, not once per checkpoint
-        n = sum(str(w.message) == message for w in caught)
-        warnings.warn(f"{message} ({n} checkpoint{'s' * (n > 1)})", stacklevel=2)
+    for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
+        warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
     df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g]["metrics"])} for g in groups],
                       columns=[*INFO, *SCALARS])
     df = df.sort_values(["run", "global_step"], kind="stable", ignore_index=True)
@@ -72,22 +62,11 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     return df
 
 
-def write_metrics(store: str | Path, group: str, scalars: dict[str, float], per_class: xr.Dataset, min_count: int,
-                  config_hash: str | None) -> dict:
-    """Per-class arrays first, the record last, so an interrupted write is measured again; returns the record."""
-    g = zarr.open_group(store, path=group, mode="r+", zarr_format=3)
-    for k in RECORD:
-        if k in g.attrs:
-            del g.attrs[k]
-    for name in PER_CLASS:
-        values = per_class[name].values
-        arr = g.create_array(name, shape=values.shape, dtype="float64", dimension_names=("vocab",),
-                             fill_value=np.nan, overwrite=True)
-        arr[:] = values
-    record = {"metrics": {k: None if math.isnan(v) else v for k, v in scalars.items()},  # strict JSON: null for nan
-              "metrics_min_count": min_count, "metrics_config_hash": config_hash}
-    g.attrs.update(record)
-    return record
+def _some(groups: list[str], shown: int = 3) -> str:
+    """'N checkpoint(s): a, b, c and M more'."""
+    groups = sorted(groups)
+    more = f" and {len(groups) - shown} more" if len(groups) > shown else ""
+    return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(groups[:shown]) + more
 
 
 def _floats(metrics: dict) -> dict[str, float]:

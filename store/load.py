@@ -1,0 +1,116 @@
+"""Loading a checkpoint: its device, config, model and tokenizer, and the fingerprint of its weights."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store.discover import PICKLE_WEIGHTS, WEIGHTS, Checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# what loading a broken checkpoint raises: missing or unreadable files (OSError), malformed JSON or an unknown
+# architecture (ValueError, KeyError), a corrupt or truncated safetensors file (SafetensorError), tensors of the
+# wrong shape (RuntimeError from load_state_dict)
+LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
+    return torch.device(device)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def load_config(ckpt: Checkpoint, trust_remote_code: bool = False):
+    """The checkpoint's model config, read without its weights."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(ckpt.path), trust_remote_code=trust_remote_code)
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot read the model config in {ckpt.path}: {_first_line(e)} (custom code needs "
+                        "--trust-remote-code)") from None
+
+
+def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle: bool = False,
+               trust_remote_code: bool = False):
+    """The causal LM in eval mode on ``device``: from safetensors only, unless ``allow_pickle``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bars say what is going on
+    safe = any((ckpt.path / w).is_file() for w in WEIGHTS)
+    if not safe and not allow_pickle:
+        raise UserError(f"{ckpt.path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
+                        "code when loaded; convert them to safetensors or pass --allow-pickle if you trust the file")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(ckpt.path), dtype=DTYPES[dtype], use_safetensors=safe, trust_remote_code=trust_remote_code,
+            output_loading_info=True)
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot load the model in {ckpt.path}: {_first_line(e)} (is the weight file complete? "
+                        "custom code needs --trust-remote-code)") from None
+    missing = [k for k in info.get("missing_keys", []) if "lm_head" not in k or not model.config.tie_word_embeddings]
+    if missing:
+        raise UserError(f"{ckpt.path}: the weight file lacks {len(missing)} tensors (e.g. {missing[0]}); "
+                        "it is incomplete or from another architecture")
+    return model.to(device).eval()
+
+
+def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code: bool = False):
+    """(tokenizer, where it came from): ``name`` (--tokenizer), else the checkpoint's, else its run's; (None, None)
+    if there is none."""
+    from transformers import AutoTokenizer
+
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    where = name or next((str(p) for p in (ckpt.path, ckpt.run_dir) if any((p / f).is_file() for f in files)), None)
+    if where is None:
+        return None, None
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code), where
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot load tokenizer {where}: {_first_line(e)}; pass --tokenizer with a local "
+                        "folder") from None
+
+
+def decoded_tokens(tokenizer, vocab: int) -> list[str] | None:
+    """Each token id's string (empty past the tokenizer's length), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    n = min(vocab, len(tokenizer))
+    return tokenizer.batch_decode([[i] for i in range(n)]) + [""] * (vocab - n)
+
+
+def weights_fingerprint(path: Path) -> str:
+    """Size plus the first and last MiB of each weight file: cheap, and different for every checkpoint."""
+    h = hashlib.sha256()
+    for w in sorted(p for p in path.iterdir() if p.name.endswith((".safetensors", ".bin"))):
+        size = w.stat().st_size
+        h.update(f"{w.name}:{size}".encode())
+        with open(w, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def n_layers(config) -> int | None:
+    for k in ("num_hidden_layers", "num_layers", "n_layer"):
+        if isinstance(getattr(config, k, None), int):
+            return getattr(config, k)
+    return None
+
+
+def default_block_size(config) -> int:
+    """The model's context, at most 1024 (``run_clm``'s default)."""
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1024
+    return min(int(n), 1024)

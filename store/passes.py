@@ -1,0 +1,118 @@
+"""The two passes over one checkpoint's data, and the running state they fill.
+
+Train pass: features are the last hidden state after the final norm (the output layer's input) at every position
+but the last of each block, labels the next tokens; exact float64 class statistics merged batch by batch (Chan, in
+``ncanalyze.analyzer.accumulate``) and a reservoir of raw features. Validation pass: NC4's decision counts over the
+classes kept at extraction. Both skip the batches a resumed state already holds.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import xarray as xr
+from tqdm.auto import tqdm
+
+from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.schema import VAL_COUNTS, stats_dataset
+from ncanalyze.store.data import Blocks
+from ncanalyze.store.reservoir import Reservoir
+from ncanalyze.store.resume import Phase, Saver
+
+
+class Extraction:
+    """The running state of one checkpoint's extraction: statistics, reservoir, validation counts, and where it
+    stands (``phase``, ``batches`` done in that phase)."""
+
+    def __init__(self, vocab: int, dim: int, k: int, seed: int, device: torch.device):
+        self.stats = ClassStats(vocab, dim, device)
+        self.reservoir = Reservoir(vocab, k, dim, seed)
+        self.val = {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in VAL_COUNTS}
+        self.phase, self.batches = Phase.TRAIN, 0
+
+    def state(self, record: dict) -> dict[str, np.ndarray]:
+        """Everything needed to resume, as arrays (with the configuration ``record``)."""
+        arrays = {f"stats.{k}": v.cpu().numpy() for k, v in self.stats.state_dict().items()}
+        arrays |= {f"reservoir.{k}": v for k, v in self.reservoir.state_dict().items()}
+        arrays |= {f"val.{k}": v.cpu().numpy() for k, v in self.val.items()}
+        return arrays | {"phase": np.array(int(self.phase)), "batches": np.array(self.batches),
+                         "config": np.array(json.dumps(record, sort_keys=True))}
+
+    def load(self, arrays) -> None:
+        self.stats.load_state_dict({k[6:]: arrays[k] for k in arrays.files if k.startswith("stats.")})
+        self.reservoir.load_state_dict({k[10:]: arrays[k] for k in arrays.files if k.startswith("reservoir.")})
+        for k in self.val:
+            self.val[k].copy_(torch.as_tensor(arrays[f"val.{k}"]))
+        self.phase, self.batches = Phase(int(arrays["phase"])), int(arrays["batches"])
+
+    def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
+                attrs: dict) -> xr.Dataset:
+        """The finished checkpoint's dataset (the store's schema)."""
+        s, r = self.stats, self.reservoir
+        return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
+                             classifier_bias=None if bias is None else bias.float(), val=self.val,
+                             samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
+                             attrs=attrs)
+
+
+@torch.inference_mode()
+def features(model, ids: torch.Tensor) -> torch.Tensor:
+    """Last hidden state after the final norm, at every position but the last: (b, L-1, d)."""
+    return model.base_model(input_ids=ids).last_hidden_state[:, :-1]
+
+
+def _check_ids(batch: np.ndarray, vocab: int, spec: str) -> None:
+    lo, hi = int(batch.min()), int(batch.max())
+    if lo < 0 or hi >= vocab:
+        raise UserError(f"token id {hi if hi >= vocab else lo} in {spec} is outside the model's vocabulary "
+                        f"(0..{vocab - 1}): the data was tokenized with another tokenizer? pass the right "
+                        "--tokenizer or token files")
+
+
+def _check_finite(h: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(h).all():
+        raise UserError(f"NaN/Inf features in {where}: the checkpoint has diverged or the dtype overflows; "
+                        "try --dtype float32, or exclude this checkpoint")
+
+
+def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver,
+                   desc: str) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+    """(features n x d, labels n, the batch of blocks) for every batch not yet done; after each is consumed it
+    counts as done and the state may be saved."""
+    vocab, device = ex.stats.count.shape[0], ex.stats.mean.device
+    total = blocks.total and -(-blocks.total // batch_size)
+    with tqdm(total=total, initial=ex.batches, desc=desc, unit="batch", leave=False) as bar:
+        for batch in blocks.batches(batch_size, skip=ex.batches):
+            _check_ids(batch, vocab, blocks.spec)
+            ids = torch.from_numpy(batch).to(device)
+            h = features(model, ids)
+            _check_finite(h, f"{desc}, batch {ex.batches}")
+            yield h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
+            ex.batches += 1
+            bar.update()
+            saver.maybe()
+
+
+def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str) -> None:
+    """Class statistics and the reservoir; a sample's position is its token's index in the train stream."""
+    L = blocks.block_size
+    for h, y, batch in batch_features(model, blocks, ex, batch_size, saver, f"{desc} train"):
+        ex.stats.update(h, y)
+        first = ex.batches * batch_size
+        ex.reservoir.update(h, batch[:, 1:].ravel(), ((first + np.arange(len(batch)))[:, None] * L
+                                                      + np.arange(L - 1)).ravel())
+    if ex.stats.count.sum() == 0:
+        raise UserError(f"{blocks.spec} holds no full block of {L} tokens: the dataset is empty or shorter than "
+                        "--block-size")
+
+
+def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
+             min_count: int, batch_size: int, saver: Saver, desc: str) -> None:
+    """NC4's decision counts over the classes kept at extraction (count >= ``min_count``)."""
+    kept = torch.nonzero(ex.stats.count >= min_count).squeeze(1)
+    counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
+    for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
+        counts.update(h, y)

@@ -1,0 +1,60 @@
+"""The house rules that keep the code base legible: imports go one way (cli -> store -> analyzer), the names of
+the store and of the metrics are defined once, and every extraction setting says whether it is hashed."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+LAYERS = {"analyzer": 0, "store": 1, "cli": 2}  # a package may import only from its own layer or a lower one
+
+
+def imports(path: Path) -> set[str]:
+    """The ncanalyze packages that ``path`` imports, at any depth of the file (function-level imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found |= {n.split(".")[1] for n in names if n.startswith("ncanalyze.") and n.count(".") >= 1}
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_imports_go_one_way(package):
+    backward = {f"{f.relative_to(ROOT)} imports ncanalyze.{dep}"
+                for f in (ROOT / package).glob("*.py") for dep in imports(f) if LAYERS[dep] > LAYERS[package]}
+    assert not backward, sorted(backward)
+
+
+def test_the_import_check_sees_a_backward_import(tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text("def f():\n    from ncanalyze.cli.main import main\n    import ncanalyze.store.io\n")
+    assert imports(f) == {"cli", "store"}
+
+
+def test_zarr_is_read_and_written_only_in_store_io():
+    users = sorted(str(f.relative_to(ROOT)) for pkg in LAYERS for f in (ROOT / pkg).glob("*.py")
+                   if "import zarr" in f.read_text() or "to_zarr(" in f.read_text() or "open_zarr(" in f.read_text()
+                   or "open_datatree(" in f.read_text())
+    assert users == ["store/io.py"]
+
+
+def test_names_are_defined_once():
+    from ncanalyze.analyzer import metrics, report, schema, stats
+    from ncanalyze.store import measure
+
+    assert stats.METRICS is schema.SCALARS and report.ID_COLUMNS is schema.INFO and measure.INFO is schema.INFO
+    assert list(metrics.DEFINITIONS) == list(schema.SCALARS)
+    assert list(metrics.PER_CLASS_DEFINITIONS) == list(schema.PER_CLASS)
+    for name, f in {**metrics.DEFINITIONS, **metrics.PER_CLASS_DEFINITIONS}.items():
+        assert f.__name__ == name and f.__doc__, name
+
+
+def test_every_extraction_setting_says_whether_it_is_hashed():
+    from ncanalyze.store.extract import ExtractConfig
+
+    for f in dataclasses.fields(ExtractConfig):
+        assert isinstance(f.metadata.get("hashed"), bool), f"ExtractConfig.{f.name} must declare hashed=True/False"
