@@ -34,14 +34,16 @@ from ncanalyze.cli.common import default_store, store_option
               "else its run folder's].")
 @click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
               help="Classes with fewer train tokens are left out of NC4's decisions.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the reservoir sample.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="Seed of the reservoir sample.")
 @click.option("--allow-pickle", is_flag=True, help="Load pickle weights (pytorch_model.bin); only for trusted files.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom model or tokenizer code from the checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Replace checkpoints already extracted (or interrupted) under "
               "another configuration.")
+@click.option("--restart", is_flag=True, help="Discard any saved resume state and extract from the start.")
 @click.option("--state-every", type=click.FloatRange(0), default=120.0, show_default=True,
               help="Seconds between saves of the resume state (a killed run continues from the last save).")
-def extract(paths, store, overwrite, **options):
+def extract(paths, store, overwrite, restart, **options):
     """Extract the statistics of every checkpoint under PATHS into the store.
 
     \b
@@ -57,10 +59,19 @@ def extract(paths, store, overwrite, **options):
     Example:
       ncanalyze extract runs/neo-L2-d64 --dataset data/train.txt --max-train-tokens 1000000
     """
+    from ncanalyze.analyzer.errors import UserError
     from ncanalyze.store.extract import ExtractConfig, extract as run
 
     store = store or default_store()
+    failed = {}
     for path in paths:
-        results = run(path, store, ExtractConfig(**options), overwrite=overwrite)
+        results = run(path, store, ExtractConfig(**options), overwrite=overwrite, restart=restart)
         n = {s: sum(v == s for v in results.values()) for s in ("done", "resumed", "skipped")}
-        click.echo(f"{path}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}")
+        bad = {g: v for g, v in results.items() if v.startswith("failed")}
+        click.echo(f"{path}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}"
+                   + (f", {len(bad)} failed" if bad else ""))
+        failed |= bad
+    if failed:
+        raise UserError(f"{len(failed)} checkpoint(s) failed, the others are in {store}: "
+                        + "; ".join(f"{g} {v}" for g, v in list(failed.items())[:3])
+                        + ("; ..." if len(failed) > 3 else "") + " (fix them and run the same command again)")

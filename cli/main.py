@@ -36,6 +36,11 @@ class _Group(click.Group):
             with warnings.catch_warnings():
                 warnings.showwarning = _show_warning
                 return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            if debug:
+                raise
+            click.echo(str(e) if str(e) else "interrupted", err=True)
+            ctx.exit(130)
         except UserError as e:
             if debug:
                 e.__suppress_context__ = False  # show what it was raised from

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store import io
 from ncanalyze.store.data import Blocks, default_val_spec, open_blocks
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
@@ -23,7 +23,9 @@ from ncanalyze.store.estimate import estimate
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
 from ncanalyze.store.passes import Extraction, train_pass, val_pass
-from ncanalyze.store.resume import Phase, Saver, drop_state, record_of, state_path
+from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.resume import (Phase, Saver, drop_state, load_state, partial_dir, prune, record_of,
+                                    state_path)
 
 log = logging.getLogger("ncanalyze")
 
@@ -78,11 +80,53 @@ def _open(spec: str, split: str, cap: int | None, cfg: ExtractConfig, block_size
     return open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize)
 
 
+def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
+            train: Blocks, val: Blocks | None, group: str) -> str:
+    """Load the saved state into ``ex`` if there is one for this configuration: 'resumed', else 'done' (a fresh
+    start). A state under another configuration, or unreadable, or inconsistent, is refused unless ``overwrite``
+    (or ``restart``) discards it."""
+    if restart or not spath.exists():
+        drop_state(spath)
+        return "done"
+    try:
+        arrays = load_state(spath)
+        old = record_of(arrays)
+        if old != record:
+            raise UserError(f"an interrupted extraction of {group} used another configuration "
+                            f"({_differences(old, record)}); rerun with the same options to resume it, "
+                            "or pass --overwrite to start again")
+        blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
+        ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
+    except UserError as e:
+        if not overwrite:
+            raise
+        log.info("%s: discarding its resume state (%s)", group, e)
+        drop_state(spath)
+        ex.__init__(ex.stats.count.shape[0], ex.stats.mean.shape[1], ex.reservoir.k, ex.reservoir.seed,
+                    ex.stats.mean.device)
+        return "done"
+    return "resumed"
+
+
+def _check_memory(shape: tuple[int, int], samples_per_class: int) -> None:
+    """Refuse a reservoir that cannot fit in memory, before any work."""
+    import psutil
+
+    vocab, d = shape
+    need = vocab * samples_per_class * (4 * d + 16)
+    if need > psutil.virtual_memory().available:
+        raise UserError(f"--samples-per-class {samples_per_class} needs {need / 2**30:,.1f} GiB for {vocab:,} classes "
+                        f"of width {d} (this machine has {psutil.virtual_memory().available / 2**30:,.1f} GiB free); "
+                        "lower it")
+
+
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
-                       announce: Callable[[object, Blocks], None] | None = None) -> str:
+                       restart: bool = False, announce: Callable[[object, Blocks], None] | None = None) -> str:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
 
-    ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
+    One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done).
+    ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
+    state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
     device = resolve_device(cfg.device)
     block_size = cfg.block_size or default_block_size(load_config(ckpt, cfg.trust_remote_code))
     if cfg.max_val_tokens == 0:
@@ -93,70 +137,71 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         val_spec, val_split = default_val_spec(cfg.dataset, cfg.val_split)
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
     chash = config_hash(record)
-
-    existing = io.group_attrs(store, ckpt.group)
-    if existing and existing.get("complete") and not overwrite:
-        if existing.get("config_hash") == chash:
-            return "skipped"
-        raise UserError(f"{ckpt.group} is already in {store} under another configuration "
-                        f"({_differences(json.loads(existing.get('config', '{}')), record)}); "
-                        "rerun with the same options, or pass --overwrite to replace it")
-    # only now: a finished checkpoint is skipped without loading its weights
-    model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
-    tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
     spath = state_path(store, ckpt)
-    out = model.get_output_embeddings()
-    classifier, bias = out.weight.detach(), (out.bias.detach() if getattr(out, "bias", None) is not None else None)
-    ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
-    status = "done"
-    if spath.exists():
-        with np.load(spath, allow_pickle=False) as arrays:
-            old = record_of(arrays)
-            if old != record and not overwrite:
-                raise UserError(f"an interrupted extraction of {ckpt.group} in {store} used another configuration "
-                                f"({_differences(old, record)}); rerun with the same options to resume it, "
-                                "or pass --overwrite to start again")
-            if old == record:
-                ex.load(arrays)
-                status = "resumed"
-    saver = Saver(spath, lambda: ex.state(record), cfg.state_every)
+    with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
+        io.recover_swap(store, ckpt.group, spath.with_suffix(".zarr"))
+        existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
+        if existing and existing.get("complete") and not overwrite:
+            if existing.get("config_hash") == chash:
+                drop_state(spath)  # a state left by a run killed after its write
+                return "skipped"
+            raise UserError(f"{ckpt.group} is already in {store} under another configuration "
+                            f"({_differences(json.loads(existing.get('config', '{}')), record)}); "
+                            "rerun with the same options, or pass --overwrite to replace it")
+        # only now: a finished checkpoint is skipped without loading its weights
+        model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
+        tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
+        out = model.get_output_embeddings()
+        classifier = out.weight.detach()
+        bias = out.bias.detach() if getattr(out, "bias", None) is not None else None
+        _check_memory(classifier.shape, cfg.samples_per_class)
+        train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer)
+        val = None if val_spec is None else _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer)
+        ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
+        status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
+        saver = Saver(spath, lambda: ex.state(record), cfg.state_every)
+        if announce:
+            announce(model, train)
+        with saver.on_interrupt():
+            if ex.phase == Phase.TRAIN:
+                train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
+                if not (ex.stats.count >= cfg.min_count).any():
+                    raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most "
+                                    f"is {int(ex.stats.count.max())}): lower --min-count")
+                ex.next_phase(Phase.VALIDATION)
+                saver.maybe(force=True)
+            if ex.phase == Phase.VALIDATION:
+                if val is not None:
+                    val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
+                ex.next_phase(Phase.DONE)
+        attrs = {
+            "run": ckpt.run, "checkpoint": ckpt.name, **training_metadata(ckpt),
+            "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
+            "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
+            "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
+            "val_tokens": int(ex.val["val_count"].sum()), "min_count": cfg.min_count, "block_size": block_size,
+            "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
+            "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
+            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
+            "ncanalyze_version": io.version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
+        }
+        ds = ex.dataset(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]), attrs)
+        io.write_checkpoint(store, ckpt.group, ds, spath.with_suffix(".zarr"))
+        drop_state(spath)
+        return status
 
-    train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer)
-    if announce:
-        announce(model, train)
-    if ex.phase == Phase.TRAIN:
-        train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
-        ex.phase, ex.batches = Phase.VALIDATION, 0
-        saver.maybe(force=True)
-    if ex.phase == Phase.VALIDATION:
-        if val_spec is not None:
-            val = _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer)
-            val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
-        ex.phase = Phase.DONE
 
-    attrs = {
-        "run": ckpt.run, "checkpoint": ckpt.name, **training_metadata(ckpt),
-        "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
-        "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
-        "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
-        "val_tokens": int(ex.val["val_count"].sum()), "min_count": cfg.min_count, "block_size": block_size,
-        "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
-        "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
-        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
-        "ncanalyze_version": io.version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
-    }
-    io.write_checkpoint(store, ckpt.group, ex.dataset(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]),
-                                                      attrs))
-    drop_state(spath)
-    return status
+def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
+            restart: bool = False) -> dict[str, str]:
+    """Extract every checkpoint under ``path`` into ``store``; returns {group: status} (logged as it goes).
 
-
-def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False) -> dict[str, str]:
-    """Extract every checkpoint under ``path`` into ``store``; returns {group: status} (logged as it goes)."""
+    A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
+    'failed: <why>', and the others go on; any other error stops the run."""
     store = Path(store)
     ckpts = discover(path)
-    io.create(store)
-    todo = sum(overwrite or not (io.group_attrs(store, c.group) or {}).get("complete") for c in ckpts)
+    io.prepare(store, partial_dir(store))
+    todo = sum(overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")
+               for c in ckpts)
     announced = False
 
     def announce(model, train: Blocks) -> None:  # once, at the first checkpoint that does work
@@ -167,7 +212,15 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
             announced = True
 
     results = {}
-    for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
-        results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite, announce)
-        log.info("%s: %s", ckpt.group, results[ckpt.group])
+    try:
+        for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
+            try:
+                results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce)
+            except CheckpointError as e:
+                if len(ckpts) == 1:
+                    raise
+                results[ckpt.group] = f"failed: {e}"
+            log.info("%s: %s", ckpt.group, results[ckpt.group])
+    finally:
+        prune(partial_dir(store))
     return results

@@ -5,7 +5,10 @@ last, so a group without it is an interrupted write; `ncanalyze measure` adds th
 """
 from __future__ import annotations
 
+import errno
 import math
+import os
+import shutil
 from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
 
@@ -56,17 +59,50 @@ def read_group(path: str | Path, group: str) -> xr.Dataset:
                         "metrics.csv") from None
 
 
-def group_attrs(path: str | Path, group: str) -> dict | None:
-    """The attributes of ``group`` if it exists, else None."""
+CORRUPT = (ValueError, zarr.errors.MetadataValidationError, zarr.errors.NodeTypeValidationError)  # bad zarr.json
+
+
+def group_attrs(path: str | Path, group: str, corrupt_ok: bool = False) -> dict | None:
+    """The attributes of ``group`` if it exists, else None; a corrupt group is an error (None with ``corrupt_ok``,
+    for a caller that will replace it)."""
     try:
         return dict(zarr.open_group(path, path=group, mode="r", **ZARR).attrs)
     except MISSING_GROUP:
         return None
+    except CORRUPT as e:
+        if corrupt_ok:
+            return None
+        raise UserError(f"the metadata of group {group} ({Path(path) / group / 'zarr.json'}) is corrupt ({e}); pass "
+                        "--overwrite to extract it again") from None
 
 
-def create(path: str | Path) -> None:
-    """The root group, so that the store opens even before its first checkpoint is written."""
-    zarr.open_group(path, mode="a", **ZARR)
+def prepare(path: Path, partial: Path) -> None:
+    """Check, before any work, that ``path`` can hold a store and that it and ``partial`` (the resume states beside
+    it) are writable; create the root group. Each failure is one line naming the fix."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--store {path} is a file, not a store: pass a new path such as ncanalyze.zarr")
+    if path.is_dir() and not (path / "zarr.json").exists() and any(path.iterdir()):
+        raise UserError(f"--store {path} is a folder of other files, not an ncanalyze store: pass a new path such as "
+                        f"{path / 'ncanalyze.zarr'}")
+    if partial.exists() and not partial.is_dir():
+        raise UserError(f"{partial} is a file, but ncanalyze keeps its resume states there: move it away")
+    try:
+        zarr.open_group(path, mode="a", **ZARR)
+        for d in (path, partial):
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / f".write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+    except CORRUPT as e:
+        raise UserError(f"the store's root metadata {path / 'zarr.json'} is corrupt ({e}): restore it, or move the "
+                        "store aside and extract into a new one") from None
+    except (PermissionError, NotADirectoryError, FileExistsError) as e:
+        raise UserError(f"cannot write the store {path} ({e.strerror}: {e.filename}): pass --store on a writable "
+                        "disk, or fix its permissions") from None
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        raise UserError(f"the store {path} is on a read-only file system: pass --store on a writable disk") from None
 
 
 def _encoding(ds: xr.Dataset) -> dict:
@@ -82,12 +118,40 @@ def _encoding(ds: xr.Dataset) -> dict:
     return enc
 
 
-def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset) -> None:
-    """Write a finished checkpoint dataset, then mark the group complete: an interrupted write is never taken as
-    done."""
-    ds.attrs["complete"] = False
-    ds.to_zarr(path, group=group, mode="w", encoding=_encoding(ds), **XR)
-    zarr.open_group(path, path=group, mode="r+", **ZARR).attrs["complete"] = True
+def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, staging: Path) -> None:
+    """Write a finished checkpoint dataset as ``group``, replacing any group there, without a moment where neither
+    the old group nor the new one is whole: the new group is written at ``staging`` (a folder beside the store, on
+    the same disk), marked complete, and then renamed into place; the old one is moved aside first and removed last
+    (``recover_swap`` puts it back if a crash comes between the two renames). Every chunk is written, even one of
+    fill values only, so that a missing chunk can be told from an empty one (``missing_chunks``)."""
+    dest, old = Path(path) / group, staging.with_name(staging.name + ".old")
+    shutil.rmtree(staging, ignore_errors=True)
+    ds.attrs |= {"complete": False, "all_chunks": True}
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        ds.to_zarr(staging, mode="w", encoding=_encoding(ds), **XR)
+    zarr.open_group(staging, mode="r+", **ZARR).attrs["complete"] = True
+    parent = group.rsplit("/", 1)[0] if "/" in group else ""
+    zarr.open_group(path, path=parent, mode="a", **ZARR)        # the run's group (and the root) exist
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(staging, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_swap(path: str | Path, group: str, staging: Path) -> None:
+    """After a crash between write_checkpoint's two renames: the old group back in place."""
+    dest, old = Path(path) / group, staging.with_name(staging.name + ".old")
+    if old.is_dir() and not dest.exists():
+        os.rename(old, dest)
+
+
+def missing_chunks(path: str | Path, group: str) -> list[str]:
+    """The arrays of a group written with every chunk (``all_chunks``) that lack some (none for older groups)."""
+    g = zarr.open_group(path, path=group, mode="r", **ZARR)
+    if not g.attrs.get("all_chunks"):
+        return []
+    return [f"{name} ({a.nchunks - a.nchunks_initialized} of {a.nchunks} chunks)" for name, a in g.arrays()
+            if a.nchunks_initialized < a.nchunks]
 
 
 def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_class: xr.Dataset, min_count: int,

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.discover import PICKLE_WEIGHTS, WEIGHTS, Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -21,9 +21,15 @@ def resolve_device(device: str) -> torch.device:
     """``auto`` is CUDA when present, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
-    return torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    return dev
 
 
 def _first_line(e: Exception) -> str:
@@ -37,7 +43,7 @@ def load_config(ckpt: Checkpoint, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(str(ckpt.path), trust_remote_code=trust_remote_code)
     except LOAD_ERRORS as e:
-        raise UserError(f"cannot read the model config in {ckpt.path}: {_first_line(e)} (custom code needs "
+        raise CheckpointError(f"cannot read the model config in {ckpt.path}: {_first_line(e)} (custom code needs "
                         "--trust-remote-code)") from None
 
 
@@ -50,18 +56,18 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
     hf_logging.disable_progress_bar()  # our own bars say what is going on
     safe = any((ckpt.path / w).is_file() for w in WEIGHTS)
     if not safe and not allow_pickle:
-        raise UserError(f"{ckpt.path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
+        raise CheckpointError(f"{ckpt.path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
                         "code when loaded; convert them to safetensors or pass --allow-pickle if you trust the file")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), dtype=DTYPES[dtype], use_safetensors=safe, trust_remote_code=trust_remote_code,
             output_loading_info=True)
     except LOAD_ERRORS as e:
-        raise UserError(f"cannot load the model in {ckpt.path}: {_first_line(e)} (is the weight file complete? "
+        raise CheckpointError(f"cannot load the model in {ckpt.path}: {_first_line(e)} (is the weight file complete? "
                         "custom code needs --trust-remote-code)") from None
     missing = [k for k in info.get("missing_keys", []) if "lm_head" not in k or not model.config.tie_word_embeddings]
     if missing:
-        raise UserError(f"{ckpt.path}: the weight file lacks {len(missing)} tensors (e.g. {missing[0]}); "
+        raise CheckpointError(f"{ckpt.path}: the weight file lacks {len(missing)} tensors (e.g. {missing[0]}); "
                         "it is incomplete or from another architecture")
     return model.to(device).eval()
 
@@ -78,7 +84,7 @@ def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code:
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code), where
     except LOAD_ERRORS as e:
-        raise UserError(f"cannot load tokenizer {where}: {_first_line(e)}; pass --tokenizer with a local "
+        raise CheckpointError(f"cannot load tokenizer {where}: {_first_line(e)}; pass --tokenizer with a local "
                         "folder") from None
 
 

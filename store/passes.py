@@ -7,6 +7,7 @@ classes kept at extraction. Both skip the batches a resumed state already holds.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import xarray as xr
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.analyzer.schema import VAL_COUNTS, stats_dataset
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.reservoir import Reservoir
@@ -32,6 +33,10 @@ class Extraction:
         self.reservoir = Reservoir(vocab, k, dim, seed)
         self.val = {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in VAL_COUNTS}
         self.phase, self.batches = Phase.TRAIN, 0
+        self.stream = ""  # sha256 of the token blocks read so far in this phase (checked on resume)
+
+    def next_phase(self, phase: Phase) -> None:
+        self.phase, self.batches, self.stream = phase, 0, ""
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
         """Everything needed to resume, as arrays (with the configuration ``record``)."""
@@ -39,14 +44,35 @@ class Extraction:
         arrays |= {f"reservoir.{k}": v for k, v in self.reservoir.state_dict().items()}
         arrays |= {f"val.{k}": v.cpu().numpy() for k, v in self.val.items()}
         return arrays | {"phase": np.array(int(self.phase)), "batches": np.array(self.batches),
-                         "config": np.array(json.dumps(record, sort_keys=True))}
+                         "stream": np.array(self.stream), "config": np.array(json.dumps(record, sort_keys=True))}
 
-    def load(self, arrays) -> None:
-        self.stats.load_state_dict({k[6:]: arrays[k] for k in arrays.files if k.startswith("stats.")})
-        self.reservoir.load_state_dict({k[10:]: arrays[k] for k in arrays.files if k.startswith("reservoir.")})
+    def load(self, arrays: dict[str, np.ndarray], tokens_per_batch: int, where: str) -> None:
+        """Continue from a saved state, after checking that it is one this extraction could have written: the same
+        arrays with the same shapes and dtypes, a known phase, and counts that add up to the batches done (a state
+        that fails is refused, never continued into wrong numbers)."""
+        fresh = self.state({})
+        bad = [k for k, v in fresh.items() if k != "stream" and k in arrays
+               and (arrays[k].shape != v.shape or arrays[k].dtype.kind != v.dtype.kind)]
+        bad += [f"{k} (missing)" for k in fresh if k not in arrays and k != "stream"]
+        fix = "pass --restart to discard it and extract this checkpoint from the start"
+        if bad:
+            raise CheckpointError(f"the resume state {where} does not fit this checkpoint ({', '.join(bad[:3])}); {fix}")
+        phase, batches = int(arrays["phase"]), int(arrays["batches"])
+        done = arrays["val.val_count" if phase == Phase.VALIDATION else "stats.count"].sum()
+        if phase == Phase.TRAIN or phase == Phase.VALIDATION:
+            low, high = max(0, batches - 1) * tokens_per_batch, batches * tokens_per_batch
+            consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high)
+        else:
+            consistent = phase == Phase.DONE
+        consistent = consistent and bool(np.isfinite(arrays["stats.mean"]).all()) and (arrays["stats.m2"] >= 0).all()
+        if not consistent or (arrays["stats.count"] < 0).any():
+            raise CheckpointError(f"the resume state {where} is inconsistent (phase {phase}, {batches} batches, {done} "
+                            f"tokens counted); {fix}")
+        self.stats.load_state_dict({k[6:]: arrays[k] for k in arrays if k.startswith("stats.")})
+        self.reservoir.load_state_dict({k[10:]: arrays[k] for k in arrays if k.startswith("reservoir.")})
         for k in self.val:
             self.val[k].copy_(torch.as_tensor(arrays[f"val.{k}"]))
-        self.phase, self.batches = Phase(int(arrays["phase"])), int(arrays["batches"])
+        self.phase, self.batches, self.stream = Phase(phase), batches, str(arrays.get("stream", ""))
 
     def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
                 attrs: dict) -> xr.Dataset:
@@ -74,7 +100,7 @@ def _check_ids(batch: np.ndarray, vocab: int, spec: str) -> None:
 
 def _check_finite(h: torch.Tensor, where: str) -> None:
     if not torch.isfinite(h).all():
-        raise UserError(f"NaN/Inf features in {where}: the checkpoint has diverged or the dtype overflows; "
+        raise CheckpointError(f"NaN/Inf features in {where}: the checkpoint has diverged or the dtype overflows; "
                         "try --dtype float32, or exclude this checkpoint")
 
 
@@ -84,16 +110,31 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
     counts as done and the state may be saved."""
     vocab, device = ex.stats.count.shape[0], ex.stats.mean.device
     total = blocks.total and -(-blocks.total // batch_size)
+    digest, seen = hashlib.sha256(), 0
     with tqdm(total=total, initial=ex.batches, desc=desc, unit="batch", leave=False) as bar:
-        for batch in blocks.batches(batch_size, skip=ex.batches):
+        for batch in blocks.batches(batch_size):
+            digest.update(batch.tobytes())
+            seen += 1
+            if seen <= ex.batches:  # done before a resume: read again only to check that the data is the same
+                if seen == ex.batches and ex.stream and digest.hexdigest() != ex.stream:
+                    _data_changed(blocks, desc)
+                continue
             _check_ids(batch, vocab, blocks.spec)
             ids = torch.from_numpy(batch).to(device)
             h = features(model, ids)
             _check_finite(h, f"{desc}, batch {ex.batches}")
             yield h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
-            ex.batches += 1
+            ex.batches, ex.stream = ex.batches + 1, digest.hexdigest()
             bar.update()
             saver.maybe()
+    if seen < ex.batches:
+        _data_changed(blocks, desc)
+
+
+def _data_changed(blocks: Blocks, desc: str) -> None:
+    raise UserError(f"{blocks.spec} is not the data the interrupted extraction of {desc} read (its first blocks "
+                    "differ or it is shorter now); restore it, or pass --restart to extract this checkpoint from the "
+                    "start")
 
 
 def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str) -> None:

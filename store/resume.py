@@ -1,20 +1,27 @@
-"""The resume state of one checkpoint's extraction: where it lives, its phases, and atomic saves.
+"""The resume state of one checkpoint's extraction: where it lives, its phases, atomic saves and checked loads.
 
 It lives beside the store (``<store>.partial/<run>/<checkpoint>.npz``), so the Zarr hierarchy stays clean; it holds
-the running statistics, the reservoir, the validation counts, the phase, the batches done in that phase, and the
-configuration record it was made under.
+the running statistics, the reservoir, the validation counts, the phase, the batches done in that phase, a hash of
+the token blocks read so far in that phase, and the configuration record it was made under. The same folder holds
+the checkpoint's lock (lock.py) and the staging copy of its group while it is written (io.write_checkpoint).
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
+from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store.discover import Checkpoint
 
 
@@ -25,14 +32,19 @@ class Phase(enum.IntEnum):
     DONE = 2         # both passes done; the group is written next
 
 
+def partial_dir(store: Path) -> Path:
+    """``<store>.partial``: resume states, locks and staging copies, beside the store."""
+    return store.with_name(store.name + ".partial")
+
+
 def state_path(store: Path, ckpt: Checkpoint) -> Path:
-    return store.with_name(store.name + ".partial") / ckpt.run / f"{ckpt.name}.npz"
+    return partial_dir(store) / ckpt.run / f"{ckpt.name}.npz"
 
 
 def save_state(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Atomically: a kill leaves the old state or the new one."""
+    """Atomically, through a temporary file of this process's own: a kill leaves the old state or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp.npz")
     try:
         np.savez(tmp, **arrays)
         os.replace(tmp, path)
@@ -40,9 +52,38 @@ def save_state(path: Path, arrays: dict[str, np.ndarray]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def prune(partial: Path) -> None:
+    """Remove the empty folders left in ``partial`` (and itself, once empty)."""
+    if not partial.is_dir():
+        return
+    for d in sorted((p for p in partial.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+    if not any(partial.iterdir()):
+        partial.rmdir()
+
+
+# what a truncated, empty, garbage or bit-flipped .npz raises when it is read
+UNREADABLE = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile)
+
+
+def load_state(path: Path) -> dict[str, np.ndarray]:
+    """Every array of a saved state, read (and so checksummed by zip) now; a one-line error if it can't be."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        record_of(arrays)
+    except UNREADABLE as e:
+        raise CheckpointError(f"the resume state {path} is unreadable ({type(e).__name__}: {e}); pass --restart to "
+                        "discard it and extract this checkpoint from the start") from None
+    return arrays
+
+
 def drop_state(path: Path) -> None:
-    """Remove a finished checkpoint's state, and its folders once empty."""
+    """Remove a checkpoint's state and any temporary files left beside it, and the folders once empty."""
     path.unlink(missing_ok=True)
+    for tmp in path.parent.glob(f"{path.stem}.*.tmp.npz") if path.parent.is_dir() else ():
+        tmp.unlink(missing_ok=True)
     for d in (path.parent, path.parent.parent):
         if d.is_dir() and not any(d.iterdir()):
             d.rmdir()
@@ -53,13 +94,40 @@ def record_of(arrays) -> dict:
     return json.loads(str(arrays["config"]))
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, taken at a batch boundary after the state was saved."""
+
+
 class Saver:
-    """Saves ``state()`` every ``every`` seconds (and when forced), atomically."""
+    """Saves ``state()`` every ``every`` seconds (and when forced), atomically; under :meth:`on_interrupt`, a Ctrl-C
+    is taken at the next batch boundary, where the state is whole: saved, then :class:`Interrupted` is raised."""
 
     def __init__(self, path: Path, state: Callable[[], dict[str, np.ndarray]], every: float):
         self.path, self.state, self.every, self.last = path, state, every, time.monotonic()
+        self.interrupted = False
 
     def maybe(self, force: bool = False) -> None:
-        if force or time.monotonic() - self.last >= self.every:
+        """Called at batch boundaries only."""
+        if force or self.interrupted or time.monotonic() - self.last >= self.every:
             save_state(self.path, self.state())
             self.last = time.monotonic()
+        if self.interrupted:
+            raise Interrupted(f"interrupted: state saved in {self.path}; run the same command to resume")
+
+    @contextlib.contextmanager
+    def on_interrupt(self) -> Iterator[None]:
+        """Defer SIGINT to the next batch boundary (a second Ctrl-C stops at once); main thread only."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
