@@ -1,6 +1,8 @@
 """Token blocks from any data form of SPEC section 2: Hub or local datasets, text/json/parquet, .npy, nanoGPT .bin."""
 from __future__ import annotations
 
+import errno
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ class Blocks:
     max_blocks: int | None
     n_blocks: int | None  # known length (token files), else None
     _iter: Callable[[], Iterator[np.ndarray]]
+    rows_from_file: bool = False  # the block length is the width of a 2-D token array, not --block-size
 
     def batches(self, batch_size: int, skip: int = 0) -> Iterator[np.ndarray]:
         """Batches of blocks (b x block_size), skipping the first ``skip`` batches."""
@@ -66,35 +69,89 @@ def default_val_spec(spec: str, val_split: str) -> tuple[str, str]:
 
 
 def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, text_column: str,
-                tokenize: Callable[[list[str]], list[list[int]]] | None) -> Blocks:
-    """Open ``spec`` as a stream of blocks; text is tokenized with ``tokenize`` and grouped like ``run_clm``."""
-    max_blocks = None if max_tokens is None else max_tokens // block_size
+                tokenize: Callable[[list[str]], list[list[int]]] | None, cap_flag: str | None = None) -> Blocks:
+    """Open ``spec`` as a stream of blocks; text is tokenized with ``tokenize`` and grouped like ``run_clm``.
+
+    Bad data is a :class:`UserError` naming the file, here or (for text, read lazily) while iterating.
+    ``cap_flag`` is the option ``max_tokens`` came from (``--max-train-tokens`` or ``--max-val-tokens``), named
+    when the cap is below one block; a cap below one block is refused rather than read as an empty dataset.
+    """
     if is_token_file(spec):
         arr = _token_array(spec)
         if arr.ndim == 1:
             n = len(arr) // block_size
             rows = lambda: (np.asarray(arr[i * block_size:(i + 1) * block_size], dtype=np.int64) for i in range(n))
+            what = f"{len(arr)} tokens"
         else:
             n = arr.shape[0]
             rows = lambda: (np.asarray(r, dtype=np.int64) for r in arr)
             block_size = arr.shape[1]
-            max_blocks = None if max_tokens is None else max_tokens // block_size
-        return Blocks(spec, block_size, max_blocks, n, rows)
+            what = f"{n} rows"
+        _check_cap(max_tokens, block_size, spec, cap_flag, arr.ndim == 2)
+        if n == 0:
+            raise UserError(f"{spec} holds no full block of {block_size} tokens (it has {what}): it is empty or "
+                            f"shorter than the block; pass more tokens{'' if arr.ndim == 2 else ' or a smaller --block-size'}")
+        return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), n, rows, rows_from_file=arr.ndim == 2)
+    _check_cap(max_tokens, block_size, spec, cap_flag, False)
     if tokenize is None:
         raise UserError(f"{spec} is text and needs a tokenizer: none was found beside the checkpoint or its run; "
                         "pass --tokenizer PATH_OR_NAME")
     texts = _text_rows(spec, split, text_column)
 
     def grouped() -> Iterator[np.ndarray]:
-        pending = np.zeros(0, dtype=np.int64)
+        pending, n_blocks = np.zeros(0, dtype=np.int64), 0
         for chunk in texts():
             ids = tokenize(chunk)
             pending = np.concatenate([pending, np.fromiter((t for doc in ids for t in doc), dtype=np.int64)])
             n = len(pending) // block_size
+            n_blocks += n
             yield from pending[:n * block_size].reshape(n, block_size)
             pending = pending[n * block_size:]
+        if n_blocks == 0:
+            raise UserError(f"{spec} (split {split!r}) holds no full block of {block_size} tokens: it is empty or "
+                            "shorter than one block; pass more text or a smaller --block-size")
 
-    return Blocks(spec, block_size, max_blocks, None, grouped)
+    return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), None, grouped)
+
+
+def _max_blocks(max_tokens: int | None, block_size: int) -> int | None:
+    return None if max_tokens is None else max_tokens // block_size
+
+
+def _check_cap(max_tokens: int | None, block_size: int, spec: str, cap_flag: str | None, rows_from_file: bool) -> None:
+    """A token cap below one block reads nothing: say so, rather than blame the dataset for being empty."""
+    if max_tokens is not None and max_tokens < block_size:
+        flag = cap_flag or "--max-train-tokens/--max-val-tokens"
+        lower = f" (the width of the rows of {spec})" if rows_from_file else " (or lower --block-size)"
+        raise UserError(f"{flag} {max_tokens} is below one block of {block_size} tokens, so nothing of {spec} "
+                        f"would be read; raise {flag} to at least {block_size}{lower}")
+
+
+def model_positions(config) -> int | None:
+    """The number of positions a model config allows (``max_position_embeddings`` or ``n_positions``), or None."""
+    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(config, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_block_size(block_size: int, n_positions: int | None, spec: str, rows_from_file: bool = False) -> None:
+    """Refuse blocks longer than the model's positions (``n_positions`` None: the model has no such limit).
+
+    A longer block either fails deep inside the model or, with relative/rotary positions, runs on positions the
+    model never learnt: features of another model. Extraction must call this once per data source, after
+    :func:`open_blocks`, as ``check_block_size(blocks.block_size, model_positions(config), blocks.spec,
+    blocks.rows_from_file)``.
+    """
+    if n_positions is None or block_size <= n_positions:
+        return
+    if rows_from_file:
+        raise UserError(f"the rows of {spec} are {block_size} tokens long, longer than the model's {n_positions} "
+                        f"positions; cut them to at most {n_positions} tokens (e.g. save arr[:, :{n_positions}]) "
+                        "or save a 1-D stream and pass --block-size")
+    raise UserError(f"--block-size {block_size} is longer than the model's {n_positions} positions ({spec}); "
+                    f"pass --block-size {n_positions} or less")
 
 
 def _token_array(spec: str) -> np.ndarray:
@@ -102,12 +159,70 @@ def _token_array(spec: str) -> np.ndarray:
     if not p.is_file():
         raise UserError(f"token file {spec} does not exist")
     if p.suffix == ".bin":  # nanoGPT: a flat uint16 stream
+        size = p.stat().st_size
+        if size == 0:
+            raise UserError(f"{spec} is empty: a nanoGPT .bin is a stream of uint16 token ids; pass a non-empty file")
+        if size % 2:
+            raise UserError(f"{spec} has {size} bytes, an odd number: a nanoGPT .bin is a stream of uint16 token ids "
+                            "(2 bytes each), so it is truncated or not a token file; write it again with "
+                            "np.array(ids, dtype=np.uint16).tofile(path)")
         return np.memmap(p, dtype=np.uint16, mode="r")
-    arr = np.load(p, mmap_mode="r", allow_pickle=False)
+    try:
+        arr = np.load(p, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError) as e:  # object arrays (pickles), truncated headers, bytes that are not .npy
+        why = ("it holds Python objects, or is not .npy at all" if "pickle" in str(e) or "Python objects" in str(e)
+               else _first_line(e))
+        raise UserError(f"{spec} is not a readable .npy of integer token ids ({why}); save the ids with "
+                        "np.save(path, np.asarray(ids, dtype=np.int64))") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive named .npy
+        arr.close()
+        raise UserError(f"{spec} is an .npz archive, not a .npy array; save the token ids with np.save(path, ids)")
     if arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.integer):
         raise UserError(f"{spec} must hold integer token ids, 1-D (a stream) or 2-D (blocks x length); "
                         f"it has dtype {arr.dtype} and shape {arr.shape}")
+    if arr.ndim == 2 and arr.shape[1] < 2:
+        raise UserError(f"{spec} has rows of {arr.shape[1]} tokens (shape {arr.shape}): each row of a 2-D token "
+                        "array is a block and needs at least 2 tokens (features predict the next token); "
+                        "save blocks x length, or a 1-D stream")
     return arr
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _malformed_types() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean a data file's content is malformed, as ``datasets`` raises them on load or while
+    streaming: bytes that are not UTF-8, JSON (lines) that do not parse (pyarrow, or the json module's fallback),
+    CSV that does not parse (pandas), and datasets' own wrapper when it builds a split (non-streamed slices)."""
+    import pyarrow as pa
+    from datasets.exceptions import DatasetGenerationError
+    from pandas.errors import ParserError
+
+    return UnicodeDecodeError, pa.ArrowInvalid, json.JSONDecodeError, ParserError, DatasetGenerationError
+
+
+def _malformed(spec: str, e: BaseException) -> UserError:
+    """One line for a malformed file: the first specific cause in ``e``'s chain (datasets wraps the real error)."""
+    import pyarrow as pa
+    from pandas.errors import ParserError
+
+    chain, c = [], e
+    while c is not None and c not in chain:
+        chain.append(c)
+        c = c.__cause__ or c.__context__
+    real = next((c for c in chain if isinstance(c, (UnicodeDecodeError, pa.ArrowInvalid, json.JSONDecodeError,
+                                                     ParserError))), chain[-1])
+    if isinstance(real, UnicodeDecodeError):
+        return UserError(f"{spec} is not UTF-8 text ({real.reason} at byte {real.start}); re-encode it as UTF-8, "
+                         "e.g. iconv -f latin1 -t utf-8")
+    if isinstance(real, (pa.ArrowInvalid, json.JSONDecodeError)):
+        return UserError(f"{spec} is not valid JSON ({_first_line(real)}); fix the file: .jsonl is one JSON object "
+                         "per line, .json one list of objects")
+    if isinstance(real, ParserError):
+        return UserError(f"{spec} is not valid CSV ({_first_line(real)}); fix the file")
+    return UserError(f"cannot read {spec}: {_first_line(real)}")
 
 
 def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callable[[], Iterator[list[str]]]:
@@ -116,6 +231,7 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
 
     p = Path(spec)
     stream = "[" not in split  # streamed (nothing cached on disk), except slices like 'train[:95%]'
+    malformed = _malformed_types()
     try:
         if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
             ds = datasets.load_from_disk(str(p))
@@ -126,6 +242,8 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
             if builder is None:
                 raise UserError(f"{spec}: unknown file type {p.suffix!r}; use .txt, .json, .jsonl, .parquet, .csv, "
                                 ".npy or .bin")
+            if _blank(p):
+                raise UserError(f"{spec} is empty: it holds no text; pass a file with data")
             name = split.split("[")[0]  # a single file is whichever split is asked for (slices apply)
             ds = datasets.load_dataset(builder, data_files={name: str(p)}, split=split, streaming=stream,
                                        **_text_options(builder))
@@ -139,22 +257,47 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
             ds = datasets.load_dataset(spec, split=split, streaming=stream)
     except UserError:
         raise
+    except StopIteration:  # datasets' json builder finds no first row to infer the columns from
+        raise UserError(f"{spec} holds no rows: it is empty or whitespace; pass a file with data") from None
+    except malformed as e:
+        raise _malformed(spec, e) from None
     except ValueError as e:
         if "split" in str(e).lower() or "Unknown split" in str(e):
             raise UserError(f"dataset {spec} has no split {split!r}: pass --split/--val-split (slices like "
                             "'train[:95%]' work for local data) or --val-dataset FILE") from None
-        raise UserError(f"cannot read dataset {spec}: {e}") from None
-    except Exception as e:  # connection errors, missing files, malformed json ...
-        raise UserError(f"cannot read dataset {spec} (split {split!r}): {type(e).__name__}: {e}".splitlines()[0]) \
-            from None
+        raise UserError(f"cannot read dataset {spec}: {_first_line(e)}") from None
+    except OSError as e:  # not found locally or on the Hub, no connection, no permission
+        if e.errno == errno.ENOSPC:
+            raise  # the CLI says how to free space and resume
+        raise UserError(f"cannot read dataset {spec} (split {split!r}): {_first_line(e)}; pass a local file or "
+                        "folder, or a Hub name that exists (the Hub needs a connection)") from None
+    except datasets.exceptions.DatasetsError as e:  # datasets' other refusals (checksums, defunct datasets ...)
+        raise UserError(f"cannot read dataset {spec} (split {split!r}): {_first_line(e)}") from None
     if ds.column_names is not None and column not in ds.column_names:  # a stream may not know its columns
         raise UserError(f"dataset {spec} has no column {column!r} (columns: {ds.column_names}); "
                         "pass --text-column")
 
     def rows() -> Iterator[list[str]]:
-        yield from (b[column] for b in ds.select_columns([column]).iter(batch_size=chunk))
+        """Chunks of text; a stream reads lazily, so malformed content surfaces here, named as a UserError."""
+        try:
+            for b in ds.select_columns([column]).iter(batch_size=chunk):
+                texts = b[column]
+                bad = next((t for t in texts if not isinstance(t, str)), texts)
+                if bad is not texts:
+                    raise UserError(f"column {column!r} of {spec} is not text (it holds {type(bad).__name__} "
+                                    f"{str(bad)[:40]!r}); pass --text-column with a text column, or token ids as "
+                                    ".npy/.bin")
+                yield texts
+        except malformed as e:
+            raise _malformed(spec, e) from None
 
     return rows
+
+
+def _blank(p: Path) -> bool:
+    """An empty file, or a small one holding only whitespace."""
+    size = p.stat().st_size
+    return size == 0 or size < (1 << 16) and not p.read_bytes().strip()
 
 
 def _text_options(builder: str) -> dict:

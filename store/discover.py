@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import filecmp
 import json
+import math
+import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from ncanalyze.analyzer.errors import UserError
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_SAFE_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,68 @@ class Checkpoint:
 
 def is_model_dir(p: Path) -> bool:
     return (p / "config.json").is_file() and any((p / w).is_file() for w in WEIGHTS + PICKLE_WEIGHTS)
+
+
+def check_safe_weights(path: str | Path, allow_pickle: bool) -> bool:
+    """Check the weight files ``from_pretrained`` would read in ``path``; True: load with ``use_safetensors=True``.
+
+    "safetensors only" means no file but ``.safetensors`` is ever deserialised: a safetensors index (or
+    config.json's ``transformers_weights``) naming a ``.bin`` or other shard is refused unless ``allow_pickle``,
+    as are pickle-only folders. A shard an index names but the folder lacks, or an index that is not JSON, is
+    a one-line error here rather than deep in ``transformers``. False: only pickle weights, allowed.
+
+    Extraction must call this in ``load_model`` before ``from_pretrained``:
+    ``safe = check_safe_weights(ckpt.path, cfg.allow_pickle)`` and pass ``use_safetensors=safe``.
+    """
+    path = Path(path)
+    explicit = (_json(path / "config.json", warn=False) or {}).get("transformers_weights")
+    if isinstance(explicit, str) and explicit:
+        if not explicit.endswith(_SAFE_SUFFIXES) and not allow_pickle:
+            raise UserError(f"{path / 'config.json'} names weights {explicit!r} (transformers_weights), which is not "
+                            "a .safetensors file and may be a pickle that runs code when loaded; remove the key, "
+                            "convert the weights to safetensors, or pass --allow-pickle if you trust the file")
+        if not (path / explicit).is_file():
+            raise UserError(f"{path / 'config.json'} names weights {explicit!r} (transformers_weights), which is "
+                            f"missing from {path}; copy the file there or remove the key")
+    index = path / WEIGHTS[1]
+    if index.is_file():
+        for shard in _index_shards(index):
+            if not shard.endswith(".safetensors") and not allow_pickle:
+                raise UserError(f"{index} maps tensors to {shard!r}, which is not a .safetensors file and may be a "
+                                "pickle that runs code when loaded; convert that shard to safetensors, or pass "
+                                "--allow-pickle if you trust the file")
+            _need_shard(index, path, shard)
+    if any((path / w).is_file() for w in WEIGHTS):
+        return True
+    if not any((path / w).is_file() for w in PICKLE_WEIGHTS):
+        raise UserError(f"{path} has no weight file ({', '.join(WEIGHTS + PICKLE_WEIGHTS)}); pass a folder "
+                        "holding a saved model")
+    if not allow_pickle:
+        raise UserError(f"{path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
+                        "code when loaded; convert them to safetensors or pass --allow-pickle if you trust the file")
+    pindex = path / PICKLE_WEIGHTS[1]
+    if not (path / PICKLE_WEIGHTS[0]).is_file() and pindex.is_file():
+        for shard in _index_shards(pindex):
+            _need_shard(pindex, path, shard)
+    return False
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard file names of a sharded-weights index (its ``weight_map`` values)."""
+    try:
+        wmap = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON (or not UTF-8), not an object
+        wmap = None
+    if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+        raise UserError(f"{index} is not a weights index (a JSON object whose weight_map maps tensor names to "
+                        "shard files); save the model again, or remove the index if a single weight file is there")
+    return sorted(set(wmap.values()))
+
+
+def _need_shard(index: Path, path: Path, shard: str) -> None:
+    if not (path / shard).is_file():
+        raise UserError(f"{index} names shard {shard!r}, which is missing from {path}; copy the missing shard "
+                        "there (or save the model again)")
 
 
 def _step_dirs(p: Path) -> list[Path]:
@@ -61,6 +127,7 @@ def discover(path: str | Path) -> list[Checkpoint]:
         raise UserError(f"{p} does not exist: pass a Trainer output folder, a model folder or a folder of runs")
     if not p.is_dir():
         raise UserError(f"{p} is not a folder: pass a Trainer output folder, a model folder or a folder of runs")
+    p = Path(os.path.abspath(p))  # '.', '..' or a relative checkpoint-N: names come from the real folders
     if _CKPT.match(p.name) and is_model_dir(p):
         return [Checkpoint(p.parent.name, p.name, p, p.parent)]
     found = _run_checkpoints(p)
@@ -73,32 +140,100 @@ def discover(path: str | Path) -> list[Checkpoint]:
     return found
 
 
-def _json(p: Path) -> dict | None:
+def _json(p: Path, warn: bool = True) -> dict | None:
+    """A JSON object from ``p``; None if it is missing or unreadable, with a warning (``warn``) if it is there but
+    is not a JSON object."""
     try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
+        obj = json.loads(p.read_text())
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError):  # unreadable, not JSON, not UTF-8
+        if warn:
+            warnings.warn(f"{p} is not readable JSON; its training metadata is left out", stacklevel=3)
+        return None
+    if not isinstance(obj, dict):
+        if warn:
+            warnings.warn(f"{p} holds a JSON {type(obj).__name__}, not an object; its training metadata is left "
+                          "out", stacklevel=3)
+        return None
+    return obj
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v) -> int | None:
+    return int(v) if _number(v) and math.isfinite(v) and v == int(v) and v >= 0 else None
+
+
+def _loss(v, where: str, at: str) -> float | None:
+    """A finite eval loss, else None with a warning: strict JSON holds no NaN or Infinity, and a wrong loss is
+    worse than none."""
+    if _number(v) and math.isfinite(v):
+        return float(v)
+    warnings.warn(f"{where}: eval_loss{' ' + at if at else ''} is {v!r}, not a finite number; it is stored as None",
+                  stacklevel=3)
+    return None
+
+
+def _log_history(state: dict | None, where: str) -> list[dict]:
+    """The entries of ``log_history`` that are JSON objects; a warning when any are left out."""
+    if not state or "log_history" not in state:
+        return []
+    history = state["log_history"]
+    if not isinstance(history, list):
+        warnings.warn(f"{where}: log_history is a {type(history).__name__}, not a list; it is left out", stacklevel=3)
+        return []
+    good = [e for e in history if isinstance(e, dict)]
+    if len(good) < len(history):
+        warnings.warn(f"{where}: {len(history) - len(good)} log_history entries are not objects; they are left out",
+                      stacklevel=3)
+    return good
 
 
 def training_metadata(ckpt: Checkpoint) -> dict:
-    """``global_step``, ``epoch`` and ``eval_loss`` (the last eval at or before the step) of a checkpoint."""
-    state = _json(ckpt.path / "trainer_state.json") or _json(ckpt.run_dir / "trainer_state.json")
+    """``global_step``, ``epoch`` and ``eval_loss`` (the last eval at or before the step) of a checkpoint.
+
+    A trainer_state.json of the wrong shape never stops an extraction: what is valid is read, the rest is None,
+    with a warning naming the file. A non-finite or non-numeric eval_loss is None (never an older eval's loss).
+    """
+    where = ckpt.path / "trainer_state.json"
+    state = _json(where)
+    if state is None:
+        where = ckpt.run_dir / "trainer_state.json"
+        state = _json(where)
     m = _CKPT.match(ckpt.name)
     step = int(m.group(1)) if m else None
     if step is None and state:
-        step = state.get("global_step") or state.get("max_steps")
+        step = _int(state.get("global_step")) or _int(state.get("max_steps"))
     if step is None:  # a final model without its own trainer_state: the last checkpoint's run length
         last = _step_dirs(ckpt.run_dir)
         st = _json(last[-1] / "trainer_state.json") if last else None
-        step = st and (st.get("max_steps") or st.get("global_step"))
-        state = state or st
-    history = (state or {}).get("log_history", [])
-    evals = [e for e in history if "eval_loss" in e and (step is None or e.get("step", 0) <= step)]
-    epoch = max((e["epoch"] for e in history if "epoch" in e and (step is None or e.get("step", 0) <= step)),
-                default=(state or {}).get("epoch"))
-    eval_loss = evals[-1]["eval_loss"] if evals else None
+        step = st and (_int(st.get("max_steps")) or _int(st.get("global_step")))
+        if state is None and st is not None:
+            state, where = st, last[-1] / "trainer_state.json"
+    history = _log_history(state, str(where))
+
+    def upto(e: dict) -> bool:  # logged at or before the step (an entry without a numeric step counts as step 0)
+        s = e.get("step", 0)
+        return step is None or (_number(s) and s <= step) or "step" not in e
+
+    evals = [e for e in history if "eval_loss" in e and upto(e)]
+    epochs = [e["epoch"] for e in history if _number(e.get("epoch")) and math.isfinite(e["epoch"]) and upto(e)]
+    epoch = max(epochs, default=None)
+    if epoch is None and state and _number(state.get("epoch")) and math.isfinite(state["epoch"]):
+        epoch = state["epoch"]
+    eval_loss = _loss(evals[-1]["eval_loss"], str(where), f"at step {evals[-1].get('step')!r}") if evals else None
     if ckpt.name == "final":
-        res = _json(ckpt.run_dir / "eval_results.json") or _json(ckpt.run_dir / "all_results.json") or {}
-        eval_loss = res.get("eval_loss", eval_loss)
-        epoch = res.get("epoch", epoch)
+        rpath = ckpt.run_dir / "eval_results.json"
+        res = _json(rpath)
+        if res is None:
+            rpath = ckpt.run_dir / "all_results.json"
+            res = _json(rpath)
+        if res is not None:
+            if "eval_loss" in res:
+                eval_loss = _loss(res["eval_loss"], str(rpath), "")
+            if _number(res.get("epoch")) and math.isfinite(res["epoch"]):
+                epoch = res["epoch"]
     return {"global_step": step, "epoch": epoch, "eval_loss": eval_loss}
