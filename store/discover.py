@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -49,27 +49,27 @@ def check_safe_weights(path: str | Path, allow_pickle: bool) -> bool:
     explicit = (_json(path / "config.json", warn=False) or {}).get("transformers_weights")
     if isinstance(explicit, str) and explicit:
         if not explicit.endswith(_SAFE_SUFFIXES) and not allow_pickle:
-            raise UserError(f"{path / 'config.json'} names weights {explicit!r} (transformers_weights), which is not "
+            raise CheckpointError(f"{path / 'config.json'} names weights {explicit!r} (transformers_weights), which is not "
                             "a .safetensors file and may be a pickle that runs code when loaded; remove the key, "
                             "convert the weights to safetensors, or pass --allow-pickle if you trust the file")
         if not (path / explicit).is_file():
-            raise UserError(f"{path / 'config.json'} names weights {explicit!r} (transformers_weights), which is "
+            raise CheckpointError(f"{path / 'config.json'} names weights {explicit!r} (transformers_weights), which is "
                             f"missing from {path}; copy the file there or remove the key")
     index = path / WEIGHTS[1]
     if index.is_file():
         for shard in _index_shards(index):
             if not shard.endswith(".safetensors") and not allow_pickle:
-                raise UserError(f"{index} maps tensors to {shard!r}, which is not a .safetensors file and may be a "
+                raise CheckpointError(f"{index} maps tensors to {shard!r}, which is not a .safetensors file and may be a "
                                 "pickle that runs code when loaded; convert that shard to safetensors, or pass "
                                 "--allow-pickle if you trust the file")
             _need_shard(index, path, shard)
     if any((path / w).is_file() for w in WEIGHTS):
         return True
     if not any((path / w).is_file() for w in PICKLE_WEIGHTS):
-        raise UserError(f"{path} has no weight file ({', '.join(WEIGHTS + PICKLE_WEIGHTS)}); pass a folder "
+        raise CheckpointError(f"{path} has no weight file ({', '.join(WEIGHTS + PICKLE_WEIGHTS)}); pass a folder "
                         "holding a saved model")
     if not allow_pickle:
-        raise UserError(f"{path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
+        raise CheckpointError(f"{path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
                         "code when loaded; convert them to safetensors or pass --allow-pickle if you trust the file")
     pindex = path / PICKLE_WEIGHTS[1]
     if not (path / PICKLE_WEIGHTS[0]).is_file() and pindex.is_file():

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store import io
-from ncanalyze.store.data import Blocks, default_val_spec, open_blocks
+from ncanalyze.store.data import Blocks, check_block_size, default_val_spec, model_positions, open_blocks
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
 from ncanalyze.store.estimate import estimate
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
@@ -75,9 +75,13 @@ def _differences(a: dict, b: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
-def _open(spec: str, split: str, cap: int | None, cfg: ExtractConfig, block_size: int, tokenizer) -> Blocks:
+def _open(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractConfig, block_size: int, config,
+          tokenizer) -> Blocks:
+    """The data as blocks, no longer than the model's positions."""
     tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
-    return open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize)
+    blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag)
+    check_block_size(blocks.block_size, model_positions(config), blocks.spec, blocks.rows_from_file)
+    return blocks
 
 
 def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
@@ -128,7 +132,8 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
     state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
     device = resolve_device(cfg.device)
-    block_size = cfg.block_size or default_block_size(load_config(ckpt, cfg.trust_remote_code))
+    config = load_config(ckpt, cfg.trust_remote_code)
+    block_size = cfg.block_size or default_block_size(config)
     if cfg.max_val_tokens == 0:
         val_spec, val_split = None, None
     elif cfg.val_dataset:
@@ -155,8 +160,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         classifier = out.weight.detach()
         bias = out.bias.detach() if getattr(out, "bias", None) is not None else None
         _check_memory(classifier.shape, cfg.samples_per_class)
-        train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer)
-        val = None if val_spec is None else _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer)
+        train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg, block_size, config,
+                      tokenizer)
+        val = None if val_spec is None else _open(val_spec, val_split, cfg.max_val_tokens, "--max-val-tokens", cfg,
+                                                  block_size, config, tokenizer)
         ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
         status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
         saver = Saver(spath, lambda: ex.state(record), cfg.state_every)
@@ -199,6 +206,9 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     'failed: <why>', and the others go on; any other error stops the run."""
     store = Path(store)
     ckpts = discover(path)
+    if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
+        raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
+                        "could be kept: lower --min-count")
     io.prepare(store, partial_dir(store))
     todo = sum(overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")
                for c in ckpts)

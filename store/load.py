@@ -8,7 +8,7 @@ import torch
 from safetensors import SafetensorError
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.discover import PICKLE_WEIGHTS, WEIGHTS, Checkpoint
+from ncanalyze.store.discover import Checkpoint, check_safe_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # what loading a broken checkpoint raises: missing or unreadable files (OSError), malformed JSON or an unknown
@@ -54,10 +54,7 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars say what is going on
-    safe = any((ckpt.path / w).is_file() for w in WEIGHTS)
-    if not safe and not allow_pickle:
-        raise CheckpointError(f"{ckpt.path} has only pickle weights ({'/'.join(PICKLE_WEIGHTS)}), which can run arbitrary "
-                        "code when loaded; convert them to safetensors or pass --allow-pickle if you trust the file")
+    safe = check_safe_weights(ckpt.path, allow_pickle)  # nothing but .safetensors is read unless allow_pickle
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), dtype=DTYPES[dtype], use_safetensors=safe, trust_remote_code=trust_remote_code,

@@ -240,7 +240,6 @@ def test_a_train_cap_below_one_block_through_the_cli(kept_store, trained_run, co
                           ["20 is below one block of 32 tokens", "at least 32"])
 
 
-@pytest.mark.xfail(strict=True, reason="store/extract.py does not call check_block_size yet (being refactored)")
 def test_a_block_longer_than_the_model_through_the_cli(kept_store, trained_run, tmp_path):
     np.save(tmp_path / "ids.npy", np.arange(8192) % 300)
     _assert_fails_cleanly(["extract", trained_run / "checkpoint-40", "--dataset", tmp_path / "ids.npy",
