@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask
@@ -31,7 +31,7 @@ import xarray as xr
 from dask.delayed import Delayed
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums
+from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums, reference_pair_sums
 from ncanalyze.analyzer.schema import PER_CLASS, SCALARS, stats_dataset
 
 MAX_TILE = 2048
@@ -167,6 +167,7 @@ class Geometry:
     wm: np.ndarray | None = None
     WtW: np.ndarray | None = None
     w_sum: np.ndarray | None = None
+    coincident: list[tuple[int, int]] = field(default_factory=list)  # pairs whose directions coincide (T ~ 0)
     val_count: np.ndarray | None = None
     val_agree: np.ndarray | None = None
     nc4_nan_because: str | None = None   # NC4 is defined here but not measurable, and why
@@ -216,10 +217,12 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> Geo
     spans = blocks(n, tile)
     with threadpoolctl.threadpool_limits(1, user_api="blas"):
         (pairs, row_cdnv), mom = dask.compute(pair_sums(U, r, var, t0, spans), _moments(M, W, spans))
+    coincident: list[tuple[int, int]] = []
     if pairs.coincident or not np.isfinite(pairs).all():
-        _raise_coincident(M, U, r, K, tile)
+        pairs, row_cdnv, coincident = reference_pair_sums(U, r, var, t0, spans)
+        _warn_coincident(coincident, M, r, K)
     g = Geometry(K=K, var=var, r=r, U=U, s=s, t0=t0, pairs=pairs, row_cdnv=row_cdnv, MtM=mom["MtM"],
-                 lam=mom["lam"], V=mom["V"], m_sum=M.sum(0))
+                 lam=mom["lam"], V=mom["V"], m_sum=M.sum(0), coincident=coincident)
     if "within_covariance" in ds:
         g.sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64)
     if W is not None:
@@ -253,7 +256,7 @@ def needs(field: str):
 
 def nc1_cdnv(g: Geometry) -> float:
     """mean over P of (var_c + var_c') / (2 ||mu_c - mu_c'||^2): class-distance normalized variance (Galanti et
-    al. 2022, "On the role of neural collapse in transfer learning")."""
+    al. 2022, "On the role of neural collapse in transfer learning"). +inf when two class means coincide."""
     return g.pairs.cdnv / (2 * g.n_pairs)
 
 
@@ -300,12 +303,17 @@ def nc2_etf_error(g: Geometry) -> float:
 
 def gnc2_log_mean(g: Geometry) -> float:
     """mean over P of log(1/||u_c - u_c'||) = -(mean l + log t0) / 2, l = log(T/t0): the logarithmic energy of
-    hyperspherical uniformity (Liu et al. 2023; Wu & Papyan 2024)."""
+    hyperspherical uniformity (Liu et al. 2023; Wu & Papyan 2024). +inf when two directions coincide."""
+    if g.coincident:
+        return math.inf
     return -0.5 * (g.pairs.l / g.n_pairs + math.log(g.t0))
 
 
 def gnc2_log_std(g: Geometry) -> float:
-    """std over P of log(1/||u_c - u_c'||) = std(l) / 2: hyperspherical uniformity (GNC2, Wu & Papyan 2024)."""
+    """std over P of log(1/||u_c - u_c'||) = std(l) / 2: hyperspherical uniformity (GNC2, Wu & Papyan 2024).
+    Undefined (nan) when two directions coincide: the spread of a set holding +inf."""
+    if g.coincident:
+        return math.nan
     ml = g.pairs.l / g.n_pairs
     return 0.5 * math.sqrt(max(g.pairs.ll / g.n_pairs - ml * ml, 0.0))
 
@@ -464,21 +472,15 @@ def dual_error(MtM: np.ndarray, WtW: np.ndarray, trace_s: float, m_sum: np.ndarr
     return math.sqrt(max(2 - 2 * inner, 0.0))
 
 
-def _raise_coincident(M: np.ndarray, U: np.ndarray, r: np.ndarray, K: np.ndarray, tile: int) -> None:
-    """Name the pair of kept classes whose centred means point the same way (the error path; tile by tile over
-    the unit means U)."""
-    best = (-np.inf, 0, 0)
-    for a in range(0, len(U), tile):
-        for c in range(a, len(U), tile):
-            C = U[a:a + tile] @ U[c:c + tile].T
-            if a == c:
-                C[np.tri(*C.shape, dtype=bool)] = -np.inf
-            k = np.unravel_index(np.argmax(C), C.shape)
-            best = max(best, (C[k], a + k[0], c + k[1]))
-    _, i, j = best
-    dist = float(np.sum((M[i] - M[j]) ** 2))
-    if dist <= COINCIDENT * r[i] * r[j]:
-        raise UserError(f"classes {K[i]} and {K[j]} have coincident means, so their CDNV is infinite: "
-                        "leave one out (raise --min-count) or check the statistics")
-    raise UserError(f"the centred means of classes {K[i]} and {K[j]} point the same way (||u - u'||^2 < "
-                    f"{COINCIDENT:g}), so GNC2's log(1/||u - u'||) is infinite; leave one out (raise --min-count)")
+def _warn_coincident(pairs: list[tuple[int, int]], M: np.ndarray, r: np.ndarray, K: np.ndarray) -> None:
+    """Say which kept classes coincide and what that makes of the metrics (the others stay exact)."""
+    same = [(i, j) for i, j in pairs if float(np.sum((M[i] - M[j]) ** 2)) <= COINCIDENT * r[i] * r[j]]
+    names = lambda ps: ", ".join(f"{K[i]} and {K[j]}" for i, j in ps[:3]) + (" ..." if len(ps) > 3 else "")  # noqa
+    if same:
+        warnings.warn(f"classes {names(same)} have coincident means: nc1_cdnv, nc1_cdnv_p2 and their class_cdnv are "
+                      "inf; gnc2_log_mean is inf and gnc2_log_std nan; the other metrics are exact (raise "
+                      "--min-count to leave such classes out)", stacklevel=3)
+    else:
+        warnings.warn(f"the centred means of classes {names(pairs)} point the same way (||u - u'||^2 < "
+                      f"{COINCIDENT:g}): gnc2_log_mean is inf and gnc2_log_std nan; the other metrics are exact "
+                      "(raise --min-count to leave such classes out)", stacklevel=3)

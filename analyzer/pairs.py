@@ -88,19 +88,42 @@ def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[Pair
 
 def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
                         diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading)."""
+    """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading). Also
+    the path for tiles with coincident pairs: there, the CDNV term of two coincident means (D below COINCIDENT
+    r r', including 0/0 for two zero variances) is +inf, and the logs of coincident directions are not used."""
     (ri, _, vi), (rj, _, vj) = side_i, side_j
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
     D = ri[:, None] ** 2 + rj[None, :] ** 2 - 2 * np.outer(ri, rj) * g   # ||m_c - m_c'||^2 = ||mu_c - mu_c'||^2
     pair = np.triu(np.ones(g.shape, dtype=bool), k=1) if diag else np.ones(g.shape, dtype=bool)
     with np.errstate(divide="ignore", invalid="ignore"):        # a diagonal tile's c = c' cells, left out below
-        q = (vi[:, None] + vj[None, :]) / D
+        q = np.where(D <= COINCIDENT * np.outer(ri, rj), np.inf, (vi[:, None] + vj[None, :]) / D)
         x, l = T / t0 - 1, np.log(T / t0)
     sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
             np.sum(q[pair]), np.sum((q / D)[pair])]
     q = np.where(pair, q, 0.0)
     return np.array(sums, dtype=np.float64), q.sum(1), q.sum(0)
+
+
+def reference_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float,
+                        spans: list[slice]) -> tuple[PairSums, np.ndarray, list[tuple[int, int]]]:
+    """The pair sums and per-class CDNV sums through :func:`reference_tile_sums`, and the pairs (i, j), i < j, whose
+    directions coincide (T < COINCIDENT): the path taken when the fused pass finds any (its log is not defined
+    there). O(tile^2) memory, like the fast path; slower, but only for such degenerate checkpoints."""
+    side = np.stack([r, 1 / r, var])
+    acc, row, found = np.zeros(len(SUMS)), np.zeros(len(U)), []
+    np_err = np.seterr(invalid="ignore", over="ignore")
+    for a, si in enumerate(spans):
+        for sj in spans[a:]:
+            sums, rows, cols = reference_tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
+            acc += sums
+            row[si] += rows
+            row[sj] += cols
+            T = 2 - 2 * (U[si] @ U[sj].T)
+            i, j = np.nonzero((T < COINCIDENT) & (np.triu(np.ones(T.shape, dtype=bool), k=1) if si == sj else True))
+            found += list(zip((i + si.start).tolist(), (j + sj.start).tolist()))
+    np.seterr(**np_err)
+    return PairSums(*acc.tolist()), row, found
 
 
 def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,

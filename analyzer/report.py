@@ -238,8 +238,9 @@ def _token_rows(t: pd.DataFrame, quote) -> pd.DataFrame:
 
 def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, figures: dict[str, Path], *,
              target: str, controls: Sequence[str], where: str | None, n_perm: int, seed: int | None,
-             store: str | Path | None) -> str:
-    """report.md: the correlation table with how to read it, notes, figure links and the per-token tables."""
+             store: str | Path | None, skipped: dict[str, str] | None = None) -> str:
+    """report.md: the correlation table with how to read it, notes, figure links, the per-token tables, and the
+    checkpoints ``skipped`` (group: why)."""
     n_runs = sel["run"].nunique() if "run" in sel else 1
     perm = (f"{n_perm} random permutations (seed {seed}); exact, over all n! permutations, where n! <= {n_perm}"
             if n_perm > 0 else "no permutations")
@@ -265,6 +266,9 @@ def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, f
         for g, t in tok.groupby("checkpoint", sort=False):
             rows = _token_rows(t, lambda x: repr(x).replace("|", r"\|"))
             md += [f"### {g}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
+    if skipped:
+        md += ["## Skipped checkpoints", "", f"{len(skipped)} checkpoint(s) could not be measured and are left out:",
+               ""] + [f"- `{g}`: {why}" for g, why in skipped.items()] + [""]
     md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
            "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
     if tok is not None:
@@ -305,7 +309,11 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
     tok = token_table(read_group, list(checkpoints) or latest_checkpoints(sel), tokens) if tokens else None
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise UserError(f"--out {out}: cannot make the folder ({e.strerror}: {e.filename}); pass a folder path that "
+                        "is not under a file") from None
     files = {"metrics": out / "metrics.csv", "stats": out / "stats.csv"}
     sel.to_csv(files["metrics"], index=False)
     stats.to_csv(files["stats"], index=False)
@@ -323,7 +331,8 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
     files |= figures
     files["report"] = out / "report.md"
     files["report"].write_text(markdown(sel, stats, tok, figures, target=target, controls=controls, where=where,
-                                        n_perm=n_perm, seed=seed, store=store))
+                                        n_perm=n_perm, seed=seed, store=store,
+                                        skipped=df.attrs.get("skipped")))
     files["tex"] = out / "tables.tex"
     files["tex"].write_text(latex(stats, tok, target, controls))
     return files

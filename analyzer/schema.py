@@ -22,6 +22,8 @@ PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", 
 INFO = ("run", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss")
 # NC4's counts per true class, from the validation pass
 VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
+# the variables the metrics read (the rest of a group, such as the samples, they never need)
+MEASURED = ("count", "mean", "variance", "within_covariance", "classifier", "classifier_bias", *VAL_COUNTS)
 
 
 def _np(x: Any) -> np.ndarray:

@@ -26,6 +26,10 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     log.warning("warning: %s: %s", category.__name__, message)
 
 
+class _OneLineUsageError(click.ClickException):
+    exit_code = 2
+
+
 class _Group(click.Group):
     """A :class:`UserError` (and a full disk) is a one-line error and exit code 1; anything else is a bug and shows
     its traceback. With ``--debug`` every error shows its traceback."""
@@ -36,6 +40,11 @@ class _Group(click.Group):
             with warnings.catch_warnings():
                 warnings.showwarning = _show_warning
                 return super().invoke(ctx)
+        except click.UsageError as e:  # one line, as every other error: what is wrong and where the help is
+            if debug:
+                raise
+            cmd = f"{ctx.info_name} {e.ctx.info_name}" if e.ctx and e.ctx is not ctx else ctx.info_name
+            raise _OneLineUsageError(f"{e.format_message()} (see `{cmd} --help`)") from None
         except KeyboardInterrupt as e:
             if debug:
                 raise

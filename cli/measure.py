@@ -40,6 +40,9 @@ def measure(store_positional, store, min_count, scheduler, tile, force):
         return
     rows = df[[f"{r}/{c}" in set(done) for r, c in zip(df.run, df.checkpoint)]]
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        click.echo(rows[["run", "checkpoint", "global_step", *SHOWN]].to_string(index=False, float_format="{:.4g}".format))
-    click.echo(f"measured {len(done)} of {len(df)} checkpoints in {store} (min_count={min_count}); all 14 metrics: "
-               "ncanalyze report, or the group attributes `metrics`")
+        click.echo(rows[["run", "checkpoint", "global_step", *SHOWN]].to_string(index=False,
+                                                                              float_format="{:.4g}".format))
+    skipped = df.attrs.get("skipped", {})
+    click.echo(f"measured {len(done)} of {len(df)} checkpoints in {store} (min_count={min_count})"
+               + (f", {len(skipped)} skipped (see above)" if skipped else "")
+               + "; all 14 metrics: ncanalyze report, or the group attributes `metrics`")

@@ -24,7 +24,7 @@ from ncanalyze.store.load import (decoded_tokens, default_block_size, find_token
                                   n_layers, resolve_device, weights_fingerprint)
 from ncanalyze.store.passes import Extraction, train_pass, val_pass
 from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.resume import (Phase, Saver, drop_state, load_state, partial_dir, prune, record_of,
+from ncanalyze.store.resume import (DeferredInterrupt, Phase, Saver, drop_state, load_state, partial_dir, prune, record_of,
                                     state_path)
 
 log = logging.getLogger("ncanalyze")
@@ -143,7 +143,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
     chash = config_hash(record)
     spath = state_path(store, ckpt)
-    with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
+    with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group), DeferredInterrupt() as interrupt:
         io.recover_swap(store, ckpt.group, spath.with_suffix(".zarr"))
         existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
         if existing and existing.get("complete") and not overwrite:
@@ -166,21 +166,20 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                                                   block_size, config, tokenizer)
         ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
         status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
-        saver = Saver(spath, lambda: ex.state(record), cfg.state_every)
+        saver = Saver(spath, lambda: ex.state(record), cfg.state_every, interrupt)
         if announce:
             announce(model, train)
-        with saver.on_interrupt():
-            if ex.phase == Phase.TRAIN:
-                train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
-                if not (ex.stats.count >= cfg.min_count).any():
-                    raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most "
-                                    f"is {int(ex.stats.count.max())}): lower --min-count")
-                ex.next_phase(Phase.VALIDATION)
-                saver.maybe(force=True)
-            if ex.phase == Phase.VALIDATION:
-                if val is not None:
-                    val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
-                ex.next_phase(Phase.DONE)
+        if ex.phase == Phase.TRAIN:
+            train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
+            if not (ex.stats.count >= cfg.min_count).any():
+                raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most "
+                                f"is {int(ex.stats.count.max())}): lower --min-count")
+            ex.next_phase(Phase.VALIDATION)
+            saver.maybe(force=True)
+        if ex.phase == Phase.VALIDATION:
+            if val is not None:
+                val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
+            ex.next_phase(Phase.DONE)
         attrs = {
             "run": ckpt.run, "checkpoint": ckpt.name, **training_metadata(ckpt),
             "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),

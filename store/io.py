@@ -18,12 +18,15 @@ import zarr
 import zarr.errors
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import PER_CLASS
+from ncanalyze.analyzer.schema import MEASURED, PER_CLASS
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
-RECORD = ("metrics", "metrics_min_count", "metrics_config_hash")  # what `measure` writes into a group's attributes
+# what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
+# `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
+RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash")
 DEFAULT = "ncanalyze.zarr"
+CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
 
 
@@ -44,10 +47,27 @@ def open_tree(path: str | Path = DEFAULT) -> xr.DataTree:
     return xr.open_datatree(p, engine="zarr", **XR)
 
 
-def checkpoint_groups(tree: xr.DataTree) -> list[str]:
-    """``run/checkpoint`` of every complete checkpoint group."""
-    return [node.path.strip("/") for node in tree.subtree
-            if node.attrs.get("complete") is True and "mean" in node.data_vars]
+def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
+    """The complete checkpoint groups (``run/checkpoint``, and any deeper group holding statistics), and the groups
+    whose metadata cannot be read, with why. Group by group, so one corrupt group hides no other."""
+    root, good, bad = Path(path), [], {}
+    for d, dirs, files in os.walk(root):
+        dirs.sort()
+        rel = Path(d).relative_to(root).as_posix()
+        if "zarr.json" not in files or rel == ".":
+            continue
+        try:
+            g = zarr.open_group(root, path=rel, mode="r", **ZARR)
+        except (zarr.errors.ContainsArrayError, zarr.errors.NodeTypeValidationError):  # an array: no group below
+            dirs[:] = []
+            continue
+        except CORRUPT as e:
+            bad[rel] = f"its metadata {Path(d) / 'zarr.json'} is corrupt ({e})"
+            dirs[:] = []
+            continue
+        if g.attrs.get("complete") is True and "mean" in dirs:
+            good.append(rel)
+    return good, bad
 
 
 def read_group(path: str | Path, group: str) -> xr.Dataset:
@@ -57,6 +77,20 @@ def read_group(path: str | Path, group: str) -> xr.Dataset:
     except MISSING_GROUP:
         raise UserError(f"no checkpoint group {group!r} in {path}; groups are <run>/<checkpoint>, as in "
                         "metrics.csv") from None
+
+
+def read_statistics(path: str | Path, group: str) -> xr.Dataset:
+    """The variables of a group that the metrics read (schema.MEASURED), loaded; a UserError naming the group and the
+    fix if any of its data is missing or corrupt."""
+    fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / group}"
+    missing = missing_chunks(path, group)
+    if missing:
+        raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
+    ds = read_group(path, group)
+    try:
+        return ds[[v for v in MEASURED if v in ds]].load()
+    except CHUNK_ERRORS as e:
+        raise UserError(f"{group} holds corrupt data ({type(e).__name__}: {e}): {fix}") from None
 
 
 CORRUPT = (ValueError, zarr.errors.MetadataValidationError, zarr.errors.NodeTypeValidationError)  # bad zarr.json
@@ -106,7 +140,7 @@ def prepare(path: Path, partial: Path) -> None:
 
 
 def _encoding(ds: xr.Dataset) -> dict:
-    """Chunks along vocab: ~32 MB of float64 class rows, and at most ~8 MB for each variable's chunk."""
+    """Chunks along vocab: ~32 MB of float64 class rows, and at most ~8 MB for each variable's chunk; checksummed."""
     d = ds.sizes["hidden"]
     rows = max(1, min(ds.sizes["vocab"], (32 << 20) // (8 * d)))
     enc = {}
@@ -115,6 +149,8 @@ def _encoding(ds: xr.Dataset) -> dict:
             per_row = int(np.prod([ds.sizes[x] for x in var.dims if x != "vocab"]))
             n = max(1, min(ds.sizes["vocab"], (8 << 20) // max(1, per_row * var.dtype.itemsize)))
             enc[name] = {"chunks": tuple(min(rows, n) if x == "vocab" else ds.sizes[x] for x in var.dims)}
+        # zstd with its frame checksum: a flipped bit in a chunk is an error on read, never a wrong number
+        enc.setdefault(name, {})["compressors"] = [zarr.codecs.ZstdCodec(level=0, checksum=True)]
     return enc
 
 
@@ -157,17 +193,19 @@ def missing_chunks(path: str | Path, group: str) -> list[str]:
 def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_class: xr.Dataset, min_count: int,
                   config_hash: str | None) -> dict:
     """Store a checkpoint's metrics: the per-class arrays first, the record (``RECORD``) last, so an interrupted
-    write is measured again; returns the record. nan is stored as null (strict JSON)."""
+    write is measured again; returns the record."""
     g = zarr.open_group(path, path=group, mode="r+", **ZARR)
     for k in RECORD:
         if k in g.attrs:
             del g.attrs[k]
-    for name in PER_CLASS:
-        values = per_class[name].values
-        arr = g.create_array(name, shape=values.shape, dtype="float64", dimension_names=("vocab",),
-                             fill_value=np.nan, overwrite=True)
-        arr[:] = values
-    record = {"metrics": {k: None if math.isnan(v) else v for k, v in scalars.items()},
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        for name in PER_CLASS:
+            values = per_class[name].values
+            arr = g.create_array(name, shape=values.shape, dtype="float64", dimension_names=("vocab",),
+                                 fill_value=np.nan, overwrite=True)
+            arr[:] = values
+    record = {"metrics": {k: v if math.isfinite(v) else None for k, v in scalars.items()},
+              "metrics_nonfinite": {k: str(v) for k, v in scalars.items() if not math.isfinite(v)},
               "metrics_min_count": min_count, "metrics_config_hash": config_hash}
     g.attrs.update(record)
     return record

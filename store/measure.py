@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.schema import INFO, SCALARS
-from ncanalyze.store.io import checkpoint_groups, open_tree, write_metrics
+from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
 
 
 def is_measured(attrs: dict, min_count: int) -> bool:
@@ -29,17 +29,18 @@ def is_measured(attrs: dict, min_count: int) -> bool:
 def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
                   force: bool = False) -> pd.DataFrame:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
-    store the results in its group, and return one row per checkpoint: run, checkpoint, global_step, epoch,
+    store the results in its group, and return one row per measured checkpoint: run, checkpoint, global_step, epoch,
     n_params, n_layers, hidden_size, eval_loss and the 14 metrics (nan where not measurable).
 
-    ``scheduler``: a dask.distributed scheduler address (default ``$DASK_SCHEDULER_ADDRESS``); without one the
-    local threaded scheduler. ``df.attrs["measured"]`` lists the groups measured by this call.
+    A checkpoint that can't be measured (corrupt or missing data, fewer than 2 kept classes, ...) is left out with a
+    warning naming it and the fix; the others go on. ``df.attrs["measured"]`` lists the groups measured by this
+    call, ``df.attrs["skipped"]`` maps each left-out group to why. ``scheduler``: a dask.distributed scheduler
+    address (default ``$DASK_SCHEDULER_ADDRESS``); without one the local threaded scheduler.
     """
-    tree = open_tree(store)
-    groups = checkpoint_groups(tree)
-    if not groups:
-        raise UserError(f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
-    attrs = {g: dict(tree[g].attrs) for g in groups}
+    if not (Path(store) / "zarr.json").is_file():
+        open_tree(store)  # the one-line error for a path that is not a store
+    groups, skipped = checkpoint_groups(store)
+    attrs = {g: group_attrs(store, g) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
     with _scheduler(scheduler):
@@ -47,19 +48,31 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    scalars, per_class = measure_all(tree[g].to_dataset(), min_count, tile)
+                    scalars, per_class = measure_all(read_statistics(store, g), min_count, tile)
                 except UserError as e:
-                    raise UserError(f"{g}: {e}") from None
+                    skipped[g] = str(e).removeprefix(f"{g} ")
+                    continue
             for w in caught:
                 raised.setdefault((w.category, str(w.message)), []).append(g)
             attrs[g] |= write_metrics(store, g, scalars, per_class, min_count, attrs[g].get("config_hash"))
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
-    df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g]["metrics"])} for g in groups],
+    for g, why in skipped.items():
+        warnings.warn(f"{g}: skipped: {why}", SkippedCheckpoint, stacklevel=2)
+    kept = [g for g in groups if g not in skipped]
+    if not kept:
+        raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
+                        f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
+    df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g])} for g in kept],
                       columns=[*INFO, *SCALARS])
     df = df.sort_values(["run", "global_step"], kind="stable", ignore_index=True)
-    df.attrs["measured"] = todo
+    df.attrs["measured"] = [g for g in todo if g not in skipped]
+    df.attrs["skipped"] = skipped
     return df
+
+
+class SkippedCheckpoint(UserWarning):
+    """A checkpoint left out of a measurement or report, with why."""
 
 
 def _some(groups: list[str], shown: int = 3) -> str:
@@ -69,8 +82,10 @@ def _some(groups: list[str], shown: int = 3) -> str:
     return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(groups[:shown]) + more
 
 
-def _floats(metrics: dict) -> dict[str, float]:
-    return {k: math.nan if metrics.get(k) is None else float(metrics[k]) for k in SCALARS}
+def _floats(attrs: dict) -> dict[str, float]:
+    """The metrics of a group's record as floats (a null is the value in ``metrics_nonfinite``, else nan)."""
+    metrics, nonfinite = attrs.get("metrics") or {}, attrs.get("metrics_nonfinite") or {}
+    return {k: float(nonfinite.get(k, "nan")) if metrics.get(k) is None else float(metrics[k]) for k in SCALARS}
 
 
 @contextlib.contextmanager
@@ -85,6 +100,9 @@ def _scheduler(address: str | None) -> Iterator[None]:
 
     try:
         client = Client(address, timeout="10s", set_as_default=True)
+    except ValueError as e:  # not an address at all
+        raise UserError(f"--scheduler {address!r} is not a dask scheduler address ({e}); pass one such as "
+                        "tcp://host:8786, or drop --scheduler / DASK_SCHEDULER_ADDRESS to run locally") from None
     except (OSError, TimeoutError) as e:
         raise UserError(f"cannot reach the dask scheduler at {address} ({e}); start it, or drop --scheduler / "
                         "DASK_SCHEDULER_ADDRESS to run locally") from None

@@ -7,7 +7,6 @@ the checkpoint's lock (lock.py) and the staging copy of its group while it is wr
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import os
@@ -16,7 +15,7 @@ import threading
 import time
 import uuid
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -98,36 +97,46 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C, taken at a batch boundary after the state was saved."""
 
 
-class Saver:
-    """Saves ``state()`` every ``every`` seconds (and when forced), atomically; under :meth:`on_interrupt`, a Ctrl-C
-    is taken at the next batch boundary, where the state is whole: saved, then :class:`Interrupted` is raised."""
+class DeferredInterrupt:
+    """Within ``with DeferredInterrupt():``, Ctrl-C (SIGINT) only sets ``pending``; the extraction takes it at its
+    next batch boundary, where its state is whole (:meth:`Saver.maybe`). A second Ctrl-C stops at once. Outside the
+    main thread (a dask worker) signals can't be caught, and this does nothing."""
 
-    def __init__(self, path: Path, state: Callable[[], dict[str, np.ndarray]], every: float):
+    def __init__(self) -> None:
+        self.pending, self._previous = False, None
+
+    def _handler(self, signum, frame) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __enter__(self) -> DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if self.pending and exc[0] is None:  # not taken at a batch boundary (no batch came): take it now
+            raise KeyboardInterrupt
+
+
+class Saver:
+    """Saves ``state()`` every ``every`` seconds (and when forced), atomically; a pending ``interrupt`` is taken here,
+    at a batch boundary where the state is whole: saved, then :class:`Interrupted` is raised."""
+
+    def __init__(self, path: Path, state: Callable[[], dict[str, np.ndarray]], every: float,
+                 interrupt: DeferredInterrupt | None = None):
         self.path, self.state, self.every, self.last = path, state, every, time.monotonic()
-        self.interrupted = False
+        self.interrupt = interrupt
 
     def maybe(self, force: bool = False) -> None:
         """Called at batch boundaries only."""
-        if force or self.interrupted or time.monotonic() - self.last >= self.every:
+        interrupted = self.interrupt is not None and self.interrupt.pending
+        if force or interrupted or time.monotonic() - self.last >= self.every:
             save_state(self.path, self.state())
             self.last = time.monotonic()
-        if self.interrupted:
+        if interrupted:
+            self.interrupt.pending = False
             raise Interrupted(f"interrupted: state saved in {self.path}; run the same command to resume")
-
-    @contextlib.contextmanager
-    def on_interrupt(self) -> Iterator[None]:
-        """Defer SIGINT to the next batch boundary (a second Ctrl-C stops at once); main thread only."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum, frame):
-            if self.interrupted:
-                raise KeyboardInterrupt
-            self.interrupted = True
-
-        previous = signal.signal(signal.SIGINT, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)

@@ -360,16 +360,41 @@ def test_zero_norm_centred_mean():
         measure(ds)
 
 
-def test_coincident_means():
+def assert_degenerate_like_brute_force(ds: xr.Dataset, warning: str, per_class_inf: list[int] = (), **kw) -> None:
+    """Coincident pairs: the metrics infinite by definition are inf (GNC2's std nan), with a warning naming the pair;
+    every other metric equals the brute force."""
+    with pytest.warns(UserWarning, match=warning):
+        got, per = measure_all(ds, **kw)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        want = brute_force(ds, 1)[0]
+    assert got["gnc2_log_mean"] == math.inf and math.isnan(got["gnc2_log_std"])
+    finite = {k: v for k, v in want.items() if np.isfinite(v)}
+    assert_metrics({k: got[k] for k in finite}, finite)
+    for k in set(want) - set(finite) - {"gnc2_log_std"}:
+        assert got[k] == math.inf, k
+    assert np.isinf(per["class_cdnv"].values[list(per_class_inf)]).all()
+
+
+def test_coincident_means_make_cdnv_and_gnc2_infinite_and_leave_the_rest_exact():
     means = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0], [-2.0, -1.0, 0.5]])
-    with pytest.raises(UserError, match="classes 1 and 3 have coincident means, so their CDNV is infinite"):
-        measure(stats_dataset(means), tile=2)
+    assert_degenerate_like_brute_force(stats_dataset(means), "classes 1 and 3 have coincident means",
+                                       per_class_inf=[1, 3], tile=2)
 
 
-def test_parallel_centred_means():
+def test_two_singleton_classes_with_the_same_feature():
+    """As in real data under min_count 1: two tokens seen once, at the same feature (variance 0, so 0/0)."""
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((40, 4))
+    y = np.r_[np.repeat(np.arange(6), 6), 6, 7, 8, 9]
+    h[37] = h[36]                                                  # classes 6 and 7: one token each, same feature
+    ds = class_stats(h, y, 10)
+    assert_degenerate_like_brute_force(ds, "classes 6 and 7 have coincident means", per_class_inf=[6, 7])
+
+
+def test_parallel_centred_means_make_only_gnc2_infinite():
     means = np.array([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [-3.0, -1.0]])    # centred: (1,0) and (2,0) align
-    with pytest.raises(UserError, match="classes 0 and 1 point the same way"):
-        measure(stats_dataset(means))
+    assert_degenerate_like_brute_force(stats_dataset(means), "classes 0 and 1 point the same way")
 
 
 def test_corrupt_statistics_and_classifier():
