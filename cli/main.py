@@ -58,9 +58,10 @@ class _Group(click.Group):
         except OSError as e:
             if e.errno != 28 or debug:  # ENOSPC
                 raise
+            where = "--out" if ctx.invoked_subcommand == "report" else "--store"
             raise click.ClickException(
-                f"disk full while writing ({e.filename or 'store'}); free space or pass --store on another disk, "
-                "then run the same command again to resume") from None
+                f"disk full while writing ({e.filename or 'the store'}); free space or pass {where} on another disk, "
+                "then run the same command again" + (" to resume" if where == "--store" else "")) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -125,12 +125,14 @@ def _check_memory(shape: tuple[int, int], samples_per_class: int) -> None:
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
-                       restart: bool = False, announce: Callable[[object, Blocks], None] | None = None) -> str:
+                       restart: bool = False, announce: Callable[[object, Blocks], None] | None = None,
+                       interrupt: DeferredInterrupt | None = None) -> str:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
 
     One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done).
     ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
-    state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
+    state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there); a
+    pending ``interrupt`` (Ctrl-C) is taken at the next batch boundary, after saving the state."""
     device = resolve_device(cfg.device)
     config = load_config(ckpt, cfg.trust_remote_code)
     block_size = cfg.block_size or default_block_size(config)
@@ -143,7 +145,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
     chash = config_hash(record)
     spath = state_path(store, ckpt)
-    with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group), DeferredInterrupt() as interrupt:
+    with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
         io.recover_swap(store, ckpt.group, spath.with_suffix(".zarr"))
         existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
         if existing and existing.get("complete") and not overwrite:
@@ -222,14 +224,21 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
 
     results = {}
     try:
-        for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
-            try:
-                results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce)
-            except CheckpointError as e:
-                if len(ckpts) == 1:
-                    raise
-                results[ckpt.group] = f"failed: {e}"
-            log.info("%s: %s", ckpt.group, results[ckpt.group])
+        with DeferredInterrupt() as interrupt:
+            for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
+                results[ckpt.group] = _one(ckpt, store, cfg, overwrite, restart, announce, interrupt, len(ckpts))
+                log.info("%s: %s", ckpt.group, results[ckpt.group])
     finally:
         prune(partial_dir(store))
     return results
+
+
+def _one(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool, restart: bool, announce,
+         interrupt: DeferredInterrupt, n: int) -> str:
+    """One checkpoint's status; a CheckpointError is its status ('failed: why') when it is one of several."""
+    try:
+        return extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce, interrupt)
+    except CheckpointError as e:
+        if n == 1:
+            raise
+        return f"failed: {e}"

@@ -1,7 +1,10 @@
 """Loading a checkpoint: its device, config, model and tokenizer, and the fingerprint of its weights."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +35,24 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' load report and the Hub client's retry chatter go unprinted: what matters reaches the user as
+    one error line of ours (or not at all)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hub = logging.getLogger("huggingface_hub")
+    hub_level = hub.level
+    hf_logging.set_verbosity_error()
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hub.setLevel(hub_level)
+
+
 def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -41,7 +62,8 @@ def load_config(ckpt: Checkpoint, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(ckpt.path), trust_remote_code=trust_remote_code)
+        with quiet_loading():
+            return AutoConfig.from_pretrained(str(ckpt.path), trust_remote_code=trust_remote_code)
     except LOAD_ERRORS as e:
         raise CheckpointError(f"cannot read the model config in {ckpt.path}: {_first_line(e)} (custom code needs "
                         "--trust-remote-code)") from None
@@ -56,9 +78,10 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
     hf_logging.disable_progress_bar()  # our own bars say what is going on
     safe = check_safe_weights(ckpt.path, allow_pickle)  # nothing but .safetensors is read unless allow_pickle
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(ckpt.path), dtype=DTYPES[dtype], use_safetensors=safe, trust_remote_code=trust_remote_code,
-            output_loading_info=True)
+        with quiet_loading():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(ckpt.path), dtype=DTYPES[dtype], use_safetensors=safe, trust_remote_code=trust_remote_code,
+                output_loading_info=True)
     except LOAD_ERRORS as e:
         raise CheckpointError(f"cannot load the model in {ckpt.path}: {_first_line(e)} (is the weight file complete? "
                         "custom code needs --trust-remote-code)") from None
@@ -79,7 +102,8 @@ def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code:
     if where is None:
         return None, None
     try:
-        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code), where
+        with quiet_loading():
+            return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code), where
     except LOAD_ERRORS as e:
         raise CheckpointError(f"cannot load tokenizer {where}: {_first_line(e)}; pass --tokenizer with a local "
                         "folder") from None

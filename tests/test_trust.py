@@ -47,17 +47,14 @@ def group(model: Path) -> str:
     return f"{model.parent.name}/{model.name}"
 
 
-def killed_state(model, corpus, store, *extra) -> Path:
-    """A real resume state: extraction killed (SIGKILL) in its train pass after a few batches."""
-    args = ["extract", model, "--dataset", corpus["train"], "--store", store, *SMALL, "--batch-size", 2,
-            "--state-every", 0, *extra]
+def kill_after(args, state: Path, batches: int = 4) -> None:
+    """Run the CLI with ``args`` in a process and SIGKILL it once its resume state holds ``batches`` batches."""
     proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state = store.with_name(store.name + ".partial") / model.parent.name / f"{model.name}.npz"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with np.load(state) as s:
-                if int(s["batches"]) >= 4:
+                if int(s["batches"]) >= batches:
                     break
         except (OSError, ValueError, KeyError):
             pass
@@ -65,7 +62,16 @@ def killed_state(model, corpus, store, *extra) -> Path:
     assert proc.poll() is None, "the run finished before it could be killed"
     proc.kill()
     proc.wait()
-    return state
+
+
+def state_of(store: Path, model: Path) -> Path:
+    return store.with_name(store.name + ".partial") / model.parent.name / f"{model.name}.npz"
+
+
+def killed_state(model, corpus, store) -> Path:
+    """A real resume state: extraction killed (SIGKILL) in its train pass after a few batches."""
+    kill_after(extract_args(model, corpus, store, "--state-every", 0), state_of(store, model))
+    return state_of(store, model)
 
 
 def extract_args(model, corpus, store, *extra):
@@ -121,19 +127,7 @@ def test_a_resume_on_changed_data_is_refused(model, corpus, reference, tmp_path)
     store = tmp_path / "s.zarr"
     args = ("extract", model, "--dataset", train, "--val-dataset", corpus["val"], "--store", store, *SMALL,
             "--batch-size", 2)
-    proc = subprocess.Popen(CLI + [str(a) for a in args] + ["--state-every", "0"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    state = store.with_name(store.name + ".partial") / model.parent.name / f"{model.name}.npz"
-    while proc.poll() is None:
-        try:
-            with np.load(state) as s:
-                if int(s["batches"]) >= 4:
-                    break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.02)
-    proc.kill()
-    proc.wait()
+    kill_after((*args, "--state-every", 0), state_of(store, model))
     lines = train.read_text().splitlines(keepends=True)
     train.write_text("".join(lines[:3] + ["the big dog sees the red fox .\n"] + lines[4:]))  # one line changed
     line = one_line_error(run_cli(*args, "--state-every", 0, ok=False))
@@ -309,3 +303,18 @@ def test_a_read_only_store_is_refused_before_any_work(model, corpus, tmp_path):
         assert "read-only" in line and time.monotonic() - start < 30
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_a_broken_checkpoint_is_one_line_without_the_load_report(trained_run, corpus, tmp_path):
+    """transformers prints a table of missing tensors; only our one line may reach the user (a real process, since
+    transformers' log handler holds the stderr it was imported with)."""
+    from safetensors.torch import load_file, save_file
+
+    ck = lone_model(trained_run, tmp_path / "checkpoint-60")
+    tensors = load_file(ck / "model.safetensors")
+    tensors.pop(next(iter(tensors)))
+    save_file(tensors, ck / "model.safetensors", metadata={"format": "pt"})
+    r = subprocess.run(CLI + ["extract", str(ck), "--dataset", str(corpus["train"]), "--store", str(tmp_path / "s.zarr"),
+                              "--max-train-tokens", "256"], capture_output=True, text=True)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "lacks 1 tensors" in lines[0], lines
