@@ -14,6 +14,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from ncanalyze.analyzer.errors import UserError  # noqa: E402
+from ncanalyze.analyzer.expr import condition  # noqa: E402
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N, correlations  # noqa: E402
 
 ID_COLUMNS = ("run", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss")
@@ -45,14 +46,11 @@ def label(name: str) -> str:
 
 
 def select(df: pd.DataFrame, where: str | None) -> pd.DataFrame:
-    """The rows matching the pandas query ``where`` (all rows without one)."""
+    """The rows matching ``where``, a condition over the table's columns in pandas query syntax evaluated by
+    :mod:`ncanalyze.analyzer.expr` (never as code); all rows without one."""
     if not where:
         return df
-    try:
-        out = df.query(where)
-    except Exception as e:
-        raise UserError(f"--where {where!r} is not a valid pandas query on the metrics table ({e}); columns: "
-                        f"{', '.join(df.columns)}") from None
+    out = df[condition(where, df, "--where")]
     if out.empty:
         raise UserError(f"no checkpoint matches --where {where!r} ({len(df)} in the table)")
     return out

@@ -4,7 +4,8 @@ Scales. Each metric is correlated with the target twice: raw, and with log10 of 
 positive on every selected checkpoint (the paper plots eval loss against log-scaled NC axes and fits there). The
 target itself is never logged. R² is that of the least-squares line, i.e. r².
 
-Partial correlation. Controls are pandas ``eval`` expressions over the metrics table; by default
+Partial correlation. Controls are expressions over the metrics table (pandas ``eval`` syntax, evaluated by
+``expr`` over the columns and an allow-list of functions); by default
 ``log(n_params)`` (scale) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
 so its log is the linear scale; the +1 keeps a step-0 checkpoint). Absolute step, not the fraction of a run's last
 step, because a final checkpoint has fraction 1 whether its run trained one epoch or ten. Controls that are
@@ -27,6 +28,7 @@ import pandas as pd
 from scipy.linalg import orth
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.expr import evaluate
 
 METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
            "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
@@ -124,15 +126,16 @@ def _numbers(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def eval_controls(df: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
-    """Evaluate each control expression (``df.eval``) to a column named by the expression."""
+    """Evaluate each control expression (over the table's columns and an allow-list of functions, by
+    :mod:`ncanalyze.analyzer.expr`; never as code) to a column named by the expression."""
     out = {}
     df = _numbers(df)
     for expr in controls:
-        try:
-            out[expr] = pd.to_numeric(pd.Series(df.eval(expr), index=df.index), errors="coerce").astype(float)
-        except Exception as e:
-            raise UserError(f"control {expr!r} cannot be evaluated on the metrics table ({e}); use a pandas "
-                            f"expression over its columns, e.g. 'log(n_params)'") from None
+        v = evaluate(expr, df, "control")
+        if not isinstance(v, pd.Series):
+            raise UserError(f"control {expr!r} uses no column of the metrics table (it is the constant {v!r}); "
+                            f"columns: {', '.join(df.columns)}")
+        out[expr] = pd.to_numeric(v, errors="coerce").astype(float)
     return pd.DataFrame(out, index=df.index).replace([np.inf, -np.inf], np.nan)
 
 

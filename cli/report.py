@@ -40,12 +40,15 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 @click.argument("store", required=False, metavar="[STORE]")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
               help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the PNG figures.")
-@click.option("--where", help="pandas query selecting the checkpoints the report covers, e.g. "
-              "\"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture).")
+@click.option("--where", help="Condition over the table's columns selecting the checkpoints the report covers, in "
+              "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture); "
+              "columns, literals, comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs and "
+              ".str.contains/startswith/endswith only: never run as code.")
 @click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")
 @click.option("--target", default="eval_loss", show_default=True, help="Column to correlate the metrics with.")
 @click.option("--controls", default=",".join(CONTROLS), show_default=True,
-              help="Comma-separated pandas expressions held fixed by the partial correlation.")
+              help="Comma-separated expressions over the columns held fixed by the partial correlation "
+              "(the same allowed syntax as --where; \"\" for none).")
 @click.option("--permutations", type=click.IntRange(min=0), default=10_000, show_default=True,
               help="Permutations per p-value (0: none).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the permutations.")

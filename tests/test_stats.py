@@ -237,7 +237,7 @@ def test_a_metric_without_values_is_a_note():
     (dict(target="nope"), "target 'nope' is not a column"),
     (dict(target="run"), "target 'run' has no values"),
     (dict(metrics=["nope"]), "metric 'nope' is not a column"),
-    (dict(controls=["log(nope)"]), "control 'log\\(nope\\)' cannot be evaluated"),
+    (dict(controls=["log(nope)"]), "control 'log\\(nope\\)': unknown name 'nope'"),
 ])
 def test_bad_input_is_a_user_error(kw, match):
     with pytest.raises(UserError, match=match):
