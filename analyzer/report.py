@@ -68,8 +68,8 @@ def fmt(x: float, digits: int = 3) -> str:
 
 
 def summary(stats: pd.DataFrame) -> pd.DataFrame:
-    """One display row per metric: n, and R², r, permutation p and the partial r with its Freedman-Lane p, raw and
-    on log scale. Empty cells are explained in the notes."""
+    """One display row per metric: n, and R², r, permutation p (and Holm-adjusted) and the partial r with its
+    Freedman-Lane p (and Holm-adjusted), raw and on log scale. Empty cells are explained in the notes."""
     r2 = "R²"
     rows = []
     for metric, s in stats.groupby("metric", sort=False):
@@ -77,9 +77,35 @@ def summary(stats: pd.DataFrame) -> pd.DataFrame:
         for _, t in s.iterrows():
             sfx = " (log)" if t.scale == "log" else ""
             row |= {r2 + sfx: fmt(t.r2), "r" + sfx: fmt(t.r), "p" + sfx: fmt_p(t.p_perm),
-                    "partial r" + sfx: fmt(t.partial_r), "p FL" + sfx: fmt_p(t.partial_p_perm)}
+                    "p Holm" + sfx: fmt_p(t.get("p_holm", np.nan)), "partial r" + sfx: fmt(t.partial_r),
+                    "p FL" + sfx: fmt_p(t.partial_p_perm), "p FL Holm" + sfx: fmt_p(t.get("partial_p_holm", np.nan))}
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def survivors(stats: pd.DataFrame, alpha: float = 0.05) -> list[str]:
+    """Sentences: per scale, how many of the metrics tested keep p < alpha after Holm's adjustment, for r and for
+    the partial r, and which."""
+    out = []
+    for scale, what in (("raw", "raw scale"), ("log", "log scale")):
+        rows = stats[stats.scale == scale]
+        for col, name in (("p_holm", "r"), ("partial_p_holm", "partial r")):
+            if col not in rows:
+                continue
+            tested = rows[np.isfinite(rows[col].astype(float))]
+            if tested.empty:
+                continue
+            ok = tested[tested[col] < alpha]
+            out.append(f"{name}, {what}: {len(ok)} of {len(tested)} metric(s) survive at {alpha:g}"
+                       + (f" ({', '.join(ok.metric)})" if len(ok) else ""))
+    return out
+
+
+def controls_text(controls: Sequence[str], code=lambda c: f"`{c}`", how: str = " (pingouin.partial_corr)") -> str:
+    """'controlling for a, b (how)', or what the partial r is without controls."""
+    if not controls:
+        return "with no controls, equal to r"
+    return "controlling for " + ", ".join(code(c) for c in controls) + how
 
 
 def notes(stats: pd.DataFrame) -> list[str]:
@@ -258,10 +284,14 @@ def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, f
         md += [f"**Only {len(sel)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
     md += ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line. "
            "\"(log)\": log10 of the metric (the paper's axes), where it is positive; the target is not logged. "
-           f"partial r: controlling for {', '.join(f'`{c}`' for c in controls)} (pingouin.partial_corr). "
+           f"partial r: {controls_text(controls)}. "
            f"p: two-sided permutation p-value, P(|r*| ≥ |r|), {perm}; "
            "p FL: the same for the partial r, permuting the target's residuals on the controls (Freedman-Lane). "
-           "Parametric p-values and the partial r's 95% CI are in stats.csv.", ""]
+           "p Holm, p FL Holm: Holm-adjusted across the metrics with a p-value, per scale (raw and log are "
+           "separate families). Parametric p-values and the partial r's 95% CI are in stats.csv.", ""]
+    if survivors(stats):
+        md += ["Multiple comparisons (Holm, family-wise error 0.05):", ""] + [f"- {s}" for s in survivors(stats)]
+        md += [""]
     if notes(stats):
         md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""]
     md += ["## Figures", ""] + [f"![{FIGURES[k][0].format(target=label(target))}]({f.name})\n"
@@ -283,7 +313,9 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
     """tables.tex: the correlation table and the per-token tables (booktabs; tokens as Python ASCII literals)."""
     tex = ["% ncanalyze report tables; \\usepackage{booktabs}",
            _latex(summary(stats), f"NC metrics against {tex_escape(target)}: Pearson $r$, $R^2$, permutation $p$; "
-                  f"partial $r$ controlling for {tex_escape(', '.join(controls))} with Freedman-Lane $p$.",
+                  f"partial $r$ ({controls_text(controls, tex_escape, '').replace(' r', ' $r$')}) with "
+                  "Freedman-Lane $p$; "
+                  "Holm: adjusted across the metrics, per scale.",
                   "tab:nc-correlations")]
     if tok is not None:
         for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):

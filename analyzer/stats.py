@@ -16,6 +16,10 @@ target's residuals on the controls are permuted (Freedman & Lane 1983), y* = yha
 a chunk, and all metrics, are one matrix product. When n! <= the number of permutations every permutation is
 enumerated and p is exact; otherwise p = (1 + #{|r*| >= |r|}) / (1 + B) (Phipson & Smyth), as in
 ``scipy.stats.permutation_test``.
+
+Multiple comparisons. Many metrics are tested at once, so the permutation p-values are also given Holm-adjusted
+(``p_holm``, ``partial_p_holm``; Holm 1979, statsmodels ``multipletests``) across the metrics with a finite p, per
+scale: the raw and the log scale are two families, not one, since each metric appears in both.
 """
 from __future__ import annotations
 
@@ -159,7 +163,8 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
 def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                  controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0) -> pd.DataFrame:
     """One row per (metric, scale in raw|log): n, r, r2, p_perm, p_param, partial_r, partial_p_perm,
-    partial_p_param, partial_ci_low/high, the controls used, and a note saying why a statistic is missing.
+    partial_p_param, partial_ci_low/high, the controls used, a note saying why a statistic is missing, and
+    p_holm / partial_p_holm: the permutation p-values Holm-adjusted across the metrics (per scale).
     Rows with a missing target, metric or control are left out of that metric's statistics."""
     y = _numeric(df, target, "target")
     if y.isna().all():
@@ -184,7 +189,22 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     order = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(order) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)
+    out["p_holm"], out["partial_p_holm"] = holm(out, "p_perm"), holm(out, "partial_p_perm")
     out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed)
+    return out
+
+
+def holm(stats: pd.DataFrame, column: str) -> pd.Series:
+    """Holm-adjusted ``column`` across the metrics, per scale (raw and log separately), over the finite
+    p-values only (statsmodels ``multipletests``); nan elsewhere."""
+    from statsmodels.stats.multitest import multipletests
+
+    out = pd.Series(np.nan, index=stats.index)
+    for _, rows in stats.groupby("scale"):
+        p = rows[column].astype(float)
+        p = p[np.isfinite(p)]
+        if len(p):
+            out[p.index] = multipletests(p.to_numpy(), method="holm")[1]
     return out
 
 

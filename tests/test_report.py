@@ -19,9 +19,10 @@ from ncanalyze.analyzer.report import AVERAGE_TOKEN, FIGSIZE, FIGURES, ID_COLUMN
 from ncanalyze.analyzer.stats import METRICS
 
 STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
-                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note"}
-SUMMARY_HEADER = ["metric", "n", "R²", "r", "p", "partial r", "p FL", "R² (log)", "r (log)", "p (log)",
-                  "partial r (log)", "p FL (log)"]
+                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note",
+                 "p_holm", "partial_p_holm"}
+SUMMARY_HEADER = ["metric", "n", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
+                  "p (log)", "p Holm (log)", "partial r (log)", "p FL (log)", "p FL Holm (log)"]
 
 
 # ---------------------------------------------------------------- parsers the tests check the files with
@@ -330,3 +331,32 @@ def test_tokens_of_chosen_checkpoints(tmp_path):
     with pytest.raises(UserError, match="cannot open checkpoint group 'runA/checkpoint-7'"):
         write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
                      checkpoints=["runA/checkpoint-7"])
+
+
+# ---------------------------------------------------------------- Holm in report.md; text without controls
+
+def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
+    _, files = synthetic_report
+    text = files["report"].read_text()
+    stats = pd.read_csv(files["stats"])
+    (table,) = markdown_tables(text)
+    col = table[0].index("p Holm")
+    raw = stats[stats.scale == "raw"].set_index("metric")
+    for row in table[1:]:
+        p = raw.loc[row[0], "p_holm"]
+        assert row[col] == (f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}")
+    for scale in ("raw", "log"):
+        s = stats[(stats.scale == scale) & stats.p_holm.notna()]
+        assert f"r, {scale} scale: {(s.p_holm < 0.05).sum()} of {len(s)} metric(s) survive at 0.05" in text
+
+
+def test_no_controls_reads_well(tmp_path):
+    df = study(n_runs=3, per_run=4)
+    files = write_report(df, tmp_path, controls=[], metrics=["nc1_cdnv"], n_perm=50)
+    text = files["report"].read_text() + files["tex"].read_text()
+    assert "controlling for" not in text and "with no controls, equal to r" in text
+    assert "  (" not in text and " ." not in text
+    res = run_cli("report", tmp_path / "metrics.csv", "--out", tmp_path / "cli", "--controls", "", "--metrics",
+                  "nc1_cdnv", "--permutations", 50)
+    assert "controlling for" not in (tmp_path / "cli" / "report.md").read_text()
+    assert "Traceback" not in res.output
