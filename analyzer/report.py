@@ -1,7 +1,8 @@
 """Tables and figures of a study from its metrics table (one row per checkpoint): CSV, Markdown, LaTeX and PNG."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -186,9 +187,14 @@ def _open_group(store: str | Path, group: str):
                         f"metrics.csv") from None
 
 
+class TokenNote(UserWarning):
+    """A token resolved other than as written (e.g. 'the' as ' the'): said in report.md and printed."""
+
+
 def resolve_token(spec: str, strings: np.ndarray | None, tokenizer: str | None, vocab_size: int) -> int:
     """A token id from an integer or a token string: the decoded ``token`` coordinate (exact match first, then a
-    unique match ignoring surrounding spaces), else the checkpoint's tokenizer if it encodes ``spec`` as one token."""
+    unique match ignoring surrounding spaces, with a :class:`TokenNote` warning), else the checkpoint's tokenizer if
+    it encodes ``spec`` as one token."""
     if spec.strip().isdigit():
         i = int(spec)
         if i >= vocab_size:
@@ -200,7 +206,10 @@ def resolve_token(spec: str, strings: np.ndarray | None, tokenizer: str | None, 
             return int(exact[0])
         near = np.flatnonzero(pd.Series(strings).str.strip() == spec.strip())
         if len(near) == 1:
-            return int(near[0])
+            i = int(near[0])
+            warnings.warn(TokenNote(f"token {spec!r} is not in the vocabulary as written: using {strings[i]!r} "
+                                    f"(id {i}); pass {strings[i]!r} or {i} to say so"), stacklevel=2)
+            return i
         if len(near) > 1:
             raise UserError(f"token {spec!r} is ambiguous: {', '.join(repr(strings[i]) for i in near)}; pass the "
                             "exact string (with its spaces) or the id")
@@ -239,6 +248,25 @@ def token_table(store: str | Path, groups: Sequence[str], tokens: Sequence[str])
     return pd.DataFrame(rows).astype({"id": "Int64"})
 
 
+def per_token(store: str | Path, groups: Sequence[str], tokens: Sequence[str]) -> tuple[pd.DataFrame, list[str]]:
+    """token_table with each token listed once per checkpoint (however often, or in whichever spelling, it was
+    given), and the notes on tokens resolved other than as written or given twice."""
+    specs = list(dict.fromkeys(tokens))
+    notes_ = [f"token {t!r} given more than once: listed once" for t in specs if list(tokens).count(t) > 1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TokenNote)
+        tok = token_table(store, groups, specs)
+    for w in caught:
+        if issubclass(w.category, TokenNote):
+            notes_.append(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    twice = tok[tok.id.notna() & tok.duplicated(["checkpoint", "id"])]
+    for t in dict.fromkeys(twice.token):
+        notes_.append(f"token {t!r} given more than once (in different spellings): listed once")
+    return tok.drop(index=twice.index).reset_index(drop=True), list(dict.fromkeys(notes_))
+
+
 def latest_checkpoints(df: pd.DataFrame) -> list[str]:
     """``run/checkpoint`` of each run's latest checkpoint (by global_step) among the rows."""
     last = df.sort_values("global_step").groupby("run", sort=True).tail(1)
@@ -271,7 +299,7 @@ def _token_rows(t: pd.DataFrame, quote) -> pd.DataFrame:
 
 def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, figures: dict[str, Path], *,
              target: str, controls: Sequence[str], where: str | None, n_perm: int, seed: int | None,
-             store: str | Path | None) -> str:
+             store: str | Path | None, token_notes: Sequence[str] = ()) -> str:
     """report.md: the correlation table with how to read it, notes, figure links and the per-token tables."""
     n_runs = sel["run"].nunique() if "run" in sel else 1
     perm = (f"{n_perm} random permutations (seed {seed}); exact, over all n! permutations, where n! <= {n_perm}"
@@ -299,6 +327,7 @@ def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, f
     if tok is not None:
         md += ["## Per-token statistics", "", "Mean CDNV and mean interference are to the other kept classes; "
                "the average token is the mean over the kept classes.", ""]
+        md += [f"**Note:** {n}.\n" for n in token_notes]
         for g, t in tok.groupby("checkpoint", sort=False):
             rows = _token_rows(t, lambda x: repr(x).replace("|", r"\|"))
             md += [f"### {g}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
@@ -327,9 +356,10 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
 def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                  controls: Sequence[str] = CONTROLS, where: str | None = None, n_perm: int = 10_000,
                  seed: int | None = 0, store: str | Path | None = None, tokens: Sequence[str] = (),
-                 checkpoints: Sequence[str] = ()) -> dict[str, Path]:
+                 checkpoints: Sequence[str] = (), echo: Callable[[str], None] | None = None) -> dict[str, Path]:
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with ``tokens``), report.md and tables.tex into
-    ``out``; returns their paths by name."""
+    ``out``; returns their paths by name. ``echo`` is given each note the user should see now (tokens resolved
+    other than as written); they are in report.md too."""
     missing = [m for m in metrics if m not in df.columns]
     if missing:
         raise UserError(f"unknown metric(s) {', '.join(missing)}; the table has: {', '.join(df.columns)}")
@@ -339,7 +369,9 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
     first = [c for c in ID_COLUMNS if c in sel.columns]
     sel = sel[first + [c for c in sel.columns if c not in first]]
     stats = correlations(sel, metrics, target, controls, n_perm, seed)
-    tok = token_table(store, list(checkpoints) or latest_checkpoints(sel), tokens) if tokens else None
+    tok, token_notes = per_token(store, list(checkpoints) or latest_checkpoints(sel), tokens) if tokens else (None, [])
+    for n in token_notes:
+        (echo or (lambda m: warnings.warn(m, TokenNote, stacklevel=2)))(n)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,7 +392,7 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
     files |= figures
     files["report"] = out / "report.md"
     files["report"].write_text(markdown(sel, stats, tok, figures, target=target, controls=controls, where=where,
-                                        n_perm=n_perm, seed=seed, store=store))
+                                        n_perm=n_perm, seed=seed, store=store, token_notes=token_notes))
     files["tex"] = out / "tables.tex"
     files["tex"].write_text(latex(stats, tok, target, controls))
     return files

@@ -75,7 +75,7 @@ def report(store, out, where, metrics_, target, controls, permutations, seed, to
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
     files = write_report(df, out, metrics=metrics, target=target, controls=_split(controls), where=where,
                          n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
-                         checkpoints=checkpoints)
+                         checkpoints=checkpoints, echo=lambda m: click.echo(f"note: {m}", err=True))
     stats = pd.read_csv(files["stats"])
     n = int(pd.read_csv(files["metrics"]).shape[0])
     if n < MIN_N:

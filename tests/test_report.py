@@ -203,7 +203,8 @@ def write_store(path: Path, tokenizer: str | None = None, vocab: int | None = No
 def test_token_table_values_and_average_row(tmp_path):
     store = tmp_path / "s.zarr"
     groups = write_store(store)
-    table = token_table(store, ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
+    with pytest.warns(UserWarning, match="'Tim' is not in the vocabulary as written: using ' Tim'"):
+        table = token_table(store, ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
     ds = groups["runA/checkpoint-20"]
     assert list(table.id[:4]) == [1, 3, 7, 2]  # exact string, unique match without spaces, id, exact string
     assert list(table.token) == [" Anna", " Tim", "x", "Anna", AVERAGE_TOKEN]
@@ -263,6 +264,25 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     compile_latex(files["tex"], tmp_path)
 
 
+def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_path):
+    store = tmp_path / "s.zarr"
+    write_store(store)
+    df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
+                       "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
+    said = []
+    files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store,
+                         tokens=["Tim", " Anna", "Tim", " Tim", "3"], echo=said.append)
+    tokens = pd.read_csv(files["tokens"], keep_default_na=False)
+    assert list(tokens.token) == [" Tim", " Anna", AVERAGE_TOKEN]
+    assert said == ["token 'Tim' given more than once: listed once",
+                    "token 'Tim' is not in the vocabulary as written: using ' Tim' (id 3); pass ' Tim' or 3 to say so",
+                    "token ' Tim' given more than once (in different spellings): listed once"]
+    text = files["report"].read_text()
+    assert all(f"**Note:** {s}." in text for s in said)
+    with pytest.warns(UserWarning, match="using ' Tim'"):
+        write_report(df, tmp_path / "out2", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["Tim"])
+
+
 # ---------------------------------------------------------------- the whole command on a real extracted store
 
 def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
@@ -275,6 +295,7 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     out = tmp_path / "report"
     res = run_cli("report", store, "--out", out, "--tokens", "the, red,quiet,5", "--permutations", 1000, "--seed", 1)
     assert "report.md" in res.output
+    assert "note: token 'quiet' is not in the vocabulary as written: using ' quiet'" in res.output
 
     measured = measure_store(store)  # already measured by the report: the same table
     metrics = pd.read_csv(out / "metrics.csv")
