@@ -1,6 +1,8 @@
-"""Tables and figures of a study from its metrics table (one row per checkpoint): CSV, Markdown, LaTeX and PNG."""
+"""Tables and figures of a study from its metrics table (one row per checkpoint): CSV, Markdown, LaTeX, and
+PNG, PDF and SVG figures."""
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,7 +14,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import (FixedFormatter, FixedLocator, LogLocator, MaxNLocator, NullFormatter,  # noqa: E402
+                               NullLocator)
 
 from ncanalyze.analyzer.errors import UserError  # noqa: E402
 from ncanalyze.analyzer.expr import condition  # noqa: E402
@@ -32,14 +36,15 @@ LABELS = {  # panel titles
 FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
     "fig1_nc_vs_loss": ("NC properties against {target}",
                         ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")),
-    "fig2_nc2_vs_gnc2": ("Equinorm and equiangularity (NC2) against hyperspherical uniformity (GNC2)",
-                         ("nc2_norm_cv", "nc2_cos_std", "gnc2_log_std")),
-    "fig3_nc3_vs_unc3": ("Self-duality (NC3) against uniform duality (UNC3)", ("nc3_cos_mean", "unc3_cos_cv")),
+    "fig2_nc2_vs_gnc2": ("Equinorm and equiangularity (NC2) and GNC2's mean log kernel against {target} "
+                         "(GNC2's hyperspherical uniformity: Fig. 1)",
+                         ("nc2_norm_cv", "nc2_cos_std", "gnc2_log_mean")),
+    "fig3_nc3_vs_unc3": ("Self-duality (NC3) against uniform duality (UNC3), both against {target}",
+                         ("nc3_cos_mean", "unc3_cos_cv")),
 }
 TOKEN_VARIABLES = {"count": "count", "variance": "variance", "class_norm": "norm", "class_cdnv": "mean CDNV",
                    "class_interference": "mean interference", "class_duality": "duality cos", "class_nc4": "NC4 rate"}
 AVERAGE_TOKEN = "(average token)"
-FIGSIZE = lambda panels: (3.9 * panels + 1.2, 4.0)  # noqa: E731  inches, for 1 x panels scatter plots
 
 
 def label(name: str) -> str:
@@ -126,53 +131,316 @@ def notes(stats: pd.DataFrame) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------ figures
+
+MAX_MARKED_RUNS = 10  # up to this many runs, each gets its own marker (and colour when all sizes are equal)
+MARKERS = "osD^v<>pPXh*"
+RUN_COLOURS = plt.get_cmap("tab10").colors
+MIN_TICK_LABELS = 3
+_MARGINS = dict(left=0.8, right=0.25, bottom=0.65, top=0.7)  # inches; a fixed layout draws fast
+_CBAR_W = 1.35  # inches to the right of the panels for a colour bar and its label
+
+
+def _nice_linear(lo: float, hi: float, nbins: int = 5) -> list[float]:
+    ticks = MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+    eps = 1e-9 * (hi - lo or abs(hi) or 1)
+    return [float(t) for t in ticks if lo - eps <= t <= hi + eps]
+
+
+def tick_values(lo: float, hi: float, log: bool) -> tuple[list[float], bool]:
+    """At least MIN_TICK_LABELS ticks inside [lo, hi] (the axis limits): on a log axis decades (every k-th of
+    many), else 1-2-5 of each decade, else evenly spaced values (a range under a factor of ~5); on a linear axis
+    evenly spaced values. Returns the ticks and whether they are evenly spaced."""
+    if log and lo > 0:
+        e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+        inside = lambda vs: [v for v in vs if lo <= v <= hi]  # noqa: E731
+        decades = inside([10.0 ** e for e in range(e0, e1 + 1)])
+        if len(decades) > 7:
+            decades = decades[::math.ceil(len(decades) / 6)]
+        if len(decades) >= MIN_TICK_LABELS:
+            return decades, False
+        for subs in ((1, 2, 5), (1, 2, 3, 5)):
+            ticks = inside([m * 10.0 ** e for e in range(e0, e1 + 1) for m in subs])
+            if MIN_TICK_LABELS <= len(ticks) <= 7:
+                return ticks, False
+    for nbins in (5, 6, 8):
+        ticks = _nice_linear(lo, hi, nbins)
+        if len(ticks) >= MIN_TICK_LABELS:
+            return ticks, True
+    return ticks, True
+
+
+def _sci(v: float) -> str:
+    """A compact label: plain between 1e-3 and 1e4, else m×10^e in mathtext."""
+    if v == 0 or 1e-3 <= abs(v) < 1e4:
+        return f"{v:.4g}"
+    e = math.floor(math.log10(abs(v)))
+    m = float(f"{v / 10 ** e:.3g}")
+    return f"$10^{{{e}}}$" if m == 1 else f"${m:g}{{\\times}}10^{{{e}}}$"
+
+
+def tick_labels(ticks: Sequence[float], even: bool) -> list[str]:
+    """Labels of ``ticks``: evenly spaced ones with the decimals their step needs (scientific when all are tiny
+    or huge), others compactly one by one."""
+    if not even or len(ticks) < 2:
+        return [_sci(v) for v in ticks]
+    step = min(b - a for a, b in zip(ticks, ticks[1:]))
+    big = max(abs(v) for v in ticks)
+    if big and not 1e-3 <= big < 1e5:
+        e = math.floor(math.log10(big))
+        digits = max(0, e - math.floor(math.log10(step)))
+        return ["0" if v == 0 else f"${v / 10 ** e:.{digits}f}{{\\times}}10^{{{e}}}$" for v in ticks]
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    while decimals < 10 and any(abs(float(f"{v:.{decimals}f}") - v) > 1e-6 * step for v in ticks):
+        decimals += 1  # 0.975 is "0.975", not "0.98"
+    return [f"{v:.{decimals}f}" for v in ticks]
+
+
+def human(v: float) -> str:
+    """A parameter count as 22K, 1.2M, 7B."""
+    for unit, f in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(v) >= f:
+            return f"{v / f:.3g}{unit}"
+    return f"{v:.3g}"
+
+
+def set_ticks(axis, lo: float, hi: float, log: bool, fmt=None) -> None:
+    """Limits [lo, hi] and several labelled ticks inside them on a matplotlib Axis (x, y or a colour bar's)."""
+    ticks, even = tick_values(lo, hi, log)
+    labels = [fmt(v) for v in ticks] if fmt else tick_labels(ticks, even)
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FixedFormatter(labels))
+    axis.set_minor_formatter(NullFormatter())
+    if log:
+        axis.set_minor_locator(LogLocator(subs="auto") if math.log10(hi / lo) > 1 else NullLocator())
+    else:
+        axis.set_minor_locator(NullLocator())
+    axis.set_view_interval(lo, hi, ignore=True)
+
+
+def limits(values: pd.Series, log: bool) -> tuple[float, float]:
+    """Axis limits around the values with a small margin; a single value gets a range of ±10% (or ±0.5 at 0)."""
+    lo, hi = float(values.min()), float(values.max())
+    if log:
+        pad = max((hi / lo) ** 0.05, 1.02) if hi > lo else 1.1
+        return lo / pad, hi * pad
+    span = hi - lo if hi > lo else (abs(hi) * 0.2 or 1.0)
+    pad = 0.05 * span if hi > lo else span / 2
+    return lo - pad, hi + pad
+
+
+def overlapping_labels(axis, renderer) -> bool:
+    """Whether two visible, non-empty tick labels of the axis overlap (their rendered bounding boxes)."""
+    boxes = [t.get_window_extent(renderer) for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _declutter(fig, axes: Sequence) -> None:
+    """Where tick labels overlap (long labels on a narrow panel), blank every other one, keeping their ticks and
+    at least MIN_TICK_LABELS labels: by rendered text extents, not by a guess at the font."""
+    for _ in range(3):
+        renderer = fig.canvas.get_renderer()
+        fig.canvas.draw()
+        crowded = [a for a in axes if overlapping_labels(a, renderer)]
+        if not crowded:
+            return
+        for axis in crowded:
+            labels = [t.get_text() for t in axis.get_ticklabels()]
+            shown = [i for i, t in enumerate(labels) if t]
+            if len(shown) // 2 + len(shown) % 2 < MIN_TICK_LABELS:
+                for t in axis.get_ticklabels():
+                    t.set_fontsize(t.get_fontsize() * 0.8)
+                continue
+            keep = set(shown[::2])
+            axis.set_major_formatter(FixedFormatter([t if i in keep else "" for i, t in enumerate(labels)]))
+
+
+class _Style:
+    """How checkpoints are drawn: colour by size (a log colour scale and a colour bar) when sizes differ, else by
+    run; a marker per run, and a legend of runs, when there are at most MAX_MARKED_RUNS."""
+
+    def __init__(self, df: pd.DataFrame):
+        self.runs = list(dict.fromkeys(df["run"].astype(str))) if "run" in df else ["all"]
+        sizes = pd.to_numeric(df.get("n_params", pd.Series(np.nan, index=df.index)), errors="coerce")
+        sizes = sizes[sizes > 0]
+        self.norm = LogNorm(sizes.min(), sizes.max()) if sizes.nunique() > 1 else None
+        self.size_note = f"all {human(sizes.iloc[0])} parameters" if sizes.nunique() == 1 else None
+        self.marked = len(self.runs) <= MAX_MARKED_RUNS
+        self.cmap = plt.get_cmap("viridis")
+
+    def groups(self, d: pd.DataFrame):
+        """(run, its rows in step order, marker, colour or colours) for each run present in ``d``."""
+        key = d["run"].astype(str) if "run" in d else pd.Series("all", index=d.index)
+        order = "step" if "step" in d else None
+        for i, run in enumerate(self.runs):
+            g = d[key == run]
+            if g.empty:
+                continue
+            if order:
+                g = g.sort_values(order)
+            marker = MARKERS[i % len(MARKERS)] if self.marked else "o"
+            if self.norm is not None:
+                colour = self.cmap(self.norm(g["c"].to_numpy(float)))
+                line = self.cmap(self.norm(float(g["c"].iloc[0]))) if g["c"].notna().any() else "0.5"
+            else:
+                colour = line = RUN_COLOURS[i % len(RUN_COLOURS)] if self.marked else "tab:blue"
+            yield run, g, marker, colour, line
+
+    def legend_rows(self) -> int:
+        return math.ceil(len(self.runs) / self.legend_cols()) if self.marked else 0
+
+    def legend_cols(self) -> int:
+        return min(len(self.runs), 5)
+
+    def finish(self, fig, w: float, h: float, margins: dict, labels: list[str] = ()) -> list:
+        """The colour bar (sizes differ) or a note of the one size, and the legend of runs; returns the Axis
+        objects whose ticks were set (the colour bar's)."""
+        out = []
+        if self.norm is not None:
+            cax = fig.add_axes((1 - (_CBAR_W - 0.25) / w, margins["bottom"] / h, 0.15 / w,
+                                1 - (margins["bottom"] + margins["top"]) / h))
+            cb = fig.colorbar(plt.cm.ScalarMappable(self.norm, self.cmap), cax=cax)
+            cb.set_label("parameters (log scale)")
+            set_ticks(cb.ax.yaxis, self.norm.vmin, self.norm.vmax, True, human)
+            out.append(cb.ax.yaxis)
+        if self.marked:
+            neutral = self.norm is not None
+            handles = [Line2D([], [], ls="-", lw=0.8, marker=MARKERS[i % len(MARKERS)], ms=6,
+                              color="0.35" if neutral else RUN_COLOURS[i % len(RUN_COLOURS)],
+                              mec="black", mew=0.3) for i in range(len(self.runs))]
+            fig.legend(handles, self.runs, loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
+                       title="runs" + (f" ({self.size_note})" if self.size_note else ""), title_fontsize=8,
+                       bbox_to_anchor=(0.5, 0.0))
+        elif self.size_note:
+            fig.text(0.99, 0.01, self.size_note, ha="right", va="bottom", fontsize=8)
+        return out
+
+
+def _frame(k: int, style: _Style, panel_w: float = 3.9, gap: float = 0.15, sharey: bool = True):
+    """A figure of k panels in a row, with the fixed margins, room for a colour bar and the legend of runs."""
+    m = dict(_MARGINS)
+    m["right"] += _CBAR_W if style.norm is not None else 0.0
+    m["bottom"] += 0.18 * (style.legend_rows() + 1) + 0.1 if style.marked else 0.0
+    w = panel_w * k + gap * (k - 1) + m["left"] + m["right"]
+    h = 4.0 - 0.65 + m["bottom"]
+    fig, axes = plt.subplots(1, k, figsize=(w, h), sharey=sharey, squeeze=False)
+    fig.subplots_adjust(left=m["left"] / w, right=1 - m["right"] / w, bottom=m["bottom"] / h, top=1 - m["top"] / h,
+                        wspace=gap * k / (w - m["left"] - m["right"] - gap * (k - 1)))
+    return fig, axes[0], w, h, m
+
+
+def _log_scale(values: pd.Series, m: str, stats: pd.DataFrame | None) -> bool:
+    if not (values > 0).all():
+        return False
+    if stats is None or m not in set(stats.metric):
+        return True
+    st = stats[(stats.metric == m) & (stats.scale == "log")]
+    return st.empty or "not positive" not in str(st.note.iloc[0])
+
+
 def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame, title: str):
-    """One panel per metric: target against the metric (log axis where the metric is positive), points coloured by
-    n_params on a log colour scale, the least-squares line with its R² in the legend."""
-    k, (w, h) = len(metrics), FIGSIZE(len(metrics))
-    left, right, bottom, top, gap = 0.75, 1.3, 0.6, 0.65, 0.15  # margins in inches; a fixed layout draws fast
-    fig, axes = plt.subplots(1, k, figsize=(w, h), sharey=True, squeeze=False)
-    fig.subplots_adjust(left=left / w, right=1 - right / w, bottom=bottom / h, top=1 - top / h,
-                        wspace=gap * k / (w - left - right - gap * (k - 1)))
+    """One panel per metric: target against the metric (log axis where the metric is positive), each run's
+    checkpoints joined by a thin line in step order, coloured by n_params on a log colour scale (by run when all
+    sizes are equal), a marker per run and a legend of runs when they are few; the least-squares line with its R²."""
+    style = _Style(df)
+    fig, axes, w, h, margins = _frame(len(metrics), style)
     sizes = pd.to_numeric(df.get("n_params", pd.Series(np.nan, index=df.index)), errors="coerce")
-    lo, hi = (sizes.min(), sizes.max()) if sizes.gt(0).any() else (np.nan, np.nan)
-    norm = LogNorm(lo / 1.5, hi * 1.5) if lo == hi else LogNorm(lo, hi) if np.isfinite(lo) else None
-    mappable = None
-    for ax, m in zip(axes[0], metrics):
+    step = pd.to_numeric(df.get("global_step", pd.Series(np.nan, index=df.index)), errors="coerce")
+    y_all = pd.to_numeric(df[target], errors="coerce").replace([np.inf, -np.inf], np.nan).dropna()
+    ticked = []
+    for ax, m in zip(axes, metrics):
         st = stats[(stats.metric == m)].set_index("scale") if m in set(stats.metric) else None
         ax.set_title(label(m), fontsize=10)
         d = pd.DataFrame({"x": pd.to_numeric(df[m], errors="coerce"), "y": pd.to_numeric(df[target], errors="coerce"),
-                          "c": sizes}).replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
+                          "c": sizes, "step": step, "run": df["run"] if "run" in df else "all"})
+        d = d.replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
         if st is None or d.empty:
             ax.text(0.5, 0.5, f"{m}:\nno values", ha="center", va="center", transform=ax.transAxes)
             ax.set_xticks([])
             continue
-        scale = "log" if (d.x > 0).all() and "not positive" not in st.loc["log", "note"] else "raw"
-        if scale == "log":
+        log = _log_scale(d.x, m, stats)
+        if log:
             ax.set_xscale("log")
-            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        kw = dict(c=d.c, cmap="viridis", norm=norm) if norm is not None else dict(color="tab:blue")
-        mappable = ax.scatter(d.x, d.y, s=24, edgecolors="black", linewidths=0.3, **kw)
-        s = st.loc[scale]
+        for run, g, marker, colour, line in style.groups(d):
+            if len(g) > 1:
+                ax.plot(g.x, g.y, "-", lw=0.6, color=line, alpha=0.6, zorder=1)
+            ax.scatter(g.x, g.y, s=26, marker=marker, c=[colour] if isinstance(colour, tuple | str) else colour,
+                       edgecolors="black", linewidths=0.3, zorder=2)
+        s = st.loc["log" if log else "raw"]
         if np.isfinite(s.r):
-            u = np.log10(d.x) if scale == "log" else d.x
+            u = np.log10(d.x) if log else d.x
             slope, icept = np.polyfit(u, d.y, 1)
             grid = np.linspace(u.min(), u.max(), 50)
-            ax.plot(10 ** grid if scale == "log" else grid, icept + slope * grid, "--", color="crimson",
+            ax.plot(10 ** grid if log else grid, icept + slope * grid, "--", color="crimson", zorder=3,
                     label=f"fit: $R^2$ = {s.r2:.2f} (n = {s.n})")
         else:
             ax.plot([], [], " ", label=f"$R^2$: n/a (n = {s.n})")
         ax.legend(loc="best", fontsize=8, framealpha=0.85)
-        ax.set_xlabel(m + (" (log scale)" if scale == "log" else ""))
-        ax.grid(alpha=0.3, which="both" if scale == "raw" else "major")
-    axes[0][0].set_ylabel(label(target))
-    if norm is not None and mappable is not None:
-        cax = fig.add_axes((1 - (right - 0.2) / w, bottom / h, 0.15 / w, 1 - (bottom + top) / h))
-        fig.colorbar(mappable, cax=cax, label="parameters (log scale)")
+        ax.set_xlabel(m + (" (log scale)" if log else ""))
+        set_ticks(ax.xaxis, *limits(d.x, log), log)
+        ticked.append(ax.xaxis)
+        ax.grid(alpha=0.3, which="major")
+    if not y_all.empty:
+        set_ticks(axes[0].yaxis, *limits(y_all, False), False)
+        ticked.append(axes[0].yaxis)
+    axes[0].set_ylabel(label(target))
+    ticked += style.finish(fig, w, h, margins)
     fig.suptitle(title)
+    _declutter(fig, ticked)
     return fig
+
+
+DYNAMICS = ("fig4_dynamics", "Training dynamics: NC properties and {target} against the training step")
+
+
+def dynamics_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame | None, title: str):
+    """One panel per metric and one for the target, each against global_step on a log axis (global_step + 1 when
+    a checkpoint is at step 0), one line per run in step order, coloured by size (by run when sizes are equal)."""
+    style = _Style(df)
+    columns = list(metrics) + [target]
+    fig, axes, w, h, margins = _frame(len(columns), style, panel_w=3.3, gap=0.8, sharey=False)
+    step = pd.to_numeric(df["global_step"], errors="coerce")
+    shift = 1 if (step == 0).any() else 0
+    sizes = pd.to_numeric(df.get("n_params", pd.Series(np.nan, index=df.index)), errors="coerce")
+    ticked = []
+    for ax, m in zip(axes, columns):
+        ax.set_title(label(m), fontsize=10)
+        d = pd.DataFrame({"x": step + shift, "y": pd.to_numeric(df[m], errors="coerce"), "c": sizes, "step": step,
+                          "run": df["run"] if "run" in df else "all"})
+        d = d.replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
+        d = d[d.x > 0]
+        if d.empty:
+            ax.text(0.5, 0.5, f"{m}:\nno values", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            continue
+        ax.set_xscale("log")
+        ylog = m != target and _log_scale(d.y, m, stats)
+        if ylog:
+            ax.set_yscale("log")
+        for run, g, marker, colour, line in style.groups(d):
+            ax.plot(g.x, g.y, "-", lw=1.0, color=line, marker=marker, ms=4.5, mec="black", mew=0.3, label=run,
+                    gid=f"run:{run}")
+        ax.set_xlabel("global step" + (" + 1" if shift else "") + " (log scale)")
+        set_ticks(ax.xaxis, *limits(d.x, True), True)
+        set_ticks(ax.yaxis, *limits(d.y, ylog), ylog)
+        ticked += [ax.xaxis, ax.yaxis]
+        ax.grid(alpha=0.3, which="major")
+    ticked += style.finish(fig, w, h, margins)
+    fig.suptitle(title)
+    _declutter(fig, ticked)
+    return fig
+
+
+FORMATS = ("png", "pdf", "svg")
+
+
+def save_figure(fig, out: Path, stem: str) -> Path:
+    """PNG (150 dpi), PDF with embedded TrueType fonts (fonttype 42) and SVG; returns the PNG's path."""
+    with plt.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
+        for ext in FORMATS:
+            fig.savefig(out / f"{stem}.{ext}", dpi=150 if ext == "png" else "figure")
+    plt.close(fig)
+    return out / f"{stem}.png"
 
 
 # ------------------------------------------------------------------ per-token table (the paper's Table 5)
@@ -322,8 +590,9 @@ def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, f
         md += [""]
     if notes(stats):
         md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""]
-    md += ["## Figures", ""] + [f"![{FIGURES[k][0].format(target=label(target))}]({f.name})\n"
-                                for k, f in figures.items()]
+    titles = {k: t for k, (t, _) in FIGURES.items()} | {DYNAMICS[0]: DYNAMICS[1]}
+    md += ["## Figures", "", "Each figure is also in PDF and SVG beside its PNG.", ""]
+    md += [f"![{titles[k].format(target=label(target))}]({f.name})\n" for k, f in figures.items()]
     if tok is not None:
         md += ["## Per-token statistics", "", "Mean CDNV and mean interference are to the other kept classes; "
                "the average token is the mean over the kept classes.", ""]
@@ -386,9 +655,12 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
         shown = [m for m in fig_metrics if m in metrics]
         if shown:
             fig = scatter_figure(sel, shown, target, stats, title.format(target=label(target)))
-            figures[stem] = out / f"{stem}.png"
-            fig.savefig(figures[stem], dpi=150)
-            plt.close(fig)
+            figures[stem] = save_figure(fig, out, stem)
+    shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics]
+    if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").notna().any():
+        stem, title = DYNAMICS
+        fig = dynamics_figure(sel, shown, target, stats, title.format(target=label(target)))
+        figures[stem] = save_figure(fig, out, stem)
     files |= figures
     files["report"] = out / "report.md"
     files["report"].write_text(markdown(sel, stats, tok, figures, target=target, controls=controls, where=where,
