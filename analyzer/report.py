@@ -657,7 +657,7 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
             fig = scatter_figure(sel, shown, target, stats, title.format(target=label(target)))
             figures[stem] = save_figure(fig, out, stem)
     shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics]
-    if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").notna().any():
+    if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").nunique() >= 2:  # else no dynamics
         stem, title = DYNAMICS
         fig = dynamics_figure(sel, shown, target, stats, title.format(target=label(target)))
         figures[stem] = save_figure(fig, out, stem)

@@ -174,10 +174,12 @@ def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
     assert "![Training dynamics" in files["report"].read_text()
 
 
-def test_no_dynamics_figure_without_steps(tmp_path):
-    df = study(n_runs=3, per_run=3).drop(columns="global_step")
-    files = write_report(df, tmp_path, n_perm=0, controls=["log(n_params)"])
-    assert DYNAMICS[0] not in files and not (tmp_path / f"{DYNAMICS[0]}.png").exists()
+def test_no_dynamics_figure_without_steps_or_with_one_step(tmp_path):
+    df = study(n_runs=3, per_run=3)
+    files = write_report(df.drop(columns="global_step"), tmp_path / "a", n_perm=0, controls=["log(n_params)"])
+    assert DYNAMICS[0] not in files and not (tmp_path / "a" / f"{DYNAMICS[0]}.png").exists()
+    files = write_report(df, tmp_path / "b", n_perm=0, where="global_step == 300")
+    assert DYNAMICS[0] not in files and "Training dynamics" not in files["report"].read_text()
 
 
 def test_fig2_does_not_repeat_the_gnc2_panel_of_fig1():
