@@ -239,8 +239,8 @@ def _declutter(fig, axes: Sequence) -> None:
     """Where tick labels overlap (long labels on a narrow panel), blank every other one, keeping their ticks and
     at least MIN_TICK_LABELS labels: by rendered text extents, not by a guess at the font."""
     for _ in range(3):
+        fig.draw_without_rendering()  # lays the text out (the extents below) without rasterizing
         renderer = fig.canvas.get_renderer()
-        fig.canvas.draw()
         crowded = [a for a in axes if overlapping_labels(a, renderer)]
         if not crowded:
             return

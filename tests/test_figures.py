@@ -186,3 +186,20 @@ def test_fig2_does_not_repeat_the_gnc2_panel_of_fig1():
     shown = [m for _, ms in FIGURES.values() for m in ms]
     assert "gnc2_log_std" not in FIGURES["fig2_nc2_vs_gnc2"][1]
     assert shown.count("gnc2_log_std") == 1
+
+
+def test_declutter_blanks_every_other_label_where_they_would_collide():
+    from matplotlib.ticker import FixedFormatter, FixedLocator
+
+    from ncanalyze.analyzer.report import _declutter, overlapping_labels
+
+    fig, ax = plt.subplots(figsize=(2.5, 2))
+    ax.set_xlim(0, 7)
+    ax.xaxis.set_major_locator(FixedLocator(range(8)))
+    ax.xaxis.set_major_formatter(FixedFormatter([f"0.000{i}5" for i in range(8)]))
+    fig.canvas.draw()
+    assert overlapping_labels(ax.xaxis, fig.canvas.get_renderer())
+    _declutter(fig, [ax.xaxis])
+    check_readable(fig, [ax.xaxis])
+    assert len(ax.get_xticks()) == 8  # the ticks stay
+    plt.close(fig)
