@@ -107,7 +107,12 @@ def survivors(stats: pd.DataFrame, alpha: float = 0.05) -> list[str]:
     return out
 
 
-def controls_text(controls: Sequence[str], code=lambda c: f"`{c}`", how: str = " (pingouin.partial_corr)") -> str:
+def code(text: str) -> str:
+    """Markdown inline code that may itself contain backticks (a backticked column name)."""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def controls_text(controls: Sequence[str], code=code, how: str = " (pingouin.partial_corr)") -> str:
     """'controlling for a, b (how)', or what the partial r is without controls."""
     if not controls:
         return "with no controls, equal to r"
@@ -435,10 +440,12 @@ FORMATS = ("png", "pdf", "svg")
 
 
 def save_figure(fig, out: Path, stem: str) -> Path:
-    """PNG (150 dpi), PDF with embedded TrueType fonts (fonttype 42) and SVG; returns the PNG's path."""
-    with plt.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
+    """PNG (150 dpi), PDF with embedded TrueType fonts (fonttype 42) and SVG, byte-identical from run to run (no
+    dates, fixed SVG ids); returns the PNG's path."""
+    undated = {"png": None, "pdf": {"CreationDate": None}, "svg": {"Date": None}}
+    with plt.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42, "svg.hashsalt": "ncanalyze"}):
         for ext in FORMATS:
-            fig.savefig(out / f"{stem}.{ext}", dpi=150 if ext == "png" else "figure")
+            fig.savefig(out / f"{stem}.{ext}", dpi=150 if ext == "png" else "figure", metadata=undated[ext])
     plt.close(fig)
     return out / f"{stem}.png"
 
@@ -573,7 +580,7 @@ def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, f
     perm = (f"{n_perm} random permutations (seed {seed}); exact, over all n! permutations, where n! <= {n_perm}"
             if n_perm > 0 else "no permutations")
     md = [f"# ncanalyze report: NC metrics against {target}", "",
-          f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" (`{where}`)" if where else "") +
+          f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" ({code(where)})" if where else "") +
           (f" in `{store}`" if store else "") + ".", "",
           f"## Correlation with {target}", "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
     if len(sel) < MIN_N:
@@ -602,6 +609,9 @@ def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, f
             md += [f"### {g}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
     md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
            "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
+    if figures:
+        md += ["- " + ", ".join(f"`{f.stem}`" for f in figures.values()) + ": the figures, each as `.png` "
+               "(150 dpi), `.pdf` (fonts embedded) and `.svg`"]
     if tok is not None:
         md += ["- `tokens.csv`: the per-token table"]
     return "\n".join(md) + "\n"

@@ -39,7 +39,8 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 @main.command(short_help="Tables, figures and statistics of the metrics against eval loss.")
 @click.argument("store", required=False, metavar="[STORE]")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
-              help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the PNG figures.")
+              help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the figures "
+              "(PNG, PDF and SVG).")
 @click.option("--where", help="Condition over the table's columns selecting the checkpoints the report covers, in "
               "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture); "
               "columns, literals, comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs and "

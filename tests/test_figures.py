@@ -171,6 +171,10 @@ def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
         assert pdf.startswith(b"%PDF") and b"/FontFile2" in pdf and b"/Type3" not in pdf  # TrueType (42), embedded
         assert ET.parse(tmp_path / f"{stem}.svg").getroot().tag.endswith("svg")
     assert "PDF and SVG" in files["report"].read_text()
+    again = write_report(df, tmp_path / "again", n_perm=0)
+    for stem in stems:  # no dates or random ids: a regenerated figure is the same file
+        for ext in FORMATS:
+            assert (tmp_path / f"{stem}.{ext}").read_bytes() == (again[stem].parent / f"{stem}.{ext}").read_bytes()
     assert "![Training dynamics" in files["report"].read_text()
 
 

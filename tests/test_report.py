@@ -384,3 +384,12 @@ def test_no_controls_reads_well(tmp_path):
                   "nc1_cdnv", "--permutations", 50)
     assert "controlling for" not in (tmp_path / "cli" / "report.md").read_text()
     assert "Traceback" not in res.output
+
+
+def test_where_with_a_backticked_column_stays_inline_code(tmp_path):
+    df = study(n_runs=3, per_run=4).rename(columns={"n_params": "n params"})
+    files = write_report(df, tmp_path, where="`n params` > 0", metrics=["nc1_cdnv"], controls=[], n_perm=0)
+    text = files["report"].read_text()
+    assert "(`` `n params` > 0 ``)" in text
+    assert "`fig1_nc_vs_loss`, `fig2_nc2_vs_gnc2`" not in text  # only the figures drawn are listed
+    assert "`fig1_nc_vs_loss`" in text and ".pdf` (fonts embedded)" in text
