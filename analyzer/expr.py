@@ -122,6 +122,7 @@ class _Evaluator:
         if op is operator.pow and not isinstance(a, pd.Series) and not isinstance(b, pd.Series):
             if abs(b) > _MAX_LITERAL_POW:
                 raise _Refused(f"exponent {b} of two literals too large")
+            a = float(a)  # a float power overflows at once; Python's integer power of powers runs for ever
         with np.errstate(all="ignore"):
             return op(a, b)
 

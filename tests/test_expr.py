@@ -44,6 +44,7 @@ ESCAPES = [
     ("(x := 1)", "assignment"),
     ("f'{{run}}'", "f-strings"),
     ("10 ** 10 ** 10", "too large"),
+    ("((10 ** 999) ** 999) ** 999", "cannot be evaluated"),
 ]
 
 
