@@ -6,7 +6,8 @@
 Prints the median time of (1) the permutation tests alone (r and Freedman-Lane partial r for the 14 metrics on
 both scales: one matrix product per chunk of permutations), (2) all statistics (adds pingouin's partial
 correlations, the parametric and the Holm-adjusted p-values) and (3) the whole report: CSVs, four figures (Figures
-1-3 and the training dynamics) each as PNG, PDF and SVG, report.md and tables.tex. Target (SPEC section 6): seconds, under 10 s on a 2-core machine.
+1-3 and the training dynamics) each as PNG, PDF and SVG, report.md and tables.tex. Target (SPEC section 6):
+seconds, under 10 s on a 2-core machine.
 """
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
               help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the figures "
               "(PNG, PDF and SVG).")
 @click.option("--where", help="Condition over the table's columns selecting the checkpoints the report covers, in "
-              "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture); "
+              "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one "
+              "architecture); "
               "columns, literals, comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs and "
               ".str.contains/startswith/endswith only: never run as code.")
 @click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")

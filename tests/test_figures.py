@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.collections import PathCollection
-from matplotlib.lines import Line2D
 from test_stats import study
 
 from ncanalyze.analyzer.report import DYNAMICS, FIGURES, FORMATS, dynamics_figure, scatter_figure, write_report
