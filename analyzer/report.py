@@ -366,11 +366,15 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
         log = _log_scale(d.x, m, stats)
         if log:
             ax.set_xscale("log")
+        points = []
         for run, g, marker, colour, line in style.groups(d):
             if len(g) > 1:
                 ax.plot(g.x, g.y, "-", lw=0.6, color=line, alpha=0.6, zorder=1)
-            ax.scatter(g.x, g.y, s=26, marker=marker, c=[colour] if isinstance(colour, tuple | str) else colour,
-                       edgecolors="black", linewidths=0.3, zorder=2)
+            points.append((g, marker, [colour] if isinstance(colour, tuple | str) else list(colour)))
+        if not style.marked:  # one marker for all: one collection draws much faster than one per run
+            points = [(pd.concat([g for g, _, _ in points]), "o", [c for _, _, cs in points for c in cs])]
+        for g, marker, colours in points:
+            ax.scatter(g.x, g.y, s=26, marker=marker, c=colours, edgecolors="black", linewidths=0.3, zorder=2)
         s = st.loc["log" if log else "raw"]
         if np.isfinite(s.r):
             u = np.log10(d.x) if log else d.x
