@@ -4,7 +4,8 @@ Scales. Each metric is correlated with the target twice: raw, and with log10 of 
 positive on every selected checkpoint (the paper plots eval loss against log-scaled NC axes and fits there). The
 target itself is never logged. R² is that of the least-squares line, i.e. r².
 
-Partial correlation. Controls are pandas ``eval`` expressions over the metrics table; by default
+Partial correlation. Controls are expressions over the metrics table (pandas ``eval`` syntax, evaluated by
+``expr`` over the columns and an allow-list of functions); by default
 ``log(n_params)`` (scale) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
 so its log is the linear scale; the +1 keeps a step-0 checkpoint). Absolute step, not the fraction of a run's last
 step, because a final checkpoint has fraction 1 whether its run trained one epoch or ten. Controls that are
@@ -15,6 +16,10 @@ target's residuals on the controls are permuted (Freedman & Lane 1983), y* = yha
 a chunk, and all metrics, are one matrix product. When n! <= the number of permutations every permutation is
 enumerated and p is exact; otherwise p = (1 + #{|r*| >= |r|}) / (1 + B) (Phipson & Smyth), as in
 ``scipy.stats.permutation_test``.
+
+Multiple comparisons. Many metrics are tested at once, so the permutation p-values are also given Holm-adjusted
+(``p_holm``, ``partial_p_holm``; Holm 1979, statsmodels ``multipletests``) across the metrics with a finite p, per
+scale: the raw and the log scale are two families, not one, since each metric appears in both.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import pandas as pd
 from scipy.linalg import orth
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.schema import SCALARS
 
 METRICS = SCALARS  # the metrics tested by default: all of them
@@ -123,15 +129,16 @@ def _numbers(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def eval_controls(df: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
-    """Evaluate each control expression (``df.eval``) to a column named by the expression."""
+    """Evaluate each control expression (over the table's columns and an allow-list of functions, by
+    :mod:`ncanalyze.analyzer.expr`; never as code) to a column named by the expression."""
     out = {}
     df = _numbers(df)
     for expr in controls:
-        try:
-            out[expr] = pd.to_numeric(pd.Series(df.eval(expr), index=df.index), errors="coerce").astype(float)
-        except Exception as e:
-            raise UserError(f"control {expr!r} cannot be evaluated on the metrics table ({e}); use a pandas "
-                            f"expression over its columns, e.g. 'log(n_params)'") from None
+        v = evaluate(expr, df, "control")
+        if not isinstance(v, pd.Series):
+            raise UserError(f"control {expr!r} uses no column of the metrics table (it is the constant {v!r}); "
+                            f"columns: {', '.join(df.columns)}")
+        out[expr] = pd.to_numeric(v, errors="coerce").astype(float)
     return pd.DataFrame(out, index=df.index).replace([np.inf, -np.inf], np.nan)
 
 
@@ -155,9 +162,13 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
 def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                  controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0) -> pd.DataFrame:
     """One row per (metric, scale in raw|log): n, r, r2, p_perm, p_param, partial_r, partial_p_perm,
-    partial_p_param, partial_ci_low/high, the controls used, and a note saying why a statistic is missing.
-    Rows with a missing target, metric or control are left out of that metric's statistics."""
+    partial_p_param, partial_ci_low/high, the controls used, a note saying why a statistic is missing, and
+    p_holm / partial_p_holm: the permutation p-values Holm-adjusted across the metrics (per scale).
+    Rows with a missing or infinite target, or a missing metric or control, are left out of that metric's
+    statistics (an infinite target is said in the notes)."""
     y = _numeric(df, target, "target")
+    infinite = int(np.isinf(y).sum())
+    y = y.where(np.isfinite(y))  # an infinite loss (a diverged run) would make every r nan: such rows are left out
     if y.isna().all():
         raise UserError(f"target {target!r} has no values in the selected checkpoints (for eval_loss: the runs "
                         "logged no evaluation); pass --target with another column")
@@ -168,6 +179,8 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     y, C = y[ok], C[ok]
     X, notes = scaled_metrics(df[ok], metrics)
     unused = [f"control {c} has no values: not used" for c in empty]
+    if infinite:
+        unused.append(f"{infinite} checkpoint(s) with an infinite {target} left out")
     # columns with the same rows present share one permutation run, all of them in one matrix product
     groups: dict[bytes, list] = {}
     for key in X.columns:
@@ -180,7 +193,22 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     order = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(order) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)
+    out["p_holm"], out["partial_p_holm"] = holm(out, "p_perm"), holm(out, "partial_p_perm")
     out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed)
+    return out
+
+
+def holm(stats: pd.DataFrame, column: str) -> pd.Series:
+    """Holm-adjusted ``column`` across the metrics, per scale (raw and log separately), over the finite
+    p-values only (statsmodels ``multipletests``); nan elsewhere."""
+    from statsmodels.stats.multitest import multipletests
+
+    out = pd.Series(np.nan, index=stats.index)
+    for _, rows in stats.groupby("scale"):
+        p = rows[column].astype(float)
+        p = p[np.isfinite(p)]
+        if len(p):
+            out[p.index] = multipletests(p.to_numpy(), method="holm")[1]
     return out
 
 

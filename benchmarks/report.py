@@ -5,8 +5,9 @@
 
 Prints the median time of (1) the permutation tests alone (r and Freedman-Lane partial r for the 14 metrics on
 both scales: one matrix product per chunk of permutations), (2) all statistics (adds pingouin's partial
-correlations and the parametric p-values) and (3) the whole report: CSVs, three PNG figures, report.md and
-tables.tex. Target (SPEC section 6): seconds, under 10 s on a 2-core machine.
+correlations, the parametric and the Holm-adjusted p-values) and (3) the whole report: CSVs, four figures (Figures
+1-3 and the training dynamics) each as PNG, PDF and SVG, report.md and tables.tex. Target (SPEC section 6):
+seconds, under 10 s on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def main() -> None:
           f"median of {args.repeats}:")
     print(f"  permutation tests (r and Freedman-Lane partial r) {t_perm:7.2f} s")
     print(f"  all statistics (+ pingouin, parametric p)          {t_stats:7.2f} s")
-    print(f"  whole report (CSV, 3 PNG, Markdown, LaTeX)         {t_all:7.2f} s   target < 10 s")
+    print(f"  whole report (CSV, 4 figures x PNG/PDF/SVG, Markdown, LaTeX) {t_all:7.2f} s   target < 10 s")
 
 
 if __name__ == "__main__":

@@ -42,13 +42,18 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 @click.command(short_help="Tables, figures and statistics of the metrics against eval loss.")
 @store_argument
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
-              help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the PNG figures.")
-@click.option("--where", help="pandas query selecting the checkpoints the report covers, e.g. "
-              "\"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture).")
+              help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the figures "
+              "(PNG, PDF and SVG).")
+@click.option("--where", help="Condition over the table's columns selecting the checkpoints the report covers, in "
+              "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one "
+              "architecture); "
+              "columns, literals, comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs and "
+              ".str.contains/startswith/endswith only: never run as code.")
 @click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")
 @click.option("--target", default="eval_loss", show_default=True, help="Column to correlate the metrics with.")
 @click.option("--controls", default=",".join(CONTROLS), show_default=True,
-              help="Comma-separated pandas expressions held fixed by the partial correlation.")
+              help="Comma-separated expressions over the columns held fixed by the partial correlation "
+              "(the same allowed syntax as --where; \"\" for none).")
 @click.option("--permutations", type=click.IntRange(min=0), default=10_000, show_default=True,
               help="Permutations per p-value (0: none).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the permutations.")
@@ -76,7 +81,8 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
     files = write_report(df, out, metrics=metrics, target=target, controls=_split(controls), where=where,
                          n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
-                         checkpoints=checkpoints, read_group=store_path and partial(read_group, store_path))
+                         checkpoints=checkpoints, read_group=store_path and partial(read_group, store_path),
+                         echo=lambda m: log.warning("note: %s", m))
     stats = pd.read_csv(files["stats"])
     n = int(pd.read_csv(files["metrics"]).shape[0])
     if n < MIN_N:

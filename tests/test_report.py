@@ -16,14 +16,15 @@ from PIL import Image
 from test_stats import study
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.io import read_group
-from ncanalyze.analyzer.report import AVERAGE_TOKEN, FIGSIZE, FIGURES, ID_COLUMNS, token_table, write_report
+from ncanalyze.analyzer.report import AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, token_table, write_report
 from ncanalyze.analyzer.stats import METRICS
+from ncanalyze.store.io import read_group
 
 STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
-                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note"}
-SUMMARY_HEADER = ["metric", "n", "R²", "r", "p", "partial r", "p FL", "R² (log)", "r (log)", "p (log)",
-                  "partial r (log)", "p FL (log)"]
+                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note",
+                 "p_holm", "partial_p_holm"}
+SUMMARY_HEADER = ["metric", "n", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
+                  "p (log)", "p Holm (log)", "partial r (log)", "p FL (log)", "p FL Holm (log)"]
 
 
 # ---------------------------------------------------------------- parsers the tests check the files with
@@ -80,18 +81,21 @@ def compile_latex(tex_file: Path, tmp: Path) -> None:
 
 
 def spine_runs(png: Path) -> int:
-    """Long dark vertical lines: two per panel (left and right spines) and two for the colour bar's outline."""
+    """Long dark vertical lines: two per panel (left and right spines) and two for a colour bar's outline."""
     img = np.asarray(Image.open(png).convert("L"), float)
     lines = (img < 80).mean(axis=0) > 0.5
     return int(np.count_nonzero(np.diff(np.r_[0, lines.astype(int)]) == 1))
 
 
-def check_png(png: Path, panels: int) -> None:
+def check_png(png: Path, panels: int, colour_bar: bool = True) -> None:
     img = Image.open(png)
-    assert img.size == tuple(round(150 * x) for x in FIGSIZE(panels))
+    w, h = img.size
+    assert h >= 150 * 3.9 and w >= 150 * 3.9 * panels
     gray = np.asarray(img.convert("L"), float)
     assert gray.std() > 20 and (gray < 250).mean() > 0.05, "blank figure"
-    assert spine_runs(png) == 2 * panels + 2
+    assert spine_runs(png) == 2 * panels + 2 * colour_bar
+    for ext in ("pdf", "svg"):
+        assert png.with_suffix(f".{ext}").stat().st_size > 1000
 
 
 # ---------------------------------------------------------------- the report on a synthetic study
@@ -125,7 +129,7 @@ def test_markdown_tables_and_links(synthetic_report):
     r2 = {row[0]: row[2] for row in table[1:]}
     assert r2["unc3_cos_cv"] == f"{stats.loc[('unc3_cos_cv', 'raw'), 'r2']:.3f}"
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
-    assert sorted(links) == sorted(f"{k}.png" for k in FIGURES)
+    assert sorted(links) == sorted(f"{k}.png" for k in [*FIGURES, DYNAMICS[0]])
     assert all((files["report"].parent / name).is_file() for name in links)
     assert "no log scale: nc2_cos_mean (log)" in text
 
@@ -148,7 +152,7 @@ def test_unknown_metric_and_bad_query_are_user_errors(tmp_path):
     df = study(n_runs=2, per_run=3)
     with pytest.raises(UserError, match="unknown metric"):
         write_report(df, tmp_path, metrics=["nc9"], n_perm=0)
-    with pytest.raises(UserError, match="not a valid pandas query"):
+    with pytest.raises(UserError, match="syntax error"):
         write_report(df, tmp_path, where="n_params >", n_perm=0)
     with pytest.raises(UserError, match="no checkpoint matches"):
         write_report(df, tmp_path, where="n_params < 0", n_perm=0)
@@ -170,7 +174,7 @@ def test_cli_on_a_metrics_csv_with_where_and_target(tmp_path):
     assert "only 2 checkpoint(s) selected; correlations need at least 3" in few.output
     assert "Only 2 checkpoint(s)" in (tmp_path / "few" / "report.md").read_text()
     err = run_cli("report", csv, "--out", tmp_path / "bad", "--where", "nope == 1", ok=False)
-    assert "not a valid pandas query" in err.output and len(err.output.strip().splitlines()) == 1
+    assert "unknown name 'nope'" in err.output and len(err.output.strip().splitlines()) == 1
 
 
 # ---------------------------------------------------------------- per-token table on a hand-made store
@@ -204,7 +208,8 @@ def write_store(path: Path, tokenizer: str | None = None, vocab: int | None = No
 def test_token_table_values_and_average_row(tmp_path):
     store = tmp_path / "s.zarr"
     groups = write_store(store)
-    table = token_table(partial(read_group, store), ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
+    with pytest.warns(UserWarning, match="'Tim' is not in the vocabulary as written: using ' Tim'"):
+        table = token_table(partial(read_group, store), ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
     ds = groups["runA/checkpoint-20"]
     assert list(table.id[:4]) == [1, 3, 7, 2]  # exact string, unique match without spaces, id, exact string
     assert list(table.token) == [" Anna", " Tim", "x", "Anna", AVERAGE_TOKEN]
@@ -265,6 +270,27 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     compile_latex(files["tex"], tmp_path)
 
 
+def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_path):
+    store = tmp_path / "s.zarr"
+    write_store(store)
+    df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
+                       "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
+    said = []
+    files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store,
+                         read_group=partial(read_group, store), tokens=["Tim", " Anna", "Tim", " Tim", "3"],
+                         echo=said.append)
+    tokens = pd.read_csv(files["tokens"], keep_default_na=False)
+    assert list(tokens.token) == [" Tim", " Anna", AVERAGE_TOKEN]
+    assert said == ["token 'Tim' given more than once: listed once",
+                    "token 'Tim' is not in the vocabulary as written: using ' Tim' (id 3); pass ' Tim' or 3 to say so",
+                    "token ' Tim' given more than once (in different spellings): listed once"]
+    text = files["report"].read_text()
+    assert all(f"**Note:** {s}." in text for s in said)
+    with pytest.warns(UserWarning, match="using ' Tim'"):
+        write_report(df, tmp_path / "out2", metrics=["nc1_cdnv"], n_perm=0, store=store,
+                     read_group=partial(read_group, store), tokens=["Tim"])
+
+
 # ---------------------------------------------------------------- the whole command on a real extracted store
 
 def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
@@ -277,6 +303,7 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     out = tmp_path / "report"
     res = run_cli("report", store, "--out", out, "--tokens", "the, red,quiet,5", "--permutations", 1000, "--seed", 1)
     assert "report.md" in res.output
+    assert "note: token 'quiet' is not in the vocabulary as written: using ' quiet'" in res.output
 
     measured = measure_store(store)  # already measured by the report: the same table
     metrics = pd.read_csv(out / "metrics.csv")
@@ -309,7 +336,7 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     assert check_latex((out / "tables.tex").read_text()) == 2
     compile_latex(out / "tables.tex", tmp_path)
     for stem, (_, fig_metrics) in FIGURES.items():
-        check_png(out / f"{stem}.png", len(fig_metrics))
+        check_png(out / f"{stem}.png", len(fig_metrics), colour_bar=False)  # one run, one size
 
 
 def test_a_metric_without_values_keeps_its_panel_and_is_explained(tmp_path):
@@ -333,3 +360,41 @@ def test_tokens_of_chosen_checkpoints(tmp_path):
     with pytest.raises(UserError, match="no checkpoint group 'runA/checkpoint-7'"):
         write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
                      read_group=partial(read_group, store), checkpoints=["runA/checkpoint-7"])
+
+
+# ---------------------------------------------------------------- Holm in report.md; text without controls
+
+def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
+    _, files = synthetic_report
+    text = files["report"].read_text()
+    stats = pd.read_csv(files["stats"])
+    (table,) = markdown_tables(text)
+    col = table[0].index("p Holm")
+    raw = stats[stats.scale == "raw"].set_index("metric")
+    for row in table[1:]:
+        p = raw.loc[row[0], "p_holm"]
+        assert row[col] == (f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}")
+    for scale in ("raw", "log"):
+        s = stats[(stats.scale == scale) & stats.p_holm.notna()]
+        assert f"r, {scale} scale: {(s.p_holm < 0.05).sum()} of {len(s)} metric(s) survive at 0.05" in text
+
+
+def test_no_controls_reads_well(tmp_path):
+    df = study(n_runs=3, per_run=4)
+    files = write_report(df, tmp_path, controls=[], metrics=["nc1_cdnv"], n_perm=50)
+    text = files["report"].read_text() + files["tex"].read_text()
+    assert "controlling for" not in text and "with no controls, equal to r" in text
+    assert "  (" not in text and " ." not in text
+    res = run_cli("report", tmp_path / "metrics.csv", "--out", tmp_path / "cli", "--controls", "", "--metrics",
+                  "nc1_cdnv", "--permutations", 50)
+    assert "controlling for" not in (tmp_path / "cli" / "report.md").read_text()
+    assert "Traceback" not in res.output
+
+
+def test_where_with_a_backticked_column_stays_inline_code(tmp_path):
+    df = study(n_runs=3, per_run=4).rename(columns={"n_params": "n params"})
+    files = write_report(df, tmp_path, where="`n params` > 0", metrics=["nc1_cdnv"], controls=[], n_perm=0)
+    text = files["report"].read_text()
+    assert "(`` `n params` > 0 ``)" in text
+    assert "`fig1_nc_vs_loss`, `fig2_nc2_vs_gnc2`" not in text  # only the figures drawn are listed
+    assert "`fig1_nc_vs_loss`" in text and ".pdf` (fonts embedded)" in text

@@ -237,7 +237,7 @@ def test_a_metric_without_values_is_a_note():
     (dict(target="nope"), "target 'nope' is not a column"),
     (dict(target="run"), "target 'run' has no values"),
     (dict(metrics=["nope"]), "metric 'nope' is not a column"),
-    (dict(controls=["log(nope)"]), "control 'log\\(nope\\)' cannot be evaluated"),
+    (dict(controls=["log(nope)"]), "control 'log\\(nope\\)': unknown name 'nope'"),
 ])
 def test_bad_input_is_a_user_error(kw, match):
     with pytest.raises(UserError, match=match):
@@ -253,3 +253,32 @@ def test_a_control_nobody_recorded_is_not_used_and_said_so():
     assert "control log1p(global_step) has no values: not used" in raw.note
     d = pd.DataFrame({"x": df.nc1_cdnv, "y": df.eval_loss, "s": np.log(df.n_params)})
     assert raw.partial_r == pytest.approx(pg.partial_corr(d, "x", "y", ["s"])["r"].iloc[0], abs=1e-12)
+
+
+# ---------------------------------------------------------------- Holm across the metrics
+
+def test_holm_columns_equal_statsmodels_per_scale():
+    from statsmodels.stats.multitest import multipletests
+
+    df = study(n_runs=4, per_run=4, seed=8)
+    df["nc4_agreement"] = np.nan  # no values: no p, not in the family
+    out = correlations(df, n_perm=300, seed=1)
+    for scale in ("raw", "log"):
+        rows = out[out.scale == scale]
+        for col, adj in (("p_perm", "p_holm"), ("partial_p_perm", "partial_p_holm")):
+            ok = np.isfinite(rows[col])
+            assert ok.sum() == len(METRICS) - 1 - (scale == "log")  # nc4 empty; nc2_cos_mean has no log scale
+            ref = multipletests(rows.loc[ok, col], method="holm")[1]
+            np.testing.assert_allclose(rows.loc[ok, adj], ref, rtol=0, atol=0)
+            assert rows.loc[~ok, adj].isna().all()
+            assert (rows.loc[ok, adj] >= rows.loc[ok, col]).all()
+
+
+def test_an_infinite_target_is_left_out_with_a_note():
+    df = study(n_runs=3, per_run=4)
+    bad = df.copy()
+    bad.loc[bad.index[0], "eval_loss"] = np.inf
+    got = correlations(bad, ["nc1_cdnv"], n_perm=0)
+    want = correlations(df.drop(index=df.index[0]), ["nc1_cdnv"], n_perm=0)
+    np.testing.assert_allclose(got.r, want.r)
+    assert (got.n == len(df) - 1).all() and got.note.str.contains("1 checkpoint\\(s\\) with an infinite eval_loss").all()

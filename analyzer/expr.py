@@ -1,0 +1,249 @@
+"""Report expressions (``--where``, ``--controls``) evaluated over a table's columns, never as code.
+
+The text is parsed with :mod:`ast` and the tree walked here over an allow-list of node types; nothing is handed to
+``eval``, ``DataFrame.query`` or ``DataFrame.eval``. What is allowed (pandas ``query`` syntax, a subset):
+
+- column names, and `` `backticked names` `` for columns that are not identifiers;
+- numbers, strings, True/False, and list or tuple literals of them (on the right of ``in``/``not in``/``==``/``!=``);
+- arithmetic ``+ - * / // % **``, unary ``- + ~ not``; comparisons (chained too); ``and or & |`` (``&`` and ``|``
+  bind like ``and`` and ``or``, below comparisons, as in pandas);
+- ``in`` / ``not in`` a list literal (``Series.isin``), and ``==`` / ``!=`` a list literal, as pandas reads them;
+- the functions in :data:`FUNCTIONS` (log, log10, log1p, exp, sqrt, abs, ...);
+- string methods ``column.str.<m>(literal args)`` for ``m`` in :data:`STR_METHODS`.
+
+Everything else (``@`` names, other attribute access, dunder names, calls of anything else, subscripts, lambdas,
+comprehensions, f-strings, ``:=``) is refused with a one-line :class:`UserError` naming the problem and the columns.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import operator
+import re
+import tokenize
+
+import numpy as np
+import pandas as pd
+
+from ncanalyze.analyzer.errors import UserError
+
+FUNCTIONS = {"log": np.log, "log10": np.log10, "log2": np.log2, "log1p": np.log1p, "exp": np.exp,
+             "expm1": np.expm1, "sqrt": np.sqrt, "abs": np.abs}
+STR_METHODS = {"contains": {"case", "regex", "na", "flags"}, "startswith": {"na"}, "endswith": {"na"},
+               "match": {"case", "na", "flags"}, "fullmatch": {"case", "na", "flags"}, "lower": set(),
+               "upper": set(), "strip": set(), "len": set()}
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+           ast.Gt: operator.gt, ast.GtE: operator.ge}
+_MAX_LITERAL_POW = 1000  # |exponent| of a power of two literals: 10**10**10 would hang the parser's user
+_BACKTICK = re.compile(r"`([^`]*)`")
+_NAMES = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
+          ast.BitAnd: "&", ast.BitOr: "|", ast.MatMult: "@", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>",
+          ast.Is: "is", ast.IsNot: "is not"}
+
+
+class _Refused(Exception):
+    """Why an expression is not allowed or cannot be evaluated (becomes the UserError's middle part)."""
+
+
+def _describe(node: ast.AST) -> str:
+    kind = type(node)
+    if kind in _NAMES:
+        return f"operator {_NAMES[kind]!r}"
+    return {ast.Subscript: "subscripts ([...])", ast.Lambda: "lambda", ast.ListComp: "comprehensions",
+            ast.SetComp: "comprehensions", ast.DictComp: "comprehensions", ast.GeneratorExp: "comprehensions",
+            ast.IfExp: "conditional expressions (x if c else y)", ast.JoinedStr: "f-strings",
+            ast.NamedExpr: "assignment (:=)", ast.Dict: "dict literals", ast.Set: "set literals",
+            ast.Starred: "starred expressions", ast.Attribute: "attribute access"}.get(kind, kind.__name__)
+
+
+class _Evaluator:
+    def __init__(self, df: pd.DataFrame, aliases: dict[str, str]):
+        self.df, self.aliases = df, aliases
+
+    def __call__(self, node: ast.AST):
+        method = getattr(self, "_" + type(node).__name__, None)
+        if method is None:
+            raise _Refused(f"{_describe(node)} not allowed")
+        return method(node)
+
+    # leaves
+    def _Constant(self, node: ast.Constant):
+        if isinstance(node.value, bool | int | float | str):
+            return node.value
+        raise _Refused(f"literal {node.value!r} not allowed (numbers, strings, True/False only)")
+
+    def _Name(self, node: ast.Name):
+        name = self.aliases.get(node.id, node.id)
+        if name in self.df.columns:
+            return self.df[name]
+        if node.id.startswith("__") or "__" in node.id:
+            raise _Refused(f"name {node.id!r} not allowed (no dunder names)")
+        if node.id in FUNCTIONS:
+            raise _Refused(f"function {node.id!r} must be called, e.g. {node.id}(n_params)")
+        raise _Refused(f"unknown name {node.id!r} (not a column)")
+
+    def _literal_list(self, node: ast.AST) -> list:
+        if not isinstance(node, ast.List | ast.Tuple):
+            raise _Refused("'in' needs a list literal on its right, e.g. global_step in [20, 40]")
+        values = [self(e) for e in node.elts]
+        if any(isinstance(v, pd.Series) for v in values):
+            raise _Refused("list elements must be literals")
+        return values
+
+    def _List(self, node):
+        raise _Refused("a list literal is allowed only on the right of in, not in, == or !=")
+
+    _Tuple = _List
+
+    # operators
+    def _UnaryOp(self, node: ast.UnaryOp):
+        v = self(node.operand)
+        if isinstance(node.op, ast.USub):
+            return -v
+        if isinstance(node.op, ast.UAdd):
+            return +v
+        if isinstance(node.op, ast.Not | ast.Invert):
+            if isinstance(v, pd.Series):
+                return ~v
+            if isinstance(v, bool) or isinstance(node.op, ast.Not):
+                return not v
+            return ~v
+        raise _Refused(f"{_describe(node.op)} not allowed")
+
+    def _BinOp(self, node: ast.BinOp):
+        op = _BINOPS.get(type(node.op))
+        if op is None:
+            raise _Refused(f"{_describe(node.op)} not allowed")
+        a, b = self(node.left), self(node.right)
+        if isinstance(a, str) or isinstance(b, str):
+            raise _Refused(f"{_NAMES[type(node.op)]!r} on a string not allowed")
+        if op is operator.pow and not isinstance(a, pd.Series) and not isinstance(b, pd.Series):
+            if abs(b) > _MAX_LITERAL_POW:
+                raise _Refused(f"exponent {b} of two literals too large")
+            a = float(a)  # a float power overflows at once; Python's integer power of powers runs for ever
+        with np.errstate(all="ignore"):
+            return op(a, b)
+
+    def _BoolOp(self, node: ast.BoolOp):
+        op = operator.and_ if isinstance(node.op, ast.And) else operator.or_
+        out = self(node.values[0])
+        for v in node.values[1:]:
+            out = op(out, self(v))
+        return out
+
+    def _Compare(self, node: ast.Compare):
+        out, left = None, self(node.left)
+        for cmp, right_node in zip(node.ops, node.comparators):
+            if isinstance(cmp, ast.In | ast.NotIn) or (isinstance(cmp, ast.Eq | ast.NotEq)
+                                                       and isinstance(right_node, ast.List | ast.Tuple)):
+                values = self._literal_list(right_node)
+                right = None
+                res = left.isin(values) if isinstance(left, pd.Series) else left in values
+                if isinstance(cmp, ast.NotIn | ast.NotEq):
+                    res = ~res if isinstance(res, pd.Series) else not res
+            elif type(cmp) in _CMPOPS:
+                right = self(right_node)
+                res = _CMPOPS[type(cmp)](left, right)
+            else:
+                raise _Refused(f"{_describe(cmp)} not allowed")
+            out = res if out is None else out & res
+            left = right
+        return out
+
+    # calls: the allowed functions and column.str.<method>(...)
+    def _Call(self, node: ast.Call):
+        if isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name not in FUNCTIONS or name in self.aliases:
+                raise _Refused(f"call of {name!r} not allowed (functions: {', '.join(FUNCTIONS)})")
+            if len(node.args) != 1 or node.keywords:
+                raise _Refused(f"{name}() takes one argument")
+            with np.errstate(all="ignore"):
+                return FUNCTIONS[name](self(node.args[0]))
+        f = node.func
+        if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) and f.value.attr == "str"
+                and f.attr in STR_METHODS):
+            series = self(f.value.value)
+            if not isinstance(series, pd.Series):
+                raise _Refused(f".str.{f.attr} needs a column")
+            args = [self(a) for a in node.args]
+            kwargs = {}
+            for kw in node.keywords:
+                if kw.arg not in STR_METHODS[f.attr]:
+                    raise _Refused(f"keyword {kw.arg!r} of .str.{f.attr} not allowed")
+                kwargs[kw.arg] = self(kw.value)
+            if any(isinstance(a, pd.Series) for a in [*args, *kwargs.values()]):
+                raise _Refused(f".str.{f.attr} takes literal arguments")
+            return getattr(series.str, f.attr)(*args, **kwargs)
+        if isinstance(f, ast.Attribute):
+            raise _Refused(f"method .{f.attr}() not allowed (string methods: "
+                           f"{', '.join(f'.str.{m}' for m in STR_METHODS)})")
+        raise _Refused(f"call of {_describe(f)} not allowed")
+
+    def _Attribute(self, node: ast.Attribute):
+        raise _Refused(f"attribute access .{node.attr} not allowed (only column.str.<method>(...) calls)")
+
+
+def _boolean_precedence(text: str) -> str:
+    """``&`` and ``|`` read as ``and`` and ``or`` (below comparisons), as pandas ``query`` reads them."""
+    words = {"&": "and", "|": "or"}
+    toks = [(tokenize.NAME, words[t.string]) if t.type == tokenize.OP and t.string in words else (t.type, t.string)
+            for t in tokenize.generate_tokens(io.StringIO(text).readline)]
+    return tokenize.untokenize(toks)
+
+
+def _parse(expr: str, columns) -> tuple[ast.AST, dict[str, str]]:
+    """The expression's tree and the placeholder names standing for its backticked columns."""
+    aliases: dict[str, str] = {}
+
+    def alias(m: re.Match) -> str:
+        name = f"BACKTICKED_{len(aliases)}_"
+        while name in columns:
+            name += "_"
+        aliases[name] = m.group(1)
+        if m.group(1) not in columns:
+            raise _Refused(f"unknown column `{m.group(1)}`")
+        return name
+
+    if "@" in _BACKTICK.sub("", re.sub(r"'[^']*'|\"[^\"]*\"", "", expr)):
+        raise _Refused("'@' (local variables) not allowed")
+    text = _BACKTICK.sub(alias, expr)
+    try:
+        tree = ast.parse(_boolean_precedence(text.strip()), mode="eval")
+    except (SyntaxError, tokenize.TokenError) as e:
+        raise _Refused(f"syntax error ({e.msg if isinstance(e, SyntaxError) else e.args[0]})") from None
+    return tree.body, aliases
+
+
+def evaluate(expr: str, df: pd.DataFrame, what: str = "expression"):
+    """The value of ``expr`` over ``df``'s columns: a Series aligned with ``df`` (or a scalar when no column is
+    used). Raises UserError naming ``what`` (e.g. "--where"), the problem and the columns."""
+    try:
+        tree, aliases = _parse(expr, set(df.columns))
+        return _Evaluator(df, aliases)(tree)
+    except _Refused as e:
+        problem = str(e)
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError, OverflowError) as e:
+        problem = f"cannot be evaluated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    except RecursionError:
+        problem = "nested too deeply"
+    raise UserError(f"{what} {expr!r}: {problem}; columns: {', '.join(map(str, df.columns))}")
+
+
+def condition(expr: str, df: pd.DataFrame, what: str = "--where") -> pd.Series:
+    """The boolean mask of ``expr`` over ``df`` (pandas ``query`` semantics: missing values do not match)."""
+    v = evaluate(expr, df, what)
+    if not isinstance(v, pd.Series):
+        if isinstance(v, bool | np.bool_):
+            return pd.Series(bool(v), index=df.index)
+        raise UserError(f"{what} {expr!r}: not a condition (it gives {v!r}); columns: {', '.join(df.columns)}")
+    if v.dtype != bool:
+        if v.dtype == object and v.map(lambda x: isinstance(x, bool | np.bool_) or x is None or x is pd.NA).all():
+            return v.fillna(False).astype(bool)
+        if str(v.dtype) == "boolean":
+            return v.fillna(False).astype(bool)
+        raise UserError(f"{what} {expr!r}: not a condition (it gives {v.dtype} values, not True/False); columns: "
+                        f"{', '.join(map(str, df.columns))}")
+    return v
