@@ -58,3 +58,19 @@ def test_every_extraction_setting_says_whether_it_is_hashed():
 
     for f in dataclasses.fields(ExtractConfig):
         assert isinstance(f.metadata.get("hashed"), bool), f"ExtractConfig.{f.name} must declare hashed=True/False"
+
+
+def test_a_default_configuration_hashes_as_before(trained_run):
+    """Stores written before a change must not look foreign: the record of a default configuration keeps exactly
+    these keys (a new hashed setting may enter the record only when it is not at its default)."""
+    import torch
+
+    from ncanalyze.store.discover import discover
+    from ncanalyze.store.extract import ExtractConfig, config_record
+
+    ckpt = discover(trained_run)[0]
+    record = config_record(ckpt, ExtractConfig(dataset="d.txt"), torch.device("cpu"), 32, "v.txt", "validation")
+    assert sorted(record) == sorted([
+        "dataset", "val_dataset", "split", "val_split", "text_column", "block_size", "max_train_tokens",
+        "max_val_tokens", "batch_size", "dtype", "samples_per_class", "tokenizer", "min_count", "seed", "device_type",
+        "weights"])
