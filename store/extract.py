@@ -22,6 +22,7 @@ from ncanalyze.store.discover import Checkpoint, discover, training_metadata
 from ncanalyze.store.estimate import estimate
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
+from ncanalyze.store.loss import LogitTransform, loss_attrs
 from ncanalyze.store.passes import Extraction, train_pass, val_pass
 from ncanalyze.store.resume import Phase, Saver, drop_state, record_of, state_path
 
@@ -139,7 +140,8 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
         "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
         "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
-        "val_tokens": int(ex.val["val_count"].sum()), "min_count": cfg.min_count, "block_size": block_size,
+        "val_tokens": int(ex.val["val_count"].sum()),
+        **loss_attrs(ex.lm, LogitTransform.of(model.config)), "min_count": cfg.min_count, "block_size": block_size,
         "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
         "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),

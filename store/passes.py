@@ -19,6 +19,7 @@ from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import VAL_COUNTS, stats_dataset
 from ncanalyze.store.data import Blocks
+from ncanalyze.store.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.reservoir import Reservoir
 from ncanalyze.store.resume import Phase, Saver
 
@@ -31,6 +32,7 @@ class Extraction:
         self.stats = ClassStats(vocab, dim, device)
         self.reservoir = Reservoir(vocab, k, dim, seed)
         self.val = {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in VAL_COUNTS}
+        self.lm = NextTokenLoss.zeros(device)  # the validation pass's running loss sums (val_loss, val_accuracy)
         self.phase, self.batches = Phase.TRAIN, 0
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
@@ -38,6 +40,7 @@ class Extraction:
         arrays = {f"stats.{k}": v.cpu().numpy() for k, v in self.stats.state_dict().items()}
         arrays |= {f"reservoir.{k}": v for k, v in self.reservoir.state_dict().items()}
         arrays |= {f"val.{k}": v.cpu().numpy() for k, v in self.val.items()}
+        arrays |= {f"lm.{k}": v.cpu().numpy() for k, v in self.lm.items()}
         return arrays | {"phase": np.array(int(self.phase)), "batches": np.array(self.batches),
                          "config": np.array(json.dumps(record, sort_keys=True))}
 
@@ -47,6 +50,13 @@ class Extraction:
         for k in self.val:
             self.val[k].copy_(torch.as_tensor(arrays[f"val.{k}"]))
         self.phase, self.batches = Phase(int(arrays["phase"])), int(arrays["batches"])
+        if all(f"lm.{k}" in arrays.files for k in self.lm):
+            for k in self.lm:
+                self.lm[k].copy_(torch.as_tensor(arrays[f"lm.{k}"]))
+        elif self.phase == Phase.VALIDATION:  # a state from before val_loss: its validation pass starts again
+            for v in self.val.values():
+                v.zero_()
+            self.batches = 0
 
     def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
                 attrs: dict) -> xr.Dataset:
@@ -111,8 +121,11 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
 
 def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
              min_count: int, batch_size: int, saver: Saver, desc: str) -> None:
-    """NC4's decision counts over the classes kept at extraction (count >= ``min_count``)."""
+    """NC4's decision counts over the classes kept at extraction (count >= ``min_count``), and the model's own
+    full-vocabulary loss and accuracy (its logit transform applied) into ``ex.lm``."""
     kept = torch.nonzero(ex.stats.count >= min_count).squeeze(1)
     counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
+    loss = NextTokenLoss(classifier, bias, LogitTransform.of(model.config), state=ex.lm)
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
         counts.update(h, y)
+        loss.update(h, y)
