@@ -46,7 +46,8 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 @click.option("--where", help="pandas query selecting the checkpoints the report covers, e.g. "
               "\"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture).")
 @click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")
-@click.option("--target", default="eval_loss", show_default=True, help="Column to correlate the metrics with.")
+@click.option("--target", help="Column to correlate the metrics with [default: val_loss where every selected "
+              "checkpoint has it, else eval_loss].")
 @click.option("--controls", default=",".join(CONTROLS), show_default=True,
               help="Comma-separated pandas expressions held fixed by the partial correlation.")
 @click.option("--permutations", type=click.IntRange(min=0), default=10_000, show_default=True,
