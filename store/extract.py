@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,7 @@ class ExtractConfig:
     allow_pickle: bool = setting(False, hashed=False)
     trust_remote_code: bool = setting(False, hashed=False)
     state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
+    tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
 
 
 def config_record(ckpt: Checkpoint, cfg: ExtractConfig, device: torch.device, block_size: int, val_spec: str | None,
@@ -99,9 +101,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     if existing and existing.get("complete") and not overwrite:
         if existing.get("config_hash") == chash:
             return "skipped"
+        keep_both = "" if cfg.tag else "; to keep both (e.g. another dataset), pass --tag NAME"
         raise UserError(f"{ckpt.group} is already in {store} under another configuration "
                         f"({_differences(json.loads(existing.get('config', '{}')), record)}); "
-                        "rerun with the same options, or pass --overwrite to replace it")
+                        f"rerun with the same options, or pass --overwrite to replace it{keep_both}")
     # only now: a finished checkpoint is skipped without loading its weights
     model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
     tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
@@ -136,7 +139,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         ex.phase = Phase.DONE
 
     attrs = {
-        "run": ckpt.run, "checkpoint": ckpt.name, **training_metadata(ckpt),
+        "run": ckpt.run, "tag": cfg.tag, "checkpoint": ckpt.name, **training_metadata(ckpt),
         "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
         "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
         "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
@@ -153,10 +156,23 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     return status
 
 
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
+    """With ``tag``, each checkpoint's run becomes ``<run>@<tag>``: the group ``<run>@<tag>/<checkpoint>`` (and its
+    resume state) is distinct from the untagged ``<run>/<checkpoint>`` and from other tags."""
+    if tag is None:
+        return ckpts
+    if not _TAG.match(tag):
+        raise UserError(f"--tag {tag!r} is not a plain name: use letters, digits and _ . + - (e.g. --tag kjv)")
+    return [replace(c, run=f"{c.run}@{tag}") for c in ckpts]
+
+
 def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False) -> dict[str, str]:
     """Extract every checkpoint under ``path`` into ``store``; returns {group: status} (logged as it goes)."""
     store = Path(store)
-    ckpts = discover(path)
+    ckpts = tagged(discover(path), cfg.tag)
     io.create(store)
     todo = sum(overwrite or not (io.group_attrs(store, c.group) or {}).get("complete") for c in ckpts)
     announced = False
