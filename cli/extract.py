@@ -35,6 +35,9 @@ from ncanalyze.cli.common import default_store, store_option
 @click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
               help="Classes with fewer train tokens are left out of NC4's decisions.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the reservoir sample.")
+@click.option("--keep-linebreaks/--no-keep-linebreaks", default=True, show_default=True,
+              help="Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
+                   "--no-keep-linebreaks strips them.")
 @click.option("--tag", metavar="NAME", help="Store these checkpoints under <run>@NAME/<checkpoint> (attribute and "
               "metrics.csv column `tag`): the same checkpoints measured on several datasets in one store.")
 @click.option("--allow-pickle", is_flag=True, help="Load pickle weights (pytorch_model.bin); only for trusted files.")

@@ -30,10 +30,11 @@ from ncanalyze.store.resume import Phase, Saver, drop_state, record_of, state_pa
 log = logging.getLogger("ncanalyze")
 
 
-def setting(default=None, *, hashed: bool):
+def setting(default=None, *, hashed: bool, hashed_when_set: bool = False):
     """A configuration field; ``hashed``: it determines the numbers, so it goes into the config hash (every field
-    must say)."""
-    return field(default=default, metadata={"hashed": hashed})
+    must say). ``hashed_when_set``: hashed only when not the default (a setting added later, so that stores made
+    before it keep their hash)."""
+    return field(default=default, metadata={"hashed": hashed, "hashed_when_set": hashed_when_set})
 
 
 @dataclass
@@ -57,13 +58,15 @@ class ExtractConfig:
     allow_pickle: bool = setting(False, hashed=False)
     trust_remote_code: bool = setting(False, hashed=False)
     state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
+    keep_linebreaks: bool = setting(True, hashed=True, hashed_when_set=True)  # plain text keeps its "\n" (run_clm)
     tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
 
 
 def config_record(ckpt: Checkpoint, cfg: ExtractConfig, device: torch.device, block_size: int, val_spec: str | None,
                   val_split: str | None) -> dict:
     """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs."""
-    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]}
+    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
+              and not (f.metadata.get("hashed_when_set") and getattr(cfg, f.name) == f.default)}
     return {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
             "device_type": device.type, "weights": weights_fingerprint(ckpt.path)}
 
@@ -78,7 +81,7 @@ def _differences(a: dict, b: dict) -> str:
 
 def _open(spec: str, split: str, cap: int | None, cfg: ExtractConfig, block_size: int, tokenizer) -> Blocks:
     tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
-    return open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize)
+    return open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, keep_linebreaks=cfg.keep_linebreaks)
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
