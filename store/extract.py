@@ -85,10 +85,11 @@ def _open(spec: str, split: str, cap: int | None, cfg: ExtractConfig, block_size
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
-                       announce: Callable[[object, Blocks], None] | None = None) -> str:
+                       announce: Callable[[object, Blocks], None] | None = None, extra_attrs: dict | None = None) -> str:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
 
-    ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
+    ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there);
+    ``extra_attrs`` go into the group's attributes last (a Hub revision's origin and step)."""
     device = resolve_device(cfg.device)
     block_size = cfg.block_size or default_block_size(load_config(ckpt, cfg.trust_remote_code))
     if cfg.max_val_tokens == 0:
@@ -152,6 +153,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
         "ncanalyze_version": io.version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
+        **(extra_attrs or {}),
     }
     io.write_checkpoint(store, ckpt.group, ex.dataset(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]),
                                                       attrs))
@@ -172,21 +174,28 @@ def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
     return [replace(c, run=f"{c.run}@{tag}") for c in ckpts]
 
 
-def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False) -> dict[str, str]:
-    """Extract every checkpoint under ``path`` into ``store``; returns {group: status} (logged as it goes)."""
-    store = Path(store)
-    ckpts = tagged(discover(path), cfg.tag)
-    io.create(store)
-    todo = sum(overwrite or not (io.group_attrs(store, c.group) or {}).get("complete") for c in ckpts)
+def announcer(todo: int, cfg: ExtractConfig, store: Path) -> Callable[[object, Blocks], None]:
+    """``announce(model, train)`` for :func:`extract_checkpoint`: logs the estimate for ``todo`` checkpoints, once,
+    at the first checkpoint that does work."""
     announced = False
 
-    def announce(model, train: Blocks) -> None:  # once, at the first checkpoint that does work
+    def announce(model, train: Blocks) -> None:
         nonlocal announced
         if not announced:
             log.info("estimate: %s", estimate(todo, model, train, cfg.batch_size, cfg.samples_per_class,
                                               cfg.max_val_tokens, store))
             announced = True
 
+    return announce
+
+
+def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False) -> dict[str, str]:
+    """Extract every checkpoint under ``path`` into ``store``; returns {group: status} (logged as it goes)."""
+    store = Path(store)
+    ckpts = tagged(discover(path), cfg.tag)
+    io.create(store)
+    todo = sum(overwrite or not (io.group_attrs(store, c.group) or {}).get("complete") for c in ckpts)
+    announce = announcer(todo, cfg, store)
     results = {}
     for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
         results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite, announce)
