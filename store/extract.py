@@ -62,13 +62,24 @@ class ExtractConfig:
     tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
 
 
-def config_record(ckpt: Checkpoint, cfg: ExtractConfig, device: torch.device, block_size: int, val_spec: str | None,
-                  val_split: str | None) -> dict:
-    """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs."""
+def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,
+                  val_spec: str | None, val_split: str | None, weights: str | None = None) -> dict:
+    """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs.
+    ``weights``: the weights' fingerprint when already known (else read from ``ckpt``)."""
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
               and not (f.metadata.get("hashed_when_set") and getattr(cfg, f.name) == f.default)}
     return {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
-            "device_type": device.type, "weights": weights_fingerprint(ckpt.path)}
+            "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
+
+
+def val_data(cfg: ExtractConfig) -> tuple[str | None, str | None]:
+    """(spec, split) of the validation data: none with --max-val-tokens 0, else --val-dataset, else beside/of
+    --dataset."""
+    if cfg.max_val_tokens == 0:
+        return None, None
+    if cfg.val_dataset:
+        return cfg.val_dataset, cfg.val_split
+    return default_val_spec(cfg.dataset, cfg.val_split)
 
 
 def config_hash(record: dict) -> str:
@@ -92,12 +103,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     ``extra_attrs`` go into the group's attributes last (a Hub revision's origin and step)."""
     device = resolve_device(cfg.device)
     block_size = cfg.block_size or default_block_size(load_config(ckpt, cfg.trust_remote_code))
-    if cfg.max_val_tokens == 0:
-        val_spec, val_split = None, None
-    elif cfg.val_dataset:
-        val_spec, val_split = cfg.val_dataset, cfg.val_split
-    else:
-        val_spec, val_split = default_val_spec(cfg.dataset, cfg.val_split)
+    val_spec, val_split = val_data(cfg)
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
     chash = config_hash(record)
 

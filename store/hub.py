@@ -9,6 +9,7 @@ cannot be had is named in one line and the others go on.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -160,6 +161,41 @@ def explain(repo: str, revision: str, e: Exception) -> str:
     return f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
+def resolved_commit(repo: str, revision: str) -> str | None:
+    """The commit ``revision`` points at, without downloading: itself if a commit hash; online, the Hub's answer;
+    offline, the cache's ref; None where neither knows."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    if _COMMIT.match(revision):
+        return revision
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return HfApi().model_info(repo, revision=revision).sha
+        except hub_errors():
+            pass
+    ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "refs" / revision
+    return ref.read_text().strip() if ref.is_file() else None
+
+
+def done_before(store: Path, group: str, repo: str, revision: str, cfg) -> bool:
+    """``group`` is complete, from this repository and revision (and its commit, where that can be known without
+    downloading), under the same settings: it can be skipped without fetching its snapshot."""
+    from ncanalyze.store.extract import config_record, val_data
+    from ncanalyze.store.load import resolve_device
+
+    attrs = io.group_attrs(store, group) or {}
+    if not (attrs.get("complete") and attrs.get("hub_repo") == repo and attrs.get("hub_revision") == revision):
+        return False
+    commit = resolved_commit(repo, revision)
+    if commit is not None and commit != attrs.get("hub_commit"):
+        return False
+    old = json.loads(attrs.get("config", "{}"))  # the commit fixes the weights and the model's context
+    want = config_record(None, cfg, resolve_device(cfg.device), cfg.block_size or old.get("block_size"),
+                         *val_data(cfg), weights=old.get("weights"))
+    return want == old
+
+
 def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg, overwrite: bool = False,
                 delete_downloads: bool = False) -> tuple[dict[str, str], list[str]]:
     """Extract ``repo`` at each of ``revisions``, one at a time, into ``store``; returns ({group: status}, one line
@@ -175,6 +211,10 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg, overwri
     results, failed = {}, []
     for i, rev in enumerate(revisions, 1):
         try:
+            if not overwrite and done_before(store, groups[rev], repo, rev, cfg):
+                results[groups[rev]] = "skipped"
+                log.info("%s: skipped, already in the store (%d/%d)", groups[rev], i, len(revisions))
+                continue
             snap = fetch(repo, rev, cfg.allow_pickle)
         except hub_errors() as e:
             failed.append(explain(repo, rev, e))

@@ -91,6 +91,21 @@ def test_revisions_from_the_cache_equal_the_local_checkpoints(hub_cache, extract
             "--store", store, *EXTRACT_OPTS, cache=hub_cache, home=tmp_path / "home")
     assert r.returncode == 0 and "2 already in" in r.stdout, r.stdout + r.stderr
 
+    # a snapshot deleted since (as --delete-downloads does): still skipped, offline, without fetching it
+    root = hub_cache / "models--test-org--neo-2x32"
+    commit = (root / "refs" / "step20").read_text()
+    shutil.copytree(root / "snapshots" / commit, tmp_path / "backup", symlinks=True)
+    shutil.rmtree(root / "snapshots" / commit)
+    try:
+        args = ("extract", REPO, "--revision", "step20", "--dataset", corpus["train"], "--val-dataset", corpus["val"],
+                "--store", store)
+        r = cli(*args, *EXTRACT_OPTS, cache=hub_cache, home=tmp_path / "home")
+        assert r.returncode == 0 and "1 already in" in r.stdout, r.stdout + r.stderr
+        r = cli(*args, *EXTRACT_OPTS[:-1], 3, cache=hub_cache, home=tmp_path / "home")  # other settings: fetched
+        assert r.returncode == 1 and "neo-2x32@step20: not in the Hugging Face cache" in r.stderr, r.stderr
+    finally:  # the module's cache as it was
+        shutil.copytree(tmp_path / "backup", root / "snapshots" / commit, symlinks=True)
+
 
 def test_a_pickle_only_revision_is_refused_unless_allowed(trained_run, corpus, tmp_path):
     import torch
