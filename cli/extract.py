@@ -38,6 +38,9 @@ from ncanalyze.cli.common import default_store, store_option
 @click.option("--keep-linebreaks/--no-keep-linebreaks", default=True, show_default=True,
               help="Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
                    "--no-keep-linebreaks strips them.")
+@click.option("--token-cache/--no-token-cache", default=True, show_default=True,
+              help="Tokenize text once into <store>.tokens/ (keyed by data, tokenizer, block size, cap and line "
+                   "breaks) and reuse it for every checkpoint; progress bars and the estimate then know the totals.")
 @click.option("--tag", metavar="NAME", help="Store these checkpoints under <run>@NAME/<checkpoint> (attribute and "
               "metrics.csv column `tag`): the same checkpoints measured on several datasets in one store.")
 @click.option("--allow-pickle", is_flag=True, help="Load pickle weights (pytorch_model.bin); only for trusted files.")

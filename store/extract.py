@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
-from ncanalyze.store.data import Blocks, default_val_spec, open_blocks
+from ncanalyze.store import tokens
+from ncanalyze.store.data import Blocks, default_val_spec, is_token_file, open_blocks
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
 from ncanalyze.store.estimate import estimate
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
@@ -60,6 +61,7 @@ class ExtractConfig:
     state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
     keep_linebreaks: bool = setting(True, hashed=True, hashed_when_set=True)  # plain text keeps its "\n" (run_clm)
     tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
+    token_cache: bool = setting(True, hashed=False)  # text tokenized once into <store>.tokens/ (the same blocks)
 
 
 def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,
@@ -90,13 +92,19 @@ def _differences(a: dict, b: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
-def _open(spec: str, split: str, cap: int | None, cfg: ExtractConfig, block_size: int, tokenizer) -> Blocks:
+def _open(spec: str, split: str, cap: int | None, cfg: ExtractConfig, block_size: int, tokenizer,
+          store: Path | None = None) -> Blocks:
     tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
-    return open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, keep_linebreaks=cfg.keep_linebreaks)
+    blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, keep_linebreaks=cfg.keep_linebreaks)
+    if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
+        return blocks
+    return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
+                                                         cfg.keep_linebreaks))
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
-                       announce: Callable[[object, Blocks], None] | None = None, extra_attrs: dict | None = None) -> str:
+                       announce: Callable[[object, Blocks], None] | None = None,
+                       extra_attrs: dict | None = None) -> str:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
 
     ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there);
@@ -135,7 +143,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                 status = "resumed"
     saver = Saver(spath, lambda: ex.state(record), cfg.state_every)
 
-    train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer)
+    train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer, store)
     if announce:
         announce(model, train)
     if ex.phase == Phase.TRAIN:
@@ -144,7 +152,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         saver.maybe(force=True)
     if ex.phase == Phase.VALIDATION:
         if val_spec is not None:
-            val = _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer)
+            val = _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer, store)
             val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
         ex.phase = Phase.DONE
 
