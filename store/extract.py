@@ -150,10 +150,11 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
         ex.phase, ex.batches = Phase.VALIDATION, 0
         saver.maybe(force=True)
+    transform = LogitTransform.of(model.config)
     if ex.phase == Phase.VALIDATION:
         if val_spec is not None:
             val = _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer, store)
-            val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
+            transform = val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
         ex.phase = Phase.DONE
 
     attrs = {
@@ -162,7 +163,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
         "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
         "val_tokens": int(ex.val["val_count"].sum()),
-        **loss_attrs(ex.lm, LogitTransform.of(model.config)), "min_count": cfg.min_count, "block_size": block_size,
+        **loss_attrs(ex.lm, transform), "min_count": cfg.min_count, "block_size": block_size,
         "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
         "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),

@@ -14,6 +14,12 @@ from dataclasses import dataclass
 import torch
 
 
+# models whose ``logits_scaling`` multiplies the logits (MuP), unlike Granite's and MiniCPM3's, which divide
+MULTIPLYING_SCALING = {"hyperclovax"}
+# how far the model's own logits may be from ours, relative to the largest logit, for each model dtype
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
 @dataclass(frozen=True)
 class LogitTransform:
     """``logits * multiply / divide``, then soft-capped at ``softcap`` when set: what the model does after its head."""
@@ -30,7 +36,11 @@ class LogitTransform:
             v = getattr(text, name, None)
             return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
-        return cls(multiply=number("logit_scale") or 1.0, divide=number("logits_scaling") or 1.0,
+        scaling = number("logits_scaling") or 1.0
+        if getattr(text, "model_type", None) in MULTIPLYING_SCALING:
+            return cls(multiply=scaling * (number("logit_scale") or 1.0),
+                       softcap=number("final_logit_softcapping") or None)
+        return cls(multiply=number("logit_scale") or 1.0, divide=scaling,
                    softcap=number("final_logit_softcapping") or None)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -88,10 +98,28 @@ class NextTokenLoss:
 
 
 
-def loss_attrs(state: dict[str, torch.Tensor], transform: LogitTransform) -> dict:
+@torch.inference_mode()
+def matches_model(model, ids: torch.Tensor, h: torch.Tensor, classifier: torch.Tensor, bias: torch.Tensor | None,
+                  transform: LogitTransform) -> bool:
+    """Whether ``transform`` of the head applied to features ``h`` (the first block's, L-1 x d) gives the model's own
+    logits for that block: a model whose output differs in a way :meth:`LogitTransform.of` does not know is caught
+    rather than measured wrong."""
+    own = model(input_ids=ids[:1]).logits[0, :-1].to(torch.float64)
+    ours = h.to(torch.float64) @ classifier.to(torch.float64).T
+    if bias is not None:
+        ours += bias.to(torch.float64)
+    ours = transform(ours)
+    scale = float(own.abs().max()) or 1.0
+    return float((own - ours).abs().max()) <= TOLERANCE.get(classifier.dtype, 1e-2) * scale
+
+
+def loss_attrs(state: dict[str, torch.Tensor], transform: LogitTransform | None) -> dict:
     """``val_loss`` (mean cross-entropy in nats), ``val_accuracy`` (None without validation tokens) and the
-    ``logit_transform`` they were measured with."""
+    ``logit_transform`` they were measured with; all None where the transform did not match the model's own logits
+    (``transform`` None)."""
     n = int(state["tokens"])
+    if transform is None:
+        return {"val_loss": None, "val_accuracy": None, "logit_transform": "unknown (did not match the model's logits)"}
     return {"val_loss": _finite(float(state["loss_sum"]) / n) if n else None,
             "val_accuracy": int(state["correct"]) / n if n else None, "logit_transform": transform.describe()}
 

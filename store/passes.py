@@ -8,6 +8,7 @@ classes kept at extraction. Both skip the batches a resumed state already holds.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,9 +20,11 @@ from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import VAL_COUNTS, stats_dataset
 from ncanalyze.store.data import Blocks
-from ncanalyze.store.loss import LogitTransform, NextTokenLoss
+from ncanalyze.store.loss import LogitTransform, NextTokenLoss, matches_model
 from ncanalyze.store.reservoir import Reservoir
 from ncanalyze.store.resume import Phase, Saver
+
+log = logging.getLogger("ncanalyze")
 
 
 class Extraction:
@@ -120,12 +123,23 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
 
 
 def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
-             min_count: int, batch_size: int, saver: Saver, desc: str) -> None:
+             min_count: int, batch_size: int, saver: Saver, desc: str) -> LogitTransform | None:
     """NC4's decision counts over the classes kept at extraction (count >= ``min_count``), and the model's own
-    full-vocabulary loss and accuracy (its logit transform applied) into ``ex.lm``."""
+    full-vocabulary loss and accuracy (its logit transform applied) into ``ex.lm``. Returns the transform, checked
+    against the model's own logits on the first block; None (and no loss) where they differ."""
     kept = torch.nonzero(ex.stats.count >= min_count).squeeze(1)
     counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
-    loss = NextTokenLoss(classifier, bias, LogitTransform.of(model.config), state=ex.lm)
+    transform = LogitTransform.of(model.config)
+    first = next(blocks.batches(1), None)
+    if first is not None:
+        ids = torch.from_numpy(first[:1, :64]).to(classifier.device)  # a prefix is enough (causal)
+        if not matches_model(model, ids, features(model, ids)[0], classifier, bias, transform):
+            log.warning("warning: %s: the model's own logits are not its head's under %s; val_loss and val_accuracy "
+                        "are left out (model type %s)", desc, transform.describe(), model.config.model_type)
+            transform = None
+    loss = transform and NextTokenLoss(classifier, bias, transform, state=ex.lm)
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
         counts.update(h, y)
-        loss.update(h, y)
+        if loss:
+            loss.update(h, y)
+    return transform

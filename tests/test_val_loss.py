@@ -2,6 +2,8 @@
 transform: none (GPT-Neo), Gemma2's final_logit_softcapping, Cohere's logit_scale."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ from test_extract import text_blocks
 from transformers import AutoModelForCausalLM, AutoTokenizer, CohereConfig, Gemma2Config
 
 import ncanalyze.store
+from ncanalyze.store.loss import LogitTransform, matches_model
+from ncanalyze.store.passes import features
 
 
 def model_loss(model_dir, blocks: np.ndarray, batch: int = 16) -> tuple[float, float]:
@@ -78,3 +82,12 @@ def test_val_loss_applies_the_models_logit_transform(kind, tmp_path):
         h = model.base_model(input_ids=ids).last_hidden_state[:, :-1]
         raw = torch.nn.functional.cross_entropy(model.get_output_embeddings()(h).flatten(0, 1), ids[:, 1:].flatten())
     assert abs(float(raw) - loss) > 1e-2 * loss
+    # the check against the model's own logits tells the right transform from a wrong one
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / kind), dtype=torch.float32).eval()
+    ids = torch.from_numpy(val[:1])
+    h = features(model, ids)[0]
+    W = model.get_output_embeddings().weight
+    right = LogitTransform.of(model.config)
+    assert right.describe() == want and matches_model(model, ids, h, W, None, right)
+    assert not matches_model(model, ids, h, W, None, LogitTransform())
+    assert not matches_model(model, ids, h, W, None, replace(right, multiply=right.multiply * 1.5))
