@@ -121,7 +121,7 @@ def fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
         if allow_pickle or not any(path.glob("*.bin")):  # a partial cache, or a pickle-only revision allowed
             path = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     if not _has_safetensors(path) and not (allow_pickle and any(path.glob("*.bin"))):
-        raise UserError(f"{repo}@{revision}: no .safetensors weights"
+        raise UserError("no .safetensors weights"
                         + ("" if allow_pickle else "; if it ships only pickle weights (pytorch_model.bin) and you "
                            "trust them, pass --allow-pickle"))
     return Snapshot(repo, revision, path, downloaded)
@@ -221,7 +221,7 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg, overwri
             log.error("%s", failed[-1])
             continue
         except UserError as e:
-            failed.append(str(e))
+            failed.append(f"{repo}@{rev}: {e}")
             log.error("%s", failed[-1])
             continue
         try:

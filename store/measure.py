@@ -57,6 +57,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
     df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g]["metrics"])} for g in groups],
                       columns=[*INFO, *SCALARS])
+    df = df.fillna(math.nan)  # an attribute absent or null (tag, val_loss) is nan, as in metrics.csv read back
     df = df.sort_values(["run", "global_step"], kind="stable", ignore_index=True)
     df.attrs["measured"] = todo
     return df
