@@ -31,7 +31,7 @@ LABELS = {  # panel titles
     "gnc2_log_mean": "GNC2: mean log inverse distance", "gnc2_log_std": "GNC2: hyperspherical uniformity",
     "nc3_cos_mean": "NC3: self-duality (mean cosine)", "unc3_cos_cv": "UNC3: uniform duality (CV of cosines)",
     "nc3_dual_error": "NC3: distance to self-dual ETF", "nc4_agreement": "NC4: agreement with nearest class mean",
-    "eval_loss": "validation loss",
+    "eval_loss": "validation loss", "val_loss": "validation loss (measured by ncanalyze)",
 }
 FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
     "fig1_nc_vs_loss": ("NC properties against {target}",
@@ -568,6 +568,24 @@ def _token_rows(t: pd.DataFrame, quote) -> pd.DataFrame:
                                                id=t.id.map(lambda i: "" if pd.isna(i) else str(int(i))))
 
 
+def default_target(sel: pd.DataFrame) -> str:
+    """``val_loss`` where every selected checkpoint has it (measured by ncanalyze on the same validation tokens),
+    else ``eval_loss`` (the Trainer's)."""
+    has = "val_loss" in sel and len(sel) > 0 and pd.to_numeric(sel["val_loss"], errors="coerce").notna().all()
+    return "val_loss" if has else "eval_loss"
+
+
+def target_note(target: str) -> str:
+    """report.md's line on which target was used, and why."""
+    if target == "val_loss":
+        return ("Target: `val_loss`, the model's own next-token loss measured by ncanalyze over the validation tokens "
+                "of the extraction (every selected checkpoint has it; `--target eval_loss` uses the Trainer's).")
+    if target == "eval_loss":
+        return ("Target: `eval_loss`, the Trainer's logged evaluation loss (not every selected checkpoint has "
+                "`val_loss`, or `--target eval_loss` was given).")
+    return f"Target: `{target}` (`--target`)."
+
+
 def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, figures: dict[str, Path], *,
              target: str, controls: Sequence[str], where: str | None, n_perm: int, seed: int | None,
              store: str | Path | None, skipped: dict[str, str] | None = None,
@@ -579,7 +597,7 @@ def markdown(sel: pd.DataFrame, stats: pd.DataFrame, tok: pd.DataFrame | None, f
             if n_perm > 0 else "no permutations")
     md = [f"# ncanalyze report: NC metrics against {target}", "",
           f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" ({code(where)})" if where else "") +
-          (f" in `{store}`" if store else "") + ".", "",
+          (f" in `{store}`" if store else "") + ".", "", target_note(target), "",
           f"## Correlation with {target}", "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
     if len(sel) < MIN_N:
         md += [f"**Only {len(sel)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
@@ -633,7 +651,7 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
     return "\n".join(tex)
 
 
-def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
+def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = METRICS, target: str | None = None,
                  controls: Sequence[str] = CONTROLS, where: str | None = None, n_perm: int = 10_000,
                  seed: int | None = 0, store: str | Path | None = None, tokens: Sequence[str] = (),
                  checkpoints: Sequence[str] = (), read_group: Callable[[str], xr.Dataset] | None = None,
@@ -641,13 +659,15 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with ``tokens``), report.md and tables.tex into
     ``out``; returns their paths by name. ``store`` names the data's source in report.md; the per-token table reads
     checkpoints through ``read_group``. ``echo`` is given each note the user should see now (tokens resolved other
-    than as written); they are in report.md too."""
+    than as written); they are in report.md too. ``target``: default :func:`default_target` of the selected
+    checkpoints."""
     missing = [m for m in metrics if m not in df.columns]
     if missing:
         raise UserError(f"unknown metric(s) {', '.join(missing)}; the table has: {', '.join(df.columns)}")
     if tokens and read_group is None:
         raise UserError("--tokens needs a store (per-class statistics), not a metrics CSV")
     sel = select(df, where)
+    target = target or default_target(sel)
     first = [c for c in ID_COLUMNS if c in sel.columns]
     sel = sel[first + [c for c in sel.columns if c not in first]]
     stats = correlations(sel, metrics, target, controls, n_perm, seed)

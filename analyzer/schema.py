@@ -19,7 +19,8 @@ SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_s
 # the per-class views (vocab), written back into each group by `ncanalyze measure`
 PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4")
 # the attributes that describe a checkpoint in a metrics table, before the metrics
-INFO = ("run", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss")
+INFO = ("run", "tag", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss",
+        "val_loss", "val_accuracy")
 # NC4's counts per true class, from the validation pass
 VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)

@@ -36,19 +36,36 @@ from ncanalyze.cli.common import default_store, store_option
               help="Classes with fewer train tokens are left out of NC4's decisions.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="Seed of the reservoir sample.")
+@click.option("--keep-linebreaks/--no-keep-linebreaks", default=True, show_default=True,
+              help="Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
+                   "--no-keep-linebreaks strips them.")
+@click.option("--token-cache/--no-token-cache", default=True, show_default=True,
+              help="Tokenize text once into <store>.tokens/ (keyed by data, tokenizer, block size, cap and line "
+                   "breaks) and reuse it for every checkpoint; progress bars and the estimate then know the totals.")
+@click.option("--tag", metavar="NAME", help="Store these checkpoints under <run>@NAME/<checkpoint> (attribute and "
+              "metrics.csv column `tag`): the same checkpoints measured on several datasets in one store.")
 @click.option("--allow-pickle", is_flag=True, help="Load pickle weights (pytorch_model.bin); only for trusted files.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom model or tokenizer code from the checkpoint.")
+@click.option("--revision", "revisions", multiple=True, metavar="REV",
+              help="For a Hub model id: a revision (branch, tag or commit) to extract as checkpoint <NAME>/<REV>. "
+                   "Repeatable [default: main].")
+@click.option("--revisions", "revision_ranges", multiple=True, metavar="START:STOP:STEP|@FILE",
+              help="Many revisions at once: step1000:143000:1000 (inclusive, the prefix kept) or @FILE (one per "
+                   "line). Repeatable; combines with --revision.")
+@click.option("--delete-downloads", is_flag=True, help="Remove each Hub snapshot this run downloaded after its "
+              "extraction (snapshots already in the cache are never removed).")
 @click.option("--overwrite", is_flag=True, help="Replace checkpoints already extracted (or interrupted) under "
               "another configuration.")
 @click.option("--restart", is_flag=True, help="Discard any saved resume state and extract from the start.")
 @click.option("--state-every", type=click.FloatRange(0), default=120.0, show_default=True,
               help="Seconds between saves of the resume state (a killed run continues from the last save).")
-def extract(paths, store, overwrite, restart, **options):
+def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete_downloads, **options):
     """Extract the statistics of every checkpoint under PATHS into the store.
 
     \b
     PATHS: a Trainer output folder (checkpoint-N/ subfolders), a single model folder
-    (config.json + model.safetensors), or a folder of several runs.
+    (config.json + model.safetensors), or a folder of several runs. A PATH that is not a
+    local folder is a Hub model id: each --revision is a checkpoint at <NAME>/<REV>.
 
     One streamed pass over the train tokens gives, per token class, the exact count, mean,
     variance and pooled within-class covariance (float64); a short pass over validation
@@ -58,20 +75,33 @@ def extract(paths, store, overwrite, restart, **options):
     \b
     Example:
       ncanalyze extract runs/neo-L2-d64 --dataset data/train.txt --max-train-tokens 1000000
+      ncanalyze extract EleutherAI/pythia-70m --revisions step1000:143000:1000 --dataset data/val.bin
     """
     from ncanalyze.analyzer.errors import UserError
     from ncanalyze.store.extract import ExtractConfig, extract as run
+    from ncanalyze.store.hub import extract_hub, is_hub_id, parse_revisions
 
     store = store or default_store()
-    failed = {}
+    cfg = ExtractConfig(**options)
+    hub = [p for p in paths if is_hub_id(p)]
+    if (revisions or revision_ranges) and not hub:
+        raise click.UsageError("--revision/--revisions apply to Hub model ids; none of PATHS is one "
+                               "(local folders are extracted with their checkpoints)")
+    revs = parse_revisions(revisions, revision_ranges) if hub else []
+    failed = []
     for path in paths:
-        results = run(path, store, ExtractConfig(**options), overwrite=overwrite, restart=restart)
+        if path in hub:
+            results, errors = extract_hub(path, revs, store, cfg, overwrite=overwrite,
+                                          delete_downloads=delete_downloads, restart=restart)
+            failed += errors
+        else:
+            results = run(path, store, cfg, overwrite=overwrite, restart=restart)
+            errors = [f"{g} {v}" for g, v in results.items() if v.startswith("failed")]
+            failed += errors
         n = {s: sum(v == s for v in results.values()) for s in ("done", "resumed", "skipped")}
-        bad = {g: v for g, v in results.items() if v.startswith("failed")}
         click.echo(f"{path}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}"
-                   + (f", {len(bad)} failed" if bad else ""))
-        failed |= bad
+                   + (f", {len(errors)} failed" if errors else ""))
     if failed:
-        raise UserError(f"{len(failed)} checkpoint(s) failed, the others are in {store}: "
-                        + "; ".join(f"{g} {v}" for g, v in list(failed.items())[:3])
-                        + ("; ..." if len(failed) > 3 else "") + " (fix them and run the same command again)")
+        more = "; ..." if len(failed) > 3 else ""
+        raise UserError(f"{len(failed)} checkpoint(s) or revision(s) failed, the others are in {store}: "
+                        f"{'; '.join(failed[:3])}{more} (fix them and run the same command again)")

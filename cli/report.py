@@ -50,7 +50,8 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
               "columns, literals, comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs and "
               ".str.contains/startswith/endswith only: never run as code.")
 @click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")
-@click.option("--target", default="eval_loss", show_default=True, help="Column to correlate the metrics with.")
+@click.option("--target", help="Column to correlate the metrics with [default: val_loss where every selected "
+              "checkpoint has it, else eval_loss].")
 @click.option("--controls", default=",".join(CONTROLS), show_default=True,
               help="Comma-separated expressions over the columns held fixed by the partial correlation "
               "(the same allowed syntax as --where; \"\" for none).")

@@ -69,8 +69,10 @@ def default_val_spec(spec: str, val_split: str) -> tuple[str, str]:
 
 
 def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, text_column: str,
-                tokenize: Callable[[list[str]], list[list[int]]] | None, cap_flag: str | None = None) -> Blocks:
-    """Open ``spec`` as a stream of blocks; text is tokenized with ``tokenize`` and grouped like ``run_clm``.
+                tokenize: Callable[[list[str]], list[list[int]]] | None, cap_flag: str | None = None,
+                keep_linebreaks: bool = True) -> Blocks:
+    """Open ``spec`` as a stream of blocks; text is tokenized with ``tokenize`` and grouped like ``run_clm``; plain
+    text files keep their line breaks unless ``keep_linebreaks`` is false.
 
     Bad data is a :class:`UserError` naming the file, here or (for text, read lazily) while iterating.
     ``cap_flag`` is the option ``max_tokens`` came from (``--max-train-tokens`` or ``--max-val-tokens``), named
@@ -96,7 +98,7 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
     if tokenize is None:
         raise UserError(f"{spec} is text and needs a tokenizer: none was found beside the checkpoint or its run; "
                         "pass --tokenizer PATH_OR_NAME")
-    texts = _text_rows(spec, split, text_column)
+    texts = _text_rows(spec, split, text_column, keep_linebreaks=keep_linebreaks)
 
     def grouped() -> Iterator[np.ndarray]:
         pending, n_blocks = np.zeros(0, dtype=np.int64), 0
@@ -225,7 +227,8 @@ def _malformed(spec: str, e: BaseException) -> UserError:
     return UserError(f"cannot read {spec}: {_first_line(real)}")
 
 
-def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callable[[], Iterator[list[str]]]:
+def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
+               keep_linebreaks: bool = True) -> Callable[[], Iterator[list[str]]]:
     """A re-iterable source of text chunks from a Hub dataset, a local dataset folder or text-like files."""
     import datasets
 
@@ -246,13 +249,14 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000) -> Callabl
                 raise UserError(f"{spec} is empty: it holds no text; pass a file with data")
             name = split.split("[")[0]  # a single file is whichever split is asked for (slices apply)
             ds = datasets.load_dataset(builder, data_files={name: str(p)}, split=split, streaming=stream,
-                                       **_text_options(builder))
+                                       **_text_options(builder, keep_linebreaks))
         elif p.exists() or "/" in spec and spec.startswith((".", "/")):
             if not p.exists():
                 raise UserError(f"dataset {spec} does not exist")
             suffixes = {f.suffix.lower() for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")}
             text = suffixes and all(TEXT_SUFFIXES.get(x) == "text" for x in suffixes)
-            ds = datasets.load_dataset(str(p), split=split, streaming=stream, **_text_options("text" if text else ""))
+            ds = datasets.load_dataset(str(p), split=split, streaming=stream,
+                                       **_text_options("text" if text else "", keep_linebreaks))
         else:  # a Hub name
             ds = datasets.load_dataset(spec, split=split, streaming=stream)
     except UserError:
@@ -300,9 +304,9 @@ def _blank(p: Path) -> bool:
     return size == 0 or size < (1 << 16) and not p.read_bytes().strip()
 
 
-def _text_options(builder: str) -> dict:
-    """Plain text keeps its line breaks, as ``run_clm`` reads it (``keep_linebreaks=True``)."""
-    return {"keep_linebreaks": True} if builder == "text" else {}
+def _text_options(builder: str, keep_linebreaks: bool = True) -> dict:
+    """Plain text keeps its line breaks by default, as ``run_clm`` reads it (``keep_linebreaks=True``)."""
+    return {"keep_linebreaks": keep_linebreaks} if builder == "text" else {}
 
 
 def _split(dd, split: str, spec: str):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +17,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store import io
-from ncanalyze.store.data import Blocks, check_block_size, default_val_spec, model_positions, open_blocks
+from ncanalyze.store import io, tokens
+from ncanalyze.store.data import (Blocks, check_block_size, default_val_spec, is_token_file, model_positions,
+                                  open_blocks)
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
 from ncanalyze.store.estimate import estimate
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
+from ncanalyze.store.loss import LogitTransform, loss_attrs
 from ncanalyze.store.passes import Extraction, train_pass, val_pass
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.resume import (DeferredInterrupt, Phase, Saver, drop_state, load_state, partial_dir, prune, record_of,
@@ -30,10 +33,11 @@ from ncanalyze.store.resume import (DeferredInterrupt, Phase, Saver, drop_state,
 log = logging.getLogger("ncanalyze")
 
 
-def setting(default=None, *, hashed: bool):
+def setting(default=None, *, hashed: bool, hashed_when_set: bool = False):
     """A configuration field; ``hashed``: it determines the numbers, so it goes into the config hash (every field
-    must say)."""
-    return field(default=default, metadata={"hashed": hashed})
+    must say). ``hashed_when_set``: hashed only when not the default (a setting added later, so that stores made
+    before it keep their hash)."""
+    return field(default=default, metadata={"hashed": hashed, "hashed_when_set": hashed_when_set})
 
 
 @dataclass
@@ -57,14 +61,29 @@ class ExtractConfig:
     allow_pickle: bool = setting(False, hashed=False)
     trust_remote_code: bool = setting(False, hashed=False)
     state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
+    keep_linebreaks: bool = setting(True, hashed=True, hashed_when_set=True)  # plain text keeps its "\n" (run_clm)
+    tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
+    token_cache: bool = setting(True, hashed=False)  # text tokenized once into <store>.tokens/ (the same blocks)
 
 
-def config_record(ckpt: Checkpoint, cfg: ExtractConfig, device: torch.device, block_size: int, val_spec: str | None,
-                  val_split: str | None) -> dict:
-    """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs."""
-    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]}
+def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,
+                  val_spec: str | None, val_split: str | None, weights: str | None = None) -> dict:
+    """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs.
+    ``weights``: the weights' fingerprint when already known (else read from ``ckpt``)."""
+    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
+              and not (f.metadata.get("hashed_when_set") and getattr(cfg, f.name) == f.default)}
     return {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
-            "device_type": device.type, "weights": weights_fingerprint(ckpt.path)}
+            "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
+
+
+def val_data(cfg: ExtractConfig) -> tuple[str | None, str | None]:
+    """(spec, split) of the validation data: none with --max-val-tokens 0, else --val-dataset, else beside/of
+    --dataset."""
+    if cfg.max_val_tokens == 0:
+        return None, None
+    if cfg.val_dataset:
+        return cfg.val_dataset, cfg.val_split
+    return default_val_spec(cfg.dataset, cfg.val_split)
 
 
 def config_hash(record: dict) -> str:
@@ -76,12 +95,16 @@ def _differences(a: dict, b: dict) -> str:
 
 
 def _open(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractConfig, block_size: int, config,
-          tokenizer) -> Blocks:
-    """The data as blocks, no longer than the model's positions."""
+          tokenizer, store: Path | None = None) -> Blocks:
+    """The data as blocks, no longer than the model's positions; text through the token cache beside ``store``."""
     tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
-    blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag)
+    blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag,
+                         keep_linebreaks=cfg.keep_linebreaks)
     check_block_size(blocks.block_size, model_positions(config), blocks.spec, blocks.rows_from_file)
-    return blocks
+    if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
+        return blocks
+    return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
+                                                         cfg.keep_linebreaks))
 
 
 def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
@@ -126,22 +149,18 @@ def _check_memory(shape: tuple[int, int], samples_per_class: int) -> None:
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
                        restart: bool = False, announce: Callable[[object, Blocks], None] | None = None,
-                       interrupt: DeferredInterrupt | None = None) -> str:
+                       interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> str:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
 
     One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done).
     ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
     state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there); a
-    pending ``interrupt`` (Ctrl-C) is taken at the next batch boundary, after saving the state."""
+    pending ``interrupt`` (Ctrl-C) is taken at the next batch boundary, after saving the state; ``extra_attrs`` go
+    into the group's attributes last (a Hub revision's origin and step)."""
     device = resolve_device(cfg.device)
     config = load_config(ckpt, cfg.trust_remote_code)
     block_size = cfg.block_size or default_block_size(config)
-    if cfg.max_val_tokens == 0:
-        val_spec, val_split = None, None
-    elif cfg.val_dataset:
-        val_spec, val_split = cfg.val_dataset, cfg.val_split
-    else:
-        val_spec, val_split = default_val_spec(cfg.dataset, cfg.val_split)
+    val_spec, val_split = val_data(cfg)
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
     chash = config_hash(record)
     spath = state_path(store, ckpt)
@@ -152,9 +171,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
             if existing.get("config_hash") == chash:
                 drop_state(spath)  # a state left by a run killed after its write
                 return "skipped"
+            keep_both = "" if cfg.tag else "; to keep both (e.g. another dataset), pass --tag NAME"
             raise UserError(f"{ckpt.group} is already in {store} under another configuration "
                             f"({_differences(json.loads(existing.get('config', '{}')), record)}); "
-                            "rerun with the same options, or pass --overwrite to replace it")
+                            f"rerun with the same options, or pass --overwrite to replace it{keep_both}")
         # only now: a finished checkpoint is skipped without loading its weights
         model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
         tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
@@ -163,9 +183,9 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         bias = out.bias.detach() if getattr(out, "bias", None) is not None else None
         _check_memory(classifier.shape, cfg.samples_per_class)
         train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg, block_size, config,
-                      tokenizer)
+                      tokenizer, store)
         val = None if val_spec is None else _open(val_spec, val_split, cfg.max_val_tokens, "--max-val-tokens", cfg,
-                                                  block_size, config, tokenizer)
+                                                  block_size, config, tokenizer, store)
         ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
         status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
         saver = Saver(spath, lambda: ex.state(record), cfg.state_every, interrupt)
@@ -178,25 +198,65 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                                 f"is {int(ex.stats.count.max())}): lower --min-count")
             ex.next_phase(Phase.VALIDATION)
             saver.maybe(force=True)
+        transform = LogitTransform.of(model.config)
         if ex.phase == Phase.VALIDATION:
             if val is not None:
-                val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
+                transform = val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver,
+                                     ckpt.group)
             ex.next_phase(Phase.DONE)
         attrs = {
-            "run": ckpt.run, "checkpoint": ckpt.name, **training_metadata(ckpt),
+            "run": ckpt.run, "tag": cfg.tag, "checkpoint": ckpt.name, **training_metadata(ckpt),
             "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
             "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
             "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
-            "val_tokens": int(ex.val["val_count"].sum()), "min_count": cfg.min_count, "block_size": block_size,
+            "val_tokens": int(ex.val["val_count"].sum()),
+            **loss_attrs(ex.lm, transform), "min_count": cfg.min_count, "block_size": block_size,
             "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
             "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
             "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
             "ncanalyze_version": io.version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
+            **(extra_attrs or {}),
         }
         ds = ex.dataset(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]), attrs)
         io.write_checkpoint(store, ckpt.group, ds, spath.with_suffix(".zarr"))
         drop_state(spath)
         return status
+
+
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
+    """With ``tag``, each checkpoint's run becomes ``<run>@<tag>``: the group ``<run>@<tag>/<checkpoint>`` (and its
+    resume state) is distinct from the untagged ``<run>/<checkpoint>`` and from other tags."""
+    if tag is None:
+        return ckpts
+    if not _TAG.match(tag):
+        raise UserError(f"--tag {tag!r} is not a plain name: use letters, digits and _ . + - (e.g. --tag kjv)")
+    return [replace(c, run=f"{c.run}@{tag}") for c in ckpts]
+
+
+def announcer(todo: int, cfg: ExtractConfig, store: Path) -> Callable[[object, Blocks], None]:
+    """``announce(model, train)`` for :func:`extract_checkpoint`: logs the estimate for ``todo`` checkpoints, once,
+    at the first checkpoint that does work."""
+    announced = False
+
+    def announce(model, train: Blocks) -> None:
+        nonlocal announced
+        if not announced:
+            log.info("estimate: %s", estimate(todo, model, train, cfg.batch_size, cfg.samples_per_class,
+                                              cfg.max_val_tokens, store))
+            announced = True
+
+    return announce
+
+
+def check_settings(cfg: ExtractConfig, store: Path) -> None:
+    """What can be refused before any work: settings that can't go together, and a store that can't be written."""
+    if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
+        raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
+                        "could be kept: lower --min-count")
+    io.prepare(store, partial_dir(store))
 
 
 def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
@@ -206,22 +266,11 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
     'failed: <why>', and the others go on; any other error stops the run."""
     store = Path(store)
-    ckpts = discover(path)
-    if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
-        raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
-                        "could be kept: lower --min-count")
-    io.prepare(store, partial_dir(store))
+    ckpts = tagged(discover(path), cfg.tag)
+    check_settings(cfg, store)
     todo = sum(overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")
                for c in ckpts)
-    announced = False
-
-    def announce(model, train: Blocks) -> None:  # once, at the first checkpoint that does work
-        nonlocal announced
-        if not announced:
-            log.info("estimate: %s", estimate(todo, model, train, cfg.batch_size, cfg.samples_per_class,
-                                              cfg.max_val_tokens, store))
-            announced = True
-
+    announce = announcer(todo, cfg, store)
     results = {}
     try:
         with DeferredInterrupt() as interrupt:

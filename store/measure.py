@@ -65,6 +65,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
     df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g])} for g in kept],
                       columns=[*INFO, *SCALARS])
+    df = df.fillna(math.nan)  # an attribute absent or null (tag, val_loss) is nan, as in metrics.csv read back
     df = df.sort_values(["run", "global_step"], kind="stable", ignore_index=True)
     df.attrs["measured"] = [g for g in todo if g not in skipped]
     df.attrs["skipped"] = skipped

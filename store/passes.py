@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,8 +21,11 @@ from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.analyzer.schema import VAL_COUNTS, stats_dataset
 from ncanalyze.store.data import Blocks
+from ncanalyze.store.loss import LogitTransform, NextTokenLoss, matches_model
 from ncanalyze.store.reservoir import Reservoir
 from ncanalyze.store.resume import Phase, Saver
+
+log = logging.getLogger("ncanalyze")
 
 
 class Extraction:
@@ -32,6 +36,7 @@ class Extraction:
         self.stats = ClassStats(vocab, dim, device)
         self.reservoir = Reservoir(vocab, k, dim, seed)
         self.val = {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in VAL_COUNTS}
+        self.lm = NextTokenLoss.zeros(device)  # the validation pass's running loss sums (val_loss, val_accuracy)
         self.phase, self.batches = Phase.TRAIN, 0
         self.stream = ""  # sha256 of the token blocks read so far in this phase (checked on resume)
 
@@ -43,6 +48,7 @@ class Extraction:
         arrays = {f"stats.{k}": v.cpu().numpy() for k, v in self.stats.state_dict().items()}
         arrays |= {f"reservoir.{k}": v for k, v in self.reservoir.state_dict().items()}
         arrays |= {f"val.{k}": v.cpu().numpy() for k, v in self.val.items()}
+        arrays |= {f"lm.{k}": v.cpu().numpy() for k, v in self.lm.items()}
         return arrays | {"phase": np.array(int(self.phase)), "batches": np.array(self.batches),
                          "stream": np.array(self.stream), "config": np.array(json.dumps(record, sort_keys=True))}
 
@@ -53,7 +59,8 @@ class Extraction:
         fresh = self.state({})
         bad = [k for k, v in fresh.items() if k != "stream" and k in arrays
                and (arrays[k].shape != v.shape or arrays[k].dtype.kind != v.dtype.kind)]
-        bad += [f"{k} (missing)" for k in fresh if k not in arrays and k != "stream"]
+        optional = ("stream", "lm.")  # written since: a state from before lacks them
+        bad += [f"{k} (missing)" for k in fresh if k not in arrays and not k.startswith(optional)]
         fix = "pass --restart to discard it and extract this checkpoint from the start"
         if bad:
             raise CheckpointError(f"the resume state {where} does not fit this checkpoint ({', '.join(bad[:3])}); {fix}")
@@ -73,6 +80,13 @@ class Extraction:
         for k in self.val:
             self.val[k].copy_(torch.as_tensor(arrays[f"val.{k}"]))
         self.phase, self.batches, self.stream = Phase(phase), batches, str(arrays.get("stream", ""))
+        if all(f"lm.{k}" in arrays for k in self.lm):
+            for k in self.lm:
+                self.lm[k].copy_(torch.as_tensor(arrays[f"lm.{k}"]))
+        elif self.phase == Phase.VALIDATION:  # a state from before val_loss: its validation pass starts again
+            for v in self.val.values():
+                v.zero_()
+            self.batches, self.stream = 0, ""
 
     def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
                 attrs: dict) -> xr.Dataset:
@@ -151,9 +165,23 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
 
 
 def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
-             min_count: int, batch_size: int, saver: Saver, desc: str) -> None:
-    """NC4's decision counts over the classes kept at extraction (count >= ``min_count``)."""
+             min_count: int, batch_size: int, saver: Saver, desc: str) -> LogitTransform | None:
+    """NC4's decision counts over the classes kept at extraction (count >= ``min_count``), and the model's own
+    full-vocabulary loss and accuracy (its logit transform applied) into ``ex.lm``. Returns the transform, checked
+    against the model's own logits on the first block; None (and no loss) where they differ."""
     kept = torch.nonzero(ex.stats.count >= min_count).squeeze(1)
     counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
+    transform = LogitTransform.of(model.config)
+    first = next(blocks.batches(1), None)
+    if first is not None:
+        ids = torch.from_numpy(first[:1, :64]).to(classifier.device)  # a prefix is enough (causal)
+        if not matches_model(model, ids, features(model, ids)[0], classifier, bias, transform):
+            log.warning("warning: %s: the model's own logits are not its head's under %s; val_loss and val_accuracy "
+                        "are left out (model type %s)", desc, transform.describe(), model.config.model_type)
+            transform = None
+    loss = transform and NextTokenLoss(classifier, bias, transform, state=ex.lm)
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
         counts.update(h, y)
+        if loss:
+            loss.update(h, y)
+    return transform

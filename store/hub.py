@@ -1,0 +1,245 @@
+"""Public checkpoint suites on the Hugging Face Hub, by revision (SPEC section 2): ``ORG/NAME --revision step1000``.
+
+Each revision is resolved to a local snapshot folder with ``huggingface_hub.snapshot_download`` (so the cache,
+``HF_HOME``/``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and tokens work as usual) and then extracted as a local model
+folder: one checkpoint at ``<NAME>/<revision>``, ``global_step`` from the number in the revision's name, the
+tokenizer from the same repository and revision. Revisions are done one at a time; with ``delete_downloads`` a
+snapshot this run downloaded is removed after its extraction (never one that was cached before). A revision that
+cannot be had is named in one line and the others go on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store import io
+from ncanalyze.store.resume import DeferredInterrupt, partial_dir, prune
+from ncanalyze.store.discover import Checkpoint
+
+log = logging.getLogger("ncanalyze")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_RANGE = re.compile(r"^(?P<prefix>\D*?)(?P<start>\d+):(?P=prefix)?(?P<stop>\d+)(?::(?P<step>\d+))?$")
+# what a snapshot needs: config, safetensors weights (and their index), tokenizer files
+SAFE_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+PICKLE_PATTERNS = ["*.bin"]
+
+
+def is_hub_id(path: str) -> bool:
+    """Not a local path, and shaped like ``ORG/NAME`` or ``NAME``: a Hub model id."""
+    return not Path(path).exists() and not path.startswith((".", "/", "~")) and bool(_HUB_ID.match(path))
+
+
+def parse_revisions(revisions: tuple[str, ...] | list[str], compact: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Every revision asked for, in order, without repeats: ``--revision REV`` as given; ``--revisions`` as
+    ``PREFIXstart:stop:step`` (inclusive, the prefix kept: ``step1000:3000:1000`` -> step1000, step2000, step3000) or
+    ``@FILE`` (one revision per line; blank lines and ``#`` comments skipped)."""
+    out = list(revisions)
+    for spec in compact:
+        if spec.startswith("@"):
+            try:
+                lines = Path(spec[1:]).read_text().splitlines()
+            except OSError as e:
+                raise UserError(f"--revisions {spec}: cannot read {spec[1:]} ({e.strerror}); pass a file with one "
+                                "revision per line") from None
+            out += [s.split("#", 1)[0].strip() for s in lines if s.split("#", 1)[0].strip()]
+            continue
+        m = _RANGE.match(spec)
+        if not m:
+            raise UserError(f"--revisions {spec!r} is not START:STOP:STEP (e.g. step1000:143000:1000) or @FILE")
+        start, stop, step = int(m["start"]), int(m["stop"]), int(m["step"] or 1)
+        if step < 1 or stop < start:
+            raise UserError(f"--revisions {spec!r}: need STOP >= START and STEP >= 1")
+        out += [f"{m['prefix']}{n}" for n in range(start, stop + 1, step)]
+    return list(dict.fromkeys(out)) or ["main"]
+
+
+def step_of(revision: str) -> int | None:
+    """The training step a revision's name holds: the number after 'step' (``step1000``, ``step1000-tokens4B``),
+    else its only number (``checkpoint-500``, ``iter_0002000``); None for names without one and commit hashes."""
+    if _COMMIT.match(revision):
+        return None
+    m = re.search(r"step[-_]?(\d+)", revision, re.IGNORECASE)
+    if m:
+        return int(m.group(1))
+    numbers = re.findall(r"\d+", revision)
+    return int(numbers[0]) if len(numbers) == 1 else None
+
+
+@dataclass
+class Snapshot:
+    """A revision resolved to a local folder; ``downloaded``: this run fetched it (it was not in the cache)."""
+    repo: str
+    revision: str
+    path: Path
+    downloaded: bool
+
+    @property
+    def commit(self) -> str:
+        return self.path.name
+
+    def checkpoint(self, run: str | None = None) -> Checkpoint:
+        name = self.revision.replace("/", "-")
+        return Checkpoint(run or self.repo.split("/")[-1], name, self.path, self.path)
+
+    def attrs(self) -> dict:
+        """What the group records of where it came from (``global_step`` only where the name holds a number)."""
+        step = step_of(self.revision)
+        return {"hub_repo": self.repo, "hub_revision": self.revision, "hub_commit": self.commit,
+                "source": f"hf://{self.repo}@{self.commit}", **({"global_step": step} if step is not None else {})}
+
+    def delete(self) -> None:
+        """Remove this snapshot from the cache (blobs that other revisions share stay)."""
+        from huggingface_hub import scan_cache_dir
+
+        cache = self.path.parents[2]  # <cache>/models--ORG--NAME/snapshots/<commit>
+        scan_cache_dir(cache).delete_revisions(self.commit).execute()
+
+
+def _has_safetensors(p: Path) -> bool:
+    return any(p.glob("*.safetensors"))
+
+
+def fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
+    """The local snapshot of ``repo`` at ``revision``: from the cache when it is there, else downloaded (safetensors,
+    config and tokenizer files; pickle ``.bin`` weights only with ``allow_pickle`` and only when the revision has no
+    safetensors). Raises huggingface_hub's errors (see :data:`HUB_ERRORS`) or a UserError."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = SAFE_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    try:
+        path, downloaded = Path(snapshot_download(repo, revision=revision, allow_patterns=SAFE_PATTERNS,
+                                                  local_files_only=True)), False
+    except LocalEntryNotFoundError:  # not cached (offline, this raises again below, naming HF_HUB_OFFLINE)
+        path, downloaded = Path(snapshot_download(repo, revision=revision, allow_patterns=SAFE_PATTERNS)), True
+    if not _has_safetensors(path) and not constants.HF_HUB_OFFLINE:
+        if allow_pickle or not any(path.glob("*.bin")):  # a partial cache, or a pickle-only revision allowed
+            path = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
+    if not _has_safetensors(path) and not (allow_pickle and any(path.glob("*.bin"))):
+        raise UserError("no .safetensors weights"
+                        + ("" if allow_pickle else "; if it ships only pickle weights (pytorch_model.bin) and you "
+                           "trust them, pass --allow-pickle"))
+    return Snapshot(repo, revision, path, downloaded)
+
+
+def hub_errors() -> tuple[type[Exception], ...]:
+    """What resolving a revision raises when it cannot be had (missing revision or repository, not cached while
+    offline, gated, the Hub unreachable)."""
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+
+    return (RevisionNotFoundError, RepositoryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
+            OfflineModeIsEnabled, HfHubHTTPError, HFValidationError)
+
+
+def explain(repo: str, revision: str, e: Exception) -> str:
+    """One line naming the revision, what went wrong and the fix."""
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, IncompleteSnapshotError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+
+    what = f"{repo}@{revision}"
+    if isinstance(e, RevisionNotFoundError):
+        return f"{what}: no such revision on the Hub; check the name (branches and tags of the repository)"
+    if isinstance(e, GatedRepoError):
+        return f"{what}: the repository is gated; accept its terms on the Hub and log in (hf auth login or HF_TOKEN)"
+    if isinstance(e, RepositoryNotFoundError):
+        return (f"{what}: no such repository on the Hub, or it is private (log in with hf auth login or HF_TOKEN); "
+                f"if {repo} was meant as a local folder, it does not exist")
+    if isinstance(e, IncompleteSnapshotError):
+        return f"{what}: its cached snapshot is incomplete and the Hub cannot be reached; download it again online"
+    if isinstance(e, LocalEntryNotFoundError):
+        local = f" (nor is {repo} a local folder)" if revision == "main" else ""
+        return (f"{what}: not in the Hugging Face cache{local}, and the Hub is not reachable (HF_HUB_OFFLINE set, "
+                "or no network); fetch it once online, or point HF_HUB_CACHE/HF_HOME at a cache that has it")
+    if isinstance(e, HFValidationError):
+        return f"{what}: not a valid Hub model id or revision, and no such local folder"
+    return f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def resolved_commit(repo: str, revision: str) -> str | None:
+    """The commit ``revision`` points at, without downloading: itself if a commit hash; online, the Hub's answer;
+    offline, the cache's ref; None where neither knows."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    if _COMMIT.match(revision):
+        return revision
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return HfApi().model_info(repo, revision=revision).sha
+        except hub_errors():
+            pass
+    ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "refs" / revision
+    return ref.read_text().strip() if ref.is_file() else None
+
+
+def done_before(store: Path, group: str, repo: str, revision: str, cfg) -> bool:
+    """``group`` is complete, from this repository and revision (and its commit, where that can be known without
+    downloading), under the same settings: it can be skipped without fetching its snapshot."""
+    from ncanalyze.store.extract import config_record, val_data
+    from ncanalyze.store.load import resolve_device
+
+    attrs = io.group_attrs(store, group) or {}
+    if not (attrs.get("complete") and attrs.get("hub_repo") == repo and attrs.get("hub_revision") == revision):
+        return False
+    commit = resolved_commit(repo, revision)
+    if commit is not None and commit != attrs.get("hub_commit"):
+        return False
+    old = json.loads(attrs.get("config", "{}"))  # the commit fixes the weights and the model's context
+    want = config_record(None, cfg, resolve_device(cfg.device), cfg.block_size or old.get("block_size"),
+                         *val_data(cfg), weights=old.get("weights"))
+    return want == old
+
+
+def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg, overwrite: bool = False,
+                delete_downloads: bool = False, restart: bool = False) -> tuple[dict[str, str], list[str]]:
+    """Extract ``repo`` at each of ``revisions``, one at a time, into ``store``; returns ({group: status}, one line
+    per revision that failed). ``cfg`` is an :class:`~ncanalyze.store.extract.ExtractConfig` (its tag applies)."""
+    from ncanalyze.store.extract import announcer, check_settings, extract_checkpoint, tagged
+
+    store = Path(store)
+    check_settings(cfg, store)
+    name = repo.split("/")[-1]
+    groups = {r: tagged([Snapshot(repo, r, Path("."), False).checkpoint(name)], cfg.tag)[0].group for r in revisions}
+    todo = sum(overwrite or not (io.group_attrs(store, g) or {}).get("complete") for g in groups.values())
+    announce = announcer(todo, cfg, store)
+    results, failed = {}, []
+    try:
+        with DeferredInterrupt() as interrupt:
+            for i, rev in enumerate(revisions, 1):
+                try:
+                    if not overwrite and done_before(store, groups[rev], repo, rev, cfg):
+                        results[groups[rev]] = "skipped"
+                        log.info("%s: skipped, already in the store (%d/%d)", groups[rev], i, len(revisions))
+                        continue
+                    snap = fetch(repo, rev, cfg.allow_pickle)
+                except hub_errors() as e:
+                    failed.append(explain(repo, rev, e))
+                    log.error("%s", failed[-1])
+                    continue
+                except UserError as e:
+                    failed.append(f"{repo}@{rev}: {e}")
+                    log.error("%s", failed[-1])
+                    continue
+                try:
+                    ckpt = tagged([snap.checkpoint(name)], cfg.tag)[0]
+                    results[ckpt.group] = extract_checkpoint(
+                        ckpt, store, cfg, overwrite=overwrite, restart=restart, announce=announce,
+                        interrupt=interrupt, extra_attrs=snap.attrs())
+                    log.info("%s: %s (%d/%d)", ckpt.group, results[ckpt.group], i, len(revisions))
+                except UserError as e:
+                    failed.append(f"{repo}@{rev}: {e}")
+                    log.error("%s", failed[-1])
+                finally:
+                    if delete_downloads and snap.downloaded:
+                        snap.delete()
+                        log.info("%s@%s: deleted its downloaded snapshot %s", repo, rev, snap.path)
+    finally:
+        prune(partial_dir(store))
+    return results, failed

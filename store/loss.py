@@ -1,0 +1,129 @@
+"""The model's own next-token loss and accuracy over the validation tokens, in float64 (SPEC section 3: ``val_loss``,
+``val_accuracy``).
+
+Logits are formed from the features the validation pass already has (the output layer's input): ``h @ W^T + b``, then
+the model's own logit transform, so the loss is the model's: Cohere's ``logit_scale`` (multiply), Granite's and
+MiniCPM3's ``logits_scaling`` (divide), Gemma2/3's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``). The
+full-vocabulary log-sum-exp runs over a bounded number of (token, class) cells at a time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+# models whose ``logits_scaling`` multiplies the logits (MuP), unlike Granite's and MiniCPM3's, which divide
+MULTIPLYING_SCALING = {"hyperclovax"}
+# how far the model's own logits may be from ours, relative to the largest logit, for each model dtype
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``logits * multiply / divide``, then soft-capped at ``softcap`` when set: what the model does after its head."""
+    multiply: float = 1.0
+    divide: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> LogitTransform:
+        """The transform a model config declares (its text config, for multimodal configs)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+        def number(name: str) -> float | None:
+            v = getattr(text, name, None)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        scaling = number("logits_scaling") or 1.0
+        if getattr(text, "model_type", None) in MULTIPLYING_SCALING:
+            return cls(multiply=scaling * (number("logit_scale") or 1.0),
+                       softcap=number("final_logit_softcapping") or None)
+        return cls(multiply=number("logit_scale") or 1.0, divide=scaling,
+                   softcap=number("final_logit_softcapping") or None)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiply != 1.0:
+            logits = logits * self.multiply
+        if self.divide != 1.0:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def describe(self) -> str:
+        """How the logits were transformed, e.g. ``'30.0 * tanh(logits * 0.0625 / 30.0)'``; ``'none'``."""
+        s = "logits" + (f" * {self.multiply!r}" if self.multiply != 1.0 else "") + \
+            (f" / {self.divide!r}" if self.divide != 1.0 else "")
+        if self.softcap is not None:
+            s = f"{self.softcap!r} * tanh({s} / {self.softcap!r})"
+        return "none" if s == "logits" else s
+
+
+class NextTokenLoss:
+    """Running sums of the full-vocabulary cross-entropy (float64) and of argmax hits over validation tokens.
+
+    ``state`` (``loss_sum`` float64, ``correct`` and ``tokens`` int64, 0-d tensors) may be given to continue from
+    earlier sums (updated in place); it is part of the resume state, so a resumed pass ends bit-identical."""
+
+    NAMES = ("loss_sum", "correct", "tokens")
+
+    def __init__(self, classifier: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform,
+                 state: dict[str, torch.Tensor] | None = None, budget: int = 1 << 24):
+        self.w = classifier.to(torch.float64)
+        self.b = None if bias is None else bias.to(self.w.device, torch.float64)
+        self.transform = transform
+        self.state = state if state is not None else self.zeros(self.w.device)
+        self.chunk = max(1, budget // self.w.shape[0])
+
+    @staticmethod
+    def zeros(device) -> dict[str, torch.Tensor]:
+        return {"loss_sum": torch.zeros((), dtype=torch.float64, device=device),
+                "correct": torch.zeros((), dtype=torch.int64, device=device),
+                "tokens": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        h, y = h.to(self.w.device, torch.float64), y.to(self.w.device, torch.int64)
+        for s in range(0, len(y), self.chunk):
+            hc, yc = h[s:s + self.chunk], y[s:s + self.chunk]
+            logits = hc @ self.w.T
+            if self.b is not None:
+                logits += self.b
+            logits = self.transform(logits)
+            nll = torch.logsumexp(logits, 1) - logits.gather(1, yc[:, None]).squeeze(1)
+            self.state["loss_sum"] += nll.sum()
+            self.state["correct"] += (logits.argmax(1) == yc).sum()
+            self.state["tokens"] += len(yc)
+
+
+
+@torch.inference_mode()
+def matches_model(model, ids: torch.Tensor, h: torch.Tensor, classifier: torch.Tensor, bias: torch.Tensor | None,
+                  transform: LogitTransform) -> bool:
+    """Whether ``transform`` of the head applied to features ``h`` (the first block's, L-1 x d) gives the model's own
+    logits for that block: a model whose output differs in a way :meth:`LogitTransform.of` does not know is caught
+    rather than measured wrong."""
+    own = model(input_ids=ids[:1]).logits[0, :-1].to(torch.float64)
+    ours = h.to(torch.float64) @ classifier.to(torch.float64).T
+    if bias is not None:
+        ours += bias.to(torch.float64)
+    ours = transform(ours)
+    scale = float(own.abs().max()) or 1.0
+    return float((own - ours).abs().max()) <= TOLERANCE.get(classifier.dtype, 1e-2) * scale
+
+
+def loss_attrs(state: dict[str, torch.Tensor], transform: LogitTransform | None) -> dict:
+    """``val_loss`` (mean cross-entropy in nats), ``val_accuracy`` (None without validation tokens) and the
+    ``logit_transform`` they were measured with; all None where the transform did not match the model's own logits
+    (``transform`` None)."""
+    n = int(state["tokens"])
+    if transform is None:
+        return {"val_loss": None, "val_accuracy": None, "logit_transform": "unknown (did not match the model's logits)"}
+    return {"val_loss": _finite(float(state["loss_sum"]) / n) if n else None,
+            "val_accuracy": int(state["correct"]) / n if n else None, "logit_transform": transform.describe()}
+
+
+def _finite(x: float) -> float | None:
+    """JSON-safe (the store's attributes are strict JSON): nan/inf as None."""
+    return x if math.isfinite(x) else None
