@@ -16,10 +16,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store import io
+from ncanalyze.store import io, layers
 from ncanalyze.store.data import Blocks, default_val_spec, open_blocks
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
-from ncanalyze.store.estimate import estimate
+from ncanalyze.store.estimate import check_memory, estimate, state_bytes
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
 from ncanalyze.store.passes import Extraction, train_pass, val_pass
@@ -28,10 +28,11 @@ from ncanalyze.store.resume import Phase, Saver, drop_state, record_of, state_pa
 log = logging.getLogger("ncanalyze")
 
 
-def setting(default=None, *, hashed: bool):
+def setting(default=None, *, hashed: bool, omit_default: bool = False):
     """A configuration field; ``hashed``: it determines the numbers, so it goes into the config hash (every field
-    must say)."""
-    return field(default=default, metadata={"hashed": hashed})
+    must say). ``omit_default``: a hashed field left out of the record (and so of the hash) while it has its default
+    value, so that adding it keeps the hash of every store made before it existed; any other value is recorded."""
+    return field(default=default, metadata={"hashed": hashed, "omit_default": omit_default})
 
 
 @dataclass
@@ -55,12 +56,17 @@ class ExtractConfig:
     allow_pickle: bool = setting(False, hashed=False)
     trust_remote_code: bool = setting(False, hashed=False)
     state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
+    layers: str = setting("last", hashed=True, omit_default=True)  # recorded resolved (indices), see store/layers.py
+    layers_per_pass: int | None = setting(None, hashed=True, omit_default=True)
+    save_embeddings: int = setting(0, hashed=True, omit_default=True)
+    embeddings_dtype: str = setting("float32", hashed=True, omit_default=True)
 
 
 def config_record(ckpt: Checkpoint, cfg: ExtractConfig, device: torch.device, block_size: int, val_spec: str | None,
                   val_split: str | None) -> dict:
     """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs."""
-    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]}
+    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
+              and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
     return {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
             "device_type": device.type, "weights": weights_fingerprint(ckpt.path)}
 
@@ -84,7 +90,9 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
 
     ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
     device = resolve_device(cfg.device)
-    block_size = cfg.block_size or default_block_size(load_config(ckpt, cfg.trust_remote_code))
+    config = load_config(ckpt, cfg.trust_remote_code)
+    block_size = cfg.block_size or default_block_size(config)
+    plan = layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n_layers(config))
     if cfg.max_val_tokens == 0:
         val_spec, val_split = None, None
     elif cfg.val_dataset:
@@ -92,6 +100,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     else:
         val_spec, val_split = default_val_spec(cfg.dataset, cfg.val_split)
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
+    layers.record_layers(record, plan)
     chash = config_hash(record)
 
     existing = io.group_attrs(store, ckpt.group)
@@ -107,7 +116,12 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     spath = state_path(store, ckpt)
     out = model.get_output_embeddings()
     classifier, bias = out.weight.detach(), (out.bias.detach() if getattr(out, "bias", None) is not None else None)
-    ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
+    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, device), plan and plan.widest_pass, device)
+    if plan is None:
+        ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
+    else:
+        ex = layers.Layered(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, layers.stage(spath))
+    resume = None
     status = "done"
     if spath.exists():
         with np.load(spath, allow_pickle=False) as arrays:
@@ -117,36 +131,48 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                                 f"({_differences(old, record)}); rerun with the same options to resume it, "
                                 "or pass --overwrite to start again")
             if old == record:
-                ex.load(arrays)
-                status = "resumed"
+                ex.load(arrays) if plan is None else ex.start(arrays)
+                resume = status = "resumed"
+    if plan is not None and resume is None:
+        ex.start()
     saver = Saver(spath, lambda: ex.state(record), cfg.state_every)
 
     train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, cfg, block_size, tokenizer)
     if announce:
         announce(model, train)
-    if ex.phase == Phase.TRAIN:
+    if plan is not None:
+        ex.run(model, train, lambda: val_spec and _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size,
+                                                        tokenizer), classifier, bias, cfg.min_count, cfg.batch_size,
+               saver, ckpt.group)
+    if plan is None and ex.phase == Phase.TRAIN:
         train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
         ex.phase, ex.batches = Phase.VALIDATION, 0
         saver.maybe(force=True)
-    if ex.phase == Phase.VALIDATION:
+    if plan is None and ex.phase == Phase.VALIDATION:
         if val_spec is not None:
             val = _open(val_spec, val_split, cfg.max_val_tokens, cfg, block_size, tokenizer)
             val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
         ex.phase = Phase.DONE
 
+    main = ex if plan is None else ex.main()
     attrs = {
         "run": ckpt.run, "checkpoint": ckpt.name, **training_metadata(ckpt),
         "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
         "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
-        "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
-        "val_tokens": int(ex.val["val_count"].sum()), "min_count": cfg.min_count, "block_size": block_size,
+        "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
+        "val_tokens": int(main.val["val_count"].sum()), "min_count": cfg.min_count, "block_size": block_size,
         "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
         "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
         "ncanalyze_version": io.version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
     }
-    io.write_checkpoint(store, ckpt.group, ex.dataset(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]),
-                                                      attrs))
+    tokens = decoded_tokens(tokenizer, classifier.shape[0])
+    if plan is None:
+        io.write_checkpoint(store, ckpt.group, ex.dataset(classifier, bias, tokens, attrs))
+    else:
+        norm = layers.final_norm(model)
+        io.write_checkpoint(store, ckpt.group, *ex.datasets(classifier, bias, tokens, attrs, norm and norm[0]))
+        ex.cleanup()
     drop_state(spath)
     return status
 

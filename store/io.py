@@ -1,11 +1,14 @@
 """The store: every read and write of the Zarr hierarchy goes through here, with its settings defined once.
 
 Layout (SPEC section 3): a Zarr v3 group per checkpoint at ``<run>/<checkpoint>``, its attribute ``complete`` set
-last, so a group without it is an interrupted write; `ncanalyze measure` adds the metrics to the group.
+last, so a group without it is an interrupted write; `ncanalyze measure` adds the metrics to the group. Layers other
+than the last (``--layers``) are groups of the same schema at ``<run>/<checkpoint>/layers/<l>``, written before the
+checkpoint is marked complete.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
 
@@ -42,9 +45,16 @@ def open_tree(path: str | Path = DEFAULT) -> xr.DataTree:
 
 
 def checkpoint_groups(tree: xr.DataTree) -> list[str]:
-    """``run/checkpoint`` of every complete checkpoint group."""
+    """``run/checkpoint`` of every complete checkpoint group, and ``run/checkpoint/layers/<l>`` of its layer groups."""
     return [node.path.strip("/") for node in tree.subtree
-            if node.attrs.get("complete") is True and "mean" in node.data_vars]
+            if node.attrs.get("complete") is True and "mean" in node.data_vars
+            and not _in_unfinished_checkpoint(node)]
+
+
+def _in_unfinished_checkpoint(node: xr.DataTree) -> bool:
+    """A layer group (``<checkpoint>/layers/<l>``) whose checkpoint group is not (yet) complete."""
+    ckpt = node.parent.parent if node.parent is not None and node.parent.name == "layers" else None
+    return ckpt is not None and "mean" in ckpt.data_vars and ckpt.attrs.get("complete") is not True
 
 
 def read_group(path: str | Path, group: str) -> xr.Dataset:
@@ -69,8 +79,14 @@ def create(path: str | Path) -> None:
     zarr.open_group(path, mode="a", **ZARR)
 
 
+def position_chunk(n: int, row_bytes: int) -> int:
+    """Rows per chunk along ``position`` (saved embeddings): ~32 MB."""
+    return max(1, min(n, (32 << 20) // max(1, row_bytes)))
+
+
 def _encoding(ds: xr.Dataset) -> dict:
-    """Chunks along vocab: ~32 MB of float64 class rows, and at most ~8 MB for each variable's chunk."""
+    """Chunks along vocab: ~32 MB of float64 class rows, and at most ~8 MB for each variable's chunk; along
+    position (saved embeddings) ~32 MB."""
     d = ds.sizes["hidden"]
     rows = max(1, min(ds.sizes["vocab"], (32 << 20) // (8 * d)))
     enc = {}
@@ -79,14 +95,21 @@ def _encoding(ds: xr.Dataset) -> dict:
             per_row = int(np.prod([ds.sizes[x] for x in var.dims if x != "vocab"]))
             n = max(1, min(ds.sizes["vocab"], (8 << 20) // max(1, per_row * var.dtype.itemsize)))
             enc[name] = {"chunks": tuple(min(rows, n) if x == "vocab" else ds.sizes[x] for x in var.dims)}
+        elif "position" in var.dims:
+            n = position_chunk(ds.sizes["position"], int(np.prod([ds.sizes[x] for x in var.dims if x != "position"]))
+                               * var.dtype.itemsize)
+            enc[name] = {"chunks": tuple(n if x == "position" else ds.sizes[x] for x in var.dims)}
     return enc
 
 
-def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset) -> None:
-    """Write a finished checkpoint dataset, then mark the group complete: an interrupted write is never taken as
-    done."""
+def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset,
+                     layers: Iterable[tuple[int, xr.Dataset]] = ()) -> None:
+    """Write a finished checkpoint dataset, then its other ``layers`` ((l, dataset), written one at a time at
+    ``<group>/layers/<l>``), then mark the group complete: an interrupted write is never taken as done."""
     ds.attrs["complete"] = False
-    ds.to_zarr(path, group=group, mode="w", encoding=_encoding(ds), **XR)
+    ds.to_zarr(path, group=group, mode="w", encoding=_encoding(ds), **XR)  # mode "w" drops old layer groups too
+    for layer, lds in layers:
+        write_checkpoint(path, f"{group}/layers/{layer}", lds)
     zarr.open_group(path, path=group, mode="r+", **ZARR).attrs["complete"] = True
 
 

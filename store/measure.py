@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.analyzer.schema import INFO, SCALARS
+from ncanalyze.analyzer.schema import INFO, LAYER, SCALARS
 from ncanalyze.store.io import checkpoint_groups, open_tree, write_metrics
 
 
@@ -29,8 +29,9 @@ def is_measured(attrs: dict, min_count: int) -> bool:
 def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
                   force: bool = False) -> pd.DataFrame:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
-    store the results in its group, and return one row per checkpoint: run, checkpoint, global_step, epoch,
-    n_params, n_layers, hidden_size, eval_loss and the 14 metrics (nan where not measurable).
+    store the results in its group, and return one row per checkpoint and stored layer: run, checkpoint, global_step,
+    epoch, n_params, n_layers, hidden_size, eval_loss, layer (a checkpoint group is its last layer, n_layers; its
+    ``layers/<l>`` groups are the others) and the 14 metrics (nan where not measurable).
 
     ``scheduler``: a dask.distributed scheduler address (default ``$DASK_SCHEDULER_ADDRESS``); without one the
     local threaded scheduler. ``df.attrs["measured"]`` lists the groups measured by this call.
@@ -55,9 +56,9 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
             attrs[g] |= write_metrics(store, g, scalars, per_class, min_count, attrs[g].get("config_hash"))
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
-    df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g]["metrics"])} for g in groups],
-                      columns=[*INFO, *SCALARS])
-    df = df.sort_values(["run", "global_step"], kind="stable", ignore_index=True)
+    df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, LAYER: attrs[g].get(LAYER, attrs[g].get("n_layers")),
+                        **_floats(attrs[g]["metrics"])} for g in groups], columns=[*INFO, LAYER, *SCALARS])
+    df = df.sort_values(["run", "global_step", LAYER], kind="stable", ignore_index=True)
     df.attrs["measured"] = todo
     return df
 

@@ -49,13 +49,14 @@ class Extraction:
         self.phase, self.batches = Phase(int(arrays["phase"])), int(arrays["batches"])
 
     def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
-                attrs: dict) -> xr.Dataset:
-        """The finished checkpoint's dataset (the store's schema)."""
+                attrs: dict, **embeddings) -> xr.Dataset:
+        """The finished checkpoint's dataset (the store's schema); ``embeddings``: stats_dataset's embedding
+        arguments."""
         s, r = self.stats, self.reservoir
         return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
                              classifier_bias=None if bias is None else bias.float(), val=self.val,
                              samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
-                             attrs=attrs)
+                             attrs=attrs, **embeddings)
 
 
 @torch.inference_mode()
@@ -78,19 +79,20 @@ def _check_finite(h: torch.Tensor, where: str) -> None:
                         "try --dtype float32, or exclude this checkpoint")
 
 
-def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver,
-                   desc: str) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str,
+                   forward=None) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
     """(features n x d, labels n, the batch of blocks) for every batch not yet done; after each is consumed it
-    counts as done and the state may be saved."""
+    counts as done and the state may be saved. ``forward(ids)`` replaces :func:`features` (its leading dimensions
+    before (b, L-1, d) are kept: k x n x d for stacked layers)."""
     vocab, device = ex.stats.count.shape[0], ex.stats.mean.device
     total = blocks.total and -(-blocks.total // batch_size)
     with tqdm(total=total, initial=ex.batches, desc=desc, unit="batch", leave=False) as bar:
         for batch in blocks.batches(batch_size, skip=ex.batches):
             _check_ids(batch, vocab, blocks.spec)
             ids = torch.from_numpy(batch).to(device)
-            h = features(model, ids)
+            h = features(model, ids) if forward is None else forward(ids)
             _check_finite(h, f"{desc}, batch {ex.batches}")
-            yield h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
+            yield h.reshape(*h.shape[:-3], -1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
             ex.batches += 1
             bar.update()
             saver.maybe()
