@@ -253,3 +253,32 @@ def test_memory_check_names_the_layers_per_pass_that_fit():
         check_memory(sizes, 13, torch.device("cuda"), available=4 * per_layer + shared + 1)
     with pytest.raises(UserError, match="more memory"):
         check_memory(sizes, 1, torch.device("cuda"), available=shared)
+
+
+def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_path):
+    """A table with rows at three layers: stats.csv equals the report of its last-layer rows alone (the numbers of a
+    store without --layers), metrics.csv keeps every row, and the depth figure and table appear only with layers."""
+    import pandas as pd
+    from PIL import Image
+    from test_stats import study
+
+    from ncanalyze.analyzer.report import write_report
+    from ncanalyze.analyzer.stats import METRICS
+
+    last = study(n_runs=3, per_run=4, seed=5).assign(n_layers=2)
+    rng = np.random.default_rng(0)
+    shallow = [last.assign(layer=l, **{m: last[m] * rng.uniform(0.5, 2, len(last)) for m in METRICS})
+               for l in (0, 1)]
+    table = pd.concat([*shallow, last.assign(layer=2)], ignore_index=True)
+    plain = write_report(last.assign(layer=2), tmp_path / "plain", n_perm=200, seed=1)
+    deep = write_report(table, tmp_path / "deep", n_perm=200, seed=1)
+    pd.testing.assert_frame_equal(pd.read_csv(plain["stats"]), pd.read_csv(deep["stats"]))
+    assert len(pd.read_csv(deep["metrics"])) == 3 * len(last)
+    assert "depth" not in plain and "layers" not in plain
+    layers = pd.read_csv(deep["layers"])
+    assert len(layers) == len(table) and list(layers.columns[:4]) == ["run", "checkpoint", "global_step", "layer"]
+    assert set(layers.groupby(["run", "checkpoint"]).layer.apply(tuple)) == {(0, 1, 2)}
+    gray = np.asarray(Image.open(deep["depth"]).convert("L"), float)
+    assert gray.std() > 20, "blank figure"
+    text = deep["report"].read_text()
+    assert "## Across depth" in text and "depth.png" in text and "## Across depth" not in plain["report"].read_text()
