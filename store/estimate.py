@@ -46,8 +46,18 @@ def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.dev
 
 
 def estimate(n_ckpts: int, model, train: Blocks, batch_size: int, samples_per_class: int, max_val_tokens: int | None,
-             store: Path) -> str:
-    """Tokens, time and disk for ``n_ckpts`` checkpoints like ``model`` over ``train``."""
+             store: Path, state_layers: int = 1) -> str:
+    """Tokens, time and disk for ``n_ckpts`` checkpoints like ``model`` over ``train``, and the size of the running
+    state of ``state_layers`` layers (a pass's) on the device."""
+    device = next(model.parameters()).device
+    vocab, d = model.get_output_embeddings().weight.shape
+    per_layer, shared = state_bytes(vocab, d, samples_per_class, device)
+    state = f"; state ~{(state_layers * per_layer + shared) / 1e6:,.0f} MB on {device} ({state_layers} layer(s))"
+    return _estimate(n_ckpts, model, train, batch_size, samples_per_class, max_val_tokens, store) + state
+
+
+def _estimate(n_ckpts: int, model, train: Blocks, batch_size: int, samples_per_class: int, max_val_tokens: int | None,
+              store: Path) -> str:
     device = next(model.parameters()).device
     vocab, d = model.get_output_embeddings().weight.shape
     ids = torch.randint(0, vocab, (batch_size, train.block_size), device=device)

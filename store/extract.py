@@ -188,8 +188,10 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     def announce(model, train: Blocks) -> None:  # once, at the first checkpoint that does work
         nonlocal announced
         if not announced:
+            p = layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype,
+                            n_layers(model.config))
             log.info("estimate: %s", estimate(todo, model, train, cfg.batch_size, cfg.samples_per_class,
-                                              cfg.max_val_tokens, store))
+                                              cfg.max_val_tokens, store, p.widest_pass if p else 1))
             announced = True
 
     results = {}
