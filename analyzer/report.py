@@ -231,9 +231,9 @@ def depth_markdown(df: pd.DataFrame, files: dict[str, Path]) -> str:
     """report.md's depth section (empty without layers)."""
     if "depth" not in files:
         return ""
-    return "\n".join(["", "## Across depth", "", "Layer l is transformers' `hidden_states[l]` (0: the embedding output; "
-                      "the last: after the final norm, the checkpoint group). NC4 at the other layers uses the logit "
-                      "lens (the head after the final norm); the correlations above use the last layer only.", "",
+    return "\n".join(["", "## Across depth", "", "Layer l is transformers' `hidden_states[l]` (0: the embedding "
+                      "output; the last: after the final norm, the checkpoint group). NC4 at the other layers uses the "
+                      "logit lens (the head after the final norm); the correlations above use the last layer only.", "",
                       f"![{TITLE}]({files['depth'].name})", "",
                       depth_table(df).to_markdown(index=False, floatfmt=".4g"), "",
                       "- `layers.csv`: the per-layer table", ""])

@@ -238,7 +238,8 @@ class Layered:
             self.embeddings.flush()
         arrays = {"pass": np.array(self.pass_index)}
         for l, e in self.ex.items():
-            arrays |= {f"layer{l}.{k}": v for k, v in e.state(record).items() if k not in ("phase", "batches", "config")}
+            arrays |= {f"layer{l}.{k}": v for k, v in e.state(record).items()
+                       if k not in ("phase", "batches", "config")}
         return arrays | {"phase": np.array(int(self.phase)), "batches": np.array(self.batches),
                          "config": np.array(json_record(record))}
 
@@ -315,8 +316,8 @@ class Layered:
     def datasets(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None, attrs: dict,
                  lens: str | None) -> tuple[xr.Dataset, Iterator[tuple[int, xr.Dataset]]]:
         """The checkpoint group's dataset (the last layer), and the other layers' ``(l, dataset)``, made one at a
-        time as they are written. Each records ``layer`` and ``lens``: how NC4's linear decisions were made, "head(h)" at the
-        last layer, "head(ln_f(h))" (the final norm's path on the base model) at the others."""
+        time as they are written. Each records ``layer`` and ``lens``: how NC4's linear decisions were made, "head(h)"
+        at the last layer, "head(ln_f(h))" (the final norm's path on the base model) at the others."""
         written = int(self.main().stats.count.sum())
 
         def make(l: int, e: Extraction) -> xr.Dataset:
