@@ -19,6 +19,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import (FixedFormatter, FixedLocator, LogLocator, MaxNLocator, NullFormatter,  # noqa: E402
                                NullLocator)
 
+from ncanalyze.analyzer.depth import TITLE, depth_figure, depth_table, has_depth, last_layer  # noqa: E402
 from ncanalyze.analyzer.errors import UserError  # noqa: E402
 from ncanalyze.analyzer.schema import INFO as ID_COLUMNS  # noqa: E402
 from ncanalyze.analyzer.expr import condition  # noqa: E402
@@ -544,6 +545,32 @@ def latest_checkpoints(df: pd.DataFrame) -> list[str]:
     return [f"{r}/{c}" for r, c in zip(last.run, last.checkpoint)]
 
 
+# ------------------------------------------------------------------ depth (--layers)
+
+def depth_files(df: pd.DataFrame, out: Path) -> dict[str, Path]:
+    """With more than one layer in the table: the depth figure (depth.png) and the per-layer table (layers.csv)."""
+    if not has_depth(df):
+        return {}
+    files = {"depth": out / "depth.png", "layers": out / "layers.csv"}
+    fig = depth_figure(df, labels=LABELS)
+    fig.savefig(files["depth"], dpi=150)
+    plt.close(fig)
+    depth_table(df).to_csv(files["layers"], index=False)
+    return files
+
+
+def depth_markdown(df: pd.DataFrame, files: dict[str, Path]) -> str:
+    """report.md's depth section (empty without layers)."""
+    if "depth" not in files:
+        return ""
+    return "\n".join(["", "## Across depth", "", "Layer l is transformers' `hidden_states[l]` (0: the embedding "
+                      "output; the last: after the final norm, the checkpoint group). NC4 at the other layers uses the "
+                      "logit lens (the head after the final norm); the correlations above use the last layer only.", "",
+                      f"![{TITLE}]({files['depth'].name})", "",
+                      depth_table(df).to_markdown(index=False, floatfmt=".4g"), "",
+                      "- `layers.csv`: the per-layer table", ""])
+
+
 # ------------------------------------------------------------------ the whole report
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
@@ -666,10 +693,11 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
         raise UserError(f"unknown metric(s) {', '.join(missing)}; the table has: {', '.join(df.columns)}")
     if tokens and read_group is None:
         raise UserError("--tokens needs a store (per-class statistics), not a metrics CSV")
-    sel = select(df, where)
+    every_layer = select(df, where)
+    first = [c for c in ID_COLUMNS if c in every_layer.columns]
+    every_layer = every_layer[first + [c for c in every_layer.columns if c not in first]]
+    sel = last_layer(every_layer)  # the statistics, the figures of Fig. 1-3 and the token table: the last layer
     target = target or default_target(sel)
-    first = [c for c in ID_COLUMNS if c in sel.columns]
-    sel = sel[first + [c for c in sel.columns if c not in first]]
     stats = correlations(sel, metrics, target, controls, n_perm, seed)
     tok, token_notes = None, []
     if tokens:
@@ -684,7 +712,7 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
         raise UserError(f"--out {out}: cannot make the folder ({e.strerror}: {e.filename}); pass a folder path that "
                         "is not under a file") from None
     files = {"metrics": out / "metrics.csv", "stats": out / "stats.csv"}
-    sel.to_csv(files["metrics"], index=False)
+    every_layer.to_csv(files["metrics"], index=False)
     stats.to_csv(files["stats"], index=False)
     if tok is not None:
         files["tokens"] = out / "tokens.csv"
@@ -701,10 +729,12 @@ def write_report(df: pd.DataFrame, out: str | Path, *, metrics: Sequence[str] = 
         fig = dynamics_figure(sel, shown, target, stats, title.format(target=label(target)))
         figures[stem] = save_figure(fig, out, stem)
     files |= figures
+    files |= depth_files(every_layer, out)
     files["report"] = out / "report.md"
     files["report"].write_text(markdown(sel, stats, tok, figures, target=target, controls=controls, where=where,
                                         n_perm=n_perm, seed=seed, store=store,
-                                        skipped=df.attrs.get("skipped"), token_notes=token_notes))
+                                        skipped=df.attrs.get("skipped"), token_notes=token_notes)
+                                        + depth_markdown(every_layer, files))
     files["tex"] = out / "tables.tex"
     files["tex"].write_text(latex(stats, tok, target, controls))
     return files

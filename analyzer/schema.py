@@ -25,6 +25,8 @@ INFO = ("run", "tag", "checkpoint", "global_step", "epoch", "n_params", "n_layer
 VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)
 MEASURED = ("count", "mean", "variance", "within_covariance", "classifier", "classifier_bias", *VAL_COUNTS)
+# the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
+LAYER = "layer"
 
 
 def _np(x: Any) -> np.ndarray:
@@ -37,12 +39,15 @@ def _np(x: Any) -> np.ndarray:
 def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, *, classifier: Any = None,
                   classifier_bias: Any = None, val: dict[str, Any] | None = None, samples: Any = None,
                   n_samples: Any = None, sample_position: Any = None, tokens: list[str] | None = None,
-                  attrs: dict | None = None) -> xr.Dataset:
+                  attrs: dict | None = None, embeddings: Any = None, embedding_label: Any = None,
+                  embedding_position: Any = None) -> xr.Dataset:
     """One checkpoint's dataset with the store's variables and dimensions (vocab, hidden, hidden2, slot).
 
     Arrays keep their dtype (extraction passes the classifier as float32, as the model holds it); ``val`` maps the names in
     ``VAL_COUNTS`` to per-class counts; ``samples`` (vocab x slot x hidden, float32) with ``n_samples`` and
-    ``sample_position`` is the reservoir; ``tokens`` adds the decoded ``token`` coordinate."""
+    ``sample_position`` is the reservoir; ``tokens`` adds the decoded ``token`` coordinate. ``embeddings`` (position x
+    hidden; numpy or dask, kept lazy) with ``embedding_label`` (the next token) and ``embedding_position`` (the index
+    coordinate ``position``: the stream position) are raw features of the first train positions."""
     mean = _np(mean)
     data: dict[str, tuple] = {
         "count": ("vocab", _np(count)),
@@ -60,6 +65,11 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
         data |= {"samples": (("vocab", "slot", "hidden"), _np(samples)), "n_samples": ("vocab", _np(n_samples)),
                  "sample_position": (("vocab", "slot"), _np(sample_position))}
     coords: dict[str, Any] = {"vocab": np.arange(mean.shape[0])}
+    if embeddings is not None:
+        lazy = hasattr(embeddings, "chunks")  # a dask array stays lazy: it is written chunk by chunk
+        data |= {"embeddings": (("position", "hidden"), embeddings if lazy else _np(embeddings)),
+                 "label": ("position", _np(embedding_label))}
+        coords["position"] = _np(embedding_position)
     if tokens is not None:
         coords["token"] = ("vocab", np.array(tokens, dtype=object))
     return xr.Dataset(data, coords=coords, attrs=attrs or {})

@@ -59,6 +59,18 @@ from ncanalyze.cli.common import default_store, store_option
 @click.option("--restart", is_flag=True, help="Discard any saved resume state and extract from the start.")
 @click.option("--state-every", type=click.FloatRange(0), default=120.0, show_default=True,
               help="Seconds between saves of the resume state (a killed run continues from the last save).")
+@click.option("--layers", default="last", show_default=True, metavar="last|all|I,J,...",
+              help="Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after "
+                   "the final norm, the checkpoint group itself), negative from the end. Others are stored at "
+                   "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm).")
+@click.option("--layers-per-pass", type=click.IntRange(1), metavar="K",
+              help="At most K layers' state at a time: several passes over the data (exact either way) [default: all "
+                   "in one pass].")
+@click.option("--save-embeddings", type=click.IntRange(0), default=0, show_default=True, metavar="N",
+              help="Keep the first N train positions' features of each stored layer as a chunked Zarr array "
+                   "embeddings (position, hidden) with label (position).")
+@click.option("--embeddings-dtype", type=click.Choice(["float32", "float16", "float64"]), default="float32",
+              show_default=True, help="dtype of --save-embeddings.")
 def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete_downloads, **options):
     """Extract the statistics of every checkpoint under PATHS into the store.
 

@@ -75,6 +75,7 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     """
     import pandas as pd
 
+    from ncanalyze.analyzer.depth import last_layer
     from ncanalyze.analyzer.report import write_report
     from ncanalyze.store.io import read_group
 
@@ -85,7 +86,7 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
                          checkpoints=checkpoints, read_group=store_path and partial(read_group, store_path),
                          echo=lambda m: log.warning("note: %s", m))
     stats = pd.read_csv(files["stats"])
-    n = int(pd.read_csv(files["metrics"]).shape[0])
+    n = len(last_layer(pd.read_csv(files["metrics"])))  # checkpoints, not their layers
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)
     for line in sorted(set(stats.note.dropna()) - {""}):

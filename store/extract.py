@@ -17,11 +17,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store import io, tokens
+from ncanalyze.store import io, layers, tokens
 from ncanalyze.store.data import (Blocks, check_block_size, default_val_spec, is_token_file, model_positions,
                                   open_blocks)
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
-from ncanalyze.store.estimate import estimate
+from ncanalyze.store.estimate import check_memory, estimate, state_bytes
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
 from ncanalyze.store.loss import LogitTransform, loss_attrs
@@ -33,11 +33,11 @@ from ncanalyze.store.resume import (DeferredInterrupt, Phase, Saver, drop_state,
 log = logging.getLogger("ncanalyze")
 
 
-def setting(default=None, *, hashed: bool, hashed_when_set: bool = False):
+def setting(default=None, *, hashed: bool, omit_default: bool = False):
     """A configuration field; ``hashed``: it determines the numbers, so it goes into the config hash (every field
-    must say). ``hashed_when_set``: hashed only when not the default (a setting added later, so that stores made
-    before it keep their hash)."""
-    return field(default=default, metadata={"hashed": hashed, "hashed_when_set": hashed_when_set})
+    must say). ``omit_default``: a hashed field left out of the record (and so of the hash) while it has its default
+    value, so that adding it keeps the hash of every store made before it existed; any other value is recorded."""
+    return field(default=default, metadata={"hashed": hashed, "omit_default": omit_default})
 
 
 @dataclass
@@ -61,9 +61,13 @@ class ExtractConfig:
     allow_pickle: bool = setting(False, hashed=False)
     trust_remote_code: bool = setting(False, hashed=False)
     state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
-    keep_linebreaks: bool = setting(True, hashed=True, hashed_when_set=True)  # plain text keeps its "\n" (run_clm)
+    keep_linebreaks: bool = setting(True, hashed=True, omit_default=True)  # plain text keeps its "\n" (run_clm)
     tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
     token_cache: bool = setting(True, hashed=False)  # text tokenized once into <store>.tokens/ (the same blocks)
+    layers: str = setting("last", hashed=True, omit_default=True)  # recorded resolved (indices), see store/layers.py
+    layers_per_pass: int | None = setting(None, hashed=True, omit_default=True)
+    save_embeddings: int = setting(0, hashed=True, omit_default=True)
+    embeddings_dtype: str = setting("float32", hashed=True, omit_default=True)
 
 
 def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,
@@ -71,7 +75,7 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs.
     ``weights``: the weights' fingerprint when already known (else read from ``ckpt``)."""
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
-              and not (f.metadata.get("hashed_when_set") and getattr(cfg, f.name) == f.default)}
+              and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
     return {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
             "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
 
@@ -107,13 +111,15 @@ def _open(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractCon
                                                          cfg.keep_linebreaks))
 
 
-def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
+def _resume(ex: Extraction | layers.Layered, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
             train: Blocks, val: Blocks | None, group: str) -> str:
     """Load the saved state into ``ex`` if there is one for this configuration: 'resumed', else 'done' (a fresh
     start). A state under another configuration, or unreadable, or inconsistent, is refused unless ``overwrite``
     (or ``restart``) discards it."""
     if restart or not spath.exists():
         drop_state(spath)
+        if isinstance(ex, layers.Layered):
+            ex.start()
         return "done"
     try:
         arrays = load_state(spath)
@@ -122,29 +128,19 @@ def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart:
             raise UserError(f"an interrupted extraction of {group} used another configuration "
                             f"({_differences(old, record)}); rerun with the same options to resume it, "
                             "or pass --overwrite to start again")
-        blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
-        ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
+        if isinstance(ex, layers.Layered):
+            ex.start(arrays)
+        else:
+            blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
+            ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
     except UserError as e:
         if not overwrite:
             raise
         log.info("%s: discarding its resume state (%s)", group, e)
         drop_state(spath)
-        ex.__init__(ex.stats.count.shape[0], ex.stats.mean.shape[1], ex.reservoir.k, ex.reservoir.seed,
-                    ex.stats.mean.device)
+        ex.reset()
         return "done"
     return "resumed"
-
-
-def _check_memory(shape: tuple[int, int], samples_per_class: int) -> None:
-    """Refuse a reservoir that cannot fit in memory, before any work."""
-    import psutil
-
-    vocab, d = shape
-    need = vocab * samples_per_class * (4 * d + 16)
-    if need > psutil.virtual_memory().available:
-        raise UserError(f"--samples-per-class {samples_per_class} needs {need / 2**30:,.1f} GiB for {vocab:,} classes "
-                        f"of width {d} (this machine has {psutil.virtual_memory().available / 2**30:,.1f} GiB free); "
-                        "lower it")
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
@@ -160,8 +156,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     device = resolve_device(cfg.device)
     config = load_config(ckpt, cfg.trust_remote_code)
     block_size = cfg.block_size or default_block_size(config)
+    plan = layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n_layers(config))
     val_spec, val_split = val_data(cfg)
     record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
+    layers.record_layers(record, plan)
     chash = config_hash(record)
     spath = state_path(store, ckpt)
     with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
@@ -181,16 +179,21 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         out = model.get_output_embeddings()
         classifier = out.weight.detach()
         bias = out.bias.detach() if getattr(out, "bias", None) is not None else None
-        _check_memory(classifier.shape, cfg.samples_per_class)
+        check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, device), plan and plan.widest_pass, device)
         train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg, block_size, config,
                       tokenizer, store)
         val = None if val_spec is None else _open(val_spec, val_split, cfg.max_val_tokens, "--max-val-tokens", cfg,
                                                   block_size, config, tokenizer, store)
-        ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
+        if plan is None:
+            ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
+        else:
+            ex = layers.Layered(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, layers.stage(spath))
         status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
         saver = Saver(spath, lambda: ex.state(record), cfg.state_every, interrupt)
         if announce:
             announce(model, train)
+        if plan is not None:
+            ex.run(model, train, lambda: val, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
         if ex.phase == Phase.TRAIN:
             train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
             if not (ex.stats.count >= cfg.min_count).any():
@@ -198,27 +201,35 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                                 f"is {int(ex.stats.count.max())}): lower --min-count")
             ex.next_phase(Phase.VALIDATION)
             saver.maybe(force=True)
-        transform = LogitTransform.of(model.config)
+        transform = LogitTransform.of(model.config) if plan is None else ex.transform
         if ex.phase == Phase.VALIDATION:
             if val is not None:
                 transform = val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver,
                                      ckpt.group)
             ex.next_phase(Phase.DONE)
+        main = ex if plan is None else ex.main()
         attrs = {
             "run": ckpt.run, "tag": cfg.tag, "checkpoint": ckpt.name, **training_metadata(ckpt),
             "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
             "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
-            "model_type": model.config.model_type, "train_tokens": int(ex.stats.count.sum()),
-            "val_tokens": int(ex.val["val_count"].sum()),
-            **loss_attrs(ex.lm, transform), "min_count": cfg.min_count, "block_size": block_size,
+            "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
+            "val_tokens": int(main.val["val_count"].sum()),
+            **loss_attrs(main.lm, transform), "min_count": cfg.min_count, "block_size": block_size,
             "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
             "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
             "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
             "ncanalyze_version": io.version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
             **(extra_attrs or {}),
         }
-        ds = ex.dataset(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]), attrs)
-        io.write_checkpoint(store, ckpt.group, ds, spath.with_suffix(".zarr"))
+        tokens_ = decoded_tokens(tokenizer, classifier.shape[0])
+        if plan is None:
+            io.write_checkpoint(store, ckpt.group, ex.dataset(classifier, bias, tokens_, attrs),
+                                spath.with_suffix(".zarr"))
+        else:
+            norm = layers.final_norm(model)
+            ds, others = ex.datasets(classifier, bias, tokens_, attrs, norm and norm[0])
+            io.write_checkpoint(store, ckpt.group, ds, spath.with_suffix(".zarr"), layers=others)
+            ex.cleanup()
         drop_state(spath)
         return status
 

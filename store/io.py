@@ -1,7 +1,9 @@
 """The store: every read and write of the Zarr hierarchy goes through here, with its settings defined once.
 
 Layout (SPEC section 3): a Zarr v3 group per checkpoint at ``<run>/<checkpoint>``, its attribute ``complete`` set
-last, so a group without it is an interrupted write; `ncanalyze measure` adds the metrics to the group.
+last, so a group without it is an interrupted write; `ncanalyze measure` adds the metrics to the group. Layers other
+than the last (``--layers``) are groups of the same schema at ``<run>/<checkpoint>/layers/<l>``, written before the
+checkpoint is marked complete.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import errno
 import math
 import os
 import shutil
+from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
 
@@ -48,8 +51,8 @@ def open_tree(path: str | Path = DEFAULT) -> xr.DataTree:
 
 
 def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
-    """The complete checkpoint groups (``run/checkpoint``, and any deeper group holding statistics), and the groups
-    whose metadata cannot be read, with why. Group by group, so one corrupt group hides no other."""
+    """The complete checkpoint groups (``run/checkpoint``, and its layer groups ``run/checkpoint/layers/<l>``), and
+    the groups whose metadata cannot be read, with why. Group by group, so one corrupt group hides no other."""
     root, good, bad = Path(path), [], {}
     for d, dirs, files in os.walk(root):
         dirs.sort()
@@ -65,7 +68,9 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
             bad[rel] = f"its metadata {Path(d) / 'zarr.json'} is corrupt ({e})"
             dirs[:] = []
             continue
-        if g.attrs.get("complete") is True and "mean" in dirs:
+        if "mean" in dirs and g.attrs.get("complete") is not True:
+            dirs[:] = []  # an unfinished checkpoint (an older store's interrupted write): nor its layer groups
+        elif "mean" in dirs:
             good.append(rel)
     return good, bad
 
@@ -139,8 +144,14 @@ def prepare(path: Path, partial: Path) -> None:
         raise UserError(f"the store {path} is on a read-only file system: pass --store on a writable disk") from None
 
 
+def position_chunk(n: int, row_bytes: int) -> int:
+    """Rows per chunk along ``position`` (saved embeddings): ~32 MB."""
+    return max(1, min(n, (32 << 20) // max(1, row_bytes)))
+
+
 def _encoding(ds: xr.Dataset) -> dict:
-    """Chunks along vocab: ~32 MB of float64 class rows, and at most ~8 MB for each variable's chunk; checksummed."""
+    """Chunks along vocab: ~32 MB of float64 class rows, and at most ~8 MB for each variable's chunk; along
+    position (saved embeddings) ~32 MB; checksummed."""
     d = ds.sizes["hidden"]
     rows = max(1, min(ds.sizes["vocab"], (32 << 20) // (8 * d)))
     enc = {}
@@ -149,22 +160,31 @@ def _encoding(ds: xr.Dataset) -> dict:
             per_row = int(np.prod([ds.sizes[x] for x in var.dims if x != "vocab"]))
             n = max(1, min(ds.sizes["vocab"], (8 << 20) // max(1, per_row * var.dtype.itemsize)))
             enc[name] = {"chunks": tuple(min(rows, n) if x == "vocab" else ds.sizes[x] for x in var.dims)}
+        elif "position" in var.dims:
+            n = position_chunk(ds.sizes["position"], int(np.prod([ds.sizes[x] for x in var.dims if x != "position"]))
+                               * var.dtype.itemsize)
+            enc[name] = {"chunks": tuple(n if x == "position" else ds.sizes[x] for x in var.dims)}
         # zstd with its frame checksum: a flipped bit in a chunk is an error on read, never a wrong number
         enc.setdefault(name, {})["compressors"] = [zarr.codecs.ZstdCodec(level=0, checksum=True)]
     return enc
 
 
-def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, staging: Path) -> None:
+def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, staging: Path,
+                     layers: Iterable[tuple[int, xr.Dataset]] = ()) -> None:
     """Write a finished checkpoint dataset as ``group``, replacing any group there, without a moment where neither
     the old group nor the new one is whole: the new group is written at ``staging`` (a folder beside the store, on
     the same disk), marked complete, and then renamed into place; the old one is moved aside first and removed last
-    (``recover_swap`` puts it back if a crash comes between the two renames). Every chunk is written, even one of
-    fill values only, so that a missing chunk can be told from an empty one (``missing_chunks``)."""
+    (``recover_swap`` puts it back if a crash comes between the two renames). The other ``layers`` ((l, dataset),
+    made one at a time) go into the staged group at ``layers/<l>`` first, so they arrive with it. Every chunk is
+    written, even one of fill values only, so that a missing chunk can be told from an empty one."""
     dest, old = Path(path) / group, staging.with_name(staging.name + ".old")
     shutil.rmtree(staging, ignore_errors=True)
     ds.attrs |= {"complete": False, "all_chunks": True}
     with zarr.config.set({"array.write_empty_chunks": True}):
         ds.to_zarr(staging, mode="w", encoding=_encoding(ds), **XR)
+        for layer, lds in layers:
+            lds.attrs |= {"complete": True, "all_chunks": True}
+            lds.to_zarr(staging, group=f"layers/{layer}", mode="w", encoding=_encoding(lds), **XR)
     zarr.open_group(staging, mode="r+", **ZARR).attrs["complete"] = True
     parent = group.rsplit("/", 1)[0] if "/" in group else ""
     zarr.open_group(path, path=parent, mode="a", **ZARR)        # the run's group (and the root) exist

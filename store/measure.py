@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.analyzer.schema import INFO, SCALARS
+from ncanalyze.analyzer.schema import INFO, LAYER, SCALARS
 from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
 
 
@@ -29,8 +29,9 @@ def is_measured(attrs: dict, min_count: int) -> bool:
 def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
                   force: bool = False) -> pd.DataFrame:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
-    store the results in its group, and return one row per measured checkpoint: run, checkpoint, global_step, epoch,
-    n_params, n_layers, hidden_size, eval_loss and the 14 metrics (nan where not measurable).
+    store the results in its group, and return one row per measured checkpoint and stored layer: run, checkpoint,
+    global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its last layer,
+    n_layers; its ``layers/<l>`` groups are the others) and the 14 metrics (nan where not measurable).
 
     A checkpoint that can't be measured (corrupt or missing data, fewer than 2 kept classes, ...) is left out with a
     warning naming it and the fix; the others go on. ``df.attrs["measured"]`` lists the groups measured by this
@@ -63,10 +64,10 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     if not kept:
         raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
-    df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, **_floats(attrs[g])} for g in kept],
-                      columns=[*INFO, *SCALARS])
+    df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, LAYER: attrs[g].get(LAYER, attrs[g].get("n_layers")),
+                        **_floats(attrs[g])} for g in kept], columns=[*INFO, LAYER, *SCALARS])
     df = df.fillna(math.nan)  # an attribute absent or null (tag, val_loss) is nan, as in metrics.csv read back
-    df = df.sort_values(["run", "global_step"], kind="stable", ignore_index=True)
+    df = df.sort_values(["run", "global_step", LAYER], kind="stable", ignore_index=True)
     df.attrs["measured"] = [g for g in todo if g not in skipped]
     df.attrs["skipped"] = skipped
     return df

@@ -75,12 +75,19 @@ class Extraction:
         if not consistent or (arrays["stats.count"] < 0).any():
             raise CheckpointError(f"the resume state {where} is inconsistent (phase {phase}, {batches} batches, {done} "
                             f"tokens counted); {fix}")
-        self.stats.load_state_dict({k[6:]: arrays[k] for k in arrays if k.startswith("stats.")})
-        self.reservoir.load_state_dict({k[10:]: arrays[k] for k in arrays if k.startswith("reservoir.")})
+        self.restore(arrays)
+
+    def restore(self, arrays) -> None:
+        """Take a saved state's arrays as they are (:meth:`load` checks them first); ``arrays`` maps names to arrays
+        and lists them in ``files`` (an npz file) or by iteration (a dict)."""
+        keys = set(getattr(arrays, "files", arrays))
+        self.stats.load_state_dict({k: arrays[f"stats.{k}"] for k in self.stats.state_dict()})
+        self.reservoir.load_state_dict({k: arrays[f"reservoir.{k}"] for k in self.reservoir.state_dict()})
         for k in self.val:
             self.val[k].copy_(torch.as_tensor(arrays[f"val.{k}"]))
-        self.phase, self.batches, self.stream = Phase(phase), batches, str(arrays.get("stream", ""))
-        if all(f"lm.{k}" in arrays for k in self.lm):
+        self.phase, self.batches = Phase(int(arrays["phase"])), int(arrays["batches"])
+        self.stream = str(arrays["stream"]) if "stream" in keys else ""
+        if all(f"lm.{k}" in keys for k in self.lm):
             for k in self.lm:
                 self.lm[k].copy_(torch.as_tensor(arrays[f"lm.{k}"]))
         elif self.phase == Phase.VALIDATION:  # a state from before val_loss: its validation pass starts again
@@ -88,14 +95,20 @@ class Extraction:
                 v.zero_()
             self.batches, self.stream = 0, ""
 
+    def reset(self) -> None:
+        """Back to a fresh start (a discarded state)."""
+        self.__init__(self.stats.count.shape[0], self.stats.mean.shape[1], self.reservoir.k, self.reservoir.seed,
+                      self.stats.mean.device)
+
     def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
-                attrs: dict) -> xr.Dataset:
-        """The finished checkpoint's dataset (the store's schema)."""
+                attrs: dict, **embeddings) -> xr.Dataset:
+        """The finished checkpoint's dataset (the store's schema); ``embeddings``: stats_dataset's embedding
+        arguments."""
         s, r = self.stats, self.reservoir
         return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
                              classifier_bias=None if bias is None else bias.float(), val=self.val,
                              samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
-                             attrs=attrs)
+                             attrs=attrs, **embeddings)
 
 
 @torch.inference_mode()
@@ -118,10 +131,11 @@ def _check_finite(h: torch.Tensor, where: str) -> None:
                         "try --dtype float32, or exclude this checkpoint")
 
 
-def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver,
-                   desc: str) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str,
+                   forward=None) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
     """(features n x d, labels n, the batch of blocks) for every batch not yet done; after each is consumed it
-    counts as done and the state may be saved."""
+    counts as done and the state may be saved. ``forward(ids)`` replaces :func:`features` (its leading dimensions
+    before (b, L-1, d) are kept: k x n x d for stacked layers)."""
     vocab, device = ex.stats.count.shape[0], ex.stats.mean.device
     total = blocks.total and -(-blocks.total // batch_size)
     digest, seen = hashlib.sha256(), 0
@@ -135,9 +149,9 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
                 continue
             _check_ids(batch, vocab, blocks.spec)
             ids = torch.from_numpy(batch).to(device)
-            h = features(model, ids)
+            h = features(model, ids) if forward is None else forward(ids)
             _check_finite(h, f"{desc}, batch {ex.batches}")
-            yield h.reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
+            yield h.reshape(*h.shape[:-3], -1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
             ex.batches, ex.stream = ex.batches + 1, digest.hexdigest()
             bar.update()
             saver.maybe()
@@ -164,13 +178,11 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
                         "--block-size")
 
 
-def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
-             min_count: int, batch_size: int, saver: Saver, desc: str) -> LogitTransform | None:
-    """NC4's decision counts over the classes kept at extraction (count >= ``min_count``), and the model's own
-    full-vocabulary loss and accuracy (its logit transform applied) into ``ex.lm``. Returns the transform, checked
-    against the model's own logits on the first block; None (and no loss) where they differ."""
-    kept = torch.nonzero(ex.stats.count >= min_count).squeeze(1)
-    counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
+def model_loss(model, blocks: Blocks, classifier: torch.Tensor, bias: torch.Tensor | None, ex: Extraction,
+               desc: str) -> tuple[LogitTransform | None, NextTokenLoss | None]:
+    """The model's own full-vocabulary loss, accumulated into ``ex.lm`` as the validation pass feeds it the last
+    layer's features: its logit transform, checked against the model's own logits on a prefix of the first block,
+    and the running loss. (None, None) where they differ: no val_loss rather than a wrong one."""
     transform = LogitTransform.of(model.config)
     first = next(blocks.batches(1), None)
     if first is not None:
@@ -178,8 +190,18 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
         if not matches_model(model, ids, features(model, ids)[0], classifier, bias, transform):
             log.warning("warning: %s: the model's own logits are not its head's under %s; val_loss and val_accuracy "
                         "are left out (model type %s)", desc, transform.describe(), model.config.model_type)
-            transform = None
-    loss = transform and NextTokenLoss(classifier, bias, transform, state=ex.lm)
+            return None, None
+    return transform, NextTokenLoss(classifier, bias, transform, state=ex.lm)
+
+
+def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
+             min_count: int, batch_size: int, saver: Saver, desc: str) -> LogitTransform | None:
+    """NC4's decision counts over the classes kept at extraction (count >= ``min_count``), and the model's own
+    full-vocabulary loss and accuracy (its logit transform applied) into ``ex.lm`` (:func:`model_loss`). Returns
+    the transform, or None (and no loss) where it does not reproduce the model's logits."""
+    kept = torch.nonzero(ex.stats.count >= min_count).squeeze(1)
+    counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val)
+    transform, loss = model_loss(model, blocks, classifier, bias, ex, desc)
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
         counts.update(h, y)
         if loss:

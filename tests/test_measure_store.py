@@ -48,7 +48,7 @@ def attrs(store, group: str) -> dict:
 def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
     store, data = small_store
     df = measure_store(store, tile=7)
-    assert list(df.columns) == [*INFO, *SCALARS]
+    assert list(df.columns) == [*INFO, "layer", *SCALARS]
     assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
                                                                   "b/checkpoint-5"]
     assert sorted(df.attrs["measured"]) == sorted(data)

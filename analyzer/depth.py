@@ -1,0 +1,63 @@
+"""NC across depth (``--layers``): which rows of a metrics table are the last layer, the depth figure (each Figure 1
+metric against the layer, one line per checkpoint, coloured by step) and the per-layer table."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.colors import Normalize  # noqa: E402
+
+from ncanalyze.analyzer.schema import LAYER  # noqa: E402
+
+DEPTH_METRICS = ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")  # Figure 1's
+TITLE = "NC properties across depth (layer 0: embedding output; the last: after the final norm)"
+
+
+def last_layer(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of each checkpoint's last layer (its checkpoint group): the rows the correlations use. A table without
+    a layer column (an older metrics.csv) is all last-layer rows."""
+    if LAYER not in df.columns:
+        return df
+    layer, n = pd.to_numeric(df[LAYER], errors="coerce"), pd.to_numeric(df.get("n_layers"), errors="coerce")
+    return df[layer.isna() | n.isna() | (layer == n)]
+
+
+def has_depth(df: pd.DataFrame) -> bool:
+    """More than one layer in the table: then the report adds the depth figure and the per-layer table."""
+    return LAYER in df.columns and df[LAYER].nunique() > 1
+
+
+def depth_table(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> pd.DataFrame:
+    """One row per checkpoint and layer: run, checkpoint, global_step, layer and ``metrics``, by run, step, layer."""
+    cols = [c for c in ("run", "checkpoint", "global_step", LAYER) if c in df.columns]
+    out = df[cols + [m for m in metrics if m in df.columns]]
+    return out.sort_values([c for c in ("run", "global_step", LAYER) if c in cols], kind="stable", ignore_index=True)
+
+
+def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, labels: dict[str, str] | None = None):
+    """One panel per metric against the layer; one line per (run, checkpoint), coloured by global_step."""
+    metrics = [m for m in metrics if m in df.columns]
+    k = len(metrics)
+    fig, axes = plt.subplots(1, k, figsize=(3.9 * k + 1.2, 4.0), squeeze=False)
+    steps = pd.to_numeric(df.get("global_step"), errors="coerce")
+    norm = Normalize(steps.min(), steps.max() if steps.max() > steps.min() else steps.min() + 1)
+    cmap = plt.get_cmap("viridis")
+    for ax, m in zip(axes[0], metrics):
+        for (run, ckpt), g in df.groupby(["run", "checkpoint"], sort=False):
+            g = g.sort_values(LAYER)
+            step = pd.to_numeric(g["global_step"], errors="coerce").iloc[0]
+            ax.plot(g[LAYER], g[m], "o-", ms=3, lw=1.2, color=cmap(norm(step)) if np.isfinite(step) else "grey")
+        ax.set_title((labels or {}).get(m, m), fontsize=10)
+        ax.set_xlabel("layer (hidden_states index)")
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.subplots_adjust(left=0.06, right=0.9, bottom=0.15, top=0.85, wspace=0.3)
+    cax = fig.add_axes((0.92, 0.15, 0.012, 0.7))
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="global step")
+    fig.suptitle(TITLE)
+    return fig
