@@ -77,7 +77,7 @@ class Extraction:
     def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
                 attrs: dict) -> xr.Dataset:
         """The finished checkpoint's dataset (the store's schema)."""
-        s, r = self.stats, self.reservoir
+        s, r = self.stats, self.reservoir.canonical()  # slots in key order: the same however it was read
         return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
                              classifier_bias=None if bias is None else bias.float(), val=self.val,
                              samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
