@@ -124,13 +124,9 @@ def _check_memory(shape: tuple[int, int], samples_per_class: int) -> None:
                         "lower it")
 
 
-def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
-                       restart: bool = False, announce: Callable[[object, Blocks], None] | None = None) -> str:
-    """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
-
-    One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done).
-    ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
-    state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
+def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> tuple:
+    """What ``cfg`` means for ``ckpt`` here, without loading its weights: (device, model config, block size,
+    validation spec, validation split, configuration record)."""
     device = resolve_device(cfg.device)
     config = load_config(ckpt, cfg.trust_remote_code)
     block_size = cfg.block_size or default_block_size(config)
@@ -140,7 +136,25 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         val_spec, val_split = cfg.val_dataset, cfg.val_split
     else:
         val_spec, val_split = default_val_spec(cfg.dataset, cfg.val_split)
-    record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
+    return device, config, block_size, val_spec, val_split, config_record(ckpt, cfg, device, block_size, val_spec,
+                                                                          val_split)
+
+
+def check_options(cfg: ExtractConfig) -> None:
+    """Refuse, before any work, options that cannot give a result."""
+    if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
+        raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
+                        "could be kept: lower --min-count")
+
+
+def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+                       restart: bool = False, announce: Callable[[object, Blocks], None] | None = None) -> str:
+    """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
+
+    One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done).
+    ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
+    state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there)."""
+    device, config, block_size, val_spec, val_split, record = resolve(ckpt, cfg)
     chash = config_hash(record)
     spath = state_path(store, ckpt)
     with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
@@ -199,16 +213,16 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
 
 
 def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
-            restart: bool = False) -> dict[str, str]:
+            restart: bool = False, shards: int = 1) -> dict[str, str]:
     """Extract every checkpoint under ``path`` into ``store``; returns {group: status} (logged as it goes).
+    ``shards`` > 1 cuts each checkpoint's train stream into that many parts, run one after another and merged
+    exactly (shards.py; the same computation a cluster runs in parallel).
 
     A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
     'failed: <why>', and the others go on; any other error stops the run."""
     store = Path(store)
     ckpts = discover(path)
-    if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
-        raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
-                        "could be kept: lower --min-count")
+    check_options(cfg)
     io.prepare(store, partial_dir(store))
     todo = sum(overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")
                for c in ckpts)
@@ -225,7 +239,11 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     try:
         for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
             try:
-                results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce)
+                if shards > 1:
+                    from ncanalyze.store.shards import extract_sharded
+                    results[ckpt.group] = extract_sharded(ckpt, store, cfg, shards, overwrite, restart)
+                else:
+                    results[ckpt.group] = extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce)
             except CheckpointError as e:
                 if len(ckpts) == 1:
                     raise
