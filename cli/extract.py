@@ -43,7 +43,15 @@ from ncanalyze.cli.common import default_store, store_option
 @click.option("--restart", is_flag=True, help="Discard any saved resume state and extract from the start.")
 @click.option("--state-every", type=click.FloatRange(0), default=120.0, show_default=True,
               help="Seconds between saves of the resume state (a killed run continues from the last save).")
-def extract(paths, store, overwrite, restart, **options):
+@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS",
+              help="Run each checkpoint as a task on this Dask distributed cluster (tcp://host:8786, or a scheduler "
+                   "file .json) [env: DASK_SCHEDULER_ADDRESS; default: this process]. Its workers must see the "
+                   "checkpoints, the data and the store at the same paths; workers started with --resources GPU=1 "
+                   "take one checkpoint at a time, on the GPU their CUDA_VISIBLE_DEVICES gives.")
+@click.option("--shards", type=click.IntRange(1), default=1, show_default=True,
+              help="Cut each checkpoint's train stream into N contiguous parts, computed as separate tasks (in turn "
+                   "without --scheduler) and merged exactly; equal to one pass within float64 rounding (1e-12).")
+def extract(paths, store, overwrite, restart, scheduler, shards, **options):
     """Extract the statistics of every checkpoint under PATHS into the store.
 
     \b
@@ -64,12 +72,23 @@ def extract(paths, store, overwrite, restart, **options):
 
     store = store or default_store()
     failed = {}
-    for path in paths:
-        results = run(path, store, ExtractConfig(**options), overwrite=overwrite, restart=restart)
+    if scheduler:
+        from ncanalyze.store.cluster import extract_on_cluster
+
+        batches = [(", ".join(map(str, paths)),
+                    lambda: extract_on_cluster(paths, store, ExtractConfig(**options), scheduler, overwrite, restart,
+                                               shards))]
+    else:
+        batches = [(path, lambda path=path: run(path, store, ExtractConfig(**options), overwrite=overwrite,
+                                                 restart=restart, shards=shards)) for path in paths]
+    for label, work in batches:
+        results = work()
         n = {s: sum(v == s for v in results.values()) for s in ("done", "resumed", "skipped")}
         bad = {g: v for g, v in results.items() if v.startswith("failed")}
-        click.echo(f"{path}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}"
+        click.echo(f"{label}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}"
                    + (f", {len(bad)} failed" if bad else ""))
+        for g, v in bad.items():
+            click.echo(f"  {g}: {v}")
         failed |= bad
     if failed:
         raise UserError(f"{len(failed)} checkpoint(s) failed, the others are in {store}: "
