@@ -130,7 +130,8 @@ def merge_order(n: int) -> list[list[tuple[int, int]]]:
 def finish(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
            overwrite: bool = False) -> str:
     """Save the merged train state as the checkpoint's resume state at the start of the validation pass, then let
-    ``extract_checkpoint`` resume from it; 'done' (or 'skipped' if another writer finished it meanwhile)."""
+    ``extract_checkpoint`` resume from it; 'done' ('resumed' when run again after its worker died in the validation
+    pass, 'skipped' if another writer finished it meanwhile)."""
     *_, record = resolve(ckpt, cfg)
     count = merged["stats.count"]
     if not (count >= cfg.min_count).any():
@@ -141,12 +142,16 @@ def finish(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, 
         existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
         if existing and existing.get("complete") and not overwrite and existing.get("config_hash") == config_hash(record):
             return "skipped"
-        val = {f"val.{n}": np.zeros(count.shape, dtype=np.int64) for n in VAL_COUNTS}
-        save_state(spath, merged | val | {"phase": np.array(int(Phase.VALIDATION)), "batches": np.array(0),
-                                          "stream": np.array(""),
-                                          "config": np.array(json.dumps(record, sort_keys=True))})
+        # a state here is this task's own, saved in the validation pass by a run whose worker died (plan() left no
+        # other): resume it rather than start the validation pass again
+        resumed = spath.exists()
+        if not resumed:
+            val = {f"val.{n}": np.zeros(count.shape, dtype=np.int64) for n in VAL_COUNTS}
+            save_state(spath, merged | val | {"phase": np.array(int(Phase.VALIDATION)), "batches": np.array(0),
+                                              "stream": np.array(""),
+                                              "config": np.array(json.dumps(record, sort_keys=True))})
     status = extract_checkpoint(ckpt, store, cfg, overwrite, restart=False)
-    return "done" if status == "resumed" else status
+    return "done" if status == "resumed" and not resumed else status
 
 
 def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
