@@ -74,7 +74,7 @@ def main() -> None:
     per_batch = args.batch_size * args.block_size
     with tempfile.TemporaryDirectory() as tmp:
         ids_file = Path(tmp) / "train.npy"
-        np.save(ids_file, tokens(args, args.vocab, args.long * per_batch))
+        np.save(ids_file, tokens(args, args.vocab, (args.long + 1) * per_batch))
 
         def blocks(n_batches: int):
             return open_blocks(str(ids_file), "train", args.block_size, n_batches * per_batch, "text", None)
@@ -95,8 +95,8 @@ def main() -> None:
 
         def extract(n: int, shard: bool = False) -> float:
             ex = Extraction(args.vocab, args.width, args.samples_per_class, 0, device)
-            data = blocks(n)
-            if shard:  # one shard of a --shards run: it starts at an offset, then its state is merged
+            data = blocks(n + shard)
+            if shard:  # one shard of a --shards run: it starts at an offset (n batches after it), then is merged
                 ex.batches = 1
             sync()
             t0 = time.perf_counter()
