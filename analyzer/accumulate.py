@@ -37,6 +37,30 @@ class ClassStats:
             self.scatter += dev.T @ dev + (delta * w[:, None]).T @ delta
         self.count[classes] += n_b.to(torch.int64)
 
+    def merge(self, other: "ClassStats") -> "ClassStats":
+        """Fold in the statistics of another stream (disjoint tokens) with Chan's parallel formula, exactly as
+        :meth:`update` folds in a batch: counts add, means move by the count-weighted difference, M2 and the
+        scatter gain ``delta^2 n_a n_b / n``. Classes empty on either side are copied, not recomputed. Returns self."""
+        n_a, n_b = self.count.to(torch.float64), other.count.to(torch.float64).to(self.mean.device)
+        both = torch.nonzero((n_a > 0) & (n_b > 0)).squeeze(1)
+        only_b = torch.nonzero((n_a == 0) & (n_b > 0)).squeeze(1)
+        mean_b, m2_b = other.mean.to(self.mean.device), other.m2.to(self.mean.device)
+        if len(both):
+            na, nb = n_a[both], n_b[both]
+            n = na + nb
+            delta = mean_b[both] - self.mean[both]
+            w = na * nb / n
+            self.mean[both] += delta * (nb / n)[:, None]
+            self.m2[both] += m2_b[both] + w * (delta * delta).sum(1)
+            if self.scatter is not None:
+                self.scatter += (delta * w[:, None]).T @ delta
+        self.mean[only_b] = mean_b[only_b]
+        self.m2[only_b] = m2_b[only_b]
+        if self.scatter is not None and other.scatter is not None:
+            self.scatter += other.scatter.to(self.mean.device)
+        self.count += other.count.to(self.count.device)
+        return self
+
     @property
     def variance(self) -> torch.Tensor:
         """Population variance per class: mean squared distance to the class mean (nan for empty classes)."""

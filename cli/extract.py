@@ -71,7 +71,16 @@ from ncanalyze.cli.common import default_store, store_option
                    "embeddings (position, hidden) with label (position).")
 @click.option("--embeddings-dtype", type=click.Choice(["float32", "float16", "float64"]), default="float32",
               show_default=True, help="dtype of --save-embeddings.")
-def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete_downloads, **options):
+@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS",
+              help="Run each checkpoint as a task on this Dask distributed cluster (tcp://host:8786, or a scheduler "
+                   "file .json) [env: DASK_SCHEDULER_ADDRESS; default: this process]. Its workers must see the "
+                   "checkpoints, the data and the store at the same paths; workers started with --resources GPU=1 "
+                   "take one checkpoint at a time, on the GPU their CUDA_VISIBLE_DEVICES gives.")
+@click.option("--shards", type=click.IntRange(1), default=1, show_default=True,
+              help="Cut each checkpoint's train stream into N contiguous parts, computed as separate tasks (in turn "
+                   "without --scheduler) and merged exactly; equal to one pass within float64 rounding (1e-12).")
+def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete_downloads, scheduler, shards,
+            **options):
     """Extract the statistics of every checkpoint under PATHS into the store.
 
     \b
@@ -96,23 +105,33 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
     store = store or default_store()
     cfg = ExtractConfig(**options)
     hub = [p for p in paths if is_hub_id(p)]
+    local = [p for p in paths if p not in hub]
     if (revisions or revision_ranges) and not hub:
         raise click.UsageError("--revision/--revisions apply to Hub model ids; none of PATHS is one "
                                "(local folders are extracted with their checkpoints)")
+    if hub and (scheduler or shards > 1):
+        raise click.UsageError("Hub revisions are extracted in this process: pass --scheduler/--shards only with "
+                               "local checkpoint folders (or fetch the revisions first)")
     revs = parse_revisions(revisions, revision_ranges) if hub else []
+    batches = [(path, lambda path=path: extract_hub(path, revs, store, cfg, overwrite=overwrite,
+                                                    delete_downloads=delete_downloads, restart=restart))
+               for path in hub]
+    if scheduler and local:
+        from ncanalyze.store.cluster import extract_on_cluster
+
+        batches.append((", ".join(map(str, local)), lambda: (extract_on_cluster(local, store, cfg, scheduler, overwrite,
+                                                                                restart, shards), [])))
+    elif local:
+        batches += [(path, lambda path=path: (run(path, store, cfg, overwrite=overwrite, restart=restart,
+                                                  shards=shards), [])) for path in local]
     failed = []
-    for path in paths:
-        if path in hub:
-            results, errors = extract_hub(path, revs, store, cfg, overwrite=overwrite,
-                                          delete_downloads=delete_downloads, restart=restart)
-            failed += errors
-        else:
-            results = run(path, store, cfg, overwrite=overwrite, restart=restart)
-            errors = [f"{g} {v}" for g, v in results.items() if v.startswith("failed")]
-            failed += errors
+    for label, work in batches:
+        results, errors = work()
+        errors = errors + [f"{g} {v}" for g, v in results.items() if v.startswith("failed")]
         n = {s: sum(v == s for v in results.values()) for s in ("done", "resumed", "skipped")}
-        click.echo(f"{path}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}"
+        click.echo(f"{label}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}"
                    + (f", {len(errors)} failed" if errors else ""))
+        failed += errors
     if failed:
         more = "; ..." if len(failed) > 3 else ""
         raise UserError(f"{len(failed)} checkpoint(s) or revision(s) failed, the others are in {store}: "

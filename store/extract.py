@@ -143,6 +143,23 @@ def _resume(ex: Extraction | layers.Layered, spath: Path, record: dict, overwrit
     return "resumed"
 
 
+def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> tuple:
+    """What ``cfg`` means for ``ckpt`` here, without loading its weights: (device, model config, block size,
+    validation spec, validation split, configuration record)."""
+    device = resolve_device(cfg.device)
+    config = load_config(ckpt, cfg.trust_remote_code)
+    block_size = cfg.block_size or default_block_size(config)
+    val_spec, val_split = val_data(cfg)
+    record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
+    layers.record_layers(record, layer_plan(cfg, config))
+    return device, config, block_size, val_spec, val_split, record
+
+
+def layer_plan(cfg: ExtractConfig, config) -> layers.Plan | None:
+    """The layers to extract and how (None: the last layer only, the default path)."""
+    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n_layers(config))
+
+
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
                        restart: bool = False, announce: Callable[[object, Blocks], None] | None = None,
                        interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> str:
@@ -153,13 +170,8 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there); a
     pending ``interrupt`` (Ctrl-C) is taken at the next batch boundary, after saving the state; ``extra_attrs`` go
     into the group's attributes last (a Hub revision's origin and step)."""
-    device = resolve_device(cfg.device)
-    config = load_config(ckpt, cfg.trust_remote_code)
-    block_size = cfg.block_size or default_block_size(config)
-    plan = layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n_layers(config))
-    val_spec, val_split = val_data(cfg)
-    record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
-    layers.record_layers(record, plan)
+    device, config, block_size, val_spec, val_split, record = resolve(ckpt, cfg)
+    plan = layer_plan(cfg, config)
     chash = config_hash(record)
     spath = state_path(store, ckpt)
     with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
@@ -262,23 +274,28 @@ def announcer(todo: int, cfg: ExtractConfig, store: Path) -> Callable[[object, B
     return announce
 
 
-def check_settings(cfg: ExtractConfig, store: Path) -> None:
+def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
     """What can be refused before any work: settings that can't go together, and a store that can't be written."""
     if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
         raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
                         "could be kept: lower --min-count")
+    if shards > 1 and (cfg.layers != "last" or cfg.save_embeddings):
+        raise UserError("--shards splits the last layer's statistics only: drop --layers/--save-embeddings, or "
+                        "--shards")
     io.prepare(store, partial_dir(store))
 
 
 def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
-            restart: bool = False) -> dict[str, str]:
+            restart: bool = False, shards: int = 1) -> dict[str, str]:
     """Extract every checkpoint under ``path`` into ``store``; returns {group: status} (logged as it goes).
+    ``shards`` > 1 cuts each checkpoint's train stream into that many parts, run one after another and merged
+    exactly (shards.py; the same computation a cluster runs in parallel).
 
     A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
     'failed: <why>', and the others go on; any other error stops the run."""
     store = Path(store)
     ckpts = tagged(discover(path), cfg.tag)
-    check_settings(cfg, store)
+    check_settings(cfg, store, shards)
     todo = sum(overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")
                for c in ckpts)
     announce = announcer(todo, cfg, store)
@@ -286,7 +303,8 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     try:
         with DeferredInterrupt() as interrupt:
             for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
-                results[ckpt.group] = _one(ckpt, store, cfg, overwrite, restart, announce, interrupt, len(ckpts))
+                results[ckpt.group] = _one(ckpt, store, cfg, overwrite, restart, announce, interrupt, len(ckpts),
+                                           shards)
                 log.info("%s: %s", ckpt.group, results[ckpt.group])
     finally:
         prune(partial_dir(store))
@@ -294,9 +312,13 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
 
 
 def _one(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool, restart: bool, announce,
-         interrupt: DeferredInterrupt, n: int) -> str:
+         interrupt: DeferredInterrupt, n: int, shards: int = 1) -> str:
     """One checkpoint's status; a CheckpointError is its status ('failed: why') when it is one of several."""
     try:
+        if shards > 1:
+            from ncanalyze.store.shards import extract_sharded
+
+            return extract_sharded(ckpt, store, cfg, shards, overwrite, restart)
         return extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce, interrupt)
     except CheckpointError as e:
         if n == 1:

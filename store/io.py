@@ -115,6 +115,20 @@ def group_attrs(path: str | Path, group: str, corrupt_ok: bool = False) -> dict 
                         "--overwrite to extract it again") from None
 
 
+def ensure_group(path: str | Path, group: str = "") -> None:
+    """Make sure ``group`` (and its parents, up to the root) exists, safely when other processes do the same at once
+    (checkpoints written in parallel by a cluster's workers): zarr's create-if-missing checks, then writes, and a
+    writer that loses the race between the two gets ContainsGroupError; the group is there then, so it is opened.
+    Metadata writes are atomic (a temporary file renamed), so no reader ever sees half a zarr.json."""
+    for attempt in range(3):
+        try:
+            zarr.open_group(path, path=group, mode="a", **ZARR)
+            return
+        except zarr.errors.ContainsGroupError:
+            continue  # created by another writer between zarr's check and its write: open it
+    zarr.open_group(path, path=group, mode="r", **ZARR)
+
+
 def prepare(path: Path, partial: Path) -> None:
     """Check, before any work, that ``path`` can hold a store and that it and ``partial`` (the resume states beside
     it) are writable; create the root group. Each failure is one line naming the fix."""
@@ -126,7 +140,7 @@ def prepare(path: Path, partial: Path) -> None:
     if partial.exists() and not partial.is_dir():
         raise UserError(f"{partial} is a file, but ncanalyze keeps its resume states there: move it away")
     try:
-        zarr.open_group(path, mode="a", **ZARR)
+        ensure_group(path)
         for d in (path, partial):
             d.mkdir(parents=True, exist_ok=True)
             probe = d / f".write-test-{os.getpid()}"
@@ -187,7 +201,7 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, staging: Path
             lds.to_zarr(staging, group=f"layers/{layer}", mode="w", encoding=_encoding(lds), **XR)
     zarr.open_group(staging, mode="r+", **ZARR).attrs["complete"] = True
     parent = group.rsplit("/", 1)[0] if "/" in group else ""
-    zarr.open_group(path, path=parent, mode="a", **ZARR)        # the run's group (and the root) exist
+    ensure_group(path, parent)                                  # the run's group (and the root) exist
     if dest.exists():
         os.rename(dest, old)
     os.rename(staging, dest)

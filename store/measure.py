@@ -3,20 +3,17 @@
 The maths is ``ncanalyze.analyzer.measure_all``; reading and writing the store is io.py."""
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
-import dask
 import pandas as pd
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.schema import INFO, LAYER, SCALARS
+from ncanalyze.store.cluster import client
 from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
 
 
@@ -44,7 +41,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     attrs = {g: group_attrs(store, g) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
-    with _scheduler(scheduler):
+    with client(scheduler):
         for g in tqdm(todo, desc="measuring", unit="checkpoint", disable=None):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -88,25 +85,3 @@ def _floats(attrs: dict) -> dict[str, float]:
     """The metrics of a group's record as floats (a null is the value in ``metrics_nonfinite``, else nan)."""
     metrics, nonfinite = attrs.get("metrics") or {}, attrs.get("metrics_nonfinite") or {}
     return {k: float(nonfinite.get(k, "nan")) if metrics.get(k) is None else float(metrics[k]) for k in SCALARS}
-
-
-@contextlib.contextmanager
-def _scheduler(address: str | None) -> Iterator[None]:
-    """A dask.distributed client on ``address`` (or ``$DASK_SCHEDULER_ADDRESS``), else the threaded scheduler."""
-    address = address or os.environ.get("DASK_SCHEDULER_ADDRESS")
-    if not address:
-        with dask.config.set(scheduler="threads"):
-            yield
-        return
-    from distributed import Client
-
-    try:
-        client = Client(address, timeout="10s", set_as_default=True)
-    except ValueError as e:  # not an address at all
-        raise UserError(f"--scheduler {address!r} is not a dask scheduler address ({e}); pass one such as "
-                        "tcp://host:8786, or drop --scheduler / DASK_SCHEDULER_ADDRESS to run locally") from None
-    except (OSError, TimeoutError) as e:
-        raise UserError(f"cannot reach the dask scheduler at {address} ({e}); start it, or drop --scheduler / "
-                        "DASK_SCHEDULER_ADDRESS to run locally") from None
-    with client:
-        yield

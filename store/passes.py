@@ -103,8 +103,8 @@ class Extraction:
     def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
                 attrs: dict, **embeddings) -> xr.Dataset:
         """The finished checkpoint's dataset (the store's schema); ``embeddings``: stats_dataset's embedding
-        arguments."""
-        s, r = self.stats, self.reservoir
+        arguments. Reservoir slots in key order: the same however the stream was read (one pass or shards)."""
+        s, r = self.stats, self.reservoir.canonical()
         return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
                              classifier_bias=None if bias is None else bias.float(), val=self.val,
                              samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,

@@ -56,6 +56,36 @@ class Reservoir:
         self.position[rows, slots] = pos[new]
         self.samples[rows, slots] = h[torch.as_tensor(new, device=h.device)].float().cpu().numpy()
 
+    def merge(self, other: "Reservoir", rows: int = 4096) -> "Reservoir":
+        """Fold in the reservoir of another part of the same stream (positions are global stream positions, so keys
+        agree): each class keeps the k smallest keys of the union, exactly the sample one pass over both parts
+        keeps. The slots come out in key order (see :meth:`canonical`). Returns self."""
+        if (other.k, other.seed) != (self.k, self.seed):
+            raise ValueError(f"cannot merge reservoirs of k={other.k}, seed={other.seed} into k={self.k}, "
+                             f"seed={self.seed}")
+        for s in range(0, self.key.shape[0], rows):
+            sl = slice(s, s + rows)
+            key = np.concatenate([self.key[sl], other.key[sl]], 1)
+            order = np.argsort(key, axis=1, kind="stable")[:, :self.k]
+            pos = np.concatenate([self.position[sl], other.position[sl]], 1)
+            samples = np.concatenate([self.samples[sl], other.samples[sl]], 1)
+            self.key[sl] = np.take_along_axis(key, order, 1)
+            self.position[sl] = np.take_along_axis(pos, order, 1)
+            self.samples[sl] = np.take_along_axis(samples, order[:, :, None], 1)
+        return self
+
+    def canonical(self) -> "Reservoir":
+        """The slots of every class in key order (filled slots first, the first j of them a uniform sample of j), so
+        that the stored layout depends only on the sample, not on the order the stream was read in. Returns self."""
+        order = np.argsort(self.key, axis=1, kind="stable")
+        moved = np.flatnonzero((order != np.arange(self.k)).any(1))
+        for s in range(0, len(moved), 4096):
+            rows, o = moved[s:s + 4096], order[moved[s:s + 4096]]
+            self.key[rows] = np.take_along_axis(self.key[rows], o, 1)
+            self.position[rows] = np.take_along_axis(self.position[rows], o, 1)
+            self.samples[rows] = np.take_along_axis(self.samples[rows], o[:, :, None], 1)
+        return self
+
     @property
     def n_samples(self) -> np.ndarray:
         return (self.key != EMPTY).sum(1).astype(np.int64)
