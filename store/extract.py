@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -179,7 +180,9 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
         if existing and existing.get("complete") and not overwrite:
             if existing.get("config_hash") == chash:
-                drop_state(spath)  # a state left by a run killed after its write
+                drop_state(spath)  # a state (or a staged copy) left by a run killed after its write
+                for stale in (spath.with_suffix(".zarr"), spath.with_suffix(".zarr.old")):
+                    shutil.rmtree(stale, ignore_errors=True)
                 return "skipped"
             keep_both = "" if cfg.tag else "; to keep both (e.g. another dataset), pass --tag NAME"
             raise UserError(f"{ckpt.group} is already in {store} under another configuration "

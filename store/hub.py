@@ -106,6 +106,14 @@ def _has_safetensors(p: Path) -> bool:
 
 
 def fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
+    """:func:`_fetch`, with the Hub client's retry chatter unprinted (a failure is one line of ours)."""
+    from ncanalyze.store.load import quiet_loading
+
+    with quiet_loading():
+        return _fetch(repo, revision, allow_pickle)
+
+
+def _fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
     """The local snapshot of ``repo`` at ``revision``: from the cache when it is there, else downloaded (safetensors,
     config and tokenizer files; pickle ``.bin`` weights only with ``allow_pickle`` and only when the revision has no
     safetensors). Raises huggingface_hub's errors (see :data:`HUB_ERRORS`) or a UserError."""
