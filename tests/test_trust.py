@@ -80,29 +80,39 @@ def extract_args(model, corpus, store, *extra):
 
 # ---------------------------------------------------------------- resume states
 
+@pytest.fixture(scope="module")
+def saved_state(model, corpus, tmp_path_factory) -> bytes:
+    """The bytes of a real resume state: extraction killed (SIGKILL) in its train pass after a few batches."""
+    return killed_state(model, corpus, tmp_path_factory.mktemp("killed") / "s.zarr").read_bytes()
+
+
+def put_state(store: Path, model: Path, data: bytes) -> Path:
+    state = state_of(store, model)
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_bytes(data)
+    return state
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "bit-flipped"])
-def test_a_corrupt_resume_state_is_one_line_and_restart_discards_it(damage, model, corpus, reference, tmp_path):
-    store = tmp_path / "s.zarr"
-    state = killed_state(model, corpus, store)
-    data = state.read_bytes()
+def test_a_corrupt_resume_state_is_one_line_and_restart_discards_it(damage, model, corpus, reference, saved_state,
+                                                                     tmp_path):
+    data = saved_state
     damaged = {"truncated": data[: len(data) // 2], "garbage": os.urandom(len(data)), "empty": b"",
                "bit-flipped": data[:200] + bytes([data[200] ^ 0x10]) + data[201:]}[damage]
-    state.write_bytes(damaged)
+    store = tmp_path / "s.zarr"
+    state = put_state(store, model, damaged)
     line = one_line_error(run_cli(*extract_args(model, corpus, store), ok=False))
     assert str(state) in line and "--restart" in line
-    for flag in ("--restart", "--overwrite"):
-        state.parent.mkdir(parents=True, exist_ok=True)
-        state.write_bytes(damaged)
-        run_cli(*extract_args(model, corpus, store, flag))
-        assert_same_group(reference, store, group(model))
-        shutil.rmtree(store)
+    flag = "--restart" if damage in ("truncated", "empty") else "--overwrite"  # each discards it
+    run_cli(*extract_args(model, corpus, store, flag))
+    assert_same_group(reference, store, group(model))
 
 
 @pytest.mark.parametrize("edit", ["phase 7", "negative batches", "huge batches", "counts do not add up",
                                   "wrong shape"])
-def test_an_inconsistent_resume_state_is_refused(edit, model, corpus, tmp_path):
+def test_an_inconsistent_resume_state_is_refused(edit, model, corpus, saved_state, tmp_path):
     store = tmp_path / "s.zarr"
-    state = killed_state(model, corpus, store)
+    state = put_state(store, model, saved_state)
     with np.load(state) as f:
         arrays = {k: f[k] for k in f.files}
     if edit == "phase 7":
@@ -118,7 +128,7 @@ def test_an_inconsistent_resume_state_is_refused(edit, model, corpus, tmp_path):
     np.savez(state, **arrays)
     line = one_line_error(run_cli(*extract_args(model, corpus, store), ok=False))
     assert str(state) in line and "--restart" in line
-    assert group(model) not in ncanalyze.store.open(store).to_dict()
+    assert not (store / model.parent.name / model.name).exists()
 
 
 def test_a_resume_on_changed_data_is_refused(model, corpus, reference, tmp_path):
