@@ -1,0 +1,74 @@
+"""The extraction's up-front estimate against the time a multi-checkpoint run really takes.
+
+    python benchmarks/estimate.py                   # 4 checkpoints of a GPT-Neo width 128, 2 layers, vocab 8,192, CPU
+
+Builds a run folder of randomly initialised checkpoints (save_pretrained, safetensors) and a token file, runs
+``ncanalyze extract`` over it the way the CLI does, reads the number in its ``estimate:`` line, and prints it beside
+the wall time of the whole extraction (model loads, both passes, the writes). The aim (issue 12) is within +-30%.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+from ncanalyze.store.extract import ExtractConfig, extract
+
+
+def seconds(line: str) -> float:
+    """The time in an estimate line ("~12 s", "~3.5 min", "~1.2 h")."""
+    m = re.search(r"~([\d,.]+) (s|min|h) ", line)
+    if m is None:
+        raise SystemExit(f"no time in the estimate line: {line!r}")
+    return float(m.group(1).replace(",", "")) * {"s": 1, "min": 60, "h": 3600}[m.group(2)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoints", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--train-tokens", type=int, default=131072)
+    p.add_argument("--val-tokens", type=int, default=32768)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    args = p.parse_args()
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ncanalyze").addHandler(handler)
+    logging.getLogger("ncanalyze").setLevel(logging.INFO)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        config = GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers, num_heads=4,
+                              attention_types=[[["global", "local"], args.layers // 2]],
+                              max_position_embeddings=args.block_size, intermediate_size=4 * args.width)
+        for i in range(args.checkpoints):
+            torch.manual_seed(i)
+            GPTNeoForCausalLM(config).save_pretrained(run / f"checkpoint-{(i + 1) * 10}")
+        rng = np.random.default_rng(0)
+        for name, n in (("train", args.train_tokens), ("val", args.val_tokens)):
+            np.save(Path(tmp) / f"{name}.npy", np.minimum(rng.zipf(1.2, n) - 1, args.vocab - 1).astype(np.int64))
+        cfg = ExtractConfig(dataset=str(Path(tmp) / "train.npy"), val_dataset=str(Path(tmp) / "val.npy"),
+                            block_size=args.block_size, batch_size=args.batch_size, device="cpu")
+        start = time.perf_counter()
+        extract(run, Path(tmp) / "s.zarr", cfg)
+        actual = time.perf_counter() - start
+    (line,) = [x for x in lines if x.startswith("estimate:")]
+    est = seconds(line)
+    print(line)
+    print(f"{args.checkpoints} checkpoints x {args.train_tokens:,} train + {args.val_tokens:,} val tokens: estimated "
+          f"{est:,.1f} s, took {actual:,.1f} s; estimate / actual = {est / actual:.2f} (aim: 0.7-1.3)")
+
+
+if __name__ == "__main__":
+    main()
