@@ -21,7 +21,6 @@ from __future__ import annotations
 import uuid
 from typing import NamedTuple
 
-import dask
 import numba
 import numpy as np
 from dask.delayed import Delayed

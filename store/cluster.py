@@ -94,7 +94,7 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
 
     A checkpoint bad in itself (CheckpointError) fails alone; any other error cancels the rest and is raised."""
     # here, not at the top: measure uses this module's client() without loading torch
-    from ncanalyze.store import io, shards as sh
+    from ncanalyze.store import shards as sh
     from ncanalyze.store.discover import discover
     from ncanalyze.store.extract import check_settings, extract_checkpoint, tagged
     from ncanalyze.store.lock import checkpoint_lock

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 

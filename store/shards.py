@@ -20,7 +20,6 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError

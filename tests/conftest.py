@@ -5,6 +5,9 @@ import importlib.util
 import os
 import random
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,26 @@ def lone_model(trained_run: Path, dest: Path) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(trained_run / f, dest / f)
     return dest
+
+
+CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
+
+
+def kill_when(args, state: Path, batches: int = 5, at: dict[str, int] | None = None) -> None:
+    """Run the CLI with ``args`` in a process and SIGKILL it once its resume state ``state`` holds ``batches`` batches
+    and the values ``at`` (e.g. {"phase": 1}): a real crash at a known point."""
+    import numpy as np
+
+    proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with np.load(state) as s:
+                if int(s["batches"]) >= batches and all(int(s[k]) == v for k, v in (at or {}).items()):
+                    break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.kill()
+    proc.wait()

@@ -165,7 +165,7 @@ def test_shards_merge_exactly(cluster, trained_run, corpus, extracted_store, tmp
 
 def test_a_worker_killed_mid_checkpoint_changes_nothing(cluster, trained_run, corpus, tmp_path):
     address, client = cluster
-    ck, g = trained_run / "checkpoint-20", f"{trained_run.name}/checkpoint-20"
+    ck = trained_run / "checkpoint-20"
     args = ["extract", ck, "--dataset", corpus["train"], "--max-train-tokens", 4096, "--max-val-tokens", 2048,
             "--batch-size", 1, "--samples-per-class", 2, "--state-every", 0]
     ref = tmp_path / "ref.zarr"

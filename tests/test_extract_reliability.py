@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import lone_model, run_cli
+from conftest import kill_when, lone_model, run_cli
 from safetensors.torch import load_file, save_file
 
 import ncanalyze.store
 
-CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 
 
 def assert_same_group(a, b, group: str) -> None:
@@ -39,21 +35,8 @@ def test_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
 
     store = tmp_path / "killed.zarr"
     for phase in (0, 1):  # kill once in the train pass and once in the validation pass
-        proc = subprocess.Popen(CLI + [str(a) for a in args] + ["--store", str(store)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         state = _state(store) / trained_run.name / "checkpoint-40.npz"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with np.load(state) as s:
-                    if int(s["phase"]) == phase and int(s["batches"]) >= 5:
-                        break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run finished before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_when([*args, "--store", store], state, at={"phase": phase})
         with np.load(state) as s:
             assert int(s["phase"]) == phase
         # the killed store still opens, and holds no half-finished group

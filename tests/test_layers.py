@@ -3,18 +3,15 @@ Trainer checkpoint: every layer's statistics to 1e-9, the logit lens's NC4 count
 the embeddings through xarray/flox, kill-and-resume bit for bit, the config hash, the memory check."""
 from __future__ import annotations
 
-import signal
-import subprocess
-import time
 
 import dask.array as da
 import numpy as np
 import pytest
 import torch
 import xarray as xr
-from conftest import EXTRACT_OPTS, run_cli
+from conftest import EXTRACT_OPTS, kill_when, run_cli
 from test_extract import assert_matches, text_blocks
-from test_extract_reliability import CLI, _state
+from test_extract_reliability import _state
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ncanalyze.store
@@ -187,20 +184,7 @@ def test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical(tr
     store = tmp_path / "killed.zarr"
     state = _state(store) / "neo-2x32" / f"{CK}.npz"
     for pass_, phase in ((0, 0), (1, 1)):  # in the first pass's train pass, in the second pass's validation pass
-        proc = subprocess.Popen(CLI + [str(a) for a in args] + ["--store", str(store)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with np.load(state) as s:
-                    if int(s["pass"]) == pass_ and int(s["phase"]) == phase and int(s["batches"]) >= 5:
-                        break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run finished before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_when([*args, "--store", store], state, at={"pass": pass_, "phase": phase})
         with np.load(state) as s:
             assert (int(s["pass"]), int(s["phase"])) == (pass_, phase)
         assert f"neo-2x32/{CK}" not in ncanalyze.store.open(store).to_dict()

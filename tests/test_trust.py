@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import zarr
-from conftest import EXTRACT_OPTS, lone_model, run_cli
-from test_extract_reliability import CLI, assert_same_group
+from conftest import CLI, kill_when, lone_model, run_cli
+from test_extract_reliability import assert_same_group
 
 import ncanalyze.store
 
@@ -47,30 +46,13 @@ def group(model: Path) -> str:
     return f"{model.parent.name}/{model.name}"
 
 
-def kill_after(args, state: Path, batches: int = 4) -> None:
-    """Run the CLI with ``args`` in a process and SIGKILL it once its resume state holds ``batches`` batches."""
-    proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with np.load(state) as s:
-                if int(s["batches"]) >= batches:
-                    break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.kill()
-    proc.wait()
-
-
 def state_of(store: Path, model: Path) -> Path:
     return store.with_name(store.name + ".partial") / model.parent.name / f"{model.name}.npz"
 
 
 def killed_state(model, corpus, store) -> Path:
     """A real resume state: extraction killed (SIGKILL) in its train pass after a few batches."""
-    kill_after(extract_args(model, corpus, store, "--state-every", 0), state_of(store, model))
+    kill_when(extract_args(model, corpus, store, "--state-every", 0), state_of(store, model), batches=4)
     return state_of(store, model)
 
 
@@ -137,7 +119,7 @@ def test_a_resume_on_changed_data_is_refused(model, corpus, reference, tmp_path)
     store = tmp_path / "s.zarr"
     args = ("extract", model, "--dataset", train, "--val-dataset", corpus["val"], "--store", store, *SMALL,
             "--batch-size", 2)
-    kill_after((*args, "--state-every", 0), state_of(store, model))
+    kill_when((*args, "--state-every", 0), state_of(store, model), batches=4)
     lines = train.read_text().splitlines(keepends=True)
     train.write_text("".join(lines[:3] + ["the big dog sees the red fox .\n"] + lines[4:]))  # one line changed
     line = one_line_error(run_cli(*args, "--state-every", 0, ok=False))
@@ -262,6 +244,8 @@ def test_metrics_that_are_not_finite_are_strict_json(tmp_path):
 
 def test_bad_stores_and_options_are_one_line_and_change_nothing(model, corpus, extracted_store, tmp_path):
     base = ("extract", model, "--dataset", corpus["train"], *SMALL)
+    measured = tmp_path / "measured.zarr"  # report measures before it writes: never the shared fixture's store
+    shutil.copytree(extracted_store, measured)
     afile = tmp_path / "afile"
     afile.write_text("x")
     (tmp_path / "busy").mkdir()
@@ -277,9 +261,9 @@ def test_bad_stores_and_options_are_one_line_and_change_nothing(model, corpus, e
         "seed out of range": ((*base, "--seed", -1, "--store", tmp_path / "b.zarr"), "--seed"),
         "unknown device": ((*base, "--device", "tpu", "--store", tmp_path / "c.zarr"), "--device"),
         "min-count above the cap": ((*base, "--min-count", 5000, "--store", tmp_path / "d.zarr"), "--min-count"),
-        "scheduler not an address": (("measure", "--store", extracted_store, "--scheduler", "not an address"),
+        "scheduler not an address": (("measure", "--store", measured, "--scheduler", "not an address"),
                                      "scheduler"),
-        "report --out under a file": (("report", "--store", extracted_store, "--out", afile / "r",
+        "report --out under a file": (("report", "--store", measured, "--out", afile / "r",
                                        "--permutations", 0), "--out"),
     }
     for name, (args, words) in cases.items():
