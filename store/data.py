@@ -27,18 +27,17 @@ class Blocks:
     _iter: Callable[[], Iterator[np.ndarray]]
     rows_from_file: bool = False  # the block length is the width of a 2-D token array, not --block-size
 
-    def batches(self, batch_size: int, skip: int = 0) -> Iterator[np.ndarray]:
-        """Batches of blocks (b x block_size), skipping the first ``skip`` batches."""
-        buf, done = [], 0
+    def batches(self, batch_size: int) -> Iterator[np.ndarray]:
+        """Batches of blocks (b x block_size); a resume reads the batches it holds again, to check them."""
+        buf = []
         for i, block in enumerate(self._iter()):
             if self.max_blocks is not None and i >= self.max_blocks:
                 break
             buf.append(block)
             if len(buf) == batch_size:
-                if done >= skip:
-                    yield np.stack(buf)
-                buf, done = [], done + 1
-        if buf and done >= skip:
+                yield np.stack(buf)
+                buf = []
+        if buf:
             yield np.stack(buf)
 
     @property

@@ -1,6 +1,7 @@
 """Session fixtures: a synthetic corpus, a BPE tokenizer and real GPT-Neo checkpoints trained by the Trainer."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -120,3 +121,15 @@ def kill_when(args, state: Path, batches: int = 5, at: dict[str, int] | None = N
     assert proc.poll() is None, "the run finished before it could be killed"
     proc.kill()
     proc.wait()
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A real small (or read-only) file system mounted at ``path`` for the test; skips where mounting needs root."""
+    path.mkdir(exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)])

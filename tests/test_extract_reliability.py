@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 
 import numpy as np
 import pytest
 import torch
-from conftest import kill_when, lone_model, run_cli
+from conftest import kill_when, lone_model, run_cli, tmpfs
 from safetensors.torch import load_file, save_file
 
 import ncanalyze.store
@@ -144,11 +143,7 @@ def test_allow_pickle_loads_trusted_pickle_weights(trained_run, corpus, tmp_path
 
 
 def test_full_disk_is_a_clean_error_and_resumes(trained_run, corpus, tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
         store = disk / "s.zarr"
         opts = ["--dataset", corpus["train"], "--store", store, "--max-train-tokens", 1024, "--max-val-tokens", 512,
                 "--samples-per-class", 1]
@@ -165,8 +160,6 @@ def test_full_disk_is_a_clean_error_and_resumes(trained_run, corpus, tmp_path):
         r = run_cli("extract", trained_run, *opts)
         assert sorted(ncanalyze.store.open(store)[trained_run.name].children) == [
             "checkpoint-20", "checkpoint-40", "checkpoint-60"]
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_a_clean_error(trained_run, corpus, tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import zarr
-from conftest import CLI, kill_when, lone_model, run_cli
+from conftest import CLI, kill_when, lone_model, run_cli, tmpfs
 from test_extract_reliability import assert_same_group
 
 import ncanalyze.store
@@ -146,11 +146,7 @@ def test_two_writers_on_one_checkpoint_end_with_one_writers_store(model, corpus,
 
 
 def test_overwrite_on_a_full_disk_keeps_the_old_group(model, corpus, tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
+    with tmpfs(tmp_path / "disk", "size=3m") as disk:
         store = disk / "s.zarr"
         run_cli(*extract_args(model, corpus, store))
         before = ncanalyze.store.open(store)[group(model)].to_dataset().load()
@@ -160,8 +156,6 @@ def test_overwrite_on_a_full_disk_keeps_the_old_group(model, corpus, tmp_path):
         assert "disk full" in r.output
         after = ncanalyze.store.open(store)[group(model)].to_dataset().load()
         assert after.identical(before) and after.attrs["complete"] is True
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_ctrl_c_saves_the_state_and_the_resume_is_bit_identical(model, corpus, reference, tmp_path):
@@ -286,17 +280,10 @@ def test_corrupt_metadata_is_one_line(model, corpus, tmp_path):
 
 
 def test_a_read_only_store_is_refused_before_any_work(model, corpus, tmp_path):
-    disk = tmp_path / "ro"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)],
-                      capture_output=True).returncode:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as disk:
         start = time.monotonic()
         line = one_line_error(run_cli(*extract_args(model, corpus, disk / "new.zarr"), ok=False))
         assert "read-only" in line and time.monotonic() - start < 30
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_a_broken_checkpoint_is_one_line_without_the_load_report(trained_run, corpus, tmp_path):
