@@ -53,7 +53,7 @@ def main() -> None:
     layered = plan("all", args.layers_per_pass, 0, "float32", args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         ids_file = Path(tmp) / "train.npy"
-        np.save(ids_file, tokens(args, args.vocab))
+        np.save(ids_file, tokens(args, args.vocab, args.tokens))
         blocks = open_blocks(str(ids_file), "train", args.block_size, args.tokens, "text", None)
         batches = list(blocks.batches(args.batch_size))
         n_tok = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
