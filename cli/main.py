@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
 import click
+from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
@@ -16,10 +18,10 @@ log = logging.getLogger("ncanalyze")
 
 
 class _ClickHandler(logging.Handler):
-    """Log records as lines on stderr through click (so they interleave with the progress bars and tests see them)."""
+    """Log records as lines on stderr, written above the progress bars (tqdm.write clears and redraws them)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(self.format(record), err=True)
+        tqdm.write(self.format(record), file=sys.stderr)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from ncanalyze.store import io, layers, tokens
 from ncanalyze.store.data import (Blocks, check_block_size, default_val_spec, is_token_file, model_positions,
                                   open_blocks)
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
-from ncanalyze.store.estimate import check_memory, estimate, state_bytes
+from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
 from ncanalyze.store.loss import LogitTransform, loss_attrs
@@ -161,13 +162,14 @@ def layer_plan(cfg: ExtractConfig, config) -> layers.Plan | None:
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
-                       restart: bool = False, announce: Callable[[object, Blocks], None] | None = None,
+                       restart: bool = False, announce: Callable[..., None] | None = None,
                        interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> str:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``; returns 'done', 'skipped' or 'resumed'.
 
     One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done).
     ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
-    state; ``announce(model, train_blocks)`` is called before the passes start (the estimate is logged there); a
+    state; ``announce(model, seconds_to_load, train, val, plan)`` is called before the passes start (the estimate
+    is logged there, :func:`announcer`); a
     pending ``interrupt`` (Ctrl-C) is taken at the next batch boundary, after saving the state; ``extra_attrs`` go
     into the group's attributes last (a Hub revision's origin and step)."""
     device, config, block_size, val_spec, val_split, record = resolve(ckpt, cfg)
@@ -188,8 +190,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                             f"({_differences(json.loads(existing.get('config', '{}')), record)}); "
                             f"rerun with the same options, or pass --overwrite to replace it{keep_both}")
         # only now: a finished checkpoint is skipped without loading its weights
+        started = time.perf_counter()
         model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
         tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
+        loaded = time.perf_counter() - started
         out = model.get_output_embeddings()
         classifier = out.weight.detach()
         bias = out.bias.detach() if getattr(out, "bias", None) is not None else None
@@ -198,14 +202,14 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                       tokenizer, store)
         val = None if val_spec is None else _open(val_spec, val_split, cfg.max_val_tokens, "--max-val-tokens", cfg,
                                                   block_size, config, tokenizer, store)
+        if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
+            announce(model, loaded, train, val, plan)
         if plan is None:
             ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
         else:
             ex = layers.Layered(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, layers.stage(spath))
         status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
         saver = Saver(spath, lambda: ex.state(record), cfg.state_every, interrupt)
-        if announce:
-            announce(model, train)
         if plan is not None:
             ex.run(model, train, lambda: val, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
         if ex.phase == Phase.TRAIN:
@@ -261,17 +265,31 @@ def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
     return [replace(c, run=f"{c.run}@{tag}") for c in ckpts]
 
 
-def announcer(todo: int, cfg: ExtractConfig, store: Path) -> Callable[[object, Blocks], None]:
-    """``announce(model, train)`` for :func:`extract_checkpoint`: logs the estimate for ``todo`` checkpoints, once,
-    at the first checkpoint that does work."""
+def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False) -> Callable[..., None]:
+    """``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`: once, at the first checkpoint
+    that does work, times its passes (:func:`~ncanalyze.store.estimate.measure_costs`, only where the data's length
+    is known) and logs the estimate for the checkpoints ``todo``, less what their resume states hold (unless
+    ``restart`` discards them)."""
     announced = False
 
-    def announce(model, train: Blocks) -> None:
+    def announce(model, loaded: float, train: Blocks, val: Blocks | None, plan: layers.Plan | None) -> None:
         nonlocal announced
-        if not announced:
-            log.info("estimate: %s", estimate(todo, model, train, cfg.batch_size, cfg.samples_per_class,
-                                              cfg.max_val_tokens, store))
-            announced = True
+        if announced:
+            return
+        announced = True
+        device = next(model.parameters()).device
+        vocab, d = model.get_output_embeddings().weight.shape
+        known = train.total is not None and (val is None or val.total is not None)
+        costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count,
+                              cfg.seed, partial_dir(store)) if known else None
+        at = [START if restart else progress(state_path(store, c)) for c in todo]
+        passes = None if plan is None else [len(p) for p in plan.passes]
+        extra = {} if plan is None else {"embeddings": plan.save_embeddings, "embeddings_dtype": plan.embeddings_dtype}
+        per_layer, shared = state_bytes(vocab, d, cfg.samples_per_class, device)
+        k = 1 if plan is None else plan.widest_pass
+        log.info("estimate: %s; state ~%s MB on %s (%d layer(s))",
+                 estimate(at, costs, train, val, cfg.batch_size, vocab, d, cfg.samples_per_class, store, passes,
+                          **extra), f"{(k * per_layer + shared) / 1e6:,.0f}", device, k)
 
     return announce
 
@@ -298,9 +316,8 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     store = Path(store)
     ckpts = tagged(discover(path), cfg.tag)
     check_settings(cfg, store, shards)
-    todo = sum(overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")
-               for c in ckpts)
-    announce = announcer(todo, cfg, store)
+    todo = [c for c in ckpts if overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")]
+    announce = announcer(todo, cfg, store, restart)
     results = {}
     try:
         with DeferredInterrupt() as interrupt:

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.resume import DeferredInterrupt, partial_dir, prune
@@ -214,13 +216,14 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg, overwri
     store = Path(store)
     check_settings(cfg, store)
     name = repo.split("/")[-1]
-    groups = {r: tagged([Snapshot(repo, r, Path("."), False).checkpoint(name)], cfg.tag)[0].group for r in revisions}
-    todo = sum(overwrite or not (io.group_attrs(store, g) or {}).get("complete") for g in groups.values())
-    announce = announcer(todo, cfg, store)
+    ckpts = {r: tagged([Snapshot(repo, r, Path("."), False).checkpoint(name)], cfg.tag)[0] for r in revisions}
+    groups = {r: c.group for r, c in ckpts.items()}
+    todo = [c for c in ckpts.values() if overwrite or not (io.group_attrs(store, c.group) or {}).get("complete")]
+    announce = announcer(todo, cfg, store, restart)
     results, failed = {}, []
     try:
         with DeferredInterrupt() as interrupt:
-            for i, rev in enumerate(revisions, 1):
+            for i, rev in enumerate(tqdm(revisions, desc="revisions", unit="rev", disable=len(revisions) < 2), 1):
                 try:
                     if not overwrite and done_before(store, groups[rev], repo, rev, cfg):
                         results[groups[rev]] = "skipped"

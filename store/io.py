@@ -11,6 +11,8 @@ import errno
 import math
 import os
 import shutil
+import tempfile
+import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
@@ -206,6 +208,20 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, staging: Path
         os.rename(dest, old)
     os.rename(staging, dest)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_rate(sample: np.ndarray, folder: Path) -> float:
+    """Bytes per second at which a group's (vocab x hidden) ``sample`` is written the way :func:`write_checkpoint`
+    writes (chunks, zstd with checksums, to disk), timed in a scratch folder under ``folder`` that is removed after."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".write-rate-"))
+    try:
+        ds = xr.Dataset({"classifier": (("vocab", "hidden"), sample)})
+        t0 = time.perf_counter()
+        ds.to_zarr(tmp / "g", mode="w", encoding=_encoding(ds), **XR)
+        return sample.nbytes / max(time.perf_counter() - t0, 1e-6)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def recover_swap(path: str | Path, group: str, staging: Path) -> None:

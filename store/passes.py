@@ -117,7 +117,7 @@ def features(model, ids: torch.Tensor) -> torch.Tensor:
     return model.base_model(input_ids=ids).last_hidden_state[:, :-1]
 
 
-def _check_ids(batch: np.ndarray, vocab: int, spec: str) -> None:
+def check_ids(batch: np.ndarray, vocab: int, spec: str) -> None:
     lo, hi = int(batch.min()), int(batch.max())
     if lo < 0 or hi >= vocab:
         raise UserError(f"token id {hi if hi >= vocab else lo} in {spec} is outside the model's vocabulary "
@@ -147,7 +147,7 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
                 if seen == ex.batches and ex.stream and digest.hexdigest() != ex.stream:
                     _data_changed(blocks, desc)
                 continue
-            _check_ids(batch, vocab, blocks.spec)
+            check_ids(batch, vocab, blocks.spec)
             ids = torch.from_numpy(batch).to(device)
             h = features(model, ids) if forward is None else forward(ids)
             _check_finite(h, f"{desc}, batch {ex.batches}")
