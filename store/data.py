@@ -18,6 +18,14 @@ _VAL_NAMES = ("validation", "valid", "val", "test")
 
 
 @dataclass
+class Rows:
+    """How many rows of a text source have been read (``done``), of how many (``total``, None where it can't be known
+    up front): the tokenizing progress bar's count."""
+    total: int | None
+    done: int = 0
+
+
+@dataclass
 class Blocks:
     """A deterministic stream of token blocks (each ``block_size`` long, int64), at most ``max_blocks``."""
     spec: str
@@ -26,6 +34,7 @@ class Blocks:
     n_blocks: int | None  # known length (token files), else None
     _iter: Callable[[], Iterator[np.ndarray]]
     rows_from_file: bool = False  # the block length is the width of a 2-D token array, not --block-size
+    text_rows: Rows | None = None  # text: its rows read so far, of how many
 
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         """Batches of blocks (b x block_size); a resume reads the batches it holds again, to check them."""
@@ -97,7 +106,7 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
     if tokenize is None:
         raise UserError(f"{spec} is text and needs a tokenizer: none was found beside the checkpoint or its run; "
                         "pass --tokenizer PATH_OR_NAME")
-    texts = _text_rows(spec, split, text_column, keep_linebreaks=keep_linebreaks)
+    texts, text_rows = _text_rows(spec, split, text_column, keep_linebreaks=keep_linebreaks)
 
     def grouped() -> Iterator[np.ndarray]:
         pending, n_blocks = np.zeros(0, dtype=np.int64), 0
@@ -112,7 +121,7 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
             raise UserError(f"{spec} (split {split!r}) holds no full block of {block_size} tokens: it is empty or "
                             "shorter than one block; pass more text or a smaller --block-size")
 
-    return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), None, grouped)
+    return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), None, grouped, text_rows=text_rows)
 
 
 def _max_blocks(max_tokens: int | None, block_size: int) -> int | None:
@@ -227,8 +236,9 @@ def _malformed(spec: str, e: BaseException) -> UserError:
 
 
 def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
-               keep_linebreaks: bool = True) -> Callable[[], Iterator[list[str]]]:
-    """A re-iterable source of text chunks from a Hub dataset, a local dataset folder or text-like files."""
+               keep_linebreaks: bool = True) -> tuple[Callable[[], Iterator[list[str]]], Rows]:
+    """A re-iterable source of text chunks from a Hub dataset, a local dataset folder or text-like files, and the
+    count of its rows read (of :func:`_row_total`)."""
     import datasets
 
     p = Path(spec)
@@ -280,8 +290,11 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
         raise UserError(f"dataset {spec} has no column {column!r} (columns: {ds.column_names}); "
                         "pass --text-column")
 
+    read = Rows(_row_total(ds, p, split))
+
     def rows() -> Iterator[list[str]]:
         """Chunks of text; a stream reads lazily, so malformed content surfaces here, named as a UserError."""
+        read.done = 0
         try:
             for b in ds.select_columns([column]).iter(batch_size=chunk):
                 texts = b[column]
@@ -290,11 +303,37 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
                     raise UserError(f"column {column!r} of {spec} is not text (it holds {type(bad).__name__} "
                                     f"{str(bad)[:40]!r}); pass --text-column with a text column, or token ids as "
                                     ".npy/.bin")
+                read.done += len(texts)
                 yield texts
         except malformed as e:
             raise _malformed(spec, e) from None
 
-    return rows
+    return rows, read
+
+
+def _row_total(ds, p: Path, split: str) -> int | None:
+    """The rows of a text source, where known without reading it: a dataset's length or its split's recorded size,
+    else the lines of local .txt/.jsonl files (one row per line) and parquet's metadata; None otherwise."""
+    import pyarrow.parquet as pq
+
+    if hasattr(ds, "__len__"):
+        return len(ds)
+    info = (getattr(ds, "info", None) and ds.info.splits or {}).get(split.split("[")[0])
+    if info is not None and info.num_examples:
+        return int(info.num_examples)
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+    if not files or any(f.suffix.lower() not in (".txt", ".text", ".jsonl", ".parquet") for f in files):
+        return None
+    return sum(pq.ParquetFile(f).metadata.num_rows if f.suffix.lower() == ".parquet" else _lines(f) for f in files)
+
+
+def _lines(path: Path) -> int:
+    """Lines of a text file (a last line without its break counts)."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            n, last = n + block.count(b"\n"), block[-1:]
+    return n + (last != b"\n")
 
 
 def _blank(p: Path) -> bool:

@@ -67,12 +67,13 @@ def _write(blocks: Blocks, path: Path, batch: int = 256) -> None:
     tmp = raw.with_name(raw.name.replace(".raw-", ".npy-"))
     try:
         n = 0
-        with os.fdopen(fd, "wb") as f, tqdm(total=blocks.total, desc=f"tokenizing {blocks.spec}", unit="block",
-                                             leave=False) as bar:
+        rows = blocks.text_rows if blocks.total is None and blocks.text_rows else None  # no block count: count rows
+        with os.fdopen(fd, "wb") as f, tqdm(total=rows.total if rows else blocks.total, unit="row" if rows else "block",
+                                             desc=f"tokenizing {blocks.spec}", leave=False) as bar:
             for b in blocks.batches(batch):
                 f.write(np.ascontiguousarray(b, dtype="<i4").tobytes())
                 n += len(b)
-                bar.update(len(b))
+                bar.update(min(rows.done, bar.total or rows.done) - bar.n if rows else len(b))
         with open(tmp, "wb") as out, open(raw, "rb") as f:
             np.lib.format.write_array_header_2_0(out, {"descr": "<i4", "fortran_order": False,
                                                        "shape": (n, blocks.block_size)})

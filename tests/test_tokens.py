@@ -2,9 +2,11 @@
 what determines the blocks; the statistics are the same as without the cache."""
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
+import pytest
 from conftest import EXTRACT_OPTS, lone_model, run_cli
 from test_extract import text_blocks
 from transformers import AutoTokenizer
@@ -64,3 +66,24 @@ def test_the_key_follows_what_determines_the_blocks(trained_run, corpus, tmp_pat
     assert no_total.total is None and tokens.cached(tmp_path / "s.zarr", no_total, "uncapped").total == \
         len(text_blocks(data, tok, None))
     assert not list(tokens.cache_dir(tmp_path / "s.zarr").glob(".*"))  # no temporary files left
+
+
+@pytest.mark.parametrize("form", ["a.txt", "b.jsonl", "c.parquet", "saved", "folder"])
+def test_text_knows_its_rows_for_the_tokenizing_bar(form, tmp_path):
+    """Uncapped text has no block count before it is tokenized; the tokenizing bar counts rows, of a total known up
+    front for every local form: lines of .txt/.jsonl, parquet's metadata, a saved dataset's length."""
+    import datasets
+    import pandas as pd
+
+    lines = [f"line {i} " + "word " * (i % 7) for i in range(2345)]
+    (tmp_path / "a.txt").write_text("\n".join(lines))  # the last line without its break
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(lines)))
+    pd.DataFrame({"text": lines}).to_parquet(tmp_path / "c.parquet")
+    datasets.Dataset.from_dict({"text": lines}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "x.txt").write_text("\n".join(lines[:1000]) + "\n")
+    (tmp_path / "folder" / "y.txt").write_text("\n".join(lines[1000:]) + "\n")
+    blocks = open_blocks(str(tmp_path / form), "train", 16, None, "text", lambda t: [[len(w) for w in s.split()]
+                                                                                    for s in t])
+    assert blocks.total is None and blocks.text_rows.total == len(lines)
+    assert sum(len(b) for b in blocks.batches(64)) > 0 and blocks.text_rows.done == len(lines)
