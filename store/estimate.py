@@ -74,6 +74,9 @@ def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, e
     return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8))
 
 
+START = (0, Phase.TRAIN, 0)  # the progress (pass, phase, batches done) of a checkpoint not yet started
+
+
 @dataclass(frozen=True)
 class Costs:
     """Seconds measured on the first checkpoint that does work."""
@@ -116,7 +119,7 @@ def progress(state: Path) -> tuple[int, Phase, int]:
         with np.load(state, allow_pickle=False) as f:
             return int(f["pass"]) if "pass" in f.files else 0, Phase(int(f["phase"])), int(f["batches"])
     except UNREADABLE:
-        return 0, Phase.TRAIN, 0
+        return START
 
 
 def kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
@@ -190,9 +193,6 @@ def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch
 
 def _duration(secs: float) -> str:
     return f"{secs:,.0f} s" if secs < 120 else f"{secs / 60:,.1f} min" if secs < 7200 else f"{secs / 3600:,.1f} h"
-
-
-START = (0, Phase.TRAIN, 0)  # the progress of a checkpoint not yet started
 
 
 def estimate(at: list[tuple[int, Phase, int]], costs: Costs | None, train: Blocks, val: Blocks | None,
