@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,9 +21,13 @@ _VAL_NAMES = ("validation", "valid", "val", "test")
 @dataclass
 class Rows:
     """How many rows of a text source have been read (``done``), of how many (``total``, None where it can't be known
-    up front): the tokenizing progress bar's count."""
-    total: int | None
+    up front; counted on first use, since that may read the files): the tokenizing progress bar's count."""
+    count: Callable[[], int | None]
     done: int = 0
+
+    @functools.cached_property
+    def total(self) -> int | None:
+        return self.count()
 
 
 @dataclass
@@ -290,7 +295,7 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
         raise UserError(f"dataset {spec} has no column {column!r} (columns: {ds.column_names}); "
                         "pass --text-column")
 
-    read = Rows(_row_total(ds, p, split))
+    read = Rows(lambda: _row_total(ds, p, split))
 
     def rows() -> Iterator[list[str]]:
         """Chunks of text; a stream reads lazily, so malformed content surfaces here, named as a UserError."""

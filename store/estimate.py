@@ -85,7 +85,7 @@ class Costs:
     train: float    # a layer's part of a train batch: its float64 statistics and reservoir
     decide: float   # a layer's part of a validation batch: NC4's decisions over the kept classes
     loss: float     # the loss's part of a validation batch (measured at the last layer only)
-    write_rate: float  # bytes per second into the store
+    write_rate: float | None  # bytes per second into the store (None: not measurable, e.g. a full disk)
 
     def train_batch(self, k: int) -> float:
         """A train batch with ``k`` layers."""
@@ -210,7 +210,8 @@ def estimate(at: list[tuple[int, Phase, int]], costs: Costs | None, train: Block
                 f"--no-token-cache, or cap it with --max-train-tokens/--max-val-tokens, for a time); {where}")
     n_train = -(-train.total // batch_size)
     n_val = 0 if val is None else -(-val.total // batch_size)
-    write = disk / costs.write_rate
+    write = disk / costs.write_rate if costs.write_rate else 0.0
+    wrote = f"{write:.1f} s" if costs.write_rate else "not timed"
     total = n * (costs.load + write) + sum(costs.left(p, passes, n_train, n_val) for p in at)
     started = sum(p != START for p in at)
     partly = f" ({started} partly done)" if started else ""
@@ -219,4 +220,4 @@ def estimate(at: list[tuple[int, Phase, int]], costs: Costs | None, train: Block
     val_s = sum(costs.val_batch(k, i == len(passes) - 1) for i, k in enumerate(passes))
     return (f"{n} checkpoint(s) to do{partly} x {train.total * train.block_size:,} train tokens + {val_tokens}; "
             f"~{_duration(total)} in all. Per checkpoint: load {costs.load:.1f} s, train pass {n_train * train_s:,.1f} "
-            f"s, validation {n_val * val_s:,.1f} s, write {write:.1f} s (timed on the first); {where}")
+            f"s, validation {n_val * val_s:,.1f} s, write {wrote} (timed on the first); {where}")

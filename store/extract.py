@@ -169,9 +169,8 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done).
     ``overwrite`` replaces a group extracted under another configuration, ``restart`` discards a saved resume
     state; ``announce(model, seconds_to_load, train, val, plan)`` is called before the passes start (the estimate
-    is logged there, :func:`announcer`); a
-    pending ``interrupt`` (Ctrl-C) is taken at the next batch boundary, after saving the state; ``extra_attrs`` go
-    into the group's attributes last (a Hub revision's origin and step)."""
+    is logged there, :func:`announcer`); a pending ``interrupt`` (Ctrl-C) is taken at the next batch boundary, after
+    saving the state; ``extra_attrs`` go into the group's attributes last (a Hub revision's origin and step)."""
     device, config, block_size, val_spec, val_split, record = resolve(ckpt, cfg)
     plan = layer_plan(cfg, config)
     chash = config_hash(record)

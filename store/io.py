@@ -7,6 +7,7 @@ checkpoint is marked complete.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -210,16 +211,26 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, staging: Path
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_rate(sample: np.ndarray, folder: Path) -> float:
+def write_rate(sample: np.ndarray, folder: Path) -> float | None:
     """Bytes per second at which a group's (vocab x hidden) ``sample`` is written the way :func:`write_checkpoint`
-    writes (chunks, zstd with checksums, to disk), timed in a scratch folder under ``folder`` that is removed after."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".write-rate-"))
+    writes (chunks, zstd with checksums, to disk), timed in a scratch folder under ``folder`` that is removed after
+    (and, left by a killed run, an hour later); None where it can't be written (a full disk: the write will say)."""
+    for stale in folder.glob(".write-rate-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".write-rate-"))
+    except OSError:
+        return None
     try:
         ds = xr.Dataset({"classifier": (("vocab", "hidden"), sample)})
         t0 = time.perf_counter()
         ds.to_zarr(tmp / "g", mode="w", encoding=_encoding(ds), **XR)
         return sample.nbytes / max(time.perf_counter() - t0, 1e-6)
+    except OSError:
+        return None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -3,8 +3,10 @@ classes and the disk size against brute force and a real group, and the line a r
 to the actual time is a benchmark (benchmarks/estimate.py), not a timed test."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import EXTRACT_OPTS, run_cli
+from conftest import EXTRACT_OPTS, run_cli, tmpfs
 from ncanalyze.store import io
 from ncanalyze.store.data import open_blocks
 from ncanalyze.store.estimate import START, Costs, estimate, group_bytes, kept_classes, progress
@@ -94,3 +96,22 @@ def test_a_run_estimates_only_the_checkpoints_left(extracted_store, trained_run,
     (line,) = [x for x in out.splitlines() if "estimate:" in x]
     assert "1 checkpoint(s) to do x 8,192 train tokens + 4,096 val tokens" in line and " in all. " in line
     assert not list(Path(f"{store}.partial").glob("**/.write-rate-*"))  # the write timing's scratch is gone
+
+
+def test_the_write_timing_on_a_full_disk_is_left_out_and_its_leftovers_are_removed(tmp_path):
+    sample = np.random.default_rng(0).standard_normal((2048, 64)).astype(np.float32)  # 512 KiB, incompressible
+    assert io.write_rate(sample, tmp_path / "partial") > 0
+    assert not list((tmp_path / "partial").iterdir())
+    old, fresh = tmp_path / "partial" / ".write-rate-killed", tmp_path / "partial" / ".write-rate-running"
+    old.mkdir()
+    fresh.mkdir()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))  # left by a run killed two hours ago
+    io.write_rate(sample, tmp_path / "partial")
+    assert not old.exists() and fresh.exists()  # another run's, still in use, is kept
+    with tmpfs(tmp_path / "disk", "size=64k") as disk:
+        assert io.write_rate(sample, disk / "partial") is None
+        costs = Costs(7.0, 1.0, 2.0, 3.0, 5.0, None)
+        np.save(tmp_path / "t.npy", np.arange(40 * 16) % 50)
+        train = open_blocks(str(tmp_path / "t.npy"), "train", 16, None, "text", None)
+        line = estimate([START], costs, train, None, 4, 50, 8, 2, disk / "s.zarr")
+        assert "write not timed" in line and "~37 s in all" in line  # 7 + 10 x 3, no write counted
