@@ -27,6 +27,7 @@ from ncanalyze.analyzer.accumulate import DecisionCounts
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.data import Blocks
+from ncanalyze.store.load import head
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.passes import Extraction, check_ids, features
 from ncanalyze.store.resume import UNREADABLE, Phase
@@ -152,9 +153,7 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int,
     statistics, reservoir), of a layer's part of the validation pass (NC4's decisions over ``n_kept`` classes) and
     of the loss (the last two 0 without ``validation``); each by the extraction's own code on a scratch state."""
     device = ids.device
-    out = model.get_output_embeddings()
-    classifier = out.weight.detach()
-    bias = out.bias.detach() if getattr(out, "bias", None) is not None else None
+    classifier, bias = head(model)
     vocab, dim = classifier.shape
     h = features(model, ids)
     labels = ids[:, 1:].reshape(-1)
@@ -181,13 +180,13 @@ def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch
                   min_count: int, seed: int, partial: Path) -> Costs:
     """The :class:`Costs` of a checkpoint like ``model`` (loaded in ``loaded`` seconds), timed on the first train
     batch; the write rate is timed in a scratch folder under ``partial``."""
-    head = model.get_output_embeddings().weight.detach()
-    n_kept = kept_classes(train, head.shape[0], min_count)
+    weight, _ = head(model)
+    n_kept = kept_classes(train, weight.shape[0], min_count)
     batch = next(train.batches(batch_size))
-    check_ids(batch, head.shape[0], train.spec)
-    ids = torch.from_numpy(batch).to(head.device)
+    check_ids(batch, weight.shape[0], train.spec)
+    ids = torch.from_numpy(batch).to(weight.device)
     timed = batch_seconds(model, ids, samples_per_class, n_kept, seed, validation=val is not None)
-    sample = head[: max(1, (4 << 20) // head.shape[1])].float().cpu().numpy()
+    sample = weight[: max(1, (4 << 20) // weight.shape[1])].float().cpu().numpy()
     return Costs(loaded, *timed, io.write_rate(sample, partial))
 
 

@@ -23,7 +23,7 @@ from ncanalyze.store.data import (Blocks, check_block_size, default_val_spec, is
                                   open_blocks)
 from ncanalyze.store.discover import Checkpoint, discover, training_metadata
 from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
-from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, load_config, load_model,
+from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, head, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
 from ncanalyze.store.loss import LogitTransform, loss_attrs
 from ncanalyze.store.passes import Extraction, train_pass, val_pass
@@ -193,9 +193,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
         tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
         loaded = time.perf_counter() - started
-        out = model.get_output_embeddings()
-        classifier = out.weight.detach()
-        bias = out.bias.detach() if getattr(out, "bias", None) is not None else None
+        classifier, bias = head(model)
         check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, device), plan and plan.widest_pass, device)
         train = _open(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg, block_size, config,
                       tokenizer, store)

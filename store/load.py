@@ -92,6 +92,13 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
     return model.to(device).eval()
 
 
+def head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer's weight (vocab x hidden) and bias (None where it has none), detached."""
+    out = model.get_output_embeddings()
+    bias = getattr(out, "bias", None)
+    return out.weight.detach(), None if bias is None else bias.detach()
+
+
 def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code: bool = False):
     """(tokenizer, where it came from): ``name`` (--tokenizer), else the checkpoint's, else its run's; (None, None)
     if there is none."""
