@@ -177,12 +177,15 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int,
 
 
 def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch_size: int, samples_per_class: int,
-                  min_count: int, seed: int, partial: Path) -> Costs:
+                  min_count: int, seed: int, partial: Path) -> Costs | None:
     """The :class:`Costs` of a checkpoint like ``model`` (loaded in ``loaded`` seconds), timed on the first train
-    batch; the write rate is timed in a scratch folder under ``partial``."""
+    batch (None without one: the train pass then says the data is empty); the write rate is timed in a scratch
+    folder under ``partial``."""
     weight, _ = head(model)
+    batch = next(train.batches(batch_size), None)
+    if batch is None:
+        return None
     n_kept = kept_classes(train, weight.shape[0], min_count)
-    batch = next(train.batches(batch_size))
     check_ids(batch, weight.shape[0], train.spec)
     ids = torch.from_numpy(batch).to(weight.device)
     timed = batch_seconds(model, ids, samples_per_class, n_kept, seed, validation=val is not None)
