@@ -27,7 +27,10 @@ class Rows:
 
     @functools.cached_property
     def total(self) -> int | None:
-        return self.count()
+        try:
+            return self.count()
+        except (OSError, ValueError):  # a file gone or malformed (pyarrow's errors are both): the read will say
+            return None
 
 
 @dataclass
@@ -232,6 +235,9 @@ def _malformed(spec: str, e: BaseException) -> UserError:
     if isinstance(real, UnicodeDecodeError):
         return UserError(f"{spec} is not UTF-8 text ({real.reason} at byte {real.start}); re-encode it as UTF-8, "
                          "e.g. iconv -f latin1 -t utf-8")
+    if isinstance(real, pa.ArrowInvalid) and spec.lower().endswith(".parquet"):
+        return UserError(f"{spec} is not a readable parquet file ({_first_line(real)}); write it again, e.g. with "
+                         "pandas.DataFrame.to_parquet")
     if isinstance(real, (pa.ArrowInvalid, json.JSONDecodeError)):
         return UserError(f"{spec} is not valid JSON ({_first_line(real)}); fix the file: .jsonl is one JSON object "
                          "per line, .json one list of objects")

@@ -87,3 +87,18 @@ def test_text_knows_its_rows_for_the_tokenizing_bar(form, tmp_path):
                                                                                     for s in t])
     assert blocks.total is None and blocks.text_rows.total == len(lines)
     assert sum(len(b) for b in blocks.batches(64)) > 0 and blocks.text_rows.done == len(lines)
+
+
+def test_a_corrupt_file_leaves_the_bar_without_a_total_and_a_corrupt_parquet_is_named(tmp_path):
+    import pandas as pd
+
+    from ncanalyze.analyzer.errors import UserError
+
+    (tmp_path / "folder").mkdir()
+    pd.DataFrame({"text": ["a b c"] * 50}).to_parquet(tmp_path / "folder" / "a.parquet")
+    (tmp_path / "folder" / "b.parquet").write_bytes(b"PAR1" + b"\0" * 64 + b"PAR1")
+    blocks = open_blocks(str(tmp_path / "folder"), "train", 4, None, "text", lambda t: [[1, 2, 3]] * len(t))
+    assert blocks.text_rows.total is None  # no traceback from counting: the bar just has no total
+    (tmp_path / "x.parquet").write_bytes(b"PAR1garbagegarbagePAR1")
+    with pytest.raises(UserError, match="x.parquet is not a readable parquet file"):
+        open_blocks(str(tmp_path / "x.parquet"), "train", 4, None, "text", lambda t: [[1, 2, 3]] * len(t))
