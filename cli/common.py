@@ -1,17 +1,16 @@
 """What the commands share: where the store is, and how a command takes it."""
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import click
 
-DEFAULT_STORE = "ncanalyze.zarr"
+from ncanalyze.store import layout
 
 
 def default_store() -> str:
-    """``$NCANALYZE_STORE`` or ``./ncanalyze.zarr``."""
-    return os.environ.get("NCANALYZE_STORE", DEFAULT_STORE)
+    """``$NCANALYZE_STORE`` or ``./ncanalyze.zarr`` (ncanalyze.store.layout.default_store)."""
+    return layout.default_store()
 
 
 def store_option(f: Callable) -> Callable:

@@ -99,7 +99,8 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
       ncanalyze extract EleutherAI/pythia-70m --revisions step1000:143000:1000 --dataset data/val.bin
     """
     from ncanalyze.analyzer.errors import UserError
-    from ncanalyze.store.extract import ExtractConfig, extract as run
+    from ncanalyze.store.config import ExtractConfig
+    from ncanalyze.store.extract import extract as extract_local
     from ncanalyze.store.hub import extract_hub, is_hub_id, parse_revisions
 
     store = store or default_store()
@@ -113,25 +114,21 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
         raise click.UsageError("Hub revisions are extracted in this process: pass --scheduler/--shards only with "
                                "local checkpoint folders (or fetch the revisions first)")
     revs = parse_revisions(revisions, revision_ranges) if hub else []
-    batches = [(path, lambda path=path: extract_hub(path, revs, store, cfg, overwrite=overwrite,
-                                                    delete_downloads=delete_downloads, restart=restart))
-               for path in hub]
+    results = []  # each printed as it comes (a later one may raise)
+    for path in hub:
+        results.append(extract_hub(path, revs, store, cfg, overwrite=overwrite, delete_downloads=delete_downloads,
+                                   restart=restart))
+        click.echo(results[-1].summary())
     if scheduler and local:
         from ncanalyze.store.cluster import extract_on_cluster
 
-        batches.append((", ".join(map(str, local)), lambda: (extract_on_cluster(local, store, cfg, scheduler, overwrite,
-                                                                                restart, shards), [])))
+        results.append(extract_on_cluster(local, store, cfg, scheduler, overwrite, restart, shards))
+        click.echo(results[-1].summary())
     elif local:
-        batches += [(path, lambda path=path: (run(path, store, cfg, overwrite=overwrite, restart=restart,
-                                                  shards=shards), [])) for path in local]
-    failed = []
-    for label, work in batches:
-        results, errors = work()
-        errors = errors + [f"{g} {v}" for g, v in results.items() if v.startswith("failed")]
-        n = {s: sum(v == s for v in results.values()) for s in ("done", "resumed", "skipped")}
-        click.echo(f"{label}: {n['done']} extracted, {n['resumed']} resumed, {n['skipped']} already in {store}"
-                   + (f", {len(errors)} failed" if errors else ""))
-        failed += errors
+        for path in local:
+            results.append(extract_local(path, store, cfg, overwrite=overwrite, restart=restart, shards=shards))
+            click.echo(results[-1].summary())
+    failed = [line for r in results for line in r.failures]
     if failed:
         more = "; ..." if len(failed) > 3 else ""
         raise UserError(f"{len(failed)} checkpoint(s) or revision(s) failed, the others are in {store}: "

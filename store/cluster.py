@@ -20,8 +20,12 @@ import dask
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.store.discover import discover
+from ncanalyze.store.layout import StoreLayout
+from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.resume import drop_state, prune
 
-log = logging.getLogger("ncanalyze")
+log = logging.getLogger(__name__)
 
 ENV = "DASK_SCHEDULER_ADDRESS"
 _ADDRESS = re.compile(r"^(?:(?P<scheme>tcp|tls|ucx|ws|wss)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9._-]*)"
@@ -87,99 +91,129 @@ def _why(e: BaseException) -> str:
 
 
 def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address: str | None,
-                       overwrite: bool = False, restart: bool = False, shards: int = 1) -> dict[str, str]:
-    """Extract every checkpoint under ``paths`` into ``store`` on the cluster at ``address``: one task per
-    checkpoint (``shards`` > 1: a plan task, the shards, a merge tree and a final task). Progress is shown as
-    checkpoints complete; returns {group: 'done' | 'resumed' | 'skipped' | 'failed: why'}.
+                       overwrite: bool = False, restart: bool = False, shards: int = 1):
+    """Extract every checkpoint under ``paths`` into ``store`` on a cluster: one task per checkpoint (``shards`` > 1:
+    a plan task, the shards, a merge tree and a final task). Progress is shown as checkpoints complete.
 
-    A checkpoint bad in itself (CheckpointError) fails alone; any other error cancels the rest and is raised."""
+    A checkpoint bad in itself (CheckpointError) fails alone; any other error cancels the rest and is raised.
+
+    Parameters
+    ----------
+    paths
+        Trainer output folders, model folders or folders of runs (seen by the workers at the same paths).
+    store
+        The store (made absolute: the workers may run elsewhere).
+    cfg
+        The :class:`~ncanalyze.store.config.ExtractConfig`.
+    address
+        The scheduler (else ``$DASK_SCHEDULER_ADDRESS``).
+    overwrite, restart
+        As for :func:`~ncanalyze.store.extract.extract_checkpoint`.
+    shards
+        Parts of each checkpoint's train pass, run as tasks and merged exactly.
+
+    Returns
+    -------
+    ExtractResult
+        Labelled with the paths; each group 'done', 'resumed', 'skipped' or 'failed: why'.
+    """
     # here, not at the top: measure uses this module's client() without loading torch
-    from ncanalyze.store import shards as sh
-    from ncanalyze.store.discover import discover
-    from ncanalyze.store.extract import check_settings, extract_checkpoint, tagged
-    from ncanalyze.store.lock import checkpoint_lock
-    from ncanalyze.store.resume import drop_state, partial_dir, prune, state_path
+    from ncanalyze.store import extract as ex
 
     address = address or os.environ.get(ENV)
     if not address:
         raise UserError(f"no dask scheduler given: pass --scheduler ADDRESS or set ${ENV}")
     check_address(address)  # before anything is created
-    store = Path(store).absolute()  # the workers may run elsewhere: no relative paths
-    ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
-    check_settings(cfg, store, shards)
+    result = ex.ExtractResult(", ".join(map(str, paths)), str(store))
+    store = Path(store).absolute()
+    ckpts = [c for p in paths for c in ex.tagged(discover(p), cfg.tag)]
+    ex.check_settings(cfg, store, shards)
     if restart:  # here, once: a task run again after its worker died must resume, not restart
         for ckpt in ckpts:
-            spath = state_path(store, ckpt)
-            with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
-                drop_state(spath)
-    from distributed import as_completed
-
-    results: dict[str, str] = {}
+            files = StoreLayout(store).checkpoint(ckpt)
+            with checkpoint_lock(files.lock, ckpt.group):
+                drop_state(files.state)
     with client(address) as c:
-        res = _resources(c)
-        tag = uuid.uuid4().hex[:8]
-        opts = dict(pure=False, resources=res)
+        tasks = _Tasks(c, store, cfg, overwrite)
         log.info("%d checkpoint(s) as tasks on %s (%d workers%s)%s", len(ckpts), c.scheduler.address,
-                 len(c.scheduler_info()["workers"]), ", one GPU each" if res else "",
+                 len(c.scheduler_info()["workers"]), ", one GPU each" if tasks.opts["resources"] else "",
                  f", {shards} shards each" if shards > 1 else "")
-        what: dict = {}  # future -> (checkpoint, stage)
+        statuses = tasks.run(ckpts, shards)
+    prune(StoreLayout(store).partial)
+    result.statuses = {ckpt.group: statuses[ckpt.group] for ckpt in ckpts if ckpt.group in statuses}
+    return result
+
+
+class _Tasks:
+    """The tasks of an extraction on the cluster ``c``: submitted, followed as they complete, and the next stage of a
+    sharded checkpoint submitted when its plan is known."""
+
+    def __init__(self, c, store: Path, cfg, overwrite: bool):
+        from ncanalyze.store import extract, shards  # torch: see extract_on_cluster
+
+        self.c, self.store, self.cfg, self.overwrite = c, store, cfg, overwrite
+        self.ex, self.sh = extract, shards
+        self.tag = uuid.uuid4().hex[:8]
+        self.opts = dict(pure=False, resources=_resources(c))
+        self.what: dict = {}  # future -> (checkpoint, stage)
+
+    def submit(self, stage: str, ckpt, f, *args):
+        future = self.c.submit(f, *args, key=f"{stage} {ckpt.group} {self.tag}", **self.opts)
+        self.what[future] = (ckpt, stage)
+        return future
+
+    def whole(self, ckpt):
+        return self.submit("extract", ckpt, self.ex.extract_checkpoint, ckpt, self.store, self.cfg, self.overwrite,
+                           False)
+
+    def sharded(self, ckpt, parts: list[tuple[int, int]]):
+        """The shards of one checkpoint, their merge tree (on any worker: no GPU needed) and the final task, whose
+        future is returned (a shard's error reaches it)."""
+        c, sh, cfg, opts = self.c, self.sh, self.cfg, self.opts
+        states = [c.submit(sh.train_shard, ckpt, cfg, a, b, key=f"shard {ckpt.group} [{a}:{b}] {self.tag}", **opts)
+                  for a, b in parts]
+        for depth, level in enumerate(sh.merge_order(len(states))):
+            states = [states[i] if j < 0 else
+                      c.submit(sh.merge_states, states[i], states[j], cfg.samples_per_class, cfg.seed, pure=False,
+                               key=f"merge {ckpt.group} {depth}.{n} {self.tag}")
+                      for n, (i, j) in enumerate(level)]
+        return self.submit("finish", ckpt, self.ex.finish_sharded, ckpt, self.store, cfg, states[0], self.overwrite)
+
+    def run(self, ckpts: list, shards: int) -> dict[str, str]:
+        """Every checkpoint's status, as its last task completes."""
+        from distributed import as_completed
+
         for ckpt in ckpts:
             if shards > 1:
-                f = c.submit(sh.plan, ckpt, store, cfg, shards, overwrite, False, key=f"plan {ckpt.group} {tag}",
-                             **opts)
-                what[f] = (ckpt, "plan")
+                self.submit("plan", ckpt, self.sh.plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
             else:
-                f = c.submit(extract_checkpoint, ckpt, store, cfg, overwrite, False,
-                             key=f"extract {ckpt.group} {tag}", **opts)
-                what[f] = (ckpt, "extract")
-        done = as_completed(list(what))
+                self.whole(ckpt)
+        done, statuses = as_completed(list(self.what)), {}
         bar = tqdm(total=len(ckpts), desc="checkpoints", unit="ckpt", disable=None)
         try:
             for f in done:
-                ckpt, stage = what.pop(f)
-                try:
-                    out = f.result()
-                except CheckpointError as e:
-                    out = f"failed: {e}"
-                except UserError:
-                    raise
-                except Exception as e:  # noqa: BLE001  (a task's own failure, raised again here by distributed)
-                    from distributed import KilledWorker
-
-                    if not isinstance(e, KilledWorker):
-                        raise
-                    out = f"failed: {_why(e)}"
-                if stage == "plan" and out == sh.WHOLE:
-                    nf = c.submit(extract_checkpoint, ckpt, store, cfg, overwrite, False,
-                                  key=f"extract {ckpt.group} {tag}", **opts)
-                    what[nf] = (ckpt, "extract")
-                    done.add(nf)
+                ckpt, stage = self.what.pop(f)
+                out = _outcome(f)
+                if stage == "plan" and (out == self.sh.WHOLE or isinstance(out, list)):
+                    done.add(self.whole(ckpt) if out == self.sh.WHOLE else self.sharded(ckpt, out))
                     continue
-                if stage == "plan" and isinstance(out, list):
-                    nf = _submit_shards(c, sh, ckpt, store, cfg, out, overwrite, tag, opts)
-                    what[nf] = (ckpt, "finish")
-                    done.add(nf)
-                    continue
-                results[ckpt.group] = out
+                statuses[ckpt.group] = out
                 bar.update()
                 log.info("%s: %s", ckpt.group, out)
         finally:
             bar.close()
-            for f in what:
+            for f in self.what:
                 f.cancel()
-    prune(partial_dir(store))
-    return {ckpt.group: results[ckpt.group] for ckpt in ckpts if ckpt.group in results}
+        return statuses
 
 
-def _submit_shards(c, sh, ckpt, store: Path, cfg, parts: list[tuple[int, int]], overwrite: bool, tag: str,
-                   opts: dict):
-    """The shards of one checkpoint, their merge tree (on any worker: no GPU needed) and the final task; returns the
-    final task's future (a shard's error reaches it)."""
-    states = [c.submit(sh.train_shard, ckpt, cfg, a, b, key=f"shard {ckpt.group} [{a}:{b}] {tag}", **opts)
-              for a, b in parts]
-    for depth, level in enumerate(sh.merge_order(len(states))):
-        states = [states[i] if j < 0 else
-                  c.submit(sh.merge_states, states[i], states[j], cfg.samples_per_class, cfg.seed, pure=False,
-                           key=f"merge {ckpt.group} {depth}.{n} {tag}")
-                  for n, (i, j) in enumerate(level)]
-    return c.submit(sh.finish, ckpt, store, cfg, states[0], overwrite, key=f"finish {ckpt.group} {tag}", **opts)
+def _outcome(f):
+    """A task's result; a checkpoint's own failure (CheckpointError, a worker that kept dying) as 'failed: why'."""
+    from distributed import KilledWorker
+
+    try:
+        return f.result()
+    except CheckpointError as e:
+        return f"failed: {e}"
+    except KilledWorker as e:
+        return f"failed: {_why(e)}"

@@ -19,10 +19,14 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
-from ncanalyze.store.resume import DeferredInterrupt, partial_dir, prune
+from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, config_record, val_data
 from ncanalyze.store.discover import Checkpoint
+from ncanalyze.store.extract import ExtractResult, announcer, check_settings, extract_checkpoint, tagged, todo
+from ncanalyze.store.layout import StoreLayout
+from ncanalyze.store.load import quiet_loading, resolve_device
+from ncanalyze.store.resume import DeferredInterrupt, prune
 
-log = logging.getLogger("ncanalyze")
+log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -109,8 +113,6 @@ def _has_safetensors(p: Path) -> bool:
 
 def fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
     """:func:`_fetch`, with the Hub client's retry chatter unprinted (a failure is one line of ours)."""
-    from ncanalyze.store.load import quiet_loading
-
     with quiet_loading():
         return _fetch(repo, revision, allow_pickle)
 
@@ -189,13 +191,25 @@ def resolved_commit(repo: str, revision: str) -> str | None:
     return ref.read_text().strip() if ref.is_file() else None
 
 
-def done_before(store: Path, group: str, repo: str, revision: str, cfg) -> bool:
-    """``group`` is complete, from this repository and revision (and its commit, where that can be known without
-    downloading), under the same settings: it can be skipped without fetching its snapshot."""
-    from ncanalyze.store.extract import config_record, val_data
-    from ncanalyze.store.load import resolve_device
+def done_before(store: Path, ckpt: Checkpoint, repo: str, revision: str, cfg: ExtractConfig) -> bool:
+    """Whether a revision can be skipped without fetching its snapshot.
 
-    attrs = io.group_attrs(store, group) or {}
+    Parameters
+    ----------
+    store, ckpt
+        The store and the revision's checkpoint.
+    repo, revision
+        The Hub repository and revision.
+    cfg
+        The configuration.
+
+    Returns
+    -------
+    bool
+        Its group is complete, from this repository and revision (and its commit, where that can be known without
+        downloading), under the same settings (:func:`~ncanalyze.store.config.checkpoint_status` says skip).
+    """
+    attrs = io.group_attrs(store, ckpt.group) or {}
     if not (attrs.get("complete") and attrs.get("hub_repo") == repo and attrs.get("hub_revision") == revision):
         return False
     commit = resolved_commit(repo, revision)
@@ -204,53 +218,78 @@ def done_before(store: Path, group: str, repo: str, revision: str, cfg) -> bool:
     old = json.loads(attrs.get("config", "{}"))  # the commit fixes the weights and the model's context
     want = config_record(None, cfg, resolve_device(cfg.device), cfg.block_size or old.get("block_size"),
                          *val_data(cfg), weights=old.get("weights"))
-    return want == old
+    return checkpoint_status(attrs, want, StoreLayout(store).checkpoint(ckpt).state) is Status.SKIP
 
 
-def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg, overwrite: bool = False,
-                delete_downloads: bool = False, restart: bool = False) -> tuple[dict[str, str], list[str]]:
-    """Extract ``repo`` at each of ``revisions``, one at a time, into ``store``; returns ({group: status}, one line
-    per revision that failed). ``cfg`` is an :class:`~ncanalyze.store.extract.ExtractConfig` (its tag applies)."""
-    from ncanalyze.store.extract import announcer, check_settings, extract_checkpoint, tagged
+def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
+                delete_downloads: bool = False, restart: bool = False) -> ExtractResult:
+    """Extract ``repo`` at each of ``revisions``, one at a time, into ``store``.
 
+    Parameters
+    ----------
+    repo
+        The Hub model id.
+    revisions
+        The revisions (:func:`parse_revisions`).
+    store, cfg
+        The store and the configuration (its tag applies).
+    overwrite, restart
+        As for :func:`~ncanalyze.store.extract.extract_checkpoint`.
+    delete_downloads
+        Remove each snapshot this run downloaded once its extraction is over.
+
+    Returns
+    -------
+    ExtractResult
+        Labelled with ``repo``; a revision that could not be had or extracted is one of its errors.
+    """
+    result = ExtractResult(repo, str(store))
     store = Path(store)
     check_settings(cfg, store)
     name = repo.split("/")[-1]
     ckpts = {r: tagged([Snapshot(repo, r, Path("."), False).checkpoint(name)], cfg.tag)[0] for r in revisions}
-    groups = {r: c.group for r, c in ckpts.items()}
-    todo = [c for c in ckpts.values() if overwrite or not (io.group_attrs(store, c.group) or {}).get("complete")]
-    announce = announcer(todo, cfg, store, restart)
-    results, failed = {}, []
+    announce = announcer(todo(store, list(ckpts.values()), overwrite), cfg, store, restart)
     try:
         with DeferredInterrupt() as interrupt:
             for i, rev in enumerate(tqdm(revisions, desc="revisions", unit="rev", disable=len(revisions) < 2), 1):
-                try:
-                    if not overwrite and done_before(store, groups[rev], repo, rev, cfg):
-                        results[groups[rev]] = "skipped"
-                        log.info("%s: skipped, already in the store (%d/%d)", groups[rev], i, len(revisions))
-                        continue
-                    snap = fetch(repo, rev, cfg.allow_pickle)
-                except hub_errors() as e:
-                    failed.append(explain(repo, rev, e))
-                    log.error("%s", failed[-1])
+                group = ckpts[rev].group
+                if not overwrite and done_before(store, ckpts[rev], repo, rev, cfg):
+                    result.statuses[group] = "skipped"
+                    log.info("%s: skipped, already in the store (%d/%d)", group, i, len(revisions))
                     continue
-                except UserError as e:
-                    failed.append(f"{repo}@{rev}: {e}")
-                    log.error("%s", failed[-1])
-                    continue
-                try:
-                    ckpt = tagged([snap.checkpoint(name)], cfg.tag)[0]
-                    results[ckpt.group] = extract_checkpoint(
-                        ckpt, store, cfg, overwrite=overwrite, restart=restart, announce=announce,
-                        interrupt=interrupt, extra_attrs=snap.attrs())
-                    log.info("%s: %s (%d/%d)", ckpt.group, results[ckpt.group], i, len(revisions))
-                except UserError as e:
-                    failed.append(f"{repo}@{rev}: {e}")
-                    log.error("%s", failed[-1])
-                finally:
-                    if delete_downloads and snap.downloaded:
-                        snap.delete()
-                        log.info("%s@%s: deleted its downloaded snapshot %s", repo, rev, snap.path)
+                status = _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce,
+                                   interrupt, result.errors)
+                if status is not None:
+                    result.statuses[group] = status
+                    log.info("%s: %s (%d/%d)", group, status, i, len(revisions))
     finally:
-        prune(partial_dir(store))
-    return results, failed
+        prune(StoreLayout(store).partial)
+    return result
+
+
+def _revision(repo: str, rev: str, name: str, store: Path, cfg: ExtractConfig, overwrite: bool,
+              delete_downloads: bool, restart: bool, announce, interrupt: DeferredInterrupt,
+              errors: list[str]) -> str | None:
+    """One revision fetched and extracted: its status, or None with a line added to ``errors``."""
+    try:
+        snap = fetch(repo, rev, cfg.allow_pickle)
+    except hub_errors() as e:
+        errors.append(explain(repo, rev, e))
+        log.error("%s", errors[-1])
+        return None
+    except UserError as e:
+        errors.append(f"{repo}@{rev}: {e}")
+        log.error("%s", errors[-1])
+        return None
+    try:
+        ckpt = tagged([snap.checkpoint(name)], cfg.tag)[0]
+        return extract_checkpoint(ckpt, store, cfg, overwrite=overwrite, restart=restart, announce=announce,
+                                  interrupt=interrupt, extra_attrs=snap.attrs())
+    except UserError as e:
+        errors.append(f"{repo}@{rev}: {e}")
+        log.error("%s", errors[-1])
+        return None
+    finally:
+        if delete_downloads and snap.downloaded:
+            snap.delete()
+            log.info("%s@%s: deleted its downloaded snapshot %s", repo, rev, snap.path)

@@ -25,13 +25,13 @@ import zarr.errors
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import MEASURED, PER_CLASS
+from ncanalyze.store.layout import CheckpointFiles, default_store
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
 # what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash")
-DEFAULT = "ncanalyze.zarr"
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
 
@@ -44,9 +44,20 @@ def version() -> str:
         return "0+unknown"
 
 
-def open_tree(path: str | Path = DEFAULT) -> xr.DataTree:
-    """The whole store as a lazy ``xarray.DataTree``: one group per checkpoint at ``<run>/<checkpoint>``."""
-    p = Path(path)
+def open_tree(path: str | Path | None = None) -> xr.DataTree:
+    """The whole store as a lazy ``xarray.DataTree``: one group per checkpoint at ``<run>/<checkpoint>``.
+
+    Parameters
+    ----------
+    path
+        The store [default: ``$NCANALYZE_STORE``, else ``./ncanalyze.zarr``].
+
+    Returns
+    -------
+    xarray.DataTree
+        The store's groups, lazily.
+    """
+    p = Path(path if path is not None else default_store())
     if not (p / "zarr.json").is_file():
         raise UserError(f"no ncanalyze store at {p}: run `ncanalyze extract CHECKPOINTS --store {p}` first, "
                         "or pass the right path (or set NCANALYZE_STORE)")
@@ -186,15 +197,29 @@ def _encoding(ds: xr.Dataset) -> dict:
     return enc
 
 
-def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, staging: Path,
+def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: CheckpointFiles,
                      layers: Iterable[tuple[int, xr.Dataset]] = ()) -> None:
     """Write a finished checkpoint dataset as ``group``, replacing any group there, without a moment where neither
-    the old group nor the new one is whole: the new group is written at ``staging`` (a folder beside the store, on
-    the same disk), marked complete, and then renamed into place; the old one is moved aside first and removed last
-    (``recover_swap`` puts it back if a crash comes between the two renames). The other ``layers`` ((l, dataset),
-    made one at a time) go into the staged group at ``layers/<l>`` first, so they arrive with it. Every chunk is
-    written, even one of fill values only, so that a missing chunk can be told from an empty one."""
-    dest, old = Path(path) / group, staging.with_name(staging.name + ".old")
+    the old group nor the new one is whole: the new group is written at ``files.staging`` (a folder beside the store,
+    on the same disk), marked complete, and then renamed into place; the old one is moved aside (``files.old``) first
+    and removed last (``recover_swap`` puts it back if a crash comes between the two renames). The other ``layers``
+    ((l, dataset), made one at a time) go into the staged group at ``layers/<l>`` first, so they arrive with it. Every
+    chunk is written, even one of fill values only, so that a missing chunk can be told from an empty one.
+
+    Parameters
+    ----------
+    path
+        The store.
+    group
+        The checkpoint's group, ``<run>/<checkpoint>``.
+    ds
+        The checkpoint's dataset (the last layer).
+    files
+        The checkpoint's files beside the store (layout.py): where it is staged and the old group moved aside.
+    layers
+        The other layers' datasets, as (layer, dataset).
+    """
+    dest, staging, old = Path(path) / group, files.staging, files.old
     shutil.rmtree(staging, ignore_errors=True)
     ds.attrs |= {"complete": False, "all_chunks": True}
     with zarr.config.set({"array.write_empty_chunks": True}):
@@ -235,9 +260,9 @@ def write_rate(sample: np.ndarray, folder: Path) -> float | None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def recover_swap(path: str | Path, group: str, staging: Path) -> None:
-    """After a crash between write_checkpoint's two renames: the old group back in place."""
-    dest, old = Path(path) / group, staging.with_name(staging.name + ".old")
+def recover_swap(path: str | Path, group: str, files: CheckpointFiles) -> None:
+    """After a crash between write_checkpoint's two renames: the old group (at ``files.old``) back in place."""
+    dest, old = Path(path) / group, files.old
     if old.is_dir() and not dest.exists():
         os.rename(old, dest)
 

@@ -359,8 +359,3 @@ def record_layers(record: dict, plan_: Plan | None) -> None:
         record.pop("layers", None)
     else:
         record["layers"] = list(plan_.layers)
-
-
-def stage(state_file: Path) -> Path:
-    """The folder beside a checkpoint's resume state for its finished layers and staged embeddings."""
-    return state_file.with_name(state_file.stem + ".layers")

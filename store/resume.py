@@ -1,7 +1,7 @@
 """The resume state of one checkpoint's extraction: where it lives, its phases, atomic saves and checked loads.
 
-It lives beside the store (``<store>.partial/<run>/<checkpoint>.npz``), so the Zarr hierarchy stays clean; it holds
-the running statistics, the reservoir, the validation counts, the phase, the batches done in that phase, a hash of
+It lives beside the store (``StoreLayout.checkpoint(ckpt).state``, layout.py), so the Zarr hierarchy stays clean; it
+holds the running statistics, the reservoir, the validation counts, the phase, the batches done in that phase, a hash of
 the token blocks read so far in that phase, and the configuration record it was made under. The same folder holds
 the checkpoint's lock (lock.py) and the staging copy of its group while it is written (io.write_checkpoint).
 """
@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from ncanalyze.analyzer.errors import CheckpointError
-from ncanalyze.store.discover import Checkpoint
 
 
 class Phase(enum.IntEnum):
@@ -29,15 +28,6 @@ class Phase(enum.IntEnum):
     TRAIN = 0        # the train pass: class statistics and the reservoir
     VALIDATION = 1   # the validation pass: NC4's decision counts
     DONE = 2         # both passes done; the group is written next
-
-
-def partial_dir(store: Path) -> Path:
-    """``<store>.partial``: resume states, locks and staging copies, beside the store."""
-    return store.with_name(store.name + ".partial")
-
-
-def state_path(store: Path, ckpt: Checkpoint) -> Path:
-    return partial_dir(store) / ckpt.run / f"{ckpt.name}.npz"
 
 
 def save_state(path: Path, arrays: dict[str, np.ndarray]) -> None:

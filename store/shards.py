@@ -2,13 +2,14 @@
 reservoir over its batches, merged with Chan's formula in a fixed tree, then the validation pass and the write.
 
 The steps are plain functions of picklable arguments, so that a cluster runs them as tasks (cluster.py) and the local
-run calls them one after another (``extract_sharded``); both merge in the same order and so give the same bits.
+run calls them one after another (extract.extract_sharded); both merge in the same order and so give the same bits.
 
 - :func:`plan`: skip a finished checkpoint, hand a saved resume state back to the one-task path, else the ranges;
 - :func:`train_shard`: the train pass over one range, with global stream positions (so reservoir keys agree);
 - :func:`merge_states`: two shards' states into one (Chan for the statistics, bottom-k for the reservoir);
-- :func:`finish`: the merged state saved as the checkpoint's resume state at the start of the validation pass,
-  then ``extract_checkpoint`` resumes from it: the validation pass, the write, its lock, its resume, unchanged.
+- :func:`save_merged`: the merged state saved as the checkpoint's resume state at the start of the validation pass,
+  from which ``extract_checkpoint`` resumes (extract.finish_sharded): the validation pass, the write, its lock, its
+  resume, unchanged.
 
 A shard keeps no resume state of its own: one that is lost (its worker died) is computed again from the start.
 """
@@ -25,16 +26,17 @@ from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import VAL_COUNTS
 from ncanalyze.store import io
+from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, open_data, resolve
 from ncanalyze.store.discover import Checkpoint
 from ncanalyze.store.estimate import check_memory, state_bytes
-from ncanalyze.store.extract import ExtractConfig, _open, config_hash, extract_checkpoint, resolve
+from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.load import find_tokenizer, load_model
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.passes import Extraction, train_pass
 from ncanalyze.store.reservoir import Reservoir
-from ncanalyze.store.resume import Phase, Saver, drop_state, save_state, state_path
+from ncanalyze.store.resume import Phase, Saver, drop_state, save_state
 
-log = logging.getLogger("ncanalyze")
+log = logging.getLogger(__name__)
 
 WHOLE = "whole"  # plan's answer when the checkpoint should run as one task (a saved state to resume, or a refusal)
 
@@ -47,28 +49,44 @@ def ranges(n_batches: int, shards: int) -> list[tuple[int, int]]:
 
 
 def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
-    device, config, block_size, *_ = resolve(ckpt, cfg)
+    run = resolve(ckpt, cfg)
     tokenizer, _ = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
-    return device, _open(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg, block_size, config,
-                         tokenizer)
+    return run.device, open_data(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg,
+                                 run.block_size, run.config, tokenizer)
 
 
 def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
          restart: bool = False) -> str | list[tuple[int, int]]:
     """'skipped' (already in the store under this configuration), ``WHOLE`` (run it as one task: a saved resume
     state to continue, or a group under another configuration for extract_checkpoint to refuse), else the shards'
-    batch ranges. Loads no weights; counts the train batches by reading the data once when its length is unknown."""
-    *_, record = resolve(ckpt, cfg)
-    spath = state_path(store, ckpt)
-    with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
-        io.recover_swap(store, ckpt.group, spath.with_suffix(".zarr"))
-        existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
-        if existing and existing.get("complete") and not overwrite:
-            return "skipped" if existing.get("config_hash") == config_hash(record) else WHOLE
-        if restart:
-            drop_state(spath)
-        elif spath.exists():
+    batch ranges. Loads no weights; counts the train batches by reading the data once when its length is unknown.
+
+    Parameters
+    ----------
+    ckpt, store, cfg
+        The checkpoint, the store and the configuration.
+    shards
+        How many ranges to cut the train batches into (fewer when there are fewer batches).
+    overwrite, restart
+        As for :func:`~ncanalyze.store.extract.extract_checkpoint`.
+
+    Returns
+    -------
+    str or list of (int, int)
+        'skipped', ``WHOLE``, or the [start, stop) batch ranges.
+    """
+    record = resolve(ckpt, cfg).record
+    files = StoreLayout(store).checkpoint(ckpt)
+    with checkpoint_lock(files.lock, ckpt.group):
+        io.recover_swap(store, ckpt.group, files)
+        status = checkpoint_status(io.group_attrs(store, ckpt.group, corrupt_ok=overwrite), record, files.state,
+                                   overwrite, restart)
+        if status is Status.SKIP:
+            return "skipped"
+        if status is not Status.FRESH:  # REFUSE: extract_checkpoint says why; RESUME: it continues the state
             return WHOLE
+        if restart:
+            drop_state(files.state)
     _, blocks = _train_blocks(ckpt, cfg)
     if blocks.n_blocks is not None:
         n_blocks = blocks.total
@@ -127,44 +145,39 @@ def merge_order(n: int) -> list[list[tuple[int, int]]]:
     return levels
 
 
-def finish(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
-           overwrite: bool = False) -> str:
-    """Save the merged train state as the checkpoint's resume state at the start of the validation pass, then let
-    ``extract_checkpoint`` resume from it; 'done' ('resumed' when run again after its worker died in the validation
-    pass, 'skipped' if another writer finished it meanwhile)."""
-    *_, record = resolve(ckpt, cfg)
+def save_merged(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
+                overwrite: bool = False) -> Status:
+    """Save the merged train state as the checkpoint's resume state at the start of the validation pass, for
+    ``extract_checkpoint`` to resume (:func:`~ncanalyze.store.extract.finish_sharded`).
+
+    Parameters
+    ----------
+    ckpt, store, cfg
+        The checkpoint, the store and the configuration.
+    merged
+        The state of all the shards, merged (:func:`merge_states`).
+    overwrite
+        A complete group under any configuration is to be replaced.
+
+    Returns
+    -------
+    Status
+        FRESH: saved; SKIP: another writer finished it meanwhile; RESUME: a state is there already, this task's own,
+        saved in the validation pass by a run whose worker died (plan() left no other), to be resumed rather than
+        started again; REFUSE: nothing saved (extract_checkpoint refuses it).
+    """
+    record = resolve(ckpt, cfg).record
     count = merged["stats.count"]
     if not (count >= cfg.min_count).any():
         raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most is "
                         f"{int(count.max())}): lower --min-count")
-    spath = state_path(store, ckpt)
-    with checkpoint_lock(spath.with_suffix(".lock"), ckpt.group):
-        existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
-        if existing and existing.get("complete") and not overwrite and existing.get("config_hash") == config_hash(record):
-            return "skipped"
-        # a state here is this task's own, saved in the validation pass by a run whose worker died (plan() left no
-        # other): resume it rather than start the validation pass again
-        resumed = spath.exists()
-        if not resumed:
+    files = StoreLayout(store).checkpoint(ckpt)
+    with checkpoint_lock(files.lock, ckpt.group):
+        status = checkpoint_status(io.group_attrs(store, ckpt.group, corrupt_ok=overwrite), record, files.state,
+                                   overwrite)
+        if status is Status.FRESH:
             val = {f"val.{n}": np.zeros(count.shape, dtype=np.int64) for n in VAL_COUNTS}
-            save_state(spath, merged | val | {"phase": np.array(int(Phase.VALIDATION)), "batches": np.array(0),
-                                              "stream": np.array(""),
-                                              "config": np.array(json.dumps(record, sort_keys=True))})
-    status = extract_checkpoint(ckpt, store, cfg, overwrite, restart=False)
-    return "done" if status == "resumed" and not resumed else status
-
-
-def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
-                    restart: bool = False) -> str:
-    """The sharded extraction of one checkpoint in this process: the shards one after another, the same merge tree
-    as on a cluster, then the validation pass. Returns 'done', 'skipped' or 'resumed'."""
-    todo = plan(ckpt, store, cfg, shards, overwrite, restart)
-    if todo == "skipped":
-        return "skipped"
-    if todo == WHOLE:
-        return extract_checkpoint(ckpt, store, cfg, overwrite, restart=False)
-    states = [train_shard(ckpt, cfg, a, b) for a, b in todo]
-    for level in merge_order(len(states)):
-        states = [states[i] if j < 0 else merge_states(states[i], states[j], cfg.samples_per_class, cfg.seed)
-                  for i, j in level]
-    return finish(ckpt, store, cfg, states[0], overwrite)
+            save_state(files.state, merged | val | {"phase": np.array(int(Phase.VALIDATION)), "batches": np.array(0),
+                                                    "stream": np.array(""),
+                                                    "config": np.array(json.dumps(record, sort_keys=True))})
+    return status

@@ -19,12 +19,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ncanalyze.store.data import Blocks
+from ncanalyze.store.layout import StoreLayout
 
 VERSION = 1  # bump when the cache's format or the tokenization recipe changes
 
 
 def cache_dir(store: Path) -> Path:
-    return store.with_name(store.name + ".tokens")
+    """The token cache's folder beside ``store`` (layout.py)."""
+    return StoreLayout(store).tokens
 
 
 def data_fingerprint(spec: str) -> list:

@@ -97,11 +97,13 @@ def test_reservoir_merge_is_the_one_pass_sample():
 
 def _writer(store: str, me: int, barrier, runs: int) -> None:
     from ncanalyze.store import io
+    from ncanalyze.store.layout import CheckpointFiles
 
     ds = xr.Dataset({"mean": (("vocab", "hidden"), np.full((3, 2), float(me)))}, attrs={"writer": me})
     barrier.wait()
     for r in range(runs):  # every writer creates every run group at the same moment as the others
-        io.write_checkpoint(store, f"run-{r}/ck-{me}", ds.copy(), io.Path(store + f".partial/stage-{me}-{r}.zarr"))
+        files = CheckpointFiles(io.Path(store + f".partial/stage-{me}-{r}.npz"))
+        io.write_checkpoint(store, f"run-{r}/ck-{me}", ds.copy(), files)
 
 
 def test_concurrent_writers_keep_the_root_and_every_group(tmp_path):

@@ -1,0 +1,296 @@
+"""An extraction's configuration: the settings (``ExtractConfig``), the record of those that determine the numbers and
+its hash, what they resolve to for one checkpoint, the data they open, and what a checkpoint already on disk means
+under them (:func:`checkpoint_status`: skip, refuse, resume or start fresh).
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store import layers, tokens
+from ncanalyze.store.data import Blocks, check_block_size, default_val_spec, is_token_file, model_positions, open_blocks
+from ncanalyze.store.discover import Checkpoint
+from ncanalyze.store.load import default_block_size, load_config, n_layers, resolve_device, weights_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+def setting(default=None, *, hashed: bool, omit_default: bool = False):
+    """A configuration field.
+
+    Parameters
+    ----------
+    default
+        Its default value.
+    hashed
+        It determines the numbers, so it goes into the config hash (every field must say).
+    omit_default
+        A hashed field left out of the record (and so of the hash) while it has its default value, so that adding it
+        keeps the hash of every store made before it existed; any other value is recorded.
+
+    Returns
+    -------
+    dataclasses.Field
+        The field, its flags in its metadata.
+    """
+    return field(default=default, metadata={"hashed": hashed, "omit_default": omit_default})
+
+
+@dataclass
+class ExtractConfig:
+    """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run."""
+    dataset: str = field(metadata={"hashed": True})
+    val_dataset: str | None = setting(hashed=True)
+    split: str = setting("train", hashed=True)
+    val_split: str = setting("validation", hashed=True)
+    text_column: str = setting("text", hashed=True)
+    block_size: int | None = setting(hashed=True)
+    max_train_tokens: int | None = setting(hashed=True)
+    max_val_tokens: int | None = setting(hashed=True)
+    batch_size: int = setting(8, hashed=True)
+    device: str = setting("auto", hashed=False)  # only its type (cpu/cuda) is hashed, as device_type
+    dtype: str = setting("float32", hashed=True)
+    samples_per_class: int = setting(8, hashed=True)
+    tokenizer: str | None = setting(hashed=True)
+    min_count: int = setting(1, hashed=True)
+    seed: int = setting(0, hashed=True)
+    allow_pickle: bool = setting(False, hashed=False)
+    trust_remote_code: bool = setting(False, hashed=False)
+    state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
+    keep_linebreaks: bool = setting(True, hashed=True, omit_default=True)  # plain text keeps its "\n" (run_clm)
+    tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
+    token_cache: bool = setting(True, hashed=False)  # text tokenized once into <store>.tokens/ (the same blocks)
+    layers: str = setting("last", hashed=True, omit_default=True)  # recorded resolved (indices), see store/layers.py
+    layers_per_pass: int | None = setting(None, hashed=True, omit_default=True)
+    save_embeddings: int = setting(0, hashed=True, omit_default=True)
+    embeddings_dtype: str = setting("float32", hashed=True, omit_default=True)
+
+
+def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,
+                  val_spec: str | None, val_split: str | None, weights: str | None = None) -> dict:
+    """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs.
+
+    Parameters
+    ----------
+    ckpt
+        The checkpoint (its weights are fingerprinted unless ``weights`` is given).
+    cfg
+        The configuration.
+    device
+        The device it runs on (only its type is recorded).
+    block_size, val_spec, val_split
+        The block size and the validation data, resolved.
+    weights
+        The weights' fingerprint when already known.
+
+    Returns
+    -------
+    dict
+        The record (JSON-serialisable).
+    """
+    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
+              and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
+    return {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
+            "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
+
+
+def config_hash(record: dict) -> str:
+    """The hash of a configuration record.
+
+    Parameters
+    ----------
+    record
+        A record of :func:`config_record`.
+
+    Returns
+    -------
+    str
+        16 hex digits of the SHA-256 of its sorted JSON.
+    """
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differences(a: dict, b: dict) -> str:
+    """``key: old -> new`` for every key where two records differ, comma-separated."""
+    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+def val_data(cfg: ExtractConfig) -> tuple[str | None, str | None]:
+    """The validation data of a configuration.
+
+    Parameters
+    ----------
+    cfg
+        The configuration.
+
+    Returns
+    -------
+    tuple
+        (spec, split): none with ``--max-val-tokens 0``, else ``--val-dataset``, else beside or of ``--dataset``.
+    """
+    if cfg.max_val_tokens == 0:
+        return None, None
+    if cfg.val_dataset:
+        return cfg.val_dataset, cfg.val_split
+    return default_val_spec(cfg.dataset, cfg.val_split)
+
+
+def layer_plan(cfg: ExtractConfig, config) -> layers.Plan | None:
+    """The layers to extract and how.
+
+    Parameters
+    ----------
+    cfg
+        The configuration (``layers``, ``layers_per_pass``, ``save_embeddings``, ``embeddings_dtype``).
+    config
+        The model's transformers config (its number of layers).
+
+    Returns
+    -------
+    layers.Plan or None
+        The plan (None: the last layer only, the default).
+    """
+    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n_layers(config))
+
+
+class Resolved(NamedTuple):
+    """What a configuration means for one checkpoint here."""
+    device: torch.device
+    config: object            # the model's transformers config
+    block_size: int
+    val_spec: str | None
+    val_split: str | None
+    record: dict              # config_record, with the layers resolved
+    plan: layers.Plan | None  # layer_plan
+
+
+def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
+    """What ``cfg`` means for ``ckpt`` here, without loading its weights.
+
+    Parameters
+    ----------
+    ckpt
+        The checkpoint.
+    cfg
+        The configuration.
+
+    Returns
+    -------
+    Resolved
+        Device, model config, block size, validation spec and split, configuration record and layer plan.
+    """
+    device = resolve_device(cfg.device)
+    config = load_config(ckpt, cfg.trust_remote_code)
+    block_size = cfg.block_size or default_block_size(config)
+    val_spec, val_split = val_data(cfg)
+    record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
+    plan = layer_plan(cfg, config)
+    layers.record_layers(record, plan)
+    return Resolved(device, config, block_size, val_spec, val_split, record, plan)
+
+
+def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractConfig, block_size: int, config,
+              tokenizer, store: Path | None = None) -> Blocks:
+    """The data as blocks, no longer than the model's positions; text through the token cache beside ``store``.
+
+    Parameters
+    ----------
+    spec, split
+        The data (any form ``--dataset`` takes) and its split.
+    cap, cap_flag
+        The cap on tokens read, and its flag (named in errors).
+    cfg
+        The configuration (text column, line breaks, token cache).
+    block_size
+        Tokens per block.
+    config
+        The model's transformers config (its positions).
+    tokenizer
+        The tokenizer for text (None: token ids only).
+    store
+        The store, beside which text is cached tokenized (None: no cache).
+
+    Returns
+    -------
+    Blocks
+        The blocks.
+    """
+    tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
+    blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag,
+                         keep_linebreaks=cfg.keep_linebreaks)
+    check_block_size(blocks.block_size, model_positions(config), blocks.spec, blocks.rows_from_file)
+    if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
+        return blocks
+    return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
+                                                         cfg.keep_linebreaks))
+
+
+class Status(enum.Enum):
+    """What to do with a checkpoint, given what is on disk (:func:`checkpoint_status`)."""
+    SKIP = "skip"        # in the store, complete, under the same configuration
+    REFUSE = "refuse"    # in the store, complete, under another configuration (refusal() says so)
+    RESUME = "resume"    # not in the store; a resume state is there
+    FRESH = "fresh"      # neither
+
+
+def checkpoint_status(existing: dict | None, record: dict, state: Path, overwrite: bool = False,
+                      restart: bool = False) -> Status:
+    """The one decision of what to do with a checkpoint.
+
+    Parameters
+    ----------
+    existing
+        The attributes of its group in the store (None: not there).
+    record
+        The configuration record it would be extracted under.
+    state
+        Its resume state's path.
+    overwrite
+        A complete group is to be replaced (never skipped or refused).
+    restart
+        A resume state is to be discarded (never resumed).
+
+    Returns
+    -------
+    Status
+        SKIP, REFUSE, RESUME or FRESH.
+    """
+    if existing and existing.get("complete") and not overwrite:
+        return Status.SKIP if existing.get("config_hash") == config_hash(record) else Status.REFUSE
+    return Status.RESUME if state.exists() and not restart else Status.FRESH
+
+
+def refusal(group: str, store: Path, existing: dict, record: dict, tag: str | None) -> UserError:
+    """The error for a checkpoint that :func:`checkpoint_status` refuses, naming the settings that differ.
+
+    Parameters
+    ----------
+    group
+        The checkpoint's group.
+    store
+        The store.
+    existing
+        The group's attributes (its ``config``, the record it was made under).
+    record
+        The record asked for now.
+    tag
+        ``--tag`` (without one, the message suggests it).
+
+    Returns
+    -------
+    UserError
+        The one-line error.
+    """
+    keep_both = "" if tag else "; to keep both (e.g. another dataset), pass --tag NAME"
+    return UserError(f"{group} is already in {store} under another configuration "
+                     f"({differences(json.loads(existing.get('config', '{}')), record)}); "
+                     f"rerun with the same options, or pass --overwrite to replace it{keep_both}")
+

@@ -1,0 +1,105 @@
+"""Where everything lives: the default store, and every path beside a store.
+
+A store ``<store>`` (a Zarr v3 group, read and written by io.py) has two folders beside it, on the same disk:
+
+- ``<store>.partial/``: work in progress. Per checkpoint ``<run>/<checkpoint>``: its resume state
+  ``<checkpoint>.npz`` (resume.py), its writer's lock ``<checkpoint>.lock`` (lock.py), the staged group
+  ``<checkpoint>.zarr`` renamed into place when whole and the old group ``<checkpoint>.zarr.old`` moved aside meanwhile
+  (io.write_checkpoint), and ``<checkpoint>.layers/``, the finished layers and staged embeddings of a ``--layers``
+  extraction (layers.py). Scratch folders of the estimate's write timing live at its top.
+- ``<store>.tokens/``: text tokenized once, ``<key>.npy`` per source (tokens.py).
+
+This module imports nothing heavy (no zarr, xarray or torch), so that the command line's ``--help`` stays fast.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+DEFAULT_STORE = "ncanalyze.zarr"
+ENV = "NCANALYZE_STORE"
+
+
+def default_store() -> str:
+    """The store a command or ``ncanalyze.store.open()`` uses when given none.
+
+    Returns
+    -------
+    str
+        ``$NCANALYZE_STORE`` when set, else ``ncanalyze.zarr`` (in the working directory).
+    """
+    return os.environ.get(ENV) or DEFAULT_STORE
+
+
+class Named(Protocol):
+    """What a checkpoint's paths need of it (discover.Checkpoint has both)."""
+    run: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files of one checkpoint's extraction in progress, in ``<store>.partial/<run>/``."""
+    state: Path  # <checkpoint>.npz; the others are named after it
+
+    @property
+    def lock(self) -> Path:
+        """The writer's lock (lock.py)."""
+        return self.state.with_suffix(".lock")
+
+    @property
+    def staging(self) -> Path:
+        """The new group, written here whole and then renamed into the store."""
+        return self.state.with_suffix(".zarr")
+
+    @property
+    def old(self) -> Path:
+        """The replaced group, moved here between the two renames of an overwrite."""
+        return self.state.with_suffix(".zarr.old")
+
+    @property
+    def layers(self) -> Path:
+        """A ``--layers`` extraction's finished layers and staged embeddings."""
+        return self.state.with_suffix(".layers")
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """A store's path and every path beside it.
+
+    Parameters
+    ----------
+    store
+        The store's path (a folder holding the Zarr hierarchy).
+    """
+    store: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "store", Path(self.store))
+
+    @property
+    def partial(self) -> Path:
+        """``<store>.partial``: resume states, locks and staged groups."""
+        return self.store.with_name(self.store.name + ".partial")
+
+    @property
+    def tokens(self) -> Path:
+        """``<store>.tokens``: the token cache."""
+        return self.store.with_name(self.store.name + ".tokens")
+
+    def checkpoint(self, ckpt: Named) -> CheckpointFiles:
+        """The files of ``ckpt``'s extraction in progress.
+
+        Parameters
+        ----------
+        ckpt
+            A checkpoint (its ``run`` and ``name``, the group ``<run>/<name>``).
+
+        Returns
+        -------
+        CheckpointFiles
+            Its resume state, lock, staged group, replaced group and layers folder.
+        """
+        return CheckpointFiles(self.partial / ckpt.run / f"{ckpt.name}.npz")
