@@ -20,7 +20,7 @@ import dask
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.discover import discover
+from ncanalyze.store.discover import discover, tagged
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.resume import drop_state, prune
@@ -126,7 +126,7 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
     check_address(address)  # before anything is created
     result = ex.ExtractResult(", ".join(map(str, paths)), str(store))
     store = Path(store).absolute()
-    ckpts = [c for p in paths for c in ex.tagged(discover(p), cfg.tag)]
+    ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
     ex.check_settings(cfg, store, shards)
     if restart:  # here, once: a task run again after its worker died must resume, not restart
         for ckpt in ckpts:

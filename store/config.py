@@ -119,7 +119,18 @@ def config_hash(record: dict) -> str:
 
 
 def differences(a: dict, b: dict) -> str:
-    """``key: old -> new`` for every key where two records differ, comma-separated."""
+    """What differs between two configuration records.
+
+    Parameters
+    ----------
+    a, b
+        The records (old and new).
+
+    Returns
+    -------
+    str
+        ``key: old -> new`` for every key where they differ, comma-separated.
+    """
     return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 

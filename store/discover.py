@@ -7,7 +7,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
@@ -31,6 +31,18 @@ class Checkpoint:
 
 
 def is_model_dir(p: Path) -> bool:
+    """Whether ``p`` holds a model: a config.json and weights (safetensors or pickle).
+
+    Parameters
+    ----------
+    p
+        A folder.
+
+    Returns
+    -------
+    bool
+        It does.
+    """
     return (p / "config.json").is_file() and any((p / w).is_file() for w in WEIGHTS + PICKLE_WEIGHTS)
 
 
@@ -44,6 +56,18 @@ def check_safe_weights(path: str | Path, allow_pickle: bool) -> bool:
 
     Extraction must call this in ``load_model`` before ``from_pretrained``:
     ``safe = check_safe_weights(ckpt.path, cfg.allow_pickle)`` and pass ``use_safetensors=safe``.
+
+    Parameters
+    ----------
+    path
+        The model folder.
+    allow_pickle
+        Pickle weights (``.bin``) may be loaded.
+
+    Returns
+    -------
+    bool
+        Load with ``use_safetensors=True``.
     """
     path = Path(path)
     explicit = (_json(path / "config.json", warn=False) or {}).get("transformers_weights")
@@ -121,6 +145,16 @@ def discover(path: str | Path) -> list[Checkpoint]:
 
     Within a run, checkpoints sort by step number; a model at the run's root is added as ``final``
     unless its weights equal the last checkpoint's.
+
+    Parameters
+    ----------
+    path
+        The folder.
+
+    Returns
+    -------
+    list of Checkpoint
+        Run by run, in step order; a one-line UserError when there are none.
     """
     p = Path(path)
     if not p.exists():
@@ -197,6 +231,16 @@ def training_metadata(ckpt: Checkpoint) -> dict:
 
     A trainer_state.json of the wrong shape never stops an extraction: what is valid is read, the rest is None,
     with a warning naming the file. A non-finite or non-numeric eval_loss is None (never an older eval's loss).
+
+    Parameters
+    ----------
+    ckpt
+        The checkpoint (its folder's, else its run's trainer_state.json).
+
+    Returns
+    -------
+    dict
+        ``global_step``, ``epoch``, ``eval_loss`` (each None where unknown).
     """
     where = ckpt.path / "trainer_state.json"
     state = _json(where)
@@ -237,3 +281,29 @@ def training_metadata(ckpt: Checkpoint) -> dict:
             if _number(res.get("epoch")) and math.isfinite(res["epoch"]):
                 epoch = res["epoch"]
     return {"global_step": step, "epoch": epoch, "eval_loss": eval_loss}
+
+
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
+    """The checkpoints as ``--tag`` places them.
+
+    Parameters
+    ----------
+    ckpts
+        The checkpoints.
+    tag
+        A plain name, or None.
+
+    Returns
+    -------
+    list of Checkpoint
+        With ``tag``, each checkpoint's run becomes ``<run>@<tag>``: the group ``<run>@<tag>/<checkpoint>`` (and its
+        resume state) is distinct from the untagged ``<run>/<checkpoint>`` and from other tags.
+    """
+    if tag is None:
+        return ckpts
+    if not _TAG.match(tag):
+        raise UserError(f"--tag {tag!r} is not a plain name: use letters, digits and _ . + - (e.g. --tag kjv)")
+    return [replace(c, run=f"{c.run}@{tag}") for c in ckpts]

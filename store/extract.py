@@ -1,21 +1,16 @@
-"""Extraction of checkpoints into the store, the orchestration: one checkpoint (:func:`extract_checkpoint`, a table of
-contents of its steps), the checkpoints under a path (:func:`extract`), one checkpoint in shards
-(:func:`extract_sharded`), and the one result type of every extraction (:class:`ExtractResult`, also returned by
-hub.py and cluster.py).
-
-The configuration, its hash and what it resolves to are config.py; the paths beside the store layout.py; loading
-load.py; the two passes passes.py (and layers.py); the resume state resume.py; the shards shards.py; the estimate
-estimate.py; the group write io.py.
+"""The orchestration of extraction: one checkpoint (:func:`extract_checkpoint`, a table of contents of its steps), the
+checkpoints under a path (:func:`extract`), one checkpoint in shards (:func:`extract_sharded`), and the result of
+every extraction, local, Hub (hub.py) or cluster (cluster.py): :class:`ExtractResult`. The configuration is
+config.py, the paths beside the store layout.py, the passes passes.py and layers.py, the group write io.py.
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,7 +23,7 @@ from ncanalyze.store import io, layers, shards as sh
 from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_status, config_hash, config_record,
                                     differences, open_data, refusal, resolve, val_data)
 from ncanalyze.store.data import Blocks
-from ncanalyze.store.discover import Checkpoint, discover, training_metadata
+from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
 from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout
 from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_model, n_layers
@@ -39,8 +34,9 @@ from ncanalyze.store.resume import DeferredInterrupt, Phase, Saver, drop_state, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExtractConfig", "ExtractResult", "announcer", "check_settings", "config_hash", "config_record",
-           "extract", "extract_checkpoint", "extract_sharded", "finish_sharded", "resolve", "tagged", "val_data"]
+__all__ = ["ExtractResult", "announcer", "check_settings", "extract", "extract_checkpoint", "extract_sharded",
+           "finish_sharded", "todo",
+           "ExtractConfig", "config_hash", "config_record", "resolve", "val_data"]  # config.py's, for existing callers
 
 
 @dataclass
@@ -260,19 +256,6 @@ def _resume(ex: Extraction | layers.Layered, spath: Path, record: dict, overwrit
     return "resumed"
 
 
-_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-
-
-def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
-    """With ``tag``, each checkpoint's run becomes ``<run>@<tag>``: the group ``<run>@<tag>/<checkpoint>`` (and its
-    resume state) is distinct from the untagged ``<run>/<checkpoint>`` and from other tags."""
-    if tag is None:
-        return ckpts
-    if not _TAG.match(tag):
-        raise UserError(f"--tag {tag!r} is not a plain name: use letters, digits and _ . + - (e.g. --tag kjv)")
-    return [replace(c, run=f"{c.run}@{tag}") for c in ckpts]
-
-
 def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False) -> Callable[..., None]:
     """The estimate, logged once, at the first checkpoint that does work.
 
@@ -337,7 +320,20 @@ def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
 
 
 def todo(store: Path, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoint]:
-    """The checkpoints not yet complete in ``store`` (all of them with ``overwrite``)."""
+    """The checkpoints left to do.
+
+    Parameters
+    ----------
+    store, ckpts
+        The store and the checkpoints.
+    overwrite
+        All are to be done again.
+
+    Returns
+    -------
+    list of Checkpoint
+        Those not yet complete in ``store`` (all of them with ``overwrite``).
+    """
     return [c for c in ckpts
             if overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")]
 

@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, config_record, val_data
-from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.extract import ExtractResult, announcer, check_settings, extract_checkpoint, tagged, todo
+from ncanalyze.store.discover import Checkpoint, tagged
+from ncanalyze.store.extract import ExtractResult, announcer, check_settings, extract_checkpoint, todo
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.load import quiet_loading, resolve_device
 from ncanalyze.store.resume import DeferredInterrupt, prune
@@ -37,14 +37,38 @@ PICKLE_PATTERNS = ["*.bin"]
 
 
 def is_hub_id(path: str) -> bool:
-    """Not a local path, and shaped like ``ORG/NAME`` or ``NAME``: a Hub model id."""
+    """Not a local path, and shaped like ``ORG/NAME`` or ``NAME``: a Hub model id.
+
+    Parameters
+    ----------
+    path
+        A PATH of the command.
+
+    Returns
+    -------
+    bool
+        It is a Hub model id.
+    """
     return not Path(path).exists() and not path.startswith((".", "/", "~")) and bool(_HUB_ID.match(path))
 
 
 def parse_revisions(revisions: tuple[str, ...] | list[str], compact: tuple[str, ...] | list[str] = ()) -> list[str]:
     """Every revision asked for, in order, without repeats: ``--revision REV`` as given; ``--revisions`` as
     ``PREFIXstart:stop:step`` (inclusive, the prefix kept: ``step1000:3000:1000`` -> step1000, step2000, step3000) or
-    ``@FILE`` (one revision per line; blank lines and ``#`` comments skipped)."""
+    ``@FILE`` (one revision per line; blank lines and ``#`` comments skipped).
+
+    Parameters
+    ----------
+    revisions
+        ``--revision`` values.
+    compact
+        ``--revisions`` values.
+
+    Returns
+    -------
+    list of str
+        The revisions (``main`` when none).
+    """
     out = list(revisions)
     for spec in compact:
         if spec.startswith("@"):
@@ -67,7 +91,18 @@ def parse_revisions(revisions: tuple[str, ...] | list[str], compact: tuple[str, 
 
 def step_of(revision: str) -> int | None:
     """The training step a revision's name holds: the number after 'step' (``step1000``, ``step1000-tokens4B``),
-    else its only number (``checkpoint-500``, ``iter_0002000``); None for names without one and commit hashes."""
+    else its only number (``checkpoint-500``, ``iter_0002000``); None for names without one and commit hashes.
+
+    Parameters
+    ----------
+    revision
+        A revision's name.
+
+    Returns
+    -------
+    int or None
+        The step.
+    """
     if _COMMIT.match(revision):
         return None
     m = re.search(r"step[-_]?(\d+)", revision, re.IGNORECASE)
@@ -90,6 +125,18 @@ class Snapshot:
         return self.path.name
 
     def checkpoint(self, run: str | None = None) -> Checkpoint:
+        """This revision as a checkpoint.
+
+        Parameters
+        ----------
+        run
+            The run's name [default: the repository's name without the organisation].
+
+        Returns
+        -------
+        Checkpoint
+            At ``<run>/<revision>`` (a ``/`` in the revision becomes ``-``).
+        """
         name = self.revision.replace("/", "-")
         return Checkpoint(run or self.repo.split("/")[-1], name, self.path, self.path)
 
@@ -112,7 +159,20 @@ def _has_safetensors(p: Path) -> bool:
 
 
 def fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
-    """:func:`_fetch`, with the Hub client's retry chatter unprinted (a failure is one line of ours)."""
+    """:func:`_fetch`, with the Hub client's retry chatter unprinted (a failure is one line of ours).
+
+    Parameters
+    ----------
+    repo, revision
+        The Hub model id and revision.
+    allow_pickle
+        Pickle weights may be fetched (only for a revision without safetensors).
+
+    Returns
+    -------
+    Snapshot
+        The local snapshot.
+    """
     with quiet_loading():
         return _fetch(repo, revision, allow_pickle)
 
@@ -142,7 +202,13 @@ def _fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
 
 def hub_errors() -> tuple[type[Exception], ...]:
     """What resolving a revision raises when it cannot be had (missing revision or repository, not cached while
-    offline, gated, the Hub unreachable)."""
+    offline, gated, the Hub unreachable).
+
+    Returns
+    -------
+    tuple of type
+        huggingface_hub's exception types.
+    """
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTPError, LocalEntryNotFoundError,
                                         OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
@@ -151,7 +217,20 @@ def hub_errors() -> tuple[type[Exception], ...]:
 
 
 def explain(repo: str, revision: str, e: Exception) -> str:
-    """One line naming the revision, what went wrong and the fix."""
+    """One line naming the revision, what went wrong and the fix.
+
+    Parameters
+    ----------
+    repo, revision
+        The Hub model id and revision.
+    e
+        What resolving it raised.
+
+    Returns
+    -------
+    str
+        The line.
+    """
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, IncompleteSnapshotError,
                                         LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
@@ -176,7 +255,18 @@ def explain(repo: str, revision: str, e: Exception) -> str:
 
 def resolved_commit(repo: str, revision: str) -> str | None:
     """The commit ``revision`` points at, without downloading: itself if a commit hash; online, the Hub's answer;
-    offline, the cache's ref; None where neither knows."""
+    offline, the cache's ref; None where neither knows.
+
+    Parameters
+    ----------
+    repo, revision
+        The Hub model id and revision.
+
+    Returns
+    -------
+    str or None
+        The commit's hash.
+    """
     from huggingface_hub import HfApi, constants
     from huggingface_hub.file_download import repo_folder_name
 

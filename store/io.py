@@ -37,7 +37,13 @@ MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, za
 
 
 def version() -> str:
-    """The installed package's version (recorded in every group as ``ncanalyze_version``)."""
+    """The installed package's version (recorded in every group as ``ncanalyze_version``).
+
+    Returns
+    -------
+    str
+        The version, or ``0+unknown`` where the package is not installed.
+    """
     try:
         return _pkg_version("ncanalyze")
     except PackageNotFoundError:
@@ -66,7 +72,18 @@ def open_tree(path: str | Path | None = None) -> xr.DataTree:
 
 def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
     """The complete checkpoint groups (``run/checkpoint``, and its layer groups ``run/checkpoint/layers/<l>``), and
-    the groups whose metadata cannot be read, with why. Group by group, so one corrupt group hides no other."""
+    the groups whose metadata cannot be read, with why. Group by group, so one corrupt group hides no other.
+
+    Parameters
+    ----------
+    path
+        The store.
+
+    Returns
+    -------
+    tuple
+        (complete groups, {group: why} for the unreadable ones).
+    """
     root, good, bad = Path(path), [], {}
     for d, dirs, files in os.walk(root):
         dirs.sort()
@@ -90,7 +107,18 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
 
 
 def read_group(path: str | Path, group: str) -> xr.Dataset:
-    """One checkpoint's dataset, lazily."""
+    """One checkpoint's dataset, lazily.
+
+    Parameters
+    ----------
+    path, group
+        The store and the group (``<run>/<checkpoint>``).
+
+    Returns
+    -------
+    xarray.Dataset
+        Its variables, lazily.
+    """
     try:
         return xr.open_zarr(Path(path), group=group, **XR)
     except MISSING_GROUP:
@@ -100,7 +128,18 @@ def read_group(path: str | Path, group: str) -> xr.Dataset:
 
 def read_statistics(path: str | Path, group: str) -> xr.Dataset:
     """The variables of a group that the metrics read (schema.MEASURED), loaded; a UserError naming the group and the
-    fix if any of its data is missing or corrupt."""
+    fix if any of its data is missing or corrupt.
+
+    Parameters
+    ----------
+    path, group
+        The store and the group.
+
+    Returns
+    -------
+    xarray.Dataset
+        The measured variables, in memory.
+    """
     fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / group}"
     missing = missing_chunks(path, group)
     if missing:
@@ -117,7 +156,20 @@ CORRUPT = (ValueError, zarr.errors.MetadataValidationError, zarr.errors.NodeType
 
 def group_attrs(path: str | Path, group: str, corrupt_ok: bool = False) -> dict | None:
     """The attributes of ``group`` if it exists, else None; a corrupt group is an error (None with ``corrupt_ok``,
-    for a caller that will replace it)."""
+    for a caller that will replace it).
+
+    Parameters
+    ----------
+    path, group
+        The store and the group.
+    corrupt_ok
+        A corrupt group reads as absent.
+
+    Returns
+    -------
+    dict or None
+        Its attributes.
+    """
     try:
         return dict(zarr.open_group(path, path=group, mode="r", **ZARR).attrs)
     except MISSING_GROUP:
@@ -133,7 +185,15 @@ def ensure_group(path: str | Path, group: str = "") -> None:
     """Make sure ``group`` (and its parents, up to the root) exists, safely when other processes do the same at once
     (checkpoints written in parallel by a cluster's workers): zarr's create-if-missing checks, then writes, and a
     writer that loses the race between the two gets ContainsGroupError; the group is there then, so it is opened.
-    Metadata writes are atomic (a temporary file renamed), so no reader ever sees half a zarr.json."""
+    Metadata writes are atomic (a temporary file renamed), so no reader ever sees half a zarr.json.
+
+    Parameters
+    ----------
+    path
+        The store.
+    group
+        The group ("" for the root).
+    """
     for attempt in range(3):
         try:
             zarr.open_group(path, path=group, mode="a", **ZARR)
@@ -145,7 +205,15 @@ def ensure_group(path: str | Path, group: str = "") -> None:
 
 def prepare(path: Path, partial: Path) -> None:
     """Check, before any work, that ``path`` can hold a store and that it and ``partial`` (the resume states beside
-    it) are writable; create the root group. Each failure is one line naming the fix."""
+    it) are writable; create the root group. Each failure is one line naming the fix.
+
+    Parameters
+    ----------
+    path
+        The store.
+    partial
+        The folder of work in progress beside it (``StoreLayout.partial``).
+    """
     if path.exists() and not path.is_dir():
         raise UserError(f"--store {path} is a file, not a store: pass a new path such as ncanalyze.zarr")
     if path.is_dir() and not (path / "zarr.json").exists() and any(path.iterdir()):
@@ -173,7 +241,20 @@ def prepare(path: Path, partial: Path) -> None:
 
 
 def position_chunk(n: int, row_bytes: int) -> int:
-    """Rows per chunk along ``position`` (saved embeddings): ~32 MB."""
+    """Rows per chunk along ``position`` (saved embeddings): ~32 MB.
+
+    Parameters
+    ----------
+    n
+        Rows in all.
+    row_bytes
+        Bytes per row.
+
+    Returns
+    -------
+    int
+        Rows per chunk.
+    """
     return max(1, min(n, (32 << 20) // max(1, row_bytes)))
 
 
@@ -239,7 +320,20 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
 def write_rate(sample: np.ndarray, folder: Path) -> float | None:
     """Bytes per second at which a group's (vocab x hidden) ``sample`` is written the way :func:`write_checkpoint`
     writes (chunks, zstd with checksums, to disk), timed in a scratch folder under ``folder`` that is removed after
-    (and, left by a killed run, an hour later); None where it can't be written (a full disk: the write will say)."""
+    (and, left by a killed run, an hour later); None where it can't be written (a full disk: the write will say).
+
+    Parameters
+    ----------
+    sample
+        A slice of a group's (vocab x hidden) float64 array.
+    folder
+        Where to write it (``StoreLayout.partial``).
+
+    Returns
+    -------
+    float or None
+        Bytes per second.
+    """
     for stale in folder.glob(".write-rate-*"):
         with contextlib.suppress(OSError):
             if time.time() - stale.stat().st_mtime > 3600:
@@ -261,14 +355,33 @@ def write_rate(sample: np.ndarray, folder: Path) -> float | None:
 
 
 def recover_swap(path: str | Path, group: str, files: CheckpointFiles) -> None:
-    """After a crash between write_checkpoint's two renames: the old group (at ``files.old``) back in place."""
+    """After a crash between write_checkpoint's two renames: the old group (at ``files.old``) back in place.
+
+    Parameters
+    ----------
+    path, group
+        The store and the group.
+    files
+        The checkpoint's files beside the store (layout.py).
+    """
     dest, old = Path(path) / group, files.old
     if old.is_dir() and not dest.exists():
         os.rename(old, dest)
 
 
 def missing_chunks(path: str | Path, group: str) -> list[str]:
-    """The arrays of a group written with every chunk (``all_chunks``) that lack some (none for older groups)."""
+    """The arrays of a group written with every chunk (``all_chunks``) that lack some (none for older groups).
+
+    Parameters
+    ----------
+    path, group
+        The store and the group.
+
+    Returns
+    -------
+    list of str
+        ``name (missing of all chunks)`` for each array that lacks chunks.
+    """
     g = zarr.open_group(path, path=group, mode="r", **ZARR)
     if not g.attrs.get("all_chunks"):
         return []
@@ -279,7 +392,26 @@ def missing_chunks(path: str | Path, group: str) -> list[str]:
 def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_class: xr.Dataset, min_count: int,
                   config_hash: str | None) -> dict:
     """Store a checkpoint's metrics: the per-class arrays first, the record (``RECORD``) last, so an interrupted
-    write is measured again; returns the record."""
+    write is measured again; returns the record.
+
+    Parameters
+    ----------
+    path, group
+        The store and the group.
+    scalars
+        The scalar metrics.
+    per_class
+        The per-class metrics (schema.PER_CLASS).
+    min_count
+        The ``--min-count`` they were measured with.
+    config_hash
+        The group's configuration hash when measured.
+
+    Returns
+    -------
+    dict
+        The record written into the group's attributes.
+    """
     g = zarr.open_group(path, path=group, mode="r+", **ZARR)
     for k in RECORD:
         if k in g.attrs:

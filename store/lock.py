@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-log = logging.getLogger("ncanalyze")
+log = logging.getLogger(__name__)
 
 
 def _owner(f) -> str:
@@ -26,7 +26,22 @@ def _owner(f) -> str:
 
 @contextlib.contextmanager
 def checkpoint_lock(path: Path, what: str, poll: float = 0.5) -> Iterator[None]:
-    """Hold the lock at ``path``; while another process holds it, say so once and wait."""
+    """Hold the lock at ``path``; while another process holds it, say so once and wait.
+
+    Parameters
+    ----------
+    path
+        The lock file (``StoreLayout.checkpoint(ckpt).lock``, layout.py).
+    what
+        What it guards, for the message (the checkpoint's group).
+    poll
+        Seconds between tries while another process holds it.
+
+    Yields
+    ------
+    None
+        While the lock is held.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     told = False
     while True:
