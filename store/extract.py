@@ -121,7 +121,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         if _settle(ckpt, store, cfg, run.record, files, overwrite) is Status.SKIP:
             return "skipped"
         loaded = _load(ckpt, cfg, run)
-        train, val = _data(ckpt, store, cfg, run, loaded.tokenizer)
+        train, val = _data(store, cfg, run, loaded.tokenizer)
         if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
             announce(loaded.model, loaded.seconds, train, val, run.plan)
         status = _passes_and_write(ckpt, store, cfg, run, files, loaded, train, val, overwrite, restart, interrupt,
@@ -158,7 +158,7 @@ def _load(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Loaded:
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias)
 
 
-def _data(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
+def _data(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
     """The train and validation blocks (none without validation data)."""
     train = open_data(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg, run.block_size,
                       run.config, tokenizer, store)
