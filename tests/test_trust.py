@@ -217,6 +217,7 @@ def test_a_missing_chunk_says_a_fix_that_works(trained_run, corpus, tmp_path):
 def test_metrics_that_are_not_finite_are_strict_json(tmp_path):
     from ncanalyze.analyzer import class_stats
     from ncanalyze.store import io
+    from ncanalyze.store.layout import CheckpointFiles
     from ncanalyze.store.measure import measure_store
 
     rng = np.random.default_rng(0)
@@ -224,7 +225,7 @@ def test_metrics_that_are_not_finite_are_strict_json(tmp_path):
     h[29] = h[28]  # two singleton classes at one feature: CDNV inf, GNC2 std nan
     ds = class_stats(h, y, 6)
     ds.attrs |= {"run": "r", "checkpoint": "checkpoint-1", "global_step": 1, "config_hash": "x"}
-    io.write_checkpoint(tmp_path / "s.zarr", "r/checkpoint-1", ds, tmp_path / "staging")
+    io.write_checkpoint(tmp_path / "s.zarr", "r/checkpoint-1", ds, CheckpointFiles(tmp_path / "staging.npz"))
     with pytest.warns(UserWarning, match="coincident means"):
         df = measure_store(tmp_path / "s.zarr")
     assert df.nc1_cdnv[0] == math.inf and math.isnan(df.gnc2_log_std[0]) and df.gnc2_log_mean[0] == math.inf
