@@ -25,7 +25,7 @@ tag's apart (untagged rows are a group of their own), with a ``tag`` column. :fu
 checkpoint per run (``--per-run last``).
 
 Multiple comparisons. Many metrics are tested at once, so the permutation p-values are also given Holm-adjusted
-(``p_holm``, ``partial_p_holm``, ``rho_p_holm``; Holm 1979, statsmodels ``multipletests``) across the metrics with
+(``p_holm``, ``partial_p_holm``, ``rho_p_holm``; Holm 1979, ``pingouin.multicomp``) across the metrics with
 a finite p, per scale and per tag: the raw and the log scale are two families, not one, since each metric appears
 in both, and each tag is a study of its own.
 """
@@ -190,8 +190,9 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
 
 def holm(stats: pd.DataFrame, column: str) -> pd.Series:
     """Holm-adjusted ``column`` across the metrics, per scale (raw and log separately) and per tag (where the
-    table has a ``tag`` column), over the finite p-values only (statsmodels ``multipletests``); nan elsewhere."""
-    from statsmodels.stats.multitest import multipletests
+    table has a ``tag`` column), over the finite p-values only (``pingouin.multicomp``, equal to statsmodels'
+    ``multipletests``, which runs a full garbage collection per call); nan elsewhere."""
+    import pingouin as pg
 
     out = pd.Series(np.nan, index=stats.index)
     families = ["tag", "scale"] if "tag" in stats.columns else ["scale"]
@@ -199,7 +200,7 @@ def holm(stats: pd.DataFrame, column: str) -> pd.Series:
         p = rows[column].astype(float)
         p = p[np.isfinite(p)]
         if len(p):
-            out[p.index] = multipletests(p.to_numpy(), method="holm")[1]
+            out[p.index] = pg.multicomp(p.to_numpy(), method="holm")[1]
     return out
 
 
