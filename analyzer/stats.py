@@ -109,15 +109,18 @@ def refuse_correlated_controls(df: pd.DataFrame, C: pd.DataFrame, target: str, m
     """A one-line UserError if a control (``C``, evaluated by :func:`eval_controls`) uses the target or a metric
     under test: a partial correlation cannot hold fixed what it correlates. A control uses a column when blanking
     that column changes the control's values."""
-    forbidden = [c for c in dict.fromkeys([target, *metrics]) if c in df.columns]
-    for col in forbidden if len(C.columns) else ():
+    def users(cols: list[str]) -> list[str]:
         try:
-            blank = eval_controls(df.assign(**{col: np.nan}), list(C.columns))
-        except UserError:
-            blank = C * np.nan
-        for expr in C.columns:
-            if C[expr].equals(blank[expr]):
-                continue
+            blank = eval_controls(df.assign(**{c: np.nan for c in cols}), list(C.columns))
+        except UserError:  # cannot be evaluated without them
+            return list(C.columns)
+        return [e for e in C.columns if not C[e].equals(blank[e])]
+
+    forbidden = [c for c in dict.fromkeys([target, *metrics]) if c in df.columns]
+    if not len(C.columns) or not forbidden or not users(forbidden):  # the usual case: one evaluation
+        return
+    for col in forbidden:
+        for expr in users([col]):
             if col == target:
                 raise UserError(f"control {expr!r} uses the target {col!r}: a partial correlation cannot control "
                                 "for the variable it correlates; leave it out of --controls (or pick another --target)")
@@ -214,7 +217,7 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed, scheme) if n >= MIN_N else None
     n_distinct = scheme.n_distinct
     few = ([f"only {n_distinct} distinct permutations of {scheme.name} ({scheme.n_units} {_unit_name(scheme)}): "
-            f"no p below 1/{n_distinct} = {1 / n_distinct:.3g}"] if res and n_perm > 0 and n_distinct * ALPHA <= 1
+            f"no p below 1/{n_distinct} = {1 / n_distinct:.3g}"] if res and n_perm > 0 and n_distinct <= 1 / ALPHA
            else [])
     rows = []
     for j, (metric, scale) in enumerate(X.columns):
@@ -336,7 +339,7 @@ def permutation_text(stats: pd.DataFrame, seed: int | None = None) -> str:
                    f"in step order), {many} distinct permutations" if u.perm_scheme != ROWS else
                    f"rows ({u.n_units} checkpoints, each its own unit), {many} distinct permutations")
                 + (", all enumerated (exact p)" if u.exact else f", {int(u.n_perm)} drawn at random (seed {seed})"))
-        if n * ALPHA <= 1:
+        if n <= 1 / ALPHA:
             text += f"; no p can fall below 1/{int(n)} = {1 / n:.3g}, so none reaches {ALPHA:g}"
         parts.append(text)
     return ("Permutations (rows of one run are not independent, so runs with several checkpoints are permuted "

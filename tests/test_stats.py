@@ -427,6 +427,10 @@ def test_permutation_text_for_rows_and_drawn_permutations():
     assert "rows (30 checkpoints, each its own unit), about 10^32 distinct permutations, 300 drawn" in \
         permutation_text(rows)
     assert permutation_text(correlations(study(), ["nc1_cdnv"], n_perm=0)).startswith("No permutation p-values")
+    many = correlations(study(n_runs=25, per_run=8), ["nc1_cdnv"], n_perm=100, seed=4)  # 200! > float's range
+    assert np.isinf(many.n_distinct_perms).all() and (many.n_perm == 100).all() and many.p_perm.notna().all()
+    assert "rows (200 checkpoints, each its own unit), more than 10^308 distinct permutations" in \
+        permutation_text(many)
 
 
 # ---------------------------------------------------------------- tags never pooled, one row per run
