@@ -5,9 +5,9 @@ the permutations it draws (Winkler et al. 2014, "Permutation inference for the g
 NeuroImage 92). Checkpoints of one training run are not independent units: they share the run's seed, size,
 data order and schedule, so a run's metric and its loss each carry a run-level offset and a run's own trend. Row
 permutations then break the rows of a run apart and compare the observed r with a null far narrower than the
-truth (with 6 runs of 3 checkpoints they call an unrelated metric significant far more often than alpha; see
-tests/test_null.py). The rows of one run are therefore an exchangeability block, and a :class:`Scheme` permutes
-whole blocks: the target's values of run A (or, for Freedman-Lane, its residuals on the controls) move as one
+truth (in tests/test_null.py, 7 runs of 3-4 checkpoints, they call an unrelated metric significant 25-40%
+of the time at alpha = 0.05). The rows of one run are therefore an exchangeability block, and a :class:`Scheme`
+permutes whole blocks: the target's values of run A (or, for Freedman-Lane, its residuals on the controls) move as one
 unit onto the rows of run B, position by position in step order. This is a valid test of "metric and target
 are related" when runs differ: if the metric's runs and the target's runs are independent, pairing the metric
 of run A with the target of run B is as likely as with its own. What all runs share at the same position (a
@@ -18,6 +18,13 @@ with blocks of the same size (Winkler's variance groups, here: runs with the sam
 ``k_g`` runs of each size ``g`` there are prod_g k_g! distinct permutations, the identity among them; when that
 is at most the requested count every one is enumerated and p is exact, else they are drawn at random (uniform
 over the product). Few distinct permutations bound the smallest p from below by 1/N: with 3 runs, 1/6.
+
+Why not the alternatives. Shuffling checkpoints within each run (within-block permutation) tests only the
+within-run association and assumes a run's checkpoints exchangeable, which any trend in step breaks; correlating
+one summary per run throws away the checkpoints and the step control (``--per-run last`` is that choice, made
+explicitly). Whole-run permutation keeps every row and is exact for r and rho; for the partial r it permutes
+Freedman-Lane residuals, exact only asymptotically, as everywhere (Winkler et al. 2014; tests/test_null.py
+measures its rate).
 
 A selection with one checkpoint per run (or no run labels) is the plain case: every row is its own block and
 the permutations are those of the rows, as before.
