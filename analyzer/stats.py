@@ -280,9 +280,10 @@ def split_tags(df: pd.DataFrame, column: str = "tag") -> list[tuple[str | None, 
 
 def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                         controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0, *,
-                        runs: str | None = None, step: str = "global_step", tag: str = "tag") -> pd.DataFrame:
+                        runs: str | None = "run", step: str = "global_step", tag: str = "tag") -> pd.DataFrame:
     """:func:`correlations` of each tag's rows apart (:func:`split_tags`; never pooled), concatenated with a
-    ``tag`` column first (None: untagged). Holm's families are per tag and scale.
+    ``tag`` column first (None: untagged). Holm's families are per tag and scale. Runs are exchangeability blocks
+    by default (``runs="run"``, where the table has that column), as the report wants them.
 
     Returns
     -------

@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as sps
 
 from ncanalyze.analyzer.permute import Scheme, perm_test
-from ncanalyze.analyzer.stats import correlations
+from ncanalyze.analyzer.stats import correlations, correlations_by_tag
 
 ALPHA = 0.05
 N_DATASETS = 400
@@ -66,7 +66,8 @@ def test_false_positive_rate_stays_near_alpha_when_runs_are_permuted_whole(sizes
 
 
 def test_the_report_statistics_use_the_same_scheme_and_p_values():
-    """correlations(..., runs="run") gives exactly the p-values counted above, and says which scheme."""
+    """correlations(..., runs="run") and correlations_by_tag (runs by default) give exactly the p-values counted
+    above, and say which scheme."""
     for seed in range(12):
         sizes = list(SIZES.values())[seed % 2]
         df = null_study(seed, sizes)
@@ -76,6 +77,8 @@ def test_the_report_statistics_use_the_same_scheme_and_p_values():
         np.testing.assert_array_equal([raw.p_perm, raw.rho_p, raw.partial_p_perm], want)
         assert raw.perm_scheme == "whole runs" and raw.n_units == 7
         assert raw.n_distinct_perms == (5040 if seed % 2 == 0 else 144) and raw.exact == (seed % 2 == 1)
+        by_tag = correlations_by_tag(df, ["metric"], "loss", n_perm=N_PERM, seed=seed)  # the report's call
+        pd.testing.assert_frame_equal(by_tag.drop(columns="tag"), got, check_dtype=False)
         rows = correlations(df, ["metric"], "loss", n_perm=N_PERM, seed=seed)  # runs not given: rows
         assert rows[rows.scale == "raw"].iloc[0].perm_scheme == "rows"
         np.testing.assert_array_equal(rows[rows.scale == "raw"].iloc[0][["p_perm", "rho_p", "partial_p_perm"]]
