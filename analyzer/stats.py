@@ -1,103 +1,49 @@
-"""Correlation of NC metrics with a target (eval loss): Pearson r, R², partial r, and permutation p-values.
+"""Correlation of NC metrics with a target (eval loss): Pearson r, Spearman rho, R², partial r, permutation p-values.
 
 Scales. Each metric is correlated with the target twice: raw, and with log10 of the metric where the metric is
 positive on every selected checkpoint (the paper plots eval loss against log-scaled NC axes and fits there). The
-target itself is never logged. R² is that of the least-squares line, i.e. r².
+target itself is never logged. R² is that of the least-squares line, i.e. r². Spearman's rho (the r of the ranks)
+is the same on both scales, log10 being monotone.
 
 Partial correlation. Controls are expressions over the metrics table (pandas ``eval`` syntax, evaluated by
 ``expr`` over the columns and an allow-list of functions); by default
 ``log(n_params)`` (scale) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
 so its log is the linear scale; the +1 keeps a step-0 checkpoint). Absolute step, not the fraction of a run's last
 step, because a final checkpoint has fraction 1 whether its run trained one epoch or ten. Controls that are
-constant or collinear on the selected rows are dropped (and said so).
+constant or collinear on the selected rows are dropped (and said so); a control that uses the target or a metric
+under test is refused (a partial correlation cannot hold fixed what it correlates).
 
-Permutation p-values are two-sided, P(|r*| >= |r|): for r the target is permuted; for the partial r the
-target's residuals on the controls are permuted (Freedman & Lane 1983), y* = yhat_Z + P e_Z. All permutations of
-a chunk, and all metrics, are one matrix product. When n! <= the number of permutations every permutation is
-enumerated and p is exact; otherwise p = (1 + #{|r*| >= |r|}) / (1 + B) (Phipson & Smyth), as in
-``scipy.stats.permutation_test``.
+Permutation p-values are two-sided, P(|r*| >= |r|): for r and rho the target is permuted; for the partial r the
+target's residuals on the controls are permuted (Freedman & Lane 1983). Which permutations: with ``runs`` (the
+column naming each row's run) and several checkpoints in a run, whole runs are permuted among runs with as many
+checkpoints, matched by step order (runs are exchangeability blocks; :mod:`ncanalyze.analyzer.permute` says why);
+otherwise the rows. When the scheme has at most ``n_perm`` distinct permutations all are enumerated and p is
+exact; otherwise p = (1 + #{|r*| >= |r|}) / (1 + B) (Phipson & Smyth), as in ``scipy.stats.permutation_test``.
+
+Never pooled. Rows of different tags (datasets) are never one statistic: :func:`correlations_by_tag` computes each
+tag's apart (untagged rows are a group of their own), with a ``tag`` column. :func:`last_per_run` keeps one
+checkpoint per run (``--per-run last``).
 
 Multiple comparisons. Many metrics are tested at once, so the permutation p-values are also given Holm-adjusted
-(``p_holm``, ``partial_p_holm``; Holm 1979, statsmodels ``multipletests``) across the metrics with a finite p, per
-scale: the raw and the log scale are two families, not one, since each metric appears in both.
+(``p_holm``, ``partial_p_holm``, ``rho_p_holm``; Holm 1979, ``pingouin.multicomp``) across the metrics with
+a finite p, per scale and per tag: the raw and the log scale are two families, not one, since each metric appears
+in both, and each tag is a study of its own.
 """
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy.linalg import orth
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
+from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test, permutation_chunks  # noqa: F401
 from ncanalyze.analyzer.schema import SCALARS
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 CONTROLS = ("log(n_params)", "log1p(global_step)")
-MIN_N = 3  # fewest points for which a correlation means anything
-_TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)
-_CHUNK_ELEMS = 2 ** 20  # permutations per chunk x n: bounds memory at a few (chunk x n) float arrays
-
-
-def _unit(a: np.ndarray) -> np.ndarray:
-    """Centred columns scaled to unit norm, so that a dot product of two is their Pearson r."""
-    a = a - a.mean(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return a / np.linalg.norm(a, axis=0)
-
-
-def permutation_chunks(n: int, n_perm: int, seed: int | None) -> tuple[Iterator[np.ndarray], int, bool]:
-    """Index arrays (chunk x n) of permutations of range(n), their total and whether they are all n! of them."""
-    chunk = max(1, _CHUNK_ELEMS // max(n, 1))
-    if math.factorial(n) <= n_perm:
-        perms = itertools.permutations(range(n))
-        gen = (np.array(block) for block in iter(lambda: list(itertools.islice(perms, chunk)), []))
-        return gen, math.factorial(n), True
-    rng = np.random.default_rng(seed)
-    base = np.arange(n)
-    sizes = [chunk] * (n_perm // chunk) + ([n_perm % chunk] if n_perm % chunk else [])
-    return (rng.permuted(np.broadcast_to(base, (b, n)), axis=1) for b in sizes), n_perm, False
-
-
-def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = 10_000,
-              seed: int | None = 0) -> dict[str, np.ndarray]:
-    """Pearson r of ``y`` (n) with each column of ``X`` (n x m), partial r given controls ``C`` (n x k), and
-    two-sided permutation p-values for both (Freedman-Lane for the partial r). All inputs finite."""
-    n = len(y)
-    C = np.empty((n, 0)) if C is None else np.asarray(C, float).reshape(n, -1)
-    if n < MIN_N:
-        raise ValueError(f"perm_test needs n >= {MIN_N}, got {n}")
-    Q = orth(np.column_stack([np.ones(n), C]))  # orthonormal basis of span{1, controls}
-    resid = lambda a: a - Q @ (Q.T @ a)  # noqa: E731  residual maker R = I - QQ^T
-    zy, zx = _unit(y), _unit(X)
-    ey, ex = resid(y), resid(X)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ex = ex / np.linalg.norm(ex, axis=0)
-        r = zy @ zx
-        pr = ey @ ex / np.linalg.norm(ey)
-    out = {"r": r, "partial_r": pr, "p_perm": np.full_like(r, np.nan), "partial_p_perm": np.full_like(r, np.nan),
-           "n_perm": 0, "exact": False}
-    if n_perm <= 0:
-        return out
-    chunks, total, exact = permutation_chunks(n, n_perm, seed)
-    hits_r = np.zeros(r.shape, np.int64)
-    hits_pr = np.zeros(r.shape, np.int64)
-    for idx in chunks:
-        E = ey[idx]  # permuted residuals, one permutation per row; R(P e) has norm^2 = |e|^2 - |Q^T P e|^2
-        with np.errstate(invalid="ignore", divide="ignore"):
-            r_null = zy[idx] @ zx
-            pr_null = (E @ ex) / np.sqrt(ey @ ey - ((E @ Q) ** 2).sum(1))[:, None]
-        hits_r += (np.abs(r_null) >= np.abs(r) * (1 - _TIE)).sum(0)
-        hits_pr += (np.abs(pr_null) >= np.abs(pr) * (1 - _TIE)).sum(0)
-    add = 0 if exact else 1
-    with np.errstate(invalid="ignore"):
-        out["p_perm"] = np.where(np.isfinite(r), (hits_r + add) / (total + add), np.nan)
-        out["partial_p_perm"] = np.where(np.isfinite(pr), (hits_pr + add) / (total + add), np.nan)
-    out.update(n_perm=total, exact=exact)
-    return out
+ALPHA = 0.05  # the level report.md speaks of
 
 
 def independent_controls(C: pd.DataFrame) -> list[str]:
@@ -159,13 +105,54 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
     return pd.DataFrame(cols, index=df.index), notes
 
 
+def refuse_correlated_controls(df: pd.DataFrame, C: pd.DataFrame, target: str, metrics: Sequence[str]) -> None:
+    """A one-line UserError if a control (``C``, evaluated by :func:`eval_controls`) uses the target or a metric
+    under test: a partial correlation cannot hold fixed what it correlates. A control uses a column when blanking
+    that column changes the control's values."""
+    def users(cols: list[str]) -> list[str]:
+        try:
+            blank = eval_controls(df.assign(**{c: np.nan for c in cols}), list(C.columns))
+        except UserError:  # cannot be evaluated without them
+            return list(C.columns)
+        return [e for e in C.columns if not C[e].equals(blank[e])]
+
+    forbidden = [c for c in dict.fromkeys([target, *metrics]) if c in df.columns]
+    if not len(C.columns) or not forbidden or not users(forbidden):  # the usual case: one evaluation
+        return
+    for col in forbidden:
+        for expr in users([col]):
+            if col == target:
+                raise UserError(f"control {expr!r} uses the target {col!r}: a partial correlation cannot control "
+                                "for the variable it correlates; leave it out of --controls (or pick another --target)")
+            raise UserError(f"control {expr!r} uses {col!r}, a metric under test (its partial r would control for "
+                            "itself); leave it out of --controls, or leave that metric out of --metrics")
+
+
 def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
-                 controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0) -> pd.DataFrame:
-    """One row per (metric, scale in raw|log): n, r, r2, p_perm, p_param, partial_r, partial_p_perm,
-    partial_p_param, partial_ci_low/high, the controls used, a note saying why a statistic is missing, and
-    p_holm / partial_p_holm: the permutation p-values Holm-adjusted across the metrics (per scale).
-    Rows with a missing or infinite target, or a missing metric or control, are left out of that metric's
-    statistics (an infinite target is said in the notes)."""
+                 controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0, *,
+                 runs: str | None = None, step: str = "global_step") -> pd.DataFrame:
+    """Statistics of each metric against ``target``, one row per (metric, scale in raw|log).
+
+    Parameters
+    ----------
+    df : the metrics table (one row per checkpoint) of one tag; see :func:`correlations_by_tag`.
+    metrics, target, controls : column names, and control expressions over the columns.
+    n_perm, seed : permutations (all of them when the scheme has no more) and the seed of random ones.
+    runs : the column naming each row's run. Given (the report passes ``"run"``) and present, runs with several
+        checkpoints are exchangeability blocks, permuted whole (:class:`ncanalyze.analyzer.permute.Scheme`);
+        None (default) or absent: every row is an exchangeable unit.
+    step : the column that orders a run's rows, to match runs position by position.
+
+    Returns
+    -------
+    pd.DataFrame
+        metric, scale, n, r, r2, rho, p_perm, rho_p, p_param, partial_r, partial_p_perm, partial_p_param,
+        partial_ci_low/high, controls (used), perm_scheme ("rows" | "whole runs"), n_units (runs or rows
+        permuted), n_distinct_perms, n_perm (permutations counted), exact (all enumerated), note (why a statistic
+        is missing, or what bounds it), and p_holm / rho_p_holm / partial_p_holm (Holm across the metrics, per
+        scale). Rows with a missing or infinite target, or a missing metric or control, are left out of that
+        metric's statistics (an infinite target is said in the notes).
+    """
     y = _numeric(df, target, "target")
     infinite = int(np.isinf(y).sum())
     y = y.where(np.isfinite(y))  # an infinite loss (a diverged run) would make every r nan: such rows are left out
@@ -173,11 +160,14 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         raise UserError(f"target {target!r} has no values in the selected checkpoints (for eval_loss: the runs "
                         "logged no evaluation); pass --target with another column")
     C = eval_controls(df, controls)
+    refuse_correlated_controls(df, C, target, metrics)
     empty = [c for c in C.columns if C.loc[y.notna(), c].isna().all()]  # e.g. a step no checkpoint recorded
     C = C.drop(columns=empty)
     ok = y.notna() & C.notna().all(axis=1)
     y, C = y[ok], C[ok]
     X, notes = scaled_metrics(df[ok], metrics)
+    labels = df.loc[ok, runs] if runs is not None and runs in df.columns else None
+    order = df.loc[ok, step] if step in df.columns else None
     unused = [f"control {c} has no values: not used" for c in empty]
     if infinite:
         unused.append(f"{infinite} checkpoint(s) with an infinite {target} left out")
@@ -188,51 +178,71 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     rows = []
     for keys in groups.values():
         mask = X[keys[0]].notna()
-        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed)
+        scheme = (Scheme.rows(int(mask.sum())) if labels is None else
+                  Scheme.whole_blocks(labels[mask], None if order is None else order[mask]))
+        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed, scheme)
     out = pd.DataFrame(rows)
-    order = {m: i for i, m in enumerate(metrics)}
-    out = out.sort_values(["metric", "scale"], key=lambda s: s.map(order) if s.name == "metric" else s != "raw")
+    rank = {m: i for i, m in enumerate(metrics)}
+    out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)
-    out["p_holm"], out["partial_p_holm"] = holm(out, "p_perm"), holm(out, "partial_p_perm")
-    out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed)
+    out["p_holm"], out["rho_p_holm"], out["partial_p_holm"] = (holm(out, c) for c in ("p_perm", "rho_p",
+                                                                                      "partial_p_perm"))
+    out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed, runs=runs)
     return out
 
 
 def holm(stats: pd.DataFrame, column: str) -> pd.Series:
-    """Holm-adjusted ``column`` across the metrics, per scale (raw and log separately), over the finite
-    p-values only (statsmodels ``multipletests``); nan elsewhere."""
-    from statsmodels.stats.multitest import multipletests
+    """Holm-adjusted ``column`` across the metrics, per scale (raw and log separately) and per tag (where the
+    table has a ``tag`` column), over the finite p-values only (``pingouin.multicomp``, equal to statsmodels'
+    ``multipletests``, which runs a full garbage collection per call); nan elsewhere."""
+    import pingouin as pg
 
     out = pd.Series(np.nan, index=stats.index)
-    for _, rows in stats.groupby("scale"):
+    families = ["tag", "scale"] if "tag" in stats.columns else ["scale"]
+    for _, rows in stats.groupby(families, dropna=False, sort=False):
         p = rows[column].astype(float)
         p = p[np.isfinite(p)]
         if len(p):
-            out[p.index] = multipletests(p.to_numpy(), method="holm")[1]
+            out[p.index] = pg.multicomp(p.to_numpy(), method="holm")[1]
     return out
 
 
 def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, unused: list[str], n_perm: int,
-                 seed: int | None) -> list[dict]:
-    """Statistics of the columns of X, which all have the same rows, against y given controls C; ``notes`` say
-    why a column has none, ``unused`` is said of every column."""
+                 seed: int | None, scheme: Scheme) -> list[dict]:
+    """Statistics of the columns of X, which all have the same rows, against y given controls C, permuting under
+    ``scheme``; ``notes`` say why a column has none, ``unused`` is said of every column."""
     n = len(y)
     ctrl = independent_controls(C) if n else []
     dropped = [c for c in C.columns if c not in ctrl]
-    res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed) if n >= MIN_N else None
+    res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed, scheme) if n >= MIN_N else None
+    n_distinct = scheme.n_distinct
+    few = ([f"only {n_distinct} distinct permutations of {scheme.name} ({scheme.n_units} {_unit_name(scheme)}): "
+            f"no p below 1/{n_distinct} = {1 / n_distinct:.3g}"] if res and n_perm > 0 and n_distinct <= 1 / ALPHA
+           else [])
     rows = []
     for j, (metric, scale) in enumerate(X.columns):
-        row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, p_perm=np.nan, p_param=np.nan,
-                   partial_r=np.nan, partial_p_perm=np.nan, partial_p_param=np.nan, partial_ci_low=np.nan,
-                   partial_ci_high=np.nan, controls=", ".join(ctrl), n_perm=0, exact=False)
-        note = notes[metric, scale] or _fill(row, X[metric, scale], y, C[ctrl], res, j, dropped) + unused
+        row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, rho=np.nan, p_perm=np.nan, rho_p=np.nan,
+                   p_param=np.nan, partial_r=np.nan, partial_p_perm=np.nan, partial_p_param=np.nan,
+                   partial_ci_low=np.nan, partial_ci_high=np.nan, controls=", ".join(ctrl), perm_scheme=scheme.name,
+                   n_units=scheme.n_units, n_distinct_perms=_as_float(n_distinct), n_perm=0, exact=False)
+        note = notes[metric, scale] or _fill(row, X[metric, scale], y, C[ctrl], res, j, dropped) + few + unused
         rows.append(row | {"note": "; ".join(note)})
     return rows
 
 
+def _unit_name(scheme: Scheme) -> str:
+    return "checkpoints" if scheme.name == ROWS else "runs"
+
+
+def _as_float(count: int) -> float:
+    """A count as a float for a CSV column (inf beyond float range: n! of a few hundred rows)."""
+    return float(count) if count < 1e308 else np.inf
+
+
 def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | None, j: int,
           dropped: list[str]) -> list[str]:
-    """Put column j's r, R², p-values and partial r (pingouin) into ``row``; return notes on what is missing."""
+    """Put column j's r, R², rho, p-values and partial r (pingouin) into ``row``; return notes on what is
+    missing."""
     import pingouin as pg  # seconds to import: not at the CLI's start
     from scipy.stats import pearsonr
     n, k = len(x), C.shape[1]
@@ -241,8 +251,8 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
     if x.nunique() < 2 or y.nunique() < 2:
         return [("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints"]
     r = float(res["r"][j])
-    row.update(r=r, r2=r * r, p_perm=res["p_perm"][j], n_perm=res["n_perm"], exact=res["exact"],
-               p_param=float(pearsonr(x, y).pvalue))
+    row.update(r=r, r2=r * r, rho=float(res["rho"][j]), p_perm=res["p_perm"][j], rho_p=res["rho_p"][j],
+               n_perm=res["n_perm"], exact=res["exact"], p_param=float(pearsonr(x, y).pvalue))
     note = [f"partial r ignores {', '.join(dropped)} (constant or collinear here)"] if dropped else []
     if n < k + MIN_N:
         return note + [f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})"]
@@ -254,3 +264,88 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
     row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
                partial_p_param=float(part["p_val"].iloc[0]), partial_ci_low=lo, partial_ci_high=hi)
     return note
+
+
+# ---------------------------------------------------------------- what is pooled: tags, runs
+
+def split_tags(df: pd.DataFrame, column: str = "tag") -> list[tuple[str | None, pd.DataFrame]]:
+    """The rows of each tag (dataset) apart, in order of first appearance; untagged rows (NaN, None or '') are
+    one group, with tag None. A table without the column is one untagged group."""
+    if column not in df.columns:
+        return [(None, df)]
+    untagged = df[column].isna() | (df[column].astype(str).str.strip() == "")
+    tags = dict.fromkeys(None if u else t for t, u in zip(df[column], untagged))
+    return [(t, df[untagged if t is None else ~untagged & (df[column] == t)]) for t in tags]
+
+
+def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
+                        controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0, *,
+                        runs: str | None = "run", step: str = "global_step", tag: str = "tag") -> pd.DataFrame:
+    """:func:`correlations` of each tag's rows apart (:func:`split_tags`; never pooled), concatenated with a
+    ``tag`` column first (None: untagged). Holm's families are per tag and scale. Runs are exchangeability blocks
+    by default (``runs="run"``, where the table has that column), as the report wants them.
+
+    Returns
+    -------
+    pd.DataFrame
+        tag, then :func:`correlations`' columns; a tag's bad input is a UserError naming the tag.
+    """
+    parts = []
+    groups = split_tags(df, tag)
+    for t, rows in groups:
+        try:
+            stats = correlations(rows, metrics, target, controls, n_perm, seed, runs=runs, step=step)
+        except UserError as e:
+            if len(groups) == 1:
+                raise
+            raise UserError(f"tag {'(untagged)' if t is None else repr(t)}: {e}") from None
+        parts.append(stats.assign(tag=t))
+    out = pd.concat(parts, ignore_index=True)
+    out = out[["tag", *(c for c in out.columns if c != "tag")]]
+    out.attrs.update(parts[0].attrs)
+    return out
+
+
+def last_per_run(df: pd.DataFrame, runs: str = "run", step: str = "global_step") -> pd.DataFrame:
+    """``--per-run last``: the rows of each run's latest checkpoint (the highest ``step``), per tag where the table
+    has a ``tag`` column; a checkpoint's layers stay together. Rows without a step are left out of a run that has
+    steps; a run without any is a UserError."""
+    for col in (runs, step):
+        if col not in df.columns:
+            raise UserError(f"--per-run last needs the column {col!r}, which the metrics table lacks; "
+                            f"columns: {', '.join(map(str, df.columns))}")
+    s = pd.to_numeric(df[step], errors="coerce")
+    keys = [df[runs].astype(str)] + ([df["tag"].fillna("").astype(str)] if "tag" in df.columns else [])
+    top = s.groupby(keys, dropna=False).transform("max")
+    if top.isna().any():
+        raise UserError(f"--per-run last: run {df.loc[top.isna(), runs].iloc[0]!r} has no {step} (no "
+                        "trainer_state.json); leave it out with --where, or drop --per-run")
+    return df[s == top]
+
+
+def permutation_text(stats: pd.DataFrame, seed: int | None = None) -> str:
+    """report.md's sentence on the permutations behind the p-values: the unit permuted, how many distinct
+    permutations exist, whether all were enumerated, and when none can fall below ALPHA (per tag)."""
+    seed = stats.attrs.get("seed") if seed is None else seed
+    cols = [c for c in ("tag", "perm_scheme", "n_units", "n_distinct_perms", "n_perm", "exact") if c in stats]
+    used = stats.loc[stats.n_perm > 0, cols].drop_duplicates()
+    if used.empty:
+        return "No permutation p-values (no permutations asked for, or too few checkpoints)."
+    parts = []
+    for _, u in used.iterrows():
+        n, many = u.n_distinct_perms, _count_text(u.n_distinct_perms)
+        text = (f"{'' if 'tag' not in u or pd.isna(u.tag) else f'tag {u.tag}: '}"
+                + (f"whole runs ({u.n_units} runs; a run's target values, and for the partial r its residuals on the "
+                   "controls, move as one block onto another run with as many checkpoints, position by position "
+                   f"in step order), {many} distinct permutations" if u.perm_scheme != ROWS else
+                   f"rows ({u.n_units} checkpoints, each its own unit), {many} distinct permutations")
+                + (", all enumerated (exact p)" if u.exact else f", {int(u.n_perm)} drawn at random (seed {seed})"))
+        if n <= 1 / ALPHA:
+            text += f"; no p can fall below 1/{int(n)} = {1 / n:.3g}, so none reaches {ALPHA:g}"
+        parts.append(text)
+    return ("Permutations (rows of one run are not independent, so runs with several checkpoints are permuted "
+            "whole, as exchangeability blocks; Winkler et al. 2014): " + "; ".join(parts) + ".")
+
+
+def _count_text(n: float) -> str:
+    return f"{int(n)}" if n < 1e6 else ("more than 10^308" if np.isinf(n) else f"about 10^{np.log10(n):.0f}")

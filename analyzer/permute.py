@@ -1,0 +1,180 @@
+"""Permutation tests that respect the design: which rearrangements of the rows are equally likely under the null.
+
+Exchangeability. A permutation test is valid when, under the null, the data's distribution does not change under
+the permutations it draws (Winkler et al. 2014, "Permutation inference for the general linear model",
+NeuroImage 92). Checkpoints of one training run are not independent units: they share the run's seed, size,
+data order and schedule, so a run's metric and its loss each carry a run-level offset and a run's own trend. Row
+permutations then break the rows of a run apart and compare the observed r with a null far narrower than the
+truth (in tests/test_null.py, 7 runs of 3-4 checkpoints, they call an unrelated metric significant 25-40%
+of the time at alpha = 0.05). The rows of one run are therefore an exchangeability block, and a :class:`Scheme`
+permutes whole blocks: the target's values of run A (or, for Freedman-Lane, its residuals on the controls) move as one
+unit onto the rows of run B, position by position in step order. This is a valid test of "metric and target
+are related" when runs differ: if the metric's runs and the target's runs are independent, pairing the metric
+of run A with the target of run B is as likely as with its own. What all runs share at the same position (a
+common trend in step) stays paired in every permutation, so only association beyond it counts as evidence.
+
+Unequal runs. Moving run B's values onto run A's rows needs as many rows in both, so blocks are exchangeable only
+with blocks of the same size (Winkler's variance groups, here: runs with the same number of checkpoints). With
+``k_g`` runs of each size ``g`` there are prod_g k_g! distinct permutations, the identity among them; when that
+is at most the requested count every one is enumerated and p is exact, else they are drawn at random (uniform
+over the product). Few distinct permutations bound the smallest p from below by 1/N: with 3 runs, 1/6.
+
+Why not the alternatives. Shuffling checkpoints within each run (within-block permutation) tests only the
+within-run association and assumes a run's checkpoints exchangeable, which any trend in step breaks; correlating
+one summary per run throws away the checkpoints and the step control (``--per-run last`` is that choice, made
+explicitly). Whole-run permutation keeps every row and is exact for r and rho; for the partial r it permutes
+Freedman-Lane residuals, exact only asymptotically, as everywhere (Winkler et al. 2014; tests/test_null.py
+measures its rate).
+
+A selection with one checkpoint per run (or no run labels) is the plain case: every row is its own block and
+the permutations are those of the rows, as before.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy.linalg import orth
+from scipy.stats import rankdata
+
+MIN_N = 3  # fewest points for which a correlation means anything
+_TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)
+_CHUNK_ELEMS = 2 ** 20  # permutations per chunk x n: bounds memory at a few (chunk x n) float arrays
+_DEGENERATE = 1e-10  # a residual this small relative to its centred variable is zero (determined by the controls)
+ROWS, WHOLE_RUNS = "rows", "whole runs"  # the schemes' names, as stats.csv writes them
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """Which permutations of ``n`` rows are drawn. ``groups``: one (k x s) array of row indices per block size s,
+    each row a block's rows in position order; blocks of one group are exchanged as wholes."""
+    n: int
+    groups: tuple[np.ndarray, ...]
+    name: str
+
+    @classmethod
+    def rows(cls, n: int) -> "Scheme":
+        """Every row its own exchangeable unit: all n! permutations of the rows."""
+        return cls(n, (np.arange(n)[:, None],), ROWS)
+
+    @classmethod
+    def whole_blocks(cls, labels: np.ndarray | pd.Series, order: np.ndarray | pd.Series | None = None) -> "Scheme":
+        """Blocks by ``labels`` (a missing label: a block of its own), rows in a block ranked by ``order`` (e.g.
+        global_step; ties and missing values keep the rows' order). One row per block: :meth:`rows`."""
+        codes, _ = pd.factorize(pd.Series(labels).reset_index(drop=True), use_na_sentinel=True)
+        n = len(codes)
+        lone = codes < 0
+        codes[lone] = codes.max(initial=-1) + 1 + np.arange(lone.sum())
+        key = np.zeros(n) if order is None else pd.to_numeric(pd.Series(order), errors="coerce").to_numpy(float)
+        rows = np.lexsort((np.arange(n), np.nan_to_num(key, nan=np.inf), codes))  # by block, then order
+        size = np.bincount(codes)
+        if (size == 1).all():
+            return cls.rows(n)
+        starts = np.cumsum(size) - size  # block b's rows are rows[starts[b]: starts[b] + size[b]]
+        groups = tuple(np.stack([rows[starts[b]:starts[b] + s] for b in np.flatnonzero(size == s)])
+                       for s in np.unique(size))
+        return cls(n, groups, WHOLE_RUNS)
+
+    @property
+    def n_units(self) -> int:
+        """How many blocks (runs, or rows) are permuted."""
+        return sum(len(g) for g in self.groups)
+
+    @property
+    def n_distinct(self) -> int:
+        """How many distinct permutations the scheme has: prod over block sizes of (blocks of that size)!."""
+        return math.prod(math.factorial(len(g)) for g in self.groups)
+
+    def chunks(self, n_perm: int, seed: int | None) -> tuple[Iterator[np.ndarray], int, bool]:
+        """Index arrays (chunk x n): row i of a permuted vector is ``v[idx[i]]``; their total, and whether they
+        are all :attr:`n_distinct` permutations (enumerated) rather than ``n_perm`` random ones."""
+        chunk = max(1, _CHUNK_ELEMS // max(self.n, 1))
+        total = self.n_distinct
+        if total <= n_perm:
+            every = [np.array(list(itertools.permutations(range(len(g)))), dtype=np.intp) for g in self.groups]
+            shape = tuple(len(e) for e in every)
+            picks = (np.unravel_index(np.arange(a, min(a + chunk, total)), shape) for a in range(0, total, chunk))
+            return (self._indices([e[i] for e, i in zip(every, pick)]) for pick in picks), total, True
+        rng = np.random.default_rng(seed)
+        sizes = [chunk] * (n_perm // chunk) + ([n_perm % chunk] if n_perm % chunk else [])
+        draw = lambda b: [rng.permuted(np.broadcast_to(np.arange(len(g)), (b, len(g))), axis=1)  # noqa: E731
+                          for g in self.groups]
+        return (self._indices(draw(b)) for b in sizes), n_perm, False
+
+    def _indices(self, perms: list[np.ndarray]) -> np.ndarray:
+        """Row indices (b x n) from one (b x k) permutation of the blocks per group: block i's rows take block
+        perm[i]'s values, position by position."""
+        idx = np.empty((len(perms[0]), self.n), dtype=np.intp)
+        for g, p in zip(self.groups, perms):
+            idx[:, g.ravel()] = g[p].reshape(len(p), -1)
+        return idx
+
+
+def permutation_chunks(n: int, n_perm: int, seed: int | None) -> tuple[Iterator[np.ndarray], int, bool]:
+    """Index arrays (chunk x n) of permutations of range(n), their total and whether they are all n! of them."""
+    return Scheme.rows(n).chunks(n_perm, seed)
+
+
+def _unit(a: np.ndarray) -> np.ndarray:
+    """Centred columns scaled to unit norm, so that a dot product of two is their Pearson r (nan if constant)."""
+    a = a - a.mean(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return a / np.linalg.norm(a, axis=0)
+
+
+def _p(hits: np.ndarray, stat: np.ndarray, total: int, exact: bool) -> np.ndarray:
+    """Two-sided permutation p from the count of |null| >= |observed|: hits / N when every permutation was
+    counted (the identity among them), else (1 + hits) / (1 + B) (Phipson & Smyth 2010, as scipy)."""
+    add = 0 if exact else 1
+    return np.where(np.isfinite(stat), (hits + add) / (total + add), np.nan)
+
+
+def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = 10_000,
+              seed: int | None = 0, scheme: Scheme | None = None) -> dict:
+    """Pearson r, Spearman rho and partial r (given controls ``C``, n x k) of ``y`` (n) with each column of
+    ``X`` (n x m), with two-sided permutation p-values under ``scheme`` (default: rows): r and rho permute y,
+    the partial r permutes y's residuals on [1, C] (Freedman & Lane 1983: y* = yhat_C + P e_C). All inputs finite.
+
+    Returns
+    -------
+    dict
+        r, rho, partial_r, p_perm, rho_p, partial_p_perm (arrays of m); n_perm (permutations counted), exact
+        (all enumerated), n_distinct (the scheme's distinct permutations), scheme (its name), n_units.
+    """
+    n = len(y)
+    scheme = scheme or Scheme.rows(n)
+    C = np.empty((n, 0)) if C is None else np.asarray(C, float).reshape(n, -1)
+    if n < MIN_N:
+        raise ValueError(f"perm_test needs n >= {MIN_N}, got {n}")
+    Q = orth(np.column_stack([np.ones(n), C]))  # orthonormal basis of span{1, controls}
+    resid = lambda a: a - Q @ (Q.T @ a)  # noqa: E731  residual maker R = I - QQ^T
+    zy, zx = _unit(y), _unit(X)
+    ry, rx = _unit(rankdata(y)), _unit(rankdata(X, axis=0))
+    ey, ex = resid(y), resid(X)
+    ey = ey * (np.linalg.norm(ey) > _DEGENERATE * np.linalg.norm(y - y.mean()))  # determined by C: zero, so nan
+    ex = ex * (np.linalg.norm(ex, axis=0) > _DEGENERATE * np.linalg.norm(X - X.mean(axis=0), axis=0))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ex = ex / np.linalg.norm(ex, axis=0)
+        stat = {"r": zy @ zx, "rho": ry @ rx, "partial_r": ey @ ex / np.linalg.norm(ey)}
+    out = stat | {k: np.full_like(stat["r"], np.nan) for k in ("p_perm", "rho_p", "partial_p_perm")}
+    out |= dict(n_perm=0, exact=False, n_distinct=scheme.n_distinct, scheme=scheme.name, n_units=scheme.n_units)
+    if n_perm <= 0:
+        return out
+    chunks, total, exact = scheme.chunks(n_perm, seed)
+    hits = {k: np.zeros(stat["r"].shape, np.int64) for k in stat}
+    for idx in chunks:
+        E = ey[idx]  # permuted residuals, one permutation per row; R(P e) has norm^2 = |e|^2 - |Q^T P e|^2
+        with np.errstate(invalid="ignore", divide="ignore"):
+            null = {"r": zy[idx] @ zx, "rho": ry[idx] @ rx,
+                    "partial_r": (E @ ex) / np.sqrt(ey @ ey - ((E @ Q) ** 2).sum(1))[:, None]}
+        for k in stat:
+            hits[k] += (np.abs(null[k]) >= np.abs(stat[k]) * (1 - _TIE)).sum(0)
+    with np.errstate(invalid="ignore"):
+        out.update(p_perm=_p(hits["r"], stat["r"], total, exact), rho_p=_p(hits["rho"], stat["rho"], total, exact),
+                   partial_p_perm=_p(hits["partial_r"], stat["partial_r"], total, exact))
+    out.update(n_perm=total, exact=exact)
+    return out
