@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from importlib.metadata import PackageNotFoundError, version as _version
 
 import click
 from tqdm.auto import tqdm
@@ -12,9 +13,17 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
 from ncanalyze.cli.measure import measure
 from ncanalyze.cli.report import report
-from ncanalyze.store.io import version
 
-log = logging.getLogger("ncanalyze")
+log = logging.getLogger(__name__)
+ROOT_LOGGER = "ncanalyze"  # configured here; every module's logging.getLogger(__name__) propagates to it
+
+
+def version() -> str:
+    """The installed package's version, read from its metadata (importing nothing of the store)."""
+    try:
+        return _version("ncanalyze")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 class _ClickHandler(logging.Handler):
@@ -84,9 +93,10 @@ def main(debug: bool, verbose: int, quiet: int) -> None:
     """
     handler = _ClickHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    log.handlers[:] = [handler]
-    log.propagate = False
-    log.setLevel(logging.INFO + 10 * (quiet - verbose))
+    root = logging.getLogger(ROOT_LOGGER)
+    root.handlers[:] = [handler]
+    root.propagate = False
+    root.setLevel(logging.INFO + 10 * (quiet - verbose))
 
 
 main.add_command(extract)
