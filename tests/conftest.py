@@ -92,6 +92,45 @@ def extracted_store(trained_run, corpus, tmp_path_factory) -> Path:
     return store
 
 
+@pytest.fixture(scope="session")
+def kept_store(trained_run, corpus, tmp_path_factory) -> Path:
+    """A store with one finished checkpoint, which no failing command may change (see :func:`fails_cleanly`)."""
+    store = tmp_path_factory.mktemp("kept") / "kept.zarr"
+    run_cli("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], "--store", store,
+            "--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1)
+    return store
+
+
+def fails_cleanly(args, store: Path, words) -> str:
+    """Run the CLI with ``args --store store``: it must fail with one ``Error:`` line holding every one of ``words``,
+    leave every group of ``store`` identical and no resume state beside it. Returns the error line."""
+    import ncanalyze.store
+
+    before = ncanalyze.store.open(store).to_dict()
+    r = run_cli(*args, "--store", store, ok=False)
+    error = [line.split("Error:", 1)[1] for line in r.output.splitlines() if "Error:" in line]
+    assert len(error) == 1 and all(str(w) in error[0] for w in words), r.output
+    after = ncanalyze.store.open(store).to_dict()
+    assert list(after) == list(before)
+    for g, node in before.items():
+        assert node.identical(after[g]), g
+    assert not store.with_name(store.name + ".partial").exists()
+    return error[0]
+
+
+def assert_same_group(a: Path, b: Path, group: str) -> None:
+    """``group`` of stores ``a`` and ``b``: the same variables, bit for bit, and the same attributes."""
+    import numpy as np
+
+    import ncanalyze.store
+
+    da, db = (ncanalyze.store.open(s)[group].to_dataset() for s in (a, b))
+    assert set(da.data_vars) == set(db.data_vars)
+    for name in da.data_vars:
+        np.testing.assert_array_equal(da[name].values, db[name].values, err_msg=name)  # bit for bit
+    assert dict(da.attrs) == dict(db.attrs)
+
+
 def lone_model(trained_run: Path, dest: Path) -> Path:
     """A copy of ``trained_run``'s last checkpoint at ``dest``, with the run's tokenizer beside its weights."""
     shutil.copytree(trained_run / "checkpoint-60", dest)
