@@ -20,6 +20,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The tests left out of the inner loop `pytest -m "not slow"` (CI's plain `pytest` runs them all): file -> the test
+# functions (every parametrization) that take more than about 2 s on 2 cores with their fixtures, measured with
+# `pytest --durations=0`; ALL marks a whole file. A name that no longer exists is an error, so the list keeps up.
+ALL = "*"
+SLOW: dict[str, str | set[str]] = {}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests listed in :data:`SLOW` as ``slow``."""
+    checked = set()
+    for item in items:
+        names = SLOW.get(item.path.name, ())
+        if item.path.name not in checked and names != ALL:
+            checked.add(item.path.name)
+            gone = sorted(n for n in names if not hasattr(item.module, n))
+            if gone:
+                raise pytest.UsageError(f"tests/conftest.py SLOW lists {item.path.name}::{', '.join(gone)}, which "
+                                        "no longer exist: update the list")
+        if names == ALL or getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.slow)
+
+
 def _load_example(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
