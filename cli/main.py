@@ -4,11 +4,11 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from importlib.metadata import PackageNotFoundError, version as _version
 
 import click
 from tqdm.auto import tqdm
 
+import ncanalyze
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
 from ncanalyze.cli.measure import measure
@@ -16,14 +16,6 @@ from ncanalyze.cli.report import report
 
 log = logging.getLogger(__name__)
 ROOT_LOGGER = "ncanalyze"  # configured here; every module's logging.getLogger(__name__) propagates to it
-
-
-def version() -> str:
-    """The installed package's version, read from its metadata (importing nothing of the store)."""
-    try:
-        return _version("ncanalyze")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 class _ClickHandler(logging.Handler):
@@ -76,7 +68,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(version(), prog_name="ncanalyze")
+@click.version_option(ncanalyze.__version__, prog_name="ncanalyze")
 @click.option("--debug", is_flag=True, help="Show the full traceback of every error.")
 @click.option("-v", "--verbose", count=True, help="More messages (-v: debug detail).")
 @click.option("-q", "--quiet", count=True, help="Fewer messages (-q: warnings and errors only).")

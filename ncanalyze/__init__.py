@@ -12,6 +12,12 @@ import importlib.util
 import sys
 from importlib import import_module
 from importlib.abc import MetaPathFinder
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("ncanalyze")  # from the installed metadata: nothing heavy is imported for it
+except PackageNotFoundError:
+    __version__ = "0+unknown"
 
 ACCESSOR = "ncanalyze.analyzer.accessor"
 

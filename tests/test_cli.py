@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import ROOT, run_cli
 
+import ncanalyze
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.main import main
 from ncanalyze.cli.options import OPTIONS
@@ -85,7 +86,7 @@ def test_help_and_version_import_no_heavy_library():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
     assert r.returncode == 0, r.stderr
     assert "loaded: []" in r.stdout, r.stdout.splitlines()[-1]
-    assert f"ncanalyze, version {version('ncanalyze')}" in r.stdout
+    assert f"ncanalyze, version {version('ncanalyze')}" in r.stdout and version("ncanalyze") == ncanalyze.__version__
     assert all(f"Usage: ncanalyze {c} [OPTIONS]" in r.stdout for c in ("extract", "measure", "report"))
 
 
