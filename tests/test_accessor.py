@@ -97,7 +97,6 @@ def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
     "import ncanalyze, xarray",  # the accessor registers the moment xarray loads
     "import xarray, ncanalyze",  # or at once when it is already loaded
     "import ncanalyze.analyzer, xarray",  # a subpackage imports the package, which registers it
-    "import ncanalyze.store; import xarray",
 ])
 def test_importing_ncanalyze_registers_the_accessor(code):
     check = (f"{code}; import sys; assert hasattr(xarray.Dataset, 'nc') and hasattr(xarray.DataTree, 'nc'); "

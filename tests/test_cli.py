@@ -81,7 +81,8 @@ def test_help_and_version_import_no_heavy_library():
     zarr, xarray, torch or transformers (the version comes from the package's metadata)."""
     code = ("import sys\nfrom ncanalyze.cli.main import main\n"
             "for args in (['--help'], ['--version'], *([c, '--help'] for c in main.commands)):\n"
-            "    try:\n        main(args, prog_name='ncanalyze')\n    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"
+            "    try:\n        main(args, prog_name='ncanalyze')\n"
+            "    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"
             f"print('loaded:', sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
     assert r.returncode == 0, r.stderr
@@ -92,7 +93,8 @@ def test_help_and_version_import_no_heavy_library():
 
 def test_the_check_sees_a_heavy_import():
     """The same probe, once a command's module pulls xarray in, reports it (the check above can fail)."""
-    code = f"import sys, ncanalyze.cli.main, ncanalyze.store.io\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    code = ("import sys, ncanalyze.cli.main, ncanalyze.store.io\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
     assert "'xarray'" in r.stdout and "'zarr'" in r.stdout, r.stderr
 
