@@ -107,3 +107,20 @@ def test_a_default_configuration_hashes_as_before(trained_run):
         "dataset", "val_dataset", "split", "val_split", "text_column", "block_size", "max_train_tokens",
         "max_val_tokens", "batch_size", "dtype", "samples_per_class", "tokenizer", "min_count", "seed", "device_type",
         "weights"])
+
+
+def test_the_slow_list_names_tests_that_exist():
+    """conftest's SLOW (the tests `pytest -m "not slow"` leaves out) names files and test functions that exist, and
+    the marker is registered, so the inner loop leaves out what the list says and nothing is silently kept in."""
+    import configparser
+
+    from conftest import ALL, SLOW
+
+    for name, tests in SLOW.items():
+        path = ROOT / "tests" / name
+        assert path.is_file(), name
+        defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        assert tests == ALL or tests <= defined, (name, sorted(set(tests) - defined))
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert any(line.startswith("slow:") for line in cfg["tool:pytest"]["markers"].strip().splitlines())
