@@ -56,6 +56,7 @@ SLOW: dict[str, str | set[str]] = {
     "test_report.py": {"test_a_metric_without_values_keeps_its_panel_and_is_explained",
         "test_cli_on_a_metrics_csv_with_where_and_target", "test_csv_files", "test_no_controls_reads_well",
         "test_markdown_tables_and_links", "test_latex_tables", "test_figures_have_their_panels",
+        "test_report_md_gives_holm_p_and_how_many_survive",
         "test_report_on_a_real_store", "test_report_with_tokens_uses_each_runs_latest_checkpoint",
         "test_tokens_of_chosen_checkpoints", "test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once",
         "test_where_with_a_backticked_column_stays_inline_code"},
