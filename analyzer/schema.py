@@ -2,15 +2,17 @@
 names (section 4) and the descriptive columns of a metrics table (section 5); and the one builder of a checkpoint
 dataset, used by extraction (``ncanalyze.store``) and by :func:`ncanalyze.analyzer.class_stats`.
 
-Light on purpose (numpy and xarray only), so the CLI and the report can import the names without the metrics'
+Light on purpose (numpy only; xarray when a dataset is built), so the CLI and the report can import the names without the metrics'
 compiled code.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xarray as xr
+
+if TYPE_CHECKING:  # xarray loads in stats_dataset: the CLI's --help reads these names without it
+    import xarray as xr
 
 # the scalar metrics, in SPEC order; each is a function of the same name in metrics.py
 SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
@@ -48,6 +50,8 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
     ``sample_position`` is the reservoir; ``tokens`` adds the decoded ``token`` coordinate. ``embeddings`` (position x
     hidden; numpy or dask, kept lazy) with ``embedding_label`` (the next token) and ``embedding_position`` (the index
     coordinate ``position``: the stream position) are raw features of the first train positions."""
+    import xarray as xr
+
     mean = _np(mean)
     data: dict[str, tuple] = {
         "count": ("vocab", _np(count)),

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import click
 
-from ncanalyze.cli.common import default_store, store_option
+from ncanalyze.cli.common import default_store
+from ncanalyze.cli.options import option
 
 
 @click.command(short_help="Exact per-class statistics of every checkpoint into the store.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@store_option
+@option("store", "extract")
 @click.option("--dataset", required=True, metavar="SPEC",
               help="Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token "
                    "ids in .npy (1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream).")
@@ -24,18 +25,15 @@ from ncanalyze.cli.common import default_store, store_option
 @click.option("--max-train-tokens", type=click.IntRange(0), help="Cap on train tokens read (whole blocks).")
 @click.option("--max-val-tokens", type=click.IntRange(0), help="Cap on validation tokens read; 0 skips NC4.")
 @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Blocks per forward pass.")
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present, else CPU), cpu, cuda, "
-              "cuda:N.")
+@option("device", "extract")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default="float32",
               show_default=True, help="Model dtype; statistics are always accumulated in float64.")
 @click.option("--samples-per-class", type=click.IntRange(0), default=8, show_default=True,
               help="Raw features kept per class (uniform reservoir sample).")
 @click.option("--tokenizer", metavar="PATH_OR_NAME", help="Tokenizer for text data [default: the checkpoint's, "
               "else its run folder's].")
-@click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
-              help="Classes with fewer train tokens are left out of NC4's decisions.")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
-              help="Seed of the reservoir sample.")
+@option("min_count", "extract")
+@option("seed", "extract")
 @click.option("--keep-linebreaks/--no-keep-linebreaks", default=True, show_default=True,
               help="Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
                    "--no-keep-linebreaks strips them.")
@@ -71,11 +69,7 @@ from ncanalyze.cli.common import default_store, store_option
                    "embeddings (position, hidden) with label (position).")
 @click.option("--embeddings-dtype", type=click.Choice(["float32", "float16", "float64"]), default="float32",
               show_default=True, help="dtype of --save-embeddings.")
-@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS",
-              help="Run each checkpoint as a task on this Dask distributed cluster (tcp://host:8786, or a scheduler "
-                   "file .json) [env: DASK_SCHEDULER_ADDRESS; default: this process]. Its workers must see the "
-                   "checkpoints, the data and the store at the same paths; workers started with --resources GPU=1 "
-                   "take one checkpoint at a time, on the GPU their CUDA_VISIBLE_DEVICES gives.")
+@option("scheduler", "extract")
 @click.option("--shards", type=click.IntRange(1), default=1, show_default=True,
               help="Cut each checkpoint's train stream into N contiguous parts, computed as separate tasks (in turn "
                    "without --scheduler) and merged exactly; equal to one pass within float64 rounding (1e-12).")

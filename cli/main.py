@@ -8,13 +8,14 @@ import warnings
 import click
 from tqdm.auto import tqdm
 
+import ncanalyze
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
 from ncanalyze.cli.measure import measure
 from ncanalyze.cli.report import report
-from ncanalyze.store.io import version
 
-log = logging.getLogger("ncanalyze")
+log = logging.getLogger(__name__)
+ROOT_LOGGER = "ncanalyze"  # configured here; every module's logging.getLogger(__name__) propagates to it
 
 
 class _ClickHandler(logging.Handler):
@@ -67,7 +68,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(version(), prog_name="ncanalyze")
+@click.version_option(ncanalyze.__version__, prog_name="ncanalyze")
 @click.option("--debug", is_flag=True, help="Show the full traceback of every error.")
 @click.option("-v", "--verbose", count=True, help="More messages (-v: debug detail).")
 @click.option("-q", "--quiet", count=True, help="Fewer messages (-q: warnings and errors only).")
@@ -84,9 +85,10 @@ def main(debug: bool, verbose: int, quiet: int) -> None:
     """
     handler = _ClickHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    log.handlers[:] = [handler]
-    log.propagate = False
-    log.setLevel(logging.INFO + 10 * (quiet - verbose))
+    root = logging.getLogger(ROOT_LOGGER)
+    root.handlers[:] = [handler]
+    root.propagate = False
+    root.setLevel(logging.INFO + 10 * (quiet - verbose))
 
 
 main.add_command(extract)

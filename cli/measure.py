@@ -3,20 +3,17 @@ from __future__ import annotations
 
 import click
 
-from ncanalyze.cli.common import resolve_store, store_argument
+from ncanalyze.cli.common import resolve_store
+from ncanalyze.cli.options import option, store_argument
 
 SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
 
 
 @click.command(short_help="NC metrics of every checkpoint not yet measured, into the store.")
-@store_argument
-@click.option("--min-count", type=click.IntRange(1), default=1, show_default=True,
-              help="Keep only classes with at least this many train tokens.")
-@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS",
-              help="Dask distributed scheduler (e.g. tcp://host:8786) [env: DASK_SCHEDULER_ADDRESS; default: local "
-                   "threads]. Its workers must see the store's path.")
-@click.option("--tile", type=click.IntRange(1), help="Classes per tile of the pairwise sums [default: from the "
-              "available memory, at most 2048].")
+@store_argument("measure")
+@option("min_count", "measure")
+@option("scheduler", "measure")
+@option("tile", "measure")
 @click.option("--force", is_flag=True, help="Measure again checkpoints already measured.")
 def measure(store_positional, store, min_count, scheduler, tile, force):
     """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.

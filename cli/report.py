@@ -10,9 +10,10 @@ import click
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N
-from ncanalyze.cli.common import resolve_store, store_argument
+from ncanalyze.cli.common import resolve_store
+from ncanalyze.cli.options import option, store_argument
 
-log = logging.getLogger("ncanalyze")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -40,7 +41,7 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 
 
 @click.command(short_help="Tables, figures and statistics of the metrics against eval loss.")
-@store_argument
+@store_argument("report")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
               help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the figures "
               "(PNG, PDF and SVG).")
@@ -57,13 +58,12 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
               "(the same allowed syntax as --where; \"\" for none).")
 @click.option("--permutations", type=click.IntRange(min=0), default=10_000, show_default=True,
               help="Permutations per p-value (0: none).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the permutations.")
+@option("seed", "report")
 @click.option("--tokens", help="Comma-separated tokens (strings as decoded, or ids) for the per-token table.")
 @click.option("--checkpoint", "checkpoints", multiple=True, metavar="RUN/CHECKPOINT",
               help="Checkpoint(s) of the per-token table (default: each selected run's latest). Repeatable.")
-@click.option("--min-count", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Keep classes with at least this many train tokens (when measuring).")
-@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", help="Dask scheduler address for measuring.")
+@option("min_count", "report")
+@option("scheduler", "report")
 def report(store_positional, store, out, where, metrics_, target, controls, permutations, seed, tokens, checkpoints,
            min_count, scheduler):
     """Tables, figures and statistics of NC metrics against eval loss over a STORE (or --store; default

@@ -3,7 +3,6 @@
 The maths is ``ncanalyze.analyzer.measure_all``; reading and writing the store is io.py."""
 from __future__ import annotations
 
-import math
 import warnings
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.analyzer.schema import INFO, LAYER, SCALARS
+from ncanalyze.analyzer.table import metrics_table
 from ncanalyze.store.cluster import client
 from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
 
@@ -61,10 +60,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     if not kept:
         raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
-    df = pd.DataFrame([{**{k: attrs[g].get(k) for k in INFO}, LAYER: attrs[g].get(LAYER, attrs[g].get("n_layers")),
-                        **_floats(attrs[g])} for g in kept], columns=[*INFO, LAYER, *SCALARS])
-    df = df.fillna(math.nan)  # an attribute absent or null (tag, val_loss) is nan, as in metrics.csv read back
-    df = df.sort_values(["run", "global_step", LAYER], kind="stable", ignore_index=True)
+    df = metrics_table(attrs[g] for g in kept)
     df.attrs["measured"] = [g for g in todo if g not in skipped]
     df.attrs["skipped"] = skipped
     return df
@@ -80,8 +76,3 @@ def _some(groups: list[str], shown: int = 3) -> str:
     more = f" and {len(groups) - shown} more" if len(groups) > shown else ""
     return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(groups[:shown]) + more
 
-
-def _floats(attrs: dict) -> dict[str, float]:
-    """The metrics of a group's record as floats (a null is the value in ``metrics_nonfinite``, else nan)."""
-    metrics, nonfinite = attrs.get("metrics") or {}, attrs.get("metrics_nonfinite") or {}
-    return {k: float(nonfinite.get(k, "nan")) if metrics.get(k) is None else float(metrics[k]) for k in SCALARS}

@@ -20,6 +20,78 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The tests left out of the inner loop `pytest -m "not slow"` (CI's plain `pytest` runs them all): file -> the test
+# functions (every parametrization) that took 3 s or more with their fixtures in `pytest --durations=0` on 2 shared
+# cores (a load of ~9; about 1 s alone), or that need a fixture only such tests need (test_examples.py's sweep,
+# test_trust.py's killed state); ALL marks a whole file. A name that no longer exists is an error: the list keeps up.
+ALL = "*"
+SLOW: dict[str, str | set[str]] = {
+    "test_accessor.py": {"test_one_row_per_checkpoint_and_layer", "test_tree_table_is_the_metrics_table"},
+    "test_cli.py": {"test_every_store_command_takes_store_as_option_or_positional",
+        "test_the_check_sees_a_heavy_import"},
+    "test_cluster.py": {"test_a_bad_checkpoint_fails_alone_and_is_named", "test_a_bad_scheduler_address_is_one_line",
+        "test_a_worker_killed_mid_checkpoint_changes_nothing", "test_checkpoints_as_tasks_equal_the_local_run",
+        "test_concurrent_writers_keep_the_root_and_every_group", "test_shards_merge_exactly"},
+    "test_estimate.py": {"test_a_run_estimates_only_the_checkpoints_left"},
+    "test_examples.py": ALL,
+    "test_extract.py": {"test_every_checkpoint_matches_brute_force",
+        "test_every_data_form_gives_the_same_exact_statistics", "test_split_slices_of_one_text_file"},
+    "test_extract_reliability.py": {"test_kill_and_resume_is_bit_identical"},
+    "test_figures.py": {"test_colour_bar_labelled_across_its_range", "test_dynamics_figure_panels_and_lines",
+        "test_every_figure_in_png_pdf_and_svg_with_embedded_fonts", "test_many_runs_share_a_marker_and_have_no_legend",
+        "test_no_colour_bar_when_all_sizes_are_equal_but_a_legend",
+        "test_no_dynamics_figure_without_steps_or_with_one_step", "test_runs_joined_in_step_order_and_told_apart",
+        "test_tick_labels_readable_at_any_range"},
+    "test_hub.py": {"test_a_missing_relative_path_that_is_no_hub_model_says_so",
+        "test_a_pickle_only_revision_is_refused_unless_allowed",
+        "test_revisions_from_the_cache_equal_the_local_checkpoints"},
+    "test_layers.py": {"test_every_layer_matches_brute_force",
+        "test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical",
+        "test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth",
+        "test_saved_embeddings_through_xarray_and_flox"},
+    "test_linebreaks.py": {"test_linebreaks_kept_by_default_and_stripped_on_request"},
+    "test_measure_store.py": {"test_distributed_cluster_equals_local",
+        "test_recomputes_only_when_statistics_or_min_count_change"},
+    "test_metrics.py": {"test_twenty_thousand_classes_in_bounded_memory"},
+    "test_report.py": {"test_a_metric_without_values_keeps_its_panel_and_is_explained",
+        "test_cli_on_a_metrics_csv_with_where_and_target", "test_csv_files", "test_no_controls_reads_well",
+        "test_markdown_tables_and_links", "test_latex_tables", "test_figures_have_their_panels",
+        "test_report_md_gives_holm_p_and_how_many_survive",
+        "test_report_on_a_real_store", "test_report_with_tokens_uses_each_runs_latest_checkpoint",
+        "test_tokens_of_chosen_checkpoints", "test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once",
+        "test_where_with_a_backticked_column_stays_inline_code"},
+    "test_report_target.py": ALL,
+    "test_stats.py": {"test_a_control_nobody_recorded_is_not_used_and_said_so",
+        "test_a_metric_without_values_is_a_note", "test_constant_control_is_dropped_and_said_so",
+        "test_holm_columns_equal_statsmodels_per_scale", "test_p_values_are_reproducible_for_a_seed",
+        "test_partial_r_needs_more_points_than_controls"},
+    "test_tag.py": ALL,
+    "test_tokens.py": {"test_one_cache_per_text_source_shared_by_every_checkpoint",
+        "test_the_key_follows_what_determines_the_blocks"},
+    "test_trust.py": {"test_a_broken_checkpoint_is_one_line_without_the_load_report",
+        "test_a_corrupt_resume_state_is_one_line_and_restart_discards_it", "test_a_resume_on_changed_data_is_refused",
+        "test_an_inconsistent_resume_state_is_refused", "test_corrupt_metadata_is_one_line",
+        "test_ctrl_c_saves_the_state_and_the_resume_is_bit_identical",
+        "test_report_goes_on_past_a_corrupt_and_a_degenerate_checkpoint",
+        "test_two_writers_on_one_checkpoint_end_with_one_writers_store"},
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests listed in :data:`SLOW` as ``slow``."""
+    checked = set()
+    for item in items:
+        names = SLOW.get(item.path.name, ())
+        if item.path.name not in checked and names != ALL:
+            checked.add(item.path.name)
+            gone = sorted(n for n in names if not hasattr(getattr(item, "module", None), n))
+            if gone:
+                raise pytest.UsageError(f"tests/conftest.py SLOW lists {item.path.name}::{', '.join(gone)}, which "
+                                        "no longer exist: update the list")
+        if names == ALL or getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.slow)
+
+
 def _load_example(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -90,6 +162,45 @@ def extracted_store(trained_run, corpus, tmp_path_factory) -> Path:
     store = tmp_path_factory.mktemp("stores") / "study.zarr"
     run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS)
     return store
+
+
+@pytest.fixture(scope="session")
+def kept_store(trained_run, corpus, tmp_path_factory) -> Path:
+    """A store with one finished checkpoint, which no failing command may change (see :func:`fails_cleanly`)."""
+    store = tmp_path_factory.mktemp("kept") / "kept.zarr"
+    run_cli("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], "--store", store,
+            "--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1)
+    return store
+
+
+def fails_cleanly(args, store: Path, words) -> str:
+    """Run the CLI with ``args --store store``: it must fail with one ``Error:`` line holding every one of ``words``,
+    leave every group of ``store`` identical and no resume state beside it. Returns the error line."""
+    import ncanalyze.store
+
+    before = ncanalyze.store.open(store).to_dict()
+    r = run_cli(*args, "--store", store, ok=False)
+    error = [line.split("Error:", 1)[1] for line in r.output.splitlines() if "Error:" in line]
+    assert len(error) == 1 and all(str(w) in error[0] for w in words), r.output
+    after = ncanalyze.store.open(store).to_dict()
+    assert list(after) == list(before)
+    for g, node in before.items():
+        assert node.identical(after[g]), g
+    assert not store.with_name(store.name + ".partial").exists()
+    return error[0]
+
+
+def assert_same_group(a: Path, b: Path, group: str) -> None:
+    """``group`` of stores ``a`` and ``b``: the same variables, bit for bit, and the same attributes."""
+    import numpy as np
+
+    import ncanalyze.store
+
+    da, db = (ncanalyze.store.open(s)[group].to_dataset() for s in (a, b))
+    assert set(da.data_vars) == set(db.data_vars)
+    for name in da.data_vars:
+        np.testing.assert_array_equal(da[name].values, db[name].values, err_msg=name)  # bit for bit
+    assert dict(da.attrs) == dict(db.attrs)
 
 
 def lone_model(trained_run: Path, dest: Path) -> Path:

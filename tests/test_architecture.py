@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
 LAYERS = {"analyzer": 0, "store": 1, "cli": 2}  # a package may import only from its own layer or a lower one
+
+
+def sources(package: str) -> list[Path]:
+    """Every Python file of ``package`` (a top-level folder), in its subpackages too."""
+    return sorted((ROOT / package).rglob("*.py"))
 
 
 def imports(path: Path) -> set[str]:
@@ -25,8 +31,35 @@ def imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("package", sorted(LAYERS))
 def test_imports_go_one_way(package):
     backward = {f"{f.relative_to(ROOT)} imports ncanalyze.{dep}"
-                for f in (ROOT / package).glob("*.py") for dep in imports(f) if LAYERS[dep] > LAYERS[package]}
+                for f in sources(package) for dep in imports(f) if LAYERS[dep] > LAYERS[package]}
     assert not backward, sorted(backward)
+
+
+def test_the_check_reads_every_module_of_the_house():
+    """Subpackages are read (a module moved into store/<sub>/ stays checked), and the top-level ncanalyze/ folder
+    imports nothing of the store or the commands, only the accessor's registration in the analyzer."""
+    found = {f.relative_to(ROOT).as_posix() for pkg in LAYERS for f in sources(pkg)}
+    assert {"analyzer/accessor.py", "analyzer/table.py", "cli/options.py", "store/measure.py"} <= found
+    assert imports(ROOT / "ncanalyze" / "__init__.py") <= {"analyzer"}
+
+
+def test_a_backward_import_in_a_subpackage_is_caught(tmp_path, monkeypatch):
+    """The layering check reads store/<sub>/ too: a module there importing the commands is a backward import."""
+    fake = tmp_path / "store" / "extraction"
+    fake.mkdir(parents=True)
+    (fake / "plan.py").write_text("from ncanalyze.cli.options import option\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="store/extraction/plan.py imports ncanalyze.cli"):
+        test_imports_go_one_way("store")
+
+
+def test_the_new_modules_import_down_the_layers():
+    """cli -> store -> analyzer, for the modules of the second floor: the commands' options import nothing below
+    click, the table and the accessor only the analyzer, and the store builds its table from the analyzer's."""
+    assert imports(ROOT / "cli" / "options.py") == set()
+    assert imports(ROOT / "analyzer" / "table.py") == {"analyzer"}
+    assert imports(ROOT / "analyzer" / "accessor.py") == {"analyzer"}
+    assert "analyzer" in imports(ROOT / "store" / "measure.py")
 
 
 def test_the_import_check_sees_a_backward_import(tmp_path):
@@ -36,17 +69,17 @@ def test_the_import_check_sees_a_backward_import(tmp_path):
 
 
 def test_zarr_is_read_and_written_only_in_store_io():
-    users = sorted(str(f.relative_to(ROOT)) for pkg in LAYERS for f in (ROOT / pkg).glob("*.py")
+    users = sorted(str(f.relative_to(ROOT)) for pkg in LAYERS for f in sources(pkg)
                    if "import zarr" in f.read_text() or "to_zarr(" in f.read_text() or "open_zarr(" in f.read_text()
                    or "open_datatree(" in f.read_text())
     assert users == ["store/io.py"]
 
 
 def test_names_are_defined_once():
-    from ncanalyze.analyzer import metrics, report, schema, stats
-    from ncanalyze.store import measure
+    from ncanalyze.analyzer import metrics, report, schema, stats, table
 
-    assert stats.METRICS is schema.SCALARS and report.ID_COLUMNS is schema.INFO and measure.INFO is schema.INFO
+    assert stats.METRICS is schema.SCALARS and report.ID_COLUMNS is schema.INFO
+    assert table.COLUMNS == (*schema.INFO, schema.LAYER, *schema.SCALARS)
     assert list(metrics.DEFINITIONS) == list(schema.SCALARS)
     assert list(metrics.PER_CLASS_DEFINITIONS) == list(schema.PER_CLASS)
     for name, f in {**metrics.DEFINITIONS, **metrics.PER_CLASS_DEFINITIONS}.items():
@@ -74,3 +107,20 @@ def test_a_default_configuration_hashes_as_before(trained_run):
         "dataset", "val_dataset", "split", "val_split", "text_column", "block_size", "max_train_tokens",
         "max_val_tokens", "batch_size", "dtype", "samples_per_class", "tokenizer", "min_count", "seed", "device_type",
         "weights"])
+
+
+def test_the_slow_list_names_tests_that_exist():
+    """conftest's SLOW (the tests `pytest -m "not slow"` leaves out) names files and test functions that exist, and
+    the marker is registered, so the inner loop leaves out what the list says and nothing is silently kept in."""
+    import configparser
+
+    from conftest import ALL, SLOW
+
+    for name, tests in SLOW.items():
+        path = ROOT / "tests" / name
+        assert path.is_file(), name
+        defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        assert tests == ALL or tests <= defined, (name, sorted(set(tests) - defined))
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert any(line.startswith("slow:") for line in cfg["tool:pytest"]["markers"].strip().splitlines())

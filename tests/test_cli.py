@@ -2,13 +2,20 @@
 and under --debug, and messages through logging with -v/-q."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
+import ncanalyze
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.main import main
+from ncanalyze.cli.options import OPTIONS
 
 
 @pytest.fixture
@@ -64,3 +71,70 @@ def test_quiet_and_verbose(extracted_store, trained_run, corpus, tmp_path):
     assert "estimate:" in loud and "checkpoint-20: done" in loud
     quiet = run_cli("-q", *args).output
     assert "checkpoint-20" in quiet and "skipped" not in quiet  # the summary line stays, the log lines go
+
+
+HEAVY = ("zarr", "xarray", "torch", "transformers")
+
+
+def test_help_and_version_import_no_heavy_library():
+    """``ncanalyze --help``, each command's ``--help`` and ``--version`` in a fresh interpreter: none of them loads
+    zarr, xarray, torch or transformers (the version comes from the package's metadata)."""
+    code = ("import sys\nfrom ncanalyze.cli.main import main\n"
+            "for args in (['--help'], ['--version'], *([c, '--help'] for c in main.commands)):\n"
+            "    try:\n        main(args, prog_name='ncanalyze')\n"
+            "    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"
+            f"print('loaded:', sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
+    assert r.returncode == 0, r.stderr
+    assert "loaded: []" in r.stdout, r.stdout.splitlines()[-1]
+    assert f"ncanalyze, version {version('ncanalyze')}" in r.stdout and version("ncanalyze") == ncanalyze.__version__
+    assert all(f"Usage: ncanalyze {c} [OPTIONS]" in r.stdout for c in ("extract", "measure", "report"))
+
+
+def test_the_check_sees_a_heavy_import():
+    """The same probe, once a command's module pulls xarray in, reports it (the check above can fail)."""
+    code = ("import sys, ncanalyze.cli.main, ncanalyze.store.io\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
+    assert "'xarray'" in r.stdout and "'zarr'" in r.stdout, r.stderr
+
+
+def test_shared_options_are_defined_once_with_each_commands_help():
+    for flag in ("--store", "--scheduler", "--min-count", "--device", "--tile", "--seed"):
+        where = [f.name for f in (ROOT / "cli").rglob("*.py") if re.search(rf'option\(\s*"{flag}"', f.read_text())]
+        assert not where and f'("{flag}",)' in (ROOT / "cli" / "options.py").read_text(), (flag, where)
+    seen = set()
+    for name, command in main.commands.items():
+        for p in command.params:
+            if p.name in OPTIONS:
+                shared = OPTIONS[p.name]
+                assert p.opts == list(shared.decls) and p.help == shared.helps.get(name, shared.help)
+                seen.add((name, p.name))
+    assert {("extract", n) for n in ("store", "scheduler", "min_count", "device", "seed")} <= seen
+    assert {("measure", n) for n in ("store", "scheduler", "min_count", "tile")} <= seen
+    assert {("report", n) for n in ("store", "scheduler", "min_count", "seed")} <= seen
+    helps = {c: next(p.help for p in main.commands[c].params if p.name == "min_count") for c in main.commands}
+    assert "NC4" in helps["extract"] and len(set(helps.values())) == 3  # one flag, each command's meaning
+    assert "checkpoint as a task" in next(p.help for p in main.commands["extract"].params if p.name == "scheduler")
+
+
+def test_module_loggers_speak_through_the_cli_and_obey_q_and_v():
+    """Every module logs to ``logging.getLogger(__name__)``; the CLI configures the ``ncanalyze`` logger they
+    propagate to, so -q and -v reach them."""
+    import logging
+
+    @click.command()
+    def talk():
+        child = logging.getLogger("ncanalyze.store.somewhere")
+        child.debug("a debug detail")
+        child.info("an info line")
+        child.warning("a warning")
+
+    main.add_command(talk)
+    try:
+        outputs = {flags: CliRunner().invoke(main, [*flags, "talk"]).output for flags in ((), ("-q",), ("-v",))}
+    finally:
+        main.commands.pop("talk")
+    assert "an info line" in outputs[()] and "a warning" in outputs[()] and "a debug detail" not in outputs[()]
+    assert "an info line" not in outputs[("-q",)] and "a warning" in outputs[("-q",)]
+    assert "a debug detail" in outputs[("-v",)]

@@ -9,9 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import fails_cleanly, run_cli
 
-import ncanalyze.store
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import check_block_size, model_positions, open_blocks
 
@@ -199,28 +198,6 @@ def test_a_block_longer_than_the_model_positions_is_refused(trained_run, tmp_pat
 # ---------------------------------------------------------------- the same files through the CLI
 
 
-@pytest.fixture(scope="module")
-def kept_store(trained_run, corpus, tmp_path_factory):
-    """A store with one finished checkpoint, which no failed command below may change."""
-    store = tmp_path_factory.mktemp("kept") / "kept.zarr"
-    run_cli("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], "--store", store,
-            "--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1)
-    return store
-
-
-def _assert_fails_cleanly(args, store, words):
-    before = ncanalyze.store.open(store).to_dict()
-    r = run_cli(*args, "--store", store, ok=False)
-    error = [line.split("Error:", 1)[1] for line in r.output.splitlines() if "Error:" in line]
-    assert len(error) == 1 and all(w in error[0] for w in words), r.output
-    after = ncanalyze.store.open(store).to_dict()
-    assert list(after) == list(before)
-    for g, node in before.items():
-        assert node.identical(after[g]), g
-    assert not store.with_name(store.name + ".partial").exists()
-    return error[0]
-
-
 CLI_CASES = ["2-D .npy with zero columns", "object .npy", "odd-length .bin", "empty .bin", "latin-1 .txt",
              "malformed jsonl line", "text column of ints", "empty .json"]
 
@@ -229,19 +206,19 @@ CLI_CASES = ["2-D .npy with zero columns", "object .npy", "odd-length .bin", "em
 def test_bad_file_through_the_cli(case, kept_store, trained_run, tmp_path):
     write, words = BAD_FILES[case]
     path = write(tmp_path)
-    _assert_fails_cleanly(["extract", trained_run / "checkpoint-40", "--dataset", path, "--max-val-tokens", 0],
-                          kept_store, [str(path), *words])
+    fails_cleanly(["extract", trained_run / "checkpoint-40", "--dataset", path, "--max-val-tokens", 0],
+                  kept_store, [str(path), *words])
 
 
 def test_a_train_cap_below_one_block_through_the_cli(kept_store, trained_run, corpus):
     # the model's context is 32 tokens, so the default block is 32
-    _assert_fails_cleanly(["extract", trained_run / "checkpoint-40", "--dataset", corpus["train"],
-                           "--max-train-tokens", 20, "--max-val-tokens", 0], kept_store,
-                          ["20 is below one block of 32 tokens", "at least 32"])
+    fails_cleanly(["extract", trained_run / "checkpoint-40", "--dataset", corpus["train"],
+                   "--max-train-tokens", 20, "--max-val-tokens", 0], kept_store,
+                  ["20 is below one block of 32 tokens", "at least 32"])
 
 
 def test_a_block_longer_than_the_model_through_the_cli(kept_store, trained_run, tmp_path):
     np.save(tmp_path / "ids.npy", np.arange(8192) % 300)
-    _assert_fails_cleanly(["extract", trained_run / "checkpoint-40", "--dataset", tmp_path / "ids.npy",
-                           "--block-size", 64, "--max-val-tokens", 0], kept_store,
-                          ["--block-size 64", "32 positions"])
+    fails_cleanly(["extract", trained_run / "checkpoint-40", "--dataset", tmp_path / "ids.npy",
+                   "--block-size", 64, "--max-val-tokens", 0], kept_store,
+                  ["--block-size 64", "32 positions"])

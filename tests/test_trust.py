@@ -16,8 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import zarr
-from conftest import CLI, kill_when, lone_model, run_cli, tmpfs
-from test_extract_reliability import assert_same_group
+from conftest import CLI, assert_same_group, kill_when, lone_model, run_cli, tmpfs
 
 import ncanalyze.store
 

@@ -1,0 +1,47 @@
+"""ncanalyze: neural collapse in causal language models, measured post hoc over training checkpoints.
+
+The code lives in ``ncanalyze.analyzer`` (the maths), ``ncanalyze.store`` (checkpoints in, the Zarr store out) and
+``ncanalyze.cli`` (the commands), mapped from the repository's top-level folders in setup.cfg; this folder only holds
+the package itself. Importing it (or any of its subpackages) registers the xarray accessor ``nc``
+(``ncanalyze.analyzer.accessor``): at once when xarray is already loaded, else the moment xarray is, so that the
+command line (``ncanalyze --help``) never loads xarray for nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from importlib import import_module
+from importlib.abc import MetaPathFinder
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("ncanalyze")  # from the installed metadata: nothing heavy is imported for it
+except PackageNotFoundError:
+    __version__ = "0+unknown"
+
+ACCESSOR = "ncanalyze.analyzer.accessor"
+
+
+class _AfterXarray(MetaPathFinder):
+    """Finds ``xarray`` as the other finders do, and registers the accessor once its module has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "xarray":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                import_module(ACCESSOR)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if "xarray" in sys.modules:
+    import_module(ACCESSOR)
+elif not any(isinstance(f, _AfterXarray) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterXarray())
