@@ -212,6 +212,8 @@ def _regex(series: pd.Series, method: str, pat=None, case: bool = True, flags: i
     if not isinstance(flags, int) or isinstance(flags, bool) or flags & ~sum(_RE2_FLAGS):
         raise _Refused(f"flags={flags!r} not allowed: RE2 takes re.IGNORECASE (2), re.MULTILINE (8), re.DOTALL (16) "
                        "or their sum")
+    if not isinstance(case, bool) or not isinstance(regex, bool):
+        raise _Refused(f".str.{method}: case= and regex= take True or False")
     if pd.api.types.infer_dtype(series, skipna=True) not in ("string", "empty"):
         raise _Refused(f".str.{method} needs a text column ({series.name} holds {series.dtype} values)")
     text = pa.array(series.astype("string[pyarrow]"))

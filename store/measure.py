@@ -64,8 +64,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
                     continue
             for w in caught:
                 raised.setdefault((w.category, str(w.message)), []).append(g)
-            attrs[g] |= {"metrics": scalars} if unwritable else \
-                write_metrics(store, g, scalars, per_class, min_count, attrs[g].get("config_hash"))
+            unwritable = _keep(store, g, attrs[g], scalars, per_class, min_count, unwritable)
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
     for g, why in skipped.items():
@@ -89,6 +88,22 @@ class SkippedCheckpoint(UserWarning):
 
 class ReadOnlyStore(UserWarning):
     """Checkpoints measured without storing the results: the store cannot be written."""
+
+
+def _keep(store, g: str, attrs: dict, scalars: dict, per_class, min_count: int, unwritable: str | None) -> str | None:
+    """Store ``g``'s metrics and put them into ``attrs``; only into ``attrs`` when the store is ``unwritable`` (why),
+    or when writing fails (a full disk, said once: the record is written last, so ``g`` is measured again). Returns
+    why the store is unwritable, or None."""
+    if not unwritable:
+        try:
+            attrs |= write_metrics(store, g, scalars, per_class, min_count, attrs.get("config_hash"))
+            return None
+        except OSError as e:
+            unwritable = e.strerror or type(e).__name__
+            warnings.warn(f"cannot store the metrics in {store} ({unwritable}): measuring the rest without storing "
+                          "the results", ReadOnlyStore, stacklevel=3)
+    attrs["metrics"] = scalars
+    return unwritable
 
 
 def _unwritable(store: Path) -> str | None:

@@ -126,7 +126,7 @@ def _intact(path: Path) -> str | None:
         want = _checksum_path(path).read_text().strip()
     except FileNotFoundError:
         return f"it has no checksum ({_checksum_path(path).name})"
-    except UnicodeDecodeError:
+    except (OSError, UnicodeDecodeError):
         return f"its checksum ({_checksum_path(path).name}) is unreadable"
     return None if file_digest(path) == want else "its content does not match its sha256 (altered or truncated)"
 

@@ -8,6 +8,7 @@ import socketserver
 import subprocess
 import threading
 import time
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -304,3 +305,30 @@ def test_report_on_a_read_only_store_writes_its_report_elsewhere(read_only_store
     assert sum("not writable" in ln for ln in r.output.splitlines()) == 1, r.output
     table = pd.read_csv(out_dir / "metrics.csv")
     assert len(table) == 3 and table.nc1_cdnv.notna().all()
+
+
+def test_a_full_disk_while_storing_keeps_the_numbers_and_loses_nothing(tmp_path):
+    """A real tmpfs filled to the last byte after the store is copied in: the metrics are right and returned, said in
+    one warning, the groups' metadata intact, and the checkpoints measured again once there is room."""
+    src = tmp_path / "src.zarr"
+    data = {f"a/checkpoint-{s}": write_checkpoint(src, "a", s, seed=s) for s in (10, 20)}
+    with tmpfs(tmp_path / "full", "size=1m") as mnt:
+        store = mnt / "s.zarr"
+        shutil.copytree(src, store)
+        with pytest.raises(OSError), open(mnt / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        with pytest.warns(UserWarning, match=r"cannot store the metrics in .* \(No space left on device\): measuring "
+                                             "the rest without storing"):
+            df = measure_store(store)
+        for row in df.itertuples():
+            assert_metrics(row._asdict(), brute_force(data[f"{row.run}/{row.checkpoint}"], 1)[0])
+        for g, ds in data.items():
+            a = attrs(store, g)
+            assert a["complete"] is True and a["config_hash"] == ds.attrs["config_hash"] and "metrics" not in a
+        (mnt / "filler").unlink()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # zarr notes the half-created array the full disk left
+            assert sorted(measure_store(store).attrs["measured"]) == sorted(data)
+        assert measure_store(store).attrs["measured"] == []
