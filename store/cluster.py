@@ -82,12 +82,16 @@ def client(address: str | None, workers: float | None = None) -> Iterator[object
         yield c
 
 
-def _file_address(path: str) -> str | None:
-    """The address a scheduler file holds (None when it holds none: Client then says what is wrong)."""
+def _file_address(path: str) -> str:
+    """The address a scheduler file holds; a one-line error when it holds none."""
     try:
-        return json.loads(Path(path).read_text()).get("address")
+        address = json.loads(Path(path).read_text()).get("address")
     except (OSError, ValueError, AttributeError):
-        return None
+        address = None
+    if not isinstance(address, str):
+        raise UserError(f"the scheduler file {path} holds no scheduler address (it is not the JSON `dask scheduler "
+                        f"--scheduler-file {path}` writes): start the scheduler with it, or pass its address")
+    return address
 
 
 def _probe(address: str | None, shown: str) -> None:

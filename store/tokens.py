@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import Blocks
 
 VERSION = 2  # bump when the cache's format or the tokenization recipe changes
@@ -123,7 +124,7 @@ def _checksum_path(path: Path) -> Path:
 def _intact(path: Path) -> str | None:
     """None when the cache file at ``path`` has the sha256 its checksum file holds, else what is wrong."""
     try:
-        want = _checksum_path(path).read_text().strip()
+        want = _checksum_path(path).read_text().strip().lower()
     except FileNotFoundError:
         return f"it has no checksum ({_checksum_path(path).name})"
     except (OSError, UnicodeDecodeError):
@@ -135,6 +136,9 @@ def cached(store: Path, blocks: Blocks, key: str) -> Blocks:
     """``blocks`` (tokenized text) from the cache, writing it first if it is not there yet: the same blocks, with
     their number known."""
     path = cache_dir(store) / f"{key}.npy"
+    if path.is_dir() or _checksum_path(path).is_dir():
+        raise UserError(f"{path} or its .sha256 is a folder where the token cache keeps a file: move it away, or pass "
+                        "--no-token-cache")
     if path.is_file() and (wrong := _intact(path)):
         log.warning("token cache %s: %s; tokenizing %s again", path, wrong, blocks.spec)
         path.unlink(missing_ok=True)

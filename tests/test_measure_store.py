@@ -332,3 +332,12 @@ def test_a_full_disk_while_storing_keeps_the_numbers_and_loses_nothing(tmp_path)
             warnings.simplefilter("ignore")  # zarr notes the half-created array the full disk left
             assert sorted(measure_store(store).attrs["measured"]) == sorted(data)
         assert measure_store(store).attrs["measured"] == []
+
+
+@pytest.mark.parametrize("content", ["{nope", "[1, 2]", '{"address": 5}', ""])
+def test_a_scheduler_file_without_an_address_is_one_line(small_store, tmp_path, content):
+    pytest.importorskip("distributed")
+    store, _ = small_store
+    (tmp_path / "sched.json").write_text(content)
+    code, out, _ = _measure_cli(store, "--scheduler", tmp_path / "sched.json")
+    assert code == 1 and len(out.strip().splitlines()) == 1 and "holds no scheduler address" in out, out

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -217,3 +218,18 @@ def _statistics(store) -> dict[str, np.ndarray]:
     assert groups
     tree = ncanalyze.store.open(store)
     return {f"{g}/{k}": v.values for g in groups for k, v in tree[g].to_dataset().data_vars.items()}
+
+
+def test_a_folder_where_the_cache_file_belongs_is_one_line(trained_run, corpus, tmp_path):
+    from ncanalyze.analyzer.errors import UserError
+
+    tok = AutoTokenizer.from_pretrained(str(trained_run))
+    blocks = open_blocks(str(corpus["train"]), "train", 32, 2048, "text", lambda t: tok(t)["input_ids"])
+    for name in ("k.npy", "k.npy.sha256"):
+        folder = tokens.cache_dir(tmp_path / "s.zarr") / name
+        folder.mkdir(parents=True)
+        (folder / "mine.txt").write_text("someone's file")
+        with pytest.raises(UserError, match="is a folder where the token cache keeps a file") as e:
+            tokens.cached(tmp_path / "s.zarr", blocks, "k")
+        assert "\n" not in str(e.value) and (folder / "mine.txt").read_text() == "someone's file"
+        shutil.rmtree(folder)
