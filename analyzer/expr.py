@@ -205,8 +205,8 @@ class _Evaluator:
 
 def _regex(series: pd.Series, method: str, pat=None, case: bool = True, flags: int = 0, na=None,
            regex: bool = True) -> pd.Series:
-    """``series.str.<method>(pat, ...)`` on RE2 (linear time), never Python's backtracking ``re``: a boolean Series
-    with missing values where ``series`` has them (or ``na``)."""
+    """``series.str.<method>(pat, ...)`` on RE2 (linear time), never Python's backtracking ``re``: a boolean Series,
+    False (or ``na``) where ``series`` is missing, as pandas' ``str`` dtype gives it."""
     if not isinstance(pat, str):
         raise _Refused(f".str.{method} takes a string pattern, e.g. .str.{method}('neo')")
     if not isinstance(flags, int) or isinstance(flags, bool) or flags & ~sum(_RE2_FLAGS):
@@ -228,7 +228,7 @@ def _regex(series: pd.Series, method: str, pat=None, case: bool = True, flags: i
             raise _Refused(f"regex {pat!r} not accepted by RE2, the linear-time engine expressions use (no "
                            f"backreferences, lookaround or possessive forms): {str(e).split(': ', 1)[-1]}") from None
     out = pd.Series(mask.to_pandas(types_mapper={pa.bool_(): pd.BooleanDtype()}.get).array, index=series.index)
-    return out if na is None else out.fillna(na)
+    return out.fillna(False if na is None else na).astype(bool)  # as pandas' str dtype: a missing text is False
 
 
 def _depth(tree: ast.AST) -> int:

@@ -153,6 +153,8 @@ def test_regexes_on_re2_agree_with_python_re(method, pat, kw):
             for s in TEXTS]
     args = ", ".join([repr(pat), *(f"{k}={v!r}" for k, v in kw.items())])
     assert condition(f"run.str.{method}({args})", df).tolist() == want
+    negated = f"~run.str.{method}({args}) & (n >= 0)"  # a missing text: False, so its negation True, as in pandas
+    pd.testing.assert_frame_equal(select(df, negated), df.query(negated))
 
 
 @pytest.mark.parametrize("expr, want", [("run.str.contains('(.|.|.)*X', flags=2)", [0, 0, 1, 0]),
