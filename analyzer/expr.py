@@ -13,6 +13,15 @@ The text is parsed with :mod:`ast` and the tree walked here over an allow-list o
 
 Everything else (``@`` names, other attribute access, dunder names, calls of anything else, subscripts, lambdas,
 comprehensions, f-strings, ``:=``) is refused with a one-line :class:`UserError` naming the problem and the columns.
+
+Budget, part of the language: an expression is at most :data:`MAX_LENGTH` characters and nested at most
+:data:`MAX_DEPTH` levels (each operator, call, comparison or bracket is a level; a chain ``a + b + c`` is two), and
+the power of two literals has an exponent of at most 1000. Regular expressions (``contains``, ``match``,
+``fullmatch``) run on RE2 (Arrow's ``match_substring_regex``), which takes time linear in the text and has no
+backreferences or lookaround: a pattern RE2 does not accept is refused, never handed to Python's backtracking ``re``.
+``flags=`` takes ``re.IGNORECASE`` (2), ``re.MULTILINE`` (8), ``re.DOTALL`` (16) or their sum, given to RE2 as
+``(?ims)``; ``case=False`` is ``(?i)``. So every allowed expression is evaluated in time linear in the table's rows
+times its length, and anything over the budget is refused at once with one line naming the limit.
 """
 from __future__ import annotations
 
@@ -24,6 +33,8 @@ import tokenize
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ncanalyze.analyzer.errors import UserError
 
@@ -36,6 +47,10 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge}
+MAX_LENGTH = 1000  # characters of one expression
+MAX_DEPTH = 50  # levels of nesting of its tree
+_REGEX_METHODS = {"contains", "match", "fullmatch"}
+_RE2_FLAGS = {2: "i", 8: "m", 16: "s"}  # re.IGNORECASE, re.MULTILINE, re.DOTALL as RE2's inline flags
 _MAX_LITERAL_POW = 1000  # |exponent| of a power of two literals: 10**10**10 would hang the parser's user
 _BACKTICK = re.compile(r"`([^`]*)`")
 _NAMES = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
@@ -176,6 +191,8 @@ class _Evaluator:
                 kwargs[kw.arg] = self(kw.value)
             if any(isinstance(a, pd.Series) for a in [*args, *kwargs.values()]):
                 raise _Refused(f".str.{f.attr} takes literal arguments")
+            if f.attr in _REGEX_METHODS:
+                return _regex(series, f.attr, *args, **kwargs)
             return getattr(series.str, f.attr)(*args, **kwargs)
         if isinstance(f, ast.Attribute):
             raise _Refused(f"method .{f.attr}() not allowed (string methods: "
@@ -184,6 +201,44 @@ class _Evaluator:
 
     def _Attribute(self, node: ast.Attribute):
         raise _Refused(f"attribute access .{node.attr} not allowed (only column.str.<method>(...) calls)")
+
+
+def _regex(series: pd.Series, method: str, pat=None, case: bool = True, flags: int = 0, na=None,
+           regex: bool = True) -> pd.Series:
+    """``series.str.<method>(pat, ...)`` on RE2 (linear time), never Python's backtracking ``re``: a boolean Series,
+    False (or ``na``) where ``series`` is missing, as pandas' ``str`` dtype gives it."""
+    if not isinstance(pat, str):
+        raise _Refused(f".str.{method} takes a string pattern, e.g. .str.{method}('neo')")
+    if not isinstance(flags, int) or isinstance(flags, bool) or flags & ~sum(_RE2_FLAGS):
+        raise _Refused(f"flags={flags!r} not allowed: RE2 takes re.IGNORECASE (2), re.MULTILINE (8), re.DOTALL (16) "
+                       "or their sum")
+    if not isinstance(case, bool) or not isinstance(regex, bool):
+        raise _Refused(f".str.{method}: case= and regex= take True or False")
+    if pd.api.types.infer_dtype(series, skipna=True) not in ("string", "empty"):
+        raise _Refused(f".str.{method} needs a text column ({series.name} holds {series.dtype} values)")
+    text = pa.array(series.astype("string[pyarrow]"))
+    inline = "".join(c for bit, c in _RE2_FLAGS.items() if flags & bit) + ("i" if not case else "")
+    if method == "contains" and not regex:
+        mask = pc.match_substring(text, pat, ignore_case="i" in inline)
+    else:
+        anchored = {"contains": "{}", "match": r"\A(?:{})", "fullmatch": r"\A(?:{})\z"}[method].format(pat)
+        try:
+            mask = pc.match_substring_regex(text, (f"(?{''.join(sorted(set(inline)))})" if inline else "") + anchored)
+        except pa.ArrowInvalid as e:
+            raise _Refused(f"regex {pat!r} not accepted by RE2, the linear-time engine expressions use (no "
+                           f"backreferences, lookaround or possessive forms): {str(e).split(': ', 1)[-1]}") from None
+    out = pd.Series(mask.to_pandas(types_mapper={pa.bool_(): pd.BooleanDtype()}.get).array, index=series.index)
+    return out.fillna(False if na is None else na).astype(bool)  # as pandas' str dtype: a missing text is False
+
+
+def _depth(tree: ast.AST) -> int:
+    """The nesting depth of ``tree``, counted without recursion."""
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, d = todo.pop()
+        deepest = max(deepest, d)
+        todo.extend((child, d + 1) for child in ast.iter_child_nodes(node) if not isinstance(child, ast.expr_context))
+    return deepest
 
 
 def _boolean_precedence(text: str) -> str:
@@ -207,13 +262,21 @@ def _parse(expr: str, columns) -> tuple[ast.AST, dict[str, str]]:
             raise _Refused(f"unknown column `{m.group(1)}`")
         return name
 
+    if len(expr) > MAX_LENGTH:
+        raise _Refused(f"{len(expr)} characters, over the limit of {MAX_LENGTH}: shorten it")
     if "@" in _BACKTICK.sub("", re.sub(r"'[^']*'|\"[^\"]*\"", "", expr)):
         raise _Refused("'@' (local variables) not allowed")
     text = _BACKTICK.sub(alias, expr)
     try:
         tree = ast.parse(_boolean_precedence(text.strip()), mode="eval")
     except (SyntaxError, tokenize.TokenError) as e:
+        if "too many nested" in str(e):
+            raise _Refused(f"nested deeper than the limit of {MAX_DEPTH} levels: simplify it") from None
         raise _Refused(f"syntax error ({e.msg if isinstance(e, SyntaxError) else e.args[0]})") from None
+    except (RecursionError, MemoryError):
+        raise _Refused(f"nested deeper than the limit of {MAX_DEPTH} levels: simplify it") from None
+    if _depth(tree.body) > MAX_DEPTH:
+        raise _Refused(f"nested {_depth(tree.body)} levels deep, over the limit of {MAX_DEPTH}: simplify it")
     return tree.body, aliases
 
 
@@ -227,9 +290,14 @@ def evaluate(expr: str, df: pd.DataFrame, what: str = "expression"):
         problem = str(e)
     except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError, OverflowError) as e:
         problem = f"cannot be evaluated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    except RecursionError:
-        problem = "nested too deeply"
-    raise UserError(f"{what} {expr!r}: {problem}; columns: {', '.join(map(str, df.columns))}")
+    except (RecursionError, MemoryError):
+        problem = f"nested deeper than the limit of {MAX_DEPTH} levels: simplify it"
+    raise UserError(f"{what} {_shown(expr)}: {problem}; columns: {', '.join(map(str, df.columns))}")
+
+
+def _shown(expr: str, most: int = 120) -> str:
+    """``expr`` quoted for a message, cut to its first ``most`` characters when longer."""
+    return repr(expr) if len(expr) <= most else f"{expr[:most]!r}... ({len(expr)} characters)"
 
 
 def condition(expr: str, df: pd.DataFrame, what: str = "--where") -> pd.Series:
@@ -238,12 +306,12 @@ def condition(expr: str, df: pd.DataFrame, what: str = "--where") -> pd.Series:
     if not isinstance(v, pd.Series):
         if isinstance(v, bool | np.bool_):
             return pd.Series(bool(v), index=df.index)
-        raise UserError(f"{what} {expr!r}: not a condition (it gives {v!r}); columns: {', '.join(df.columns)}")
+        raise UserError(f"{what} {_shown(expr)}: not a condition (it gives {v!r}); columns: {', '.join(df.columns)}")
     if v.dtype != bool:
         if v.dtype == object and v.map(lambda x: isinstance(x, bool | np.bool_) or x is None or x is pd.NA).all():
             return v.fillna(False).astype(bool)
         if str(v.dtype) == "boolean":
             return v.fillna(False).astype(bool)
-        raise UserError(f"{what} {expr!r}: not a condition (it gives {v.dtype} values, not True/False); columns: "
+        raise UserError(f"{what} {_shown(expr)}: not a condition (it gives {v.dtype} values, not True/False); columns: "
                         f"{', '.join(map(str, df.columns))}")
     return v

@@ -3,6 +3,8 @@
 The maths is ``ncanalyze.analyzer.measure_all``; reading and writing the store is io.py."""
 from __future__ import annotations
 
+import math
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.table import metrics_table
 from ncanalyze.store.cluster import client
 from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
+
+WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
 
 
 def is_measured(attrs: dict, min_count: int) -> bool:
@@ -32,15 +36,24 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     A checkpoint that can't be measured (corrupt or missing data, fewer than 2 kept classes, ...) is left out with a
     warning naming it and the fix; the others go on. ``df.attrs["measured"]`` lists the groups measured by this
     call, ``df.attrs["skipped"]`` maps each left-out group to why. ``scheduler``: a dask.distributed scheduler
-    address (default ``$DASK_SCHEDULER_ADDRESS``); without one the local threaded scheduler.
+    address (default ``$DASK_SCHEDULER_ADDRESS``); without one the local threaded scheduler; a scheduler without
+    workers gets ``WORKER_WAIT_S`` seconds for one to join, then a one-line error.
+
+    A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
+    measured without storing the results, said in one warning (they are measured again next time).
     """
     if not (Path(store) / "zarr.json").is_file():
         open_tree(store)  # the one-line error for a path that is not a store
     groups, skipped = checkpoint_groups(store)
     attrs = {g: group_attrs(store, g) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
+    unwritable = _unwritable(Path(store)) if todo else None
+    if unwritable:
+        warnings.warn(f"{store} is not writable ({unwritable}): measuring {len(todo)} checkpoint(s) without storing "
+                      "the results, so they are measured again next time; measure a writable copy to keep them",
+                      ReadOnlyStore, stacklevel=2)
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
-    with client(scheduler):
+    with client(scheduler, workers=WORKER_WAIT_S if todo else None):
         for g in tqdm(todo, desc="measuring", unit="checkpoint", disable=None):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -51,7 +64,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
                     continue
             for w in caught:
                 raised.setdefault((w.category, str(w.message)), []).append(g)
-            attrs[g] |= write_metrics(store, g, scalars, per_class, min_count, attrs[g].get("config_hash"))
+            unwritable = _keep(store, g, attrs[g], scalars, per_class, min_count, unwritable)
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
     for g, why in skipped.items():
@@ -68,6 +81,35 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
 
 class SkippedCheckpoint(UserWarning):
     """A checkpoint left out of a measurement or report, with why."""
+
+
+class ReadOnlyStore(UserWarning):
+    """Checkpoints measured without storing the results: the store cannot be written."""
+
+
+def _keep(store, g: str, attrs: dict, scalars: dict, per_class, min_count: int, unwritable: str | None) -> str | None:
+    """Store ``g``'s metrics and put them into ``attrs``; only into ``attrs`` when the store is ``unwritable`` (why),
+    or when writing fails (a full disk, said once: the record is written last, so ``g`` is measured again). Returns
+    why the store is unwritable, or None."""
+    if not unwritable:
+        try:
+            attrs |= write_metrics(store, g, scalars, per_class, min_count, attrs.get("config_hash"))
+            return None
+        except OSError as e:
+            unwritable = e.strerror or type(e).__name__
+            warnings.warn(f"cannot store the metrics in {store} ({unwritable}): measuring the rest without storing "
+                          "the results", ReadOnlyStore, stacklevel=3)
+    attrs["metrics"] = scalars
+    return unwritable
+
+
+def _unwritable(store: Path) -> str | None:
+    """Why nothing can be written into ``store`` (a file created and removed to find out), or None."""
+    try:
+        with tempfile.TemporaryFile(dir=store):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
 
 
 def _some(groups: list[str], shown: int = 3) -> str:

@@ -1,27 +1,35 @@
 """Tokenize once: text data tokenized into blocks on first use and kept beside the store, reused by every checkpoint.
 
 ``<store>.tokens/<key>.npy`` holds the blocks (int32, blocks x block_size) of one text source; the key is a hash of
-what determines them: the dataset spec, split and text column, a fingerprint of local data files (paths, sizes,
-modification times), the tokenizer's content, the block size, the token cap and the line-break setting. The file
-is written under a temporary name and renamed when complete, so a killed run or a second writer never leaves half
-a cache; being a memory-mapped 2-D token file, it gives the progress bars and the estimate their totals.
+what determines them: the dataset spec, split and text column, the content (sha256) of local data files, the
+tokenizer's content, the block size, the token cap and the line-break setting. The file is written under a
+temporary name and renamed when complete, so a killed run or a second writer never leaves half a cache; beside it,
+``<key>.npy.sha256`` (written first, also renamed into place) holds the file's sha256. A cache file is verified
+against it when a process first reads it: altered ids, a truncated file or a missing checksum are said in one log
+line and the cache is tokenized again. Being a memory-mapped 2-D token file, it gives the progress bars and the
+estimate their totals. Each file is hashed once per process while its size, times and inode stay the same.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.layout import StoreLayout
 
-VERSION = 1  # bump when the cache's format or the tokenization recipe changes
+VERSION = 2  # bump when the cache's format or the tokenization recipe changes
+
+log = logging.getLogger("ncanalyze")
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime, ctime, inode) -> sha256 of the content, for this process
 
 
 def cache_dir(store: Path) -> Path:
@@ -29,15 +37,30 @@ def cache_dir(store: Path) -> Path:
     return StoreLayout(store).tokens
 
 
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's content, streamed once; remembered for this process while its stat is unchanged (an
+    edit changes the ctime, which no one can set back)."""
+    key = _stat_key(path)
+    if key not in _DIGESTS:
+        with open(path, "rb") as f:
+            _DIGESTS[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    return _DIGESTS[key]
+
+
+def _stat_key(path: Path) -> tuple:
+    st = path.stat()
+    return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
 def data_fingerprint(spec: str) -> list:
-    """Local files: (relative path, size, mtime_ns) of each; a Hub dataset: its name only (no revision known)."""
+    """Local files: (relative path, sha256 of the content) of each; a Hub dataset: its name only (no revision
+    known)."""
     p = Path(spec)
     if p.is_file():
-        st = p.stat()
-        return [[str(p.resolve()), st.st_size, st.st_mtime_ns]]
+        return [[p.name, file_digest(p)]]
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
-        return [str(p.resolve())] + [[str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        return [[str(f.relative_to(p)), file_digest(f)] for f in files]
     return [spec]
 
 
@@ -76,20 +99,51 @@ def _write(blocks: Blocks, path: Path, batch: int = 256) -> None:
                 f.write(np.ascontiguousarray(b, dtype="<i4").tobytes())
                 n += len(b)
                 bar.update(min(rows.done, bar.total or rows.done) - bar.n if rows else len(b))
+        header = io.BytesIO()
+        np.lib.format.write_array_header_2_0(header, {"descr": "<i4", "fortran_order": False,
+                                                      "shape": (n, blocks.block_size)})
+        sha = hashlib.sha256(header.getvalue())
         with open(tmp, "wb") as out, open(raw, "rb") as f:
-            np.lib.format.write_array_header_2_0(out, {"descr": "<i4", "fortran_order": False,
-                                                       "shape": (n, blocks.block_size)})
-            shutil.copyfileobj(f, out, 1 << 24)
+            out.write(header.getvalue())
+            while chunk := f.read(1 << 24):
+                out.write(chunk)
+                sha.update(chunk)
+        side = tmp.with_name(tmp.name + ".sha256")
+        side.write_text(sha.hexdigest())
+        os.replace(side, _checksum_path(path))  # first: a kill before the next line leaves a cache that fails it
         os.replace(tmp, path)
+        _DIGESTS[_stat_key(path)] = sha.hexdigest()
     finally:
         raw.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
+        tmp.with_name(tmp.name + ".sha256").unlink(missing_ok=True)
+
+
+def _checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _intact(path: Path) -> str | None:
+    """None when the cache file at ``path`` has the sha256 its checksum file holds, else what is wrong."""
+    try:
+        want = _checksum_path(path).read_text().strip().lower()
+    except FileNotFoundError:
+        return f"it has no checksum ({_checksum_path(path).name})"
+    except (OSError, UnicodeDecodeError):
+        return f"its checksum ({_checksum_path(path).name}) is unreadable"
+    return None if file_digest(path) == want else "its content does not match its sha256 (altered or truncated)"
 
 
 def cached(store: Path, blocks: Blocks, key: str) -> Blocks:
     """``blocks`` (tokenized text) from the cache, writing it first if it is not there yet: the same blocks, with
     their number known."""
     path = cache_dir(store) / f"{key}.npy"
+    if path.is_dir() or _checksum_path(path).is_dir():
+        raise UserError(f"{path} or its .sha256 is a folder where the token cache keeps a file: move it away, or pass "
+                        "--no-token-cache")
+    if path.is_file() and (wrong := _intact(path)):
+        log.warning("token cache %s: %s; tokenizing %s again", path, wrong, blocks.spec)
+        path.unlink(missing_ok=True)
     if not path.is_file():
         _write(blocks, path)
     arr = np.load(path, mmap_mode="r", allow_pickle=False)

@@ -1,7 +1,11 @@
 """Report expressions: the known escapes are refused without side effects; valid ones equal pandas."""
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
+import time
 
 import numpy as np
 import pandas as pd
@@ -111,3 +115,101 @@ def test_report_refuses_escapes_in_where_and_controls(df, tmp_path):
     with pytest.raises(UserError, match="control"):
         write_report(df, tmp_path / "r", controls=[f"__import__('os').system('touch {f}')"], n_perm=0)
     assert not f.exists()
+
+
+# ---------------------------------------------------------------- the budget: RE2, bounded length and nesting
+
+@contextlib.contextmanager
+def answers_within(seconds: int):
+    """Fails (instead of hanging the suite) when the block runs longer than ``seconds``."""
+    def late(*_):
+        raise AssertionError(f"no answer within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, late)
+    signal.alarm(seconds)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - start < seconds
+
+
+TEXTS = ["neo-a", "NEO-b", "gpt-c", "a\nNeo", "x.y", "", None]
+REGEXES = [("contains", "neo", {}), ("contains", "neo", {"case": False}), ("contains", "NEO", {"flags": 2}),
+           ("contains", "^neo", {"flags": 2 | 8}), ("contains", "a.neo", {"flags": 2 | 16}),
+           ("contains", "a.neo", {}), ("contains", "x.y", {"regex": False}), ("contains", "[bc]$", {}),
+           ("match", "ne", {}), ("match", "NE", {"case": False}), ("match", "a|n", {}), ("fullmatch", "neo-.", {}),
+           ("fullmatch", "neo|gpt-c", {}), ("fullmatch", "n.*", {"flags": 2})]
+
+
+@pytest.mark.parametrize("method, pat, kw", REGEXES)
+def test_regexes_on_re2_agree_with_python_re(method, pat, kw):
+    df = pd.DataFrame({"run": pd.array(TEXTS, dtype="str"), "n": range(len(TEXTS))})
+    flags = kw.get("flags", 0) | (re.IGNORECASE if kw.get("case") is False else 0)
+    find = {"contains": re.search, "match": re.match, "fullmatch": re.fullmatch}[method]
+    want = [s is not None and (pat in s if kw.get("regex") is False else find(pat, s, flags) is not None)
+            for s in TEXTS]
+    args = ", ".join([repr(pat), *(f"{k}={v!r}" for k, v in kw.items())])
+    assert condition(f"run.str.{method}({args})", df).tolist() == want
+    negated = f"~run.str.{method}({args}) & (n >= 0)"  # a missing text: False, so its negation True, as in pandas
+    pd.testing.assert_frame_equal(select(df, negated), df.query(negated))
+
+
+@pytest.mark.parametrize("expr, want", [("run.str.contains('(.|.|.)*X', flags=2)", [0, 0, 1, 0]),
+                                        ("run.str.match('(a|aa)*b', case=False)", [0, 0, 0, 1]),
+                                        ("run.str.fullmatch('(a+)+$')", [1, 0, 0, 0]),
+                                        ("run.str.contains('(a*)*(b|c)')", [0, 0, 1, 1])])
+def test_catastrophic_regexes_answer_at_once(expr, want):
+    """Patterns on which Python's re backtracks for ever over the first two texts; planted answers."""
+    df = pd.DataFrame({"run": ["a" * 40, "a" * 39 + "!", "a" * 30 + "xb", "b" * 5]})
+    with answers_within(5):
+        assert condition(expr, df).tolist() == [bool(w) for w in want]
+
+
+@pytest.mark.parametrize("expr, match", [
+    (r"run.str.contains('(a)\\1')", "not accepted by RE2.*backreferences"),
+    ("run.str.contains('(?=neo)')", "not accepted by RE2"),
+    ("run.str.contains('a', flags=64)", r"flags=64 not allowed: RE2 takes re.IGNORECASE \(2\)"),
+    ("run.str.contains('a', flags=re.I)", "attribute access"),
+    ("n_params.str.contains('1')", "needs a text column"),
+    ("run.str.match(1)", "string pattern"),
+    ("run.str.contains('a{1001}')", "not accepted by RE2"),
+    ("x" * 1001, "1001 characters, over the limit of 1000: shorten it"),
+    ("-" * 900 + "global_step < 0", "nested 902 levels deep, over the limit of 50: simplify it"),
+    ("not " * 200 + "n_params > 0", "over the limit of 50"),
+    ("(" * 300 + "global_step" + ")" * 300, "nested deeper than the limit of 50"),
+    (" + ".join(["global_step"] * 60) + " > 0", "nested 61 levels deep"),
+    ("log(" * 100 + "n_params" + ")" * 100 + " > 0", "over the limit of 50"),
+    ("[" * 200 + "]" * 200, "over the limit of 50"),
+])
+def test_over_budget_is_one_line_at_once(df, expr, match):
+    for what, call in (("--where", lambda: select(df, expr)), ("control", lambda: eval_controls(df, [expr]))):
+        with answers_within(5), pytest.raises(UserError, match=match) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and len(msg) < 600 and what in msg, msg
+
+
+def test_within_budget_is_evaluated(df):
+    deep = "(" * 40 + "global_step" + " + 1)" * 40 + " > 0"  # 41 levels
+    pd.testing.assert_frame_equal(select(df, deep), df.query(deep))
+    long = " or ".join(["global_step == 20"] * 47)  # 983 characters, flat
+    assert len(long) < 1000
+    pd.testing.assert_frame_equal(select(df, long), df.query("global_step == 20"))
+
+
+def test_report_cli_answers_a_hostile_where_in_one_line(df, tmp_path):
+    from click.testing import CliRunner
+
+    from ncanalyze.cli.main import main
+
+    df.to_csv(tmp_path / "m.csv", index=False)
+    for where in ["-" * 900 + "global_step < 0", "run.str.contains('(a)\\\\1', flags=2)"]:
+        with answers_within(60):
+            r = CliRunner().invoke(main, ["report", str(tmp_path / "m.csv"), "--out", str(tmp_path / "r"),
+                                          "--where", where, "--permutations", "0"])
+        assert r.exit_code == 1 and r.output.startswith("Error: --where") and len(r.output.splitlines()) == 1, \
+            r.output
+    assert not (tmp_path / "r" / "report.md").exists()

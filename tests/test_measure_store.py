@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import math
 import shutil
+import socketserver
+import subprocess
+import threading
+import time
+import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 import zarr
 from click.testing import CliRunner
+from conftest import tmpfs
 from test_metrics import assert_metrics, brute_force, random_study
 
 import ncanalyze.store
+import ncanalyze.store.cluster
+import ncanalyze.store.measure
 from ncanalyze.analyzer import PER_CLASS, SCALARS, UserError, class_stats, measure_all
 from ncanalyze.analyzer.schema import INFO
 from ncanalyze.store.measure import measure_store
@@ -185,3 +194,150 @@ def test_real_checkpoints_match_brute_force(real_store):
     g = f"{df.run[0]}/{df.checkpoint[0]}"
     got, _ = measure_all(tree[g].to_dataset(), 1, tile=1000)
     assert_metrics(got, df.iloc[0][list(SCALARS)].to_dict())
+
+
+# ---------------------------------------------------------------- hostile schedulers, a read-only store
+
+def _measure_cli(*args, env=None) -> tuple[int, str, float]:
+    start = time.monotonic()
+    r = CliRunner().invoke(main, ["measure", *map(str, args)], env=env)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    return r.exit_code, r.output, time.monotonic() - start
+
+
+def test_a_scheduler_without_workers_is_one_line_after_a_bounded_wait(small_store, monkeypatch):
+    distributed = pytest.importorskip("distributed")
+    store, _ = small_store
+    monkeypatch.setattr(ncanalyze.store.measure, "WORKER_WAIT_S", 3)
+    with distributed.LocalCluster(n_workers=0, protocol="tcp://", dashboard_address=None) as cl:
+        code, out, took = _measure_cli(store, "--scheduler", cl.scheduler_address)
+    errors = [ln for ln in out.splitlines() if ln.startswith("Error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in out, out
+    assert f"{cl.scheduler_address} has no workers (waited 3 s for one): start some (`dask worker" in errors[0]
+    assert 3 <= took < 30
+    assert "metrics" not in attrs(store, "a/checkpoint-10")  # nothing half-written
+
+
+class _Stranger(socketserver.ThreadingTCPServer):
+    """A real TCP server that is not a Dask scheduler: it answers every connection with an HTTP error at once
+    (``answer``), or reads and never answers."""
+    daemon_threads = allow_reuse_address = True
+
+    def __init__(self, answer: bool):
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                if answer:
+                    self.request.sendall(b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                    time.sleep(1)
+                else:
+                    while self.request.recv(1 << 16):
+                        pass
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.mark.parametrize("answer, said", [(True, "answered, but not as a dask scheduler (MemoryError)"),
+                                          (False, "no dask scheduler answered at tcp://127.0.0.1:")])
+def test_an_address_that_is_not_a_dask_scheduler_is_one_line(small_store, monkeypatch, answer, said):
+    pytest.importorskip("distributed")
+    store, _ = small_store
+    monkeypatch.setattr(ncanalyze.store.cluster, "CONNECT_S", 3)
+    stranger = _Stranger(answer)
+    try:
+        code, out, took = _measure_cli(store, "--scheduler", stranger.address)
+    finally:
+        stranger.shutdown()
+        stranger.server_close()
+    assert code == 1 and out.startswith("Error: ") and len(out.strip().splitlines()) == 1, out
+    assert said in out and "EiB" not in out and took < 20, (out, took)
+
+
+def test_an_address_of_a_dask_worker_is_one_line(small_store):
+    distributed = pytest.importorskip("distributed")
+    store, _ = small_store
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cl:
+        worker = next(iter(cl.scheduler_info["workers"]))
+        code, out, _ = _measure_cli(store, "--scheduler", worker)
+    assert code == 1 and f"{worker} answered as a dask Worker, not a scheduler" in out, out
+
+
+@pytest.fixture
+def read_only_store(small_store, tmp_path):
+    """A copy of the small store on a real read-only file system (a tmpfs remounted ro: chmod does not stop root)."""
+    store, data = small_store
+    with tmpfs(tmp_path / "ro", "size=64m") as mnt:
+        shutil.copytree(store, mnt / "study.zarr")
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(OSError):
+            (mnt / "probe").write_text("x")
+        yield mnt / "study.zarr", data
+
+
+def _tree_bytes(path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_measure_on_a_read_only_store_measures_without_writing_and_says_so(read_only_store):
+    store, data = read_only_store
+    before = _tree_bytes(store)
+    code, out, _ = _measure_cli(store, "--tile", "7")
+    assert code == 0 and "Traceback" not in out, out
+    said = [ln for ln in out.splitlines() if "not writable" in ln]
+    assert len(said) == 1 and "Read-only file system" in said[0] and "measuring 3 checkpoint(s) without storing" \
+        in said[0], out
+    assert _tree_bytes(store) == before
+    with pytest.warns(UserWarning, match="not writable"):
+        df = measure_store(store)
+    assert sorted(df.attrs["measured"]) == sorted(data)  # nothing was stored: measured again
+    for row in df.itertuples():
+        assert_metrics(row._asdict(), brute_force(data[f"{row.run}/{row.checkpoint}"], 1)[0])
+
+
+def test_report_on_a_read_only_store_writes_its_report_elsewhere(read_only_store, tmp_path):
+    store, _ = read_only_store
+    out_dir = tmp_path / "report"
+    r = CliRunner().invoke(main, ["report", str(store), "--out", str(out_dir), "--permutations", "0"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output + repr(r.exception)
+    assert sum("not writable" in ln for ln in r.output.splitlines()) == 1, r.output
+    table = pd.read_csv(out_dir / "metrics.csv")
+    assert len(table) == 3 and table.nc1_cdnv.notna().all()
+
+
+def test_a_full_disk_while_storing_keeps_the_numbers_and_loses_nothing(tmp_path):
+    """A real tmpfs filled to the last byte after the store is copied in: the metrics are right and returned, said in
+    one warning, the groups' metadata intact, and the checkpoints measured again once there is room."""
+    src = tmp_path / "src.zarr"
+    data = {f"a/checkpoint-{s}": write_checkpoint(src, "a", s, seed=s) for s in (10, 20)}
+    with tmpfs(tmp_path / "full", "size=1m") as mnt:
+        store = mnt / "s.zarr"
+        shutil.copytree(src, store)
+        with pytest.raises(OSError), open(mnt / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        with pytest.warns(UserWarning, match=r"cannot store the metrics in .* \(No space left on device\): measuring "
+                                             "the rest without storing"):
+            df = measure_store(store)
+        for row in df.itertuples():
+            assert_metrics(row._asdict(), brute_force(data[f"{row.run}/{row.checkpoint}"], 1)[0])
+        for g, ds in data.items():
+            a = attrs(store, g)
+            assert a["complete"] is True and a["config_hash"] == ds.attrs["config_hash"] and "metrics" not in a
+        (mnt / "filler").unlink()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # zarr notes the half-created array the full disk left
+            assert sorted(measure_store(store).attrs["measured"]) == sorted(data)
+        assert measure_store(store).attrs["measured"] == []
+
+
+@pytest.mark.parametrize("content", ["{nope", "[1, 2]", '{"address": 5}', ""])
+def test_a_scheduler_file_without_an_address_is_one_line(small_store, tmp_path, content):
+    pytest.importorskip("distributed")
+    store, _ = small_store
+    (tmp_path / "sched.json").write_text(content)
+    code, out, _ = _measure_cli(store, "--scheduler", tmp_path / "sched.json")
+    assert code == 1 and len(out.strip().splitlines()) == 1 and "holds no scheduler address" in out, out

@@ -2,8 +2,11 @@
 what determines the blocks; the statistics are the same as without the cache."""
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -55,8 +58,8 @@ def test_the_key_follows_what_determines_the_blocks(trained_run, corpus, tmp_pat
     other = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
     other.add_tokens(["<extra>"])
     assert tokens.cache_key(**base | {"tokenizer": other}) != key
-    os.utime(data, ns=(0, 0))  # the data file changed
-    assert tokens.cache_key(**base) != key
+    os.utime(data, ns=(0, 0))  # only the times changed: the content, and so the tokens, are the same
+    assert tokens.cache_key(**base) == key
 
     blocks = open_blocks(str(data), "train", 32, 2048, "text", lambda t: tok(t)["input_ids"])
     assert blocks.total == 64 and tokens.cached(tmp_path / "s.zarr", blocks, key).total == 64
@@ -102,3 +105,131 @@ def test_a_corrupt_file_leaves_the_bar_without_a_total_and_a_corrupt_parquet_is_
     (tmp_path / "x.parquet").write_bytes(b"PAR1garbagegarbagePAR1")
     with pytest.raises(UserError, match="x.parquet is not a readable parquet file"):
         open_blocks(str(tmp_path / "x.parquet"), "train", 4, None, "text", lambda t: [[1, 2, 3]] * len(t))
+
+
+def _edit_keeping_size_and_mtime(path, old: str, new: str) -> None:
+    st = path.stat()
+    text = path.read_text()
+    assert len(old) == len(new) and old in text
+    path.write_text(text.replace(old, new, 1))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_an_edit_of_the_same_size_with_the_mtime_restored_is_tokenized_again(trained_run, corpus, tmp_path):
+    tok = AutoTokenizer.from_pretrained(str(trained_run))
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    data = folder / "train.txt"
+    data.write_text(corpus["train"].read_text())
+    for spec in (data, folder):  # a file, and a folder of files
+        opts = dict(split="train", text_column="text", tokenizer=tok, block_size=32, max_tokens=2048,
+                    keep_linebreaks=True)
+        key = tokens.cache_key(str(spec), **opts)
+        first = tokens.cached(tmp_path / "s.zarr", open_blocks(str(spec), "train", 32, 2048, "text",
+                                                               lambda t: tok(t)["input_ids"]), key)
+        np.testing.assert_array_equal(np.concatenate(list(first.batches(64))), text_blocks(data, tok, 2048))
+        word = next(w for w in data.read_text().split() if len(w) > 3 and w.isalpha())
+        _edit_keeping_size_and_mtime(data, word, word[::-1] if word[::-1] != word else word.upper())
+        new_key = tokens.cache_key(str(spec), **opts)
+        assert new_key != key
+        again = tokens.cached(tmp_path / "s.zarr", open_blocks(str(spec), "train", 32, 2048, "text",
+                                                               lambda t: tok(t)["input_ids"]), new_key)
+        got = np.concatenate(list(again.batches(64)))
+        np.testing.assert_array_equal(got, text_blocks(data, tok, 2048))
+        assert not np.array_equal(got, np.concatenate(list(first.batches(64))))
+
+
+def _damage(path, how: str) -> None:
+    side = path.with_name(path.name + ".sha256")
+    if how == "altered id":  # another id still inside the vocabulary, the file's size unchanged
+        arr = np.load(path, mmap_mode="r+")
+        arr[3, 5] = (arr[3, 5] + 1) % 50
+        arr.flush()
+        del arr
+    elif how == "truncated":
+        os.truncate(path, path.stat().st_size // 2)
+    elif how == "header only":
+        os.truncate(path, 40)
+    elif how == "no checksum":
+        side.unlink()
+    elif how == "garbage checksum":
+        side.write_bytes(b"\xff\xfe" + os.urandom(30))
+
+
+@pytest.mark.parametrize("how", ["altered id", "truncated", "header only", "no checksum", "garbage checksum"])
+def test_a_damaged_cache_is_said_in_one_line_and_tokenized_again(trained_run, corpus, tmp_path, caplog, how):
+    tok = AutoTokenizer.from_pretrained(str(trained_run))
+    data = tmp_path / "train.txt"
+    data.write_text(corpus["train"].read_text())
+    want = text_blocks(data, tok, 2048)
+
+    def read():
+        blocks = open_blocks(str(data), "train", 32, 2048, "text", lambda t: tok(t)["input_ids"])
+        return np.concatenate(list(tokens.cached(tmp_path / "s.zarr", blocks, "k").batches(64)))
+
+    np.testing.assert_array_equal(read(), want)
+    path = tokens.cache_dir(tmp_path / "s.zarr") / "k.npy"
+    assert path.with_name("k.npy.sha256").read_text() == hashlib.sha256(path.read_bytes()).hexdigest()
+    _damage(path, how)
+    log = logging.getLogger("ncanalyze")  # the CLI's handler may have stopped it propagating to caplog's
+    log.addHandler(caplog.handler)
+    try:
+        np.testing.assert_array_equal(read(), want)  # the cache tokenized again, never the damaged ids
+    finally:
+        log.removeHandler(caplog.handler)
+    said = [r.getMessage() for r in caplog.records if "token cache" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and "tokenizing" in said[0] and "again" in said[0], said
+    assert ("no checksum" in said[0]) == (how == "no checksum")
+    caplog.clear()
+    np.testing.assert_array_equal(read(), want)  # rebuilt: read from the cache without a word
+    assert not [r for r in caplog.records if "token cache" in r.getMessage()]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["k.npy", "k.npy.sha256"]
+
+
+def test_extract_over_a_truncated_cache_rebuilds_it_and_gets_the_same_numbers(trained_run, corpus, tmp_path):
+    """The CLI end to end: a truncated cache file (a full disk, a bad copy) is one line and the same statistics."""
+    ck = lone_model(trained_run, tmp_path / "model")
+    store = tmp_path / "s.zarr"
+    run_cli("extract", ck, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS)
+    before = _statistics(store)
+    for f in tokens.cache_dir(store).glob("*.npy"):
+        os.truncate(f, f.stat().st_size - 100)
+    from click.testing import CliRunner
+
+    from ncanalyze.cli.main import main
+
+    r = CliRunner().invoke(main, [str(a) for a in ("extract", ck, "--dataset", corpus["train"], "--store", store,
+                                                    "--overwrite", *EXTRACT_OPTS)])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    said = [ln for ln in r.output.splitlines() if "token cache" in ln]
+    assert len(said) == 2 and all("tokenizing" in ln for ln in said), r.output  # train and validation
+    after = _statistics(store)
+    assert before.keys() == after.keys()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+def _statistics(store) -> dict[str, np.ndarray]:
+    """Every array of every checkpoint group in ``store``, by group/name."""
+    from ncanalyze.store.io import checkpoint_groups
+
+    groups, _ = checkpoint_groups(store)
+    assert groups
+    tree = ncanalyze.store.open(store)
+    return {f"{g}/{k}": v.values for g in groups for k, v in tree[g].to_dataset().data_vars.items()}
+
+
+def test_a_folder_where_the_cache_file_belongs_is_one_line(trained_run, corpus, tmp_path):
+    from ncanalyze.analyzer.errors import UserError
+
+    tok = AutoTokenizer.from_pretrained(str(trained_run))
+    blocks = open_blocks(str(corpus["train"]), "train", 32, 2048, "text", lambda t: tok(t)["input_ids"])
+    for name in ("k.npy", "k.npy.sha256"):
+        folder = tokens.cache_dir(tmp_path / "s.zarr") / name
+        folder.mkdir(parents=True)
+        (folder / "mine.txt").write_text("someone's file")
+        with pytest.raises(UserError, match="is a folder where the token cache keeps a file") as e:
+            tokens.cached(tmp_path / "s.zarr", blocks, "k")
+        assert "\n" not in str(e.value) and (folder / "mine.txt").read_text() == "someone's file"
+        shutil.rmtree(folder)
