@@ -3,7 +3,6 @@
 The maths is ``ncanalyze.analyzer.measure_all``; reading and writing the store is io.py."""
 from __future__ import annotations
 
-import math
 import tempfile
 import warnings
 from pathlib import Path
