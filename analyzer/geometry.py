@@ -20,6 +20,7 @@ import psutil
 import threadpoolctl
 import xarray as xr
 from dask.delayed import Delayed
+from scipy.linalg import solve_triangular
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums, reference_pair_sums
@@ -215,16 +216,17 @@ def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: 
     A = _rows(ds["mean"], rest) - mu_G
     _check_finite(A, "class means (counted but not kept)")
     delta = f[K] @ M + f[rest] @ A
-    other = np.setdiff1d(np.arange(count.size), K) if W is not None else np.zeros(0, int)
-    Wo = _rows(ds["classifier"], other) if other.size else np.zeros((0, M.shape[1]))
     kept = [dask.delayed(_block_moments)(M[s], f[K][s], None if W is None else W[s]) for s in blocks(K.size, tile)]
-    outside = ([dask.delayed(_scatter)(A[s], f[rest][s]) for s in blocks(rest.size, tile)]
-               + [dask.delayed(_head)(Wo[s]) for s in blocks(other.size, tile)])
+    outside = [dask.delayed(_scatter)(A[s], f[rest][s]) for s in blocks(rest.size, tile)]
+    if W is not None and K.size < count.size:                    # the head's rows outside K, read in place
+        W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
+        outside += [dask.delayed(_head)(W_all[s], out_K[s]) for s in blocks(count.size, tile) if out_K[s].any()]
     return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, K.size)
 
 
 def _block_moments(m: np.ndarray, f: np.ndarray, w: np.ndarray | None) -> dict[str, np.ndarray]:
-    out = {"MtM": m.T @ m, "MtFM": (m * f[:, None]).T @ m}
+    mf = m * np.sqrt(f)[:, None]                                  # s^T s: numpy's symmetric product (syrk)
+    out = {"MtM": m.T @ m, "MtFM": mf.T @ mf}
     if w is not None:
         out |= {"WtW": w.T @ w, "wn": np.sqrt(np.einsum("ij,ij->i", w, w)), "wm": np.einsum("ij,ij->i", w, m),
                 "w_sum": w.sum(0)}
@@ -232,11 +234,12 @@ def _block_moments(m: np.ndarray, f: np.ndarray, w: np.ndarray | None) -> dict[s
 
 
 def _scatter(a: np.ndarray, f: np.ndarray) -> dict[str, np.ndarray]:
-    return {"MtFM": (a * f[:, None]).T @ a}
+    af = a * np.sqrt(f)[:, None]
+    return {"MtFM": af.T @ af}
 
 
-def _head(w: np.ndarray) -> dict[str, np.ndarray]:
-    w = w.astype(np.float64, copy=False)
+def _head(w: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
+    w = w[rows].astype(np.float64, copy=False)
     return {"head": w.T @ w}
 
 
@@ -254,21 +257,34 @@ def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.
 
 def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray,
              n: int) -> dict[str, np.ndarray]:
-    """The eigenvalues (ascending, numpy.linalg in float64) of the d x d matrices of spectral.py: ``between``
-    Sigma_B = M^T M / n; with Sigma_W, ``within`` Sigma_W, ``total`` Sigma_T = Sigma_W + sum_c f_c (mu_c - mu)
-    (mu_c - mu)^T (the law of total covariance) and ``lidar`` (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W +
-    eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d; with the classifier, ``head`` W^T W over the whole vocabulary."""
+    """The eigenvalues (ascending, numpy.linalg.eigvalsh in float64) of the d x d matrices of spectral.py:
+    ``between`` Sigma_B = M^T M / n; with Sigma_W, ``within`` Sigma_W, ``total`` Sigma_T = Sigma_W + sum_c f_c
+    (mu_c - mu)(mu_c - mu)^T (the law of total covariance) and ``lidar`` (:func:`_lidar_spectrum`); with the
+    classifier, ``head`` W^T W over the whole vocabulary."""
     out = {"between": mom["lam"] / n}
     if sigma_w is not None:
-        within, Q = np.linalg.eigh(sigma_w)
-        eps = 1e-4 * np.trace(sigma_w) / len(sigma_w)
-        root = (Q / np.sqrt(np.maximum(within, 0) + eps)) @ Q.T    # (Sigma_W + eps I)^(-1/2)
-        out |= {"within": within,
+        out |= {"within": np.linalg.eigvalsh(sigma_w),
                 "total": np.linalg.eigvalsh(sigma_w + mom["MtFM"] - np.outer(delta, delta)),
-                "lidar": np.linalg.eigvalsh(root @ (mom["MtM"] / n) @ root)}
+                "lidar": _lidar_spectrum(sigma_w, mom["MtM"] / n)}
     if "WtW" in mom:
         out["head"] = np.linalg.eigvalsh(mom["head"])
     return out
+
+
+def _lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray) -> np.ndarray:
+    """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d, as
+    those of the similar matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two
+    triangular solves and one eigvalsh. nan where Sigma_W is zero (no within-class noise) or not positive
+    semi-definite (corrupt statistics)."""
+    eps = 1e-4 * np.trace(sigma_w) / len(sigma_w)
+    try:
+        L = np.linalg.cholesky(sigma_w + eps * np.eye(len(sigma_w))) if eps > 0 else None
+    except np.linalg.LinAlgError:
+        L = None
+    if L is None:
+        return np.full(len(sigma_w), np.nan)
+    X = solve_triangular(L, sigma_b, lower=True)                  # L^-1 Sigma_B
+    return np.linalg.eigvalsh(solve_triangular(L, X.T, lower=True))
 
 
 def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:

@@ -63,8 +63,11 @@ def eigen_decay(g: Geometry) -> float:
 def lidar(g: Geometry) -> float:
     """LiDAR (Thilak et al. 2023): exp(-sum p_i log p_i), p_i = lambda_i / sum lambda_j over the eigenvalues of
     (Sigma_W + delta I)^(-1/2) Sigma_B (Sigma_W + delta I)^(-1/2), delta = 1e-4 tr(Sigma_W) / d: the effective
-    rank of the class means measured in units of the within-class noise (the LDA matrix)."""
+    rank of the class means measured in units of the within-class noise (the LDA matrix). nan without
+    within-class noise."""
     lam = np.maximum(g.spectra["lidar"], 0.0)
+    if not np.isfinite(lam).all() or lam.sum() == 0:
+        return math.nan
     p = lam[lam > 0] / lam.sum()
     return math.exp(-float(np.sum(p * np.log(p))))
 
