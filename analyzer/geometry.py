@@ -179,7 +179,8 @@ def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:
     """NC4's counts over the kept set, or why NC4 is not measurable here."""
     if "val_ncc_agree" not in ds or int(np.asarray(ds["val_count"].values).sum()) == 0:
         return
-    g.val_count, g.val_agree = (np.asarray(ds[v].values)[g.K].astype(np.float64) for v in ("val_count", "val_ncc_agree"))
+    g.val_count, g.val_agree = (np.asarray(ds[v].values)[g.K].astype(np.float64)
+                                for v in ("val_count", "val_ncc_agree"))
     extract_min = int(ds.attrs.get("min_count", 1))
     if not np.array_equal(g.K, kept_classes(ds["count"].values, extract_min)):
         g.nc4_nan_because = (
@@ -259,19 +260,19 @@ def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.n
              n: int) -> dict[str, np.ndarray]:
     """The eigenvalues (ascending, numpy.linalg.eigvalsh in float64) of the d x d matrices of spectral.py:
     ``between`` Sigma_B = M^T M / n; with Sigma_W, ``within`` Sigma_W, ``total`` Sigma_T = Sigma_W + sum_c f_c
-    (mu_c - mu)(mu_c - mu)^T (the law of total covariance) and ``lidar`` (:func:`_lidar_spectrum`); with the
+    (mu_c - mu)(mu_c - mu)^T (the law of total covariance) and ``lidar`` (:func:`lidar_spectrum`); with the
     classifier, ``head`` W^T W over the whole vocabulary."""
     out = {"between": mom["lam"] / n}
     if sigma_w is not None:
         out |= {"within": np.linalg.eigvalsh(sigma_w),
                 "total": np.linalg.eigvalsh(sigma_w + mom["MtFM"] - np.outer(delta, delta)),
-                "lidar": _lidar_spectrum(sigma_w, mom["MtM"] / n)}
+                "lidar": lidar_spectrum(sigma_w, mom["MtM"] / n)}
     if "WtW" in mom:
         out["head"] = np.linalg.eigvalsh(mom["head"])
     return out
 
 
-def _lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray) -> np.ndarray:
+def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray) -> np.ndarray:
     """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d, as
     those of the similar matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two
     triangular solves and one eigvalsh. nan where Sigma_W is zero (no within-class noise) or not positive
@@ -304,8 +305,8 @@ def _warn_coincident(pairs: list[tuple[int, int]], M: np.ndarray, r: np.ndarray,
     names = lambda ps: ", ".join(f"{K[i]} and {K[j]}" for i, j in ps[:3]) + (" ..." if len(ps) > 3 else "")  # noqa
     if same:
         warnings.warn(f"classes {names(same)} have coincident means: nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and their "
-                      "class_cdnv are inf; gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are exact (raise "
-                      "--min-count to leave such classes out)", stacklevel=3)
+                      "class_cdnv are inf; gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are "
+                      "exact (raise --min-count to leave such classes out)", stacklevel=3)
     else:
         warnings.warn(f"the centred means of classes {names(pairs)} point the same way (||u - u'||^2 < "
                       f"{COINCIDENT:g}): gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are exact "

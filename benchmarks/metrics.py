@@ -6,13 +6,12 @@
 
 For each size it prints the median time of `measure` (all the metrics of schema.SCALARS, NC and representation
 geometry, with the per-class views' pairwise sums, the d x d moments and their five eigendecompositions: M^T M,
-Sigma_W, Sigma_T, LiDAR's whitened Sigma_B and the head's W^T W) and of the Gram G = M M^T of the centred means, computed three ways in the same run: tile by tile over the upper
-triangle (the work the metrics do, |K|^2 d / 2 multiply-adds) with multi-threaded BLAS, the same tiles as dask
+Sigma_W, Sigma_T, LiDAR's whitened Sigma_B and the head's W^T W) and of the Gram G = M M^T of the centred means,
+computed three ways in the same run: tile by tile over the upper triangle (the work the metrics do, |K|^2 d / 2 multiply-adds) with multi-threaded BLAS, the same tiles as dask
 tasks with one BLAS thread each (how the metrics run), and, where it fits in a quarter of the memory, as one BLAS
 call. The ratio is taken over the fastest of the three: `measure` and that Gram run in alternating rounds and the
 median of the per-round ratios is printed, so that the slow spells of a shared machine hit both sides. The five d x d
-eigendecompositions alone are timed too (they are part of `measure`'s time). Peak
-memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small buffers are not seen) and set
+eigendecompositions alone are timed too (they are part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small buffers are not seen) and set
 against |K|^2 x 8 bytes.
 """
 from __future__ import annotations
@@ -28,6 +27,7 @@ import psutil
 import threadpoolctl
 import xarray as xr
 
+from ncanalyze.analyzer.geometry import lidar_spectrum
 from ncanalyze.analyzer.metrics import auto_tile, measure
 from ncanalyze.analyzer.schema import SCALARS
 
@@ -65,14 +65,13 @@ def dask_gram(M: np.ndarray, tile: int) -> float:
         return sum(dask.compute(*tasks))
 
 
-def eigendecompositions(M: np.ndarray, W: np.ndarray, sigma_w: np.ndarray) -> None:
-    """The d x d spectra `measure` takes (float64 numpy.linalg): eigh of M^T M and of Sigma_W, eigvalsh of Sigma_T,
-    of the whitened Sigma_B and of W^T W (the matrices here are stand-ins of the same size)."""
-    MtM, WtW = M.T @ M, W.T @ W
-    _, Q = np.linalg.eigh(MtM)
-    np.linalg.eigh(sigma_w)
-    for S in (sigma_w + MtM / len(M), Q.T @ MtM @ Q, WtW):
+def eigendecompositions(MtM: np.ndarray, WtW: np.ndarray, sigma_w: np.ndarray) -> None:
+    """The d x d spectra `measure` takes, as it takes them (float64 numpy.linalg): eigh of M^T M, eigvalsh of
+    Sigma_W, Sigma_T and W^T W, and LiDAR's (a Cholesky factor, two triangular solves, one eigvalsh)."""
+    np.linalg.eigh(MtM)
+    for S in (sigma_w, sigma_w + MtM / len(MtM), WtW):
         np.linalg.eigvalsh(S)
+    lidar_spectrum(sigma_w, MtM / len(MtM))
 
 
 def ratios(f, g, rounds: int) -> tuple[float, float, float]:
@@ -98,15 +97,18 @@ def run(k: int, d: int, rounds: int) -> None:
     gram = grams[min(times, key=times.get)]
     t_metrics, t_gram, ratio = ratios(lambda: measure(ds), gram, rounds)
     W, sigma_w = ds["classifier"].values, ds["within_covariance"].values
-    t_eigen = statistics.median(timeit.repeat(lambda: eigendecompositions(M, W, sigma_w), number=1, repeat=rounds))
+    MtM, WtW = M.T @ M, W.T @ W
+    t_eigen = statistics.median(timeit.repeat(lambda: eigendecompositions(MtM, WtW, sigma_w), number=1,
+                                              repeat=rounds))
     tracemalloc.start()
     measure(ds)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    print(f"K={k:,} d={d:,} tile={tile}, {len(SCALARS)} metrics: Gram " + ", ".join(f"{name} {t:.2f} s" for name, t in times.items()) +
+    print(f"K={k:,} d={d:,} tile={tile}, {len(SCALARS)} metrics: Gram "
+          + ", ".join(f"{name} {t:.2f} s" for name, t in times.items()) +
           f" | {rounds} alternating rounds: metrics {t_metrics:.2f} s, fastest Gram {t_gram:.2f} s, "
-          f"ratio {ratio:.2f} (median per round; target <= 1.5), of which the d x d eigendecompositions {t_eigen:.3f} s "
-          f"and their d x d products | peak {peak / 2**20:,.0f} MiB traced "
+          f"ratio {ratio:.2f} (median per round; target <= 1.5); the five d x d eigendecompositions alone "
+          f"{t_eigen:.3f} s | peak {peak / 2**20:,.0f} MiB traced "
           f"(|K| d x 8 = {k * d * 8 / 2**20:,.0f} MiB, |K|^2 x 8 = {full_bytes / 2**20:,.0f} MiB)", flush=True)
 
 
