@@ -243,3 +243,14 @@ def test_extraction_stores_unit_sum_and_anisotropy(extracted_store, trained_run,
         table = measure_store(old, force=True)
     assert table["anisotropy"].isna().all() and table["total_erank"].notna().all()
     assert any("anisotropy is nan" in str(w.message) for w in caught)
+
+
+def test_a_group_measured_before_the_geometry_metrics_is_measured_again():
+    from ncanalyze.analyzer import NC_METRICS
+    from ncanalyze.store.measure import is_measured
+
+    attrs = {"metrics": {k: 1.0 for k in NC_METRICS}, "metrics_min_count": 1, "metrics_config_hash": "h",
+             "config_hash": "h"}
+    assert not is_measured(attrs, 1)
+    attrs["metrics"] |= {k: None for k in GEOMETRY_METRICS if k != "head_erank"}  # no classifier: no head_erank
+    assert is_measured(attrs, 1)

@@ -49,7 +49,10 @@ def brute_force(ds: xr.Dataset, min_count: int) -> tuple[dict[str, float], dict[
            "nc2_cos_mean": np.mean(cos), "nc2_cos_std": np.std(cos),
            "nc2_etf_error": np.linalg.norm(G / np.linalg.norm(G) - target),
            "gnc2_log_mean": np.mean(gnc), "gnc2_log_std": np.std(gnc)}
-    per = {"class_norm": norm, "class_cdnv": per_cdnv / (n - 1), "class_interference": per_cos / (n - 1)}
+    freq = ds["count"].values[K].astype(float)
+    weight = np.array([[freq[a] * freq[b] * (a != b) for b in range(n)] for a in range(n)])   # n_c n_c', c != c'
+    per = {"class_norm": norm, "class_cdnv": per_cdnv / (n - 1), "class_interference": per_cos / (n - 1),
+           "class_freq_weight": weight.sum(1) / weight.sum()}
     if "classifier" in ds:
         w = ds["classifier"].values[K].astype(float)
         dual = np.array([w[c] @ m[c] / (np.linalg.norm(w[c]) * norm[c]) for c in range(n)])
