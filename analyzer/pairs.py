@@ -136,8 +136,9 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
               panel_cells: int = PANEL_CELLS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One tile pair's sums (in ``SUMS`` order), row sums and column sums of (v + v')/D, over its pairs (on a
     diagonal tile, i < j only); ``side`` holds each class's r, 1/r, variance and token frequency p. The Gram goes
-    in row panels of about ``panel_cells`` into one reused buffer; on a diagonal tile, each panel's Gram starts at its own first
-    column."""
+    in row panels of about ``panel_cells`` into one reused buffer; on a diagonal tile, each panel's Gram starts at
+    its own first column.
+    """
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
     step = max(1, panel_cells // len(Uj))
     if diag:  # in (at least) 4 panels, whose Grams skip most of the lower triangle

@@ -7,12 +7,13 @@
 For each size it prints the median time of `measure` (all the metrics of schema.SCALARS, NC and representation
 geometry, with the per-class views' pairwise sums, the d x d moments and their five eigendecompositions: M^T M,
 Sigma_W, Sigma_T, LiDAR's whitened Sigma_B and the head's W^T W) and of the Gram G = M M^T of the centred means,
-computed three ways in the same run: tile by tile over the upper triangle (the work the metrics do, |K|^2 d / 2 multiply-adds) with multi-threaded BLAS, the same tiles as dask
-tasks with one BLAS thread each (how the metrics run), and, where it fits in a quarter of the memory, as one BLAS
-call. The ratio is taken over the fastest of the three: `measure` and that Gram run in alternating rounds and the
-median of the per-round ratios is printed, so that the slow spells of a shared machine hit both sides. The five d x d
-eigendecompositions alone are timed too (they are part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small buffers are not seen) and set
-against |K|^2 x 8 bytes.
+computed three ways in the same run: tile by tile over the upper triangle (the work the metrics do, |K|^2 d / 2
+multiply-adds) with multi-threaded BLAS, the same tiles as dask tasks with one BLAS thread each (how the metrics
+run), and, where it fits in a quarter of the memory, as one BLAS call. The ratio is taken over the fastest of the
+three: `measure` and that Gram run in alternating rounds and the median of the per-round ratios is printed, so that
+the slow spells of a shared machine hit both sides. The five d x d eigendecompositions alone are timed too (they are
+part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small
+buffers are not seen) and set against |K|^2 x 8 bytes.
 """
 from __future__ import annotations
 
