@@ -17,6 +17,7 @@ class ClassStats:
         self.mean = torch.zeros(num_classes, dim, **kw)
         self.m2 = torch.zeros(num_classes, **kw)  # sum over a class's tokens of ||h - mu_c||^2
         self.scatter = torch.zeros(dim, dim, **kw) if scatter else None  # sum (h - mu_c)(h - mu_c)^T
+        self.unit_sum = torch.zeros(dim, **kw)  # sum h / ||h|| over every token (anisotropy)
 
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         h = h.to(self.mean.device, torch.float64)
@@ -35,6 +36,7 @@ class ClassStats:
         self.m2[classes] += m2_b + w * (delta * delta).sum(1)
         if self.scatter is not None:
             self.scatter += dev.T @ dev + (delta * w[:, None]).T @ delta
+        self.unit_sum += torch.nn.functional.normalize(h, dim=1).sum(0)
         self.count[classes] += n_b.to(torch.int64)
 
     def merge(self, other: "ClassStats") -> "ClassStats":
@@ -58,6 +60,7 @@ class ClassStats:
         self.m2[only_b] = m2_b[only_b]
         if self.scatter is not None and other.scatter is not None:
             self.scatter += other.scatter.to(self.mean.device)
+        self.unit_sum += other.unit_sum.to(self.mean.device)
         self.count += other.count.to(self.count.device)
         return self
 
@@ -72,12 +75,15 @@ class ClassStats:
         return self.scatter / self.count.sum().to(torch.float64)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        s = {"count": self.count, "mean": self.mean, "m2": self.m2}
+        s = {"count": self.count, "mean": self.mean, "m2": self.m2, "unit_sum": self.unit_sum}
         if self.scatter is not None:
             s["scatter"] = self.scatter
         return s
 
     def load_state_dict(self, state: dict) -> None:
+        """A state from before ``unit_sum`` existed leaves it nan: its anisotropy is unknown, never wrong."""
+        if "unit_sum" not in state:
+            self.unit_sum.fill_(float("nan"))
         for k, v in state.items():
             getattr(self, k).copy_(torch.as_tensor(v))
 

@@ -14,7 +14,9 @@ from matplotlib.colors import Normalize  # noqa: E402
 
 from ncanalyze.analyzer.schema import LAYER  # noqa: E402
 
-DEPTH_METRICS = ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")  # Figure 1's
+DEPTH_METRICS = ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement",   # Figure 1's, then the geometry's
+                 "total_erank", "eigen_decay", "lidar", "anisotropy")
+PANELS_PER_ROW = 4
 TITLE = "NC properties across depth (layer 0: embedding output; the last: after the final norm)"
 
 
@@ -43,11 +45,14 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
     """One panel per metric against the layer; one line per (run, checkpoint), coloured by global_step."""
     metrics = [m for m in metrics if m in df.columns]
     k = len(metrics)
-    fig, axes = plt.subplots(1, k, figsize=(3.9 * k + 1.2, 4.0), squeeze=False)
+    rows, cols = -(-k // PANELS_PER_ROW), min(k, PANELS_PER_ROW)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.9 * cols + 1.2, 4.0 * rows), squeeze=False)
+    for ax in axes.flat[k:]:
+        ax.set_visible(False)
     steps = pd.to_numeric(df.get("global_step"), errors="coerce")
     norm = Normalize(steps.min(), steps.max() if steps.max() > steps.min() else steps.min() + 1)
     cmap = plt.get_cmap("viridis")
-    for ax, m in zip(axes[0], metrics):
+    for ax, m in zip(axes.flat, metrics):
         for (run, ckpt), g in df.groupby(["run", "checkpoint"], sort=False):
             g = g.sort_values(LAYER)
             step = pd.to_numeric(g["global_step"], errors="coerce").iloc[0]
@@ -56,8 +61,8 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
         ax.set_xlabel("layer (hidden_states index)")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.subplots_adjust(left=0.06, right=0.9, bottom=0.15, top=0.85, wspace=0.3)
-    cax = fig.add_axes((0.92, 0.15, 0.012, 0.7))
+    fig.subplots_adjust(left=0.06, right=0.9, bottom=0.15 / rows, top=1 - 0.15 / rows, wspace=0.3, hspace=0.35)
+    cax = fig.add_axes((0.92, 0.15 / rows, 0.012, 1 - 0.3 / rows))
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="global step")
     fig.suptitle(TITLE)
     return fig

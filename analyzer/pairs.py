@@ -7,6 +7,8 @@ the sums the metrics need (SPEC section 4):
   second moments stay exact: x = T/t0 - 1 (sum x^2: the spread of the cosines) and l = log(T/t0) (sums l, l^2:
   GNC2);
 - D = ||mu_c - mu_c'||^2 = r r' (r/r' + r'/r - 2g), from the same g and the norms (the CDNV sums);
+- the same CDNV and log terms weighted by w = p_c p_c', p_c the classes' token frequencies (nc1_cdnv_freq,
+  gnc2_log_mean_freq);
 - the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless.
 
 The Gram block is one BLAS call; everything after it is one numba loop over the block (a log, a reciprocal and
@@ -40,6 +42,8 @@ class PairSums(NamedTuple):
     ll: float           # sum l^2
     cdnv: float         # sum (var_c + var_c') / D
     cdnv_p2: float      # sum (var_c + var_c') / D^2
+    cdnv_freq: float    # sum w (var_c + var_c') / D, w = p_c p_c'
+    l_freq: float       # sum w l
 
 
 SUMS = PairSums._fields
@@ -50,18 +54,20 @@ def blocks(n: int, tile: int) -> list[slice]:
     return [slice(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
-def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float, spans: list[slice]) -> Delayed:
+def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, spans: list[slice]) -> Delayed:
     """A dask task for the sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l,
-    l^2; and (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV) and, per class, its CDNV sum over the others.
+    l^2; (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV; and p_c p_c' (v_c + v_c')/D, p_c p_c' l) and, per class, its
+    CDNV sum over the others.
 
-    ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances and ``t0`` the mean of T
+    ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies
+    and ``t0`` the mean of T
     over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is written as a plain dask
     graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of the whole run at
     K = 8,192, d = 256.
     """
     token = uuid.uuid4().hex
     data, out = f"unit-side-{token}", f"pair_sums-{token}"
-    graph: dict = {data: (U, np.stack([r, 1 / r, var]))}          # per class: u_c; r_c, 1/r_c, var_c
+    graph: dict = {data: (U, np.stack([r, 1 / r, var, p]))}       # per class: u_c; r_c, 1/r_c, var_c, p_c
     pairs = [(i, j) for i in range(len(spans)) for j in range(i, len(spans))]
     for i, j in pairs:
         graph[(f"tile_sums-{token}", i, j)] = (_tile, data, spans[i], spans[j], t0)
@@ -90,7 +96,7 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
     """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading). Also
     the path for tiles with coincident pairs: there, the CDNV term of two coincident means (D below COINCIDENT
     r r', including 0/0 for two zero variances) is +inf, and the logs of coincident directions are not used."""
-    (ri, _, vi), (rj, _, vj) = side_i, side_j
+    (ri, _, vi, pi), (rj, _, vj, pj) = side_i, side_j
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
     D = ri[:, None] ** 2 + rj[None, :] ** 2 - 2 * np.outer(ri, rj) * g   # ||m_c - m_c'||^2 = ||mu_c - mu_c'||^2
@@ -98,18 +104,19 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
     with np.errstate(divide="ignore", invalid="ignore"):        # a diagonal tile's c = c' cells, left out below
         q = np.where(D <= COINCIDENT * np.outer(ri, rj), np.inf, (vi[:, None] + vj[None, :]) / D)
         x, l = T / t0 - 1, np.log(T / t0)
+    w = np.outer(pi, pj)                                           # p_c p_c'
     sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
-            np.sum(q[pair]), np.sum((q / D)[pair])]
+            np.sum(q[pair]), np.sum((q / D)[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair])]
     q = np.where(pair, q, 0.0)
     return np.array(sums, dtype=np.float64), q.sum(1), q.sum(0)
 
 
-def reference_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float,
+def reference_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float,
                         spans: list[slice]) -> tuple[PairSums, np.ndarray, list[tuple[int, int]]]:
     """The pair sums and per-class CDNV sums through :func:`reference_tile_sums`, and the pairs (i, j), i < j, whose
     directions coincide (T < COINCIDENT): the path taken when the fused pass finds any (its log is not defined
     there). O(tile^2) memory, like the fast path; slower, but only for such degenerate checkpoints."""
-    side = np.stack([r, 1 / r, var])
+    side = np.stack([r, 1 / r, var, p])
     acc, row, found = np.zeros(len(SUMS)), np.zeros(len(U)), []
     np_err = np.seterr(invalid="ignore", over="ignore")
     for a, si in enumerate(spans):
@@ -128,9 +135,10 @@ def reference_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, t0: float
 def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
               panel_cells: int = PANEL_CELLS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One tile pair's sums (in ``SUMS`` order), row sums and column sums of (v + v')/D, over its pairs (on a
-    diagonal tile, i < j only); ``side`` holds each class's r, 1/r and variance. The Gram goes in row panels of
-    about ``panel_cells`` into one reused buffer; on a diagonal tile, each panel's Gram starts at its own first
-    column."""
+    diagonal tile, i < j only); ``side`` holds each class's r, 1/r, variance and token frequency p. The Gram goes
+    in row panels of about ``panel_cells`` into one reused buffer; on a diagonal tile, each panel's Gram starts at
+    its own first column.
+    """
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
     step = max(1, panel_cells // len(Uj))
     if diag:  # in (at least) 4 panels, whose Grams skip most of the lower triangle
@@ -207,24 +215,25 @@ def vlog(y: np.ndarray) -> np.ndarray:
 
 @numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False,
             cache=True)
-def _pass(G, ri, bi, vi, rj, bj, vj, c, diag, acc, rows, cols):
+def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
     """Accumulate one Gram block's pair sums into acc (SUMS order), rows and cols (see tile_sums); on a diagonal
     block only the pairs j > i.
 
     x = T/t0 - 1 = (c - 1) - c g with c = 2/t0 (given ready-made: from t0, reassociation would turn it into a
     division per pair); e = r/r' + r'/r - 2g = D/(r r'), so with b = 1/r, 1/D = b b'/e and every CDNV sum is a
-    weighted sum of 1/e and 1/e^2. The log shares that division: 1/(e (2 + f)) gives both 1/e and musl's
+    weighted sum of 1/e and 1/e^2; the frequency-weighted sums take p_i p_j as two more multiply-adds a pair (p_j
+    within the row, p_i once per row). The log shares that division: 1/(e (2 + f)) gives both 1/e and musl's
     s = f/(2 + f). Reductions may be reordered (fastmath reassoc), which is what lets the loop vectorise; every
     term is float64.
     """
     g_max = 1.0 - COINCIDENT / 2                                  # T = 2 - 2g < COINCIDENT
     col = np.zeros(G.shape[1])                                    # sum_i (v_i + v_j) / D_ij
-    bad = xx = l1 = l2 = cdnv = p2 = 0.0
+    bad = xx = l1 = l2 = cdnv = p2 = cdnv_f = l_f = 0.0
     for i in range(G.shape[0]):
         r_i, b_i, v_i = ri[i], bi[i], vi[i]
         lo = i + 1 if diag else 0
-        g_row, r_j, b_j, v_j, col_j = G[i, lo:], rj[lo:], bj[lo:], vj[lo:], col[lo:]  # views: the loop vectorises
-        row = row2 = 0.0
+        g_row, r_j, b_j, v_j, p_j, col_j = G[i, lo:], rj[lo:], bj[lo:], vj[lo:], pj[lo:], col[lo:]  # views
+        row = row2 = row_f = l_row = 0.0
         for j in range(g_row.size):
             g = g_row[j]
             bad += 1.0 if g > g_max else 0.0
@@ -236,13 +245,17 @@ def _pass(G, ri, bi, vi, rj, bj, vj, c, diag, acc, rows, cols):
             l = _log_reduced(k, f, f * e * inv)                   # log(T/t0)
             l1 += l
             l2 += l * l
+            l_row += p_j[j] * l
             qb = inv * (2.0 + f) * b_j[j]                         # b'/e = r/D
             t = qb * (v_i + v_j[j])                               # (v + v') r / D
             row += t
             row2 += t * qb                                        # (v + v') r^2 / D^2
+            row_f += p_j[j] * t
             col_j[j] += t * b_i
         rows[i] += b_i * row
         cdnv += b_i * row
         p2 += b_i * b_i * row2
+        cdnv_f += pi[i] * b_i * row_f
+        l_f += pi[i] * l_row
     cols += col
-    acc += np.array([bad, xx, l1, l2, cdnv, p2])
+    acc += np.array([bad, xx, l1, l2, cdnv, p2, cdnv_f, l_f])

@@ -14,19 +14,26 @@ import numpy as np
 if TYPE_CHECKING:  # xarray loads in stats_dataset: the CLI's --help reads these names without it
     import xarray as xr
 
-# the scalar metrics, in SPEC order; each is a function of the same name in metrics.py
-SCALARS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
-           "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
-           "nc4_agreement")
+# the neural-collapse metrics, in SPEC order (section 4, first table); each is a function of the same name in metrics.py
+NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
+              "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
+              "nc4_agreement")
+# the representation geometry beyond NC (section 4, second table); each is a function of the same name in spectral.py
+GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "eigen_decay", "lidar", "anisotropy", "head_erank",
+                    "nc1_cdnv_freq", "gnc2_log_mean_freq")
+# every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
+# (stats.METRICS is SCALARS). They form ONE Holm family (per scale): the adjusted p-values control the family-wise
+# error over everything report.md lists, so adding the geometry made the NC metrics' Holm p-values more conservative.
+SCALARS = NC_METRICS + GEOMETRY_METRICS
 # the per-class views (vocab), written back into each group by `ncanalyze measure`
-PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4")
+PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4", "class_freq_weight")
 # the attributes that describe a checkpoint in a metrics table, before the metrics
 INFO = ("run", "tag", "checkpoint", "global_step", "epoch", "n_params", "n_layers", "hidden_size", "eval_loss",
         "val_loss", "val_accuracy")
 # NC4's counts per true class, from the validation pass
 VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)
-MEASURED = ("count", "mean", "variance", "within_covariance", "classifier", "classifier_bias", *VAL_COUNTS)
+MEASURED = ("count", "mean", "variance", "within_covariance", "unit_sum", "classifier", "classifier_bias", *VAL_COUNTS)
 # the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
 LAYER = "layer"
 
@@ -42,14 +49,15 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
                   classifier_bias: Any = None, val: dict[str, Any] | None = None, samples: Any = None,
                   n_samples: Any = None, sample_position: Any = None, tokens: list[str] | None = None,
                   attrs: dict | None = None, embeddings: Any = None, embedding_label: Any = None,
-                  embedding_position: Any = None) -> xr.Dataset:
+                  embedding_position: Any = None, unit_sum: Any = None) -> xr.Dataset:
     """One checkpoint's dataset with the store's variables and dimensions (vocab, hidden, hidden2, slot).
 
     Arrays keep their dtype (extraction passes the classifier as float32, as the model holds it); ``val`` maps the names in
     ``VAL_COUNTS`` to per-class counts; ``samples`` (vocab x slot x hidden, float32) with ``n_samples`` and
     ``sample_position`` is the reservoir; ``tokens`` adds the decoded ``token`` coordinate. ``embeddings`` (position x
     hidden; numpy or dask, kept lazy) with ``embedding_label`` (the next token) and ``embedding_position`` (the index
-    coordinate ``position``: the stream position) are raw features of the first train positions."""
+    coordinate ``position``: the stream position) are raw features of the first train positions. ``unit_sum``
+    (hidden, float64) is the sum of the unit-normalised train features (anisotropy)."""
     import xarray as xr
 
     mean = _np(mean)
@@ -59,6 +67,8 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
         "variance": ("vocab", _np(variance)),
         "within_covariance": (("hidden", "hidden2"), _np(within_covariance)),
     }
+    if unit_sum is not None:
+        data["unit_sum"] = ("hidden", _np(unit_sum))
     if classifier is not None:
         data["classifier"] = (("vocab", "hidden"), _np(classifier))
     if classifier_bias is not None:

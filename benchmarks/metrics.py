@@ -4,14 +4,16 @@
     python benchmarks/metrics.py --paper         # also K = 29,233, d = 1,024 (the paper's scale; ~2 GB, minutes)
     python benchmarks/metrics.py --sizes 20000x64 --rounds 1
 
-For each size it prints the median time of `measure` (all 14 metrics and the per-class views' pairwise sums)
-and of the Gram G = M M^T of the centred means, computed three ways in the same run: tile by tile over the upper
-triangle (the work the metrics do, |K|^2 d / 2 multiply-adds) with multi-threaded BLAS, the same tiles as dask
-tasks with one BLAS thread each (how the metrics run), and, where it fits in a quarter of the memory, as one BLAS
-call. The ratio is taken over the fastest of the three: `measure` and that Gram run in alternating rounds and the
-median of the per-round ratios is printed, so that the slow spells of a shared machine hit both sides. Peak
-memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small buffers are not seen) and set
-against |K|^2 x 8 bytes.
+For each size it prints the median time of `measure` (all the metrics of schema.SCALARS, NC and representation
+geometry, with the per-class views' pairwise sums, the d x d moments and their five eigendecompositions: M^T M,
+Sigma_W, Sigma_T, LiDAR's whitened Sigma_B and the head's W^T W) and of the Gram G = M M^T of the centred means,
+computed three ways in the same run: tile by tile over the upper triangle (the work the metrics do, |K|^2 d / 2
+multiply-adds) with multi-threaded BLAS, the same tiles as dask tasks with one BLAS thread each (how the metrics
+run), and, where it fits in a quarter of the memory, as one BLAS call. The ratio is taken over the fastest of the
+three: `measure` and that Gram run in alternating rounds and the median of the per-round ratios is printed, so that
+the slow spells of a shared machine hit both sides. The five d x d eigendecompositions alone are timed too (they are
+part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small
+buffers are not seen) and set against |K|^2 x 8 bytes.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ import psutil
 import threadpoolctl
 import xarray as xr
 
+from ncanalyze.analyzer.geometry import lidar_spectrum
 from ncanalyze.analyzer.metrics import auto_tile, measure
+from ncanalyze.analyzer.schema import SCALARS
 
 
 def checkpoint(k: int, d: int, seed: int = 0) -> xr.Dataset:
@@ -39,7 +43,8 @@ def checkpoint(k: int, d: int, seed: int = 0) -> xr.Dataset:
         "count": ("vocab", rng.integers(1, 1000, k)), "mean": (("vocab", "hidden"), mean),
         "variance": ("vocab", rng.random(k) * d), "within_covariance": (("hidden", "hidden2"), a @ a.T),
         "classifier": (("vocab", "hidden"), mean + rng.standard_normal((k, d))),
-        "val_count": ("vocab", val), "val_ncc_agree": ("vocab", rng.integers(0, val + 1))}, attrs={"min_count": 1})
+        "val_count": ("vocab", val), "val_ncc_agree": ("vocab", rng.integers(0, val + 1)),
+        "unit_sum": ("hidden", rng.standard_normal(d))}, attrs={"min_count": 1})
 
 
 def tiled_gram(M: np.ndarray, tile: int) -> float:
@@ -59,6 +64,15 @@ def dask_gram(M: np.ndarray, tile: int) -> float:
     tasks = [dask.delayed(block)(a, c) for a in range(0, len(M), tile) for c in range(a, len(M), tile)]
     with threadpoolctl.threadpool_limits(1, user_api="blas"):
         return sum(dask.compute(*tasks))
+
+
+def eigendecompositions(MtM: np.ndarray, WtW: np.ndarray, sigma_w: np.ndarray) -> None:
+    """The d x d spectra `measure` takes, as it takes them (float64 numpy.linalg): eigh of M^T M, eigvalsh of
+    Sigma_W, Sigma_T and W^T W, and LiDAR's (a Cholesky factor, two triangular solves, one eigvalsh)."""
+    np.linalg.eigh(MtM)
+    for S in (sigma_w, sigma_w + MtM / len(MtM), WtW):
+        np.linalg.eigvalsh(S)
+    lidar_spectrum(sigma_w, MtM / len(MtM))
 
 
 def ratios(f, g, rounds: int) -> tuple[float, float, float]:
@@ -83,13 +97,19 @@ def run(k: int, d: int, rounds: int) -> None:
     times = {name: statistics.median(timeit.repeat(g, number=1, repeat=rounds)) for name, g in grams.items()}
     gram = grams[min(times, key=times.get)]
     t_metrics, t_gram, ratio = ratios(lambda: measure(ds), gram, rounds)
+    W, sigma_w = ds["classifier"].values, ds["within_covariance"].values
+    MtM, WtW = M.T @ M, W.T @ W
+    t_eigen = statistics.median(timeit.repeat(lambda: eigendecompositions(MtM, WtW, sigma_w), number=1,
+                                              repeat=rounds))
     tracemalloc.start()
     measure(ds)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    print(f"K={k:,} d={d:,} tile={tile}: Gram " + ", ".join(f"{name} {t:.2f} s" for name, t in times.items()) +
+    print(f"K={k:,} d={d:,} tile={tile}, {len(SCALARS)} metrics: Gram "
+          + ", ".join(f"{name} {t:.2f} s" for name, t in times.items()) +
           f" | {rounds} alternating rounds: metrics {t_metrics:.2f} s, fastest Gram {t_gram:.2f} s, "
-          f"ratio {ratio:.2f} (median per round; target <= 1.5) | peak {peak / 2**20:,.0f} MiB traced "
+          f"ratio {ratio:.2f} (median per round; target <= 1.5); the five d x d eigendecompositions alone "
+          f"{t_eigen:.3f} s | peak {peak / 2**20:,.0f} MiB traced "
           f"(|K| d x 8 = {k * d * 8 / 2**20:,.0f} MiB, |K|^2 x 8 = {full_bytes / 2**20:,.0f} MiB)", flush=True)
 
 

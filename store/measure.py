@@ -11,7 +11,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.metrics import measure_all
+from ncanalyze.analyzer.metrics import DEFINITIONS, measure_all
 from ncanalyze.analyzer.table import metrics_table
 from ncanalyze.store.cluster import client
 from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
@@ -19,9 +19,13 @@ from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_s
 WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
 
 
+ALWAYS = tuple(k for k, f in DEFINITIONS.items() if not hasattr(f, "needs"))  # recorded for every measured group
+
+
 def is_measured(attrs: dict, min_count: int) -> bool:
-    """Measured with this min_count, and since the group's statistics were last written."""
-    return ("metrics" in attrs and attrs.get("metrics_min_count") == min_count
+    """Measured with this min_count, since the group's statistics were last written, and with every metric that
+    any checkpoint has (a group measured before the geometry metrics existed is measured again)."""
+    return ("metrics" in attrs and set(ALWAYS) <= set(attrs["metrics"]) and attrs.get("metrics_min_count") == min_count
             and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
 
 

@@ -108,7 +108,7 @@ class Extraction:
         return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
                              classifier_bias=None if bias is None else bias.float(), val=self.val,
                              samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
-                             attrs=attrs, **embeddings)
+                             attrs=attrs, unit_sum=s.unit_sum, **embeddings)
 
 
 @torch.inference_mode()

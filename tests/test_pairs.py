@@ -16,7 +16,7 @@ def test_log_is_within_one_ulp_of_numpy():
     assert vlog(np.array([1.0]))[0] == 0.0
 
 
-def brute(U, r, v, t0, pairs):
+def brute(U, r, v, p, t0, pairs):
     """Every sum of one tile in float64 from explicit loops over its pairs (i, j)."""
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(U[0])), np.zeros(len(U[1]))
     for i, j in pairs:
@@ -24,7 +24,9 @@ def brute(U, r, v, t0, pairs):
         T = float(np.sum((U[0][i] - U[1][j]) ** 2))
         D = float(np.sum((r[0][i] * U[0][i] - r[1][j] * U[1][j]) ** 2))
         c = (v[0][i] + v[1][j]) / D
-        acc += [g > 1 - COINCIDENT / 2, (T / t0 - 1) ** 2, np.log(T / t0), np.log(T / t0) ** 2, c, c / D]
+        w = p[0][i] * p[1][j]
+        acc += [g > 1 - COINCIDENT / 2, (T / t0 - 1) ** 2, np.log(T / t0), np.log(T / t0) ** 2, c, c / D, w * c,
+                w * np.log(T / t0)]
         rows[i] += c
         cols[j] += c
     return acc, rows, cols
@@ -41,19 +43,20 @@ def test_tile_sums_match_loops_over_pairs(diag, panel_rows):
         U[1] = U[0]
     r = [rng.uniform(0.5, 3, n) for n in (ni, nj)]
     v = [rng.uniform(0, 2, n) for n in (ni, nj)]
+    p = [rng.uniform(0.01, 0.2, n) for n in (ni, nj)]
     if diag:
-        r[1], v[1] = r[0], v[0]
+        r[1], v[1], p[1] = r[0], v[0], p[0]
     t0 = 1.7
-    side = [np.stack([r[k], 1 / r[k], v[k]]) for k in (0, 1)]
+    side = [np.stack([r[k], 1 / r[k], v[k], p[k]]) for k in (0, 1)]
     got = tile_sums(U[0], side[0], U[1], side[1], t0, diag, panel_cells=panel_rows * nj)
     pairs = [(i, j) for i in range(ni) for j in range(nj) if j > i or not diag]
-    for g, w in zip(got, brute(U, r, v, t0, pairs)):
+    for g, w in zip(got, brute(U, r, v, p, t0, pairs)):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
 
 
 def test_coincident_directions_are_counted():
     u = np.array([[1.0, 0.0], [np.cos(1e-6), np.sin(1e-6)], [0.0, 1.0]])     # T = 1e-12 between the first two
-    side = np.stack([np.ones(3), np.ones(3), np.ones(3)])
+    side = np.ones((4, 3))
     acc, _, _ = tile_sums(u, side, u, side, 1.0, True)
     assert acc[SUMS.index("coincident")] == 1
 
@@ -68,7 +71,7 @@ def test_fast_pass_equals_the_numpy_reference_tile_by_tile(tile):
     M -= M.mean(0)
     r = np.linalg.norm(M, axis=1)
     U = M / r[:, None]
-    side = np.stack([r, 1 / r, rng.uniform(0.1, 3, n)])
+    side = np.stack([r, 1 / r, rng.uniform(0.1, 3, n), rng.dirichlet(np.ones(n))])
     s = U.sum(0)
     t0 = 2 - 2 * (s @ s - n) / (n * (n - 1))
     spans = blocks(n, tile)

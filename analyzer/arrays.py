@@ -1,0 +1,96 @@
+"""Plain arrays (numpy, dask or torch) -> a checkpoint dataset with the store's variables: the exact class statistics
+that extraction accumulates, for non-LM use and ad-hoc study (SPEC section 4, ``class_stats``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import xarray as xr
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.geometry import kept_classes
+from ncanalyze.analyzer.schema import stats_dataset
+
+
+def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: Any = None,
+                classifier_bias: Any = None, val_embeddings: Any = None, val_labels: Any = None,
+                min_count: int = 1, batch_size: int = 65536) -> xr.Dataset:
+    """Exact class statistics of plain arrays (numpy, dask or torch; n x d features, n labels) as a dataset with
+    the store's variables, ready for :func:`measure`.
+
+    ``classifier`` (num_classes x d) and ``classifier_bias`` add NC3; with them, ``val_embeddings`` and
+    ``val_labels`` add NC4's counts (decisions over the classes with count >= ``min_count``, as extraction does).
+    """
+    from ncanalyze.analyzer.accumulate import ClassStats
+
+    acc = None
+    for h, y in _batches(embeddings, labels, batch_size, num_classes, "embeddings"):
+        if acc is None:
+            acc = ClassStats(num_classes, h.shape[1], device=h.device)
+        acc.update(h, y)
+    if acc is None or int(acc.count.sum()) == 0:
+        raise UserError("class_stats got no embeddings: pass a non-empty (n x d) array and n labels")
+    d = acc.mean.shape[1]
+    W = None if classifier is None else _numpy(classifier, (num_classes, d), "classifier")
+    b = None if W is None or classifier_bias is None else _numpy(classifier_bias, (num_classes,), "classifier_bias")
+    ds = stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, unit_sum=acc.unit_sum, classifier=W,
+                       classifier_bias=b, attrs={"min_count": int(min_count), "train_tokens": int(acc.count.sum())})
+    if val_embeddings is not None:
+        if classifier is None or val_labels is None:
+            raise UserError("NC4 needs the classifier and the labels: pass classifier= (and classifier_bias=) and "
+                            "val_labels= with val_embeddings")
+        for name, v in _val_counts(ds, val_embeddings, val_labels, min_count, batch_size).items():
+            ds[name] = "vocab", v
+        ds.attrs["val_tokens"] = int(ds["val_count"].sum())
+    return ds
+
+
+def _numpy(x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor
+        x = x.detach().cpu()
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape != shape:
+        raise UserError(f"{what} must have shape {shape} (classes x hidden); got {x.shape}")
+    return x
+
+
+def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):
+    """(features, labels) as float64 / int64 torch batches, validated; dask input chunk by chunk."""
+    import torch
+
+    if h.ndim != 2 or y.ndim != 1 or h.shape[0] != y.shape[0]:
+        raise UserError(f"{what} must be (n x d) with n labels; got shapes {tuple(h.shape)} and {tuple(y.shape)}")
+    if isinstance(h, da.Array) or isinstance(y, da.Array):
+        h, y = da.asarray(h), da.asarray(y)
+        y = y.rechunk((h.chunks[0],))
+        parts = ((hb, yb) for hb, yb in zip(h.to_delayed()[:, 0], y.to_delayed()))
+        parts = (dask.compute(hb, yb) for hb, yb in parts)
+    else:
+        parts = ((h[s:s + batch_size], y[s:s + batch_size]) for s in range(0, h.shape[0], batch_size))
+    for hb, yb in parts:
+        hb, yb = torch.as_tensor(hb), torch.as_tensor(yb)
+        if yb.dtype.is_floating_point or yb.dtype == torch.bool:
+            raise UserError(f"{what} labels must be integers (got {yb.dtype})")
+        hb, yb = hb.to(torch.float64), yb.to(torch.int64)
+        if len(yb) and (int(yb.min()) < 0 or int(yb.max()) >= num_classes):
+            raise UserError(f"{what} labels must lie in [0, {num_classes}); got {int(yb.min())}..{int(yb.max())}")
+        if not torch.isfinite(hb).all():
+            raise UserError(f"{what} contain NaN or Inf")
+        yield hb, yb
+
+
+def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int) -> dict[str, np.ndarray]:
+    """NC4's counts per true class, over the kept classes, exactly as extraction counts them."""
+    import torch
+
+    from ncanalyze.analyzer.accumulate import DecisionCounts
+
+    K = torch.as_tensor(kept_classes(ds["count"].values, min_count))
+    bias = torch.as_tensor(ds["classifier_bias"].values) if "classifier_bias" in ds else None
+    counts = DecisionCounts(torch.as_tensor(ds["classifier"].values), bias, torch.as_tensor(ds["mean"].values), K)
+    for hb, yb in _batches(h, y, batch_size, ds.sizes["vocab"], "val_embeddings"):
+        counts.update(hb, yb)
+    return {k: v.cpu().numpy() for k, v in counts.counts.items()}
+

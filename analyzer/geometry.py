@@ -1,0 +1,313 @@
+"""The kept classes' geometry, gathered once per checkpoint for every metric: the one place where min_count is applied,
+the O(n d) algebra on the centred means, and one dask compute for the pairwise sums (pairs.py), the d x d moments
+and their spectra (spectral.py).
+
+Notation, over the kept classes K = {c : count_c >= min_count} (n = |K|, pairs P = {c < c'}):
+m_c = mu_c - mu_G (centred mean), r_c = ||m_c||, u_c = m_c / r_c, T_cc' = ||u_c - u_c'||^2 = 2 - 2 cos(m_c, m_c'),
+D_cc' = ||mu_c - mu_c'||^2, p_c = n_c / sum_K n_c (token frequency).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+import numpy as np
+import psutil
+import threadpoolctl
+import xarray as xr
+from dask.delayed import Delayed
+from scipy.linalg import solve_triangular
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums, reference_pair_sums
+
+MAX_TILE = 2048
+
+
+
+# ---------------------------------------------------------------- the kept set
+
+def kept_classes(count: Any, min_count: int) -> np.ndarray:
+    """K = {c : count_c >= min_count}, sorted: the one place where min_count is applied."""
+    if int(min_count) < 1:
+        raise UserError(f"min_count must be at least 1 (got {min_count})")
+    return np.flatnonzero(np.asarray(count) >= int(min_count))
+
+
+def auto_tile(n: int, threads: int | None = None, budget: float = 0.1) -> int:
+    """Tile size: at most 2048 classes, small enough that a t x t float64 Gram block per worker thread fits
+    ``budget`` of the available memory (a task holds one such block plus O(t d) inputs), and at most n/8 (but
+    not below 256) so that the tile pairs spread evenly over the threads."""
+    threads = threads or os.cpu_count() or 1
+    t = int(math.sqrt(budget * psutil.virtual_memory().available / threads / 8))
+    return max(1, min(n, MAX_TILE, t, max(256, -(-n // 8))))
+
+
+# ---------------------------------------------------------------- statistics -> the geometry of the kept classes
+
+def needs(field: str):
+    """Mark a metric as requiring the Geometry field ``field`` (left out of the result where that is None)."""
+    def mark(f):
+        f.needs = field
+        return f
+    return mark
+
+
+@dataclass
+class Geometry:
+    """What the metric definitions read, over the kept classes K (n = |K|; vectors are indexed like K).
+
+    m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, t0 = mean over P of T = ||u_c - u_c'||^2,
+    p_c = n_c / sum_K n_c; ``pairs`` holds the pairwise sums (pairs.py) and ``row_cdnv`` each class's sum of
+    (var_c + var_c') / D over the others; ``lam``, ``V`` the eigen-decomposition of M^T M; ``spectra`` the
+    eigenvalues of the d x d matrices of the representation geometry (:func:`_spectra`). The NC3 fields need the
+    classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the within-class covariance,
+    the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of the N = ``n_tokens``
+    unit train features (anisotropy).
+    """
+    K: np.ndarray
+    var: np.ndarray
+    r: np.ndarray
+    U: np.ndarray
+    s: np.ndarray
+    t0: float
+    p: np.ndarray
+    pairs: PairSums
+    row_cdnv: np.ndarray
+    MtM: np.ndarray
+    lam: np.ndarray
+    V: np.ndarray
+    m_sum: np.ndarray
+    spectra: dict[str, np.ndarray]
+    n_tokens: int
+    sigma_w: np.ndarray | None = None
+    w_norm: np.ndarray | None = None
+    wm: np.ndarray | None = None
+    WtW: np.ndarray | None = None
+    w_sum: np.ndarray | None = None
+    coincident: list[tuple[int, int]] = field(default_factory=list)  # pairs whose directions coincide (T ~ 0)
+    val_count: np.ndarray | None = None
+    val_agree: np.ndarray | None = None
+    nc4_nan_because: str | None = None   # NC4 is defined here but not measurable, and why
+    unit_sum: np.ndarray | None = None
+    anisotropy_nan_because: str | None = None
+
+    @property
+    def n(self) -> int:
+        return self.K.size
+
+    @property
+    def n_pairs(self) -> float:
+        return self.n * (self.n - 1) / 2
+
+    @property
+    def pair_weight(self) -> float:
+        """sum over P of p_c p_c' = ((sum p)^2 - sum p^2) / 2 = (1 - sum p^2) / 2."""
+        return (1 - float(self.p @ self.p)) / 2
+
+    @property
+    def duality(self) -> np.ndarray:
+        """cos(w_c, m_c) per kept class."""
+        return self.wm / (self.w_norm * self.r)
+
+    def has(self, needs: str | None) -> bool:
+        return needs is None or getattr(self, needs) is not None
+
+
+def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> Geometry:
+    """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra here, the pairwise sums, the
+    d x d moments and their spectra in one dask compute (one BLAS thread per task). Degenerate input is a
+    UserError naming it."""
+    K = kept_classes(ds["count"].values, min_count)
+    n = K.size
+    if n < 2:
+        raise UserError(f"only {n} class(es) have count >= min_count={min_count}; the metrics need at least 2: "
+                        "lower --min-count or extract more train tokens")
+    tile = int(tile or auto_tile(n))
+    if tile < 1:
+        raise UserError(f"tile must be a positive number of classes (got {tile})")
+    M, var, r, mu_G = _centred_means(ds, K)
+    U = M / r[:, None]
+    s = U.sum(0)
+    t0 = 2 - 2 * (s @ s - n) / (n * (n - 1))                      # mean over P of T = 2 - 2 cos
+    count = np.asarray(ds["count"].values)
+    p = count[K] / count[K].sum()                                 # token frequencies within K
+    W = _rows(ds["classifier"], K) if "classifier" in ds else None
+    sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64) if "within_covariance" in ds else None
+    spans = blocks(n, tile)
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        (pairs, row_cdnv), mom = dask.compute(pair_sums(U, r, var, p, t0, spans),
+                                              _moments(ds, K, M, mu_G, W, sigma_w, tile))
+    coincident: list[tuple[int, int]] = []
+    if pairs.coincident or not np.isfinite(pairs).all():
+        pairs, row_cdnv, coincident = reference_pair_sums(U, r, var, p, t0, spans)
+        _warn_coincident(coincident, M, r, K)
+    g = Geometry(K=K, var=var, r=r, U=U, s=s, t0=t0, p=p, pairs=pairs, row_cdnv=row_cdnv, MtM=mom["MtM"],
+                 lam=mom["lam"], V=mom["V"], m_sum=M.sum(0), spectra=mom["spectra"], n_tokens=int(count.sum()),
+                 sigma_w=sigma_w, coincident=coincident)
+    if W is not None:
+        dead = np.flatnonzero(mom["wn"] == 0)
+        if dead.size:
+            raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
+        g.w_norm, g.wm, g.WtW, g.w_sum = mom["wn"], mom["wm"], mom["WtW"], mom["w_sum"]
+    _validation(g, ds, min_count)
+    _unit_sum(g, ds)
+    return g
+
+
+def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """M (the centred means m_c), the variances, r_c = ||m_c|| and mu_G, checked finite and non-zero."""
+    M = _rows(ds["mean"], K)
+    mu_G = M.mean(0)
+    M -= mu_G                                                     # m_c = mu_c - mu_G
+    var = _rows(ds["variance"], K)
+    r = np.sqrt(np.einsum("ij,ij->i", M, M))
+    _check_finite(np.r_[r, var], "class means or variances")
+    zero = np.flatnonzero(r <= 1e-12 * r.max())
+    if zero.size:
+        raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
+                        "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
+                        "--min-count or leave them out")
+    return M, var, r, mu_G
+
+
+def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:
+    """NC4's counts over the kept set, or why NC4 is not measurable here."""
+    if "val_ncc_agree" not in ds or int(np.asarray(ds["val_count"].values).sum()) == 0:
+        return
+    g.val_count, g.val_agree = (np.asarray(ds[v].values)[g.K].astype(np.float64)
+                                for v in ("val_count", "val_ncc_agree"))
+    extract_min = int(ds.attrs.get("min_count", 1))
+    if not np.array_equal(g.K, kept_classes(ds["count"].values, extract_min)):
+        g.nc4_nan_because = (
+            f"its decisions were counted at extraction over the classes with count >= {extract_min}, not over "
+            f"those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
+    elif g.val_count.sum() == 0:
+        g.nc4_nan_because = "no validation token has a kept label"
+
+
+def _unit_sum(g: Geometry, ds: xr.Dataset) -> None:
+    """The train pass's sum of unit features, or why anisotropy is not measurable (a store written before it)."""
+    if "unit_sum" not in ds:
+        g.anisotropy_nan_because = ("the statistics were written before ncanalyze stored unit_sum (the sum of unit "
+                                    "train features); extract again (--overwrite) to measure it")
+        return
+    g.unit_sum = np.asarray(ds["unit_sum"].values, dtype=np.float64)
+    if not np.isfinite(g.unit_sum).all():
+        g.anisotropy_nan_because = ("unit_sum is NaN: the extraction resumed from a state written before unit_sum "
+                                    "existed; extract again with --restart to measure it")
+
+
+def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: np.ndarray | None,
+             sigma_w: np.ndarray | None, tile: int) -> Delayed:
+    """A dask task for M^T M (= |K| Sigma_B) with its eigenvalues ``lam`` and eigenvectors ``V``; with W, also
+    W^T W, the row norms ``wn`` of W, the row products ``wm`` (w_c . m_c) and the column sums ``w_sum``; and the
+    ``spectra`` of :func:`_spectra`. Sigma_T's between-class part sum_c f_c (mu_c - mu)(mu_c - mu)^T (f_c = n_c/N
+    over every class with a train token, mu = sum_c f_c mu_c) is sum_c f_c a_c a_c^T - delta delta^T with
+    a_c = mu_c - mu_G and delta = mu - mu_G = sum_c f_c a_c, so the kept rows reuse M; the classes counted but not
+    kept and the classifier rows outside K come in blocks of their own. One task per row block (O(tile d^2) each),
+    then their sum and the eigendecompositions (O(d^3))."""
+    count = np.asarray(ds["count"].values)
+    f = count / count.sum()
+    rest = np.setdiff1d(np.flatnonzero(count > 0), K)             # counted, not kept
+    A = _rows(ds["mean"], rest) - mu_G
+    _check_finite(A, "class means (counted but not kept)")
+    delta = f[K] @ M + f[rest] @ A
+    kept = [dask.delayed(_block_moments)(M[s], f[K][s], None if W is None else W[s]) for s in blocks(K.size, tile)]
+    outside = [dask.delayed(_scatter)(A[s], f[rest][s]) for s in blocks(rest.size, tile)]
+    if W is not None and K.size < count.size:                    # the head's rows outside K, read in place
+        W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
+        outside += [dask.delayed(_head)(W_all[s], out_K[s]) for s in blocks(count.size, tile) if out_K[s].any()]
+    return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, K.size)
+
+
+def _block_moments(m: np.ndarray, f: np.ndarray, w: np.ndarray | None) -> dict[str, np.ndarray]:
+    mf = m * np.sqrt(f)[:, None]                                  # s^T s: numpy's symmetric product (syrk)
+    out = {"MtM": m.T @ m, "MtFM": mf.T @ mf}
+    if w is not None:
+        out |= {"WtW": w.T @ w, "wn": np.sqrt(np.einsum("ij,ij->i", w, w)), "wm": np.einsum("ij,ij->i", w, m),
+                "w_sum": w.sum(0)}
+    return out
+
+
+def _scatter(a: np.ndarray, f: np.ndarray) -> dict[str, np.ndarray]:
+    af = a * np.sqrt(f)[:, None]
+    return {"MtFM": af.T @ af}
+
+
+def _head(w: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
+    w = w[rows].astype(np.float64, copy=False)
+    return {"head": w.T @ w}
+
+
+def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.ndarray]],
+                 sigma_w: np.ndarray | None, delta: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    out = {k: np.concatenate([p[k] for p in parts]) if k in ("wn", "wm") else sum(p[k] for p in parts)
+           for k in parts[0]}
+    out["MtFM"] = out["MtFM"] + sum(p["MtFM"] for p in outside if "MtFM" in p)
+    if "WtW" in out:
+        out["head"] = out["WtW"] + sum(p["head"] for p in outside if "head" in p)
+    out["lam"], out["V"] = np.linalg.eigh(out["MtM"])
+    out["spectra"] = _spectra(out, sigma_w, delta, n)
+    return out
+
+
+def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray,
+             n: int) -> dict[str, np.ndarray]:
+    """The eigenvalues (ascending, numpy.linalg.eigvalsh in float64) of the d x d matrices of spectral.py:
+    ``between`` Sigma_B = M^T M / n; with Sigma_W, ``within`` Sigma_W, ``total`` Sigma_T = Sigma_W + sum_c f_c
+    (mu_c - mu)(mu_c - mu)^T (the law of total covariance) and ``lidar`` (:func:`lidar_spectrum`); with the
+    classifier, ``head`` W^T W over the whole vocabulary."""
+    out = {"between": mom["lam"] / n}
+    if sigma_w is not None:
+        out |= {"within": np.linalg.eigvalsh(sigma_w),
+                "total": np.linalg.eigvalsh(sigma_w + mom["MtFM"] - np.outer(delta, delta)),
+                "lidar": lidar_spectrum(sigma_w, mom["MtM"] / n)}
+    if "WtW" in mom:
+        out["head"] = np.linalg.eigvalsh(mom["head"])
+    return out
+
+
+def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray) -> np.ndarray:
+    """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d, as
+    those of the similar matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two
+    triangular solves and one eigvalsh. nan where Sigma_W is zero (no within-class noise) or not positive
+    semi-definite (corrupt statistics)."""
+    eps = 1e-4 * np.trace(sigma_w) / len(sigma_w)
+    try:
+        L = np.linalg.cholesky(sigma_w + eps * np.eye(len(sigma_w))) if eps > 0 else None
+    except np.linalg.LinAlgError:
+        L = None
+    if L is None:
+        return np.full(len(sigma_w), np.nan)
+    X = solve_triangular(L, sigma_b, lower=True)                  # L^-1 Sigma_B
+    return np.linalg.eigvalsh(solve_triangular(L, X.T, lower=True))
+
+
+def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
+    """The kept classes' rows of a (vocab, ...) variable as a new float64 array (np.take always copies, so the
+    caller may write to it), read once: O(|V| d) memory."""
+    return np.take(var.values, K, axis=0).astype(np.float64, copy=False)
+
+
+def _check_finite(x: np.ndarray, what: str) -> None:
+    if not np.isfinite(x).all():
+        raise UserError(f"the {what} of kept classes contain NaN or Inf: the statistics are corrupt; extract again")
+
+
+def _warn_coincident(pairs: list[tuple[int, int]], M: np.ndarray, r: np.ndarray, K: np.ndarray) -> None:
+    """Say which kept classes coincide and what that makes of the metrics (the others stay exact)."""
+    same = [(i, j) for i, j in pairs if float(np.sum((M[i] - M[j]) ** 2)) <= COINCIDENT * r[i] * r[j]]
+    names = lambda ps: ", ".join(f"{K[i]} and {K[j]}" for i, j in ps[:3]) + (" ..." if len(ps) > 3 else "")  # noqa
+    if same:
+        warnings.warn(f"classes {names(same)} have coincident means: nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and their "
+                      "class_cdnv are inf; gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are "
+                      "exact (raise --min-count to leave such classes out)", stacklevel=3)
+    else:
+        warnings.warn(f"the centred means of classes {names(pairs)} point the same way (||u - u'||^2 < "
+                      f"{COINCIDENT:g}): gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are exact "
+                      "(raise --min-count to leave such classes out)", stacklevel=3)
