@@ -411,3 +411,25 @@ def test_where_with_a_backticked_column_stays_inline_code(tmp_path):
     assert "(`` `n params` > 0 ``)" in text
     assert "`fig1_nc_vs_loss`, `fig2_nc2_vs_gnc2`" not in text  # only the figures drawn are listed
     assert "`fig1_nc_vs_loss`" in text and ".pdf` (fonts embedded)" in text
+
+
+# ---------------------------------------------------------------- the result: the tables it computed, the files
+
+def test_the_result_holds_the_tables_it_wrote(tmp_path):
+    """What write_report returns is what it wrote (the CLI reads no file back): every layer's rows in metrics.csv,
+    the last layer's statistics in stats.csv, the per-layer table in layers.csv, each file once."""
+    last = study(n_runs=3, per_run=4, seed=5).assign(n_layers=2, layer=2)
+    shallow = last.assign(layer=1, nc1_cdnv=last.nc1_cdnv * 3)
+    table = pd.concat([shallow, last], ignore_index=True)
+    r = write_report(table, tmp_path, ReportOptions(n_perm=20, seed=2, where="run != 'r0'"))
+    kept = table[table.run != "r0"]
+    assert r.target == "eval_loss" and len(r.selected) == (kept.layer == 2).sum() == 8
+    assert (r.selected.layer == 2).all() and len(r.metrics) == len(kept)
+    assert r.stats.loc[(r.stats.metric == "nc1_cdnv") & (r.stats.scale == "raw"), "r"].item() == pytest.approx(
+        np.corrcoef(kept[kept.layer == 2].nc1_cdnv, kept[kept.layer == 2].eval_loss)[0, 1], abs=1e-12)
+    for name, frame in (("metrics", r.metrics), ("stats", r.stats), ("layers", r.depth)):
+        assert r.files[name].read_text() == frame.to_csv(index=False), name
+    assert r.tokens is None and r.notes == [] and "tokens" not in r.files
+    assert list(r.figures) == [*FIGURES, DYNAMICS[0]] and r.figures.items() <= r.files.items()
+    assert sorted(p.name for p in r.files.values()) == sorted(p.name for p in tmp_path.iterdir() if p.suffix in
+                                                              (".csv", ".md", ".tex") or p.name.endswith(".png"))
