@@ -51,7 +51,17 @@ _CBAR_W = 1.35  # inches to the right of the panels for a colour bar and its lab
 
 
 def label(name: str) -> str:
-    """A column's panel title (its name where it has none)."""
+    """A column's panel title (its name where it has none).
+
+    Parameters
+    ----------
+    name
+        The column.
+
+    Returns
+    -------
+    str
+    """
     return LABELS.get(name, name)
 
 

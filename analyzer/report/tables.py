@@ -40,15 +40,39 @@ def select(df: pd.DataFrame, where: str | None) -> pd.DataFrame:
         return df
     out = df[condition(where, df, "--where")]
     if out.empty:
-        raise UserError(f"no checkpoint matches --where {where!r} ({len(df)} in the table)")
+        raise UserError(f"no checkpoint matches --where (ReportOptions.where) {where!r} ({len(df)} in the table)")
     return out
 
 
 def fmt_p(p: float) -> str:
+    """A p-value for display: 3 decimals, scientific under 0.001, a dash where missing.
+
+    Parameters
+    ----------
+    p
+        The p-value (NaN where none).
+
+    Returns
+    -------
+    str
+    """
     return MISSING if not np.isfinite(p) else f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}"
 
 
 def fmt(x: float, digits: int = 3) -> str:
+    """A statistic for display with ``digits`` decimals, a dash where missing.
+
+    Parameters
+    ----------
+    x
+        The value (NaN where none).
+    digits
+        Decimals shown.
+
+    Returns
+    -------
+    str
+    """
     return MISSING if not np.isfinite(x) else f"{x:.{digits}f}"
 
 
@@ -110,13 +134,37 @@ def survivors(stats: pd.DataFrame, alpha: float = 0.05) -> list[str]:
 
 
 def code(text: str) -> str:
-    """Markdown inline code that may itself contain backticks (a backticked column name)."""
+    """Markdown inline code that may itself contain backticks (a backticked column name).
+
+    Parameters
+    ----------
+    text
+        The code.
+
+    Returns
+    -------
+    str
+    """
     return f"`` {text} ``" if "`" in text else f"`{text}`"
 
 
 def controls_text(controls: Sequence[str], code: Callable[[str], str] = code,
                   how: str = " (pingouin.partial_corr)") -> str:
-    """'controlling for a, b (how)', or what the partial r is without controls."""
+    """'controlling for a, b (how)', or what the partial r is without controls.
+
+    Parameters
+    ----------
+    controls
+        The partial correlation's controls.
+    code
+        How a control is written (:func:`code` in Markdown, :func:`tex_escape` in LaTeX).
+    how
+        What computes it, after the list.
+
+    Returns
+    -------
+    str
+    """
     if not controls:
         return "with no controls, equal to r"
     return "controlling for " + ", ".join(code(c) for c in controls) + how
@@ -168,7 +216,17 @@ def default_target(sel: pd.DataFrame) -> str:
 
 
 def target_note(target: str) -> str:
-    """report.md's line on which target was used, and why."""
+    """report.md's line on which target was used, and why.
+
+    Parameters
+    ----------
+    target
+        The target column.
+
+    Returns
+    -------
+    str
+    """
     if target == "val_loss":
         return ("Target: `val_loss`, the model's own next-token loss measured by ncanalyze over the validation tokens "
                 "of the extraction (every selected checkpoint has it; `--target eval_loss` uses the Trainer's).")
@@ -274,7 +332,17 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
 # ------------------------------------------------------------------ tables.tex
 
 def tex_escape(s: str) -> str:
-    """Text with LaTeX's special characters escaped."""
+    """Text with LaTeX's special characters escaped.
+
+    Parameters
+    ----------
+    s
+        The text.
+
+    Returns
+    -------
+    str
+    """
     return "".join(_TEX.get(c, c) for c in str(s))
 
 

@@ -96,7 +96,17 @@ def tick_labels(ticks: Sequence[float], even: bool) -> list[str]:
 
 
 def human(v: float) -> str:
-    """A parameter count as 22K, 1.2M, 7B."""
+    """A parameter count as 22K, 1.2M, 7B.
+
+    Parameters
+    ----------
+    v
+        The count.
+
+    Returns
+    -------
+    str
+    """
     for unit, f in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(v) >= f:
             return f"{v / f:.3g}{unit}"

@@ -97,8 +97,7 @@ def resolve_token(spec: str, strings: np.ndarray | None, tokenizer: str | None, 
     raise UserError(f"token {spec!r} not found: the store has no decoded tokens or tokenizer; pass token ids")
 
 
-def token_table(read_group: GroupReader | Callable[[str], xr.Dataset], groups: Sequence[str],
-                tokens: Sequence[str]) -> pd.DataFrame:
+def token_table(read_group: GroupReader, groups: Sequence[str], tokens: Sequence[str]) -> pd.DataFrame:
     """Per group and token: id, count, variance, norm, mean CDNV to the other kept classes, mean interference,
     duality and NC4 rate where measured, and an average-token row (the mean over the kept classes).
 

@@ -22,9 +22,11 @@ def _check(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader | N
     """A UserError for metrics the table lacks, or tokens without a store to read them from."""
     missing = [m for m in options.metrics if m not in df.columns]
     if missing:
-        raise UserError(f"unknown metric(s) {', '.join(missing)}; the table has: {', '.join(df.columns)}")
+        raise UserError(f"unknown metric(s) {', '.join(missing)} (--metrics, ReportOptions.metrics); the table has: "
+                        f"{', '.join(df.columns)}")
     if options.tokens and read_group is None:
-        raise UserError("--tokens needs a store (per-class statistics), not a metrics CSV")
+        raise UserError("--tokens (ReportOptions.tokens) needs a store (per-class statistics, write_report's "
+                        "read_group), not a metrics CSV")
 
 
 def _selection(df: pd.DataFrame, where: str | None) -> pd.DataFrame:
@@ -40,8 +42,8 @@ def _folder(out: str | Path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
-        raise UserError(f"--out {out}: cannot make the folder ({e.strerror}: {e.filename}); pass a folder path that "
-                        "is not under a file") from None
+        raise UserError(f"--out (write_report's out) {out}: cannot make the folder ({e.strerror}: {e.filename}); "
+                        "pass a folder path that is not under a file") from None
     return out
 
 
