@@ -19,7 +19,7 @@ import tempfile
 import numpy as np
 import pandas as pd
 
-from ncanalyze.analyzer.report import write_report
+from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, correlations, eval_controls, perm_test, scaled_metrics
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     t_perm = timed(lambda: perm_test(y, X.to_numpy(), C, b, seed=0), args.repeats)
     t_stats = timed(lambda: correlations(df, METRICS, n_perm=b, seed=0), args.repeats)
     with tempfile.TemporaryDirectory() as out:
-        t_all = timed(lambda: write_report(df, out, n_perm=b, seed=0), args.repeats)
+        t_all = timed(lambda: write_report(df, out, ReportOptions(n_perm=b, seed=0)), args.repeats)
     print(f"{n} checkpoints x {len(METRICS)} metrics ({m} metric columns, raw and log) x {b} permutations, "
           f"median of {args.repeats}:")
     print(f"  permutation tests (r and Freedman-Lane partial r) {t_perm:7.2f} s")

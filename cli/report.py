@@ -24,7 +24,22 @@ def _split(s: str | None) -> list[str]:
 
 
 def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.DataFrame, str | None]:
-    """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV; and the store."""
+    """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV.
+
+    Parameters
+    ----------
+    source
+        A store's path, or a ``.csv`` metrics table (an earlier report's metrics.csv).
+    min_count
+        Keep classes with at least this many train tokens (when measuring).
+    scheduler
+        A Dask scheduler address for measuring, or None.
+
+    Returns
+    -------
+    table, store
+        The metrics table, and the store's path (None for a CSV).
+    """
     import pandas as pd
 
     path = Path(source)
@@ -73,25 +88,21 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     For every metric: Pearson r and R² (raw, and with log10 of the metric where positive), the partial r
     controlling for model size and training progress, and permutation p-values (Freedman-Lane for the partial r).
     """
-    import pandas as pd
-
-    from ncanalyze.analyzer.depth import last_layer
-    from ncanalyze.analyzer.report import write_report
+    from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.store.io import read_group
 
     df, store_path = load_table(resolve_store(store_positional, store), min_count, scheduler)
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
-    files = write_report(df, out, metrics=metrics, target=target, controls=_split(controls), where=where,
-                         n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
-                         checkpoints=checkpoints, read_group=store_path and partial(read_group, store_path),
-                         echo=lambda m: log.warning("note: %s", m))
-    stats = pd.read_csv(files["stats"])
-    n = len(last_layer(pd.read_csv(files["metrics"])))  # checkpoints, not their layers
+    options = ReportOptions(metrics=metrics, target=target, controls=_split(controls), where=where,
+                            n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
+                            checkpoints=checkpoints)
+    result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path))
+    n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)
-    for line in sorted(set(stats.note.dropna()) - {""}):
+    for line in sorted(set(result.stats.note.dropna()) - {""}):
         if "too few" in line:
             log.warning("note: %s", line)
-    click.echo(f"{n} checkpoints, {len(metrics)} metrics -> {Path(out) / 'report.md'}")
-    for f in files.values():
+    click.echo(f"{n} checkpoints, {len(metrics)} metrics -> {result.files['report']}")
+    for f in result.files.values():
         click.echo(f"  {f}")

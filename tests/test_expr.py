@@ -14,7 +14,7 @@ from test_stats import study
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition, evaluate
-from ncanalyze.analyzer.report import select, write_report
+from ncanalyze.analyzer.report import ReportOptions, select, write_report
 from ncanalyze.analyzer.stats import eval_controls
 
 
@@ -111,9 +111,9 @@ def test_mistakes_are_one_line_user_errors(df, expr, match):
 def test_report_refuses_escapes_in_where_and_controls(df, tmp_path):
     f = tmp_path / "pwned.csv"
     with pytest.raises(UserError, match="'@'"):
-        write_report(df, tmp_path / "r", where=f"@df.to_csv('{f}')", n_perm=0)
+        write_report(df, tmp_path / "r", ReportOptions(where=f"@df.to_csv('{f}')", n_perm=0))
     with pytest.raises(UserError, match="control"):
-        write_report(df, tmp_path / "r", controls=[f"__import__('os').system('touch {f}')"], n_perm=0)
+        write_report(df, tmp_path / "r", ReportOptions(controls=[f"__import__('os').system('touch {f}')"], n_perm=0))
     assert not f.exists()
 
 

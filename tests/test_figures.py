@@ -11,7 +11,8 @@ import pytest
 from matplotlib.collections import PathCollection
 from test_stats import study
 
-from ncanalyze.analyzer.report import DYNAMICS, FIGURES, FORMATS, dynamics_figure, scatter_figure, write_report
+from ncanalyze.analyzer.report import (DYNAMICS, FIGURES, FORMATS, ReportOptions, dynamics_figure, scatter_figure,
+                                        write_report)
 from ncanalyze.analyzer.stats import correlations
 
 FIG1 = FIGURES["fig1_nc_vs_loss"][1]
@@ -159,7 +160,7 @@ def test_dynamics_figure_panels_and_lines(with_step0):
 
 def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
     df = study(n_runs=4, per_run=4, seed=1)
-    files = write_report(df, tmp_path, n_perm=0)
+    files = write_report(df, tmp_path, ReportOptions(n_perm=0)).files
     stems = [*FIGURES, DYNAMICS[0]]
     assert all(stem in files for stem in stems)
     for stem in stems:
@@ -170,7 +171,7 @@ def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
         assert pdf.startswith(b"%PDF") and b"/FontFile2" in pdf and b"/Type3" not in pdf  # TrueType (42), embedded
         assert ET.parse(tmp_path / f"{stem}.svg").getroot().tag.endswith("svg")
     assert "PDF and SVG" in files["report"].read_text()
-    again = write_report(df, tmp_path / "again", n_perm=0)
+    again = write_report(df, tmp_path / "again", ReportOptions(n_perm=0)).files
     for stem in stems:  # no dates or random ids: a regenerated figure is the same file
         for ext in FORMATS:
             assert (tmp_path / f"{stem}.{ext}").read_bytes() == (again[stem].parent / f"{stem}.{ext}").read_bytes()
@@ -179,9 +180,10 @@ def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
 
 def test_no_dynamics_figure_without_steps_or_with_one_step(tmp_path):
     df = study(n_runs=3, per_run=3)
-    files = write_report(df.drop(columns="global_step"), tmp_path / "a", n_perm=0, controls=["log(n_params)"])
+    files = write_report(df.drop(columns="global_step"), tmp_path / "a",
+                         ReportOptions(n_perm=0, controls=["log(n_params)"])).files
     assert DYNAMICS[0] not in files and not (tmp_path / "a" / f"{DYNAMICS[0]}.png").exists()
-    files = write_report(df, tmp_path / "b", n_perm=0, where="global_step == 300")
+    files = write_report(df, tmp_path / "b", ReportOptions(n_perm=0, where="global_step == 300")).files
     assert DYNAMICS[0] not in files and "Training dynamics" not in files["report"].read_text()
 
 
@@ -194,7 +196,7 @@ def test_fig2_does_not_repeat_the_gnc2_panel_of_fig1():
 def test_declutter_blanks_every_other_label_where_they_would_collide():
     from matplotlib.ticker import FixedFormatter, FixedLocator
 
-    from ncanalyze.analyzer.report import _declutter, overlapping_labels
+    from ncanalyze.analyzer.report.ticks import declutter, overlapping_labels
 
     fig, ax = plt.subplots(figsize=(2.5, 2))
     ax.set_xlim(0, 7)
@@ -202,7 +204,7 @@ def test_declutter_blanks_every_other_label_where_they_would_collide():
     ax.xaxis.set_major_formatter(FixedFormatter([f"0.000{i}5" for i in range(8)]))
     fig.canvas.draw()
     assert overlapping_labels(ax.xaxis, fig.canvas.get_renderer())
-    _declutter(fig, [ax.xaxis])
+    declutter(fig, [ax.xaxis])
     check_readable(fig, [ax.xaxis])
     assert len(ax.get_xticks()) == 8  # the ticks stay
     plt.close(fig)

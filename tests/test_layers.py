@@ -246,7 +246,7 @@ def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_
     from PIL import Image
     from test_stats import study
 
-    from ncanalyze.analyzer.report import write_report
+    from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.analyzer.stats import METRICS
 
     last = study(n_runs=3, per_run=4, seed=5).assign(n_layers=2)
@@ -254,8 +254,8 @@ def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_
     shallow = [last.assign(layer=l, **{m: last[m] * rng.uniform(0.5, 2, len(last)) for m in METRICS})
                for l in (0, 1)]
     table = pd.concat([*shallow, last.assign(layer=2)], ignore_index=True)
-    plain = write_report(last.assign(layer=2), tmp_path / "plain", n_perm=200, seed=1)
-    deep = write_report(table, tmp_path / "deep", n_perm=200, seed=1)
+    plain = write_report(last.assign(layer=2), tmp_path / "plain", ReportOptions(n_perm=200, seed=1)).files
+    deep = write_report(table, tmp_path / "deep", ReportOptions(n_perm=200, seed=1)).files
     pd.testing.assert_frame_equal(pd.read_csv(plain["stats"]), pd.read_csv(deep["stats"]))
     assert len(pd.read_csv(deep["metrics"])) == 3 * len(last)
     assert "depth" not in plain and "layers" not in plain

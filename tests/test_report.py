@@ -1,10 +1,13 @@
 """The report's files: CSV columns, Markdown tables, LaTeX syntax, PNG panels; the per-token table; the CLI."""
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import re
 import shutil
-from functools import partial
 import subprocess
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,8 @@ from PIL import Image
 from test_stats import study
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.report import AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, token_table, write_report
+from ncanalyze.analyzer.report import (AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, ReportOptions, token_table,
+                                       write_report)
 from ncanalyze.analyzer.stats import METRICS
 from ncanalyze.store.io import read_group
 
@@ -104,7 +108,7 @@ def check_png(png: Path, panels: int, colour_bar: bool = True) -> None:
 def synthetic_report(tmp_path_factory):
     df = study(n_runs=5, per_run=6, seed=11)
     out = tmp_path_factory.mktemp("report")
-    return df, write_report(df, out, n_perm=500, seed=3)
+    return df, write_report(df, out, ReportOptions(n_perm=500, seed=3)).files
 
 
 def test_csv_files(synthetic_report):
@@ -151,11 +155,11 @@ def test_figures_have_their_panels(synthetic_report):
 def test_unknown_metric_and_bad_query_are_user_errors(tmp_path):
     df = study(n_runs=2, per_run=3)
     with pytest.raises(UserError, match="unknown metric"):
-        write_report(df, tmp_path, metrics=["nc9"], n_perm=0)
+        write_report(df, tmp_path, ReportOptions(metrics=["nc9"], n_perm=0))
     with pytest.raises(UserError, match="syntax error"):
-        write_report(df, tmp_path, where="n_params >", n_perm=0)
+        write_report(df, tmp_path, ReportOptions(where="n_params >", n_perm=0))
     with pytest.raises(UserError, match="no checkpoint matches"):
-        write_report(df, tmp_path, where="n_params < 0", n_perm=0)
+        write_report(df, tmp_path, ReportOptions(where="n_params < 0", n_perm=0))
 
 
 def test_cli_on_a_metrics_csv_with_where_and_target(tmp_path):
@@ -256,9 +260,9 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     write_store(store)
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
-    files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store,
-                         read_group=partial(read_group, store),
-                         tokens=[" Anna", "3", "8", "9"])
+    files = write_report(df, tmp_path / "out", ReportOptions(metrics=["nc1_cdnv"], n_perm=0, store=store,
+                                                             tokens=[" Anna", "3", "8", "9"]),
+                         read_group=partial(read_group, store)).files
     tokens = pd.read_csv(files["tokens"], keep_default_na=False)
     assert set(tokens.checkpoint) == {"runA/checkpoint-100"}  # by step, not by name
     text = files["report"].read_text()
@@ -275,20 +279,27 @@ def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_p
     write_store(store)
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
-    said = []
-    files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store,
-                         read_group=partial(read_group, store), tokens=["Tim", " Anna", "Tim", " Tim", "3"],
-                         echo=said.append)
+    options = ReportOptions(metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["Tim", " Anna", "Tim", " Tim", "3"])
+    logger, heard = logging.getLogger("ncanalyze.analyzer.report.write"), logging.handlers.BufferingHandler(100)
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # whatever level an earlier CLI run left on "ncanalyze"
+    logger.addHandler(heard)
+    try:
+        result = write_report(df, tmp_path / "out", options, read_group=partial(read_group, store))
+    finally:
+        logger.removeHandler(heard)
+        logger.setLevel(level)
+    files = result.files
     tokens = pd.read_csv(files["tokens"], keep_default_na=False)
     assert list(tokens.token) == [" Tim", " Anna", AVERAGE_TOKEN]
+    pd.testing.assert_frame_equal(pd.read_csv(files["tokens"]), result.tokens.astype({"id": float}))
+    said = result.notes
+    assert [r.getMessage() for r in heard.buffer] == [f"note: {s}" for s in said]  # logged as they are found
     assert said == ["token 'Tim' given more than once: listed once",
                     "token 'Tim' is not in the vocabulary as written: using ' Tim' (id 3); pass ' Tim' or 3 to say so",
                     "token ' Tim' given more than once (in different spellings): listed once"]
     text = files["report"].read_text()
     assert all(f"**Note:** {s}." in text for s in said)
-    with pytest.warns(UserWarning, match="using ' Tim'"):
-        write_report(df, tmp_path / "out2", metrics=["nc1_cdnv"], n_perm=0, store=store,
-                     read_group=partial(read_group, store), tokens=["Tim"])
 
 
 # ---------------------------------------------------------------- the whole command on a real extracted store
@@ -341,7 +352,7 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
 
 def test_a_metric_without_values_keeps_its_panel_and_is_explained(tmp_path):
     df = study(n_runs=3, per_run=4).assign(nc4_agreement=np.nan)  # extracted without validation tokens
-    files = write_report(df, tmp_path, n_perm=0)
+    files = write_report(df, tmp_path, ReportOptions(n_perm=0)).files
     check_png(files["fig1_nc_vs_loss"], 4)
     assert "no values (not measurable here): nc4_agreement" in files["report"].read_text()
 
@@ -351,15 +362,16 @@ def test_tokens_of_chosen_checkpoints(tmp_path):
     groups = write_store(store)
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
-    files = write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
-                         read_group=partial(read_group, store), checkpoints=["runA/checkpoint-20", "runA/checkpoint-100"])
+    options = ReportOptions(metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
+                            checkpoints=["runA/checkpoint-20", "runA/checkpoint-100"])
+    files = write_report(df, tmp_path / "out", options, read_group=partial(read_group, store)).files
     tokens = pd.read_csv(files["tokens"])
     assert list(tokens.checkpoint) == ["runA/checkpoint-20"] * 2 + ["runA/checkpoint-100"] * 2
     assert list(tokens["count"][::2]) == [int(groups[g]["count"][4]) for g in ("runA/checkpoint-20",
                                                                                  "runA/checkpoint-100")]
     with pytest.raises(UserError, match="no checkpoint group 'runA/checkpoint-7'"):
-        write_report(df, tmp_path / "out", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
-                     read_group=partial(read_group, store), checkpoints=["runA/checkpoint-7"])
+        write_report(df, tmp_path / "out", replace(options, checkpoints=["runA/checkpoint-7"]),
+                     read_group=partial(read_group, store))
 
 
 # ---------------------------------------------------------------- Holm in report.md; text without controls
@@ -381,7 +393,7 @@ def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
 
 def test_no_controls_reads_well(tmp_path):
     df = study(n_runs=3, per_run=4)
-    files = write_report(df, tmp_path, controls=[], metrics=["nc1_cdnv"], n_perm=50)
+    files = write_report(df, tmp_path, ReportOptions(controls=[], metrics=["nc1_cdnv"], n_perm=50)).files
     text = files["report"].read_text() + files["tex"].read_text()
     assert "controlling for" not in text and "with no controls, equal to r" in text
     assert "  (" not in text and " ." not in text
@@ -393,8 +405,31 @@ def test_no_controls_reads_well(tmp_path):
 
 def test_where_with_a_backticked_column_stays_inline_code(tmp_path):
     df = study(n_runs=3, per_run=4).rename(columns={"n_params": "n params"})
-    files = write_report(df, tmp_path, where="`n params` > 0", metrics=["nc1_cdnv"], controls=[], n_perm=0)
+    options = ReportOptions(where="`n params` > 0", metrics=["nc1_cdnv"], controls=[], n_perm=0)
+    files = write_report(df, tmp_path, options).files
     text = files["report"].read_text()
     assert "(`` `n params` > 0 ``)" in text
     assert "`fig1_nc_vs_loss`, `fig2_nc2_vs_gnc2`" not in text  # only the figures drawn are listed
     assert "`fig1_nc_vs_loss`" in text and ".pdf` (fonts embedded)" in text
+
+
+# ---------------------------------------------------------------- the result: the tables it computed, the files
+
+def test_the_result_holds_the_tables_it_wrote(tmp_path):
+    """What write_report returns is what it wrote (the CLI reads no file back): every layer's rows in metrics.csv,
+    the last layer's statistics in stats.csv, the per-layer table in layers.csv, each file once."""
+    last = study(n_runs=3, per_run=4, seed=5).assign(n_layers=2, layer=2)
+    shallow = last.assign(layer=1, nc1_cdnv=last.nc1_cdnv * 3)
+    table = pd.concat([shallow, last], ignore_index=True)
+    r = write_report(table, tmp_path, ReportOptions(n_perm=20, seed=2, where="run != 'r0'"))
+    kept = table[table.run != "r0"]
+    assert r.target == "eval_loss" and len(r.selected) == (kept.layer == 2).sum() == 8
+    assert (r.selected.layer == 2).all() and len(r.metrics) == len(kept)
+    assert r.stats.loc[(r.stats.metric == "nc1_cdnv") & (r.stats.scale == "raw"), "r"].item() == pytest.approx(
+        np.corrcoef(kept[kept.layer == 2].nc1_cdnv, kept[kept.layer == 2].eval_loss)[0, 1], abs=1e-12)
+    for name, frame in (("metrics", r.metrics), ("stats", r.stats), ("layers", r.depth)):
+        assert r.files[name].read_text() == frame.to_csv(index=False), name
+    assert r.tokens is None and r.notes == [] and "tokens" not in r.files
+    assert list(r.figures) == [*FIGURES, DYNAMICS[0]] and r.figures.items() <= r.files.items()
+    assert sorted(p.name for p in r.files.values()) == sorted(p.name for p in tmp_path.iterdir() if p.suffix in
+                                                              (".csv", ".md", ".tex") or p.name.endswith(".png"))

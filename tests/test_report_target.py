@@ -11,7 +11,7 @@ from conftest import run_cli
 from test_stats import study
 
 import ncanalyze.store
-from ncanalyze.analyzer.report import write_report
+from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.store.measure import measure_store
 
 
@@ -29,19 +29,19 @@ def _r(stats: pd.DataFrame, metric: str) -> float:
 
 def test_default_target_is_val_loss_when_every_selected_checkpoint_has_it(tmp_path):
     df = _with_val_loss()
-    files = write_report(df, tmp_path / "a", metrics=["nc1_cdnv"], n_perm=0)
+    files = write_report(df, tmp_path / "a", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)).files
     assert "Target: `val_loss`" in files["report"].read_text()
     assert _r(pd.read_csv(files["stats"]), "nc1_cdnv") == pytest.approx(np.corrcoef(df.nc1_cdnv, df.val_loss)[0, 1])
 
-    files = write_report(df, tmp_path / "b", metrics=["nc1_cdnv"], n_perm=0, target="eval_loss")
+    files = write_report(df, tmp_path / "b", ReportOptions(metrics=["nc1_cdnv"], n_perm=0, target="eval_loss")).files
     assert "Target: `eval_loss`" in files["report"].read_text()
     assert _r(pd.read_csv(files["stats"]), "nc1_cdnv") == pytest.approx(np.corrcoef(df.nc1_cdnv, df.eval_loss)[0, 1])
 
     df.loc[4, "val_loss"] = np.nan  # one checkpoint without it: eval_loss, unless --where leaves it out
-    files = write_report(df, tmp_path / "c", metrics=["nc1_cdnv"], n_perm=0)
+    files = write_report(df, tmp_path / "c", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)).files
     assert "Target: `eval_loss`" in files["report"].read_text()
     where = f"not (run == {df.run[4]!r} and global_step == {df.global_step[4]})"
-    files = write_report(df, tmp_path / "d", metrics=["nc1_cdnv"], n_perm=0, where=where)
+    files = write_report(df, tmp_path / "d", ReportOptions(metrics=["nc1_cdnv"], n_perm=0, where=where)).files
     assert "Target: `val_loss`" in files["report"].read_text()
 
 

@@ -1,0 +1,21 @@
+"""Tables and figures of a study from its metrics table (one row per checkpoint): CSV, Markdown, LaTeX, and PNG,
+PDF and SVG figures.
+
+- :mod:`.options`: what a report is asked for (``ReportOptions``) and what it gives back (``ReportResult``);
+- :mod:`.write`: ``write_report``, the whole report;
+- :mod:`.tables`: the selection, the statistics' display, report.md and tables.tex;
+- :mod:`.figures`: Figures 1-4 and the depth figure; :mod:`.ticks`: their axes' limits, ticks and labels;
+- :mod:`.tokens`: the per-token table.
+"""
+from __future__ import annotations
+
+from ncanalyze.analyzer.report.figures import (DYNAMICS, FIGURES, FORMATS, LABELS, dynamics_figure, label,
+                                               save_figure, scatter_figure)
+from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
+from ncanalyze.analyzer.report.tables import default_target, select, summary
+from ncanalyze.analyzer.report.tokens import AVERAGE_TOKEN, GroupReader, TokenNote, resolve_token, token_table
+from ncanalyze.analyzer.report.write import ID_COLUMNS, write_report
+
+__all__ = ["AVERAGE_TOKEN", "DYNAMICS", "FIGURES", "FORMATS", "ID_COLUMNS", "LABELS", "GroupReader", "ReportOptions",
+           "ReportResult", "TokenNote", "default_target", "dynamics_figure", "label", "resolve_token", "save_figure",
+           "scatter_figure", "select", "summary", "token_table", "write_report"]

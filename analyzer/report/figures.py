@@ -1,0 +1,386 @@
+"""The report's figures: target against each metric (the paper's Figures 1-3), the training dynamics, the depth
+figure with ``--layers``; each saved as PNG, PDF and SVG, byte-identical from run to run."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.axis import Axis  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from ncanalyze.analyzer.depth import depth_figure  # noqa: E402
+from ncanalyze.analyzer.report.ticks import declutter, human, limits, set_ticks  # noqa: E402
+
+LABELS = {  # panel titles
+    "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV, squared distances",
+    "nc1_trace": "NC1: Tr(Σ_W Σ_B⁺)/K", "nc2_norm_cv": "NC2: equinorm (CV of norms)",
+    "nc2_lognorm_std": "NC2: std of log norms", "nc2_cos_mean": "NC2: mean cosine",
+    "nc2_cos_std": "NC2: equiangularity (std of cosines)", "nc2_etf_error": "NC2: distance to simplex ETF",
+    "gnc2_log_mean": "GNC2: mean log inverse distance", "gnc2_log_std": "GNC2: hyperspherical uniformity",
+    "nc3_cos_mean": "NC3: self-duality (mean cosine)", "unc3_cos_cv": "UNC3: uniform duality (CV of cosines)",
+    "nc3_dual_error": "NC3: distance to self-dual ETF", "nc4_agreement": "NC4: agreement with nearest class mean",
+    "eval_loss": "validation loss", "val_loss": "validation loss (measured by ncanalyze)",
+}
+FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
+    "fig1_nc_vs_loss": ("NC properties against {target}",
+                        ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")),
+    "fig2_nc2_vs_gnc2": ("Equinorm and equiangularity (NC2) and GNC2's mean log kernel against {target} "
+                         "(GNC2's hyperspherical uniformity: Fig. 1)",
+                         ("nc2_norm_cv", "nc2_cos_std", "gnc2_log_mean")),
+    "fig3_nc3_vs_unc3": ("Self-duality (NC3) against uniform duality (UNC3), both against {target}",
+                         ("nc3_cos_mean", "unc3_cos_cv")),
+}
+DYNAMICS = ("fig4_dynamics", "Training dynamics: NC properties and {target} against the training step")
+TITLES = {stem: title for stem, (title, _) in FIGURES.items()} | {DYNAMICS[0]: DYNAMICS[1]}  # by file stem
+FORMATS = ("png", "pdf", "svg")
+
+MAX_MARKED_RUNS = 10  # up to this many runs, each gets its own marker (and colour when all sizes are equal)
+MARKERS = "osD^v<>pPXh*"
+RUN_COLOURS = plt.get_cmap("tab10").colors
+_MARGINS = dict(left=0.8, right=0.25, bottom=0.65, top=0.7)  # inches; a fixed layout draws fast
+_CBAR_W = 1.35  # inches to the right of the panels for a colour bar and its label
+
+
+def label(name: str) -> str:
+    """A column's panel title (its name where it has none).
+
+    Parameters
+    ----------
+    name
+        The column.
+
+    Returns
+    -------
+    str
+    """
+    return LABELS.get(name, name)
+
+
+def _numeric(df: pd.DataFrame, column: str) -> pd.Series:
+    """A column as numbers (NaN where absent or not a number)."""
+    return pd.to_numeric(df.get(column, pd.Series(np.nan, index=df.index)), errors="coerce")
+
+
+class _Style:
+    """How checkpoints are drawn: colour by size (a log colour scale and a colour bar) when sizes differ, else by
+    run; a marker per run, and a legend of runs, when there are at most MAX_MARKED_RUNS."""
+
+    def __init__(self, df: pd.DataFrame):
+        self.runs = list(dict.fromkeys(df["run"].astype(str))) if "run" in df else ["all"]
+        sizes = _numeric(df, "n_params")
+        sizes = sizes[sizes > 0]
+        self.norm = LogNorm(sizes.min(), sizes.max()) if sizes.nunique() > 1 else None
+        self.size_note = f"all {human(sizes.iloc[0])} parameters" if sizes.nunique() == 1 else None
+        self.marked = len(self.runs) <= MAX_MARKED_RUNS
+        self.cmap = plt.get_cmap("viridis")
+
+    def groups(self, d: pd.DataFrame) -> Iterator[tuple]:
+        """(run, its rows in step order, marker, colour or colours, line colour) for each run present in ``d``."""
+        key = d["run"].astype(str) if "run" in d else pd.Series("all", index=d.index)
+        order = "step" if "step" in d else None
+        for i, run in enumerate(self.runs):
+            g = d[key == run]
+            if g.empty:
+                continue
+            if order:
+                g = g.sort_values(order)
+            marker = MARKERS[i % len(MARKERS)] if self.marked else "o"
+            if self.norm is not None:
+                colour = self.cmap(self.norm(g["c"].to_numpy(float)))
+                line = self.cmap(self.norm(float(g["c"].iloc[0]))) if g["c"].notna().any() else "0.5"
+            else:
+                colour = line = RUN_COLOURS[i % len(RUN_COLOURS)] if self.marked else "tab:blue"
+            yield run, g, marker, colour, line
+
+    def legend_rows(self) -> int:
+        return math.ceil(len(self.runs) / self.legend_cols()) if self.marked else 0
+
+    def legend_cols(self) -> int:
+        return min(len(self.runs), 5)
+
+    def finish(self, fig: Figure, w: float, h: float, margins: dict) -> list[Axis]:
+        """The colour bar (sizes differ) or a note of the one size, and the legend of runs; returns the Axis
+        objects whose ticks were set (the colour bar's)."""
+        out = []
+        if self.norm is not None:
+            cax = fig.add_axes((1 - (_CBAR_W - 0.25) / w, margins["bottom"] / h, 0.15 / w,
+                                1 - (margins["bottom"] + margins["top"]) / h))
+            cb = fig.colorbar(plt.cm.ScalarMappable(self.norm, self.cmap), cax=cax)
+            cb.set_label("parameters (log scale)")
+            set_ticks(cb.ax.yaxis, self.norm.vmin, self.norm.vmax, True, human)
+            out.append(cb.ax.yaxis)
+        if self.marked:
+            neutral = self.norm is not None
+            handles = [Line2D([], [], ls="-", lw=0.8, marker=MARKERS[i % len(MARKERS)], ms=6,
+                              color="0.35" if neutral else RUN_COLOURS[i % len(RUN_COLOURS)],
+                              mec="black", mew=0.3) for i in range(len(self.runs))]
+            fig.legend(handles, self.runs, loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
+                       title="runs" + (f" ({self.size_note})" if self.size_note else ""), title_fontsize=8,
+                       bbox_to_anchor=(0.5, 0.0))
+        elif self.size_note:
+            fig.text(0.99, 0.01, self.size_note, ha="right", va="bottom", fontsize=8)
+        return out
+
+
+def _frame(k: int, style: _Style, panel_w: float = 3.9, gap: float = 0.15, sharey: bool = True):
+    """A figure of k panels in a row, with the fixed margins, room for a colour bar and the legend of runs."""
+    m = dict(_MARGINS)
+    m["right"] += _CBAR_W if style.norm is not None else 0.0
+    m["bottom"] += 0.18 * (style.legend_rows() + 1) + 0.1 if style.marked else 0.0
+    w = panel_w * k + gap * (k - 1) + m["left"] + m["right"]
+    h = 4.0 - 0.65 + m["bottom"]
+    fig, axes = plt.subplots(1, k, figsize=(w, h), sharey=sharey, squeeze=False)
+    fig.subplots_adjust(left=m["left"] / w, right=1 - m["right"] / w, bottom=m["bottom"] / h, top=1 - m["top"] / h,
+                        wspace=gap * k / (w - m["left"] - m["right"] - gap * (k - 1)))
+    return fig, axes[0], w, h, m
+
+
+def _log_scale(values: pd.Series, m: str, stats: pd.DataFrame | None) -> bool:
+    """A log axis for a positive metric, unless its statistics found it not positive."""
+    if not (values > 0).all():
+        return False
+    if stats is None or m not in set(stats.metric):
+        return True
+    st = stats[(stats.metric == m) & (stats.scale == "log")]
+    return st.empty or "not positive" not in str(st.note.iloc[0])
+
+
+def _no_values(ax, m: str) -> None:
+    ax.text(0.5, 0.5, f"{m}:\nno values", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+
+
+def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style, log: bool) -> None:
+    """One metric's panel: each run's checkpoints joined in step order, the points, the least-squares line and R²."""
+    if log:
+        ax.set_xscale("log")
+    points = []
+    for run, g, marker, colour, line in style.groups(d):
+        if len(g) > 1:
+            ax.plot(g.x, g.y, "-", lw=0.6, color=line, alpha=0.6, zorder=1)
+        points.append((g, marker, [colour] if isinstance(colour, tuple | str) else list(colour)))
+    if not style.marked:  # one marker for all: one collection draws much faster than one per run
+        points = [(pd.concat([g for g, _, _ in points]), "o", [c for _, _, cs in points for c in cs])]
+    for g, marker, colours in points:
+        ax.scatter(g.x, g.y, s=26, marker=marker, c=colours, edgecolors="black", linewidths=0.3, zorder=2)
+    s = st.loc["log" if log else "raw"]
+    if np.isfinite(s.r):
+        u = np.log10(d.x) if log else d.x
+        slope, icept = np.polyfit(u, d.y, 1)
+        grid = np.linspace(u.min(), u.max(), 50)
+        ax.plot(10 ** grid if log else grid, icept + slope * grid, "--", color="crimson", zorder=3,
+                label=f"fit: $R^2$ = {s.r2:.2f} (n = {s.n})")
+    else:
+        ax.plot([], [], " ", label=f"$R^2$: n/a (n = {s.n})")
+    ax.legend(loc="best", fontsize=8, framealpha=0.85)
+    ax.set_xlabel(m + (" (log scale)" if log else ""))
+    set_ticks(ax.xaxis, *limits(d.x, log), log)
+    ax.grid(alpha=0.3, which="major")
+
+
+def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame, title: str) -> Figure:
+    """One panel per metric: the target against the metric.
+
+    A log axis where the metric is positive, each run's checkpoints joined by a thin line in step order, coloured
+    by n_params on a log colour scale (by run when all sizes are equal), a marker per run and a legend of runs when
+    they are few; the least-squares line with its R².
+
+    Parameters
+    ----------
+    df
+        The checkpoints (one row each).
+    metrics
+        The metric columns, one panel each.
+    target
+        The target column (the shared y axis).
+    stats
+        :func:`ncanalyze.analyzer.stats.correlations` of ``df`` (the R² and the log scale of each metric).
+    title
+        The figure's title.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    style = _Style(df)
+    fig, axes, w, h, margins = _frame(len(metrics), style)
+    sizes, step = _numeric(df, "n_params"), _numeric(df, "global_step")
+    y_all = pd.to_numeric(df[target], errors="coerce").replace([np.inf, -np.inf], np.nan).dropna()
+    ticked = []
+    for ax, m in zip(axes, metrics):
+        st = stats[(stats.metric == m)].set_index("scale") if m in set(stats.metric) else None
+        ax.set_title(label(m), fontsize=10)
+        d = pd.DataFrame({"x": pd.to_numeric(df[m], errors="coerce"), "y": pd.to_numeric(df[target], errors="coerce"),
+                          "c": sizes, "step": step, "run": df["run"] if "run" in df else "all"})
+        d = d.replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
+        if st is None or d.empty:
+            _no_values(ax, m)
+            continue
+        _scatter_panel(ax, d, m, st, style, _log_scale(d.x, m, stats))
+        ticked.append(ax.xaxis)
+    if not y_all.empty:
+        set_ticks(axes[0].yaxis, *limits(y_all, False), False)
+        ticked.append(axes[0].yaxis)
+    axes[0].set_ylabel(label(target))
+    ticked += style.finish(fig, w, h, margins)
+    fig.suptitle(title)
+    declutter(fig, ticked)
+    return fig
+
+
+def dynamics_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame | None,
+                    title: str) -> Figure:
+    """One panel per metric and one for the target, each against global_step.
+
+    The step on a log axis (global_step + 1 when a checkpoint is at step 0), one line per run in step order,
+    coloured by size (by run when sizes are equal).
+
+    Parameters
+    ----------
+    df
+        The checkpoints (one row each), with a global_step column.
+    metrics
+        The metric columns, one panel each.
+    target
+        The target column (the last panel).
+    stats
+        The correlations of ``df`` (whether a metric is drawn on a log axis), or None.
+    title
+        The figure's title.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    style = _Style(df)
+    columns = list(metrics) + [target]
+    fig, axes, w, h, margins = _frame(len(columns), style, panel_w=3.3, gap=0.8, sharey=False)
+    step = pd.to_numeric(df["global_step"], errors="coerce")
+    shift = 1 if (step == 0).any() else 0
+    sizes = _numeric(df, "n_params")
+    ticked = []
+    for ax, m in zip(axes, columns):
+        ax.set_title(label(m), fontsize=10)
+        d = pd.DataFrame({"x": step + shift, "y": pd.to_numeric(df[m], errors="coerce"), "c": sizes, "step": step,
+                          "run": df["run"] if "run" in df else "all"})
+        d = d.replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
+        d = d[d.x > 0]
+        if d.empty:
+            _no_values(ax, m)
+            continue
+        ax.set_xscale("log")
+        ylog = m != target and _log_scale(d.y, m, stats)
+        if ylog:
+            ax.set_yscale("log")
+        for run, g, marker, colour, line in style.groups(d):
+            ax.plot(g.x, g.y, "-", lw=1.0, color=line, marker=marker, ms=4.5, mec="black", mew=0.3, label=run,
+                    gid=f"run:{run}")
+        ax.set_xlabel("global step" + (" + 1" if shift else "") + " (log scale)")
+        set_ticks(ax.xaxis, *limits(d.x, True), True)
+        set_ticks(ax.yaxis, *limits(d.y, ylog), ylog)
+        ticked += [ax.xaxis, ax.yaxis]
+        ax.grid(alpha=0.3, which="major")
+    ticked += style.finish(fig, w, h, margins)
+    fig.suptitle(title)
+    declutter(fig, ticked)
+    return fig
+
+
+def save_figure(fig: Figure, out: Path, stem: str) -> Path:
+    """Save a figure as PNG (150 dpi), PDF with embedded TrueType fonts (fonttype 42) and SVG, byte-identical from
+    run to run (no dates, fixed SVG ids), and close it.
+
+    Parameters
+    ----------
+    fig
+        The figure.
+    out
+        The folder.
+    stem
+        The file name without its extension.
+
+    Returns
+    -------
+    Path
+        The PNG's path.
+    """
+    undated = {"png": None, "pdf": {"CreationDate": None}, "svg": {"Date": None}}
+    with plt.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42, "svg.hashsalt": "ncanalyze"}):
+        for ext in FORMATS:
+            fig.savefig(out / f"{stem}.{ext}", dpi=150 if ext == "png" else "figure", metadata=undated[ext])
+    plt.close(fig)
+    return out / f"{stem}.png"
+
+
+def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame,
+                 out: Path) -> dict[str, Path]:
+    """Figures 1-3 with the chosen metrics each shows, and the training dynamics when the checkpoints span two
+    steps or more.
+
+    Parameters
+    ----------
+    sel
+        The selected checkpoints (their last layer).
+    metrics
+        The metrics of the report (a figure shows those of its own that are among them; a figure with none is left
+        out).
+    target
+        The target column.
+    stats
+        The correlations of ``sel``.
+    out
+        The folder the figures are saved in (:func:`save_figure`).
+
+    Returns
+    -------
+    dict of str to Path
+        Each figure's PNG by file stem, in the order drawn.
+    """
+    figures = {}
+    for stem, (title, fig_metrics) in FIGURES.items():
+        shown = [m for m in fig_metrics if m in metrics]
+        if shown:
+            fig = scatter_figure(sel, shown, target, stats, title.format(target=label(target)))
+            figures[stem] = save_figure(fig, out, stem)
+    shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics]
+    if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").nunique() >= 2:  # else no dynamics
+        stem, title = DYNAMICS
+        fig = dynamics_figure(sel, shown, target, stats, title.format(target=label(target)))
+        figures[stem] = save_figure(fig, out, stem)
+    return figures
+
+
+def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict[str, Path]:
+    """With more than one layer in the table: the depth figure (depth.png) and the per-layer table (layers.csv).
+
+    Parameters
+    ----------
+    df
+        The selected rows of every layer.
+    table
+        Their :func:`ncanalyze.analyzer.depth.depth_table`, or None without layers.
+    out
+        The folder.
+
+    Returns
+    -------
+    dict of str to Path
+        ``depth`` and ``layers`` by name; empty without layers.
+    """
+    if table is None:
+        return {}
+    files = {"depth": out / "depth.png", "layers": out / "layers.csv"}
+    fig = depth_figure(df, labels=LABELS)
+    fig.savefig(files["depth"], dpi=150)
+    plt.close(fig)
+    table.to_csv(files["layers"], index=False)
+    return files

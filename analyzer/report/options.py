@@ -1,0 +1,85 @@
+"""What a report is asked for (:class:`ReportOptions`) and what it computed and wrote (:class:`ReportResult`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from ncanalyze.analyzer.stats import CONTROLS, METRICS
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """The choices of a report (the flags of ``ncanalyze report``).
+
+    Parameters
+    ----------
+    metrics
+        The metric columns tested and drawn (``--metrics``).
+    target
+        The column they are correlated with (``--target``); None: ``val_loss`` where every selected checkpoint has
+        it, else ``eval_loss``.
+    controls
+        Expressions over the columns held fixed by the partial correlation (``--controls``).
+    where
+        A condition selecting the checkpoints (``--where``); None: all.
+    n_perm
+        Permutations per p-value (``--permutations``; 0: none).
+    seed
+        Seed of the permutations (``--seed``).
+    store
+        The data's source, named in report.md; None for a metrics table without a store.
+    tokens
+        Tokens (strings as decoded, or ids) of the per-token table (``--tokens``); empty: no table.
+    checkpoints
+        ``run/checkpoint`` groups of the per-token table (``--checkpoint``); empty: each selected run's latest.
+    """
+
+    metrics: Sequence[str] = METRICS
+    target: str | None = None
+    controls: Sequence[str] = CONTROLS
+    where: str | None = None
+    n_perm: int = 10_000
+    seed: int | None = 0
+    store: str | Path | None = None
+    tokens: Sequence[str] = ()
+    checkpoints: Sequence[str] = ()
+
+
+@dataclass
+class ReportResult:
+    """What a report computed and the files it wrote.
+
+    Parameters
+    ----------
+    metrics
+        The selected rows of every layer, identity columns first (metrics.csv).
+    selected
+        Their last layer: the checkpoints the statistics, Figures 1-4 and the token table use.
+    target
+        The target the metrics were correlated with (the default resolved).
+    stats
+        :func:`ncanalyze.analyzer.stats.correlations` with Holm's adjustment (stats.csv).
+    tokens
+        The per-token table (tokens.csv), or None without tokens.
+    depth
+        The per-layer table (layers.csv), or None with one layer.
+    notes
+        Tokens resolved other than as written or given twice (also in report.md).
+    figures
+        Each figure's PNG by file stem (its PDF and SVG beside it).
+    files
+        Every file written by name: metrics, stats, [tokens], the figures, [depth, layers], report, tex.
+    """
+
+    metrics: pd.DataFrame
+    selected: pd.DataFrame
+    target: str
+    stats: pd.DataFrame
+    tokens: pd.DataFrame | None = None
+    depth: pd.DataFrame | None = None
+    notes: list[str] = field(default_factory=list)
+    figures: dict[str, Path] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)
