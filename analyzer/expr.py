@@ -292,7 +292,17 @@ def evaluate(expr: str, df: pd.DataFrame, what: str = "expression"):
         problem = f"cannot be evaluated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     except (RecursionError, MemoryError):
         problem = f"nested deeper than the limit of {MAX_DEPTH} levels: simplify it"
-    raise UserError(f"{what} {_shown(expr)}: {problem}; columns: {', '.join(map(str, df.columns))}")
+    raise UserError(f"{what} {_shown(expr)}: {problem}; {_columns(df)}")
+
+
+def _columns(df: pd.DataFrame, most: int = 300) -> str:
+    """``columns: a, b, ...`` for a message, cut after ``most`` characters (the count of the rest said)."""
+    names, shown = [str(c) for c in df.columns], ""
+    for i, name in enumerate(names):
+        if len(shown) + len(name) > most:
+            return f"columns: {shown} ... and {len(names) - i} more"
+        shown += (", " if shown else "") + name
+    return f"columns: {shown}"
 
 
 def _shown(expr: str, most: int = 120) -> str:
@@ -306,12 +316,12 @@ def condition(expr: str, df: pd.DataFrame, what: str = "--where") -> pd.Series:
     if not isinstance(v, pd.Series):
         if isinstance(v, bool | np.bool_):
             return pd.Series(bool(v), index=df.index)
-        raise UserError(f"{what} {_shown(expr)}: not a condition (it gives {v!r}); columns: {', '.join(df.columns)}")
+        raise UserError(f"{what} {_shown(expr)}: not a condition (it gives {v!r}); {_columns(df)}")
     if v.dtype != bool:
         if v.dtype == object and v.map(lambda x: isinstance(x, bool | np.bool_) or x is None or x is pd.NA).all():
             return v.fillna(False).astype(bool)
         if str(v.dtype) == "boolean":
             return v.fillna(False).astype(bool)
-        raise UserError(f"{what} {_shown(expr)}: not a condition (it gives {v.dtype} values, not True/False); columns: "
-                        f"{', '.join(map(str, df.columns))}")
+        raise UserError(f"{what} {_shown(expr)}: not a condition (it gives {v.dtype} values, not True/False); "
+                        f"{_columns(df)}")
     return v
