@@ -25,8 +25,9 @@ from ncanalyze.store.discover import Checkpoint, discover, training_metadata
 from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
 from ncanalyze.store.load import (decoded_tokens, default_block_size, find_tokenizer, head, load_config, load_model,
                                   n_layers, resolve_device, weights_fingerprint)
-from ncanalyze.store.loss import LogitTransform, loss_attrs
-from ncanalyze.store.passes import Extraction, train_pass, val_pass
+from ncanalyze.store.loss import loss_attrs
+from ncanalyze.store.passes import run_passes
+from ncanalyze.store.running import Extraction
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.resume import (DeferredInterrupt, Phase, Saver, drop_state, load_state, partial_dir, prune, record_of,
                                     state_path)
@@ -112,15 +113,14 @@ def _open(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractCon
                                                          cfg.keep_linebreaks))
 
 
-def _resume(ex: Extraction | layers.Layered, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
+def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
             train: Blocks, val: Blocks | None, group: str) -> str:
     """Load the saved state into ``ex`` if there is one for this configuration: 'resumed', else 'done' (a fresh
     start). A state under another configuration, or unreadable, or inconsistent, is refused unless ``overwrite``
     (or ``restart``) discards it."""
     if restart or not spath.exists():
         drop_state(spath)
-        if isinstance(ex, layers.Layered):
-            ex.start()
+        ex.start()
         return "done"
     try:
         arrays = load_state(spath)
@@ -129,11 +129,8 @@ def _resume(ex: Extraction | layers.Layered, spath: Path, record: dict, overwrit
             raise UserError(f"an interrupted extraction of {group} used another configuration "
                             f"({_differences(old, record)}); rerun with the same options to resume it, "
                             "or pass --overwrite to start again")
-        if isinstance(ex, layers.Layered):
-            ex.start(arrays)
-        else:
-            blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
-            ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
+        blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
+        ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
     except UserError as e:
         if not overwrite:
             raise
@@ -156,8 +153,8 @@ def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> tuple:
     return device, config, block_size, val_spec, val_split, record
 
 
-def layer_plan(cfg: ExtractConfig, config) -> layers.Plan | None:
-    """The layers to extract and how (None: the last layer only, the default path)."""
+def layer_plan(cfg: ExtractConfig, config) -> layers.Plan:
+    """The layers to extract and how (the default: the last layer only)."""
     return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n_layers(config))
 
 
@@ -201,35 +198,18 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
                                                   block_size, config, tokenizer, store)
         if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
             announce(model, loaded, train, val, plan)
-        if plan is None:
-            ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
-        else:
-            ex = layers.Layered(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, layers.stage(spath))
+        ex = Extraction(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, layers.stage(spath))
         status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
         saver = Saver(spath, lambda: ex.state(record), cfg.state_every, interrupt)
-        if plan is not None:
-            ex.run(model, train, lambda: val, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
-        if ex.phase == Phase.TRAIN:
-            train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
-            if not (ex.stats.count >= cfg.min_count).any():
-                raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most "
-                                f"is {int(ex.stats.count.max())}): lower --min-count")
-            ex.next_phase(Phase.VALIDATION)
-            saver.maybe(force=True)
-        transform = LogitTransform.of(model.config) if plan is None else ex.transform
-        if ex.phase == Phase.VALIDATION:
-            if val is not None:
-                transform = val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver,
-                                     ckpt.group)
-            ex.next_phase(Phase.DONE)
-        main = ex if plan is None else ex.main()
+        run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
+        main = ex.main()
         attrs = {
             "run": ckpt.run, "tag": cfg.tag, "checkpoint": ckpt.name, **training_metadata(ckpt),
             "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
             "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
             "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
             "val_tokens": int(main.val["val_count"].sum()),
-            **loss_attrs(main.lm, transform), "min_count": cfg.min_count, "block_size": block_size,
+            **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": block_size,
             "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
             "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
             "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
@@ -237,14 +217,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
             **(extra_attrs or {}),
         }
         tokens_ = decoded_tokens(tokenizer, classifier.shape[0])
-        if plan is None:
-            io.write_checkpoint(store, ckpt.group, ex.dataset(classifier, bias, tokens_, attrs),
-                                spath.with_suffix(".zarr"))
-        else:
-            norm = layers.final_norm(model)
-            ds, others = ex.datasets(classifier, bias, tokens_, attrs, norm and norm[0])
-            io.write_checkpoint(store, ckpt.group, ds, spath.with_suffix(".zarr"), layers=others)
-            ex.cleanup()
+        norm = layers.final_norm(model)
+        ds, others = ex.datasets(classifier, bias, tokens_, attrs, norm and norm[0])
+        io.write_checkpoint(store, ckpt.group, ds, spath.with_suffix(".zarr"), layers=others)
+        ex.cleanup()
         drop_state(spath)
         return status
 
