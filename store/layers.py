@@ -16,6 +16,9 @@ layer is the head as it is (so NC3 there is the duality of the head's rows with 
 ``--save-embeddings N`` keeps the first N labelled train positions' features of every stored layer, staged as .npy
 files in the resume folder during the train pass (so a resume keeps them) and written as the chunked variable
 ``embeddings (position, hidden)`` with ``label (position)`` when the checkpoint is done.
+
+The default extraction is the plan of the last layer alone: the same running state (running.py) and passes
+(passes.py) serve both.
 """
 from __future__ import annotations
 
@@ -38,8 +41,17 @@ EMBEDDING_DTYPES = ("float32", "float16", "float64")
 
 
 def resolve_layers(spec: str, n: int | None) -> list[int]:
-    """``last``, ``all`` or comma-separated indices (negative from the end) as sorted indices into hidden_states
-    (0..n)."""
+    """``last``, ``all`` or comma-separated indices (negative from the end) as sorted indices into hidden_states.
+
+    Parameters
+    ----------
+    spec : the ``--layers`` value.
+    n : the model's number of blocks (hidden_states 0..n), or None where its config does not say.
+
+    Returns
+    -------
+    list of int : sorted, distinct indices (``[-1]`` for ``last`` when ``n`` is None).
+    """
     spec = str(spec).strip().lower()
     if spec == "last":
         return [n] if n is not None else [-1]
@@ -110,7 +122,17 @@ def plan(layers: str = "last", layers_per_pass: int | None = None, save_embeddin
 
 
 def final_norm(model) -> tuple[str, torch.nn.Module] | None:
-    """(its path on the base model, the module) of the model's final norm, or None if none is known."""
+    """The model's final norm (the logit lens below the last layer).
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+
+    Returns
+    -------
+    (path, module) or None : its path on the base model (one of :data:`FINAL_NORMS`) and the module; None if none
+    is known.
+    """
     for path in FINAL_NORMS:
         m = model.base_model
         for part in path.split("."):
@@ -163,7 +185,13 @@ class Embeddings:
 
 def record_layers(record: dict, plan_: Plan | None) -> None:
     """The configuration record names the layers resolved (indices), and not at all for the last layer alone, so
-    ``--layers -1`` hashes as the default and ``all`` as its indices."""
+    ``--layers -1`` hashes as the default and ``all`` as its indices.
+
+    Parameters
+    ----------
+    record : the configuration record (changed in place).
+    plan_ : the extraction's plan.
+    """
     if plan_ is None or plan_.layers == (plan_.last,):
         record.pop("layers", None)
     else:
@@ -171,5 +199,14 @@ def record_layers(record: dict, plan_: Plan | None) -> None:
 
 
 def stage(state_file: Path) -> Path:
-    """The folder beside a checkpoint's resume state for its finished layers and staged embeddings."""
+    """The folder beside a checkpoint's resume state for its finished layers and staged embeddings.
+
+    Parameters
+    ----------
+    state_file : the checkpoint's resume state (``<store>.partial/<run>/<checkpoint>.npz``).
+
+    Returns
+    -------
+    Path : ``<checkpoint>.layers`` beside it.
+    """
     return state_file.with_name(state_file.stem + ".layers")

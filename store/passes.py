@@ -31,13 +31,34 @@ log = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def features(model, ids: torch.Tensor) -> torch.Tensor:
-    """Last hidden state after the final norm, at every position but the last: (b, L-1, d)."""
+    """The last layer's features.
+
+    Parameters
+    ----------
+    model : a transformers causal LM (only its base model runs: no logits are formed).
+    ids : token ids, b x L.
+
+    Returns
+    -------
+    Tensor : the last hidden state after the final norm, at every position but the last: (b, L-1, d).
+    """
     return model.base_model(input_ids=ids).last_hidden_state[:, :-1]
 
 
 def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """ids (b x L) -> the chosen layers' features at every position but the last, stacked: (k, b, L-1, d). The last
-    layer is ``last_hidden_state``; with only the last layer asked, no hidden states are formed."""
+    """The forward pass of a pass's layers. The last layer is ``last_hidden_state``; with only the last layer asked
+    (the default plan), no hidden states are formed.
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+    layers : the pass's layers, indices into hidden_states.
+    last : the last layer's index.
+
+    Returns
+    -------
+    callable : ids (b x L) -> the layers' features at every position but the last, stacked: (k, b, L-1, d).
+    """
     if layers == (last,):
         return lambda ids: features(model, ids)[None]
 
@@ -49,6 +70,14 @@ def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch
 
 
 def check_ids(batch: np.ndarray, vocab: int, spec: str) -> None:
+    """A UserError naming the data if a token id of ``batch`` is outside the model's vocabulary ``0..vocab - 1``.
+
+    Parameters
+    ----------
+    batch : token ids.
+    vocab : the model's vocabulary size.
+    spec : the data, as the user named it.
+    """
     lo, hi = int(batch.min()), int(batch.max())
     if lo < 0 or hi >= vocab:
         raise UserError(f"token id {hi if hi >= vocab else lo} in {spec} is outside the model's vocabulary "
@@ -66,7 +95,17 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
                    forward=None) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
     """(features k x n x d, labels n, the batch of blocks) for every batch not yet done; after each is consumed it
     counts as done and the state may be saved. ``forward(ids)`` (default: :func:`hidden_forward` of the pass's layers)
-    gives the features (its leading dimensions before (b, L-1, d) are kept)."""
+    gives the features (its leading dimensions before (b, L-1, d) are kept).
+
+    Parameters
+    ----------
+    model, blocks, ex, batch_size, saver, desc : as :func:`train_pass`.
+    forward : ids -> features, as :func:`hidden_forward` gives.
+
+    Returns
+    -------
+    iterator of (Tensor, Tensor, ndarray) : features (k x n x d), labels (n) and the batch of blocks.
+    """
     vocab, device = ex.vocab, ex.device
     forward = forward or hidden_forward(model, tuple(ex.layers), ex.plan.last)
     total = blocks.total and -(-blocks.total // batch_size)

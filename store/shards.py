@@ -132,7 +132,8 @@ def finish(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, 
     ``extract_checkpoint`` resume from it; 'done' ('resumed' when run again after its worker died in the validation
     pass, 'skipped' if another writer finished it meanwhile)."""
     *_, record = resolve(ckpt, cfg)
-    count = merged["stats.count"]
+    stats, reservoir = _objects(merged, cfg.samples_per_class, cfg.seed)
+    count = stats.count
     if not (count >= cfg.min_count).any():
         raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most is "
                         f"{int(count.max())}): lower --min-count")
@@ -145,7 +146,6 @@ def finish(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, 
         # other): resume it rather than start the validation pass again
         resumed = spath.exists()
         if not resumed:
-            stats, reservoir = _objects(merged, cfg.samples_per_class, cfg.seed)
             ex = Extraction(layers.plan(), *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
             ex.main().stats, ex.main().reservoir = stats, reservoir
             ex.next_phase(Phase.VALIDATION)
