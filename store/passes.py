@@ -159,7 +159,7 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
             s.reservoir.update(h[i], labels, pos)
         if ex.embeddings is not None:
             ex.embeddings.write(first * (L - 1), dict(zip(ex.layers, h)), y, pos)
-    if next(iter(ex.layers.values())).stats.count.sum() == 0:
+    if ex.first().stats.count.sum() == 0:
         raise UserError(f"{blocks.spec} holds no full block of {L} tokens: the dataset is empty or shorter than "
                         "--block-size")
 
@@ -214,7 +214,7 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     if norm is None and any(l != ex.plan.last for l in ex.layers):
         raise UserError(f"NC4 at layers other than the last needs the model's final norm, and none of "
                         f"{', '.join(FINAL_NORMS)} is on this model; pass --max-val-tokens 0 or --layers last")
-    kept = torch.nonzero(next(iter(ex.layers.values())).stats.count >= min_count).squeeze(1)
+    kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
     shared = kept_head(classifier, bias, kept)  # one float64 copy of the kept rows for every layer
     counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=shared,
                              lens=None if l == ex.plan.last else norm[1]) for l, s in ex.layers.items()]
@@ -252,7 +252,7 @@ def run_passes(model, train: Blocks, val: Blocks | None, ex: Extraction, classif
         tag = f"{desc} layers {','.join(map(str, layers))}" if len(ex.plan.passes) > 1 else desc
         if ex.phase == Phase.TRAIN:
             train_pass(model, train, ex, batch_size, saver, tag)
-            count = next(iter(ex.layers.values())).stats.count
+            count = ex.first().stats.count
             if not (count >= min_count).any():
                 raise UserError(f"no class has --min-count {min_count} train tokens in {desc} (the most is "
                                 f"{int(count.max())}): lower --min-count")

@@ -93,6 +93,10 @@ class Extraction:
     def _fresh(self) -> dict[int, LayerState]:
         return {l: LayerState(*self.args, self.device) for l in self.plan.passes[self.pass_index]}
 
+    def first(self) -> LayerState:
+        """A layer of the current pass: every layer sees the same tokens, so its counts are every layer's."""
+        return next(iter(self.layers.values()))
+
     def main(self) -> LayerState:
         """The last layer's state (the checkpoint group's), once its pass has run."""
         return self.layers[self.plan.last]
