@@ -1,10 +1,39 @@
-"""Exact streaming per-class statistics (float64), merged batch by batch with Chan's parallel formula."""
+"""Exact streaming per-class statistics (float64), merged batch by batch with Chan's parallel formula, NC4's decision
+counts, and the contract every running summary of the extraction keeps (:class:`Accumulator`)."""
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+log = logging.getLogger(__name__)
 
-class ClassStats:
+
+@runtime_checkable
+class Accumulator(Protocol):
+    """A running summary of a stream, exact under any split: ``update`` folds in a batch, ``merge`` folds in the
+    summary of another part of the stream (disjoint tokens), and ``state_dict`` / ``load_state_dict`` give and take
+    its arrays by name (flat names; nested summaries are flattened once, by ``ncanalyze.store.resume.flatten``).
+
+    Merging the parts of a split stream, in any order, equals one pass over it (float64 sums to rounding, counts and
+    samples exactly): ``tests/test_accumulators.py`` holds every implementation to it."""
+
+    def update(self, *batch: Any) -> None:
+        """Fold in one batch."""
+
+    def merge(self, other: Any) -> Any:
+        """Fold in ``other``'s summary of another part of the stream; returns self."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The arrays that make up the summary, by name (the live arrays, not copies)."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the arrays of a :meth:`state_dict` (copied in place)."""
+
+
+class ClassStats(Accumulator):
     """Running per-class count, mean, squared deviation (M2) and pooled within-class scatter.
 
     ``update(h, y)`` folds in a batch of features ``h`` (n x d) with labels ``y`` (n); only the classes
@@ -88,37 +117,82 @@ class ClassStats:
             getattr(self, k).copy_(torch.as_tensor(v))
 
 
-class DecisionCounts:
+def kept_head(classifier: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """The head's rows of the kept classes in float64, and their bias (zeros without one), on ``kept``'s device.
+
+    Parameters
+    ----------
+    classifier, bias : the output layer's weight (vocab x d) and bias (vocab) or None.
+    kept : the kept classes' indices.
+
+    Returns
+    -------
+    (w, b) : the kept rows (|kept| x d) and their bias (|kept|), float64.
+    """
+    device = kept.device
+    w = classifier.to(device, torch.float64)[kept]
+    b = (bias.to(device, torch.float64)[kept] if bias is not None
+         else torch.zeros(len(kept), dtype=torch.float64, device=device))
+    return w, b
+
+
+class DecisionCounts(Accumulator):
     """NC4's counts per true class, over the kept classes ``kept`` (float64): ``val_count`` tokens,
-    ``val_correct`` hits of the linear argmax_c (w_c . h + b_c), and ``val_ncc_agree`` tokens where that
+    ``val_correct`` hits of the linear argmax_c (w_c . z + b_c), and ``val_ncc_agree`` tokens where that
     argmax equals the nearest-class-mean decision argmin_c ||h - mu_c||^2 = argmax_c (mu_c . h - ||mu_c||^2 / 2).
 
-    Scores are formed for at most ``budget`` (token, class) cells at a time; ``counts`` may be given to
-    continue from earlier counts (updated in place).
+    ``z`` is ``h`` itself, or ``lens(h)`` with a ``lens`` (the logit lens at an earlier layer: the model's final norm);
+    the nearest class mean always reads the raw ``h`` and ``mean``. Scores are formed for at most ``budget``
+    (token, class) cells at a time; ``counts`` may be given to continue from earlier counts (updated in place);
+    ``head`` (:func:`kept_head`'s ``(w, b)``) may be given to share one float64 copy of the head between layers.
     """
 
     NAMES = ("val_count", "val_correct", "val_ncc_agree")
 
     def __init__(self, classifier: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor, kept: torch.Tensor,
-                 counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25):
+                 counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25,
+                 lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 head: tuple[torch.Tensor, torch.Tensor] | None = None):
         device = mean.device
         self.kept = kept.to(device)
-        self.w = classifier.to(device, torch.float64)[self.kept]
-        self.b = (bias.to(device, torch.float64)[self.kept] if bias is not None
-                  else torch.zeros(len(self.kept), dtype=torch.float64, device=device))
+        self.w, self.b = head if head is not None else kept_head(classifier, bias, self.kept)
         self.mu = mean.to(torch.float64)[self.kept]
         self.half_sq = 0.5 * (self.mu * self.mu).sum(1)
-        self.counts = counts or {n: torch.zeros(classifier.shape[0], dtype=torch.int64, device=device)
-                                 for n in self.NAMES}
+        self.counts = counts or self.zeros(classifier.shape[0], device)
+        self.lens = lens
         self.chunk = max(1, budget // max(1, len(self.kept)))
 
+    @classmethod
+    def zeros(cls, vocab: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Fresh counts: each of :attr:`NAMES` a zero int64 vector of ``vocab``."""
+        return {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in cls.NAMES}
+
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        z = None
+        if self.lens is not None:
+            with torch.inference_mode():
+                z = self.lens(h).to(self.mu.device, torch.float64)
         h, y = h.to(self.mu.device, torch.float64), y.to(self.mu.device, torch.int64)
+        z = h if z is None else z
         vocab = self.counts["val_count"].shape[0]
         for s in range(0, len(y), self.chunk):
-            hc, yc = h[s:s + self.chunk], y[s:s + self.chunk]
-            linear = self.kept[(hc @ self.w.T + self.b).argmax(1)]
+            hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
+            linear = self.kept[(zc @ self.w.T + self.b).argmax(1)]
             ncc = self.kept[(hc @ self.mu.T - self.half_sq).argmax(1)]
             self.counts["val_count"] += torch.bincount(yc, minlength=vocab)
             self.counts["val_correct"] += torch.bincount(yc[linear == yc], minlength=vocab)
             self.counts["val_ncc_agree"] += torch.bincount(yc[linear == ncc], minlength=vocab)
+
+    def merge(self, other: "DecisionCounts") -> "DecisionCounts":
+        """Add the counts of another part of the stream (counted with the same head, means and kept classes)."""
+        for n in self.NAMES:
+            self.counts[n] += other.counts[n].to(self.counts[n].device)
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.counts
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for n in self.NAMES:
+            self.counts[n].copy_(torch.as_tensor(state[n]))

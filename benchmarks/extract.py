@@ -28,8 +28,10 @@ import torch
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 from ncanalyze.store.data import open_blocks
-from ncanalyze.store.passes import Extraction, train_pass
+from ncanalyze.store.layers import plan
+from ncanalyze.store.passes import train_pass
 from ncanalyze.store.resume import Saver
+from ncanalyze.store.running import Extraction, LayerState
 from ncanalyze.store.shards import _arrays, merge_states
 
 
@@ -81,8 +83,8 @@ def main() -> None:
 
         batches = [torch.from_numpy(b).to(device) for b in blocks(args.long).batches(args.batch_size)]
         saver = Saver(Path(tmp) / "state.npz", dict, every=float("inf"))
-        other = _arrays(Extraction(args.vocab, args.width, args.samples_per_class, 0, "cpu").stats,
-                        Extraction(args.vocab, args.width, args.samples_per_class, 0, "cpu").reservoir)
+        empty = LayerState(args.vocab, args.width, args.samples_per_class, 0, "cpu")
+        other = _arrays(empty.stats, empty.reservoir)
 
         @torch.inference_mode()
         def forward(fn, n: int) -> float:
@@ -94,7 +96,7 @@ def main() -> None:
             return time.perf_counter() - t0
 
         def extract(n: int, shard: bool = False) -> float:
-            ex = Extraction(args.vocab, args.width, args.samples_per_class, 0, device)
+            ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device)
             data = blocks(n + shard)
             if shard:  # one shard of a --shards run: it starts at an offset (n batches after it), then is merged
                 ex.batches = 1
@@ -102,7 +104,7 @@ def main() -> None:
             t0 = time.perf_counter()
             train_pass(model, data, ex, args.batch_size, saver, "bench")
             if shard:
-                merge_states(_arrays(ex.stats, ex.reservoir), other, args.samples_per_class, 0)
+                merge_states(_arrays(ex.main().stats, ex.main().reservoir), other, args.samples_per_class, 0)
             sync()
             return time.perf_counter() - t0
 

@@ -21,8 +21,10 @@ import torch
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 from ncanalyze.store.data import open_blocks
-from ncanalyze.store.layers import Layered, plan
+from ncanalyze.store.layers import plan
+from ncanalyze.store.passes import run_passes
 from ncanalyze.store.resume import Saver
+from ncanalyze.store.running import Extraction
 
 sys.path.insert(0, str(Path(__file__).parent))
 from extract import tokens  # noqa: E402  (the same Zipf-like ids, or a tokenized text)
@@ -71,12 +73,12 @@ def main() -> None:
             return time.perf_counter() - t0
 
         def ours() -> float:
-            ex = Layered(layered, args.vocab, args.width, args.samples_per_class, 0, device, Path(tmp) / "stage")
+            ex = Extraction(layered, args.vocab, args.width, args.samples_per_class, 0, device, Path(tmp) / "stage")
             ex.start()
             saver = Saver(Path(tmp) / "state.npz", dict, every=1e9)
             t0 = time.perf_counter()
-            ex.run(model, blocks, lambda: None, model.get_output_embeddings().weight, None, 1, args.batch_size, saver,
-                   "bench")
+            run_passes(model, blocks, None, ex, model.get_output_embeddings().weight, None, 1, args.batch_size, saver,
+                       "bench")
             sync()
             return time.perf_counter() - t0
 

@@ -15,6 +15,7 @@ left from each checkpoint's resume state (pass, phase, batches done), so work al
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,11 @@ from ncanalyze.store import io
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.load import head
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
-from ncanalyze.store.passes import Extraction, check_ids, features
+from ncanalyze.store.passes import check_ids, features
 from ncanalyze.store.resume import UNREADABLE, Phase
+from ncanalyze.store.running import LayerState
+
+log = logging.getLogger(__name__)
 
 
 def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> tuple[int, int]:
@@ -158,7 +162,7 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int,
     h = features(model, ids)
     labels = ids[:, 1:].reshape(-1)
     h, y = h.reshape(-1, dim), labels.cpu().numpy()
-    ex = Extraction(vocab, dim, samples_per_class, seed, device)
+    ex = LayerState(vocab, dim, samples_per_class, seed, device)
     offset = iter(range(0, 1 << 40, len(y)))  # fresh stream positions for every reservoir call
 
     def train_step() -> None:

@@ -28,9 +28,10 @@ from ncanalyze.store.estimate import START, check_memory, estimate, measure_cost
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout
 from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_model, n_layers
 from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.loss import LogitTransform, loss_attrs
-from ncanalyze.store.passes import Extraction, train_pass, val_pass
+from ncanalyze.store.loss import loss_attrs
+from ncanalyze.store.passes import run_passes
 from ncanalyze.store.resume import DeferredInterrupt, Phase, Saver, drop_state, load_state, prune, record_of
+from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,7 @@ def _load(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Loaded:
     tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
-    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device),
-                 run.plan and run.plan.widest_pass, run.device)
+    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), run.plan.widest_pass, run.device)
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias)
 
 
@@ -177,62 +177,39 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
                                                              run.val_spec, run.val_split)
     model, tokenizer, tok_name, classifier, bias = (loaded.model, loaded.tokenizer, loaded.tokenizer_name,
                                                     loaded.classifier, loaded.bias)
-    spath, chash = files.state, config_hash(record)
-    if plan is None:
-        ex = Extraction(classifier.shape[0], classifier.shape[1], cfg.samples_per_class, cfg.seed, device)
-    else:
-        ex = layers.Layered(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
-    status = _resume(ex, spath, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
-    saver = Saver(spath, lambda: ex.state(record), cfg.state_every, interrupt)
-    if plan is not None:
-        ex.run(model, train, lambda: val, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
-    if ex.phase == Phase.TRAIN:
-        train_pass(model, train, ex, cfg.batch_size, saver, ckpt.group)
-        if not (ex.stats.count >= cfg.min_count).any():
-            raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most "
-                            f"is {int(ex.stats.count.max())}): lower --min-count")
-        ex.next_phase(Phase.VALIDATION)
-        saver.maybe(force=True)
-    transform = LogitTransform.of(model.config) if plan is None else ex.transform
-    if ex.phase == Phase.VALIDATION:
-        if val is not None:
-            transform = val_pass(model, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver,
-                                 ckpt.group)
-        ex.next_phase(Phase.DONE)
-    main = ex if plan is None else ex.main()
+    ex = Extraction(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
+    status = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
+    saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
+    run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
+    main = ex.main()
     attrs = {
         "run": ckpt.run, "tag": cfg.tag, "checkpoint": ckpt.name, **training_metadata(ckpt),
         "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
         "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
         "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
         "val_tokens": int(main.val["val_count"].sum()),
-        **loss_attrs(main.lm, transform), "min_count": cfg.min_count, "block_size": block_size,
+        **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": block_size,
         "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
         "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
-        "ncanalyze_version": io.version(), "config_hash": chash, "config": json.dumps(record, sort_keys=True),
-        **(extra_attrs or {}),
+        "ncanalyze_version": io.version(), "config_hash": config_hash(record),
+        "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
     }
-    tokens_ = decoded_tokens(tokenizer, classifier.shape[0])
-    if plan is None:
-        io.write_checkpoint(store, ckpt.group, ex.dataset(classifier, bias, tokens_, attrs), files)
-    else:
-        norm = layers.final_norm(model)
-        ds, others = ex.datasets(classifier, bias, tokens_, attrs, norm and norm[0])
-        io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
-        ex.cleanup()
+    norm = layers.final_norm(model)
+    ds, others = ex.datasets(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]), attrs, norm and norm[0])
+    io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
+    ex.cleanup()
     return status
 
 
-def _resume(ex: Extraction | layers.Layered, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
+def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
             train: Blocks, val: Blocks | None, group: str) -> str:
     """Load the saved state into ``ex`` if there is one for this configuration: 'resumed', else 'done' (a fresh
     start). A state under another configuration, or unreadable, or inconsistent, is refused unless ``overwrite``
     (or ``restart``) discards it."""
     if restart or not spath.exists():
         drop_state(spath)
-        if isinstance(ex, layers.Layered):
-            ex.start()
+        ex.start()
         return "done"
     try:
         arrays = load_state(spath)
@@ -241,11 +218,8 @@ def _resume(ex: Extraction | layers.Layered, spath: Path, record: dict, overwrit
             raise UserError(f"an interrupted extraction of {group} used another configuration "
                             f"({differences(old, record)}); rerun with the same options to resume it, "
                             "or pass --overwrite to start again")
-        if isinstance(ex, layers.Layered):
-            ex.start(arrays)
-        else:
-            blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
-            ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
+        blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
+        ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
     except UserError as e:
         if not overwrite:
             raise
@@ -278,7 +252,7 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
     announced = False
     where = StoreLayout(store)
 
-    def announce(model, loaded: float, train: Blocks, val: Blocks | None, plan: layers.Plan | None) -> None:
+    def announce(model, loaded: float, train: Blocks, val: Blocks | None, plan: layers.Plan) -> None:
         nonlocal announced
         if announced:
             return
@@ -289,13 +263,12 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
         costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count,
                               cfg.seed, where.partial) if known else None
         at = [START if restart else progress(where.checkpoint(c).state) for c in todo]
-        passes = None if plan is None else [len(p) for p in plan.passes]
-        extra = {} if plan is None else {"embeddings": plan.save_embeddings, "embeddings_dtype": plan.embeddings_dtype}
         per_layer, shared = state_bytes(vocab, d, cfg.samples_per_class, device)
-        k = 1 if plan is None else plan.widest_pass
+        k = plan.widest_pass
         log.info("estimate: %s; state ~%s MB on %s (%d layer(s))",
-                 estimate(at, costs, train, val, cfg.batch_size, vocab, d, cfg.samples_per_class, store, passes,
-                          **extra), f"{(k * per_layer + shared) / 1e6:,.0f}", device, k)
+                 estimate(at, costs, train, val, cfg.batch_size, vocab, d, cfg.samples_per_class, store,
+                          [len(p) for p in plan.passes], embeddings=plan.save_embeddings,
+                          embeddings_dtype=plan.embeddings_dtype), f"{(k * per_layer + shared) / 1e6:,.0f}", device, k)
 
     return announce
 

@@ -16,26 +16,24 @@ layer is the head as it is (so NC3 there is the duality of the head's rows with 
 ``--save-embeddings N`` keeps the first N labelled train positions' features of every stored layer, staged as .npy
 files in the resume folder during the train pass (so a resume keeps them) and written as the chunked variable
 ``embeddings (position, hidden)`` with ``label (position)`` when the checkpoint is done.
+
+The default extraction is the plan of the last layer alone: the same running state (running.py) and passes
+(passes.py) serve both.
 """
 from __future__ import annotations
 
-import json
-import shutil
-from collections.abc import Callable, Iterator
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import dask.array as da
 import numpy as np
 import torch
-import xarray as xr
 
-from ncanalyze.analyzer.accumulate import DecisionCounts
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data import Blocks
 from ncanalyze.store.io import position_chunk
-from ncanalyze.store.passes import Extraction, batch_features, features, model_loss
-from ncanalyze.store.resume import Phase, Saver, save_state
+
+log = logging.getLogger(__name__)
 
 # where models keep their final norm, on the base model (GPT-2/GPT-Neo, Llama/Mistral/Gemma, OPT, GPT-NeoX, Falcon)
 FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "decoder.final_layer_norm", "final_layernorm", "norm_f")
@@ -43,8 +41,17 @@ EMBEDDING_DTYPES = ("float32", "float16", "float64")
 
 
 def resolve_layers(spec: str, n: int | None) -> list[int]:
-    """``last``, ``all`` or comma-separated indices (negative from the end) as sorted indices into hidden_states
-    (0..n)."""
+    """``last``, ``all`` or comma-separated indices (negative from the end) as sorted indices into hidden_states.
+
+    Parameters
+    ----------
+    spec : the ``--layers`` value.
+    n : the model's number of blocks (hidden_states 0..n), or None where its config does not say.
+
+    Returns
+    -------
+    list of int : sorted, distinct indices (``[-1]`` for ``last`` when ``n`` is None).
+    """
     spec = str(spec).strip().lower()
     if spec == "last":
         return [n] if n is not None else [-1]
@@ -66,8 +73,9 @@ def resolve_layers(spec: str, n: int | None) -> list[int]:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a layered extraction stores: ``layers`` (sorted, the last one always, as the checkpoint group), run in
-    ``passes`` of at most ``per_pass`` layers; the first ``save_embeddings`` positions' features."""
+    """What an extraction stores: ``layers`` (sorted, the last one always, as the checkpoint group), run in
+    ``passes`` of at most ``per_pass`` layers; the first ``save_embeddings`` positions' features. The default
+    extraction is the plan of the last layer alone without embeddings (:attr:`default`)."""
     layers: tuple[int, ...]
     last: int
     per_pass: int
@@ -83,20 +91,48 @@ class Plan:
     def widest_pass(self) -> int:
         return max(len(p) for p in self.passes)
 
+    @property
+    def default(self) -> bool:
+        """The default extraction: the last layer alone, no embeddings. Its resume state and group keep the names
+        they had before ``--layers`` (no ``layer<l>.`` prefix, no ``layer``/``lens`` attributes)."""
+        return self.layers == (self.last,) and not self.save_embeddings
 
-def plan(layers: str, layers_per_pass: int | None, save_embeddings: int, embeddings_dtype: str,
-         n: int | None) -> Plan | None:
-    """The plan, or None for the default extraction (the last layer only, no embeddings)."""
+
+def plan(layers: str = "last", layers_per_pass: int | None = None, save_embeddings: int = 0,
+         embeddings_dtype: str = "float32", n: int | None = None) -> Plan:
+    """The plan of ``--layers``, ``--layers-per-pass``, ``--save-embeddings`` and ``--embeddings-dtype`` for a model of
+    ``n`` blocks (None: not known; only ``last`` is then possible).
+
+    Parameters
+    ----------
+    layers : ``last``, ``all`` or comma-separated indices into hidden_states (negative from the end).
+    layers_per_pass : at most this many layers per pass over the data (None or 0: all in one).
+    save_embeddings : keep the first N labelled train positions' features of every layer.
+    embeddings_dtype : their dtype on disk.
+    n : the model's number of blocks.
+
+    Returns
+    -------
+    Plan : the default plan (:attr:`Plan.default`) for the last layer alone without embeddings.
+    """
     chosen = resolve_layers(layers, n)
     last = n if n is not None else -1
-    if chosen == [last] and not save_embeddings:
-        return None
     return Plan(tuple(sorted(set(chosen) | {last})), last, int(layers_per_pass or 0), int(save_embeddings),
                 embeddings_dtype)
 
 
 def final_norm(model) -> tuple[str, torch.nn.Module] | None:
-    """(its path on the base model, the module) of the model's final norm, or None if none is known."""
+    """The model's final norm (the logit lens below the last layer).
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+
+    Returns
+    -------
+    (path, module) or None : its path on the base model (one of :data:`FINAL_NORMS`) and the module; None if none
+    is known.
+    """
     for path in FINAL_NORMS:
         m = model.base_model
         for part in path.split("."):
@@ -104,58 +140,6 @@ def final_norm(model) -> tuple[str, torch.nn.Module] | None:
         if isinstance(m, torch.nn.Module):
             return path, m
     return None
-
-
-def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """ids (b x L) -> the chosen layers' features at every position but the last, stacked: (k, b, L-1, d). The last
-    layer is ``last_hidden_state``; with only the last layer asked, no hidden states are formed."""
-    if layers == (last,):
-        return lambda ids: features(model, ids)[None]
-
-    @torch.inference_mode()
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        out = model.base_model(input_ids=ids, output_hidden_states=True)
-        return torch.stack([(out.last_hidden_state if l == last else out.hidden_states[l])[:, :-1] for l in layers])
-    return forward
-
-
-class LensCounts(DecisionCounts):
-    """NC4's counts at one layer: the linear decision on ``lens(h)``, the nearest class mean on ``h`` with the
-    layer's means. ``w``/``b`` (the kept rows of the head, float64) are shared between the layers."""
-
-    def __init__(self, w: torch.Tensor, b: torch.Tensor, mean: torch.Tensor, kept: torch.Tensor,
-                 counts: dict[str, torch.Tensor], lens: Callable[[torch.Tensor], torch.Tensor] | None,
-                 budget: int = 1 << 25):
-        self.kept, self.w, self.b, self.lens, self.counts = kept, w, b, lens, counts
-        self.mu = mean.to(torch.float64)[kept]
-        self.half_sq = 0.5 * (self.mu * self.mu).sum(1)
-        self.chunk = max(1, budget // max(1, len(kept)))
-
-    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
-        if self.lens is None:
-            return super().update(h, y)
-        with torch.inference_mode():
-            z = self.lens(h)
-        h, z, y = h.to(torch.float64), z.to(torch.float64), y.to(self.mu.device, torch.int64)
-        vocab = self.counts["val_count"].shape[0]
-        for s in range(0, len(y), self.chunk):
-            hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
-            linear = self.kept[(zc @ self.w.T + self.b).argmax(1)]
-            ncc = self.kept[(hc @ self.mu.T - self.half_sq).argmax(1)]
-            self.counts["val_count"] += torch.bincount(yc, minlength=vocab)
-            self.counts["val_correct"] += torch.bincount(yc[linear == yc], minlength=vocab)
-            self.counts["val_ncc_agree"] += torch.bincount(yc[linear == ncc], minlength=vocab)
-
-
-class Prefixed:
-    """The arrays of a saved state under ``prefix``, as :meth:`Extraction.load` reads them."""
-
-    def __init__(self, arrays, prefix: str):
-        self.arrays, self.prefix = arrays, prefix
-        self.files = [k[len(prefix):] for k in arrays if k.startswith(prefix)] + ["phase", "batches"]
-
-    def __getitem__(self, k: str):
-        return self.arrays[k] if k in ("phase", "batches") else self.arrays[self.prefix + k]
 
 
 class Embeddings:
@@ -199,162 +183,15 @@ class Embeddings:
                 "embedding_label": np.array(self.label[:m]), "embedding_position": np.array(self.position[:m])}
 
 
-class Layered:
-    """The running state of a layered extraction (:class:`Plan`): an :class:`Extraction` per layer of the current
-    pass, where the passes stand (``pass_index``, ``phase``, ``batches`` done in that phase), the finished passes'
-    layers in ``folder`` (``layer-<l>.npz``), and the staged embeddings. It reads like an Extraction to the passes."""
-
-    def __init__(self, plan_: Plan, vocab: int, dim: int, k: int, seed: int, device: torch.device, folder: Path):
-        self.plan, self.folder = plan_, folder
-        self.args = (vocab, dim, k, seed)
-        self.device = device
-        self.pass_index, self.phase, self.batches = 0, Phase.TRAIN, 0
-        self.stream = ""  # as Extraction.stream: the hash of the blocks read in this phase, checked on resume
-        self.transform = None  # the model's logit transform, once the validation pass has checked it (val_loss)
-        self.ex = self._fresh()
-        self.embeddings: Embeddings | None = None
-
-    def reset(self) -> None:
-        """Back to a fresh start (a discarded state)."""
-        self.pass_index, self.phase, self.batches, self.stream = 0, Phase.TRAIN, 0, ""
-        self.ex = self._fresh()
-        self.start()
-
-    def _fresh(self) -> dict[int, Extraction]:
-        return {l: Extraction(*self.args, self.device) for l in self.plan.passes[self.pass_index]}
-
-    @property
-    def stats(self):  # what batch_features reads: the vocabulary size and the device
-        return next(iter(self.ex.values())).stats
-
-    def start(self, resume_arrays=None) -> None:
-        """Load a saved state (or start afresh) and open the staged embeddings."""
-        if resume_arrays is not None:
-            self.pass_index = int(resume_arrays["pass"])
-            self.phase, self.batches = Phase(int(resume_arrays["phase"])), int(resume_arrays["batches"])
-            self.stream = str(resume_arrays["stream"]) if "stream" in resume_arrays else ""
-            self.ex = self._fresh()
-            for l, e in self.ex.items():
-                e.restore(Prefixed(resume_arrays, f"layer{l}."))
-        elif self.folder.exists():
-            shutil.rmtree(self.folder)  # leftovers of an abandoned run
-        if self.plan.save_embeddings:
-            self.embeddings = Embeddings(self.folder, self.plan.layers, self.plan.save_embeddings,
-                                         self.args[1], self.plan.embeddings_dtype, resume_arrays is not None)
-
-    def state(self, record: dict) -> dict[str, np.ndarray]:
-        if self.embeddings is not None:
-            self.embeddings.flush()
-        arrays = {"pass": np.array(self.pass_index)}
-        for l, e in self.ex.items():
-            arrays |= {f"layer{l}.{k}": v for k, v in e.state(record).items()
-                       if k not in ("phase", "batches", "config")}
-        return arrays | {"phase": np.array(int(self.phase)), "batches": np.array(self.batches),
-                         "stream": np.array(self.stream), "config": np.array(json_record(record))}
-
-    def run(self, model, train: Blocks, val: Callable[[], Blocks | None], classifier: torch.Tensor,
-            bias: torch.Tensor | None, min_count: int, batch_size: int, saver: Saver, desc: str) -> None:
-        """Every pass not yet done: its train pass, then its validation pass; a finished pass's layers go to disk."""
-        norm = final_norm(model)
-        while True:
-            layers = tuple(self.ex)
-            forward = hidden_forward(model, layers, self.plan.last)
-            tag = f"{desc} layers {','.join(map(str, layers))}" if len(self.plan.passes) > 1 else desc
-            if self.phase == Phase.TRAIN:
-                self._train(model, train, forward, batch_size, saver, tag)
-                self.phase, self.batches, self.stream = Phase.VALIDATION, 0, ""
-                saver.maybe(force=True)
-            if self.phase == Phase.VALIDATION:
-                blocks = val()
-                if blocks is not None:
-                    self._validate(model, blocks, forward, norm, classifier, bias, min_count, batch_size, saver, tag)
-                self.phase = Phase.DONE
-            if self.pass_index == len(self.plan.passes) - 1:
-                return
-            for l, e in self.ex.items():
-                save_state(self.folder / f"layer-{l}.npz", e.state({}))
-            self.pass_index, self.phase, self.batches, self.stream = self.pass_index + 1, Phase.TRAIN, 0, ""
-            self.ex = self._fresh()
-            saver.maybe(force=True)
-
-    def _train(self, model, blocks: Blocks, forward, batch_size: int, saver: Saver, desc: str) -> None:
-        L = blocks.block_size
-        for h, y, batch in batch_features(model, blocks, self, batch_size, saver, f"{desc} train", forward=forward):
-            pos = ((self.batches * batch_size + np.arange(len(batch)))[:, None] * L + np.arange(L - 1)).ravel()
-            labels = batch[:, 1:].ravel()
-            for i, e in enumerate(self.ex.values()):
-                e.stats.update(h[i], y)
-                e.reservoir.update(h[i], labels, pos)
-            if self.embeddings is not None:
-                self.embeddings.write(self.batches * batch_size * (L - 1), dict(zip(self.ex, h)), y, pos)
-        if next(iter(self.ex.values())).stats.count.sum() == 0:
-            raise UserError(f"{blocks.spec} holds no full block of {L} tokens: the dataset is empty or shorter than "
-                            "--block-size")
-
-    def _validate(self, model, blocks: Blocks, forward, norm, classifier, bias, min_count: int, batch_size: int,
-                  saver: Saver, desc: str) -> None:
-        if norm is None and any(l != self.plan.last for l in self.ex):
-            raise UserError(f"NC4 at layers other than the last needs the model's final norm, and none of "
-                            f"{', '.join(FINAL_NORMS)} is on this model; pass --max-val-tokens 0 or --layers last")
-        first = next(iter(self.ex.values()))
-        kept = torch.nonzero(first.stats.count >= min_count).squeeze(1)  # the same at every layer: the same labels
-        w = classifier.to(kept.device, torch.float64)[kept]  # the head's kept rows, shared by the layers
-        b = (bias.to(kept.device, torch.float64)[kept] if bias is not None
-             else torch.zeros(len(kept), dtype=torch.float64, device=kept.device))
-        counts = {l: LensCounts(w, b, e.stats.mean, kept, e.val, None if l == self.plan.last else norm[1])
-                  for l, e in self.ex.items()}
-        last = list(self.ex).index(self.plan.last) if self.plan.last in self.ex else None
-        loss = None
-        if last is not None:  # the model's own loss, from the last layer, as the default path measures it
-            self.transform, loss = model_loss(model, blocks, classifier, bias, self.ex[self.plan.last], desc)
-        for h, y, _ in batch_features(model, blocks, self, batch_size, saver, f"{desc} validation", forward=forward):
-            for i, c in enumerate(counts.values()):
-                c.update(h[i], y)
-            if loss:
-                loss.update(h[last], y)
-
-    def finished(self) -> Iterator[tuple[int, Extraction]]:
-        """Every layer's finished state, one at a time: the earlier passes' from disk (on the CPU), then the last
-        pass's."""
-        for p in self.plan.passes[:-1]:
-            for l in p:
-                e = Extraction(*self.args, torch.device("cpu"))
-                with np.load(self.folder / f"layer-{l}.npz", allow_pickle=False) as arrays:
-                    e.restore(arrays)
-                yield l, e
-        yield from self.ex.items()
-
-    def main(self) -> Extraction:
-        """The last layer's state (the checkpoint group's)."""
-        return self.ex[self.plan.last]
-
-    def datasets(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None, attrs: dict,
-                 lens: str | None) -> tuple[xr.Dataset, Iterator[tuple[int, xr.Dataset]]]:
-        """The checkpoint group's dataset (the last layer), and the other layers' ``(l, dataset)``, made one at a
-        time as they are written. Each records ``layer`` and ``lens``: how NC4's linear decisions were made, "head(h)"
-        at the last layer, "head(ln_f(h))" (the final norm's path on the base model) at the others."""
-        written = int(self.main().stats.count.sum())
-
-        def make(l: int, e: Extraction) -> xr.Dataset:
-            emb = {} if self.embeddings is None else self.embeddings.variables(l, written)
-            lens_ = "head(h)" if l == self.plan.last else f"head({lens}(h))"
-            return e.dataset(classifier, bias, tokens, {**attrs, "layer": l, "lens": lens_}, **emb)
-
-        others = ((l, make(l, e)) for l, e in self.finished() if l != self.plan.last)
-        return make(self.plan.last, self.main()), others
-
-    def cleanup(self) -> None:
-        if self.folder.exists():
-            shutil.rmtree(self.folder)
-
-
-def json_record(record: dict) -> str:
-    return json.dumps(record, sort_keys=True)
-
-
 def record_layers(record: dict, plan_: Plan | None) -> None:
     """The configuration record names the layers resolved (indices), and not at all for the last layer alone, so
-    ``--layers -1`` hashes as the default and ``all`` as its indices."""
+    ``--layers -1`` hashes as the default and ``all`` as its indices.
+
+    Parameters
+    ----------
+    record : the configuration record (changed in place).
+    plan_ : the extraction's plan.
+    """
     if plan_ is None or plan_.layers == (plan_.last,):
         record.pop("layers", None)
     else:

@@ -8,10 +8,17 @@ full-vocabulary log-sum-exp runs over a bounded number of (token, class) cells a
 """
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ncanalyze.analyzer.accumulate import Accumulator
+
+log = logging.getLogger(__name__)
 
 
 # models whose ``logits_scaling`` multiplies the logits (MuP), unlike Granite's and MiniCPM3's, which divide
@@ -61,7 +68,7 @@ class LogitTransform:
         return "none" if s == "logits" else s
 
 
-class NextTokenLoss:
+class NextTokenLoss(Accumulator):
     """Running sums of the full-vocabulary cross-entropy (float64) and of argmax hits over validation tokens.
 
     ``state`` (``loss_sum`` float64, ``correct`` and ``tokens`` int64, 0-d tensors) may be given to continue from
@@ -96,6 +103,18 @@ class NextTokenLoss:
             self.state["correct"] += (logits.argmax(1) == yc).sum()
             self.state["tokens"] += len(yc)
 
+    def merge(self, other: NextTokenLoss) -> NextTokenLoss:
+        """Add the sums of another part of the validation stream. Returns self."""
+        for n in self.NAMES:
+            self.state[n] += other.state[n].to(self.state[n].device)
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for n in self.NAMES:
+            self.state[n].copy_(torch.as_tensor(state[n]))
 
 
 @torch.inference_mode()

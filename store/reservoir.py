@@ -7,8 +7,16 @@ checkpoint of a run samples the same positions: an embedding can be followed ove
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
+
+from ncanalyze.analyzer.accumulate import Accumulator
+
+log = logging.getLogger(__name__)
 
 EMPTY = np.iinfo(np.uint64).max
 
@@ -22,7 +30,10 @@ def position_keys(pos: np.ndarray, seed: int = 0) -> np.ndarray:
         return (z ^ (z >> np.uint64(31))) >> np.uint64(1)  # never EMPTY
 
 
-class Reservoir:
+class Reservoir(Accumulator):
+    """At most ``k`` raw features per class (float32), the bottom-k by :func:`position_keys` of their stream
+    positions: ``key``, ``position`` (-1 in an empty slot) and ``samples`` (classes x k [x d])."""
+
     def __init__(self, num_classes: int, k: int, dim: int, seed: int = 0):
         self.k, self.seed = k, seed
         self.key = np.full((num_classes, k), EMPTY, dtype=np.uint64)
@@ -93,6 +104,6 @@ class Reservoir:
     def state_dict(self) -> dict[str, np.ndarray]:
         return {"key": self.key, "position": self.position, "samples": self.samples}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name, v in state.items():
             getattr(self, name)[...] = v

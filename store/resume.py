@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import signal
 import threading
 import time
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from ncanalyze.analyzer.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 class Phase(enum.IntEnum):
@@ -28,6 +33,52 @@ class Phase(enum.IntEnum):
     TRAIN = 0        # the train pass: class statistics and the reservoir
     VALIDATION = 1   # the validation pass: NC4's decision counts
     DONE = 2         # both passes done; the group is written next
+
+
+def flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    """A nested state (dicts of arrays, tensors and scalars, e.g. accumulators' ``state_dict`` under their names)
+    as the flat names of a saved state: ``{"stats": {"mean": m}}`` -> ``{"stats.mean": m}``, tensors as numpy arrays
+    on the CPU. The one place state names are made (:func:`unflatten` reads them back).
+
+    Parameters
+    ----------
+    state : the nested state.
+    prefix : a name put before every key (with a dot).
+
+    Returns
+    -------
+    dict : flat name -> numpy array.
+    """
+    flat: dict[str, np.ndarray] = {}
+    for k, v in state.items():
+        name = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, Mapping):
+            flat |= flatten(v, name)
+        else:
+            flat[name] = v.cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+    return flat
+
+
+def unflatten(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """The nested state of flat names (:func:`flatten`'s inverse): ``{"layer3.stats.mean": m}`` ->
+    ``{"layer3": {"stats": {"mean": m}}}``. ``arrays`` may be an open npz file (its names in ``files``).
+
+    Parameters
+    ----------
+    arrays : flat name -> array.
+
+    Returns
+    -------
+    dict : the nested state.
+    """
+    nested: dict[str, Any] = {}
+    for name in getattr(arrays, "files", arrays):
+        *path, leaf = name.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = arrays[name]
+    return nested
 
 
 def save_state(path: Path, arrays: dict[str, np.ndarray]) -> None:

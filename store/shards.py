@@ -16,7 +16,6 @@ A shard keeps no resume state of its own: one that is lost (its worker died) is 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 
@@ -24,17 +23,17 @@ import numpy as np
 
 from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import VAL_COUNTS
-from ncanalyze.store import io
+from ncanalyze.store import io, layers
 from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, open_data, resolve
 from ncanalyze.store.discover import Checkpoint
 from ncanalyze.store.estimate import check_memory, state_bytes
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.load import find_tokenizer, load_model
 from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.passes import Extraction, train_pass
+from ncanalyze.store.passes import train_pass
 from ncanalyze.store.reservoir import Reservoir
-from ncanalyze.store.resume import Phase, Saver, drop_state, save_state
+from ncanalyze.store.resume import Phase, Saver, drop_state, flatten, save_state, unflatten
+from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
 
@@ -107,24 +106,24 @@ def train_shard(ckpt: Checkpoint, cfg: ExtractConfig, start: int, stop: int) -> 
     check_memory(state_bytes(vocab, dim, cfg.samples_per_class, device), None, device)
     cap = stop * cfg.batch_size
     blocks = dataclasses.replace(blocks, max_blocks=cap if blocks.max_blocks is None else min(blocks.max_blocks, cap))
-    ex = Extraction(vocab, dim, cfg.samples_per_class, cfg.seed, device)
+    ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
     never = Saver(Path("unused"), dict, every=float("inf"))
     train_pass(model, blocks, ex, cfg.batch_size, never, f"{ckpt.group} [{start}:{stop}]")
-    return _arrays(ex.stats, ex.reservoir)
+    return _arrays(ex.main().stats, ex.main().reservoir)
 
 
 def _arrays(stats: ClassStats, reservoir: Reservoir) -> dict[str, np.ndarray]:
-    return ({f"stats.{k}": v.cpu().numpy() for k, v in stats.state_dict().items()}
-            | {f"reservoir.{k}": v for k, v in reservoir.state_dict().items()})
+    return flatten({"stats": stats.state_dict(), "reservoir": reservoir.state_dict()})
 
 
 def _objects(arrays: dict[str, np.ndarray], k: int, seed: int) -> tuple[ClassStats, Reservoir]:
-    vocab, dim = arrays["stats.mean"].shape
-    stats = ClassStats(vocab, dim, "cpu", scatter="stats.scatter" in arrays)
-    stats.load_state_dict({n[6:]: v for n, v in arrays.items() if n.startswith("stats.")})
+    state = unflatten(arrays)
+    vocab, dim = state["stats"]["mean"].shape
+    stats = ClassStats(vocab, dim, "cpu", scatter="scatter" in state["stats"])
+    stats.load_state_dict(state["stats"])
     reservoir = Reservoir(vocab, k, dim, seed)
-    reservoir.load_state_dict({n[10:]: v for n, v in arrays.items() if n.startswith("reservoir.")})
+    reservoir.load_state_dict(state["reservoir"])
     return stats, reservoir
 
 
@@ -167,7 +166,8 @@ def save_merged(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[
         started again; REFUSE: nothing saved (extract_checkpoint refuses it).
     """
     record = resolve(ckpt, cfg).record
-    count = merged["stats.count"]
+    stats, reservoir = _objects(merged, cfg.samples_per_class, cfg.seed)
+    count = stats.count
     if not (count >= cfg.min_count).any():
         raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most is "
                         f"{int(count.max())}): lower --min-count")
@@ -176,8 +176,8 @@ def save_merged(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[
         status = checkpoint_status(io.group_attrs(store, ckpt.group, corrupt_ok=overwrite), record, files.state,
                                    overwrite)
         if status is Status.FRESH:
-            val = {f"val.{n}": np.zeros(count.shape, dtype=np.int64) for n in VAL_COUNTS}
-            save_state(files.state, merged | val | {"phase": np.array(int(Phase.VALIDATION)), "batches": np.array(0),
-                                                    "stream": np.array(""),
-                                                    "config": np.array(json.dumps(record, sort_keys=True))})
+            ex = Extraction(layers.plan(), *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
+            ex.main().stats, ex.main().reservoir = stats, reservoir
+            ex.next_phase(Phase.VALIDATION)
+            save_state(files.state, ex.state(record))
     return status

@@ -18,7 +18,8 @@ from conftest import EXTRACT_OPTS, run_cli, tmpfs
 from ncanalyze.store import io
 from ncanalyze.store.data import open_blocks
 from ncanalyze.store.estimate import START, Costs, estimate, group_bytes, kept_classes, progress
-from ncanalyze.store.passes import Extraction
+from ncanalyze.store.layers import plan
+from ncanalyze.store.running import Extraction
 from ncanalyze.store.resume import Phase, save_state
 
 # planted: forward 1 s, a layer's statistics 2 s, a layer's decisions 3 s, the loss 5 s, load 7 s, 1 byte/s
@@ -56,7 +57,7 @@ def test_estimate_line_adds_load_passes_and_write_for_every_checkpoint(tmp_path)
 
 
 def test_progress_of_real_resume_states(tmp_path):
-    ex = Extraction(20, 4, 2, 0, torch.device("cpu"))
+    ex = Extraction(plan(), 20, 4, 2, 0, torch.device("cpu"))
     ex.next_phase(Phase.VALIDATION)
     ex.batches = 3
     save_state(tmp_path / "a.npz", ex.state({"x": 1}))

@@ -266,3 +266,28 @@ def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_
     assert gray.std() > 20, "blank figure"
     text = deep["report"].read_text()
     assert "## Across depth" in text and "depth.png" in text and "## Across depth" not in plain["report"].read_text()
+
+
+def test_the_default_plan_forms_no_hidden_states(trained_run):
+    """The default extraction is the one-layer plan through the same passes, and its forward is the base model's
+    alone: ``output_hidden_states`` is never asked (no memory or time for the other layers)."""
+    from ncanalyze.store.layers import plan
+    from ncanalyze.store.passes import hidden_forward
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    default = plan("last", None, 0, "float32", 2)
+    assert default.default and default.passes == [(2,)] and not plan("last", None, 5, "float32", 2).default
+    asked = []
+    model.base_model.register_forward_pre_hook(lambda m, args, kwargs: asked.append(kwargs.get(
+        "output_hidden_states")), with_kwargs=True)
+    ids = torch.arange(2 * 16).reshape(2, 16) % model.config.vocab_size
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states
+    asked.clear()
+    h = hidden_forward(model, default.layers, default.last)(ids)
+    assert asked == [None] and h.shape == (1, 2, 15, 32)
+    np.testing.assert_array_equal(h[0].numpy(), want[2][:, :-1].numpy())
+    both = hidden_forward(model, (0, 2), 2)(ids)
+    assert asked[-1] is True
+    np.testing.assert_array_equal(both[0].numpy(), want[0][:, :-1].numpy())
+    np.testing.assert_array_equal(both[1].numpy(), want[2][:, :-1].numpy())

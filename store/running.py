@@ -1,0 +1,221 @@
+"""The running state of one checkpoint's extraction: every layer's accumulators, where the passes stand, and its
+resume state (names, checks, restore).
+
+One :class:`~ncanalyze.store.layers.Plan` drives it, the default's (the last layer alone) as ``--layers``'s. A layer's
+accumulators (:class:`LayerState`) are the float64 class statistics, the reservoir, NC4's decision counts and the
+model's loss sums; their states nest under their names (``stats``, ``reservoir``, ``val``, ``lm``), under
+``layer<l>`` for a layered plan and at the top for the default, and are flattened into the saved state's names by
+:func:`~ncanalyze.store.resume.flatten` alone: ``stats.mean``, ``layer3.stats.mean``, the names states have always
+had. A finished pass's layers wait in the staging folder (``layer-<l>.npz``), off the device.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
+from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.analyzer.schema import stats_dataset
+from ncanalyze.store.layers import Embeddings, Plan
+from ncanalyze.store.loss import LogitTransform, NextTokenLoss
+from ncanalyze.store.reservoir import Reservoir
+from ncanalyze.store.resume import Phase, flatten, save_state, unflatten
+
+log = logging.getLogger(__name__)
+
+RESTART = "pass --restart to discard it and extract this checkpoint from the start"
+OPTIONAL = ("stream", "pass", "lm")  # names written since the first states: a state from before lacks them
+
+
+class LayerState:
+    """One layer's accumulators: ``stats`` (:class:`ClassStats`), ``reservoir`` (:class:`Reservoir`), ``val`` (the
+    counts of :class:`DecisionCounts`) and ``lm`` (the sums of :class:`NextTokenLoss`); the last two are the counts
+    the validation pass's accumulators are made over, once the kept classes and the head are known."""
+
+    def __init__(self, vocab: int, dim: int, k: int, seed: int, device: torch.device | str):
+        self.stats = ClassStats(vocab, dim, device)
+        self.reservoir = Reservoir(vocab, k, dim, seed)
+        self.val = DecisionCounts.zeros(vocab, device)
+        self.lm = NextTokenLoss.zeros(device)
+
+    def state_dict(self) -> dict[str, dict]:
+        """The nested state: each accumulator's ``state_dict`` under its name."""
+        return {"stats": self.stats.state_dict(), "reservoir": self.reservoir.state_dict(), "val": self.val,
+                "lm": self.lm}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> bool:
+        """Take a nested state; returns whether it held the loss sums (a state from before ``val_loss`` does not)."""
+        self.stats.load_state_dict(state["stats"])
+        self.reservoir.load_state_dict(state["reservoir"])
+        for k, v in self.val.items():
+            v.copy_(torch.as_tensor(state["val"][k]))
+        lm = state.get("lm", {})
+        if not all(k in lm for k in self.lm):
+            return False
+        for k, v in self.lm.items():
+            v.copy_(torch.as_tensor(lm[k]))
+        return True
+
+    def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
+                attrs: dict, **embeddings) -> xr.Dataset:
+        """The layer's dataset (the store's schema); ``embeddings``: stats_dataset's embedding arguments. Reservoir
+        slots in key order: the same however the stream was read (one pass or shards)."""
+        s, r = self.stats, self.reservoir.canonical()
+        return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
+                             classifier_bias=None if bias is None else bias.float(), val=self.val,
+                             samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
+                             attrs=attrs, unit_sum=s.unit_sum, **embeddings)
+
+
+class Extraction:
+    """The running state of one checkpoint's extraction under ``plan``: a :class:`LayerState` per layer of the
+    current pass (``layers``), where the passes stand (``pass_index``, ``phase``, ``batches`` done in that phase,
+    ``stream`` the sha256 of the blocks read so far in it), the model's logit transform once the validation pass has
+    checked it, and the staged embeddings. ``folder``: the staging folder (finished layers, embeddings)."""
+
+    def __init__(self, plan: Plan, vocab: int, dim: int, k: int, seed: int, device: torch.device | str,
+                 folder: Path | None = None):
+        self.plan, self.folder, self.args, self.device = plan, folder, (vocab, dim, k, seed), torch.device(device)
+        self.vocab = vocab
+        self.pass_index, self.phase, self.batches, self.stream = 0, Phase.TRAIN, 0, ""
+        self.transform: LogitTransform | None = None
+        self.layers = self._fresh()
+        self.embeddings: Embeddings | None = None
+
+    def _fresh(self) -> dict[int, LayerState]:
+        return {l: LayerState(*self.args, self.device) for l in self.plan.passes[self.pass_index]}
+
+    def first(self) -> LayerState:
+        """A layer of the current pass: every layer sees the same tokens, so its counts are every layer's."""
+        return next(iter(self.layers.values()))
+
+    def main(self) -> LayerState:
+        """The last layer's state (the checkpoint group's), once its pass has run."""
+        return self.layers[self.plan.last]
+
+    def next_phase(self, phase: Phase) -> None:
+        self.phase, self.batches, self.stream = phase, 0, ""
+
+    def next_pass(self) -> None:
+        """Put the current pass's layers in the staging folder and start the next pass's."""
+        for l, s in self.layers.items():
+            save_state(self.folder / f"layer-{l}.npz", flatten(s.state_dict()))
+        self.pass_index += 1
+        self.next_phase(Phase.TRAIN)
+        self.layers = self._fresh()
+
+    def _nested(self) -> dict[str, Any]:
+        if self.plan.default:
+            return self.main().state_dict()
+        return {f"layer{l}": s.state_dict() for l, s in self.layers.items()}
+
+    def state(self, record: dict) -> dict[str, np.ndarray]:
+        """Everything needed to resume, as flat arrays (with the configuration ``record``)."""
+        if self.embeddings is not None:
+            self.embeddings.flush()
+        return flatten(self._nested() | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
+                                         "stream": self.stream, "config": json.dumps(record, sort_keys=True)})
+
+    def start(self) -> None:
+        """A fresh start: leftovers of an abandoned run removed, the embeddings staged anew."""
+        self.cleanup()
+        self._open_embeddings(resume=False)
+
+    def reset(self) -> None:
+        """Back to a fresh start (a discarded state)."""
+        self.__init__(self.plan, *self.args, self.device, self.folder)
+        self.start()
+
+    def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str) -> None:
+        """Continue from a saved state, after checking that it is one this extraction could have written: the same
+        arrays with the same shapes and dtypes, a known pass and phase, and counts that add up to the batches done (a
+        state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings."""
+        at = int(arrays["pass"]) if "pass" in arrays else 0
+        if not 0 <= at < len(self.plan.passes):
+            raise CheckpointError(f"the resume state {where} is in pass {at} of {len(self.plan.passes)}; {RESTART}")
+        self.pass_index = at
+        self.layers = self._fresh()
+        fresh = self.state({})
+        bad = [k for k, v in fresh.items() if k != "stream" and k in arrays
+               and (arrays[k].shape != v.shape or arrays[k].dtype.kind != v.dtype.kind)]
+        bad += [f"{k} (missing)" for k in fresh if k not in arrays and not set(k.split(".")) & set(OPTIONAL)]
+        if bad:
+            raise CheckpointError(f"the resume state {where} does not fit this checkpoint ({', '.join(bad[:3])}); "
+                                  f"{RESTART}")
+        phase, batches = int(arrays["phase"]), int(arrays["batches"])
+        for prefix in {k[:-len("stats.count")] for k in fresh if k.endswith("stats.count")}:
+            done = arrays[prefix + ("val.val_count" if phase == Phase.VALIDATION else "stats.count")].sum()
+            if phase == Phase.TRAIN or phase == Phase.VALIDATION:
+                low, high = max(0, batches - 1) * tokens_per_batch, batches * tokens_per_batch
+                consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high)
+            else:
+                consistent = phase == Phase.DONE
+            consistent = (consistent and bool(np.isfinite(arrays[prefix + "stats.mean"]).all())
+                          and (arrays[prefix + "stats.m2"] >= 0).all() and (arrays[prefix + "stats.count"] >= 0).all())
+            if not consistent:
+                raise CheckpointError(f"the resume state {where} is inconsistent (phase {phase}, {batches} batches, "
+                                      f"{done} tokens counted); {RESTART}")
+        self.restore(arrays)
+        self._open_embeddings(resume=True)
+
+    def restore(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Take a saved state's arrays as they are (:meth:`load` checks them first); ``arrays`` maps names to arrays
+        and lists them in ``files`` (an npz file) or by iteration (a dict)."""
+        nested = unflatten(arrays)
+        self.pass_index = int(nested.get("pass", 0))
+        self.phase, self.batches = Phase(int(nested["phase"])), int(nested["batches"])
+        self.stream = str(nested.get("stream", ""))
+        self.layers = self._fresh()
+        with_loss = [s.load_state_dict(nested if self.plan.default else nested[f"layer{l}"])
+                     for l, s in self.layers.items()]
+        if not all(with_loss) and self.phase == Phase.VALIDATION:  # from before val_loss: the pass starts again
+            for s in self.layers.values():
+                for v in (*s.val.values(), *s.lm.values()):
+                    v.zero_()
+            self.next_phase(Phase.VALIDATION)
+
+    def _open_embeddings(self, resume: bool) -> None:
+        if self.plan.save_embeddings:
+            self.embeddings = Embeddings(self.folder, self.plan.layers, self.plan.save_embeddings, self.args[1],
+                                         self.plan.embeddings_dtype, resume)
+
+    def finished(self) -> Iterator[tuple[int, LayerState]]:
+        """Every layer's finished state, one at a time: the earlier passes' from the staging folder (on the CPU),
+        then the last pass's."""
+        for p in self.plan.passes[:-1]:
+            for l in p:
+                s = LayerState(*self.args, "cpu")
+                with np.load(self.folder / f"layer-{l}.npz", allow_pickle=False) as arrays:
+                    s.load_state_dict(unflatten(arrays))
+                yield l, s
+        yield from self.layers.items()
+
+    def datasets(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None, attrs: dict,
+                 lens: str | None) -> tuple[xr.Dataset, Iterator[tuple[int, xr.Dataset]]]:
+        """The checkpoint group's dataset (the last layer), and the other layers' ``(l, dataset)``, made one at a
+        time as they are written (none for the default plan). Under a layered plan each records ``layer`` and
+        ``lens``: how NC4's linear decisions were made, "head(h)" at the last layer, "head(ln_f(h))" (``lens``, the
+        final norm's path on the base model) at the others."""
+        written = int(self.main().stats.count.sum())
+
+        def make(l: int, s: LayerState) -> xr.Dataset:
+            emb = {} if self.embeddings is None else self.embeddings.variables(l, written)
+            where = {} if self.plan.default else {"layer": l,
+                                                  "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))"}
+            return s.dataset(classifier, bias, tokens, {**attrs, **where}, **emb)
+
+        others = ((l, make(l, s)) for l, s in self.finished() if l != self.plan.last)
+        return make(self.plan.last, self.main()), others
+
+    def cleanup(self) -> None:
+        """Remove the staging folder."""
+        if self.folder is not None and self.folder.exists():
+            shutil.rmtree(self.folder)
