@@ -10,8 +10,10 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
+from ncanalyze.cli.ls import ls
 from ncanalyze.cli.measure import measure
 from ncanalyze.cli.report import report
+from ncanalyze.cli.rm import rm
 from ncanalyze.store.io import version
 
 log = logging.getLogger("ncanalyze")
@@ -92,3 +94,5 @@ def main(debug: bool, verbose: int, quiet: int) -> None:
 main.add_command(extract)
 main.add_command(measure)
 main.add_command(report)
+main.add_command(ls)
+main.add_command(rm)
