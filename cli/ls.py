@@ -45,7 +45,8 @@ def table(inv: dict) -> str:
         rows.append({"run": r["run"] if r["run"] != last_run else "", "checkpoint": r["checkpoint"],
                      "step": "-" if r["global_step"] is None else r["global_step"],
                      **({"tag": r["tag"] or "-"} if tagged else {}), "layers": _layers(r["layers"]) or "-",
-                     "dataset": _short(r["dataset"]), **{k: _short(v, 24) for k, v in r["settings"].items()},
+                     "dataset": _short(r["dataset"]),
+                     **{k: _short(v, 24) for k, v in r["settings"].items() if k != "layers"},  # shown as stored
                      "measured": r["measured"] if r["status"] == "ok" else "-", "size": human(r["bytes"]),
                      "status": r["status"]})
         last_run = r["run"]

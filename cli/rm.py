@@ -1,6 +1,7 @@
 """``ncanalyze rm``: remove checkpoints, runs or tags from a store, safely."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -47,14 +48,15 @@ def rm(names, store, tags, yes, dry_run):
     plan = plan_removal(store, groups, tags)
     what = (f"{len(plan.groups)} checkpoint group(s)" + (f" and run(s) {', '.join(plan.runs)}" if plan.runs else "")
             + f", {human(plan.bytes)}, from {store}")
+    if not (yes or dry_run or sys.stdin.isatty()):
+        raise UserError(f"not removing {what} without confirmation: pass --yes (stdin is not a terminal), or "
+                        "--dry-run to list it")
     for g in plan.groups:
         click.echo(f"  {g}")
     if dry_run:
         click.echo(f"would remove {what} (dry run: nothing removed)")
         return
     if not yes:
-        if not click.get_text_stream("stdin").isatty():
-            raise UserError(f"not removing {what} without confirmation: pass --yes (stdin is not a terminal)")
         click.confirm(f"remove {what}?", abort=True)
     left = remove(plan)
     click.echo(f"removed {what}" + (f"; left {', '.join(left)}" if left else ""))

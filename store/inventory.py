@@ -129,8 +129,8 @@ def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) ->
                           | ({own} if isinstance(own, int) else set()))
     problems = [f"{g.removeprefix(group + '/')} corrupt ({bad[g]})" for g in subs if g in bad]
     try:
-        problems += [f"lacks data chunks: {', '.join(m)}" for g in [group, *subs] if g in good
-                     for m in [io.missing_chunks(store, g)] if m]
+        problems += [f"{g.removeprefix(group).strip('/') or 'it'} lacks data chunks ({', '.join(m)})"
+                     for g in [group, *subs] if g in good for m in [io.missing_chunks(store, g)] if m]
     except io.CORRUPT as e:
         problems.append(f"an array's metadata is corrupt ({e})")
     if problems:

@@ -100,6 +100,8 @@ def group_order(group: str, steps: dict[str, int | None]) -> tuple:
     of the same step, then its name (numbers read as numbers); then the checkpoint group before its layers, which go
     by index (layers/10 after layers/9)."""
     run, checkpoint, layer = (group.split("/", 2) + ["", ""])[:3]
+    if not checkpoint:
+        return (run,)
     step = steps.get(f"{run}/{checkpoint}")
     known = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
     return (run, not known, step if known else 0, checkpoint == "final", _natural(checkpoint),
