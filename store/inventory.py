@@ -59,11 +59,12 @@ def known(store: Path) -> dict[str, list[str]]:
         runs[run.name] = {f"{run.name}/{c.name}" for c in run.iterdir() if (c / "zarr.json").is_file()}
     partial = partial_dir(store)
     for f in partial.glob("[!.]*/*") if partial.is_dir() else ():
-        if f.name.endswith(".npz") and not f.name.endswith(".tmp.npz"):
-            runs.setdefault(f.parent.name, set()).add(f"{f.parent.name}/{f.name.removesuffix('.npz')}")
-        elif f.name.endswith(".zarr.old"):
-            runs.setdefault(f.parent.name, set()).add(f"{f.parent.name}/{f.name.removesuffix('.zarr.old')}")
-    steps = {g: (io.group_attrs(store, g, corrupt_ok=True) or {}).get("global_step") for gs in runs.values() for g in gs}
+        name = f.name.removesuffix(".zarr.old") if f.name.endswith(".zarr.old") else \
+            f.name.removesuffix(".npz") if f.name.endswith(".npz") and not f.name.endswith(".tmp.npz") else None
+        if name:
+            runs.setdefault(f.parent.name, set()).add(f"{f.parent.name}/{name}")
+    steps = {g: (io.group_attrs(store, g, corrupt_ok=True) or {}).get("global_step")
+             for gs in runs.values() for g in gs}
     return {r: sorted(gs, key=lambda g: io.group_order(g, steps)) for r, gs in sorted(runs.items())}
 
 
@@ -148,8 +149,9 @@ def inventory(store: str | Path) -> dict:
         io.open_tree(store)  # the one-line error for a path that is not a store
     good, bad = io.checkpoint_groups(store)
     entries = [_checkpoint(store, g, set(good), bad) for gs in known(store).values() for g in gs]
-    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store / run))  # nothing found below
-                for run, why in bad.items() if "/" not in run and not any(e.group.startswith(f"{run}/") for e in entries)]
+    listed = {e.group.split("/")[0] for e in entries}
+    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store / run))  # a run with nothing below
+                for run, why in bad.items() if "/" not in run and run not in listed]
     configs = [_config(e.attrs) for e in entries if e.attrs]
     keys = sorted({k for c in configs for k in c} - PER_CHECKPOINT - {"dataset"})
     settings = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]

@@ -183,6 +183,10 @@ def test_ls_names_corrupt_and_interrupted_groups_without_a_traceback(store):
     assert rows["neo-2x32/checkpoint-40"]["status"] == "ok"
     text = run_cli("ls", store).output
     assert "corrupt" in text and "incomplete" in text and "3 not ok" in text
+    (store / "neo-2x32@other/zarr.json").write_text("")  # a run's own metadata: its checkpoint is still listed
+    assert {c["group"]: c for c in ls(store)["checkpoints"]}[OTHER]["status"].startswith("corrupt: its metadata")
+    run_cli("rm", store, "neo-2x32/checkpoint-20", "neo-2x32/checkpoint-60", "neo-2x32@other", "--yes")
+    assert [c["group"] for c in ls(store)["checkpoints"]] == ["neo-2x32/checkpoint-40"]  # what was bad can be removed
     r = run_cli("ls", store.parent / "nope.zarr", ok=False)
     assert "no ncanalyze store" in r.output and len(r.output.strip().splitlines()) == 1
 
