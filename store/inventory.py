@@ -1,9 +1,9 @@
 """What a store holds (``ncanalyze ls``), and removing checkpoints, runs or tags from it safely (``ncanalyze rm``).
 
 Listing reads metadata only (attributes and file sizes, no data chunks). A removal takes each checkpoint's lock (the
-one extraction holds, store/lock.py), moves the group out of the store in one rename to the place where a write that
-was cut short leaves an old group (``io.recover_swap`` puts such a group back), removes its resume state, then deletes
-what it moved: a kill leaves the store with the whole group or without it, never half of it.
+one extraction holds, store/lock.py), moves the group out of the store in one rename to a folder beside it, removes
+its resume state, then deletes what it moved: a kill leaves the store with the whole group or without it, never half
+of it (and ``rm`` run again deletes what is left beside it).
 """
 from __future__ import annotations
 
@@ -45,9 +45,10 @@ def disk_bytes(path: Path) -> int:
 
 
 def _leftovers(store: Path, group: str) -> list[Path]:
-    """What beside the store belongs to checkpoint ``group``: resume state, staged layers, staged or old copy."""
+    """What beside the store belongs to checkpoint ``group``: resume state, staged layers, staged or old copy, and
+    what a removal cut short left."""
     spath = state_of(store, group)
-    return [p for p in (spath, stage(spath), spath.with_suffix(".zarr"), spath.with_suffix(".zarr.old"))
+    return [p for p in (spath, stage(spath), *(spath.with_suffix(f".zarr{s}") for s in ("", ".old", ".removing")))
             if p.exists()]
 
 
@@ -59,8 +60,8 @@ def known(store: Path) -> dict[str, list[str]]:
         runs[run.name] = {f"{run.name}/{c.name}" for c in run.iterdir() if (c / "zarr.json").is_file()}
     partial = partial_dir(store)
     for f in partial.glob("[!.]*/*") if partial.is_dir() else ():
-        name = f.name.removesuffix(".zarr.old") if f.name.endswith(".zarr.old") else \
-            f.name.removesuffix(".npz") if f.name.endswith(".npz") and not f.name.endswith(".tmp.npz") else None
+        ends = [s for s in (".zarr.old", ".zarr.removing", ".npz") if f.name.endswith(s)]
+        name = f.name.removesuffix(ends[0]) if ends and not f.name.endswith(".tmp.npz") else None
         if name:
             runs.setdefault(f.parent.name, set()).add(f"{f.parent.name}/{name}")
     steps = {g: (io.group_attrs(store, g, corrupt_ok=True) or {}).get("global_step")
@@ -74,7 +75,7 @@ def known(store: Path) -> dict[str, list[str]]:
 class Entry:
     """One checkpoint of a store as ``ls`` shows it."""
     group: str
-    status: str = "ok"      # ok | incomplete | corrupt: why | interrupted (only a resume state or an old copy)
+    status: str = "ok"      # ok | incomplete | corrupt: why | interrupted extraction | interrupted removal
     attrs: dict = field(default_factory=dict)
     layers: list[int] = field(default_factory=list)
     measured: str = "no"    # min_count=N | no | stale | partly
@@ -115,7 +116,9 @@ def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) ->
     entry = Entry(group, bytes=disk_bytes(store / group) + sum(disk_bytes(p) for p in _leftovers(store, group)))
     run = group.split("/")[0]
     if not (store / group).is_dir():
-        entry.status = "interrupted: a resume state or old copy only (extract again to finish, or rm it)"
+        removing = state_of(store, group).with_suffix(".zarr.removing").exists()
+        entry.status = ("interrupted removal (rm it again to finish)" if removing else
+                        "interrupted extraction: a resume state or old copy only (extract again to finish, or rm it)")
         return entry
     if run in bad or group in bad:
         entry.status = f"corrupt: {bad.get(run, bad.get(group))}"
@@ -212,19 +215,19 @@ def plan_removal(store: str | Path, names: list[str], tags: list[str] = ()) -> R
 
 
 def remove_checkpoint(store: Path, group: str) -> None:
-    """Remove checkpoint ``group`` under its extraction lock: the group leaves the store in one rename (to the old
-    copy's place beside it), then its resume state, staged files and the moved group are deleted. A kill in between
-    leaves the store without the group and the old copy beside it, which the next extraction of that checkpoint (or
-    this removal, run again) finds: the store never holds half a group."""
+    """Remove checkpoint ``group`` under its extraction lock: the group leaves the store in one rename (to a folder
+    beside it that nothing restores), then its resume state, staged files and the moved group are deleted. A kill
+    leaves the store with the whole group or without it; what is left beside it, ``ls`` names and ``rm`` run again
+    removes."""
     spath = state_of(store, group)
-    old = spath.with_suffix(".zarr.old")
+    trash = spath.with_suffix(".zarr.removing")
     with checkpoint_lock(spath.with_suffix(".lock"), group):
         io.recover_swap(store, group, spath.with_suffix(".zarr"))  # a write cut short: its old group is the one
         if (store / group).exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(store / group, old)
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(store / group, trash)
         drop_state(spath)
-        for path in (stage(spath), spath.with_suffix(".zarr"), old):
+        for path in (stage(spath), spath.with_suffix(".zarr"), spath.with_suffix(".zarr.old"), trash):
             shutil.rmtree(path, ignore_errors=True)
 
 

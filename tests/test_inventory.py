@@ -246,8 +246,8 @@ def test_rm_removes_a_resume_state_and_finishes_an_interrupted_removal(store, tr
     run_cli("rm", store, "neo-2x32@killed/checkpoint-40", "--yes")
     assert not state.exists() and "neo-2x32@killed/checkpoint-40" not in {c["group"] for c in ls(store)["checkpoints"]}
 
-    # a removal killed between its rename and its delete leaves the old copy beside the store, where a write cut
-    # short leaves one: ls names it, the next extraction puts it back whole, and rm run again finishes the removal
+    # a write cut short between its two renames leaves the old group beside the store: ls names it, the next
+    # extraction puts it back whole, and rm removes it
     before = files(store / ck)
     old = state_of(store, ck).with_suffix(".zarr.old")
     old.parent.mkdir(parents=True)
@@ -255,10 +255,20 @@ def test_rm_removes_a_resume_state_and_finishes_an_interrupted_removal(store, tr
     assert {c["group"]: c for c in ls(store)["checkpoints"]}[ck]["status"].startswith("interrupted")
     r = run_cli("extract", trained_run / "checkpoint-40", "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS)
     assert "already in" in r.output and files(store / ck) == before
-    old.parent.mkdir(parents=True)  # (the extraction pruned the emptied folders beside the store)
-    os.rename(store / ck, old)
     run_cli("rm", store, ck, "--yes")
     assert not (store / ck).exists() and not Path(f"{store}.partial").exists()
+
+    # a removal killed midway (while deleting) leaves a folder beside the store that nothing restores
+    ck = "neo-2x32/checkpoint-60"
+    trash = state_of(store, ck).with_suffix(".zarr.removing")
+    trash.parent.mkdir(parents=True)
+    os.rename(store / ck, trash)
+    shutil.rmtree(trash / "mean")
+    status = {c["group"]: c for c in ls(store)["checkpoints"]}[ck]["status"]
+    assert status == "interrupted removal (rm it again to finish)"
+    run_cli("rm", store, ck, "--yes")
+    assert not trash.exists() and not Path(f"{store}.partial").exists()
+    assert [c["group"] for c in ls(store)["checkpoints"]] == ["neo-2x32/checkpoint-20", OTHER]
 
 
 def test_rm_waits_for_the_extraction_lock(store):
