@@ -85,8 +85,9 @@ class Entry:
         """The entry as one plain record (``ls --json``): the settings are the config keys in ``settings``."""
         run, checkpoint = self.group.split("/", 1)
         config = _config(self.attrs)
+        tag = self.attrs.get("tag", run.rsplit("@", 1)[1] if "@" in run else None)  # (no attributes: from the name)
         return {"group": self.group, "run": run, "checkpoint": checkpoint, "global_step": self.attrs.get("global_step"),
-                "tag": self.attrs.get("tag"), "layers": self.layers, "dataset": self.attrs.get("dataset"),
+                "tag": tag, "layers": self.layers, "dataset": self.attrs.get("dataset"),
                 "settings": {k: config.get(k) for k in settings}, "measured": self.measured, "bytes": self.bytes,
                 "status": self.status}
 
@@ -161,7 +162,7 @@ def inventory(store: str | Path) -> dict:
     total = sum(disk_bytes(p) for p in (store, partial_dir(store), cache_dir(store)))
     return {"store": str(store), "entries": entries, "settings": settings, "bytes": total,
             "runs": sorted({e.group.split("/")[0] for e in entries}),
-            "tags": sorted({e.attrs["tag"] for e in entries if e.attrs.get("tag")}),
+            "tags": sorted({e.row([])["tag"] for e in entries} - {None}),
             "token_cache_bytes": disk_bytes(cache_dir(store))}
 
 
