@@ -11,8 +11,10 @@ from tqdm.auto import tqdm
 import ncanalyze
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
+from ncanalyze.cli.ls import ls
 from ncanalyze.cli.measure import measure
 from ncanalyze.cli.report import report
+from ncanalyze.cli.rm import rm
 
 log = logging.getLogger(__name__)
 ROOT_LOGGER = "ncanalyze"  # configured here; every module's logging.getLogger(__name__) propagates to it
@@ -94,3 +96,5 @@ def main(debug: bool, verbose: int, quiet: int) -> None:
 main.add_command(extract)
 main.add_command(measure)
 main.add_command(report)
+main.add_command(ls)
+main.add_command(rm)

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -51,7 +52,9 @@ def version() -> str:
 
 
 def open_tree(path: str | Path | None = None) -> xr.DataTree:
-    """The whole store as a lazy ``xarray.DataTree``: one group per checkpoint at ``<run>/<checkpoint>``.
+    """The whole store as a lazy ``xarray.DataTree``: one group per checkpoint at ``<run>/<checkpoint>``, in study
+    order (:func:`group_order`), every variable a dask array chunked as its Zarr array, so that opening reads
+    metadata only and work on it is out-of-core.
 
     Parameters
     ----------
@@ -67,12 +70,19 @@ def open_tree(path: str | Path | None = None) -> xr.DataTree:
     if not (p / "zarr.json").is_file():
         raise UserError(f"no ncanalyze store at {p}: run `ncanalyze extract CHECKPOINTS --store {p}` first, "
                         "or pass the right path (or set NCANALYZE_STORE)")
-    return xr.open_datatree(p, engine="zarr", **XR)
+    tree = xr.open_datatree(p, engine="zarr", chunks={}, **XR)  # dask arrays in the Zarr chunks: nothing read yet
+    steps = {node.path.strip("/"): node.attrs.get("global_step") for node in tree.subtree}
+    for node in [n for n in tree.subtree if len(n.children) > 1]:  # runs, checkpoints and layers in study order
+        node.children = dict(sorted(node.children.items(), key=lambda kv: group_order(kv[1].path.strip("/"), steps)))
+    return tree
 
 
 def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
     """The complete checkpoint groups (``run/checkpoint``, and its layer groups ``run/checkpoint/layers/<l>``), and
     the groups whose metadata cannot be read, with why. Group by group, so one corrupt group hides no other.
+
+    In study order (:func:`group_order`): runs by name, a run's checkpoints by ``global_step``, each checkpoint
+    followed by its layer groups by index.
 
     Parameters
     ----------
@@ -84,7 +94,7 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
     tuple
         (complete groups, {group: why} for the unreadable ones).
     """
-    root, good, bad = Path(path), [], {}
+    root, good, bad, steps = Path(path), [], {}, {}
     for d, dirs, files in os.walk(root):
         dirs.sort()
         rel = Path(d).relative_to(root).as_posix()
@@ -103,7 +113,27 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
             dirs[:] = []  # an unfinished checkpoint (an older store's interrupted write): nor its layer groups
         elif "mean" in dirs:
             good.append(rel)
-    return good, bad
+            steps[rel] = g.attrs.get("global_step")
+    return sorted(good, key=lambda rel: group_order(rel, steps)), bad
+
+
+def _natural(name: str) -> tuple:
+    """A sort key reading the numbers in ``name`` as numbers: checkpoint-20 before checkpoint-100."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def group_order(group: str, steps: dict[str, int | None]) -> tuple:
+    """The sort key of ``group`` (``run``, ``run/checkpoint`` or ``run/checkpoint/layers/<l>``): the run's name; the
+    checkpoint's ``global_step`` (from ``steps``, by checkpoint group; none last), then ``final`` after a checkpoint
+    of the same step, then its name (numbers read as numbers); then the checkpoint group before its layers, which go
+    by index (layers/10 after layers/9)."""
+    run, checkpoint, layer = (group.split("/", 2) + ["", ""])[:3]
+    if not checkpoint:
+        return (run,)
+    step = steps.get(f"{run}/{checkpoint}")
+    known = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
+    return (run, not known, step if known else 0, checkpoint == "final", _natural(checkpoint),
+            _natural(layer))
 
 
 def read_group(path: str | Path, group: str) -> xr.Dataset:

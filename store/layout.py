@@ -64,6 +64,19 @@ class CheckpointFiles:
         """A ``--layers`` extraction's finished layers and staged embeddings."""
         return self.state.with_suffix(".layers")
 
+    @property
+    def removing(self) -> Path:
+        """A group ``ncanalyze rm`` moved out of the store, to be deleted (nothing restores it)."""
+        return self.state.with_suffix(".zarr.removing")
+
+    @property
+    def all(self) -> tuple[Path, ...]:
+        """Every file or folder of this checkpoint beside the store, the lock aside."""
+        return self.state, self.layers, self.staging, self.old, self.removing
+
+
+_BESIDE = (".zarr.old", ".zarr.removing", ".npz")  # what names a checkpoint beside the store (a state or a moved group)
+
 
 @dataclass(frozen=True)
 class StoreLayout:
@@ -103,3 +116,17 @@ class StoreLayout:
             Its resume state, lock, staged group, replaced group and layers folder.
         """
         return CheckpointFiles(self.partial / ckpt.run / f"{ckpt.name}.npz")
+
+    def group_files(self, group: str) -> CheckpointFiles:
+        """:meth:`checkpoint` of the group ``<run>/<checkpoint>``."""
+        run, name = group.split("/")
+        return CheckpointFiles(self.partial / run / f"{name}.npz")
+
+    def groups_beside(self) -> list[str]:
+        """The checkpoint groups ``<run>/<checkpoint>`` that have a resume state or a moved group beside the store."""
+        found = []
+        for f in self.partial.glob("[!.]*/*") if self.partial.is_dir() else ():
+            ends = [s for s in _BESIDE if f.name.endswith(s)]
+            if ends and not f.name.endswith(".tmp.npz"):
+                found.append(f"{f.parent.name}/{f.name.removesuffix(ends[0])}")
+        return found

@@ -1,0 +1,244 @@
+"""What a store holds (``ncanalyze ls``), and removing checkpoints, runs or tags from it safely (``ncanalyze rm``).
+
+Listing reads metadata only (attributes and file sizes, no data chunks). A removal takes each checkpoint's lock (the
+one extraction holds, store/lock.py), moves the group out of the store in one rename to a folder beside it, removes
+its resume state, then deletes what it moved: a kill leaves the store with the whole group or without it, never half
+of it (and ``rm`` run again deletes what is left beside it).
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.schema import LAYER
+from ncanalyze.store import io
+from ncanalyze.store.layout import CheckpointFiles, StoreLayout
+from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.resume import drop_state, prune
+
+log = logging.getLogger(__name__)
+
+PER_CHECKPOINT = {"weights"}  # config keys that differ between checkpoints by nature: not a setting of the study
+
+
+def files_of(store: Path, group: str) -> CheckpointFiles:
+    """The files beside the store of checkpoint ``group`` (``run/checkpoint``), where extraction keeps them."""
+    return StoreLayout(store).group_files(group)
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (a file or a folder; 0 if absent)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum((Path(d) / f).lstat().st_size for d, _, files in os.walk(path) for f in files)
+
+
+def _leftovers(store: Path, group: str) -> list[Path]:
+    """What beside the store belongs to checkpoint ``group``: resume state, staged layers, staged or old copy, and
+    what a removal cut short left."""
+    return [p for p in files_of(store, group).all if p.exists()]
+
+
+def known(store: Path) -> dict[str, list[str]]:
+    """Every run of ``store`` -> its checkpoint groups (``run/checkpoint``): those in the store, and those that exist
+    only beside it (a resume state, or an old copy left by a write or removal cut short), in study order."""
+    runs: dict[str, set[str]] = {}
+    for run in (d for d in store.iterdir() if (d / "zarr.json").is_file() and not d.name.startswith(".")):
+        runs[run.name] = {f"{run.name}/{c.name}" for c in run.iterdir() if (c / "zarr.json").is_file()}
+    for group in StoreLayout(store).groups_beside():
+        runs.setdefault(group.split("/")[0], set()).add(group)
+    steps = {g: (io.group_attrs(store, g, corrupt_ok=True) or {}).get("global_step")
+             for gs in runs.values() for g in gs}
+    return {r: sorted(gs, key=lambda g: io.group_order(g, steps)) for r, gs in sorted(runs.items())}
+
+
+# ---------------------------------------------------------------------------------------------------------- listing
+
+@dataclass
+class Entry:
+    """One checkpoint of a store as ``ls`` shows it."""
+    group: str
+    status: str = "ok"      # ok | incomplete | corrupt: why | interrupted extraction | interrupted removal
+    attrs: dict = field(default_factory=dict)
+    layers: list[int] = field(default_factory=list)
+    measured: str = "no"    # min_count=N | no | stale | partly
+    bytes: int = 0
+
+    def row(self, settings: list[str]) -> dict:
+        """The entry as one plain record (``ls --json``): the settings are the config keys in ``settings``."""
+        run, checkpoint = self.group.split("/", 1)
+        config = _config(self.attrs)
+        tag = self.attrs.get("tag", run.rsplit("@", 1)[1] if "@" in run else None)  # (no attributes: from the name)
+        return {"group": self.group, "run": run, "checkpoint": checkpoint, "global_step": self.attrs.get("global_step"),
+                "tag": tag, "layers": self.layers, "dataset": self.attrs.get("dataset"),
+                "settings": {k: config.get(k) for k in settings}, "measured": self.measured, "bytes": self.bytes,
+                "status": self.status}
+
+
+def _config(attrs: dict) -> dict:
+    """The extraction's configuration record of a group (its ``config`` attribute, JSON), {} if absent or unreadable."""
+    try:
+        config = json.loads(attrs.get("config") or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _measured(attrs: list[dict]) -> str:
+    """Whether a checkpoint's groups (its own and its layers') hold metrics, current ones (measured since the
+    statistics were written), and under which min_count: 'min_count=N', 'no', 'stale' or 'partly'."""
+    has = [a for a in attrs if "metrics" in a]
+    current = [a for a in has if a.get("metrics_config_hash") == a.get("config_hash")]
+    counts = {a.get("metrics_min_count") for a in current}
+    if len(current) == len(attrs) and len(counts) == 1:
+        return f"min_count={counts.pop()}"
+    return "no" if not has else "stale" if not current else "partly"
+
+
+def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) -> Entry:
+    """The entry of checkpoint ``group``: its status, layers, measurement and size (its leftovers included)."""
+    entry = Entry(group, bytes=disk_bytes(store / group) + sum(disk_bytes(p) for p in _leftovers(store, group)))
+    run = group.split("/")[0]
+    if not (store / group).is_dir():
+        removing = files_of(store, group).removing.exists()
+        entry.status = ("interrupted removal (rm it again to finish)" if removing else
+                        "interrupted extraction: a resume state or old copy only (extract again to finish, or rm it)")
+        return entry
+    if run in bad or group in bad:
+        entry.status = f"corrupt: {bad.get(run, bad.get(group))}"
+        return entry
+    if group not in good:
+        entry.status = "incomplete: an interrupted write (extract again to finish, or rm it)"
+        return entry
+    entry.attrs = io.group_attrs(store, group)
+    subs = sorted((g for g in [*good, *bad] if g.startswith(f"{group}/layers/")), key=lambda g: io.group_order(g, {}))
+    own = entry.attrs.get(LAYER, entry.attrs.get("n_layers"))
+    entry.layers = sorted({int(g.rsplit("/", 1)[1]) for g in subs if g.rsplit("/", 1)[1].isdigit()}
+                          | ({own} if isinstance(own, int) else set()))
+    problems = [f"{g.removeprefix(group + '/')} corrupt ({bad[g]})" for g in subs if g in bad]
+    try:
+        problems += [f"{g.removeprefix(group).strip('/') or 'it'} lacks data chunks ({', '.join(m)})"
+                     for g in [group, *subs] if g in good for m in [io.missing_chunks(store, g)] if m]
+    except io.CORRUPT as e:
+        problems.append(f"an array's metadata is corrupt ({e})")
+    if problems:
+        entry.status = "corrupt: " + "; ".join(problems)
+    entry.measured = _measured([entry.attrs, *(io.group_attrs(store, g) for g in subs if g in good)])
+    return entry
+
+
+def inventory(store: str | Path) -> dict:
+    """What ``store`` holds, from metadata only: ``entries`` (an :class:`Entry` per checkpoint, in study order),
+    ``settings`` (the configuration keys whose values differ between the store's checkpoints; ``dataset`` is always
+    shown), ``runs``, ``tags``, ``bytes`` (the store, its resume folder and its token cache) and ``store``."""
+    store = Path(store)
+    if not (store / "zarr.json").is_file():
+        io.open_tree(store)  # the one-line error for a path that is not a store
+    good, bad = io.checkpoint_groups(store)
+    entries = [_checkpoint(store, g, set(good), bad) for gs in known(store).values() for g in gs]
+    listed = {e.group.split("/")[0] for e in entries}
+    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store / run))  # a run with nothing below
+                for run, why in bad.items() if "/" not in run and run not in listed]
+    configs = [_config(e.attrs) for e in entries if e.attrs]
+    keys = sorted({k for c in configs for k in c} - PER_CHECKPOINT - {"dataset"})
+    settings = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
+    layout = StoreLayout(store)
+    total = sum(disk_bytes(p) for p in (store, layout.partial, layout.tokens))
+    return {"store": str(store), "entries": entries, "settings": settings, "bytes": total,
+            "runs": sorted({e.group.split("/")[0] for e in entries}),
+            "tags": sorted({e.row([])["tag"] for e in entries} - {None}),
+            "token_cache_bytes": disk_bytes(layout.tokens)}
+
+
+# ---------------------------------------------------------------------------------------------------------- removal
+
+@dataclass
+class Removal:
+    """What ``rm`` removes: checkpoint groups (``run/checkpoint``, with their layers and what lies beside the store
+    for them) and whole runs (every checkpoint, then the run's own group)."""
+    store: Path
+    groups: list[str]
+    runs: list[str]
+
+    @property
+    def bytes(self) -> int:
+        return sum(disk_bytes(self.store / g) + sum(disk_bytes(p) for p in _leftovers(self.store, g))
+                   for g in self.groups)
+
+
+def plan_removal(store: str | Path, names: list[str], tags: list[str] = ()) -> Removal:
+    """Resolve ``names`` (``run/checkpoint`` or ``run``) and ``tags`` (every ``<run>@<tag>`` run) against ``store``;
+    a UserError, in one line, for the names that match nothing, with the close matches."""
+    store = Path(store)
+    if not (store / "zarr.json").is_file():
+        io.open_tree(store)  # the one-line error for a path that is not a store
+    runs_ = known(store)
+    groups = [g for gs in runs_.values() for g in gs]
+    runs, picked, unknown = [], [], []
+    for name in dict.fromkeys(n.strip("/") for n in names):
+        if name in runs_:
+            runs.append(name)
+        elif name in groups:
+            picked.append(name)
+        elif name.split("/layers/")[0] in groups:
+            raise UserError(f"{name} is a layer of {name.split('/layers/')[0]}, whose configuration names its layers: "
+                            "remove the whole checkpoint, or extract it again with other --layers --overwrite")
+        else:
+            close = difflib.get_close_matches(name, [*runs_, *groups], n=3, cutoff=0.6)
+            unknown.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    for tag in tags:
+        tagged = [r for r in runs_ if r.endswith(f"@{tag}")]
+        if not tagged:
+            there = sorted({r.rsplit("@", 1)[1] for r in runs_ if "@" in r})
+            unknown.append(f"tag {tag!r} (tags here: {', '.join(there) or 'none'})")
+        runs += tagged
+    if unknown:
+        raise UserError(f"nothing in {store} named {'; '.join(unknown)}: `ncanalyze ls {store}` lists what it holds")
+    runs = list(dict.fromkeys(runs))
+    picked = [g for g in picked if g.split("/")[0] not in runs]
+    return Removal(store, picked + [g for r in runs for g in runs_[r]], runs)
+
+
+def remove_checkpoint(store: Path, group: str) -> None:
+    """Remove checkpoint ``group`` under its extraction lock: the group leaves the store in one rename (to a folder
+    beside it that nothing restores), then its resume state, staged files and the moved group are deleted. A kill
+    leaves the store with the whole group or without it; what is left beside it, ``ls`` names and ``rm`` run again
+    removes."""
+    files = files_of(store, group)
+    with checkpoint_lock(files.lock, group):
+        io.recover_swap(store, group, files)  # a write cut short: its old group is the one
+        if (store / group).exists():
+            shutil.rmtree(files.removing, ignore_errors=True)
+            os.rename(store / group, files.removing)
+        drop_state(files.state)
+        for path in (files.layers, files.staging, files.old, files.removing):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def remove(removal: Removal) -> list[str]:
+    """Carry out ``removal``: each checkpoint (:func:`remove_checkpoint`), then each whole run's own group once
+    nothing else is left in it. Returns what was left behind, with why (a run holding other folders)."""
+    store, left = removal.store, []
+    try:
+        for group in removal.groups:
+            remove_checkpoint(store, group)
+            log.debug("removed %s", group)
+        for run in removal.runs:
+            folder = store / run
+            others = [p.name for p in folder.iterdir() if p.name != "zarr.json"] if folder.is_dir() else []
+            if others:
+                left.append(f"{run} (it also holds {', '.join(sorted(others)[:3])})")
+                continue
+            (folder / "zarr.json").unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                folder.rmdir()
+    finally:
+        prune(StoreLayout(store).partial)
+    return left
