@@ -5,7 +5,8 @@ import json
 
 import click
 
-from ncanalyze.cli.common import resolve_store, store_argument
+from ncanalyze.cli.common import resolve_store
+from ncanalyze.cli.options import store_argument
 
 
 def human(n: float) -> str:
@@ -61,7 +62,7 @@ def table(inv: dict) -> str:
 
 
 @click.command(short_help="What the store holds: runs, checkpoints, tags, layers, settings, sizes.")
-@store_argument
+@store_argument("ls")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (store, bytes, runs, tags, settings, "
               "checkpoints) for scripts.")
 def ls(store_positional, store, as_json):

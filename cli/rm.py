@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.cli.common import resolve_store, store_option
+from ncanalyze.cli.common import resolve_store
+from ncanalyze.cli.options import option
 from ncanalyze.cli.ls import human
 
 
@@ -21,7 +22,7 @@ def split_store(names: tuple[str, ...], store: str | None) -> tuple[str, list[st
 
 @click.command(short_help="Remove checkpoints, runs or a tag from the store, safely.")
 @click.argument("names", nargs=-1, metavar="[STORE] GROUP...")
-@store_option
+@option("store", "rm")
 @click.option("--tag", "tags", multiple=True, metavar="NAME",
               help="Remove every run extracted with --tag NAME (its <run>@NAME groups). Repeatable.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation (needed when stdin is not a terminal).")
