@@ -19,7 +19,7 @@ from pathlib import Path
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import LAYER
 from ncanalyze.store import io
-from ncanalyze.store.layout import CheckpointFiles, StoreLayout
+from ncanalyze.store.layout import CheckpointFiles, StoreLayout, group_order
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.resume import drop_state, prune
 
@@ -56,7 +56,7 @@ def known(store: Path) -> dict[str, list[str]]:
         runs.setdefault(group.split("/")[0], set()).add(group)
     steps = {g: (io.group_attrs(store, g, corrupt_ok=True) or {}).get("global_step")
              for gs in runs.values() for g in gs}
-    return {r: sorted(gs, key=lambda g: io.group_order(g, steps)) for r, gs in sorted(runs.items())}
+    return {r: sorted(gs, key=lambda g: group_order(g, steps)) for r, gs in sorted(runs.items())}
 
 
 # ---------------------------------------------------------------------------------------------------------- listing
@@ -118,7 +118,7 @@ def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) ->
         entry.status = "incomplete: an interrupted write (extract again to finish, or rm it)"
         return entry
     entry.attrs = io.group_attrs(store, group)
-    subs = sorted((g for g in [*good, *bad] if g.startswith(f"{group}/layers/")), key=lambda g: io.group_order(g, {}))
+    subs = sorted((g for g in [*good, *bad] if g.startswith(f"{group}/layers/")), key=lambda g: group_order(g, {}))
     own = entry.attrs.get(LAYER, entry.attrs.get("n_layers"))
     entry.layers = sorted({int(g.rsplit("/", 1)[1]) for g in subs if g.rsplit("/", 1)[1].isdigit()}
                           | ({own} if isinstance(own, int) else set()))

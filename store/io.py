@@ -11,7 +11,6 @@ import contextlib
 import errno
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -26,7 +25,7 @@ import zarr.errors
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import MEASURED, PER_CLASS
-from ncanalyze.store.layout import CheckpointFiles, default_store
+from ncanalyze.store.layout import CheckpointFiles, default_store, group_order
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
@@ -115,25 +114,6 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
             good.append(rel)
             steps[rel] = g.attrs.get("global_step")
     return sorted(good, key=lambda rel: group_order(rel, steps)), bad
-
-
-def _natural(name: str) -> tuple:
-    """A sort key reading the numbers in ``name`` as numbers: checkpoint-20 before checkpoint-100."""
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
-
-
-def group_order(group: str, steps: dict[str, int | None]) -> tuple:
-    """The sort key of ``group`` (``run``, ``run/checkpoint`` or ``run/checkpoint/layers/<l>``): the run's name; the
-    checkpoint's ``global_step`` (from ``steps``, by checkpoint group; none last), then ``final`` after a checkpoint
-    of the same step, then its name (numbers read as numbers); then the checkpoint group before its layers, which go
-    by index (layers/10 after layers/9)."""
-    run, checkpoint, layer = (group.split("/", 2) + ["", ""])[:3]
-    if not checkpoint:
-        return (run,)
-    step = steps.get(f"{run}/{checkpoint}")
-    known = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
-    return (run, not known, step if known else 0, checkpoint == "final", _natural(checkpoint),
-            _natural(layer))
 
 
 def read_group(path: str | Path, group: str) -> xr.Dataset:

@@ -13,7 +13,9 @@ This module imports nothing heavy (no zarr, xarray or torch), so that the comman
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -130,3 +132,22 @@ class StoreLayout:
             if ends and not f.name.endswith(".tmp.npz"):
                 found.append(f"{f.parent.name}/{f.name.removesuffix(ends[0])}")
         return found
+
+
+def _natural(name: str) -> tuple:
+    """A sort key reading the numbers in ``name`` as numbers: checkpoint-20 before checkpoint-100."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def group_order(group: str, steps: dict[str, int | None]) -> tuple:
+    """The sort key of ``group`` (``run``, ``run/checkpoint`` or ``run/checkpoint/layers/<l>``): the run's name; the
+    checkpoint's ``global_step`` (from ``steps``, by checkpoint group; none last), then ``final`` after a checkpoint
+    of the same step, then its name (numbers read as numbers); then the checkpoint group before its layers, which go
+    by index (layers/10 after layers/9)."""
+    run, checkpoint, layer = (group.split("/", 2) + ["", ""])[:3]
+    if not checkpoint:
+        return (run,)
+    step = steps.get(f"{run}/{checkpoint}")
+    known = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
+    return (run, not known, step if known else 0, checkpoint == "final", _natural(checkpoint),
+            _natural(layer))

@@ -22,6 +22,7 @@ from test_metrics import assert_metrics, brute_force
 import ncanalyze.store
 from ncanalyze.analyzer import SCALARS, measure
 from ncanalyze.store import io
+from ncanalyze.store.layout import group_order
 from ncanalyze.store.inventory import disk_bytes, files_of
 from ncanalyze.store.measure import measure_store
 from ncanalyze.store.lock import checkpoint_lock
@@ -105,7 +106,7 @@ def test_group_order_key():
              "a/checkpoint-5": 5, "r/checkpoint-3": 3.0}
     groups = ["r/final", "r/checkpoint-x", "r/checkpoint-100", "r/checkpoint-20/layers/10", "r/checkpoint-20",
               "r/checkpoint-20/layers/9", "a/checkpoint-5", "r", "r/checkpoint-3"]
-    assert sorted(groups, key=lambda g: io.group_order(g, steps)) == [
+    assert sorted(groups, key=lambda g: group_order(g, steps)) == [
         "a/checkpoint-5", "r", "r/checkpoint-3", "r/checkpoint-20", "r/checkpoint-20/layers/9",
         "r/checkpoint-20/layers/10", "r/checkpoint-100", "r/final", "r/checkpoint-x"]
 
