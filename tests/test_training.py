@@ -1,0 +1,180 @@
+"""NeuralCollapseCallback (SPEC 2b): the store groups it writes while the stock Trainer trains a tiny GPT-Neo equal
+``ncanalyze extract`` of the checkpoints saved at the same steps, its metrics reach the Trainer's logs, and training
+is bit-identical with and without it."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli, train_sweep
+
+STEPS, EVERY = 20, 10
+OPTS = {"max_train_tokens": 2048, "max_val_tokens": 1024, "batch_size": 4, "samples_per_class": 2}
+CLI_OPTS = ("--max-train-tokens", 2048, "--max-val-tokens", 1024, "--batch-size", 4, "--samples-per-class", 2)
+
+
+@contextlib.contextmanager
+def said(caplog):
+    """The callback's log lines (the CLI's handler may have stopped the ``ncanalyze`` logger propagating)."""
+    logger = logging.getLogger("ncanalyze")
+    logger.addHandler(caplog.handler)
+    lines: list[str] = []
+    try:
+        with caplog.at_level(logging.INFO, logger="ncanalyze"):
+            yield lines
+    finally:
+        logger.removeHandler(caplog.handler)
+        lines += [r.getMessage() for r in caplog.records if r.name == "ncanalyze.store.training"]
+
+
+def train(corpus, out: Path, callbacks=(), steps: int = STEPS, give_trainer: bool = False, **args):
+    """A tiny GPT-Neo trained by the stock Trainer as tests/conftest.py's run is, evaluated and saved every
+    ``EVERY`` steps, with the tokenizer as its processing class; returns the trainer."""
+    from transformers import AutoTokenizer, GPTNeoForCausalLM, Trainer, TrainingArguments, default_data_collator
+    from transformers import set_seed
+
+    set_seed(0)
+    tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
+    data = train_sweep.lm_datasets([corpus["train"]], [corpus["val"]], tok, 32)
+    model = GPTNeoForCausalLM(train_sweep.neo_config(len(tok), 2, 32, 4, 32))
+    targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                              max_steps=steps, learning_rate=3e-3, eval_strategy="steps", eval_steps=EVERY,
+                              save_strategy="steps", save_steps=EVERY, logging_steps=EVERY, seed=0, report_to=[],
+                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, **args)
+    trainer = Trainer(model=model, args=targs, train_dataset=data["train"],
+                      eval_dataset=data["validation"].select(range(16)), data_collator=default_data_collator,
+                      processing_class=tok)
+    for cb in callbacks:
+        if give_trainer:
+            cb.trainer = trainer
+        trainer.add_callback(cb)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def measured(corpus, tmp_path_factory):
+    """A run trained with the callback (store ``live.zarr``) and its saved checkpoints extracted (``ckpt.zarr``)."""
+    from ncanalyze.training import NeuralCollapseCallback
+
+    d = tmp_path_factory.mktemp("training")
+    cb = NeuralCollapseCallback(d / "live.zarr", str(corpus["train"]), str(corpus["val"]), **OPTS)
+    trainer = train(corpus, d / "neo", [cb])
+    run_cli("extract", d / "neo", "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store",
+            d / "ckpt.zarr", *CLI_OPTS)
+    return {"dir": d, "live": d / "live.zarr", "ckpt": d / "ckpt.zarr", "trainer": trainer, "cb": cb}
+
+
+def test_each_evaluation_equals_extract_of_the_checkpoint_saved_then(measured):
+    import ncanalyze.store
+
+    live, ckpt = ncanalyze.store.open(measured["live"]), ncanalyze.store.open(measured["ckpt"])
+    assert sorted(live["neo"].children) == ["step-10", "step-20"]
+    for step in (10, 20):
+        a, b = live[f"neo/step-{step}"].to_dataset(), ckpt[f"neo/checkpoint-{step}"].to_dataset()
+        assert set(a.data_vars) == set(b.data_vars)
+        for name in ("count", "val_count", "val_correct", "val_ncc_agree", "n_samples", "sample_position"):
+            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+        for name in ("mean", "variance", "within_covariance", "classifier", "samples"):
+            np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
+        assert a.attrs["global_step"] == step and a.attrs["epoch"] == b.attrs["epoch"]
+        assert a.attrs["eval_loss"] == b.attrs["eval_loss"]  # that evaluation's, as trainer_state.json logged it
+        assert a.attrs["val_loss"] == pytest.approx(b.attrs["val_loss"], abs=1e-12)
+        assert a.attrs["train_tokens"] == b.attrs["train_tokens"] > 0 and a.attrs["val_tokens"] == b.attrs["val_tokens"]
+        assert a["count"].values.sum() == 2048 - 2048 // 32  # every position but each block's last
+
+
+def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measured):
+    import ncanalyze.store
+    from ncanalyze.analyzer.metrics import measure
+
+    history = measured["trainer"].state.log_history
+    for step in (10, 20):
+        logged = [e for e in history if e.get("step") == step and "nc/nc1_cdnv" in e]
+        assert len(logged) == 1, history
+        ds = ncanalyze.store.open(measured["ckpt"])[f"neo/checkpoint-{step}"].to_dataset()
+        expected = measure(ds)  # the same metrics from the checkpoint's extraction
+        for k, v in expected.items():
+            assert logged[0][f"nc/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), k
+        assert logged[0]["nc/val_loss"] == pytest.approx(ds.attrs["val_loss"], abs=1e-12)
+    run_cli("measure", "--store", measured["live"])
+    table = ncanalyze.store.open(measured["live"]).nc.table()
+    assert sorted(table["checkpoint"]) == ["step-10", "step-20"]
+
+
+def test_a_measurement_leaves_the_model_and_every_generator_as_it_was(measured, corpus, tmp_path):
+    """Planted: train mode, dropout on, every RNG advanced to a known state; after a measurement all are the same."""
+    from ncanalyze.training import NeuralCollapseCallback
+
+    trainer = measured["trainer"]
+    cb = NeuralCollapseCallback(tmp_path / "p.zarr", str(corpus["train"]), str(corpus["val"]), **OPTS)
+    model = trainer.model
+    model.train()
+    model.transformer.h[0].eval()  # a mixed state, restored module by module
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
+    modes = [m.training for m in model.modules()]
+    grads = [p.grad for p in model.parameters()]
+    from ncanalyze.store.layout import StoreLayout
+
+    cb.write(model, trainer.processing_class, "planted/step-1", StoreLayout(tmp_path / "p.zarr").group_files(
+        "planted/step-1"), {"global_step": 1, "epoch": 0.0, "eval_loss": None})
+    assert [m.training for m in model.modules()] == modes
+    assert random.getstate() == before[0]
+    np.testing.assert_array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_training_with_the_callback_is_bit_identical(measured, corpus, tmp_path):
+    """The final weights with the callback (the fixture's run) equal those of the same training without it."""
+    plain = train(corpus, tmp_path / "neo")
+    a, b = measured["trainer"].model.state_dict(), plain.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_vocabulary_mismatch_is_one_line_and_training_goes_on(corpus, tmp_path, caplog):
+    from ncanalyze.training import NeuralCollapseCallback
+
+    tokens = tmp_path / "big.npy"
+    np.save(tokens, np.arange(4096, dtype=np.int64) % 5000)  # ids past the 300-token vocabulary
+    cb = NeuralCollapseCallback(tmp_path / "s.zarr", str(tokens), str(tokens), **OPTS)
+    with said(caplog) as lines:
+        trainer = train(corpus, tmp_path / "neo", [cb], steps=EVERY)
+    assert trainer.state.global_step == EVERY
+    assert len(lines) == 1 and "outside the model's vocabulary" in lines[0] and "training goes on" in lines[0], lines
+
+
+def test_a_run_under_other_settings_is_refused_and_kept(measured, corpus, tmp_path, caplog):
+    """The store holds run ``neo`` at max_train_tokens 2048; the same run name at 1024 is refused and the store's
+    groups stay as they were."""
+    import ncanalyze.store
+    from ncanalyze.training import NeuralCollapseCallback
+
+    before = ncanalyze.store.open(measured["live"]).to_dict()
+    cb = NeuralCollapseCallback(measured["live"], str(corpus["train"]), str(corpus["val"]),
+                                **{**OPTS, "max_train_tokens": 1024})
+    with said(caplog) as lines:
+        trainer = train(corpus, tmp_path / "neo", [cb], steps=EVERY)
+    assert trainer.state.global_step == EVERY
+    assert len(lines) == 1 and "run_name" in lines[0] and "max_train_tokens: 2048 -> 1024" in lines[0], lines
+    after = ncanalyze.store.open(measured["live"]).to_dict()
+    assert list(after) == list(before)
+    for g, node in before.items():
+        assert node.identical(after[g]), g
+
+
+def test_importing_the_module_is_light():
+    code = ("import sys, ncanalyze.training; heavy = {'torch', 'transformers', 'xarray', 'zarr'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
