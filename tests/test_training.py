@@ -178,3 +178,84 @@ def test_importing_the_module_is_light():
     code = ("import sys, ncanalyze.training; heavy = {'torch', 'transformers', 'xarray', 'zarr'} & set(sys.modules); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class Recorder:
+    """An integration's view (TensorBoard, W&B...): every dict the Trainer's ``on_log`` hands the callbacks."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Recorder(TrainerCallback):
+            def __init__(self):
+                self.logs = []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                self.logs.append((state.global_step, dict(logs)))
+        return _Recorder()
+
+
+def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp_path, caplog):
+    """``every=5`` with evaluations every 10: groups at 5, 10, 15, 20, the ones at evaluations with their eval_loss;
+    with the Trainer given, the metrics reach the integrations' ``on_log``; one line per measurement gives its time."""
+    import ncanalyze.store
+    from ncanalyze.training import NeuralCollapseCallback
+
+    rec = Recorder()
+    cb = NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5,
+                                **{**OPTS, "max_train_tokens": 512, "max_val_tokens": 256})
+    with said(caplog) as lines:
+        trainer = train(corpus, tmp_path / "neo", [rec, cb], give_trainer=True)
+    tree = ncanalyze.store.open(tmp_path / "s.zarr")
+    assert list(tree["neo"].children) == ["step-5", "step-10", "step-15", "step-20"]
+    evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+    for step in (5, 10, 15, 20):
+        assert tree[f"neo/step-{step}"].attrs["eval_loss"] == evals.get(step), step
+    seen = {step for step, logs in rec.logs if "nc/nc1_cdnv" in logs and "nc/val_loss" in logs}
+    assert seen == {5, 10, 15, 20}, rec.logs
+    timed = [line for line in lines if "measured in" in line]
+    assert len(timed) == 4 and all(" s" in line for line in timed), lines
+
+
+def test_a_full_disk_is_one_line_training_goes_on_and_the_store_is_kept(corpus, tmp_path, caplog):
+    import os
+
+    import ncanalyze.store
+    from conftest import tmpfs
+    from ncanalyze.training import NeuralCollapseCallback
+
+    small = {**OPTS, "max_train_tokens": 512, "max_val_tokens": 256}
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
+        store = disk / "s.zarr"
+        train(corpus, tmp_path / "neo", [NeuralCollapseCallback(store, str(corpus["train"]), str(corpus["val"]),
+                                                                **small)], steps=EVERY)
+        before = ncanalyze.store.open(store).to_dict()
+        free = os.statvfs(disk)
+        (disk / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 4096))
+        cb = NeuralCollapseCallback(store, str(corpus["train"]), str(corpus["val"]), **small)
+        with said(caplog) as lines:
+            trainer = train(corpus, tmp_path / "neo2", [cb])
+        assert trainer.state.global_step == STEPS
+        full = [line for line in lines if "free space" in line]
+        assert len(full) == 2 and "training goes on" in full[0], lines  # each step tried, neither lost the store
+        after = ncanalyze.store.open(store).to_dict()
+        assert list(after) == list(before)
+        for g, node in before.items():
+            assert node.identical(after[g]), g
+
+
+def test_sharded_parameters_are_refused_in_one_line(corpus, tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from ncanalyze.training import NeuralCollapseCallback
+
+    cb = NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), **OPTS)
+    state = SimpleNamespace(global_step=10, epoch=0.1, is_world_process_zero=True, log_history=[])
+    with said(caplog) as lines:
+        for how in ({"fsdp": "full_shard", "deepspeed": None}, {"fsdp": None, "deepspeed": "ds.json"}):
+            cb.off = None
+            cb.done.clear()
+            cb.on_evaluate(SimpleNamespace(output_dir=str(tmp_path / "neo"), run_name=None, **how), state, None,
+                           metrics={"eval_loss": 1.0})
+    assert len(lines) == 2 and "FSDP" in lines[0] and "DeepSpeed" in lines[1], lines
+    assert all("ncanalyze extract" in line for line in lines) and not (tmp_path / "s.zarr").exists()
