@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure
-from ncanalyze.store import io, layers
+from ncanalyze.store import io, layers, training_ddp as ddp
 from ncanalyze.store.config import (ExtractConfig, config_hash, config_record, differences, layer_plan, open_data,
                                     val_data)
 from ncanalyze.store.data import Blocks
@@ -161,6 +161,7 @@ class NeuralCollapseCallback(TrainerCallback):
         self.done: set[int] = set()
         self.pending = False
         self.seconds: list[float] = []
+        self.n_train: int | None = None  # train batches in all (DDP shares them out)
 
     # --- the Trainer's events ---
 
@@ -189,9 +190,10 @@ class NeuralCollapseCallback(TrainerCallback):
     # --- one measurement ---
 
     def _measure(self, args, state, kwargs: dict, eval_loss: float | None) -> None:
-        """Measure at ``state.global_step`` on the main process, once per step; bad input is one log line."""
-        step = state.global_step
-        if self.off or step in self.done or not state.is_world_process_zero:
+        """Measure at ``state.global_step``, once per step (every rank under DDP, rank 0 writing); bad input is one
+        log line."""
+        step, (rank, _) = state.global_step, ddp.rank_world()
+        if self.off or step in self.done:
             return
         self.done.add(step)
         refused = refuse_sharded(args)
@@ -202,8 +204,10 @@ class NeuralCollapseCallback(TrainerCallback):
         group = f"{run_name(args)}/step-{step}"
         files = StoreLayout(self.store).group_files(group)
         started = time.perf_counter()
+        if not self._ready(kwargs["model"], self._tokenizer(kwargs), group):
+            return
         try:
-            scalars = self.write(kwargs["model"], self._tokenizer(kwargs), group, files,
+            scalars = self.write(kwargs["model"], group, files,
                                  {"global_step": step, "epoch": state.epoch, "eval_loss": eval_loss})
         except UserError as e:
             self._stop(str(e))
@@ -214,32 +218,53 @@ class NeuralCollapseCallback(TrainerCallback):
                         "training goes on", group, self.store, e.strerror or e)
             return
         finally:
-            shutil.rmtree(files.staging, ignore_errors=True)
-            shutil.rmtree(files.layers, ignore_errors=True)
+            if rank == 0:
+                shutil.rmtree(files.staging, ignore_errors=True)
+                shutil.rmtree(files.layers, ignore_errors=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        if scalars is None:  # a rank other than the first: its share is in rank 0's group
+            return
         self.seconds.append(time.perf_counter() - started)
         log.info("ncanalyze: %s measured in %.2f s", group, self.seconds[-1])
         self._log(state, step, scalars)
 
+    def _ready(self, model, tokenizer, group: str) -> bool:
+        """The configuration and data resolved (rank 0 first, so that text is tokenized into the cache once, then the
+        others); an error on any rank stops every rank."""
+        if self.setup is not None:
+            return True
+        rank, _ = ddp.rank_world()
+        error = None
+        for turn in (0, 1):
+            if (rank == 0) == (turn == 0):
+                try:
+                    self._resolve(model, tokenizer, group)
+                except UserError as e:
+                    error = str(e)
+            error = ddp.agree(error)
+            if error:
+                self._stop(error)
+                return False
+        return True
+
     def _stop(self, why: str) -> None:
         self.off = why
-        log.warning("ncanalyze: neural collapse is no longer measured in this run: %s; training goes on", why)
+        if ddp.rank_world()[0] == 0:
+                log.warning("ncanalyze: neural collapse is no longer measured in this run: %s; training goes on", why)
 
     @staticmethod
     def _tokenizer(kwargs: dict):
         tok = kwargs.get("processing_class") or kwargs.get("tokenizer")
         return getattr(tok, "tokenizer", tok)  # a processor holds its tokenizer
 
-    def write(self, model, tokenizer, group: str, files: CheckpointFiles, when: dict) -> dict[str, float]:
-        """Run the passes through ``model`` and write ``group``.
+    def write(self, model, group: str, files: CheckpointFiles, when: dict) -> dict[str, float] | None:
+        """Run the passes through ``model`` and write ``group`` (after :meth:`_ready`).
 
         Parameters
         ----------
         model
             The live model (a transformers causal LM).
-        tokenizer
-            The Trainer's tokenizer (text data), or None.
         group, files
             The group ``<run>/step-<N>`` and its files beside the store.
         when
@@ -247,16 +272,22 @@ class NeuralCollapseCallback(TrainerCallback):
 
         Returns
         -------
-        dict
-            The scalar metrics, ``nc/<metric>`` for the last layer and ``nc/layer_<l>/<metric>`` for the others.
+        dict or None
+            The scalar metrics, ``nc/<metric>`` for the last layer and ``nc/layer_<l>/<metric>`` for the others; None
+            on a rank other than the first under DDP.
         """
-        setup = self.setup or self._resolve(model, tokenizer, group)
-        cfg, scalars = setup.cfg, {}
+        setup, scalars = self.setup, {}
+        cfg = setup.cfg
+        rank, world = ddp.rank_world()
         with untouched(model):
             classifier, bias = head(model)
             device = classifier.device
-            ex = Extraction(setup.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
-            ex.start()
+            ex = Extraction(setup.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
+                            files.layers if rank == 0 else None)
+            if rank == 0:
+                ex.start()
+            if world > 1 and not self._shared(model, setup, ex, rank, group):
+                return None
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
                        group)
             attrs = self._attrs(model, ex, classifier, setup, group, when, device)
@@ -275,6 +306,15 @@ class NeuralCollapseCallback(TrainerCallback):
             if attrs.get(k) is not None:
                 scalars[f"nc/{k}"] = attrs[k]
         return scalars
+
+    def _shared(self, model, setup: _Setup, ex: Extraction, rank: int, group: str) -> bool:
+        """Under DDP: this rank's share of the train pass, merged into rank 0's ``ex`` (the default plan; a plan of
+        several layers is run by rank 0 alone). Whether this rank goes on to the validation pass and the write."""
+        if not setup.plan.default:
+            return rank == 0
+        if self.n_train is None:
+            self.n_train = ddp.n_batches(setup.train, setup.cfg.batch_size)
+        return ddp.share_train(model, setup.train, ex, setup.cfg.batch_size, self.n_train, group)
 
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
         """The configuration for this model, its record, and the blocks; a store holding the run under other

@@ -124,8 +124,9 @@ def test_a_measurement_leaves_the_model_and_every_generator_as_it_was(measured, 
     grads = [p.grad for p in model.parameters()]
     from ncanalyze.store.layout import StoreLayout
 
-    cb.write(model, trainer.processing_class, "planted/step-1", StoreLayout(tmp_path / "p.zarr").group_files(
-        "planted/step-1"), {"global_step": 1, "epoch": 0.0, "eval_loss": None})
+    assert cb._ready(model, trainer.processing_class, "planted/step-1")
+    cb.write(model, "planted/step-1", StoreLayout(tmp_path / "p.zarr").group_files("planted/step-1"),
+             {"global_step": 1, "epoch": 0.0, "eval_loss": None})
     assert [m.training for m in model.modules()] == modes
     assert random.getstate() == before[0]
     np.testing.assert_array_equal(np.random.get_state()[1], before[1])
