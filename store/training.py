@@ -25,7 +25,7 @@ import torch
 from transformers import TrainerCallback
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.metrics import measure
+from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.store import io, layers, training_ddp as ddp
 from ncanalyze.store.config import (ExtractConfig, config_hash, config_record, differences, layer_plan, open_data,
                                     val_data)
@@ -294,14 +294,19 @@ class NeuralCollapseCallback(TrainerCallback):
             norm = layers.final_norm(model)
             ds, others = ex.datasets(classifier, bias, decoded_tokens(setup.tokenizer, classifier.shape[0]), attrs,
                                      norm and norm[0])
-            scalars.update(_named(measure(ds, cfg.min_count), "nc/"))
+            done = [("nc/", group, _metrics(ds, cfg.min_count, group))]
 
             def measured() -> Iterator[tuple[int, object]]:
-                for l, lds in others:
-                    scalars.update(_named(measure(lds, cfg.min_count), f"nc/layer_{l}/"))
+                for l, lds in others:  # measured as each is made: one layer's dataset in memory at a time
+                    where = f"{group}/layers/{l}"
+                    done.append((f"nc/layer_{l}/", where, _metrics(lds, cfg.min_count, where)))
                     yield l, lds
             io.write_checkpoint(self.store, group, ds, files, layers=measured())
             ex.cleanup()
+        for prefix, where, result in done:  # stored as `ncanalyze measure` stores them, once the group is in place
+            if result is not None:
+                io.write_metrics(self.store, where, *result, cfg.min_count, attrs["config_hash"])
+                scalars.update(_named(result[0], prefix))
         for k in ("val_loss", "val_accuracy"):
             if attrs.get(k) is not None:
                 scalars[f"nc/{k}"] = attrs[k]
@@ -386,6 +391,16 @@ def _handled(logger: logging.Logger) -> bool:
             return True
         logger = logger.parent if logger.propagate else None
     return False
+
+
+def _metrics(ds, min_count: int, where: str):
+    """(scalars, per-class) of ``measure_all``, or None with a warning where the group can't be measured (fewer than
+    two kept classes early in training): its statistics are written all the same."""
+    try:
+        return measure_all(ds, min_count)
+    except UserError as e:
+        log.warning("ncanalyze: %s: no metrics (%s)", where, e)
+        return None
 
 
 def _named(metrics: dict[str, float], prefix: str) -> dict[str, float]:

@@ -79,7 +79,7 @@ def test_each_evaluation_equals_extract_of_the_checkpoint_saved_then(measured):
     assert sorted(live["neo"].children) == ["step-10", "step-20"]
     for step in (10, 20):
         a, b = live[f"neo/step-{step}"].to_dataset(), ckpt[f"neo/checkpoint-{step}"].to_dataset()
-        assert set(a.data_vars) == set(b.data_vars)
+        assert set(b.data_vars) <= set(a.data_vars)  # and the per-class metrics, measured as it wrote
         for name in ("count", "val_count", "val_correct", "val_ncc_agree", "n_samples", "sample_position"):
             np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
         for name in ("mean", "variance", "within_covariance", "classifier", "samples"):
@@ -104,9 +104,17 @@ def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measu
         for k, v in expected.items():
             assert logged[0][f"nc/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), k
         assert logged[0]["nc/val_loss"] == pytest.approx(ds.attrs["val_loss"], abs=1e-12)
-    run_cli("measure", "--store", measured["live"])
-    table = ncanalyze.store.open(measured["live"]).nc.table()
-    assert sorted(table["checkpoint"]) == ["step-10", "step-20"]
+    run_cli("measure", "--store", measured["ckpt"])  # the live store was measured as it was written
+    live, ckpt = ncanalyze.store.open(measured["live"]), ncanalyze.store.open(measured["ckpt"])
+    for step in (10, 20):
+        a, b = live[f"neo/step-{step}"], ckpt[f"neo/checkpoint-{step}"]
+        assert a.attrs["metrics"].keys() == b.attrs["metrics"].keys()
+        for k, v in b.attrs["metrics"].items():
+            assert a.attrs["metrics"][k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+        for name in (n for n in b.to_dataset().data_vars if n.startswith("class_")):
+            np.testing.assert_allclose(a[name].values, b[name].values, rtol=1e-9, atol=1e-12, err_msg=name)
+    table = live.nc.table()
+    assert sorted(table["checkpoint"]) == ["step-10", "step-20"] and table["nc1_cdnv"].notna().all()
 
 
 def test_a_measurement_leaves_the_model_and_every_generator_as_it_was(measured, corpus, tmp_path):
@@ -260,3 +268,41 @@ def test_sharded_parameters_are_refused_in_one_line(corpus, tmp_path, caplog):
                            metrics={"eval_loss": 1.0})
     assert len(lines) == 2 and "FSDP" in lines[0] and "DeepSpeed" in lines[1], lines
     assert all("ncanalyze extract" in line for line in lines) and not (tmp_path / "s.zarr").exists()
+
+
+DDP_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from conftest import train_sweep
+from test_training import OPTS, train
+from ncanalyze.training import NeuralCollapseCallback
+corpus = {"train": sys.argv[2], "val": sys.argv[3], "tokenizer": sys.argv[4]}
+cb = NeuralCollapseCallback(sys.argv[6], corpus["train"], corpus["val"], **{**OPTS, "batch_size": 3})
+train(corpus, sys.argv[5], [cb], ddp_backend="gloo")
+"""
+
+
+def test_ddp_ranks_share_the_blocks_and_equal_one_process(corpus, tmp_path):
+    """torchrun, 2 processes on CPU (gloo): the groups written equal ``ncanalyze extract`` (one process) of the
+    checkpoints the DDP run saved at the same steps, to 1e-12 (batch size 3: the ranks' shares are uneven)."""
+    import ncanalyze.store
+
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_SCRIPT)
+    tests = Path(__file__).resolve().parent
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29533", str(script), str(tests), str(corpus["train"]), str(corpus["val"]),
+                          str(corpus["tokenizer"]), str(tmp_path / "neo"), str(tmp_path / "live.zarr")],
+                         capture_output=True, text=True, timeout=600, cwd=tests)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run_cli("extract", tmp_path / "neo", "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store",
+            tmp_path / "ckpt.zarr", *CLI_OPTS[:4], "--batch-size", 3, "--samples-per-class", 2)
+    live, ckpt = ncanalyze.store.open(tmp_path / "live.zarr"), ncanalyze.store.open(tmp_path / "ckpt.zarr")
+    assert list(live["neo"].children) == ["step-10", "step-20"]
+    for step in (10, 20):
+        a, b = live[f"neo/step-{step}"].to_dataset(), ckpt[f"neo/checkpoint-{step}"].to_dataset()
+        for name in ("count", "val_count", "val_correct", "val_ncc_agree", "n_samples", "sample_position"):
+            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+        for name in ("mean", "variance", "within_covariance", "classifier", "samples"):
+            np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
+        assert a.attrs["val_loss"] == pytest.approx(b.attrs["val_loss"], abs=1e-12)
