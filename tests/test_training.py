@@ -31,7 +31,8 @@ def said(caplog):
             yield lines
     finally:
         logger.removeHandler(caplog.handler)
-        lines += [r.getMessage() for r in caplog.records if r.name == "ncanalyze.store.training"]
+        once = {id(r): r for r in caplog.records}.values()  # a record reaches the handler twice where it propagates
+        lines += [r.getMessage() for r in once if r.name == "ncanalyze.store.training"]
 
 
 def train(corpus, out: Path, callbacks=(), steps: int = STEPS, give_trainer: bool = False, **args):
@@ -206,21 +207,33 @@ class Recorder:
 
 def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp_path, caplog):
     """``every=5`` with evaluations every 10: groups at 5, 10, 15, 20, the ones at evaluations with their eval_loss;
-    with the Trainer given, the metrics reach the integrations' ``on_log``; one line per measurement gives its time."""
+    ``layers="all"``: the layers below the last equal extract --layers all of the saved checkpoint; with the Trainer
+    given, the metrics of every layer reach the integrations' ``on_log``; one line per measurement gives its time."""
     import ncanalyze.store
     from ncanalyze.training import NeuralCollapseCallback
 
     rec = Recorder()
-    cb = NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5,
+    small = ("--max-train-tokens", 512, "--max-val-tokens", 256, "--batch-size", 4, "--samples-per-class", 2)
+    cb = NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5, layers="all",
                                 **{**OPTS, "max_train_tokens": 512, "max_val_tokens": 256})
     with said(caplog) as lines:
         trainer = train(corpus, tmp_path / "neo", [rec, cb], give_trainer=True)
     tree = ncanalyze.store.open(tmp_path / "s.zarr")
     assert list(tree["neo"].children) == ["step-5", "step-10", "step-15", "step-20"]
+    run_cli("extract", tmp_path / "neo", "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store",
+            tmp_path / "ckpt.zarr", "--layers", "all", *small)
+    ckpt = ncanalyze.store.open(tmp_path / "ckpt.zarr")
+    for l in (0, 1):  # the layers below the last, equal to the checkpoint's
+        a, b = tree[f"neo/step-10/layers/{l}"], ckpt[f"neo/checkpoint-10/layers/{l}"]
+        np.testing.assert_array_equal(a["count"].values, b["count"].values)
+        np.testing.assert_array_equal(a["val_ncc_agree"].values, b["val_ncc_agree"].values)
+        for name in ("mean", "variance", "within_covariance"):
+            np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
     evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
     for step in (5, 10, 15, 20):
         assert tree[f"neo/step-{step}"].attrs["eval_loss"] == evals.get(step), step
-    seen = {step for step, logs in rec.logs if "nc/nc1_cdnv" in logs and "nc/val_loss" in logs}
+    seen = {step for step, logs in rec.logs if {"nc/nc1_cdnv", "nc/val_loss", "nc/layer_0/nc1_cdnv",
+                                                 "nc/layer_1/nc4_agreement"} <= set(logs)}
     assert seen == {5, 10, 15, 20}, rec.logs
     timed = [line for line in lines if "measured in" in line]
     assert len(timed) == 4 and all(" s" in line for line in timed), lines
@@ -295,6 +308,7 @@ def test_ddp_ranks_share_the_blocks_and_equal_one_process(corpus, tmp_path):
                           str(corpus["tokenizer"]), str(tmp_path / "neo"), str(tmp_path / "live.zarr")],
                          capture_output=True, text=True, timeout=600, cwd=tests)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "neo/step-10 [0:11] train" in run.stderr and "neo/step-10 [11:22] train" in run.stderr  # both shares
     run_cli("extract", tmp_path / "neo", "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store",
             tmp_path / "ckpt.zarr", *CLI_OPTS[:4], "--batch-size", 3, "--samples-per-class", 2)
     live, ckpt = ncanalyze.store.open(tmp_path / "live.zarr"), ncanalyze.store.open(tmp_path / "ckpt.zarr")
