@@ -17,7 +17,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +105,7 @@ def run_name(args) -> str:
     """
     name = getattr(args, "run_name", None)
     if name and name != args.output_dir:
-        return str(name)
+        return str(name).replace("/", "-")  # one group level: <run>/step-<N>
     return Path(args.output_dir).resolve().name
 
 
@@ -151,6 +151,13 @@ class NeuralCollapseCallback(TrainerCallback):
                  max_val_tokens: int | None = None, trainer=None, **settings):
         if train_data is None:
             raise UserError("NeuralCollapseCallback needs train_data (any form --dataset takes)")
+        known = {f.name for f in fields(ExtractConfig)} - {"dataset", "val_dataset", "max_train_tokens",
+                                                          "max_val_tokens", "layers", "tag"}
+        if set(settings) - known:
+            raise UserError(f"NeuralCollapseCallback takes no setting {', '.join(sorted(set(settings) - known))}: "
+                            f"the settings are {', '.join(sorted(known))}")
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise UserError(f"every={every!r}: pass a number of steps (1 or more), or None to measure at evaluations")
         self.store = Path(store if store is not None else default_store())
         self.cfg = ExtractConfig(dataset=str(train_data), val_dataset=None if val_data is None else str(val_data),
                                  max_train_tokens=max_train_tokens, max_val_tokens=max_val_tokens, layers=layers,

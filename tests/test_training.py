@@ -320,3 +320,15 @@ def test_ddp_ranks_share_the_blocks_and_equal_one_process(corpus, tmp_path):
         for name in ("mean", "variance", "within_covariance", "classifier", "samples"):
             np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
         assert a.attrs["val_loss"] == pytest.approx(b.attrs["val_loss"], abs=1e-12)
+
+
+def test_bad_settings_are_one_line_before_training(corpus, tmp_path):
+    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.training import NeuralCollapseCallback
+
+    with pytest.raises(UserError, match="takes no setting batchsize: the settings are .*batch_size"):
+        NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), batchsize=4)
+    with pytest.raises(UserError, match="every=0"):
+        NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), every=0)
+    with pytest.raises(UserError, match="needs train_data"):
+        NeuralCollapseCallback(tmp_path / "s.zarr")
