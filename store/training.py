@@ -1,0 +1,414 @@
+"""Neural collapse measured while a model trains (SPEC section 2b): a ``transformers.TrainerCallback`` that runs the
+extraction's own passes (passes.py, over the running state of running.py) through the live model on the Trainer's
+evaluation schedule, or every ``every`` steps, and writes ``<run>/step-<global_step>`` through io.py, with the store's
+schema and attributes, so that ``measure``, ``report`` and xarray read it like any checkpoint.
+
+The model is measured in eval mode under ``torch.inference_mode``, with autocast off and every RNG (torch, CUDA,
+numpy, ``random``) put back after, so training goes on exactly as without the callback. A measurement that fails on
+bad input (data outside the model's vocabulary, a store holding the run under other settings, a full disk) is one
+log line naming the fix; training goes on and nothing in the store is lost.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.metrics import measure_all
+from ncanalyze.store import io, layers, training_ddp as ddp
+from ncanalyze.store.config import (ExtractConfig, config_hash, config_record, differences, layer_plan, open_data,
+                                    val_data)
+from ncanalyze.store.data import Blocks
+from ncanalyze.store.layout import CheckpointFiles, StoreLayout, default_store
+from ncanalyze.store.load import decoded_tokens, default_block_size, head, n_layers
+from ncanalyze.store.loss import loss_attrs
+from ncanalyze.store.passes import run_passes
+from ncanalyze.store.running import Extraction
+
+log = logging.getLogger(__name__)
+
+LIVE = "live"  # the configuration record's ``weights``: the model being trained, not a file
+
+
+class _NoSaver:
+    """The passes' saver for a live model: nothing to resume (the weights change at the next step)."""
+
+    def maybe(self, force: bool = False) -> None:
+        """Save nothing."""
+
+
+@dataclass
+class _Setup:
+    """What the first measurement resolves once: the configuration, its record, the layers and the blocks."""
+    cfg: ExtractConfig
+    record: dict
+    plan: layers.Plan
+    train: Blocks
+    val: Blocks | None
+    tokenizer: object | None
+
+
+@contextlib.contextmanager
+def untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Measure ``model`` without changing its training: eval mode, no autocast, no autograd, and afterwards every
+    module's mode and the torch, CUDA, numpy and ``random`` generators as they were.
+
+    Parameters
+    ----------
+    model
+        The model being trained.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    py, npy = random.getstate(), np.random.get_state()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if cuda:
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        stack.enter_context(torch.inference_mode())
+        model.eval()
+        try:
+            yield
+        finally:
+            for m, mode in modes:
+                m.training = mode
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
+def run_name(args) -> str:
+    """The run's name in the store: the Trainer's ``run_name`` when set (and not its output folder, the default some
+    versions give it), else the output folder's name.
+
+    Parameters
+    ----------
+    args
+        The ``TrainingArguments``.
+
+    Returns
+    -------
+    str
+        The run name.
+    """
+    name = getattr(args, "run_name", None)
+    if name and name != args.output_dir:
+        return str(name).replace("/", "-")  # one group level: <run>/step-<N>
+    return Path(args.output_dir).resolve().name
+
+
+def refuse_sharded(args) -> str | None:
+    """Why this training can't be measured: FSDP and DeepSpeed shard the parameters across ranks (the head and the
+    blocks are not whole on any one), None otherwise."""
+    if getattr(args, "fsdp", None):
+        return "FSDP shards the parameters"
+    if getattr(args, "deepspeed", None):
+        return "DeepSpeed shards the parameters"
+    return None
+
+
+class NeuralCollapseCallback(TrainerCallback):
+    """Neural collapse statistics of the model being trained, at every evaluation (or every ``every`` steps), into
+    the store as ``<run>/step-<global_step>``, equal to ``ncanalyze extract`` of a checkpoint saved at that step on
+    the same data and settings.
+
+    Parameters
+    ----------
+    store
+        The store [default: ``$NCANALYZE_STORE``, else ``./ncanalyze.zarr``].
+    train_data
+        The train data, any form ``--dataset`` takes (text needs the Trainer's tokenizer, its ``processing_class``).
+    val_data
+        The validation data (None: as ``--val-dataset``'s default, the validation split beside ``train_data``).
+    max_train_tokens, max_val_tokens
+        Caps on the tokens read (the same fixed first blocks at every measurement).
+    layers
+        ``last``, ``all`` or comma-separated indices, as ``--layers``.
+    every
+        Measure every this many steps instead of at each evaluation.
+    trainer
+        The Trainer, when known: the scalar metrics then go through ``trainer.log`` to every integration (TensorBoard,
+        W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
+    **settings
+        Any other field of :class:`~ncanalyze.store.config.ExtractConfig` (``batch_size``, ``samples_per_class``,
+        ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ...).
+    """
+
+    def __init__(self, store: str | Path | None = None, train_data: str | None = None, val_data: str | None = None,
+                 max_train_tokens: int | None = None, layers: str = "last", every: int | None = None, *,
+                 max_val_tokens: int | None = None, trainer=None, **settings):
+        if train_data is None:
+            raise UserError("NeuralCollapseCallback needs train_data (any form --dataset takes)")
+        known = {f.name for f in fields(ExtractConfig)} - {"dataset", "val_dataset", "max_train_tokens",
+                                                          "max_val_tokens", "layers", "tag"}
+        if set(settings) - known:
+            raise UserError(f"NeuralCollapseCallback takes no setting {', '.join(sorted(set(settings) - known))}: "
+                            f"the settings are {', '.join(sorted(known))}")
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise UserError(f"every={every!r}: pass a number of steps (1 or more), or None to measure at evaluations")
+        self.store = Path(store if store is not None else default_store())
+        self.cfg = ExtractConfig(dataset=str(train_data), val_dataset=None if val_data is None else str(val_data),
+                                 max_train_tokens=max_train_tokens, max_val_tokens=max_val_tokens, layers=layers,
+                                 **settings)
+        self.every, self.trainer = every, trainer
+        self.setup: _Setup | None = None
+        self.off: str | None = None  # why measuring stopped (bad input that every later step would meet again)
+        self.done: set[int] = set()
+        self.pending = False
+        self.seconds: list[float] = []
+        self.n_train: int | None = None  # train batches in all (DDP shares them out)
+
+    # --- the Trainer's events ---
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Where no logging is set up, the callback's lines (the time of each measurement, a refusal) go to stderr."""
+        if not logging.getLogger().handlers and not _handled(log):
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Every ``every`` steps: measure now, or at this step's evaluation if one comes (to record its loss)."""
+        if self.every and state.global_step % self.every == 0:
+            if control.should_evaluate:
+                self.pending = True
+            else:
+                self._measure(args, state, kwargs, None)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """At each evaluation (without ``every``), with that evaluation's ``eval_loss``."""
+        if not self.every or self.pending:
+            self.pending = False
+            self._measure(args, state, kwargs, (metrics or {}).get("eval_loss"))
+
+    # --- one measurement ---
+
+    def _measure(self, args, state, kwargs: dict, eval_loss: float | None) -> None:
+        """Measure at ``state.global_step``, once per step (every rank under DDP, rank 0 writing); bad input is one
+        log line."""
+        step, (rank, _) = state.global_step, ddp.rank_world()
+        if self.off or step in self.done:
+            return
+        self.done.add(step)
+        refused = refuse_sharded(args)
+        if refused:
+            self._stop(f"{refused}: train with DDP (torchrun) or on one device to measure neural collapse while "
+                       "training, or extract the saved checkpoints with `ncanalyze extract`")
+            return
+        group = f"{run_name(args)}/step-{step}"
+        files = StoreLayout(self.store).group_files(group)
+        started = time.perf_counter()
+        if not self._ready(kwargs["model"], self._tokenizer(kwargs), group):
+            return
+        try:
+            scalars = self.write(kwargs["model"], group, files,
+                                 {"global_step": step, "epoch": state.epoch, "eval_loss": eval_loss})
+        except UserError as e:
+            self._stop(str(e))
+            return
+        except OSError as e:  # a full disk: this step is lost, the store is whole; the next one tries again
+            io.recover_swap(self.store, group, files)
+            log.warning("ncanalyze: cannot write %s into %s (%s): free space on its disk or pass another store; "
+                        "training goes on", group, self.store, e.strerror or e)
+            return
+        finally:
+            if rank == 0:
+                shutil.rmtree(files.staging, ignore_errors=True)
+                shutil.rmtree(files.layers, ignore_errors=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if scalars is None:  # a rank other than the first: its share is in rank 0's group
+            return
+        self.seconds.append(time.perf_counter() - started)
+        log.info("ncanalyze: %s measured in %.2f s", group, self.seconds[-1])
+        self._log(state, step, scalars)
+
+    def _ready(self, model, tokenizer, group: str) -> bool:
+        """The configuration and data resolved (rank 0 first, so that text is tokenized into the cache once, then the
+        others); an error on any rank stops every rank."""
+        if self.setup is not None:
+            return True
+        rank, _ = ddp.rank_world()
+        error = None
+        for turn in (0, 1):
+            if (rank == 0) == (turn == 0):
+                try:
+                    self._resolve(model, tokenizer, group)
+                except UserError as e:
+                    error = str(e)
+            error = ddp.agree(error)
+            if error:
+                self._stop(error)
+                return False
+        return True
+
+    def _stop(self, why: str) -> None:
+        self.off = why
+        if ddp.rank_world()[0] == 0:
+                log.warning("ncanalyze: neural collapse is no longer measured in this run: %s; training goes on", why)
+
+    @staticmethod
+    def _tokenizer(kwargs: dict):
+        tok = kwargs.get("processing_class") or kwargs.get("tokenizer")
+        return getattr(tok, "tokenizer", tok)  # a processor holds its tokenizer
+
+    def write(self, model, group: str, files: CheckpointFiles, when: dict) -> dict[str, float] | None:
+        """Run the passes through ``model`` and write ``group`` (after :meth:`_ready`).
+
+        Parameters
+        ----------
+        model
+            The live model (a transformers causal LM).
+        group, files
+            The group ``<run>/step-<N>`` and its files beside the store.
+        when
+            ``global_step``, ``epoch`` and ``eval_loss``.
+
+        Returns
+        -------
+        dict or None
+            The scalar metrics, ``nc/<metric>`` for the last layer and ``nc/layer_<l>/<metric>`` for the others; None
+            on a rank other than the first under DDP.
+        """
+        setup, scalars = self.setup, {}
+        cfg = setup.cfg
+        rank, world = ddp.rank_world()
+        with untouched(model):
+            classifier, bias = head(model)
+            device = classifier.device
+            ex = Extraction(setup.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
+                            files.layers if rank == 0 else None)
+            if rank == 0:
+                ex.start()
+            if world > 1 and not self._shared(model, setup, ex, rank, group):
+                return None
+            run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
+                       group)
+            attrs = self._attrs(model, ex, classifier, setup, group, when, device)
+            norm = layers.final_norm(model)
+            ds, others = ex.datasets(classifier, bias, decoded_tokens(setup.tokenizer, classifier.shape[0]), attrs,
+                                     norm and norm[0])
+            done = [("nc/", group, _metrics(ds, cfg.min_count, group))]
+
+            def measured() -> Iterator[tuple[int, object]]:
+                for l, lds in others:  # measured as each is made: one layer's dataset in memory at a time
+                    where = f"{group}/layers/{l}"
+                    done.append((f"nc/layer_{l}/", where, _metrics(lds, cfg.min_count, where)))
+                    yield l, lds
+            io.write_checkpoint(self.store, group, ds, files, layers=measured())
+            ex.cleanup()
+        for prefix, where, result in done:  # stored as `ncanalyze measure` stores them, once the group is in place
+            if result is not None:
+                io.write_metrics(self.store, where, *result, cfg.min_count, attrs["config_hash"])
+                scalars.update(_named(result[0], prefix))
+        for k in ("val_loss", "val_accuracy"):
+            if attrs.get(k) is not None:
+                scalars[f"nc/{k}"] = attrs[k]
+        return scalars
+
+    def _shared(self, model, setup: _Setup, ex: Extraction, rank: int, group: str) -> bool:
+        """Under DDP: this rank's share of the train pass, merged into rank 0's ``ex`` (the default plan; a plan of
+        several layers is run by rank 0 alone). Whether this rank goes on to the validation pass and the write."""
+        if not setup.plan.default:
+            return rank == 0
+        if self.n_train is None:
+            self.n_train = ddp.n_batches(setup.train, setup.cfg.batch_size)
+        return ddp.share_train(model, setup.train, ex, setup.cfg.batch_size, self.n_train, group)
+
+    def _resolve(self, model, tokenizer, group: str) -> _Setup:
+        """The configuration for this model, its record, and the blocks; a store holding the run under other
+        settings is refused."""
+        cfg = self.cfg
+        if cfg.tokenizer is None and tokenizer is not None:
+            cfg.tokenizer = getattr(tokenizer, "name_or_path", None) or None
+        cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        io.prepare(self.store, StoreLayout(self.store).partial)
+        config = model.config
+        block_size = cfg.block_size or default_block_size(config)
+        val_spec, val_split = val_data(cfg)
+        device = next(model.parameters()).device
+        record = config_record(None, cfg, device, block_size, val_spec, val_split, weights=LIVE)
+        plan = layer_plan(cfg, config)
+        layers.record_layers(record, plan)
+        self._check_run(group.split("/")[0], record)
+        train = open_data(cfg.dataset, cfg.split, cfg.max_train_tokens, "max_train_tokens", cfg, block_size, config,
+                          tokenizer, self.store)
+        val = None if val_spec is None else open_data(val_spec, val_split, cfg.max_val_tokens, "max_val_tokens", cfg,
+                                                      block_size, config, tokenizer, self.store)
+        self.setup = _Setup(cfg, record, plan, train, val, tokenizer)
+        return self.setup
+
+    def _check_run(self, run: str, record: dict) -> None:
+        """A UserError if the store holds ``run`` measured under other settings (its steps would not compare)."""
+        groups, _ = io.checkpoint_groups(self.store)
+        for g in groups:
+            if g.count("/") != 1 or not g.startswith(f"{run}/"):
+                continue
+            attrs = io.group_attrs(self.store, g) or {}
+            if attrs.get("config_hash") != config_hash(record):
+                old = json.loads(attrs.get("config", "{}"))
+                raise UserError(f"{self.store} already holds run {run} under other settings "
+                                f"({differences(old, record)}): set TrainingArguments(run_name=...) to another name, "
+                                f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")
+
+    def _attrs(self, model, ex: Extraction, classifier: torch.Tensor, setup: _Setup, group: str, when: dict,
+               device: torch.device) -> dict:
+        """The group's attributes, as ``ncanalyze extract`` writes them, the weights being the live model's."""
+        cfg, main, run, name = setup.cfg, ex.main(), *group.split("/")
+        return {
+            "run": run, "tag": None, "checkpoint": name, **when,
+            "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
+            "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
+            "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
+            "val_tokens": int(main.val["val_count"].sum()), **loss_attrs(main.lm, ex.transform),
+            "min_count": cfg.min_count, "block_size": setup.record["block_size"], "dataset": cfg.dataset,
+            "split": cfg.split, "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
+            "tokenizer": cfg.tokenizer, "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
+            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": "training",
+            "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),
+            "config": json.dumps(setup.record, sort_keys=True),
+        }
+
+    def _log(self, state, step: int, scalars: dict[str, float]) -> None:
+        """The scalars into the Trainer's logs: through ``trainer.log`` (every integration sees them) when the
+        Trainer is known, else appended to ``state.log_history``."""
+        if self.trainer is not None:
+            self.trainer.log(dict(scalars))
+        else:
+            state.log_history.append({**scalars, "step": step})
+
+
+def _handled(logger: logging.Logger) -> bool:
+    """Whether a handler on ``logger`` or a parent it propagates to will show its lines."""
+    while logger is not None:
+        if logger.handlers:
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
+def _metrics(ds, min_count: int, where: str):
+    """(scalars, per-class) of ``measure_all``, or None with a warning where the group can't be measured (fewer than
+    two kept classes early in training): its statistics are written all the same."""
+    try:
+        return measure_all(ds, min_count)
+    except UserError as e:
+        log.warning("ncanalyze: %s: no metrics (%s)", where, e)
+        return None
+
+
+def _named(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {f"{prefix}{k}": float(v) for k, v in metrics.items()}
