@@ -342,6 +342,10 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
                 yield texts
         except malformed as e:
             raise _malformed(spec, e) from None
+        except KeyError as e:  # a stream that did not know its columns up front lacks the one asked for
+            if e.args != (column,):
+                raise
+            raise UserError(f"dataset {spec} has no column {column!r}; pass --text-column") from None
 
     return rows, read
 
