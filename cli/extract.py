@@ -98,14 +98,15 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
       ncanalyze extract runs/neo-L2-d64 --dataset data/train.txt --max-train-tokens 1000000
       ncanalyze extract EleutherAI/pythia-70m --revisions step1000:143000:1000 --dataset data/val.bin
     """
+    from ncanalyze.store.discover import check_local  # light: a typo is said before torch and the Hub are loaded
+
+    check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
+                                         for k in ("dataset", "val_dataset", "tokenizer")}})
     from ncanalyze.analyzer.errors import UserError
     from ncanalyze.store.config import ExtractConfig
-    from ncanalyze.store.discover import check_local
     from ncanalyze.store.extract import extract as extract_local
     from ncanalyze.store.hub import extract_hub, is_hub_id, parse_revisions
 
-    check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
-                                         for k in ("dataset", "val_dataset", "tokenizer")}})  # before any Hub call
     store = store or default_store()
     cfg = ExtractConfig(**options)
     hub = [p for p in paths if is_hub_id(p)]
