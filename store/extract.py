@@ -180,6 +180,7 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
     ex = Extraction(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
     status = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
+    io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
     main = ex.main()
     attrs = {
