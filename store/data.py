@@ -69,7 +69,18 @@ def is_token_file(spec: str) -> bool:
 
 
 def base_split(split: str) -> str:
-    """The split's name without its slice: ``train`` of ``train[:5%]``."""
+    """The split's name without its slice.
+
+    Parameters
+    ----------
+    split
+        A split, e.g. ``train[:5%]``.
+
+    Returns
+    -------
+    str
+        Its name, e.g. ``train``.
+    """
     return split.split("[")[0]
 
 

@@ -31,7 +31,7 @@ class Checkpoint:
 
 
 # what names a local file rather than a Hub id (Hub ids such as Qwen/Qwen2.5-0.5B have dots, so not any suffix)
-LOCAL_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv", ".npy", ".npz", ".bin", ".arrow",
+LOCAL_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv", ".npy", ".bin", ".arrow",
                   ".safetensors", ".pt", ".pth", ".gz", ".zst", ".xz", ".zip", ".tar", ".model")
 
 
