@@ -119,12 +119,15 @@ def test_a_token_file_alone_holds_out_its_first_blocks(form, model, tmp_path):
     assert_held_out(out, ds, data)
 
 
-def test_a_saved_dataset_without_a_validation_split_holds_out_its_first_rows(model, corpus, tokenizer, tmp_path):
+@pytest.mark.parametrize("kind", ["DatasetDict", "Dataset"])
+def test_a_saved_dataset_without_a_validation_split_holds_out_its_first_rows(kind, model, corpus, tokenizer,
+                                                                            tmp_path):
     import datasets
 
     rows = lines_of(corpus)
     data = tmp_path / "saved"
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": rows})}).save_to_disk(data)
+    saved = datasets.Dataset.from_dict({"text": rows})
+    (datasets.DatasetDict({"train": saved}) if kind == "DatasetDict" else saved).save_to_disk(data)
     store = tmp_path / "s.zarr"
     out, ds = extract(model, data, store)
     train, val = cached_blocks(store)
