@@ -14,11 +14,17 @@ from ncanalyze.cli.options import option
               help="Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token "
                    "ids in .npy (1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream).")
 @click.option("--val-dataset", metavar="SPEC",
-              help="Validation data for NC4, any form --dataset takes. Default: the --val-split of --dataset, or a "
-                   "sibling file (val.bin beside train.bin, validation.txt beside train.txt).")
+              help="Validation data (NC4, val_loss), any form --dataset takes. Default: a sibling file (val.bin "
+                   "beside train.bin, validation.txt beside train.txt), else the --val-split of --dataset where it "
+                   "has one, else --val-split-percentage of the train data held out (never the train tokens).")
 @click.option("--split", default="train", show_default=True, help="Split of --dataset (slices like 'train[:95%]' "
               "work for local data).")
 @click.option("--val-split", default="validation", show_default=True, help="Split of the validation data.")
+@click.option("--val-split-percentage", type=click.IntRange(0, 99), default=5, show_default=True, metavar="P",
+              help="With no validation data given or found, hold out the first P% of the train data as validation "
+                   "and train on the rest, as run_clm's validation_split_percentage: splits 'train[:P%]' and "
+                   "'train[P%:]' (text, datasets), or the first P% of the blocks (.npy/.bin). 0: validate on "
+                   "--val-split of --dataset as before (a token file without a sibling is then refused).")
 @click.option("--text-column", default="text", show_default=True, help="Column holding the text.")
 @click.option("--block-size", type=click.IntRange(2), help="Block length for 1-D streams and text "
               "[default: the model's context, at most 1024].")
@@ -92,6 +98,10 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
       ncanalyze extract runs/neo-L2-d64 --dataset data/train.txt --max-train-tokens 1000000
       ncanalyze extract EleutherAI/pythia-70m --revisions step1000:143000:1000 --dataset data/val.bin
     """
+    from ncanalyze.store.discover import check_local  # light: a typo is said before torch and the Hub are loaded
+
+    check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
+                                         for k in ("dataset", "val_dataset", "tokenizer")}})
     from ncanalyze.analyzer.errors import UserError
     from ncanalyze.store.config import ExtractConfig
     from ncanalyze.store.extract import extract as extract_local

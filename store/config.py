@@ -16,7 +16,8 @@ import torch
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import layers, tokens
-from ncanalyze.store.data import Blocks, check_block_size, default_val_spec, is_token_file, model_positions, open_blocks
+from ncanalyze.store.data import (VAL_NAMES, Blocks, base_split, check_block_size, is_token_file, model_positions,
+                                  open_blocks)
 from ncanalyze.store.discover import Checkpoint
 from ncanalyze.store.load import default_block_size, load_config, n_layers, resolve_device, weights_fingerprint
 
@@ -51,6 +52,8 @@ class ExtractConfig:
     val_dataset: str | None = setting(hashed=True)
     split: str = setting("train", hashed=True)
     val_split: str = setting("validation", hashed=True)
+    # held out of the train data when no validation is given or found; recorded resolved, as val_held_out
+    val_split_percentage: int = setting(5, hashed=False)
     text_column: str = setting("text", hashed=True)
     block_size: int | None = setting(hashed=True)
     max_train_tokens: int | None = setting(hashed=True)
@@ -75,7 +78,8 @@ class ExtractConfig:
 
 
 def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,
-                  val_spec: str | None, val_split: str | None, weights: str | None = None) -> dict:
+                  val_spec: str | None, val_split: str | None, weights: str | None = None,
+                  held_out: int | None = None) -> dict:
     """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs.
 
     Parameters
@@ -90,6 +94,9 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
         The block size and the validation data, resolved.
     weights
         The weights' fingerprint when already known.
+    held_out
+        The percentage of the train data held out as validation (:func:`validation_of`): then ``split`` is the
+        train slice left and ``val_held_out`` is recorded; None (nothing held out) keeps the record as before.
 
     Returns
     -------
@@ -98,8 +105,11 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     """
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
               and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
-    return {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
-            "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
+    record = {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
+              "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
+    if held_out is not None:
+        record.update(split=f"{cfg.split}[{held_out}%:]", val_held_out=held_out)
+    return record
 
 
 def config_hash(record: dict) -> str:
@@ -134,7 +144,79 @@ def differences(a: dict, b: dict) -> str:
     return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
-def val_data(cfg: ExtractConfig) -> tuple[str | None, str | None]:
+class Validation(NamedTuple):
+    """Where validation comes from, and the train split that goes with it."""
+    spec: str | None         # the validation data (None: none)
+    split: str | None        # its split (a slice of the train split when held out)
+    train_split: str         # the train split: --split, or its slice left after the held-out part
+    held_out: int | None     # the percentage of the train data held out as validation, or None
+
+
+def validation_of(spec: str, split: str, val_split: str, percentage: int) -> Validation:
+    """The validation data of ``spec`` when none is given: a sibling file (``val.bin`` beside ``train.bin``), else
+    ``val_split`` where the data has it, else, as ``run_clm``'s ``validation_split_percentage``, the first
+    ``percentage`` % of the train data held out (``train[:P%]``, and ``train[P%:]`` is trained on), so validation is
+    never the train tokens.
+
+    Parameters
+    ----------
+    spec, split, val_split
+        ``--dataset``, ``--split`` and ``--val-split``.
+    percentage
+        ``--val-split-percentage`` (0: nothing held out; a token file without a sibling is then refused, and
+        other data is read at ``val_split`` as before).
+
+    Returns
+    -------
+    Validation
+        The validation spec and split, the train split and the percentage held out (None when nothing is).
+    """
+    p = Path(spec)
+    if p.is_file():
+        stem = p.name
+        for a in ("train", "training"):
+            for v in VAL_NAMES if a in stem else ():
+                cand = p.with_name(stem.replace(a, v, 1))
+                if cand.is_file():
+                    return Validation(str(cand), val_split, split, None)
+    splits = _local_splits(p, split)
+    if splits is None or base_split(val_split) in splits:  # a Hub dataset: its split, or datasets' refusal
+        return Validation(spec, val_split, split, None)
+    if percentage == 0:
+        if is_token_file(spec):
+            raise UserError(f"no validation tokens found beside {spec} (looked for val/validation/valid/test files "
+                            "named like it); pass --val-dataset FILE, --val-split-percentage P to hold out P% of it, "
+                            "or --max-val-tokens 0 to skip NC4")
+        return Validation(spec, val_split, split, None)
+    if "[" in split:
+        raise UserError(f"--split {split!r} is a slice and {spec} has no split {val_split!r} to validate on; pass "
+                        f"--val-split with a disjoint slice (e.g. --split '{base_split(split)}[5%:]' --val-split "
+                        f"'{base_split(split)}[:5%]'), or --val-dataset FILE")
+    return Validation(spec, f"{split}[:{percentage}%]", f"{split}[{percentage}%:]", percentage)
+
+
+def _local_splits(p: Path, split: str) -> set[str] | None:
+    """The splits local data has: a file or a saved ``Dataset`` is the one split it is read as (``--split``'s name); a
+    saved ``DatasetDict`` its splits; a folder of data files the splits ``datasets`` infers from the file names. None
+    for a Hub dataset, or a folder whose splits cannot be told (its read will say why)."""
+    if p.is_file() or (p / "state.json").is_file():
+        return {base_split(split)}
+    if (p / "dataset_dict.json").is_file():
+        try:
+            return set(json.loads((p / "dataset_dict.json").read_text())["splits"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    if not p.is_dir():
+        return None
+    from datasets.data_files import get_data_patterns
+
+    try:
+        return set(get_data_patterns(str(p)))
+    except Exception:  # noqa: BLE001 - datasets' EmptyDatasetError and kin: the read names the problem
+        return None
+
+
+def val_data(cfg: ExtractConfig) -> Validation:
     """The validation data of a configuration.
 
     Parameters
@@ -144,14 +226,37 @@ def val_data(cfg: ExtractConfig) -> tuple[str | None, str | None]:
 
     Returns
     -------
-    tuple
-        (spec, split): none with ``--max-val-tokens 0``, else ``--val-dataset``, else beside or of ``--dataset``.
+    Validation
+        None with ``--max-val-tokens 0``, else ``--val-dataset``, else beside, of or held out of ``--dataset``
+        (:func:`validation_of`).
     """
     if cfg.max_val_tokens == 0:
-        return None, None
+        return Validation(None, None, cfg.split, None)
     if cfg.val_dataset:
-        return cfg.val_dataset, cfg.val_split
-    return default_val_spec(cfg.dataset, cfg.val_split)
+        return Validation(cfg.val_dataset, cfg.val_split, cfg.split, None)
+    return validation_of(cfg.dataset, cfg.split, cfg.val_split, cfg.val_split_percentage)
+
+
+def held_out_line(cfg: ExtractConfig) -> str | None:
+    """The line that says what is held out of the train data as validation, or None when nothing is.
+
+    Parameters
+    ----------
+    cfg
+        The configuration.
+
+    Returns
+    -------
+    str or None
+        The line.
+    """
+    v = val_data(cfg)
+    if v.held_out is None:
+        return None
+    what = "blocks" if is_token_file(cfg.dataset) else "rows"
+    return (f"validation: {cfg.dataset} has no validation data beside or in it, so the first {v.held_out}% of its "
+            f"{what} ({v.split!r}) is held out as validation and the train pass reads the rest ({v.train_split!r}), "
+            "disjoint; --val-dataset, --val-split or --val-split-percentage change this")
 
 
 def layer_plan(cfg: ExtractConfig, config) -> layers.Plan | None:
@@ -177,8 +282,10 @@ class Resolved(NamedTuple):
     device: torch.device
     config: object            # the model's transformers config
     block_size: int
+    split: str                # the train split (a slice of --split when validation is held out of it)
     val_spec: str | None
     val_split: str | None
+    held_out: int | None      # the percentage held out as validation, or None
     record: dict              # config_record, with the layers resolved
     plan: layers.Plan | None  # layer_plan
 
@@ -196,16 +303,17 @@ def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
     Returns
     -------
     Resolved
-        Device, model config, block size, validation spec and split, configuration record and layer plan.
+        Device, model config, block size, train split, validation spec and split, the percentage held out,
+        configuration record and layer plan.
     """
     device = resolve_device(cfg.device)
     config = load_config(ckpt, cfg.trust_remote_code)
     block_size = cfg.block_size or default_block_size(config)
-    val_spec, val_split = val_data(cfg)
-    record = config_record(ckpt, cfg, device, block_size, val_spec, val_split)
+    val = val_data(cfg)
+    record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, held_out=val.held_out)
     plan = layer_plan(cfg, config)
     layers.record_layers(record, plan)
-    return Resolved(device, config, block_size, val_spec, val_split, record, plan)
+    return Resolved(device, config, block_size, val.train_split, val.spec, val.split, val.held_out, record, plan)
 
 
 def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractConfig, block_size: int, config,

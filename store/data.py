@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store.discover import looks_local
 
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
                  ".csv": "csv"}
 TOKEN_SUFFIXES = (".npy", ".bin")
-_VAL_NAMES = ("validation", "valid", "val", "test")
+VAL_NAMES = ("validation", "valid", "val", "test")
 
 
 @dataclass
@@ -67,21 +68,48 @@ def is_token_file(spec: str) -> bool:
     return spec.endswith(TOKEN_SUFFIXES)
 
 
-def default_val_spec(spec: str, val_split: str) -> tuple[str, str]:
-    """The validation data of ``spec``: a sibling file such as ``val.bin`` beside ``train.bin``, else a split."""
-    p = Path(spec)
-    if p.is_file():
-        stem = p.name
-        for a in ("train", "training"):
-            if a in stem:
-                for v in _VAL_NAMES:
-                    cand = p.with_name(stem.replace(a, v, 1))
-                    if cand.is_file():
-                        return str(cand), val_split
-        if is_token_file(spec):
-            raise UserError(f"no validation tokens found beside {spec} (looked for val/validation/valid/test "
-                            "files named like it); pass --val-dataset FILE, or --max-val-tokens 0 to skip NC4")
-    return spec, val_split
+def base_split(split: str) -> str:
+    """The split's name without its slice.
+
+    Parameters
+    ----------
+    split
+        A split, e.g. ``train[:5%]``.
+
+    Returns
+    -------
+    str
+        Its name, e.g. ``train``.
+    """
+    return split.split("[")[0]
+
+
+def slice_bounds(split: str, n: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of ``n`` that ``split`` selects, by ``datasets``' own reading of a split string
+    (``train[:5%]``, ``train[5%:]``, ``train[10:200]``; percentages rounded as ``datasets`` rounds them).
+
+    Parameters
+    ----------
+    split
+        A split, with or without a slice.
+    n
+        The rows (or blocks) of the whole split.
+
+    Returns
+    -------
+    tuple of int
+        Start and stop.
+    """
+    if "[" not in split:
+        return 0, n
+    from datasets import ReadInstruction
+
+    try:
+        (bounds,) = ReadInstruction.from_spec(split).to_absolute({base_split(split): n})
+    except (ValueError, AssertionError) as e:
+        raise UserError(f"split {split!r} is not a slice of one split ({_first_line(e)}); write it like "
+                        "'train[:5%]' or 'train[100:200]'") from None
+    return bounds.from_, bounds.to
 
 
 def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, text_column: str,
@@ -96,19 +124,24 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
     """
     if is_token_file(spec):
         arr = _token_array(spec)
+        if arr.ndim == 2:
+            block_size = arr.shape[1]
+        start, stop = slice_bounds(split, len(arr) // block_size if arr.ndim == 1 else arr.shape[0])
+        n = stop - start  # the blocks of the split's slice (all of them without one), in order
         if arr.ndim == 1:
-            n = len(arr) // block_size
-            rows = lambda: (np.asarray(arr[i * block_size:(i + 1) * block_size], dtype=np.int64) for i in range(n))
+            rows = lambda: (np.asarray(arr[i * block_size:(i + 1) * block_size], dtype=np.int64)
+                            for i in range(start, stop))
             what = f"{len(arr)} tokens"
         else:
-            n = arr.shape[0]
-            rows = lambda: (np.asarray(r, dtype=np.int64) for r in arr)
-            block_size = arr.shape[1]
-            what = f"{n} rows"
+            rows = lambda: (np.asarray(r, dtype=np.int64) for r in arr[start:stop])
+            what = f"{arr.shape[0]} rows"
         _check_cap(max_tokens, block_size, spec, cap_flag, arr.ndim == 2)
         if n == 0:
-            raise UserError(f"{spec} holds no full block of {block_size} tokens (it has {what}): it is empty or "
-                            f"shorter than the block; pass more tokens{'' if arr.ndim == 2 else ' or a smaller --block-size'}")
+            sliced = f" (split {split!r}, blocks {start}:{stop})" if "[" in split else ""
+            raise UserError(f"{spec}{sliced} holds no full block of {block_size} tokens (it has {what}): it is empty "
+                            f"or shorter than the block; pass more tokens"
+                            f"{'' if arr.ndim == 2 else ' or a smaller --block-size'}"
+                            f"{' or a larger --val-split-percentage' if sliced else ''}")
         return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), n, rows, rows_from_file=arr.ndim == 2)
     _check_cap(max_tokens, block_size, spec, cap_flag, False)
     if tokenize is None:
@@ -175,7 +208,8 @@ def check_block_size(block_size: int, n_positions: int | None, spec: str, rows_f
 def _token_array(spec: str) -> np.ndarray:
     p = Path(spec)
     if not p.is_file():
-        raise UserError(f"token file {spec} does not exist")
+        raise UserError(f"no such file or folder: {spec}" if not p.exists() else f"{spec} is a folder, not a token "
+                        "file; pass a .npy or .bin file")
     if p.suffix == ".bin":  # nanoGPT: a flat uint16 stream
         size = p.stat().st_size
         if size == 0:
@@ -257,9 +291,9 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
     malformed = _malformed_types()
     try:
         if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
-            ds = datasets.load_from_disk(str(p))
-            if isinstance(ds, datasets.DatasetDict):
-                ds = _split(ds, split, spec)
+            ds = datasets.load_from_disk(str(p))  # a saved Dataset is the one split asked for (slices apply)
+            ds = _split(ds, split, spec) if isinstance(ds, datasets.DatasetDict) else ds.select(range(
+                *slice_bounds(split, len(ds))))
         elif p.is_file():
             builder = TEXT_SUFFIXES.get(p.suffix.lower())
             if builder is None:
@@ -270,9 +304,10 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
             name = split.split("[")[0]  # a single file is whichever split is asked for (slices apply)
             ds = datasets.load_dataset(builder, data_files={name: str(p)}, split=split, streaming=stream,
                                        **_text_options(builder, keep_linebreaks))
-        elif p.exists() or "/" in spec and spec.startswith((".", "/")):
+        elif p.exists() or looks_local(spec):
             if not p.exists():
-                raise UserError(f"dataset {spec} does not exist")
+                raise UserError(f"no such file or folder: {spec}; check the path (a Hub name has no extension and "
+                                "at most one /)")
             suffixes = {f.suffix.lower() for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")}
             text = suffixes and all(TEXT_SUFFIXES.get(x) == "text" for x in suffixes)
             ds = datasets.load_dataset(str(p), split=split, streaming=stream,
@@ -318,6 +353,10 @@ def _text_rows(spec: str, split: str, column: str, chunk: int = 1000,
                 yield texts
         except malformed as e:
             raise _malformed(spec, e) from None
+        except KeyError as e:  # a stream that did not know its columns up front lacks the one asked for
+            if e.args != (column,):
+                raise
+            raise UserError(f"dataset {spec} has no column {column!r}; pass --text-column") from None
 
     return rows, read
 
@@ -359,7 +398,9 @@ def _text_options(builder: str, keep_linebreaks: bool = True) -> dict:
 
 
 def _split(dd, split: str, spec: str):
-    if split not in dd:
-        raise UserError(f"dataset {spec} has no split {split!r} (it has {list(dd)}); pass --split/--val-split "
+    """A split of a saved ``DatasetDict``, sliced as ``datasets`` slices (``train[:5%]``)."""
+    if base_split(split) not in dd:
+        raise UserError(f"dataset {spec} has no split {base_split(split)!r} (it has {list(dd)}); pass --split/--val-split "
                         "or --val-dataset")
-    return dd[split]
+    ds = dd[base_split(split)]
+    return ds if "[" not in split else ds.select(range(*slice_bounds(split, len(ds))))

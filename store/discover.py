@@ -30,6 +30,45 @@ class Checkpoint:
         return f"{self.run}/{self.name}"
 
 
+# what names a local file rather than a Hub id (Hub ids such as Qwen/Qwen2.5-0.5B have dots, so not any suffix)
+LOCAL_SUFFIXES = (".txt", ".text", ".json", ".jsonl", ".parquet", ".csv", ".tsv", ".npy", ".bin", ".arrow",
+                  ".safetensors", ".pt", ".pth", ".gz", ".zst", ".xz", ".zip", ".tar", ".model")
+
+
+def looks_local(spec: str) -> bool:
+    """Whether ``spec`` names a local file or folder rather than a Hub id: it starts with ``.``, ``/`` or ``~``, has
+    more than one ``/`` or a backslash, ends in a file extension (:data:`LOCAL_SUFFIXES`), or its parent folder
+    exists (``runs/nope`` beside a ``runs/`` folder). ``ORG/NAME`` and ``NAME`` are Hub ids otherwise.
+
+    Parameters
+    ----------
+    spec
+        A PATH, ``--dataset``, ``--val-dataset`` or ``--tokenizer``.
+
+    Returns
+    -------
+    bool
+        It looks local.
+    """
+    return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec
+            or spec.lower().endswith(LOCAL_SUFFIXES) or "/" in spec and Path(spec).parent.is_dir())
+
+
+def check_local(named: dict[str, list[str | None]]) -> None:
+    """Refuse, before anything reaches the Hub, a path that looks local (:func:`looks_local`) and is not there.
+
+    Parameters
+    ----------
+    named
+        Each option (``PATH``, ``--dataset`` ...) and its values (None: not given).
+    """
+    for flag, values in named.items():
+        for v in values:
+            if v and looks_local(str(v)) and not Path(v).exists():
+                raise UserError(f"no such file or folder: {v} ({flag}); check the path (a Hub name has no "
+                                "extension and at most one /)")
+
+
 def is_model_dir(p: Path) -> bool:
     """Whether ``p`` holds a model: a config.json and weights (safetensors or pickle).
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store import io, layers, shards as sh
 from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_status, config_hash, config_record,
-                                    differences, open_data, refusal, resolve, val_data)
+                                    differences, held_out_line, open_data, refusal, resolve, val_data)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
 from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
@@ -160,7 +160,7 @@ def _load(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Loaded:
 
 def _data(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
     """The train and validation blocks (none without validation data)."""
-    train = open_data(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg, run.block_size,
+    train = open_data(cfg.dataset, run.split, cfg.max_train_tokens, "--max-train-tokens", cfg, run.block_size,
                       run.config, tokenizer, store)
     val = None if run.val_spec is None else open_data(run.val_spec, run.val_split, cfg.max_val_tokens,
                                                       "--max-val-tokens", cfg, run.block_size, run.config, tokenizer,
@@ -180,6 +180,7 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
     ex = Extraction(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
     status = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
+    io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
     main = ex.main()
     attrs = {
@@ -189,8 +190,8 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
         "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
         "val_tokens": int(main.val["val_count"].sum()),
         **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": block_size,
-        "dataset": cfg.dataset, "split": cfg.split, "val_dataset": val_spec,
-        "val_split": val_split, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
+        "dataset": cfg.dataset, "split": run.split, "val_dataset": val_spec,
+        "val_split": val_split, "val_held_out": run.held_out, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
         "ncanalyze_version": io.version(), "config_hash": config_hash(record),
         "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
@@ -279,7 +280,7 @@ def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
     Parameters
     ----------
     cfg, store
-        The configuration and the store (created, with the folder of work in progress beside it).
+        The configuration and the store (checked writable, not created: it appears with its first checkpoint).
     shards
         Shards per checkpoint.
     """
@@ -290,6 +291,8 @@ def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
         raise UserError("--shards splits the last layer's statistics only: drop --layers/--save-embeddings, or "
                         "--shards")
     io.prepare(Path(store), StoreLayout(Path(store)).partial)
+    if line := held_out_line(cfg):  # the validation data is resolved here, so its refusals come before any work
+        log.info("%s", line)
 
 
 def todo(store: Path, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoint]:

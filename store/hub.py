@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, config_record, val_data
-from ncanalyze.store.discover import Checkpoint, tagged
+from ncanalyze.store.discover import Checkpoint, looks_local, tagged
 from ncanalyze.store.extract import ExtractResult, announcer, check_settings, extract_checkpoint, todo
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.load import quiet_loading, resolve_device
@@ -49,7 +49,7 @@ def is_hub_id(path: str) -> bool:
     bool
         It is a Hub model id.
     """
-    return not Path(path).exists() and not path.startswith((".", "/", "~")) and bool(_HUB_ID.match(path))
+    return not Path(path).exists() and not looks_local(path) and bool(_HUB_ID.match(path))
 
 
 def parse_revisions(revisions: tuple[str, ...] | list[str], compact: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -306,8 +306,9 @@ def done_before(store: Path, ckpt: Checkpoint, repo: str, revision: str, cfg: Ex
     if commit is not None and commit != attrs.get("hub_commit"):
         return False
     old = json.loads(attrs.get("config", "{}"))  # the commit fixes the weights and the model's context
-    want = config_record(None, cfg, resolve_device(cfg.device), cfg.block_size or old.get("block_size"),
-                         *val_data(cfg), weights=old.get("weights"))
+    val = val_data(cfg)
+    want = config_record(None, cfg, resolve_device(cfg.device), cfg.block_size or old.get("block_size"), val.spec,
+                         val.split, weights=old.get("weights"), held_out=val.held_out)
     return checkpoint_status(attrs, want, StoreLayout(store).checkpoint(ckpt).state) is Status.SKIP
 
 

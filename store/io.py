@@ -25,7 +25,7 @@ import zarr.errors
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import MEASURED, PER_CLASS
-from ncanalyze.store.layout import CheckpointFiles, default_store, group_order
+from ncanalyze.store.layout import CheckpointFiles, default_store, group_order, probe_writable
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
@@ -215,7 +215,9 @@ def ensure_group(path: str | Path, group: str = "") -> None:
 
 def prepare(path: Path, partial: Path) -> None:
     """Check, before any work, that ``path`` can hold a store and that it and ``partial`` (the resume states beside
-    it) are writable; create the root group. Each failure is one line naming the fix.
+    it) can be written, creating neither: the store appears with its first checkpoint (:func:`write_checkpoint`),
+    ``partial`` with the first lock, so a command that fails leaves no empty store. Each failure is one line naming
+    the fix.
 
     Parameters
     ----------
@@ -232,12 +234,10 @@ def prepare(path: Path, partial: Path) -> None:
     if partial.exists() and not partial.is_dir():
         raise UserError(f"{partial} is a file, but ncanalyze keeps its resume states there: move it away")
     try:
-        ensure_group(path)
+        if (path / "zarr.json").exists():
+            zarr.open_group(path, mode="r", **ZARR)
         for d in (path, partial):
-            d.mkdir(parents=True, exist_ok=True)
-            probe = d / f".write-test-{os.getpid()}"
-            probe.touch()
-            probe.unlink()
+            probe_writable(d)
     except CORRUPT as e:
         raise UserError(f"the store's root metadata {path / 'zarr.json'} is corrupt ({e}): restore it, or move the "
                         "store aside and extract into a new one") from None

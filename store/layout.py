@@ -13,6 +13,7 @@ This module imports nothing heavy (no zarr, xarray or torch), so that the comman
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -33,6 +34,25 @@ def default_store() -> str:
         ``$NCANALYZE_STORE`` when set, else ``ncanalyze.zarr`` (in the working directory).
     """
     return os.environ.get(ENV) or DEFAULT_STORE
+
+
+def probe_writable(d: Path) -> None:
+    """Write and remove a file in ``d``, or in its nearest existing folder when ``d`` is not there yet, creating
+    nothing that stays (a command that fails leaves no empty store); raises the OSError a write would.
+
+    Parameters
+    ----------
+    d
+        A folder, there or to be made.
+    """
+    near = Path(d)
+    while not near.exists() and near.parent != near:
+        near = near.parent
+    if not near.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(near))
+    probe = near / f".write-test-{os.getpid()}"
+    probe.touch()
+    probe.unlink()
 
 
 class Named(Protocol):

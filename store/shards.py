@@ -50,7 +50,7 @@ def ranges(n_batches: int, shards: int) -> list[tuple[int, int]]:
 def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
     run = resolve(ckpt, cfg)
     tokenizer, _ = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
-    return run.device, open_data(cfg.dataset, cfg.split, cfg.max_train_tokens, "--max-train-tokens", cfg,
+    return run.device, open_data(cfg.dataset, run.split, cfg.max_train_tokens, "--max-train-tokens", cfg,
                                  run.block_size, run.config, tokenizer)
 
 

@@ -11,6 +11,7 @@ estimate their totals. Each file is hashed once per process while its size, time
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -113,6 +114,11 @@ def _write(blocks: Blocks, path: Path, batch: int = 256) -> None:
         os.replace(side, _checksum_path(path))  # first: a kill before the next line leaves a cache that fails it
         os.replace(tmp, path)
         _DIGESTS[_stat_key(path)] = sha.hexdigest()
+    except BaseException:
+        raw.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a failed first use leaves no empty cache folder (rmdir: only if empty)
+            path.parent.rmdir()
+        raise
     finally:
         raw.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)

@@ -89,7 +89,7 @@ def _empty_dataset(ck, tmp):
 
 
 BAD = {  # case: (prepare(checkpoint copy, tmp) -> (path, extra args), words of the one-line error)
-    "missing folder": (lambda ck, tmp: (tmp / "nope", []), ["does not exist"]),
+    "missing folder": (lambda ck, tmp: (tmp / "nope", []), ["no such file or folder"]),
     "empty folder": (_empty_folder, ["no checkpoints found"]),
     "corrupt weights": (_corrupt, ["cannot load the model", "complete"]),
     "pickle-only weights": (_pickle_only, ["pickle", "--allow-pickle"]),
