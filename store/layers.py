@@ -211,7 +211,8 @@ def _staged(path: Path, dtype: np.dtype, shape: tuple[int, ...], resume: bool) -
         _check_staged(path, dtype, shape)
     else:
         try:
-            del np.lib.format.open_memmap(path, "w+", dtype, shape)
+            made = np.lib.format.open_memmap(path, "w+", dtype, shape)
+            del made
         except OSError as e:
             if e.errno not in (errno.EFBIG, errno.EINVAL, errno.EOVERFLOW):
                 raise

@@ -142,7 +142,8 @@ class Extraction:
             raise CheckpointError(f"the resume state {where} is in pass {at} of {len(self.plan.passes)}; {RESTART}")
         self.pass_index = at
         self.layers = self._fresh()
-        bad = _misfits(arrays, self.state({}))
+        fresh = self.state({})
+        bad = _misfits(arrays, fresh)
         if bad:
             raise CheckpointError(f"the resume state {where} does not fit this checkpoint ({', '.join(bad[:3])}); "
                                   f"{RESTART}")

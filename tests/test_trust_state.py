@@ -66,7 +66,7 @@ def test_the_digest_changes_with_any_name_dtype_shape_or_byte():
     assert d == digest({**base, DIGEST: np.array("anything")})  # the digest itself is left out
     changed = [{"a2": base["a"], "b": base["b"], "config": base["config"]},
                {**base, "a": base["a"].astype(np.float32)}, {**base, "a": base["a"].reshape(3, 2)},
-               {**base, "a": base["a"] + np.array([[0, 0, 0], [0, 0, 1e-300]])},
+               {**base, "a": np.where(np.arange(6).reshape(2, 3) == 5, np.nextafter(5.0, 6), base["a"])},
                {**base, "b": np.array(4)}, {**base, "config": np.array('{"x": 2}')},
                {**base, "extra": np.zeros(0)}]
     assert len({d, *(digest(c) for c in changed)}) == len(changed) + 1
@@ -288,8 +288,12 @@ def test_save_embeddings_beyond_the_train_positions_stages_what_there_is(trained
 
 
 def test_the_estimate_counts_only_the_embeddings_staged(tmp_path):
-    train = Blocks("train.npy", 32, None, 64, lambda: iter(()))
-    at = [START]
-    est = [estimate(at, None, train, None, 8, 300, 32, 2, tmp_path, [3], embeddings=n) for n in (10**12, POSITIONS)]
-    assert est[0] == est[1]
-    assert est[0] != estimate(at, None, train, None, 8, 300, 32, 2, tmp_path, [3], embeddings=POSITIONS - 1000)
+    from ncanalyze.store.estimate import group_bytes
+
+    train = Blocks("train.npy", 32, None, 64, lambda: iter(()))  # 64 x 31 = 1984 positions
+    staged = group_bytes(300, 1024, 2, 3, POSITIONS, 4)  # 3 layers' groups with 1984 positions' float32 features
+    for n in (10**12, POSITIONS, POSITIONS + 1):
+        est = estimate([START], None, train, None, 8, 300, 1024, 2, tmp_path, [3], embeddings=n)
+        assert f"~{staged / 1e6:,.0f} MB (before compression)" in est, est
+    fewer = estimate([START], None, train, None, 8, 300, 1024, 2, tmp_path, [3], embeddings=POSITIONS // 2)
+    assert f"~{staged / 1e6:,.0f} MB" not in fewer
