@@ -193,7 +193,7 @@ LAYERED_DAMAGE = {  # file in the resume folder -> (damage, words of the one lin
 
 def _tamper_layer2(path: Path) -> None:
     a = read(path)
-    a["layer2.stats.mean"][1, 1] *= 1.5
+    a["layer2.stats.mean"][1, 1] += 1.0
     np.savez(path, **a)
 
 
