@@ -218,8 +218,9 @@ def _staged(path: Path, dtype: np.dtype, shape: tuple[int, ...], resume: bool) -
                 raise
             raise UserError(f"--save-embeddings {shape[0]}: {path.name} would be {_bytes(shape, dtype)} bytes, more "
                             f"than the file system holds in one file ({e.strerror}); lower --save-embeddings") from None
-    with open(path, "r+b") as f:  # reserved again on resume: a copied (sparse) file gets its blocks too
-        os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    if hasattr(os, "posix_fallocate"):  # not on macOS
+        with open(path, "r+b") as f:  # reserved again on resume: a copied (sparse) file gets its blocks too
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
     return np.lib.format.open_memmap(path, "r+")
 
 

@@ -283,7 +283,7 @@ def test_save_embeddings_beyond_the_train_positions_stages_what_there_is(trained
     run_cli(*args, POSITIONS, "--store", tmp_path / "all.zarr")
     a, b = (ncanalyze.store.open(tmp_path / s)[f"neo-2x32/{CK}"].to_dataset() for s in ("huge.zarr", "all.zarr"))
     assert a.sizes["position"] == POSITIONS
-    for name in ("embeddings", "embedding_label", "embedding_position"):
+    for name in ("embeddings", "label", "position"):
         np.testing.assert_array_equal(a[name].values, b[name].values)
 
 
