@@ -23,6 +23,7 @@ The default extraction is the plan of the last layer alone: the same running sta
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -165,9 +166,13 @@ def final_norm(model) -> tuple[str, torch.nn.Module] | None:
 
 class Embeddings:
     """The first ``n`` labelled train positions' features of each layer, their labels and stream positions, staged
-    as .npy memory maps in ``folder`` (flushed before every state save, so a resume keeps what was written)."""
+    as .npy memory maps in ``folder`` (flushed before every state save, so a resume keeps what was written).
 
-    def __init__(self, folder: Path, layers: tuple[int, ...], n: int, dim: int, dtype: str, resume: bool):
+    Each file's rows written so far carry a running sha256 (:meth:`state_dict`, saved in the resume state): a resume
+    reads them again and refuses files whose rows are not the ones saved (``saved``: the state's ``embeddings``)."""
+
+    def __init__(self, folder: Path, layers: tuple[int, ...], n: int, dim: int, dtype: str, resume: bool,
+                 saved: dict | None = None):
         folder.mkdir(parents=True, exist_ok=True)
         files = {**{l: folder / f"embeddings-{l}.npy" for l in layers}, "label": folder / "label.npy",
                  "position": folder / "position.npy"}
@@ -178,6 +183,24 @@ class Embeddings:
         self.h = {l: _staged(files[l], np.dtype(dtype), (n, dim), resume) for l in layers}
         self.label = _staged(files["label"], np.dtype(np.int64), (n,), resume)
         self.position = _staged(files["position"], np.dtype(np.int64), (n,), resume)
+        self._maps = {str(l): m for l, m in self.h.items()} | {"label": self.label, "position": self.position}
+        self._rows = dict.fromkeys(self._maps, 0)  # rows written, hashed and not
+        self._done = dict.fromkeys(self._maps, 0)  # rows in the running digest
+        self._sha = {k: hashlib.sha256() for k in self._maps}
+        if resume:
+            self._verify(saved or {}, files)
+
+    def _verify(self, saved: dict, files: dict) -> None:
+        """Hash each file's saved rows again and compare them with the state's digests."""
+        for (k, m), path in zip(self._maps.items(), files.values()):
+            entry = saved.get(k, {})
+            rows = int(entry["rows"]) if "rows" in entry and np.shape(entry["rows"]) == () else -1
+            if 0 <= rows <= self.n:
+                self._rows[k] = self._done[k] = rows
+                self._sha[k].update(m[:rows].reshape(-1).view(np.uint8))
+            if rows < 0 or rows > self.n or self._sha[k].hexdigest() != str(entry.get("sha256")):
+                raise CheckpointError(f"the staged embeddings {path} are not the ones saved (their first "
+                                      f"{max(rows, 0)} rows fail the digest in the resume state); {RESTART}")
 
     def write(self, row: int, layer_h: dict[int, torch.Tensor], y: torch.Tensor, pos: np.ndarray) -> None:
         """Rows ``row``.. of the stream: features per layer, labels and positions (as much as fits in ``n``)."""
@@ -189,10 +212,21 @@ class Embeddings:
                                                     else torch.float32).cpu().numpy()
         self.label[row:row + take] = y[:take].cpu().numpy()
         self.position[row:row + take] = pos[:take]
+        for k in (*map(str, layer_h), "label", "position"):
+            self._rows[k] = max(self._rows[k], row + take)
 
     def flush(self) -> None:
-        for m in (*self.h.values(), self.label, self.position):
+        """Flush the maps and take the rows written since the last flush into the running digests."""
+        for k, m in self._maps.items():
             m.flush()
+            if self._rows[k] > self._done[k]:
+                self._sha[k].update(m[self._done[k]:self._rows[k]].reshape(-1).view(np.uint8))
+                self._done[k] = self._rows[k]
+
+    def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
+        """Per file (``<layer>``, ``label``, ``position``): the rows flushed and their sha256, for the resume state."""
+        return {k: {"rows": np.array(self._done[k]), "sha256": np.array(self._sha[k].hexdigest())}
+                for k in self._maps}
 
     def variables(self, layer: int, written: int) -> dict:
         """``stats_dataset``'s embedding arguments for ``layer``: a lazy dask array in ~32 MB chunks."""

@@ -118,9 +118,11 @@ class Extraction:
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
         """Everything needed to resume, as flat arrays (with the configuration ``record``)."""
+        emb = {}
         if self.embeddings is not None:
             self.embeddings.flush()
-        return flatten(self._nested() | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
+            emb = {"embeddings": self.embeddings.state_dict()}
+        return flatten(self._nested() | emb | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
                                          "stream": self.stream, "config": json.dumps(record, sort_keys=True)})
 
     def start(self) -> None:
@@ -162,7 +164,7 @@ class Extraction:
                 raise CheckpointError(f"the resume state {where} is inconsistent (phase {phase}, {batches} batches, "
                                       f"{done} tokens counted); {RESTART}")
         self.restore(arrays)
-        self._open_embeddings(resume=True)
+        self._open_embeddings(resume=True, saved=unflatten(arrays).get("embeddings"))
 
     def _finished_layer(self, l: int) -> dict[str, np.ndarray]:
         """Layer ``l``'s state from an earlier pass, as saved in the staging folder: its digest checked, and every
@@ -199,10 +201,10 @@ class Extraction:
                     v.zero_()
             self.next_phase(Phase.VALIDATION)
 
-    def _open_embeddings(self, resume: bool) -> None:
+    def _open_embeddings(self, resume: bool, saved: dict | None = None) -> None:
         if self.plan.save_embeddings:
             self.embeddings = Embeddings(self.folder, self.plan.layers, self.plan.save_embeddings, self.args[1],
-                                         self.plan.embeddings_dtype, resume)
+                                         self.plan.embeddings_dtype, resume, saved)
 
     def finished(self) -> Iterator[tuple[int, LayerState]]:
         """Every layer's finished state, one at a time: the earlier passes' from the staging folder (on the CPU),

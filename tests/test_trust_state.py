@@ -186,9 +186,18 @@ LAYERED_DAMAGE = {  # file in the resume folder -> (damage, words of the one lin
     "the state without its phase": ("state", lambda p: _forge(p, lambda a: a.pop("phase")), "lacks phase"),
     "the state altered": ("state", lambda p: _tamper_layer2(p), "integrity check"),
     "truncated staged embeddings": ("embeddings-0", _truncate, "staged embeddings"),
+    "a staged embedding altered in place": ("embeddings-0", lambda p: _bump(p, (10, 3)), "fail the digest"),
+    "a staged label altered in place": ("label", lambda p: _bump(p, (499,)), "fail the digest"),
     "staged embeddings of another shape": ("label", lambda p: np.save(p, np.zeros(499, np.int64)),
                                            "staged embeddings"),
 }
+
+
+def _bump(path: Path, at: tuple[int, ...]) -> None:  # one value changed in place, the file's size kept
+    m = np.load(path, mmap_mode="r+")
+    m[at] += 1
+    m.flush()
+    del m
 
 
 def _tamper_layer2(path: Path) -> None:
