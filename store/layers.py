@@ -15,7 +15,9 @@ layer is the head as it is (so NC3 there is the duality of the head's rows with 
 
 ``--save-embeddings N`` keeps the first N labelled train positions' features of every stored layer, staged as .npy
 files in the resume folder during the train pass (so a resume keeps them) and written as the chunked variable
-``embeddings (position, hidden)`` with ``label (position)`` when the checkpoint is done.
+``embeddings (position, hidden)`` with ``label (position)`` when the checkpoint is done. The staged files get their
+disk space when made (a full disk fails there, never later as a SIGBUS), carry a running sha256 of their rows in
+the resume state, and are reopened only when their header, size and rows are the ones saved.
 
 The default extraction is the plan of the last layer alone: the same running state (running.py) and passes
 (passes.py) serve both.

@@ -136,9 +136,11 @@ class Extraction:
         self.start()
 
     def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str) -> None:
-        """Continue from a saved state, after checking that it is one this extraction could have written: the same
-        arrays with the same shapes and dtypes, a known pass and phase, and counts that add up to the batches done (a
-        state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings."""
+        """Continue from a saved state (its digest checked by ``load_state``), after checking that it is one this
+        extraction could have written: the same arrays with the same shapes and dtypes, a known pass and phase, the
+        earlier passes' finished layers there, whole and fitting, and counts that add up to the batches done (a
+        state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings, their
+        shapes and digests checked."""
         at = int(arrays["pass"]) if "pass" in arrays and arrays["pass"].shape == () else 0
         if not 0 <= at < len(self.plan.passes):
             raise CheckpointError(f"the resume state {where} is in pass {at} of {len(self.plan.passes)}; {RESTART}")
