@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ncanalyze.analyzer.errors import UserError
@@ -290,6 +291,35 @@ class Resolved(NamedTuple):
     plan: layers.Plan | None  # layer_plan
 
 
+def rows_width(cfg: ExtractConfig) -> int | None:
+    """The width of the rows of a 2-D token array given as ``--dataset``: the block length actually used, recorded
+    in its place (``--block-size`` does not apply; one that differs is refused). None for any other data (or a file
+    open_data will refuse).
+
+    Parameters
+    ----------
+    cfg
+        The configuration.
+
+    Returns
+    -------
+    int or None
+        The width, or None.
+    """
+    if not (cfg.dataset.endswith(".npy") and Path(cfg.dataset).is_file()):
+        return None
+    try:
+        shape = np.load(cfg.dataset, mmap_mode="r", allow_pickle=False).shape
+    except (OSError, ValueError, EOFError, AttributeError):
+        return None
+    if len(shape) != 2:
+        return None
+    if cfg.block_size is not None and cfg.block_size != shape[1]:
+        raise UserError(f"--block-size {cfg.block_size} does not apply to {cfg.dataset}, a 2-D token array whose rows "
+                        f"are the blocks ({shape[1]} tokens each); drop --block-size")
+    return int(shape[1])
+
+
 def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
     """What ``cfg`` means for ``ckpt`` here, without loading its weights.
 
@@ -308,7 +338,7 @@ def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
     """
     device = resolve_device(cfg.device)
     config = load_config(ckpt, cfg.trust_remote_code)
-    block_size = cfg.block_size or default_block_size(config)
+    block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
     val = val_data(cfg)
     record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, held_out=val.held_out)
     plan = layer_plan(cfg, config)

@@ -209,6 +209,8 @@ def estimate(at: list[tuple[int, Phase, int]], costs: Costs | None, train: Block
     only), ``embeddings`` saved positions."""
     passes = passes or [1]
     n = len(at)
+    if train.total is not None:  # no more positions are staged than the train data has (layers.fit_embeddings)
+        embeddings = min(embeddings, train.total * (train.block_size - 1))
     disk = group_bytes(vocab, dim, samples_per_class, sum(passes), embeddings, np.dtype(embeddings_dtype).itemsize)
     where = f"~{n * disk / 1e6:,.0f} MB (before compression) in {store}"
     if costs is None or train.total is None or (val is not None and val.total is None):

@@ -177,7 +177,8 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
                                                              run.val_spec, run.val_split)
     model, tokenizer, tok_name, classifier, bias = (loaded.model, loaded.tokenizer, loaded.tokenizer_name,
                                                     loaded.classifier, loaded.bias)
-    ex = Extraction(plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
+    positions = None if train.total is None else train.total * (train.block_size - 1)
+    ex = Extraction(layers.fit_embeddings(plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
     status = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none

@@ -15,23 +15,29 @@ layer is the head as it is (so NC3 there is the duality of the head's rows with 
 
 ``--save-embeddings N`` keeps the first N labelled train positions' features of every stored layer, staged as .npy
 files in the resume folder during the train pass (so a resume keeps them) and written as the chunked variable
-``embeddings (position, hidden)`` with ``label (position)`` when the checkpoint is done.
+``embeddings (position, hidden)`` with ``label (position)`` when the checkpoint is done. The staged files get their
+disk space when made (a full disk fails there, never later as a SIGBUS), carry a running sha256 of their rows in
+the resume state, and are reopened only when their header, size and rows are the ones saved.
 
 The default extraction is the plan of the last layer alone: the same running state (running.py) and passes
 (passes.py) serve both.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import dask.array as da
 import numpy as np
 import torch
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.io import position_chunk
+from ncanalyze.store.resume import RESTART
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,24 @@ def plan(layers: str = "last", layers_per_pass: int | None = None, save_embeddin
                 embeddings_dtype)
 
 
+def fit_embeddings(plan_: Plan, positions: int | None) -> Plan:
+    """The plan with ``--save-embeddings`` capped at the labelled train positions there are, so that a larger N
+    stages only what exists.
+
+    Parameters
+    ----------
+    plan_ : the extraction's plan.
+    positions : the train positions (blocks x (block size - 1)); None where the data's length is not known.
+
+    Returns
+    -------
+    Plan : ``plan_``, its ``save_embeddings`` at most ``positions``.
+    """
+    if positions is None or plan_.save_embeddings <= positions:
+        return plan_
+    return replace(plan_, save_embeddings=positions)
+
+
 def final_norm(model) -> tuple[str, torch.nn.Module] | None:
     """The model's final norm (the logit lens below the last layer).
 
@@ -144,20 +168,41 @@ def final_norm(model) -> tuple[str, torch.nn.Module] | None:
 
 class Embeddings:
     """The first ``n`` labelled train positions' features of each layer, their labels and stream positions, staged
-    as .npy memory maps in ``folder`` (flushed before every state save, so a resume keeps what was written)."""
+    as .npy memory maps in ``folder`` (flushed before every state save, so a resume keeps what was written).
 
-    def __init__(self, folder: Path, layers: tuple[int, ...], n: int, dim: int, dtype: str, resume: bool):
+    Each file's rows written so far carry a running sha256 (:meth:`state_dict`, saved in the resume state): a resume
+    reads them again and refuses files whose rows are not the ones saved (``saved``: the state's ``embeddings``)."""
+
+    def __init__(self, folder: Path, layers: tuple[int, ...], n: int, dim: int, dtype: str, resume: bool,
+                 saved: dict | None = None):
         folder.mkdir(parents=True, exist_ok=True)
         files = {**{l: folder / f"embeddings-{l}.npy" for l in layers}, "label": folder / "label.npy",
                  "position": folder / "position.npy"}
         if resume and not all(f.is_file() for f in files.values()):
-            raise UserError(f"the saved embeddings of an interrupted extraction are missing from {folder}; pass "
-                            "--overwrite to start this checkpoint again")
-        mode = "r+" if resume else "w+"
+            raise CheckpointError(f"the saved embeddings of an interrupted extraction are missing from {folder}; "
+                                  f"{RESTART}")
         self.n = n
-        self.h = {l: np.lib.format.open_memmap(files[l], mode, np.dtype(dtype), (n, dim)) for l in layers}
-        self.label = np.lib.format.open_memmap(files["label"], mode, np.int64, (n,))
-        self.position = np.lib.format.open_memmap(files["position"], mode, np.int64, (n,))
+        self.h = {l: _staged(files[l], np.dtype(dtype), (n, dim), resume) for l in layers}
+        self.label = _staged(files["label"], np.dtype(np.int64), (n,), resume)
+        self.position = _staged(files["position"], np.dtype(np.int64), (n,), resume)
+        self._maps = {str(l): m for l, m in self.h.items()} | {"label": self.label, "position": self.position}
+        self._rows = dict.fromkeys(self._maps, 0)  # rows written, hashed and not
+        self._done = dict.fromkeys(self._maps, 0)  # rows in the running digest
+        self._sha = {k: hashlib.sha256() for k in self._maps}
+        if resume:
+            self._verify(saved or {}, files)
+
+    def _verify(self, saved: dict, files: dict) -> None:
+        """Hash each file's saved rows again and compare them with the state's digests."""
+        for (k, m), path in zip(self._maps.items(), files.values()):
+            entry = saved.get(k, {})
+            rows = int(entry["rows"]) if "rows" in entry and np.shape(entry["rows"]) == () else -1
+            if 0 <= rows <= self.n:
+                self._rows[k] = self._done[k] = rows
+                self._sha[k].update(m[:rows].reshape(-1).view(np.uint8))
+            if rows < 0 or rows > self.n or self._sha[k].hexdigest() != str(entry.get("sha256")):
+                raise CheckpointError(f"the staged embeddings {path} are not the ones saved (their first "
+                                      f"{max(rows, 0)} rows fail the digest in the resume state); {RESTART}")
 
     def write(self, row: int, layer_h: dict[int, torch.Tensor], y: torch.Tensor, pos: np.ndarray) -> None:
         """Rows ``row``.. of the stream: features per layer, labels and positions (as much as fits in ``n``)."""
@@ -169,10 +214,21 @@ class Embeddings:
                                                     else torch.float32).cpu().numpy()
         self.label[row:row + take] = y[:take].cpu().numpy()
         self.position[row:row + take] = pos[:take]
+        for k in (*map(str, layer_h), "label", "position"):
+            self._rows[k] = max(self._rows[k], row + take)
 
     def flush(self) -> None:
-        for m in (*self.h.values(), self.label, self.position):
+        """Flush the maps and take the rows written since the last flush into the running digests."""
+        for k, m in self._maps.items():
             m.flush()
+            if self._rows[k] > self._done[k]:
+                self._sha[k].update(m[self._done[k]:self._rows[k]].reshape(-1).view(np.uint8))
+                self._done[k] = self._rows[k]
+
+    def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
+        """Per file (``<layer>``, ``label``, ``position``): the rows flushed and their sha256, for the resume state."""
+        return {k: {"rows": np.array(self._done[k]), "sha256": np.array(self._sha[k].hexdigest())}
+                for k in self._maps}
 
     def variables(self, layer: int, written: int) -> dict:
         """``stats_dataset``'s embedding arguments for ``layer``: a lazy dask array in ~32 MB chunks."""
@@ -181,6 +237,46 @@ class Embeddings:
         chunk = position_chunk(m, h.shape[1] * h.dtype.itemsize)
         return {"embeddings": da.from_array(h, chunks=(chunk, h.shape[1]), asarray=False),
                 "embedding_label": np.array(self.label[:m]), "embedding_position": np.array(self.position[:m])}
+
+
+def _staged(path: Path, dtype: np.dtype, shape: tuple[int, ...], resume: bool) -> np.memmap:
+    """A staged .npy of ``shape`` as a memory map: made with its disk space reserved (a full disk is ENOSPC here, the
+    command's full-disk line, never a SIGBUS when a page is written later), or, on resume, reopened after checking
+    that its header and size are those of ``shape`` (a truncated file is refused, never zero-filled)."""
+    if resume:
+        _check_staged(path, dtype, shape)
+    else:
+        try:
+            made = np.lib.format.open_memmap(path, "w+", dtype, shape)
+            del made
+        except OSError as e:
+            if e.errno not in (errno.EFBIG, errno.EINVAL, errno.EOVERFLOW):
+                raise
+            raise UserError(f"--save-embeddings {shape[0]}: {path.name} would be {_bytes(shape, dtype)} bytes, more "
+                            f"than the file system holds in one file ({e.strerror}); lower --save-embeddings") from None
+    if hasattr(os, "posix_fallocate"):  # not on macOS
+        with open(path, "r+b") as f:  # reserved again on resume: a copied (sparse) file gets its blocks too
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    return np.lib.format.open_memmap(path, "r+")
+
+
+def _bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=object)) * dtype.itemsize
+
+
+def _check_staged(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    """Refuse (one line naming ``--restart``) a staged .npy whose header or size is not that of ``shape``."""
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        with open(path, "rb") as f:
+            found, fortran, kind = readers[np.lib.format.read_magic(f)](f)
+            want = f.tell() + _bytes(shape, dtype)
+        ok = (tuple(found), fortran, np.dtype(kind)) == (shape, False, dtype) and path.stat().st_size == want
+        why = f"shape {tuple(found)} {np.dtype(kind)}, {path.stat().st_size} bytes; expected {shape} {dtype}, {want}"
+    except (OSError, ValueError, KeyError, TypeError, SyntaxError) as e:
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        raise CheckpointError(f"the staged embeddings {path} are not the ones saved ({why}); {RESTART}")
 
 
 def record_layers(record: dict, plan_: Plan | None) -> None:

@@ -8,6 +8,7 @@ the checkpoint's lock (lock.py) and the staging copy of its group while it is wr
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -81,12 +82,39 @@ def unflatten(arrays: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
+RESTART = "pass --restart to discard it and extract this checkpoint from the start"
+DIGEST = "digest"  # the name of a saved state's integrity digest (:func:`digest`)
+
+
+def digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """The sha256 of a state's arrays (all but :data:`DIGEST`): each one's name, dtype, shape and bytes, in name order.
+
+    It proves that a state is the one ncanalyze wrote (no bit rot, no array altered without recomputing it); it is
+    not a signature: whoever can run this function can forge it.
+
+    Parameters
+    ----------
+    arrays : flat name -> array.
+
+    Returns
+    -------
+    str : the hex digest.
+    """
+    h = hashlib.sha256()
+    for name in sorted(k for k in arrays if k != DIGEST):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(json.dumps([name, a.dtype.str, list(a.shape)]).encode())
+        h.update(a.reshape(-1).view(np.uint8) if a.size else b"")
+    return h.hexdigest()
+
+
 def save_state(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Atomically, through a temporary file of this process's own: a kill leaves the old state or the new one."""
+    """Atomically, through a temporary file of this process's own: a kill leaves the old state or the new one. The
+    arrays are saved with their :func:`digest`, which :func:`load_state` checks."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp.npz")
     try:
-        np.savez(tmp, **arrays)
+        np.savez(tmp, **arrays, **{DIGEST: np.array(digest(arrays))})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -107,15 +135,41 @@ def prune(partial: Path) -> None:
 UNREADABLE = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile)
 
 
-def load_state(path: Path) -> dict[str, np.ndarray]:
-    """Every array of a saved state, read (and so checksummed by zip) now; a one-line error if it can't be."""
+def load_state(path: Path, needs: tuple[str, ...] = ("config", "phase", "batches")) -> dict[str, np.ndarray]:
+    """Every array of a saved state, read (and so checksummed by zip) now and checked against the digest saved with
+    them; the scalars ``needs`` must be there. A one-line error naming ``--restart`` if any of it fails.
+
+    Parameters
+    ----------
+    path : the state (a checkpoint's, or a finished layer's in the layers folder with ``needs=()``).
+    needs : names of scalars it must hold.
+
+    Returns
+    -------
+    dict : name -> array, the digest left out.
+    """
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
-        record_of(arrays)
     except UNREADABLE as e:
-        raise CheckpointError(f"the resume state {path} is unreadable ({type(e).__name__}: {e}); pass --restart to "
-                        "discard it and extract this checkpoint from the start") from None
+        raise CheckpointError(f"the resume state {path} is unreadable ({type(e).__name__}: {e}); {RESTART}") from None
+    saved = arrays.pop(DIGEST, None)
+    if saved is None:
+        raise CheckpointError(f"the resume state {path} has no integrity digest (written before ncanalyze checked "
+                              f"them, or not by ncanalyze); {RESTART}")
+    if saved.shape != () or str(saved) != digest(arrays):
+        raise CheckpointError(f"the resume state {path} fails its integrity check (its arrays are not the ones "
+                              f"saved: damaged or altered); {RESTART}")
+    bad = [k for k in needs if k not in arrays or arrays[k].shape != ()]
+    if bad:
+        raise CheckpointError(f"the resume state {path} lacks {', '.join(bad)} (or holds them with a shape); "
+                              f"{RESTART}")
+    if "config" in needs:
+        try:
+            record_of(arrays)
+        except ValueError as e:
+            raise CheckpointError(f"the resume state {path} holds an unreadable configuration ({e}); {RESTART}") \
+                from None
     return arrays
 
 

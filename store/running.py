@@ -27,11 +27,10 @@ from ncanalyze.analyzer.schema import stats_dataset
 from ncanalyze.store.layers import Embeddings, Plan
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.reservoir import Reservoir
-from ncanalyze.store.resume import Phase, flatten, save_state, unflatten
+from ncanalyze.store.resume import RESTART, Phase, flatten, load_state, save_state, unflatten
 
 log = logging.getLogger(__name__)
 
-RESTART = "pass --restart to discard it and extract this checkpoint from the start"
 OPTIONAL = ("stream", "pass", "lm")  # names written since the first states: a state from before lacks them
 
 
@@ -119,9 +118,11 @@ class Extraction:
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
         """Everything needed to resume, as flat arrays (with the configuration ``record``)."""
+        emb = {}
         if self.embeddings is not None:
             self.embeddings.flush()
-        return flatten(self._nested() | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
+            emb = {"embeddings": self.embeddings.state_dict()}
+        return flatten(self._nested() | emb | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
                                          "stream": self.stream, "config": json.dumps(record, sort_keys=True)})
 
     def start(self) -> None:
@@ -135,21 +136,22 @@ class Extraction:
         self.start()
 
     def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str) -> None:
-        """Continue from a saved state, after checking that it is one this extraction could have written: the same
-        arrays with the same shapes and dtypes, a known pass and phase, and counts that add up to the batches done (a
-        state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings."""
-        at = int(arrays["pass"]) if "pass" in arrays else 0
+        """Continue from a saved state (its digest checked by ``load_state``), after checking that it is one this
+        extraction could have written: the same arrays with the same shapes and dtypes, a known pass and phase, the
+        earlier passes' finished layers there, whole and fitting, and counts that add up to the batches done (a
+        state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings, their
+        shapes and digests checked."""
+        at = int(arrays["pass"]) if "pass" in arrays and arrays["pass"].shape == () else 0
         if not 0 <= at < len(self.plan.passes):
             raise CheckpointError(f"the resume state {where} is in pass {at} of {len(self.plan.passes)}; {RESTART}")
         self.pass_index = at
         self.layers = self._fresh()
         fresh = self.state({})
-        bad = [k for k, v in fresh.items() if k != "stream" and k in arrays
-               and (arrays[k].shape != v.shape or arrays[k].dtype.kind != v.dtype.kind)]
-        bad += [f"{k} (missing)" for k in fresh if k not in arrays and not set(k.split(".")) & set(OPTIONAL)]
+        bad = _misfits(arrays, fresh)
         if bad:
             raise CheckpointError(f"the resume state {where} does not fit this checkpoint ({', '.join(bad[:3])}); "
                                   f"{RESTART}")
+        self._check_finished(at)
         phase, batches = int(arrays["phase"]), int(arrays["batches"])
         for prefix in {k[:-len("stats.count")] for k in fresh if k.endswith("stats.count")}:
             done = arrays[prefix + ("val.val_count" if phase == Phase.VALIDATION else "stats.count")].sum()
@@ -164,7 +166,26 @@ class Extraction:
                 raise CheckpointError(f"the resume state {where} is inconsistent (phase {phase}, {batches} batches, "
                                       f"{done} tokens counted); {RESTART}")
         self.restore(arrays)
-        self._open_embeddings(resume=True)
+        self._open_embeddings(resume=True, saved=unflatten(arrays).get("embeddings"))
+
+    def _finished_layer(self, l: int) -> dict[str, np.ndarray]:
+        """Layer ``l``'s state from an earlier pass, as saved in the staging folder: its digest checked, and every
+        array there with the shape and kind a fresh layer has (else the one line naming ``--restart``)."""
+        path = self.folder / f"layer-{l}.npz"
+        if not path.is_file():
+            raise CheckpointError(f"the finished layer {l} of an interrupted extraction is missing ({path}); {RESTART}")
+        arrays = load_state(path, needs=())
+        bad = _misfits(arrays, flatten(LayerState(*self.args, "cpu").state_dict()))
+        if bad:
+            raise CheckpointError(f"the resume state {path} does not fit this checkpoint ({', '.join(bad[:3])}); "
+                                  f"{RESTART}")
+        return arrays
+
+    def _check_finished(self, at: int) -> None:
+        """Before resuming in pass ``at``: the earlier passes' layers are all there and fit (:meth:`_finished_layer`)."""
+        for p in self.plan.passes[:at]:
+            for l in p:
+                self._finished_layer(l)
 
     def restore(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Take a saved state's arrays as they are (:meth:`load` checks them first); ``arrays`` maps names to arrays
@@ -182,10 +203,10 @@ class Extraction:
                     v.zero_()
             self.next_phase(Phase.VALIDATION)
 
-    def _open_embeddings(self, resume: bool) -> None:
+    def _open_embeddings(self, resume: bool, saved: dict | None = None) -> None:
         if self.plan.save_embeddings:
             self.embeddings = Embeddings(self.folder, self.plan.layers, self.plan.save_embeddings, self.args[1],
-                                         self.plan.embeddings_dtype, resume)
+                                         self.plan.embeddings_dtype, resume, saved)
 
     def finished(self) -> Iterator[tuple[int, LayerState]]:
         """Every layer's finished state, one at a time: the earlier passes' from the staging folder (on the CPU),
@@ -193,8 +214,7 @@ class Extraction:
         for p in self.plan.passes[:-1]:
             for l in p:
                 s = LayerState(*self.args, "cpu")
-                with np.load(self.folder / f"layer-{l}.npz", allow_pickle=False) as arrays:
-                    s.load_state_dict(unflatten(arrays))
+                s.load_state_dict(unflatten(self._finished_layer(l)))
                 yield l, s
         yield from self.layers.items()
 
@@ -219,3 +239,11 @@ class Extraction:
         """Remove the staging folder."""
         if self.folder is not None and self.folder.exists():
             shutil.rmtree(self.folder)
+
+
+def _misfits(arrays: Mapping[str, np.ndarray], fresh: Mapping[str, np.ndarray]) -> list[str]:
+    """The names where a saved state differs from a fresh one in shape or kind, or lacks it (names new since the
+    first states, :data:`OPTIONAL`, may be absent)."""
+    bad = [k for k, v in fresh.items() if k != "stream" and k in arrays
+           and (arrays[k].shape != v.shape or arrays[k].dtype.kind != v.dtype.kind)]
+    return bad + [f"{k} (missing)" for k in fresh if k not in arrays and not set(k.split(".")) & set(OPTIONAL)]
