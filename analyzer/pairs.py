@@ -20,6 +20,7 @@ metrics run. The tests hold the second to the first, tile by tile.
 """
 from __future__ import annotations
 
+import math
 import uuid
 from typing import NamedTuple
 
@@ -32,6 +33,8 @@ from numba.extending import intrinsic
 
 COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
+REFERENCE_TILE = 512  # classes per sub-tile of the reference path (its ~15 temporaries of 2 MiB each)
+EXAMPLES = 3          # coincident pairs of each kind kept, to name in the warning
 
 
 class PairSums(NamedTuple):
@@ -56,18 +59,18 @@ def blocks(n: int, tile: int) -> list[slice]:
 
 def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, spans: list[slice]) -> Delayed:
     """A dask task for the sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l,
-    l^2; (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV; and p_c p_c' (v_c + v_c')/D, p_c p_c' l) and, per class, its
-    CDNV sum over the others.
+    l^2; (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV; and p_c p_c' (v_c + v_c')/D, p_c p_c' l), per class its
+    CDNV sum over the others, and a few of the pairs whose directions coincide (:func:`examples`).
 
     ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies
-    and ``t0`` the mean of T
-    over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is written as a plain dask
+    and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``, each the fused
+    pass, or the reference where its tile holds coincident directions. The graph is written as a plain dask
     graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of the whole run at
     K = 8,192, d = 256.
     """
     token = uuid.uuid4().hex
     data, out = f"unit-side-{token}", f"pair_sums-{token}"
-    graph: dict = {data: (U, np.stack([r, 1 / r, var, p]))}       # per class: u_c; r_c, 1/r_c, var_c, p_c
+    graph: dict = {data: (U, side_of(r, var, p))}                 # per class: u_c; r_c, 1/r_c, var_c, p_c
     pairs = [(i, j) for i in range(len(spans)) for j in range(i, len(spans))]
     for i, j in pairs:
         graph[(f"tile_sums-{token}", i, j)] = (_tile, data, spans[i], spans[j], t0)
@@ -76,60 +79,93 @@ def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: 
     return Delayed(out, graph)
 
 
+def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """The per-class rows the passes read: r, 1/r, var, p (4 x n)."""
+    return np.stack([r, 1 / r, var, p])
+
+
 def _tile(data: tuple[np.ndarray, np.ndarray], si: slice, sj: slice, t0: float):
     U, side = data
-    return tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
+    sums, rows, cols = tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
+    if sums[0] or not np.isfinite(sums).all():                   # coincident directions: the reference's sums
+        return reference_span(U, side, t0, si, sj, si == sj)
+    return sums, rows, cols, []
 
 
-def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[PairSums, np.ndarray]:
-    """The tiles' sums added up, and per class its sum of (var_c + var_c') / D over the other classes."""
-    acc, row = np.zeros(len(SUMS)), np.zeros(n)
-    for (si, sj), (a, rows, cols) in zip(spans, tiles):
+def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[PairSums, np.ndarray, list]:
+    """The tiles' sums added up, per class its sum of (var_c + var_c') / D over the other classes, and a few
+    coincident pairs."""
+    acc, row, found = np.zeros(len(SUMS)), np.zeros(n), []
+    for (si, sj), (a, rows, cols, pairs) in zip(spans, tiles):
         acc += a
         row[si] += rows
         row[sj] += cols
-    return PairSums(*acc.tolist()), row
+        found += pairs
+    return PairSums(*acc.tolist()), row, few(found)
 
 
 def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
                         diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading). Also
-    the path for tiles with coincident pairs: there, the CDNV term of two coincident means (D below COINCIDENT
-    r r', including 0/0 for two zero variances) is +inf, and the logs of coincident directions are not used."""
+    the path for tiles with coincident pairs: there, the CDNV terms of two coincident means (D below COINCIDENT
+    r r', including 0/0 for two zero variances) are +inf, and the logs of coincident directions are not used."""
     (ri, _, vi, pi), (rj, _, vj, pj) = side_i, side_j
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
     D = ri[:, None] ** 2 + rj[None, :] ** 2 - 2 * np.outer(ri, rj) * g   # ||m_c - m_c'||^2 = ||mu_c - mu_c'||^2
     pair = np.triu(np.ones(g.shape, dtype=bool), k=1) if diag else np.ones(g.shape, dtype=bool)
+    same = D <= COINCIDENT * np.outer(ri, rj)                      # coincident means
     with np.errstate(divide="ignore", invalid="ignore"):        # a diagonal tile's c = c' cells, left out below
-        q = np.where(D <= COINCIDENT * np.outer(ri, rj), np.inf, (vi[:, None] + vj[None, :]) / D)
+        q = np.where(same, np.inf, (vi[:, None] + vj[None, :]) / D)
         x, l = T / t0 - 1, np.log(T / t0)
+        q2 = np.where(same, np.inf, q / D)
     w = np.outer(pi, pj)                                           # p_c p_c'
     sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
-            np.sum(q[pair]), np.sum((q / D)[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair])]
+            np.sum(q[pair]), np.sum(q2[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair])]
     q = np.where(pair, q, 0.0)
     return np.array(sums, dtype=np.float64), q.sum(1), q.sum(0)
 
 
-def reference_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float,
-                        spans: list[slice]) -> tuple[PairSums, np.ndarray, list[tuple[int, int]]]:
-    """The pair sums and per-class CDNV sums through :func:`reference_tile_sums`, and the pairs (i, j), i < j, whose
-    directions coincide (T < COINCIDENT): the path taken when the fused pass finds any (its log is not defined
-    there). O(tile^2) memory, like the fast path; slower, but only for such degenerate checkpoints."""
-    side = np.stack([r, 1 / r, var, p])
-    acc, row, found = np.zeros(len(SUMS)), np.zeros(len(U)), []
+def reference_span(U: np.ndarray, side: np.ndarray, t0: float, si: slice, sj: slice,
+                   diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, bool]]]:
+    """:func:`reference_tile_sums` over the rows ``si`` and columns ``sj`` of the classes (on a ``diag`` span,
+    ``si == sj``, the pairs i < j), in sub-tiles of ``REFERENCE_TILE`` classes (O(REFERENCE_TILE^2) memory), with
+    a few of its coincident pairs (:func:`examples`): the path of the tiles whose directions coincide somewhere,
+    where the fused pass's log is not defined."""
+    acc, rows, cols, found = np.zeros(len(SUMS)), np.zeros(si.stop - si.start), np.zeros(sj.stop - sj.start), []
+    sub_i, sub_j = blocks(si.stop - si.start, REFERENCE_TILE), blocks(sj.stop - sj.start, REFERENCE_TILE)
     np_err = np.seterr(invalid="ignore", over="ignore")
-    for a, si in enumerate(spans):
-        for sj in spans[a:]:
-            sums, rows, cols = reference_tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
+    for x, bi in enumerate(sub_i):
+        for y, bj in enumerate(sub_j[x:] if diag else sub_j, start=x if diag else 0):
+            gi, gj = slice(si.start + bi.start, si.start + bi.stop), slice(sj.start + bj.start, sj.start + bj.stop)
+            args = (U[gi], side[:, gi], U[gj], side[:, gj], t0, diag and x == y)
+            sums, r, c = reference_tile_sums(*args)
             acc += sums
-            row[si] += rows
-            row[sj] += cols
-            T = 2 - 2 * (U[si] @ U[sj].T)
-            i, j = np.nonzero((T < COINCIDENT) & (np.triu(np.ones(T.shape, dtype=bool), k=1) if si == sj else True))
-            found += list(zip((i + si.start).tolist(), (j + sj.start).tolist()))
+            rows[bi] += r
+            cols[bj] += c
+            if sums[0]:
+                found = few(found + examples(*args, offsets=(gi.start, gj.start)))
     np.seterr(**np_err)
-    return PairSums(*acc.tolist()), row, found
+    return acc, rows, cols, found
+
+
+def examples(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
+             offsets: tuple[int, int] = (0, 0)) -> list[tuple[int, int, bool]]:
+    """A few of a tile's pairs (i, j) whose directions coincide (T < COINCIDENT), with whether their means coincide
+    too (D <= COINCIDENT r r'): :func:`few` of them, indexed like the kept classes through ``offsets``."""
+    g = Ui @ Uj.T
+    hit = (2 - 2 * g < COINCIDENT) & (np.triu(np.ones(g.shape, dtype=bool), k=1) if diag else True)
+    i, j = np.nonzero(hit)
+    (ri, *_), (rj, *_) = side_i, side_j
+    same = ri[i] ** 2 + rj[j] ** 2 - 2 * ri[i] * rj[j] * g[i, j] <= COINCIDENT * ri[i] * rj[j]
+    return few(list(zip((i + offsets[0]).tolist(), (j + offsets[1]).tolist(), same.tolist())))
+
+
+def few(found: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """The first EXAMPLES pairs with coincident means and the first EXAMPLES with only coincident directions (the
+    warning names a few; a list of every such pair once took gigabytes at the embedding layer)."""
+    found = sorted(found)
+    return [f for f in found if f[2]][:EXAMPLES] + [f for f in found if not f[2]][:EXAMPLES]
 
 
 def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
@@ -259,3 +295,88 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
         l_f += pi[i] * l_row
     cols += col
     acc += np.array([bad, xx, l1, l2, cdnv, p2, cdnv_f, l_f])
+
+
+# ---------------------------------------------------------------- the same sums in torch (any device)
+#
+# The definitions of reference_tile_sums, as whole-array torch float64 operations on a device (a GPU, or the CPU for
+# the tests): the upper triangle of the Gram in row panels [a, b) x [a, n), each split into its diagonal square (the
+# pairs j > i) and the rectangle right of it (all pairs). torch's log is exact at 0 (-inf), so coincident pairs
+# need no other path: their terms are those of the reference.
+
+TORCH_CELLS = {"cuda": 1 << 25, "cpu": 1 << 20}  # Gram cells per panel (256 MiB, 8 MiB): ~12 temporaries each
+
+
+def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, device: str,
+                    panel: int | None = None) -> tuple[PairSums, np.ndarray, list[tuple[int, int, bool]]]:
+    """What :func:`pair_sums` computes, in torch float64 on ``device``: the sums over the pairs, per class its
+    CDNV sum over the others and a few coincident pairs (:func:`examples`, found on the host in the panels that
+    hold any).
+
+    Parameters
+    ----------
+    U, r, var, p, t0
+        As for :func:`pair_sums`.
+    device
+        A torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+    panel
+        Classes per row panel (default: ``TORCH_CELLS`` Gram cells over the number of classes).
+
+    Returns
+    -------
+    tuple
+        (PairSums, per-class CDNV sums, coincident pairs (i, j, means coincide)).
+    """
+    import torch
+
+    dev = torch.device(device)
+    n, side = len(U), side_of(r, var, p)
+    Ut, St = torch.as_tensor(U, device=dev), torch.as_tensor(side, device=dev)
+    acc = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device=dev)     # SUMS and the count of coincident means
+    row = torch.zeros(n, dtype=torch.float64, device=dev)
+    step = panel or max(1, TORCH_CELLS.get(dev.type, TORCH_CELLS["cuda"]) // n)
+    hits = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        for c0, c1, diag in ((a, b, True), (b, n, False)):
+            if c1 > c0:
+                sums, rows, cols = _torch_block(Ut[a:b], St[:, a:b], Ut[c0:c1], St[:, c0:c1], t0, diag)
+                acc += sums
+                row[a:b] += rows
+                row[c0:c1] += cols
+                hits.append((sums[0], a, b, c0, c1, diag))
+    acc = acc.cpu().numpy()
+    found = []
+    if acc[0]:
+        counts = torch.stack([h[0] for h in hits]).cpu().numpy()
+        want = min(EXAMPLES, acc[-1]) + min(EXAMPLES, acc[0] - acc[-1])   # of each kind, as many as there are
+        for count, (_, a, b, c0, c1, diag) in zip(counts, hits):
+            if count and len(found) < want:
+                found = few(found + examples(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], t0, diag, (a, c0)))
+    return PairSums(*acc[:len(SUMS)].tolist()), row.cpu().numpy(), found
+
+
+def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
+    """One block's sums (SUMS order, then the count of coincident means), row and column sums of (v + v')/D, by the
+    definitions of :func:`reference_tile_sums` (on a ``diag`` block, the pairs j > i only)."""
+    import torch
+
+    (ri, _, vi, pi), (rj, _, vj, pj) = Si[:, :, None], Sj[:, None, :]
+    g = Ui @ Uj.T                                                  # cos(m_c, m_c')
+    T = 2 - 2 * g
+    rr = ri * rj
+    D = ri * ri + rj * rj - 2 * rr * g                             # ||mu_c - mu_c'||^2
+    same = D <= COINCIDENT * rr
+    inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
+    q = torch.where(same, inf, (vi + vj) / D)
+    q2 = torch.where(same, inf, q / D)
+    x, l = T / t0 - 1, torch.log(T / t0)
+    if diag:                                                       # c = c' and the lower triangle: no pairs
+        pair = torch.ones_like(same).triu_(1)
+        zero = torch.zeros((), dtype=g.dtype, device=g.device)
+        T, x, l, q, q2 = (torch.where(pair, t, inf if t is T else zero) for t in (T, x, l, q, q2))
+        same = same & pair
+    rows, cols = q.sum(1), q.sum(0)
+    sums = torch.stack([(T < COINCIDENT).sum().to(g.dtype), (x * x).sum(), l.sum(), (l * l).sum(), rows.sum(),
+                        q2.sum(), pi[:, 0] @ (q @ pj[0]), pi[:, 0] @ (l @ pj[0]), same.sum().to(g.dtype)])
+    return sums, rows, cols
