@@ -351,7 +351,9 @@ def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray
         counts = torch.stack([h[0] for h in hits]).cpu().numpy()
         want = min(EXAMPLES, acc[-1]) + min(EXAMPLES, acc[0] - acc[-1])   # of each kind, as many as there are
         for count, (_, a, b, c0, c1, diag) in zip(counts, hits):
-            if count and len(found) < want:
+            if diag and len(found) >= want:                        # a new row panel: the first pairs are found
+                break
+            if count:
                 found = few(found + examples(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], t0, diag, (a, c0)))
     return PairSums(*acc[:len(SUMS)].tolist()), row.cpu().numpy(), found
 
