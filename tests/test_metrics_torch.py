@@ -136,3 +136,24 @@ def test_where_the_metrics_run():
             engine_device("cuda")
         with pytest.raises(UserError, match="torch sees no CUDA device"):
             measure_all(stats_dataset(np.eye(3)), device="cuda:0")
+
+
+def test_measure_cli_takes_device(tmp_path):
+    """``ncanalyze measure --device cpu`` measures; a device that is not there or not a device is one line."""
+    from click.testing import CliRunner
+    from test_measure_store import write_checkpoint
+
+    from ncanalyze.cli.main import main
+    from ncanalyze.store.io import group_attrs
+
+    store = tmp_path / "s.zarr"
+    ds = write_checkpoint(store, "a", 10, seed=10)
+    r = CliRunner().invoke(main, ["measure", str(store), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert_same(group_attrs(store, "a/checkpoint-10")["metrics"], measure_all(ds, **TORCH)[0])
+    bad = [("tpu", "--device must be auto, cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available():
+        bad.append(("cuda", "torch sees no CUDA device"))
+    for device, said in bad:
+        r = CliRunner().invoke(main, ["measure", str(store), "--device", device, "--force"])
+        assert r.exit_code == 1 and said in r.output and len(r.output.strip().splitlines()) == 1, r.output
