@@ -9,14 +9,17 @@ the sums the metrics need (SPEC section 4):
 - D = ||mu_c - mu_c'||^2 = r r' (r/r' + r'/r - 2g), from the same g and the norms (the CDNV sums);
 - the same CDNV and log terms weighted by w = p_c p_c', p_c the classes' token frequencies (nc1_cdnv_freq,
   gnc2_log_mean_freq);
-- the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless.
+- the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless (the
+  metrics that read them are then inf or nan by definition; a few such pairs are kept to name in a warning). Two
+  coincident means (D below COINCIDENT r r') make their CDNV terms +inf.
 
 The Gram block is one BLAS call; everything after it is one numba loop over the block (a log, a reciprocal and
 a few multiply-adds per pair), so the whole costs about one tiled Gram. No |K| x |K| array is ever formed.
 
-Two implementations of one tile's sums, with the same signature and result: :func:`reference_tile_sums`, plain
-numpy that reads like the definitions above (O(tile^2) temporaries), and :func:`tile_sums`, the fused pass that the
-metrics run. The tests hold the second to the first, tile by tile.
+Three implementations of one tile's sums, with the same result: :func:`reference_tile_sums`, plain numpy that
+reads like the definitions above (O(tile^2) temporaries), :func:`tile_sums`, the fused pass that the metrics run on
+the CPU, and :func:`torch_pair_sums`, the definitions in torch float64 on a device (a GPU). The tests hold the
+others to the first, tile by tile, and the metrics of the last two to each other to 1e-12.
 """
 from __future__ import annotations
 
@@ -33,7 +36,6 @@ from numba.extending import intrinsic
 
 COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
-REFERENCE_TILE = 512  # classes per sub-tile of the reference path (its ~15 temporaries of 2 MiB each)
 EXAMPLES = 3          # coincident pairs of each kind kept, to name in the warning
 
 
@@ -63,8 +65,7 @@ def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: 
     CDNV sum over the others, and a few of the pairs whose directions coincide (:func:`examples`).
 
     ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies
-    and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``, each the fused
-    pass, or the reference where its tile holds coincident directions. The graph is written as a plain dask
+    and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is written as a plain dask
     graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of the whole run at
     K = 8,192, d = 256.
     """
@@ -86,10 +87,9 @@ def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray) -> np.ndarray:
 
 def _tile(data: tuple[np.ndarray, np.ndarray], si: slice, sj: slice, t0: float):
     U, side = data
-    sums, rows, cols = tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
-    if sums[0] or not np.isfinite(sums).all():                   # coincident directions: the reference's sums
-        return reference_span(U, side, t0, si, sj, si == sj)
-    return sums, rows, cols, []
+    found: list = []
+    return (*tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj, found=found, offsets=(si.start, sj.start)),
+            found)
 
 
 def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[PairSums, np.ndarray, list]:
@@ -107,8 +107,8 @@ def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[Pair
 def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
                         diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading). Also
-    the path for tiles with coincident pairs: there, the CDNV terms of two coincident means (D below COINCIDENT
-    r r', including 0/0 for two zero variances) are +inf, and the logs of coincident directions are not used."""
+    the meaning of coincident pairs: the CDNV terms of two coincident means (D below COINCIDENT r r', including
+    0/0 for two zero variances) are +inf, and the logs of coincident directions are not used."""
     (ri, _, vi, pi), (rj, _, vj, pj) = side_i, side_j
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
@@ -126,39 +126,11 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
     return np.array(sums, dtype=np.float64), q.sum(1), q.sum(0)
 
 
-def reference_span(U: np.ndarray, side: np.ndarray, t0: float, si: slice, sj: slice,
-                   diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, bool]]]:
-    """:func:`reference_tile_sums` over the rows ``si`` and columns ``sj`` of the classes (on a ``diag`` span,
-    ``si == sj``, the pairs i < j), in sub-tiles of ``REFERENCE_TILE`` classes (O(REFERENCE_TILE^2) memory), with
-    a few of its coincident pairs (:func:`examples`): the path of the tiles whose directions coincide somewhere,
-    where the fused pass's log is not defined."""
-    acc, rows, cols, found = np.zeros(len(SUMS)), np.zeros(si.stop - si.start), np.zeros(sj.stop - sj.start), []
-    sub_i, sub_j = blocks(si.stop - si.start, REFERENCE_TILE), blocks(sj.stop - sj.start, REFERENCE_TILE)
-    np_err = np.seterr(invalid="ignore", over="ignore")
-    for x, bi in enumerate(sub_i):
-        for y, bj in enumerate(sub_j[x:] if diag else sub_j, start=x if diag else 0):
-            gi, gj = slice(si.start + bi.start, si.start + bi.stop), slice(sj.start + bj.start, sj.start + bj.stop)
-            args = (U[gi], side[:, gi], U[gj], side[:, gj], t0, diag and x == y)
-            sums, r, c = reference_tile_sums(*args)
-            acc += sums
-            rows[bi] += r
-            cols[bj] += c
-            if sums[0]:
-                found = few(found + examples(*args, offsets=(gi.start, gj.start)))
-    np.seterr(**np_err)
-    return acc, rows, cols, found
-
-
-def examples(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
+def examples(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, diag: bool,
              offsets: tuple[int, int] = (0, 0)) -> list[tuple[int, int, bool]]:
-    """A few of a tile's pairs (i, j) whose directions coincide (T < COINCIDENT), with whether their means coincide
-    too (D <= COINCIDENT r r'): :func:`few` of them, indexed like the kept classes through ``offsets``."""
-    g = Ui @ Uj.T
-    hit = (2 - 2 * g < COINCIDENT) & (np.triu(np.ones(g.shape, dtype=bool), k=1) if diag else True)
-    i, j = np.nonzero(hit)
-    (ri, *_), (rj, *_) = side_i, side_j
-    same = ri[i] ** 2 + rj[j] ** 2 - 2 * ri[i] * rj[j] * g[i, j] <= COINCIDENT * ri[i] * rj[j]
-    return few(list(zip((i + offsets[0]).tolist(), (j + offsets[1]).tolist(), same.tolist())))
+    """A few of a tile's pairs (i, j) whose directions coincide, with whether their means coincide too
+    (:func:`few` of them, indexed like the kept classes through ``offsets``)."""
+    return _hits(Ui @ Uj.T, side_i[0], side_j[0], diag, offsets)
 
 
 def few(found: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
@@ -169,11 +141,13 @@ def few(found: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
 
 
 def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
-              panel_cells: int = PANEL_CELLS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              panel_cells: int = PANEL_CELLS, found: list | None = None,
+              offsets: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One tile pair's sums (in ``SUMS`` order), row sums and column sums of (v + v')/D, over its pairs (on a
     diagonal tile, i < j only); ``side`` holds each class's r, 1/r, variance and token frequency p. The Gram goes
     in row panels of about ``panel_cells`` into one reused buffer; on a diagonal tile, each panel's Gram starts at
-    its own first column.
+    its own first column. Where a panel holds coincident directions, a few of them go into ``found`` (as
+    :func:`examples`, indexed through ``offsets``), read from the same buffer.
     """
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
     step = max(1, panel_cells // len(Uj))
@@ -183,8 +157,23 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
     for a in range(0, len(Ui), step):
         b, c0 = min(a + step, len(Ui)), (a if diag else 0)
         G = np.matmul(Ui[a:b], Uj[c0:].T, out=buf[:(b - a) * (len(Uj) - c0)].reshape(b - a, -1))
+        before = acc[0]
         _pass(G, *side_i[:, a:b], *side_j[:, c0:], 2 / t0, diag, acc, rows[a:b], cols[c0:])
+        if found is not None and acc[0] > before and len(found) < 2 * EXAMPLES:
+            found[:] = few(found + _hits(G, side_i[0, a:b], side_j[0, c0:], diag, (offsets[0] + a, offsets[1] + c0)))
     return acc, rows, cols
+
+
+def _hits(G: np.ndarray, ri: np.ndarray, rj: np.ndarray, diag: bool,
+          offsets: tuple[int, int]) -> list[tuple[int, int, bool]]:
+    """The pairs of a Gram block whose directions coincide (T = 2 - 2g < COINCIDENT; on a diagonal block j > i),
+    with whether their means coincide (D <= COINCIDENT r r'), indexed through ``offsets``."""
+    i, j = np.nonzero(G > 1 - COINCIDENT / 2)
+    if diag:
+        i, j = i[j > i], j[j > i]
+    g, r1, r2 = G[i, j], ri[i], rj[j]
+    same = r1 * r1 + r2 * r2 - 2 * r1 * r2 * g <= COINCIDENT * r1 * r2
+    return few(list(zip((i + offsets[0]).tolist(), (j + offsets[1]).tolist(), same.tolist())))
 
 
 # ---------------------------------------------------------------- the fused pass (numba)
@@ -197,7 +186,9 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
 #   "afn" are excluded too: they would replace the one division and the log with approximations.
 # - The log is musl's, on positive normal input only: y = T/t0 = x + 1 in (0, 4/t0]. A zero or subnormal y
 #   (coincident directions) gives a wrong finite log, which is harmless only because such a pair is counted in
-#   `coincident` (T < COINCIDENT) and the caller refuses any count above zero.
+#   `coincident` (T < COINCIDENT), and any count above zero makes the metrics that read the logs inf or nan.
+# - Coincident means (e = D/(r r') <= COINCIDENT) give +inf CDNV terms, by a select (the loop still vectorises);
+#   their other terms are those of coincident directions.
 # - Every term is float64. The order of the sums differs from a sequential loop's (reassociation, and the
 #   tiles' own order), so results agree with reference_tile_sums to about 1e-13 relative, not bit for bit; they
 #   are bit-reproducible for a given tile size and machine.
@@ -284,6 +275,8 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
             l_row += p_j[j] * l
             qb = inv * (2.0 + f) * b_j[j]                         # b'/e = r/D
             t = qb * (v_i + v_j[j])                               # (v + v') r / D
+            if e <= COINCIDENT:                                   # coincident means: +inf, as the reference says
+                qb = t = np.inf
             row += t
             row2 += t * qb                                        # (v + v') r^2 / D^2
             row_f += p_j[j] * t
@@ -354,7 +347,7 @@ def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray
             if diag and len(found) >= want:                        # a new row panel: the first pairs are found
                 break
             if count:
-                found = few(found + examples(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], t0, diag, (a, c0)))
+                found = few(found + examples(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], diag, (a, c0)))
     return PairSums(*acc[:len(SUMS)].tolist()), row.cpu().numpy(), found
 
 
