@@ -159,7 +159,7 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
         G = np.matmul(Ui[a:b], Uj[c0:].T, out=buf[:(b - a) * (len(Uj) - c0)].reshape(b - a, -1))
         before = acc[0]
         _pass(G, *side_i[:, a:b], *side_j[:, c0:], 2 / t0, diag, acc, rows[a:b], cols[c0:])
-        if found is not None and acc[0] > before and len(found) < 2 * EXAMPLES:
+        if found is not None and acc[0] > before and sum(same for *_, same in found) < EXAMPLES:
             found[:] = few(found + _hits(G, side_i[0, a:b], side_j[0, c0:], diag, (offsets[0] + a, offsets[1] + c0)))
     return acc, rows, cols
 
@@ -173,7 +173,8 @@ def _hits(G: np.ndarray, ri: np.ndarray, rj: np.ndarray, diag: bool,
         i, j = i[j > i], j[j > i]
     g, r1, r2 = G[i, j], ri[i], rj[j]
     same = r1 * r1 + r2 * r2 - 2 * r1 * r2 * g <= COINCIDENT * r1 * r2
-    return few(list(zip((i + offsets[0]).tolist(), (j + offsets[1]).tolist(), same.tolist())))
+    first = np.r_[np.flatnonzero(same)[:EXAMPLES], np.flatnonzero(~same)[:EXAMPLES]]   # row-major: the first ones
+    return few(list(zip((i[first] + offsets[0]).tolist(), (j[first] + offsets[1]).tolist(), same[first].tolist())))
 
 
 # ---------------------------------------------------------------- the fused pass (numba)
