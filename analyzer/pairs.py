@@ -65,9 +65,9 @@ def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: 
     CDNV sum over the others, and a few of the pairs whose directions coincide (:func:`examples`).
 
     ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies
-    and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is written as a plain dask
-    graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of the whole run at
-    K = 8,192, d = 256.
+    and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is
+    written as a plain dask graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of
+    the whole run at K = 8,192, d = 256.
     """
     token = uuid.uuid4().hex
     data, out = f"unit-side-{token}", f"pair_sums-{token}"

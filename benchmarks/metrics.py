@@ -149,7 +149,7 @@ def run_torch(k: int, d: int, rounds: int, device: str) -> None:
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU (torch)"
     flops = 2 * k * k * d
     print(f"K={k:,} d={d:,} on {name}, {len(SCALARS)} metrics in torch float64: metrics {t_metrics:.2f} s, one "
-          f"float64 Gram M M^T {t_gram:.2f} s ({flops / t_gram / 1e12:.1f} TFLOP/s), ratio {ratio:.2f} (median of "
+          f"float64 Gram M M^T {t_gram:.2f} s ({flops / t_gram / 1e9:,.0f} GFLOP/s), ratio {ratio:.2f} (median of "
           f"{rounds} alternating rounds; target <= 1.5) | peak device memory {peak:.1f} GiB "
           f"(M: {k * d * 8 / 2**30:.1f} GiB)", flush=True)
 
