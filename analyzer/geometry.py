@@ -86,6 +86,7 @@ class Geometry:
     spectra: dict[str, np.ndarray]
     n_tokens: int
     sigma_w: np.ndarray | None = None
+    vsv: np.ndarray | None = None          # v_i^T Sigma_W v_i over the eigenvectors v_i of M^T M (nc1_trace)
     w_norm: np.ndarray | None = None
     wm: np.ndarray | None = None
     WtW: np.ndarray | None = None
@@ -153,7 +154,7 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
         _warn_coincident(coincident, K)
     g = Geometry(K=K, var=var, r=r, U=U, s=s, t0=t0, p=p, pairs=pairs, row_cdnv=row_cdnv, MtM=mom["MtM"],
                  lam=mom["lam"], V=mom["V"], m_sum=M.sum(0), spectra=mom["spectra"], n_tokens=int(count.sum()),
-                 sigma_w=sigma_w, coincident=coincident)
+                 sigma_w=sigma_w, vsv=mom.get("vsv"), coincident=coincident)
     if W is not None:
         dead = np.flatnonzero(mom["wn"] == 0)
         if dead.size:
@@ -298,6 +299,8 @@ def _finish(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.nd
     torch.linalg on ``device``."""
     la = _TorchLinalg(device) if device else np.linalg
     out["lam"], out["V"] = la.eigh(out["MtM"])
+    if sigma_w is not None:                                       # v_i^T Sigma_W v_i (nc1_trace): O(d^3) too
+        out["vsv"] = la.quad(sigma_w, out["V"]) if device else np.sum(out["V"] * (sigma_w @ out["V"]), 0)
     out["spectra"] = _spectra(out, sigma_w, delta, n, la)
     return out
 
@@ -359,6 +362,11 @@ class _TorchLinalg:
         if int(info):
             raise np.linalg.LinAlgError("not positive definite")
         return L.cpu().numpy()
+
+    def quad(self, S: np.ndarray, V: np.ndarray) -> np.ndarray:
+        """v_i^T S v_i for the columns v_i of V."""
+        V = self._on(V)
+        return (V * (self._on(S) @ V)).sum(0).cpu().numpy()
 
     def solve_lower(self, L: np.ndarray, B: np.ndarray) -> np.ndarray:
         return self.torch.linalg.solve_triangular(self._on(L), self._on(B), upper=False).cpu().numpy()

@@ -42,10 +42,9 @@ def nc1_cdnv_p2(g: Geometry) -> float:
 def nc1_trace(g: Geometry) -> float:
     """Tr(Sigma_W Sigma_B^+) / |K| (Papyan, Han & Donoho 2020), Sigma_B = M^T M / n. With M^T M = V diag(lam) V^T,
     Sigma_B^+ = n V diag(1/lam) V^T over lam > d eps max(lam) (numpy's pinv cut), so the value is
-    sum_i v_i^T Sigma_W v_i / lam_i."""
+    sum_i v_i^T Sigma_W v_i / lam_i (``vsv``, computed with the spectra: on the device where they are)."""
     keep = g.lam > g.lam.size * np.finfo(float).eps * g.lam.max()
-    V = g.V[:, keep]
-    return float(np.sum(np.sum(V * (g.sigma_w @ V), 0) / g.lam[keep]))
+    return float(np.sum(g.vsv[keep] / g.lam[keep]))
 
 
 def nc2_norm_cv(g: Geometry) -> float:
