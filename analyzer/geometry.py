@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from dask.delayed import Delayed
 from scipy.linalg import solve_triangular
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums, reference_pair_sums
+from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums, torch_pair_sums
 
 MAX_TILE = 2048
 
@@ -85,11 +86,13 @@ class Geometry:
     spectra: dict[str, np.ndarray]
     n_tokens: int
     sigma_w: np.ndarray | None = None
+    vsv: np.ndarray | None = None          # v_i^T Sigma_W v_i over the eigenvectors v_i of M^T M (nc1_trace)
     w_norm: np.ndarray | None = None
     wm: np.ndarray | None = None
     WtW: np.ndarray | None = None
     w_sum: np.ndarray | None = None
-    coincident: list[tuple[int, int]] = field(default_factory=list)  # pairs whose directions coincide (T ~ 0)
+    coincident: list[tuple[int, int, bool]] = field(default_factory=list)  # a few pairs whose directions
+    # coincide (T ~ 0), with whether their means do too; empty where none do
     val_count: np.ndarray | None = None
     val_agree: np.ndarray | None = None
     nc4_nan_because: str | None = None   # NC4 is defined here but not measurable, and why
@@ -118,17 +121,18 @@ class Geometry:
         return needs is None or getattr(self, needs) is not None
 
 
-def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> Geometry:
+def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
+             engine: str | None = None) -> Geometry:
     """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra here, the pairwise sums, the
-    d x d moments and their spectra in one dask compute (one BLAS thread per task). Degenerate input is a
-    UserError naming it."""
+    d x d moments and their spectra in one dask compute (one BLAS thread per task), or in torch float64 on
+    ``device`` (:func:`engine_device`). Degenerate input is a UserError naming it."""
     K = kept_classes(ds["count"].values, min_count)
     n = K.size
     if n < 2:
         raise UserError(f"only {n} class(es) have count >= min_count={min_count}; the metrics need at least 2: "
                         "lower --min-count or extract more train tokens")
-    tile = int(tile or auto_tile(n))
-    if tile < 1:
+    on = engine_device(device, engine)
+    if tile is not None and int(tile) < 1:
         raise UserError(f"tile must be a positive number of classes (got {tile})")
     M, var, r, mu_G = _centred_means(ds, K)
     U = M / r[:, None]
@@ -138,17 +142,19 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> Geo
     p = count[K] / count[K].sum()                                 # token frequencies within K
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
     sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64) if "within_covariance" in ds else None
-    spans = blocks(n, tile)
-    with threadpoolctl.threadpool_limits(1, user_api="blas"):
-        (pairs, row_cdnv), mom = dask.compute(pair_sums(U, r, var, p, t0, spans),
-                                              _moments(ds, K, M, mu_G, W, sigma_w, tile))
-    coincident: list[tuple[int, int]] = []
-    if pairs.coincident or not np.isfinite(pairs).all():
-        pairs, row_cdnv, coincident = reference_pair_sums(U, r, var, p, t0, spans)
-        _warn_coincident(coincident, M, r, K)
+    if on is None:
+        tile = int(tile or auto_tile(n))
+        with threadpoolctl.threadpool_limits(1, user_api="blas"):
+            (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, t0, blocks(n, tile)),
+                                                              _moments(ds, K, M, mu_G, W, sigma_w, tile))
+    else:
+        pairs, row_cdnv, coincident = torch_pair_sums(U, r, var, p, t0, on, tile)
+        mom = _moments_torch(ds, K, M, mu_G, W, sigma_w, on)
+    if coincident:
+        _warn_coincident(coincident, K)
     g = Geometry(K=K, var=var, r=r, U=U, s=s, t0=t0, p=p, pairs=pairs, row_cdnv=row_cdnv, MtM=mom["MtM"],
                  lam=mom["lam"], V=mom["V"], m_sum=M.sum(0), spectra=mom["spectra"], n_tokens=int(count.sum()),
-                 sigma_w=sigma_w, coincident=coincident)
+                 sigma_w=sigma_w, vsv=mom.get("vsv"), coincident=coincident)
     if W is not None:
         dead = np.flatnonzero(mom["wn"] == 0)
         if dead.size:
@@ -211,18 +217,51 @@ def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: 
     a_c = mu_c - mu_G and delta = mu - mu_G = sum_c f_c a_c, so the kept rows reuse M; the classes counted but not
     kept and the classifier rows outside K come in blocks of their own. One task per row block (O(tile d^2) each),
     then their sum and the eigendecompositions (O(d^3))."""
-    count = np.asarray(ds["count"].values)
-    f = count / count.sum()
-    rest = np.setdiff1d(np.flatnonzero(count > 0), K)             # counted, not kept
-    A = _rows(ds["mean"], rest) - mu_G
-    _check_finite(A, "class means (counted but not kept)")
-    delta = f[K] @ M + f[rest] @ A
+    count, f, rest, A, delta = _outside(ds, K, M, mu_G)
     kept = [dask.delayed(_block_moments)(M[s], f[K][s], None if W is None else W[s]) for s in blocks(K.size, tile)]
     outside = [dask.delayed(_scatter)(A[s], f[rest][s]) for s in blocks(rest.size, tile)]
     if W is not None and K.size < count.size:                    # the head's rows outside K, read in place
         W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
         outside += [dask.delayed(_head)(W_all[s], out_K[s]) for s in blocks(count.size, tile) if out_K[s].any()]
     return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, K.size)
+
+
+def _outside(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The train counts, f_c = n_c / N, the classes counted but not kept, their rows a_c = mu_c - mu_G, and
+    delta = sum_c f_c a_c (see :func:`_moments`)."""
+    count = np.asarray(ds["count"].values)
+    f = count / count.sum()
+    rest = np.setdiff1d(np.flatnonzero(count > 0), K)             # counted, not kept
+    A = _rows(ds["mean"], rest) - mu_G
+    _check_finite(A, "class means (counted but not kept)")
+    return count, f, rest, A, f[K] @ M + f[rest] @ A
+
+
+def _moments_torch(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: np.ndarray | None,
+                   sigma_w: np.ndarray | None, device: str) -> dict[str, np.ndarray]:
+    """What the task of :func:`_moments` returns, computed by torch in float64 on ``device``: the products over
+    the classes as whole-array operations, the head's rows outside K in blocks (read in place, made float64 one
+    block at a time), and the eigendecompositions by torch.linalg."""
+    import torch
+
+    dev = torch.device(device)
+    on = lambda x: torch.as_tensor(np.asarray(x, dtype=np.float64), device=dev)  # noqa: E731
+    count, f, rest, A, delta = _outside(ds, K, M, mu_G)
+    Mt = on(M)
+    mf, af = Mt * on(np.sqrt(f[K]))[:, None], on(A) * on(np.sqrt(f[rest]))[:, None]
+    out = {"MtM": Mt.T @ Mt, "MtFM": mf.T @ mf + af.T @ af}
+    del mf, af
+    if W is not None:
+        Wt = on(W)
+        out |= {"WtW": Wt.T @ Wt, "wn": torch.sqrt((Wt * Wt).sum(1)), "wm": (Wt * Mt).sum(1), "w_sum": Wt.sum(0)}
+        out["head"] = out["WtW"].clone()
+        W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
+        for s in blocks(count.size, MAX_TILE * 8):
+            if out_K[s].any():
+                w = on(W_all[s][out_K[s]])
+                out["head"] += w.T @ w
+    out = {k: v.cpu().numpy() for k, v in out.items()}
+    return _finish(out, sigma_w, delta, K.size, device)
 
 
 def _block_moments(m: np.ndarray, f: np.ndarray, w: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -251,41 +290,125 @@ def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.
     out["MtFM"] = out["MtFM"] + sum(p["MtFM"] for p in outside if "MtFM" in p)
     if "WtW" in out:
         out["head"] = out["WtW"] + sum(p["head"] for p in outside if "head" in p)
-    out["lam"], out["V"] = np.linalg.eigh(out["MtM"])
-    out["spectra"] = _spectra(out, sigma_w, delta, n)
+    return _finish(out, sigma_w, delta, n)
+
+
+def _finish(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
+            device: str | None = None) -> dict[str, np.ndarray]:
+    """The moments with the eigen-decomposition of M^T M (``lam``, ``V``) and the ``spectra``: numpy.linalg, or
+    torch.linalg on ``device``."""
+    la = _TorchLinalg(device) if device else np.linalg
+    out["lam"], out["V"] = la.eigh(out["MtM"])
+    if sigma_w is not None:                                       # v_i^T Sigma_W v_i (nc1_trace): O(d^3) too
+        out["vsv"] = la.quad(sigma_w, out["V"]) if device else np.sum(out["V"] * (sigma_w @ out["V"]), 0)
+    out["spectra"] = _spectra(out, sigma_w, delta, n, la)
     return out
 
 
-def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray,
-             n: int) -> dict[str, np.ndarray]:
-    """The eigenvalues (ascending, numpy.linalg.eigvalsh in float64) of the d x d matrices of spectral.py:
+def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
+             la=np.linalg) -> dict[str, np.ndarray]:
+    """The eigenvalues (ascending, ``la.eigvalsh`` in float64) of the d x d matrices of spectral.py:
     ``between`` Sigma_B = M^T M / n; with Sigma_W, ``within`` Sigma_W, ``total`` Sigma_T = Sigma_W + sum_c f_c
     (mu_c - mu)(mu_c - mu)^T (the law of total covariance) and ``lidar`` (:func:`lidar_spectrum`); with the
     classifier, ``head`` W^T W over the whole vocabulary."""
     out = {"between": mom["lam"] / n}
     if sigma_w is not None:
-        out |= {"within": np.linalg.eigvalsh(sigma_w),
-                "total": np.linalg.eigvalsh(sigma_w + mom["MtFM"] - np.outer(delta, delta)),
-                "lidar": lidar_spectrum(sigma_w, mom["MtM"] / n)}
+        out |= {"within": la.eigvalsh(sigma_w),
+                "total": la.eigvalsh(sigma_w + mom["MtFM"] - np.outer(delta, delta)),
+                "lidar": lidar_spectrum(sigma_w, mom["MtM"] / n, la)}
     if "WtW" in mom:
-        out["head"] = np.linalg.eigvalsh(mom["head"])
+        out["head"] = la.eigvalsh(mom["head"])
     return out
 
 
-def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray) -> np.ndarray:
+def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray, la=np.linalg) -> np.ndarray:
     """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d, as
     those of the similar matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two
-    triangular solves and one eigvalsh. nan where Sigma_W is zero (no within-class noise) or not positive
-    semi-definite (corrupt statistics)."""
+    triangular solves and one eigvalsh (``la``: numpy's and scipy's, or :class:`_TorchLinalg`). nan where Sigma_W
+    is zero (no within-class noise) or not positive semi-definite (corrupt statistics)."""
     eps = 1e-4 * np.trace(sigma_w) / len(sigma_w)
     try:
-        L = np.linalg.cholesky(sigma_w + eps * np.eye(len(sigma_w))) if eps > 0 else None
+        L = la.cholesky(sigma_w + eps * np.eye(len(sigma_w))) if eps > 0 else None
     except np.linalg.LinAlgError:
         L = None
     if L is None:
         return np.full(len(sigma_w), np.nan)
-    X = solve_triangular(L, sigma_b, lower=True)                  # L^-1 Sigma_B
-    return np.linalg.eigvalsh(solve_triangular(L, X.T, lower=True))
+    solve = getattr(la, "solve_lower", None) or (lambda L, B: solve_triangular(L, B, lower=True))
+    X = solve(L, sigma_b)                                         # L^-1 Sigma_B
+    return la.eigvalsh(solve(L, X.T))
+
+
+class _TorchLinalg:
+    """numpy.linalg's eigh, eigvalsh and cholesky (and a lower-triangular solve) in torch float64 on a device:
+    numpy in, numpy out."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+
+    def _on(self, a: np.ndarray):
+        return self.torch.as_tensor(np.asarray(a, dtype=np.float64), device=self.device)
+
+    def eigh(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lam, V = self.torch.linalg.eigh(self._on(a))
+        return lam.cpu().numpy(), V.cpu().numpy()
+
+    def eigvalsh(self, a: np.ndarray) -> np.ndarray:
+        return self.torch.linalg.eigvalsh(self._on(a)).cpu().numpy()
+
+    def cholesky(self, a: np.ndarray) -> np.ndarray:
+        L, info = self.torch.linalg.cholesky_ex(self._on(a))
+        if int(info):
+            raise np.linalg.LinAlgError("not positive definite")
+        return L.cpu().numpy()
+
+    def quad(self, S: np.ndarray, V: np.ndarray) -> np.ndarray:
+        """v_i^T S v_i for the columns v_i of V."""
+        V = self._on(V)
+        return (V * (self._on(S) @ V)).sum(0).cpu().numpy()
+
+    def solve_lower(self, L: np.ndarray, B: np.ndarray) -> np.ndarray:
+        return self.torch.linalg.solve_triangular(self._on(L), self._on(B), upper=False).cpu().numpy()
+
+
+def engine_device(device: str | None = "auto", engine: str | None = None) -> str | None:
+    """Where the pairwise sums and the d x d work run: None for the numba pass and numpy on the CPU (the CPU's
+    default), else the torch device that runs them in float64.
+
+    Parameters
+    ----------
+    device
+        ``auto`` (CUDA when torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+    engine
+        ``numba`` or ``torch`` to choose the CPU's path (``torch`` with ``cpu``: the GPU's code on the CPU, as
+        the tests run it); default: torch on CUDA, numba on the CPU.
+
+    Returns
+    -------
+    str or None
+        The torch device, or None for numba.
+    """
+    device = str(device or "auto").strip().lower()
+    if engine not in (None, "numba", "torch"):
+        raise UserError(f"engine must be numba or torch (got {engine!r})")
+    if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise UserError(f"--device must be auto, cpu, cuda or cuda:N (got {device!r})")
+    if device == "cpu" or (device == "auto" and engine == "numba"):
+        return "cpu" if engine == "torch" else None
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else ("cpu" if engine == "torch" else None)
+    if engine == "numba":
+        raise UserError(f"the numba engine runs on the CPU only: drop engine='numba' to measure on {device}")
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {device}: torch sees no CUDA device (torch.cuda.is_available() is False); use "
+                        "--device auto or cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    return device
 
 
 def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
@@ -299,15 +422,16 @@ def _check_finite(x: np.ndarray, what: str) -> None:
         raise UserError(f"the {what} of kept classes contain NaN or Inf: the statistics are corrupt; extract again")
 
 
-def _warn_coincident(pairs: list[tuple[int, int]], M: np.ndarray, r: np.ndarray, K: np.ndarray) -> None:
-    """Say which kept classes coincide and what that makes of the metrics (the others stay exact)."""
-    same = [(i, j) for i, j in pairs if float(np.sum((M[i] - M[j]) ** 2)) <= COINCIDENT * r[i] * r[j]]
-    names = lambda ps: ", ".join(f"{K[i]} and {K[j]}" for i, j in ps[:3]) + (" ..." if len(ps) > 3 else "")  # noqa
+def _warn_coincident(pairs: list[tuple[int, int, bool]], K: np.ndarray) -> None:
+    """Say which kept classes coincide (a few pairs (i, j, means coincide)) and what that makes of the metrics (the
+    others stay exact)."""
+    same = [(i, j) for i, j, s in pairs if s]
+    names = lambda ps: ", ".join(f"{K[i]} and {K[j]}" for i, j in ps[:3]) + (" ..." if len(ps) > 2 else "")  # noqa
     if same:
         warnings.warn(f"classes {names(same)} have coincident means: nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and their "
                       "class_cdnv are inf; gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are "
                       "exact (raise --min-count to leave such classes out)", stacklevel=3)
     else:
-        warnings.warn(f"the centred means of classes {names(pairs)} point the same way (||u - u'||^2 < "
-                      f"{COINCIDENT:g}): gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are exact "
-                      "(raise --min-count to leave such classes out)", stacklevel=3)
+        warnings.warn(f"the centred means of classes {names([(i, j) for i, j, _ in pairs])} point the same way "
+                      f"(||u - u'||^2 < {COINCIDENT:g}): gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other "
+                      "metrics are exact (raise --min-count to leave such classes out)", stacklevel=3)

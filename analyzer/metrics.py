@@ -42,10 +42,9 @@ def nc1_cdnv_p2(g: Geometry) -> float:
 def nc1_trace(g: Geometry) -> float:
     """Tr(Sigma_W Sigma_B^+) / |K| (Papyan, Han & Donoho 2020), Sigma_B = M^T M / n. With M^T M = V diag(lam) V^T,
     Sigma_B^+ = n V diag(1/lam) V^T over lam > d eps max(lam) (numpy's pinv cut), so the value is
-    sum_i v_i^T Sigma_W v_i / lam_i."""
+    sum_i v_i^T Sigma_W v_i / lam_i (``vsv``, computed with the spectra: on the device where they are)."""
     keep = g.lam > g.lam.size * np.finfo(float).eps * g.lam.max()
-    V = g.V[:, keep]
-    return float(np.sum(np.sum(V * (g.sigma_w @ V), 0) / g.lam[keep]))
+    return float(np.sum(g.vsv[keep] / g.lam[keep]))
 
 
 def nc2_norm_cv(g: Geometry) -> float:
@@ -154,24 +153,48 @@ PER_CLASS_DEFINITIONS = {name: _ALL[name] for name in PER_CLASS}
 
 # ---------------------------------------------------------------- the entry points
 
-def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> dict[str, float]:
+def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
+            engine: str | None = None) -> dict[str, float]:
     """The scalar metrics of one checkpoint (SPEC section 4): name -> float. nc3_* and head_erank need
     ``classifier``, nc4 needs ``val_*`` counts taken over the same kept set (else nc4_agreement is nan, with a
-    warning saying why), anisotropy needs ``unit_sum`` (else nan, with a warning)."""
-    return measure_all(ds, min_count, tile)[0]
+    warning saying why), anisotropy needs ``unit_sum`` (else nan, with a warning).
+
+    Parameters
+    ----------
+    ds
+        One checkpoint's statistics (a store group, or :func:`class_stats`).
+    min_count
+        The kept classes' least train count.
+    tile
+        Classes per tile of the pairwise sums (row panel, on torch); default from the memory.
+    device
+        ``auto`` (CUDA where torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``: where the pairwise
+        sums and the d x d work run (torch float64 on a GPU; on the CPU, the numba pass).
+    engine
+        ``torch`` runs the GPU's code on the CPU (``device="cpu"``), ``numba`` insists on the CPU's; default: as
+        ``device`` says (:func:`~ncanalyze.analyzer.geometry.engine_device`).
+
+    Returns
+    -------
+    dict
+        Metric name -> value.
+    """
+    return measure_all(ds, min_count, tile, device, engine)[0]
 
 
-def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> xr.Dataset:
+def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
+                  engine: str | None = None) -> xr.Dataset:
     """Per-class views over the kept set (nan elsewhere): ``class_norm`` ||m_c||, ``class_cdnv`` mean CDNV to the
     other kept classes, ``class_interference`` mean cos(m_c, m_c') over them, ``class_duality`` cos(w_c, m_c),
     ``class_nc4`` val_ncc_agree / val_count, ``class_freq_weight`` the class's share of the pairs' frequency
-    weight (nc1_cdnv_freq, gnc2_log_mean_freq)."""
-    return measure_all(ds, min_count, tile)[1]
+    weight (nc1_cdnv_freq, gnc2_log_mean_freq). Parameters as :func:`measure`."""
+    return measure_all(ds, min_count, tile, device, engine)[1]
 
 
-def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None) -> tuple[dict[str, float], xr.Dataset]:
+def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
+                engine: str | None = None) -> tuple[dict[str, float], xr.Dataset]:
     """:func:`measure` and :func:`class_metrics` from one pass."""
-    g = geometry(ds, min_count, tile)
+    g = geometry(ds, min_count, tile, device, engine)
     if g.nc4_nan_because:
         warnings.warn(f"nc4_agreement is nan: {g.nc4_nan_because}", stacklevel=2)
     if g.anisotropy_nan_because:

@@ -9,17 +9,21 @@ the sums the metrics need (SPEC section 4):
 - D = ||mu_c - mu_c'||^2 = r r' (r/r' + r'/r - 2g), from the same g and the norms (the CDNV sums);
 - the same CDNV and log terms weighted by w = p_c p_c', p_c the classes' token frequencies (nc1_cdnv_freq,
   gnc2_log_mean_freq);
-- the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless.
+- the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless (the
+  metrics that read them are then inf or nan by definition; a few such pairs are kept to name in a warning). Two
+  coincident means (D below COINCIDENT r r') make their CDNV terms +inf.
 
 The Gram block is one BLAS call; everything after it is one numba loop over the block (a log, a reciprocal and
 a few multiply-adds per pair), so the whole costs about one tiled Gram. No |K| x |K| array is ever formed.
 
-Two implementations of one tile's sums, with the same signature and result: :func:`reference_tile_sums`, plain
-numpy that reads like the definitions above (O(tile^2) temporaries), and :func:`tile_sums`, the fused pass that the
-metrics run. The tests hold the second to the first, tile by tile.
+Three implementations of one tile's sums, with the same result: :func:`reference_tile_sums`, plain numpy that
+reads like the definitions above (O(tile^2) temporaries), :func:`tile_sums`, the fused pass that the metrics run on
+the CPU, and :func:`torch_pair_sums`, the definitions in torch float64 on a device (a GPU). The tests hold the
+others to the first, tile by tile, and the metrics of the last two to each other to 1e-12.
 """
 from __future__ import annotations
 
+import math
 import uuid
 from typing import NamedTuple
 
@@ -32,6 +36,7 @@ from numba.extending import intrinsic
 
 COINCIDENT = 1e-10  # T = ||u_c - u_c'||^2 below this: the two centred means point the same way (to float64)
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
+EXAMPLES = 3          # coincident pairs of each kind kept, to name in the warning
 
 
 class PairSums(NamedTuple):
@@ -56,18 +61,17 @@ def blocks(n: int, tile: int) -> list[slice]:
 
 def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, spans: list[slice]) -> Delayed:
     """A dask task for the sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l,
-    l^2; (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV; and p_c p_c' (v_c + v_c')/D, p_c p_c' l) and, per class, its
-    CDNV sum over the others.
+    l^2; (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV; and p_c p_c' (v_c + v_c')/D, p_c p_c' l), per class its
+    CDNV sum over the others, and a few of the pairs whose directions coincide (:func:`examples`).
 
     ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies
-    and ``t0`` the mean of T
-    over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is written as a plain dask
-    graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of the whole run at
-    K = 8,192, d = 256.
+    and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is
+    written as a plain dask graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of
+    the whole run at K = 8,192, d = 256.
     """
     token = uuid.uuid4().hex
     data, out = f"unit-side-{token}", f"pair_sums-{token}"
-    graph: dict = {data: (U, np.stack([r, 1 / r, var, p]))}       # per class: u_c; r_c, 1/r_c, var_c, p_c
+    graph: dict = {data: (U, side_of(r, var, p))}                 # per class: u_c; r_c, 1/r_c, var_c, p_c
     pairs = [(i, j) for i in range(len(spans)) for j in range(i, len(spans))]
     for i, j in pairs:
         graph[(f"tile_sums-{token}", i, j)] = (_tile, data, spans[i], spans[j], t0)
@@ -76,68 +80,74 @@ def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: 
     return Delayed(out, graph)
 
 
+def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """The per-class rows the passes read: r, 1/r, var, p (4 x n)."""
+    return np.stack([r, 1 / r, var, p])
+
+
 def _tile(data: tuple[np.ndarray, np.ndarray], si: slice, sj: slice, t0: float):
     U, side = data
-    return tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
+    found: list = []
+    return (*tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj, found=found, offsets=(si.start, sj.start)),
+            found)
 
 
-def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[PairSums, np.ndarray]:
-    """The tiles' sums added up, and per class its sum of (var_c + var_c') / D over the other classes."""
-    acc, row = np.zeros(len(SUMS)), np.zeros(n)
-    for (si, sj), (a, rows, cols) in zip(spans, tiles):
+def _gather(tiles: list, spans: list[tuple[slice, slice]], n: int) -> tuple[PairSums, np.ndarray, list]:
+    """The tiles' sums added up, per class its sum of (var_c + var_c') / D over the other classes, and a few
+    coincident pairs."""
+    acc, row, found = np.zeros(len(SUMS)), np.zeros(n), []
+    for (si, sj), (a, rows, cols, pairs) in zip(spans, tiles):
         acc += a
         row[si] += rows
         row[sj] += cols
-    return PairSums(*acc.tolist()), row
+        found += pairs
+    return PairSums(*acc.tolist()), row, few(found)
 
 
 def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
                         diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading). Also
-    the path for tiles with coincident pairs: there, the CDNV term of two coincident means (D below COINCIDENT
-    r r', including 0/0 for two zero variances) is +inf, and the logs of coincident directions are not used."""
+    the meaning of coincident pairs: the CDNV terms of two coincident means (D below COINCIDENT r r', including
+    0/0 for two zero variances) are +inf, and the logs of coincident directions are not used."""
     (ri, _, vi, pi), (rj, _, vj, pj) = side_i, side_j
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
     D = ri[:, None] ** 2 + rj[None, :] ** 2 - 2 * np.outer(ri, rj) * g   # ||m_c - m_c'||^2 = ||mu_c - mu_c'||^2
     pair = np.triu(np.ones(g.shape, dtype=bool), k=1) if diag else np.ones(g.shape, dtype=bool)
+    same = D <= COINCIDENT * np.outer(ri, rj)                      # coincident means
     with np.errstate(divide="ignore", invalid="ignore"):        # a diagonal tile's c = c' cells, left out below
-        q = np.where(D <= COINCIDENT * np.outer(ri, rj), np.inf, (vi[:, None] + vj[None, :]) / D)
+        q = np.where(same, np.inf, (vi[:, None] + vj[None, :]) / D)
         x, l = T / t0 - 1, np.log(T / t0)
+        q2 = np.where(same, np.inf, q / D)
     w = np.outer(pi, pj)                                           # p_c p_c'
     sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
-            np.sum(q[pair]), np.sum((q / D)[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair])]
+            np.sum(q[pair]), np.sum(q2[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair])]
     q = np.where(pair, q, 0.0)
     return np.array(sums, dtype=np.float64), q.sum(1), q.sum(0)
 
 
-def reference_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float,
-                        spans: list[slice]) -> tuple[PairSums, np.ndarray, list[tuple[int, int]]]:
-    """The pair sums and per-class CDNV sums through :func:`reference_tile_sums`, and the pairs (i, j), i < j, whose
-    directions coincide (T < COINCIDENT): the path taken when the fused pass finds any (its log is not defined
-    there). O(tile^2) memory, like the fast path; slower, but only for such degenerate checkpoints."""
-    side = np.stack([r, 1 / r, var, p])
-    acc, row, found = np.zeros(len(SUMS)), np.zeros(len(U)), []
-    np_err = np.seterr(invalid="ignore", over="ignore")
-    for a, si in enumerate(spans):
-        for sj in spans[a:]:
-            sums, rows, cols = reference_tile_sums(U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
-            acc += sums
-            row[si] += rows
-            row[sj] += cols
-            T = 2 - 2 * (U[si] @ U[sj].T)
-            i, j = np.nonzero((T < COINCIDENT) & (np.triu(np.ones(T.shape, dtype=bool), k=1) if si == sj else True))
-            found += list(zip((i + si.start).tolist(), (j + sj.start).tolist()))
-    np.seterr(**np_err)
-    return PairSums(*acc.tolist()), row, found
+def examples(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, diag: bool,
+             offsets: tuple[int, int] = (0, 0)) -> list[tuple[int, int, bool]]:
+    """A few of a tile's pairs (i, j) whose directions coincide, with whether their means coincide too
+    (:func:`few` of them, indexed like the kept classes through ``offsets``)."""
+    return _hits(Ui @ Uj.T, side_i[0], side_j[0], diag, offsets)
+
+
+def few(found: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """The first EXAMPLES pairs with coincident means and the first EXAMPLES with only coincident directions (the
+    warning names a few; a list of every such pair once took gigabytes at the embedding layer)."""
+    found = sorted(found)
+    return [f for f in found if f[2]][:EXAMPLES] + [f for f in found if not f[2]][:EXAMPLES]
 
 
 def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float, diag: bool,
-              panel_cells: int = PANEL_CELLS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              panel_cells: int = PANEL_CELLS, found: list | None = None,
+              offsets: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One tile pair's sums (in ``SUMS`` order), row sums and column sums of (v + v')/D, over its pairs (on a
     diagonal tile, i < j only); ``side`` holds each class's r, 1/r, variance and token frequency p. The Gram goes
     in row panels of about ``panel_cells`` into one reused buffer; on a diagonal tile, each panel's Gram starts at
-    its own first column.
+    its own first column. Where a panel holds coincident directions, a few of them go into ``found`` (as
+    :func:`examples`, indexed through ``offsets``), read from the same buffer.
     """
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
     step = max(1, panel_cells // len(Uj))
@@ -147,8 +157,24 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
     for a in range(0, len(Ui), step):
         b, c0 = min(a + step, len(Ui)), (a if diag else 0)
         G = np.matmul(Ui[a:b], Uj[c0:].T, out=buf[:(b - a) * (len(Uj) - c0)].reshape(b - a, -1))
+        before = acc[0]
         _pass(G, *side_i[:, a:b], *side_j[:, c0:], 2 / t0, diag, acc, rows[a:b], cols[c0:])
+        if found is not None and acc[0] > before and sum(same for *_, same in found) < EXAMPLES:
+            found[:] = few(found + _hits(G, side_i[0, a:b], side_j[0, c0:], diag, (offsets[0] + a, offsets[1] + c0)))
     return acc, rows, cols
+
+
+def _hits(G: np.ndarray, ri: np.ndarray, rj: np.ndarray, diag: bool,
+          offsets: tuple[int, int]) -> list[tuple[int, int, bool]]:
+    """The pairs of a Gram block whose directions coincide (T = 2 - 2g < COINCIDENT; on a diagonal block j > i),
+    with whether their means coincide (D <= COINCIDENT r r'), indexed through ``offsets``."""
+    i, j = np.nonzero(G > 1 - COINCIDENT / 2)
+    if diag:
+        i, j = i[j > i], j[j > i]
+    g, r1, r2 = G[i, j], ri[i], rj[j]
+    same = r1 * r1 + r2 * r2 - 2 * r1 * r2 * g <= COINCIDENT * r1 * r2
+    first = np.r_[np.flatnonzero(same)[:EXAMPLES], np.flatnonzero(~same)[:EXAMPLES]]   # row-major: the first ones
+    return few(list(zip((i[first] + offsets[0]).tolist(), (j[first] + offsets[1]).tolist(), same[first].tolist())))
 
 
 # ---------------------------------------------------------------- the fused pass (numba)
@@ -161,7 +187,9 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
 #   "afn" are excluded too: they would replace the one division and the log with approximations.
 # - The log is musl's, on positive normal input only: y = T/t0 = x + 1 in (0, 4/t0]. A zero or subnormal y
 #   (coincident directions) gives a wrong finite log, which is harmless only because such a pair is counted in
-#   `coincident` (T < COINCIDENT) and the caller refuses any count above zero.
+#   `coincident` (T < COINCIDENT), and any count above zero makes the metrics that read the logs inf or nan.
+# - Coincident means (e = D/(r r') <= COINCIDENT) give +inf CDNV terms, by a select (the loop still vectorises);
+#   their other terms are those of coincident directions.
 # - Every term is float64. The order of the sums differs from a sequential loop's (reassociation, and the
 #   tiles' own order), so results agree with reference_tile_sums to about 1e-13 relative, not bit for bit; they
 #   are bit-reproducible for a given tile size and machine.
@@ -248,6 +276,8 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
             l_row += p_j[j] * l
             qb = inv * (2.0 + f) * b_j[j]                         # b'/e = r/D
             t = qb * (v_i + v_j[j])                               # (v + v') r / D
+            if e <= COINCIDENT:                                   # coincident means: +inf, as the reference says
+                qb = t = np.inf
             row += t
             row2 += t * qb                                        # (v + v') r^2 / D^2
             row_f += p_j[j] * t
@@ -259,3 +289,90 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
         l_f += pi[i] * l_row
     cols += col
     acc += np.array([bad, xx, l1, l2, cdnv, p2, cdnv_f, l_f])
+
+
+# ---------------------------------------------------------------- the same sums in torch (any device)
+#
+# The definitions of reference_tile_sums, as whole-array torch float64 operations on a device (a GPU, or the CPU for
+# the tests): the upper triangle of the Gram in row panels [a, b) x [a, n), each split into its diagonal square (the
+# pairs j > i) and the rectangle right of it (all pairs). torch's log is exact at 0 (-inf), so coincident pairs
+# need no other path: their terms are those of the reference.
+
+TORCH_CELLS = {"cuda": 1 << 25, "cpu": 1 << 20}  # Gram cells per panel (256 MiB, 8 MiB): ~12 temporaries each
+
+
+def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, device: str,
+                    panel: int | None = None) -> tuple[PairSums, np.ndarray, list[tuple[int, int, bool]]]:
+    """What :func:`pair_sums` computes, in torch float64 on ``device``: the sums over the pairs, per class its
+    CDNV sum over the others and a few coincident pairs (:func:`examples`, found on the host in the panels that
+    hold any).
+
+    Parameters
+    ----------
+    U, r, var, p, t0
+        As for :func:`pair_sums`.
+    device
+        A torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+    panel
+        Classes per row panel (default: ``TORCH_CELLS`` Gram cells over the number of classes).
+
+    Returns
+    -------
+    tuple
+        (PairSums, per-class CDNV sums, coincident pairs (i, j, means coincide)).
+    """
+    import torch
+
+    dev = torch.device(device)
+    n, side = len(U), side_of(r, var, p)
+    Ut, St = torch.as_tensor(U, device=dev), torch.as_tensor(side, device=dev)
+    acc = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device=dev)     # SUMS and the count of coincident means
+    row = torch.zeros(n, dtype=torch.float64, device=dev)
+    step = panel or max(1, TORCH_CELLS.get(dev.type, TORCH_CELLS["cuda"]) // n)
+    hits = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        for c0, c1, diag in ((a, b, True), (b, n, False)):
+            if c1 > c0:
+                sums, rows, cols = _torch_block(Ut[a:b], St[:, a:b], Ut[c0:c1], St[:, c0:c1], t0, diag)
+                acc += sums
+                row[a:b] += rows
+                row[c0:c1] += cols
+                hits.append((sums[0], a, b, c0, c1, diag))
+    acc = acc.cpu().numpy()
+    found = []
+    if acc[0]:
+        counts = torch.stack([h[0] for h in hits]).cpu().numpy()
+        want = min(EXAMPLES, acc[-1]) + min(EXAMPLES, acc[0] - acc[-1])   # of each kind, as many as there are
+        for count, (_, a, b, c0, c1, diag) in zip(counts, hits):
+            if diag and len(found) >= want:                        # a new row panel: the first pairs are found
+                break
+            if count:
+                found = few(found + examples(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], diag, (a, c0)))
+    return PairSums(*acc[:len(SUMS)].tolist()), row.cpu().numpy(), found
+
+
+def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
+    """One block's sums (SUMS order, then the count of coincident means), row and column sums of (v + v')/D, by the
+    definitions of :func:`reference_tile_sums` (on a ``diag`` block, the pairs j > i only)."""
+    import torch
+
+    (ri, _, vi, pi), (rj, _, vj, pj) = Si[:, :, None], Sj[:, None, :]
+    g = Ui @ Uj.T                                                  # cos(m_c, m_c')
+    T = 2 - 2 * g
+    rr = ri * rj
+    D = ri * ri + rj * rj - 2 * rr * g                             # ||mu_c - mu_c'||^2
+    same = D <= COINCIDENT * rr
+    inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
+    q = torch.where(same, inf, (vi + vj) / D)
+    q2 = torch.where(same, inf, q / D)
+    x, l = T / t0 - 1, torch.log(T / t0)
+    if diag:                                                       # c = c' and the lower triangle: no pairs
+        pair = torch.ones_like(same).triu_(1)
+        zero = torch.zeros((), dtype=g.dtype, device=g.device)
+        T, x, l, q, q2 = (torch.where(pair, t, inf if t is T else zero) for t in (T, x, l, q, q2))
+        same = same & pair
+    rows, cols = q.sum(1), q.sum(0)
+    sums = torch.stack([(T < COINCIDENT).sum().to(g.dtype), (x * x).sum(), l.sum(), (l * l).sum(), rows.sum(),
+                        q2.sum(), pi[:, 0] @ (q @ pj[0]), pi[:, 0] @ (l @ pj[0]), same.sum().to(g.dtype)])
+    return sums, rows, cols

@@ -3,6 +3,8 @@
     python benchmarks/metrics.py                 # K = 8,192, d = 256
     python benchmarks/metrics.py --paper         # also K = 29,233, d = 1,024 (the paper's scale; ~2 GB, minutes)
     python benchmarks/metrics.py --sizes 20000x64 --rounds 1
+    python benchmarks/metrics.py --classes 128256 --width 4096 --cuda    # Llama-3's vocabulary and width, one GPU
+    python benchmarks/metrics.py --classes 128256 --width 64 --engine torch --rounds 1   # the GPU's code on the CPU
 
 For each size it prints the median time of `measure` (all the metrics of schema.SCALARS, NC and representation
 geometry, with the per-class views' pairwise sums, the d x d moments and their five eigendecompositions: M^T M,
@@ -14,10 +16,15 @@ three: `measure` and that Gram run in alternating rounds and the median of the p
 the slow spells of a shared machine hit both sides. The five d x d eigendecompositions alone are timed too (they are
 part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small
 buffers are not seen) and set against |K|^2 x 8 bytes.
+
+With ``--cuda`` (or ``--engine torch``: the same code on the CPU) `measure` runs in torch float64 on the device
+(``device="cuda"``) and is set against one float64 Gram M M^T of the centred means on that device (all K^2 cells, in
+row panels into one buffer: 2 K^2 d flops), with the peak device memory; the statistics are random (float64).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import timeit
 import tracemalloc
@@ -113,17 +120,61 @@ def run(k: int, d: int, rounds: int) -> None:
           f"(|K| d x 8 = {k * d * 8 / 2**20:,.0f} MiB, |K|^2 x 8 = {full_bytes / 2**20:,.0f} MiB)", flush=True)
 
 
+def device_gram(M, panel: int) -> None:
+    """M M^T in torch on M's device: every cell, in row panels of ``panel`` classes into one reused buffer."""
+    import torch
+
+    buf = torch.empty((panel, len(M)), dtype=M.dtype, device=M.device)
+    for a in range(0, len(M), panel):
+        b = min(a + panel, len(M))
+        torch.matmul(M[a:b], M.T, out=buf[:b - a])
+    if M.is_cuda:
+        torch.cuda.synchronize(M.device)
+
+
+def run_torch(k: int, d: int, rounds: int, device: str) -> None:
+    """`measure` in torch float64 on ``device`` against one float64 Gram of the centred means there."""
+    import torch
+
+    ds = checkpoint(k, d)
+    kw = {"device": device, "engine": "torch"}
+    M = torch.as_tensor(ds["mean"].values - ds["mean"].values.mean(0), device=device)
+    panel = max(1, (1 << 27 if device.startswith("cuda") else 1 << 22) // k)
+    measure(ds, **kw)  # warm-up: kernels, cuBLAS and cuSOLVER handles
+    device_gram(M, panel)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, **kw), lambda: device_gram(M, panel), rounds)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else math.nan
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU (torch)"
+    flops = 2 * k * k * d
+    print(f"K={k:,} d={d:,} on {name}, {len(SCALARS)} metrics in torch float64: metrics {t_metrics:.2f} s, one "
+          f"float64 Gram M M^T {t_gram:.2f} s ({flops / t_gram / 1e9:,.0f} GFLOP/s), ratio {ratio:.2f} (median of "
+          f"{rounds} alternating rounds; target <= 1.5) | peak device memory {peak:.1f} GiB "
+          f"(M: {k * d * 8 / 2**30:.1f} GiB)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paper", action="store_true", help="also K = 29,233, d = 1,024 (heavy)")
     p.add_argument("--sizes", nargs="*", default=None, help="KxD sizes instead of the defaults, e.g. 8192x256")
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds of metrics and Gram")
+    p.add_argument("--classes", type=int, help="one size: this many classes (with --width)")
+    p.add_argument("--width", type=int, default=4096, help="the hidden width with --classes [4096]")
+    p.add_argument("--cuda", action="store_true", help="measure in torch float64 on the GPU, against its Gram")
+    p.add_argument("--engine", choices=("numba", "torch"), default="numba",
+                   help="on the CPU: the numba pass (default) or the GPU's torch code")
     args = p.parse_args()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes] if args.sizes else [(8192, 256)]
+    if args.classes:
+        sizes = [(args.classes, args.width)]
     if args.paper:
         sizes.append((29233, 1024))
     for k, d in sizes:
-        run(k, d, args.rounds)
+        if args.cuda or args.engine == "torch":
+            run_torch(k, d, args.rounds, "cuda" if args.cuda else "cpu")
+        else:
+            run(k, d, args.rounds)
 
 
 if __name__ == "__main__":

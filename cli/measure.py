@@ -14,22 +14,24 @@ SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_er
 @option("min_count", "measure")
 @option("scheduler", "measure")
 @option("tile", "measure")
+@option("device", "measure")
 @click.option("--force", is_flag=True, help="Measure again checkpoints already measured.")
-def measure(store_positional, store, min_count, scheduler, tile, force):
+def measure(store_positional, store, min_count, scheduler, tile, device, force):
     """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
 
     \b
     STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The 14 scalar metrics go into each
     checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
     class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
-    when its statistics or --min-count change.
+    when its statistics or --min-count change. --device auto runs the pairwise sums and the d x d work in torch
+    float64 on CUDA where torch sees a GPU (equal to the CPU's numba path to 1e-12), else on the CPU.
     """
     import pandas as pd
 
     from ncanalyze.store.measure import measure_store
 
     store = resolve_store(store_positional, store)
-    df = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force)
+    df = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device)
     done = df.attrs["measured"]
     if not done:
         click.echo(f"all {len(df)} checkpoints in {store} already measured (min_count={min_count}); --force measures "

@@ -52,7 +52,9 @@ OPTIONS: dict[str, Shared] = {
         }),
     "device": Shared(
         ("--device",), "auto (CUDA when present, else CPU), cpu, cuda, cuda:N.",
-        dict(default="auto", show_default=True)),
+        dict(default="auto", show_default=True),
+        helps={"measure": "Where the pairwise sums and the d x d work run: auto (torch float64 on CUDA when present, "
+                          "else the numba pass on the CPU), cpu, cuda, cuda:N."}),
     "tile": Shared(
         ("--tile",), "Classes per tile of the pairwise sums [default: from the available memory, at most 2048].",
         dict(type=click.IntRange(1))),

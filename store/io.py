@@ -116,7 +116,7 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
     return sorted(good, key=lambda rel: group_order(rel, steps)), bad
 
 
-def read_group(path: str | Path, group: str) -> xr.Dataset:
+def read_group(path: str | Path, group: str, **kwargs) -> xr.Dataset:
     """One checkpoint's dataset, lazily.
 
     Parameters
@@ -130,7 +130,7 @@ def read_group(path: str | Path, group: str) -> xr.Dataset:
         Its variables, lazily.
     """
     try:
-        return xr.open_zarr(Path(path), group=group, **XR)
+        return xr.open_zarr(Path(path), group=group, **XR, **kwargs)
     except MISSING_GROUP:
         raise UserError(f"no checkpoint group {group!r} in {path}; groups are <run>/<checkpoint>, as in "
                         "metrics.csv") from None
@@ -154,7 +154,7 @@ def read_statistics(path: str | Path, group: str) -> xr.Dataset:
     missing = missing_chunks(path, group)
     if missing:
         raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
-    ds = read_group(path, group)
+    ds = read_group(path, group, chunks=None)  # read straight into one array each (through dask: twice the memory)
     try:
         return ds[[v for v in MEASURED if v in ds]].load()
     except CHUNK_ERRORS as e:

@@ -11,6 +11,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import DEFINITIONS, measure_all
 from ncanalyze.analyzer.table import metrics_table
 from ncanalyze.store.cluster import client
@@ -30,7 +31,7 @@ def is_measured(attrs: dict, min_count: int) -> bool:
 
 
 def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
-                  force: bool = False) -> pd.DataFrame:
+                  force: bool = False, device: str = "auto") -> pd.DataFrame:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
     store the results in its group, and return one row per measured checkpoint and stored layer: run, checkpoint,
     global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its last layer,
@@ -40,13 +41,16 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     warning naming it and the fix; the others go on. ``df.attrs["measured"]`` lists the groups measured by this
     call, ``df.attrs["skipped"]`` maps each left-out group to why. ``scheduler``: a dask.distributed scheduler
     address (default ``$DASK_SCHEDULER_ADDRESS``); without one the local threaded scheduler; a scheduler without
-    workers gets ``WORKER_WAIT_S`` seconds for one to join, then a one-line error.
+    workers gets ``WORKER_WAIT_S`` seconds for one to join, then a one-line error. ``device``: where the pairwise sums
+    and the d x d work run (``auto``: CUDA where torch sees one, in this process; else the numba pass on the CPU, on
+    the scheduler's workers where there is one).
 
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
     """
     if not (Path(store) / "zarr.json").is_file():
         open_tree(store)  # the one-line error for a path that is not a store
+    on = engine_device(device)  # a device that is not there: one line, before any work
     groups, skipped = checkpoint_groups(store)
     attrs = {g: group_attrs(store, g) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
@@ -61,7 +65,8 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    scalars, per_class = measure_all(read_statistics(store, g), min_count, tile)
+                    scalars, per_class = measure_all(read_statistics(store, g), min_count, tile, on or "cpu",
+                                                      "torch" if on else "numba")
                 except UserError as e:
                     skipped[g] = str(e).removeprefix(f"{g} ")
                     continue

@@ -80,3 +80,35 @@ def test_fast_pass_equals_the_numpy_reference_tile_by_tile(tile):
             args = (U[si], side[:, si], U[sj], side[:, sj], t0, si == sj)
             for fast, ref in zip(tile_sums(*args), reference_tile_sums(*args)):
                 np.testing.assert_allclose(fast, ref, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("diag", [False, True])
+def test_coincident_tiles_keep_the_reference_meaning(diag):
+    """A tile with coincident directions and coincident means: the fused pass's count, x^2 and CDNV sums (+inf for
+    coincident means), rows and columns are the reference's; the logs are not used there. ``found`` names the
+    coincident pairs, those with coincident means marked."""
+    rng = np.random.default_rng(7)
+    n, d = 40, 5
+    U = rng.standard_normal((n, d))
+    U[[9, 30]] = U[3], U[3] * 2                                     # directions of 3, 9, 30 coincide
+    U /= np.linalg.norm(U, axis=1, keepdims=True)
+    r = rng.uniform(0.5, 3, n)
+    r[9] = r[3]                                                    # and the means of 3 and 9
+    side = np.stack([r, 1 / r, rng.uniform(0, 2, n), rng.dirichlet(np.ones(n))])
+    a, b = (slice(0, n), slice(0, n)) if diag else (slice(0, 20), slice(20, n))
+    if not diag:                                                   # put a coincident mean across the two blocks
+        U[25], r[25] = U[3], r[3]
+        side = np.stack([r, 1 / r, side[2], side[3]])
+    args = (U[a], side[:, a], U[b], side[:, b], 1.4, diag)
+    found: list = []
+    got = tile_sums(*args, panel_cells=7 * n, found=found, offsets=(a.start, b.start))
+    want = reference_tile_sums(*args)
+    keep = [SUMS.index(k) for k in ("coincident", "xx", "cdnv", "cdnv_p2", "cdnv_freq")]
+    np.testing.assert_allclose(got[0][keep], want[0][keep], rtol=1e-12)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(g, w, rtol=1e-12)
+    if diag:
+        assert found == [(3, 9, True), (3, 30, False), (9, 30, False)] and got[0][0] == 3
+    else:
+        assert found == [(3, 25, True), (9, 25, True), (3, 30, False), (9, 30, False)] and got[0][0] == 4
+        assert np.isinf(got[1][[3, 9]]).all() and np.isinf(got[2][25 - 20]) and np.isfinite(got[2][30 - 20])

@@ -1,0 +1,159 @@
+"""The metrics' torch path (the GPU's code, run here on the CPU) against the numba path, brute force and the
+reference tile sums; where it runs (``engine_device``); and coincident classes in bounded memory."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_metrics import assert_degenerate_like_brute_force, assert_metrics, brute_force, random_study, stats_dataset
+
+from ncanalyze.analyzer import SCALARS, UserError, class_stats, measure_all
+from ncanalyze.analyzer.geometry import engine_device, geometry
+from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, _torch_block, reference_tile_sums, side_of
+
+TORCH = {"device": "cpu", "engine": "torch"}
+SAME = 1e-12  # the torch path equals the CPU's to this (relative; values 0 in exact arithmetic to 1e-14 absolute)
+
+
+def assert_same(got: dict, want: dict) -> None:
+    bad = {k: (got[k], want[k]) for k in want if not (got[k] == want[k] or (math.isnan(got[k]) and math.isnan(want[k]))
+                                                    or math.isclose(got[k], want[k], rel_tol=SAME, abs_tol=1e-14))}
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def study():
+    h, y, W, b, hv, yv = random_study(seed=5, V=80, d=16, N=6000)
+    return class_stats(h, y, 80, classifier=W, classifier_bias=b, val_embeddings=hv, val_labels=yv, min_count=10)
+
+
+@pytest.mark.parametrize("tile", [3, 7, None])
+def test_torch_path_equals_the_numba_path_and_brute_force(study, tile):
+    """Every scalar and per-class metric: torch (in row panels of ``tile`` classes, or one panel) = numba to 1e-12,
+    and both = the brute force of test_metrics."""
+    K = np.flatnonzero(study["count"].values >= 10)
+    assert 20 < K.size < 80
+    fast, fast_per = measure_all(study, 10, tile, device="cpu")
+    got, per = measure_all(study, 10, tile, **TORCH)
+    assert list(got) == list(SCALARS)
+    assert_same(got, fast)
+    assert_metrics(got, brute_force(study, 10)[0])
+    for name in per:
+        np.testing.assert_allclose(per[name].values, fast_per[name].values, rtol=SAME, atol=1e-14, err_msg=name)
+
+
+def test_torch_path_equals_numba_over_many_panels():
+    """A few thousand classes with Zipf counts (the frequency-weighted sums matter) in panels of 97 rows against the
+    numba pass in tiles of 256."""
+    rng = np.random.default_rng(11)
+    V, d = 3000, 24
+    means = rng.standard_normal((V, d)) * rng.uniform(0.5, 2, (V, 1)) + rng.standard_normal(d)
+    ds = stats_dataset(means, rng.uniform(0.1, 4, V), classifier=rng.standard_normal((V, d)),
+                       sigma_w=np.cov(rng.standard_normal((d, 3 * d))))
+    ds["count"] = ("vocab", rng.zipf(1.3, V).clip(1, 10**6))
+    assert_same(measure_all(ds, 1, 97, **TORCH)[0], measure_all(ds, 1, 256, device="cpu")[0])
+
+
+def _block_case(rng, ni: int, nj: int, d: int, coincide: bool):
+    U = [rng.standard_normal((n, d)) for n in (ni, nj)]
+    if coincide:                                                   # shared directions, one with the same mean too
+        U[1][:3] = U[0][:3] * [[1.0], [2.5], [1.0]]
+    U = [u / np.linalg.norm(u, axis=1, keepdims=True) for u in U]
+    side = [side_of(rng.uniform(0.5, 3, n), rng.uniform(0, 2, n), rng.uniform(0.01, 0.2, n)) for n in (ni, nj)]
+    if coincide:
+        side[1][:2, 0] = side[0][:2, 0]                            # pair (0, 0): the same r, so the same mean
+    return U, side
+
+
+@pytest.mark.parametrize("coincide", [False, True])
+@pytest.mark.parametrize("diag", [False, True])
+def test_torch_block_is_the_reference_tile(diag, coincide):
+    """_torch_block's sums, rows and columns are reference_tile_sums', coincident pairs (inf CDNV terms) included;
+    its last sum counts the pairs whose means coincide."""
+    rng = np.random.default_rng(int(diag) + 2 * int(coincide))
+    U, side = _block_case(rng, 23, 23 if diag else 31, 8, coincide and not diag)
+    if diag:
+        U[1], side[1] = U[0], side[0]
+    t0 = 1.3
+    want = reference_tile_sums(U[0], side[0], U[1], side[1], t0, diag)
+    T = [torch.from_numpy(x) for x in (U[0], side[0], U[1], side[1])]
+    sums, rows, cols = (x.numpy() for x in _torch_block(*T, t0, diag))
+    keep = [0, 1, 4, 5, 6] if coincide and not diag else range(len(SUMS))   # the logs at T ~ 0 are not used
+    np.testing.assert_allclose(sums[list(keep)], want[0][list(keep)], rtol=SAME, atol=1e-14)
+    np.testing.assert_allclose(rows, want[1], rtol=SAME, atol=1e-14)
+    np.testing.assert_allclose(cols, want[2], rtol=SAME, atol=1e-14)
+    assert sums[len(SUMS)] == (1 if coincide and not diag else 0)
+    if coincide and not diag:
+        assert sums[0] == 3 and np.isinf(rows[0]) and np.isinf(sums[SUMS.index("cdnv")])
+
+
+@pytest.mark.parametrize("engine", ["numba", "torch"])
+def test_many_coincident_classes_keep_a_few_examples(engine):
+    """400 classes on 40 distinct means (1,800 coincident pairs, as at an embedding layer): the metrics still equal
+    the brute force (the CDNV and GNC2 infinite), the warning names the first pair, and only a few pairs are kept
+    (a list of all of them once took gigabytes)."""
+    rng = np.random.default_rng(4)
+    means = rng.standard_normal((40, 6))[np.r_[np.arange(40), rng.integers(0, 40, 360)]]
+    first = next((i, j) for i in range(400) for j in range(i + 1, 400) if (means[i] == means[j]).all())
+    kw = {"tile": 64, "device": "cpu", "engine": engine}
+    assert_degenerate_like_brute_force(stats_dataset(means), f"classes {first[0]} and {first[1]}, ",
+                                       per_class_inf=list(first), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = geometry(stats_dataset(means), **kw)
+    assert len(g.coincident) == EXAMPLES and all(same for *_, same in g.coincident)
+    assert g.coincident[0][:2] == first and g.pairs.coincident >= 360
+
+
+def test_parallel_means_on_the_torch_path():
+    means = np.array([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [-3.0, -1.0]])    # centred: (1,0) and (2,0) align
+    assert_degenerate_like_brute_force(stats_dataset(means), "classes 0 and 1 point the same way", **TORCH)
+    assert 2 - 2 * np.cos(0) < COINCIDENT
+
+
+def test_where_the_metrics_run():
+    cuda = torch.cuda.is_available()
+    assert engine_device("cpu") is None and engine_device("CPU", "numba") is None
+    assert engine_device("cpu", "torch") == "cpu"
+    assert engine_device("auto", "numba") is None
+    assert engine_device("auto") == ("cuda" if cuda else None)
+    assert engine_device("auto", "torch") == ("cuda" if cuda else "cpu")
+    for device, engine, msg in [("gpu", None, "--device must be auto, cpu, cuda or cuda:N"),
+                                ("cpu", "jax", "engine must be numba or torch"),
+                                ("cuda:x", None, "--device must be")]:
+        with pytest.raises(UserError, match=msg):
+            engine_device(device, engine)
+    if cuda:
+        with pytest.raises(UserError, match="numba engine runs on the CPU only"):
+            engine_device("cuda", "numba")
+        with pytest.raises(UserError, match="CUDA device"):
+            engine_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(UserError, match="torch sees no CUDA device"):
+            engine_device("cuda")
+        with pytest.raises(UserError, match="torch sees no CUDA device"):
+            measure_all(stats_dataset(np.eye(3)), device="cuda:0")
+
+
+def test_measure_cli_takes_device(tmp_path):
+    """``ncanalyze measure --device cpu`` measures; a device that is not there or not a device is one line."""
+    from click.testing import CliRunner
+    from test_measure_store import write_checkpoint
+
+    from ncanalyze.cli.main import main
+    from ncanalyze.store.io import group_attrs
+
+    store = tmp_path / "s.zarr"
+    ds = write_checkpoint(store, "a", 10, seed=10)
+    r = CliRunner().invoke(main, ["measure", str(store), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert_same(group_attrs(store, "a/checkpoint-10")["metrics"], measure_all(ds, **TORCH)[0])
+    bad = [("tpu", "--device must be auto, cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available():
+        bad.append(("cuda", "torch sees no CUDA device"))
+    for device, said in bad:
+        r = CliRunner().invoke(main, ["measure", str(store), "--device", device, "--force"])
+        assert r.exit_code == 1 and said in r.output and len(r.output.strip().splitlines()) == 1, r.output
