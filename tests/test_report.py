@@ -19,8 +19,8 @@ from PIL import Image
 from test_stats import study
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.report import (AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, ReportOptions, token_table,
-                                       write_report)
+from ncanalyze.analyzer.report import (AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, ReportOptions, TokenNote,
+                                       resolve_token, token_table, write_report)
 from ncanalyze.analyzer.stats import METRICS
 from ncanalyze.store.io import read_group
 
@@ -212,12 +212,13 @@ def write_store(path: Path, tokenizer: str | None = None, vocab: int | None = No
 def test_token_table_values_and_average_row(tmp_path):
     store = tmp_path / "s.zarr"
     groups = write_store(store)
-    with pytest.warns(UserWarning, match="'Tim' is not in the vocabulary as written: using ' Tim'"):
-        table = token_table(partial(read_group, store), ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
+    with pytest.warns(UserWarning, match="'Tim' read as ' Tim' \\(id 3\\), the word after a space"):
+        table = token_table(partial(read_group, store), ["runA/checkpoint-20"], [" Anna", "Tim", "7", "2", "the"])
     ds = groups["runA/checkpoint-20"]
-    assert list(table.id[:4]) == [1, 3, 7, 2]  # exact string, unique match without spaces, id, exact string
-    assert list(table.token) == [" Anna", " Tim", "x", "Anna", AVERAGE_TOKEN]
-    for j, i in enumerate([1, 3, 7, 2]):
+    # exact string, a bare word as its space-prefixed token, an id, the line-initial 'Anna' by id, an exact string
+    assert list(table.id[:5]) == [1, 3, 7, 2, 4]
+    assert list(table.token) == [" Anna", " Tim", "x", "Anna", "the", AVERAGE_TOKEN]
+    for j, i in enumerate([1, 3, 7, 2, 4]):
         row = table.iloc[j]
         assert row["count"] == ds["count"][i] and row["variance"] == pytest.approx(float(ds.variance[i]), nan_ok=True)
         for var, col in (("class_norm", "norm"), ("class_cdnv", "mean CDNV"), ("class_interference",
@@ -227,12 +228,13 @@ def test_token_table_values_and_average_row(tmp_path):
     kept = ds["count"].values > 0
     assert avg["mean CDNV"] == pytest.approx(ds.class_cdnv.values[kept].mean())
     assert avg["mean interference"] == pytest.approx(ds.class_interference.values[kept].mean())
-    assert avg["count"] == pytest.approx(ds["count"].values[kept].mean())
+    assert avg["count"] == round(ds["count"].values[kept].mean())  # counts are integers: the mean, rounded
+    assert str(table["count"].dtype) == "Int64"
     assert avg["variance"] == pytest.approx(ds.variance.values[kept].mean())
     assert np.isnan(table.iloc[2]["mean CDNV"])  # token 7 is not kept
 
 
-@pytest.mark.parametrize("tok, match", [("Bob", "ambiguous"), ("99", "outside the vocabulary"),
+@pytest.mark.parametrize("tok, match", [(" Bob  ", "ambiguous"), ("99", "outside the vocabulary"),
                                         ("Zed", "not found")])
 def test_bad_tokens_are_user_errors(tmp_path, tok, match):
     store = tmp_path / "s.zarr"
@@ -252,7 +254,10 @@ def test_tokens_resolved_with_the_checkpoints_tokenizer(tmp_path, corpus):
     assert table.id[0] == the and table["count"][0] == ds["count"][the]
     assert len(tok.encode("the big dog", add_special_tokens=False)) > 1
     with pytest.raises(UserError, match="tokens .* not one"):
-        token_table(partial(read_group, store), ["runA/checkpoint-20"], ["the big dog"])
+        resolve_token("the big dog", None, str(corpus["tokenizer"]), len(tok))
+    with pytest.warns(TokenNote, match=r"'the big dog' is \d+ tokens .* not one.*left out of runA/checkpoint-20"):
+        table = token_table(partial(read_group, store), ["runA/checkpoint-20"], ["the big dog", "the"])
+    assert table.id[0] == the and len(table) == 2  # the report goes on without it (and the average token)
 
 
 def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
@@ -292,11 +297,11 @@ def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_p
     files = result.files
     tokens = pd.read_csv(files["tokens"], keep_default_na=False)
     assert list(tokens.token) == [" Tim", " Anna", AVERAGE_TOKEN]
-    pd.testing.assert_frame_equal(pd.read_csv(files["tokens"]), result.tokens.astype({"id": float}))
+    pd.testing.assert_frame_equal(pd.read_csv(files["tokens"]), result.tokens.astype({"id": float, "count": int}))
     said = result.notes
     assert [r.getMessage() for r in heard.buffer] == [f"note: {s}" for s in said]  # logged as they are found
     assert said == ["token 'Tim' given more than once: listed once",
-                    "token 'Tim' is not in the vocabulary as written: using ' Tim' (id 3); pass ' Tim' or 3 to say so",
+                    "token 'Tim' read as ' Tim' (id 3), the word after a space",
                     "token ' Tim' given more than once (in different spellings): listed once"]
     text = files["report"].read_text()
     assert all(f"**Note:** {s}." in text for s in said)
