@@ -26,8 +26,9 @@ from ncanalyze.store.io import read_group
 
 STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
                  "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note",
-                 "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms"}
-SUMMARY_HEADER = ["metric", "n", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
+                 "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
+                 "tag"}
+SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
                   "p (log)", "p Holm (log)", "partial r (log)", "p FL (log)", "p FL Holm (log)"]
 
 
