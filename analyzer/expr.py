@@ -207,7 +207,8 @@ class _Evaluator:
             return getattr(series.str, f.attr)(*args, **kwargs)
         if isinstance(f, ast.Attribute):
             raise _Refused(f"method .{f.attr}() not allowed (string methods: "
-                           f"{', '.join(f'.str.{m}' for m in STR_METHODS)}; {', '.join(f'.{m}()' for m in NA_METHODS)})")
+                           f"{', '.join(f'.str.{m}' for m in STR_METHODS)}; "
+                           f"{', '.join(f'.{m}()' for m in NA_METHODS)})")
         raise _Refused(f"call of {_describe(f)} not allowed")
 
     def _Attribute(self, node: ast.Attribute):

@@ -21,6 +21,7 @@ from test_stats import study
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report import (AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, ReportOptions, TokenNote,
                                        resolve_token, token_table, write_report)
+from ncanalyze.analyzer.report.tables import fmt_p
 from ncanalyze.analyzer.stats import METRICS
 from ncanalyze.store.io import read_group
 
@@ -121,7 +122,9 @@ def test_csv_files(synthetic_report):
     stats = pd.read_csv(files["stats"])
     assert set(stats.columns) == STATS_COLUMNS
     assert len(stats) == 2 * len(METRICS)
-    assert stats.n_perm.max() == 500
+    tested = stats[stats.n_perm > 0]  # 5 runs of 6 checkpoints permuted whole: all 5! = 120 < 500, exact
+    assert len(tested) > len(METRICS) and (tested.n_perm == 120).all() and tested.exact.all()
+    assert (tested.perm_scheme == "whole runs").all() and (tested.n_units == 5).all()
 
 
 def test_markdown_tables_and_links(synthetic_report):
@@ -131,7 +134,7 @@ def test_markdown_tables_and_links(synthetic_report):
     assert table[0] == SUMMARY_HEADER
     assert [row[0] for row in table[1:]] == list(METRICS)
     stats = pd.read_csv(files["stats"]).set_index(["metric", "scale"])
-    r2 = {row[0]: row[2] for row in table[1:]}
+    r2 = {row[0]: row[table[0].index("R²")] for row in table[1:]}
     assert r2["unc3_cos_cv"] == f"{stats.loc[('unc3_cos_cv', 'raw'), 'r2']:.3f}"
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     assert sorted(links) == sorted(f"{k}.png" for k in [*FIGURES, DYNAMICS[0]])
@@ -320,13 +323,21 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     out = tmp_path / "report"
     res = run_cli("report", store, "--out", out, "--tokens", "the, red,quiet,5", "--permutations", 1000, "--seed", 1)
     assert "report.md" in res.output
-    assert "note: token 'quiet' is not in the vocabulary as written: using ' quiet'" in res.output
+    assert "note: token 'quiet' read as ' quiet'" in res.output
 
     measured = measure_store(store)  # already measured by the report: the same table
     metrics = pd.read_csv(out / "metrics.csv")
     assert len(metrics) == len(measured) >= 3
-    assert list(metrics.columns) == list(measured.columns)
-    pd.testing.assert_frame_equal(metrics, measured.reset_index(drop=True), check_dtype=False)
+    support = ["n_kept", "n_singletons", "n_thin", "train_tokens", "val_tokens"]  # after the descriptive columns
+    first = [c for c in ID_COLUMNS if c in measured.columns]
+    assert list(metrics.columns) == first + support + [c for c in measured.columns if c not in first]
+    pd.testing.assert_frame_equal(metrics.drop(columns=support), measured.reset_index(drop=True), check_dtype=False)
+    for _, row in metrics.iterrows():  # brute force from the store's count vectors (min_count 1)
+        ds = read_group(store, f"{row.run}/{row.checkpoint}")
+        count = ds["count"].values
+        assert row.n_kept == (count >= 1).sum() and row.n_singletons == (count == 1).sum()
+        assert row.n_thin == ((count >= 1) & (count < 5)).sum() and row.train_tokens == count.sum()
+        assert row.val_tokens == ds["val_count"].values.sum() > 0
 
     stats = pd.read_csv(out / "stats.csv")
     assert set(stats.columns) == STATS_COLUMNS and len(stats) == 2 * len(METRICS)
@@ -338,8 +349,9 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     tables = markdown_tables(text)
     assert tables[0][0] == SUMMARY_HEADER and len(tables[0]) == 1 + len(METRICS)
     tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
-    ids = [tok.encode(t, add_special_tokens=False) for t in ("the", " red", " quiet")]
-    assert all(len(i) == 1 for i in ids)  # single tokens of this vocabulary; 'quiet' is found as ' quiet'
+    ids = [tok.encode(t, add_special_tokens=False) for t in (" the", " red", " quiet")]
+    assert all(len(i) == 1 for i in ids)  # single tokens of this vocabulary; 'the' and 'quiet' are read as ' the' ...
+    assert "note: token 'the' read as ' the'" in res.output  # ... the word after a space, as explore_store reads it
     ids = [i[0] for i in ids] + [5]
     tokens = pd.read_csv(out / "tokens.csv")
     last = measured.sort_values("global_step").iloc[-1]
@@ -391,7 +403,7 @@ def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
     raw = stats[stats.scale == "raw"].set_index("metric")
     for row in table[1:]:
         p = raw.loc[row[0], "p_holm"]
-        assert row[col] == (f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}")
+        assert row[col] == fmt_p(p) and (float(row[col]) < 0.05) == (p < 0.05)
     for scale in ("raw", "log"):
         s = stats[(stats.scale == scale) & stats.p_holm.notna()]
         assert f"r, {scale} scale: {(s.p_holm < 0.05).sum()} of {len(s)} metric(s) survive at 0.05" in text
