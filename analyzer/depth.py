@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from ncanalyze.analyzer.schema import LAYER  # noqa: E402
 
@@ -59,6 +60,17 @@ def depth_table(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> pd.
     return out.sort_values([c for c in ("run", "global_step", LAYER) if c in cols], kind="stable", ignore_index=True)
 
 
+def _mark_gaps(ax, df: pd.DataFrame, m: str) -> None:
+    """Keep every layer on the panel's axis and shade the layers where ``m`` is undefined (inf or nan), labelled."""
+    layers = pd.to_numeric(df[LAYER], errors="coerce")
+    ax.set_xlim(layers.min() - 0.4, layers.max() + 0.4)
+    values = pd.to_numeric(df[m], errors="coerce")
+    for layer in sorted(set(layers[~np.isfinite(values)].dropna())):
+        ax.axvspan(layer - 0.3, layer + 0.3, color="0.92", zorder=0)
+        ax.text(layer, 0.5, "undefined", transform=blended_transform_factory(ax.transData, ax.transAxes),
+                rotation=90, ha="center", va="center", fontsize=8, color="0.4")
+
+
 def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, labels: dict[str, str] | None = None):
     """One panel per metric against the layer; one line per (run, checkpoint), coloured by global_step."""
     metrics = [m for m in metrics if m in df.columns]
@@ -76,6 +88,7 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
             step = pd.to_numeric(g["global_step"], errors="coerce").iloc[0]
             values = pd.to_numeric(g[m], errors="coerce").replace([np.inf, -np.inf], np.nan)  # a gap, not a drop
             ax.plot(g[LAYER], values, "o-", ms=3, lw=1.2, color=cmap(norm(step)) if np.isfinite(step) else "grey")
+        _mark_gaps(ax, df, m)
         ax.set_title((labels or {}).get(m, m), fontsize=10)
         ax.set_xlabel("layer (hidden_states index)")
         ax.grid(alpha=0.3)

@@ -33,7 +33,20 @@ def _header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
                "are never pooled: each has its own statistics (Holm within the tag) and figures below. One tag "
                "alone: `--where \"tag == 'NAME'\"`; the untagged rows: `--where \"tag.isna()\"` (or `tag == ''`).",
                ""]
-    return md + [target_note(target), ""]
+    return md + [target_note(target), ""] + _reading(o, len(tags) > 1)
+
+
+def _reading(o: ReportOptions, several: bool) -> list[str]:
+    """How to read the correlation tables (said once, before them)."""
+    return ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line; rho: "
+            "Spearman's rank correlation (the same on both scales). \"(log)\": log10 of the metric (the paper's "
+            f"axes), where it is positive; the target is not logged. partial r: {controls_text(o.controls)}. "
+            "p, p rho: two-sided permutation p-values, P(|r*| ≥ |r|); p FL: the same for the partial r, permuting "
+            "the target's residuals on the controls (Freedman-Lane); the permutations behind them are said under "
+            "each table. p Holm, p FL Holm: Holm-adjusted across the metrics with a p-value, per scale (raw and "
+            "log are separate families)" + (" and per tag" if several else "") + ". p-values show 3 significant "
+            "figures, more where rounding would cross 0.05. Parametric p-values, rho's Holm p and the partial r's "
+            "95% CI are in stats.csv.", ""]
 
 
 def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, rows: pd.DataFrame,
@@ -46,15 +59,7 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
           "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
     if len(rows) < MIN_N:
         md += [f"**Only {len(rows)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
-    md += ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line; rho: "
-           "Spearman's rank correlation (the same on both scales). \"(log)\": log10 of the metric (the paper's "
-           f"axes), where it is positive; the target is not logged. partial r: {controls_text(o.controls)}. "
-           "p, p rho: two-sided permutation p-values, P(|r*| ≥ |r|); p FL: the same for the partial r, permuting "
-           "the target's residuals on the controls (Freedman-Lane). p Holm, p FL Holm: Holm-adjusted across the "
-           "metrics with a p-value, per scale (raw and log are separate families)"
-           + (" and per tag" if several else "") + ". p-values show 3 significant figures, more where rounding "
-           "would cross 0.05. Parametric p-values, rho's Holm p and the partial r's 95% CI are in stats.csv.", "",
-           permutation_text(stats, o.seed), ""]
+    md += [permutation_text(stats, o.seed), ""]
     if survivors(stats):
         md += ["Multiple comparisons (Holm, family-wise error 0.05):", ""] + [f"- {s}" for s in survivors(stats)]
         md += [""]
