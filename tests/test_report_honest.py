@@ -4,6 +4,7 @@ items (tokens, p-value display, --help, measure's NaN keys)."""
 from __future__ import annotations
 
 import itertools
+import shutil
 import warnings
 from functools import partial
 
@@ -11,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
-from conftest import _load_example, run_cli
+from conftest import _load_example, lone_model, run_cli
 from scipy.stats import pearsonr, spearmanr
 
 from ncanalyze.analyzer.report import ReportOptions, write_report
@@ -266,3 +267,32 @@ def test_help_says_the_default_target_is_val_loss():
     assert "default: val_loss" in text and "else eval_loss" in text and "--per-run [all|last]" in text
     assert "against eval loss" not in text
     assert "tag.isna()" in text
+
+
+def one_block(trained_run, dest):
+    """The trained 2-block checkpoint cut to its first block: a real 1-block GPT-Neo checkpoint with the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(lone_model(trained_run, dest.parent / "two-copy"))
+    model.transformer.h = model.transformer.h[:1]
+    model.config.num_layers, model.config.attention_layers = 1, model.config.attention_layers[:1]
+    model.config.attention_types = [[model.config.attention_layers, 1]]
+    model.save_pretrained(dest)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_run / f, dest / f)
+    return dest
+
+
+def test_a_store_of_1_and_2_block_models_without_layers_draws_no_depth(trained_run, corpus, tmp_path):
+    store = tmp_path / "depths.zarr"
+    two = lone_model(trained_run, tmp_path / "neo-2")
+    one = one_block(trained_run, tmp_path / "neo-1")
+    for path in (one, two):
+        run_cli("extract", path, "--dataset", corpus["train"], "--store", store, "--max-train-tokens", 2048,
+                "--max-val-tokens", 1024, "--batch-size", 8, "--samples-per-class", 1)
+    run_cli("report", store, "--out", tmp_path / "r", "--permutations", 0, "--target", "val_loss")
+    metrics = pd.read_csv(tmp_path / "r" / "metrics.csv")
+    assert sorted(metrics.n_layers) == [1, 2] and (metrics.layer == metrics.n_layers).all()
+    assert not any((tmp_path / "r" / f"depth.{ext}").exists() for ext in ("png", "pdf", "svg"))
+    assert not (tmp_path / "r" / "layers.csv").exists()
+    assert "Across depth" not in (tmp_path / "r" / "report.md").read_text()
