@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from ncanalyze.analyzer.schema import LAYER  # noqa: E402
 
@@ -30,8 +31,26 @@ def last_layer(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def has_depth(df: pd.DataFrame) -> bool:
-    """More than one layer in the table: then the report adds the depth figure and the per-layer table."""
-    return LAYER in df.columns and df[LAYER].nunique() > 1
+    """Some checkpoint with more than one layer in the table (``--layers``): then the report adds the depth figure
+    and the per-layer table. Models of different depths with their last layer only have no depth to show."""
+    if LAYER not in df.columns or not {"run", "checkpoint"} <= set(df.columns):
+        return False
+    return bool((df.groupby(["run", "checkpoint"], dropna=False)[LAYER].nunique() > 1).any())
+
+
+def undefined(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> list[str]:
+    """The depth figure's gaps: for each metric, the layers where it is infinite or missing (e.g. CDNV and GNC2 at
+    layer 0, where two tokens share one input embedding), as sentences for report.md."""
+    out = []
+    for m in (m for m in metrics if m in df.columns):
+        v = pd.to_numeric(df[m], errors="coerce")
+        bad = df.loc[~np.isfinite(v), LAYER]
+        if len(bad):
+            kinds = " or ".join(k for k, hit in (("infinite", np.isinf(v).any()), ("undefined (nan)", v.isna().any()))
+                                if hit)
+            layers = ", ".join(str(int(x)) for x in sorted(set(pd.to_numeric(bad, errors="coerce").dropna())))
+            out.append(f"`{m}` is {kinds} at layer(s) {layers} ({len(bad)} of {len(df)} rows): a gap in its panel")
+    return out
 
 
 def depth_table(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> pd.DataFrame:
@@ -39,6 +58,17 @@ def depth_table(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> pd.
     cols = [c for c in ("run", "checkpoint", "global_step", LAYER) if c in df.columns]
     out = df[cols + [m for m in metrics if m in df.columns]]
     return out.sort_values([c for c in ("run", "global_step", LAYER) if c in cols], kind="stable", ignore_index=True)
+
+
+def _mark_gaps(ax, df: pd.DataFrame, m: str) -> None:
+    """Keep every layer on the panel's axis and shade the layers where ``m`` is undefined (inf or nan), labelled."""
+    layers = pd.to_numeric(df[LAYER], errors="coerce")
+    ax.set_xlim(layers.min() - 0.4, layers.max() + 0.4)
+    values = pd.to_numeric(df[m], errors="coerce")
+    for layer in sorted(set(layers[~np.isfinite(values)].dropna())):
+        ax.axvspan(layer - 0.3, layer + 0.3, color="0.92", zorder=0)
+        ax.text(layer, 0.5, "undefined", transform=blended_transform_factory(ax.transData, ax.transAxes),
+                rotation=90, ha="center", va="center", fontsize=8, color="0.4")
 
 
 def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, labels: dict[str, str] | None = None):
@@ -56,7 +86,9 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
         for (run, ckpt), g in df.groupby(["run", "checkpoint"], sort=False):
             g = g.sort_values(LAYER)
             step = pd.to_numeric(g["global_step"], errors="coerce").iloc[0]
-            ax.plot(g[LAYER], g[m], "o-", ms=3, lw=1.2, color=cmap(norm(step)) if np.isfinite(step) else "grey")
+            values = pd.to_numeric(g[m], errors="coerce").replace([np.inf, -np.inf], np.nan)  # a gap, not a drop
+            ax.plot(g[LAYER], values, "o-", ms=3, lw=1.2, color=cmap(norm(step)) if np.isfinite(step) else "grey")
+        _mark_gaps(ax, df, m)
         ax.set_title((labels or {}).get(m, m), fontsize=10)
         ax.set_xlabel("layer (hidden_states index)")
         ax.grid(alpha=0.3)

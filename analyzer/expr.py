@@ -9,7 +9,10 @@ The text is parsed with :mod:`ast` and the tree walked here over an allow-list o
   bind like ``and`` and ``or``, below comparisons, as in pandas);
 - ``in`` / ``not in`` a list literal (``Series.isin``), and ``==`` / ``!=`` a list literal, as pandas reads them;
 - the functions in :data:`FUNCTIONS` (log, log10, log1p, exp, sqrt, abs, ...);
-- string methods ``column.str.<m>(literal args)`` for ``m`` in :data:`STR_METHODS`.
+- string methods ``column.str.<m>(literal args)`` for ``m`` in :data:`STR_METHODS`;
+- missing values: ``column.isna()`` / ``isnull()`` and ``column.notna()`` / ``notnull()``; and a missing text
+  equals the empty string, so ``tag == ''`` and ``tag.isna()`` both select the untagged rows (``tag != ''`` the
+  tagged ones).
 
 Everything else (``@`` names, other attribute access, dunder names, calls of anything else, subscripts, lambdas,
 comprehensions, f-strings, ``:=``) is refused with a one-line :class:`UserError` naming the problem and the columns.
@@ -43,6 +46,7 @@ FUNCTIONS = {"log": np.log, "log10": np.log10, "log2": np.log2, "log1p": np.log1
 STR_METHODS = {"contains": {"case", "regex", "na", "flags"}, "startswith": {"na"}, "endswith": {"na"},
                "match": {"case", "na", "flags"}, "fullmatch": {"case", "na", "flags"}, "lower": set(),
                "upper": set(), "strip": set(), "len": set()}
+NA_METHODS = {"isna": False, "isnull": False, "notna": True, "notnull": True}  # column.<m>(): True where (not) missing
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
@@ -160,7 +164,7 @@ class _Evaluator:
                     res = ~res if isinstance(res, pd.Series) else not res
             elif type(cmp) in _CMPOPS:
                 right = self(right_node)
-                res = _CMPOPS[type(cmp)](left, right)
+                res = _CMPOPS[type(cmp)](*_empty_is_missing(left, right))
             else:
                 raise _Refused(f"{_describe(cmp)} not allowed")
             out = res if out is None else out & res
@@ -178,6 +182,13 @@ class _Evaluator:
             with np.errstate(all="ignore"):
                 return FUNCTIONS[name](self(node.args[0]))
         f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in NA_METHODS and not isinstance(f.value, ast.Attribute):
+            series = self(f.value)
+            if not isinstance(series, pd.Series) or node.args or node.keywords:
+                raise _Refused(f".{f.attr}() takes no arguments and needs a column, e.g. tag.{f.attr}()")
+            missing = series.isna() | (series.astype(object).fillna("").astype(str).str.strip() == "") if _text(
+                series) else series.isna()
+            return ~missing if NA_METHODS[f.attr] else missing
         if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) and f.value.attr == "str"
                 and f.attr in STR_METHODS):
             series = self(f.value.value)
@@ -196,11 +207,27 @@ class _Evaluator:
             return getattr(series.str, f.attr)(*args, **kwargs)
         if isinstance(f, ast.Attribute):
             raise _Refused(f"method .{f.attr}() not allowed (string methods: "
-                           f"{', '.join(f'.str.{m}' for m in STR_METHODS)})")
+                           f"{', '.join(f'.str.{m}' for m in STR_METHODS)}; "
+                           f"{', '.join(f'.{m}()' for m in NA_METHODS)})")
         raise _Refused(f"call of {_describe(f)} not allowed")
 
     def _Attribute(self, node: ast.Attribute):
         raise _Refused(f"attribute access .{node.attr} not allowed (only column.str.<method>(...) calls)")
+
+
+def _text(s) -> bool:
+    """A column of text (pandas' ``str`` or object dtype), or of missing values only (an all-untagged ``tag``)."""
+    return isinstance(s, pd.Series) and (pd.api.types.is_string_dtype(s.dtype) or s.dtype == object
+                                         or bool(s.isna().all()))
+
+
+def _empty_is_missing(left, right) -> tuple:
+    """A text column compared with ``''``: its missing values read as ``''`` (an untagged row has no tag)."""
+    if isinstance(right, str) and right == "" and _text(left):
+        return left.astype(object).fillna(""), right
+    if isinstance(left, str) and left == "" and _text(right):
+        return left, right.astype(object).fillna("")
+    return left, right
 
 
 def _regex(series: pd.Series, method: str, pat=None, case: bool = True, flags: int = 0, na=None,

@@ -157,7 +157,9 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
             engine: str | None = None) -> dict[str, float]:
     """The scalar metrics of one checkpoint (SPEC section 4): name -> float. nc3_* and head_erank need
     ``classifier``, nc4 needs ``val_*`` counts taken over the same kept set (else nc4_agreement is nan, with a
-    warning saying why), anisotropy needs ``unit_sum`` (else nan, with a warning).
+    warning saying why), anisotropy needs ``unit_sum`` (else nan, with a warning). Every metric is a key: one whose
+    inputs are missing (plain arrays without a classifier: nc3_*, unc3_cos_cv, nc4_agreement, head_erank) is nan,
+    with one warning naming them.
 
     Parameters
     ----------
@@ -179,7 +181,13 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
     dict
         Metric name -> value.
     """
-    return measure_all(ds, min_count, tile, device, engine)[0]
+    scalars = measure_all(ds, min_count, tile, device, engine)[0]
+    missing = [k for k in DEFINITIONS if k not in scalars]
+    if missing:
+        needs = sorted({str(getattr(DEFINITIONS[k], "needs", "")) for k in missing} - {""})
+        warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
+                      stacklevel=2)
+    return {k: scalars.get(k, float("nan")) for k in DEFINITIONS}
 
 
 def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",

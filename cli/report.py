@@ -55,7 +55,7 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
     return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)
 
 
-@click.command(short_help="Tables, figures and statistics of the metrics against eval loss.")
+@click.command(short_help="Tables, figures and statistics of the metrics against the validation loss.")
 @store_argument("report")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
               help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the figures "
@@ -63,30 +63,37 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 @click.option("--where", help="Condition over the table's columns selecting the checkpoints the report covers, in "
               "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one "
               "architecture); "
-              "columns, literals, comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs and "
-              ".str.contains/startswith/endswith only: never run as code.")
-@click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all 14).")
+              "columns, literals, comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs, "
+              ".str.contains/startswith/endswith and .isna()/.notna() only: never run as code. One tag: "
+              "\"tag == 'NAME'\"; the untagged checkpoints: \"tag.isna()\" or \"tag == ''\".")
+@click.option("--metrics", "metrics_", help="Comma-separated metric columns (default: all of them).")
 @click.option("--target", help="Column to correlate the metrics with [default: val_loss where every selected "
               "checkpoint has it, else eval_loss].")
 @click.option("--controls", default=",".join(CONTROLS), show_default=True,
               help="Comma-separated expressions over the columns held fixed by the partial correlation "
               "(the same allowed syntax as --where; \"\" for none).")
 @click.option("--permutations", type=click.IntRange(min=0), default=10_000, show_default=True,
-              help="Permutations per p-value (0: none).")
+              help="Permutations per p-value (0: none). Runs with several checkpoints are permuted whole; all "
+              "permutations, and an exact p, where there are no more than this.")
+@click.option("--per-run", type=click.Choice(["all", "last"]), default="all", show_default=True,
+              help="'last': each run's latest checkpoint only (one row per run, per tag).")
 @option("seed", "report")
 @click.option("--tokens", help="Comma-separated tokens (strings as decoded, or ids) for the per-token table.")
 @click.option("--checkpoint", "checkpoints", multiple=True, metavar="RUN/CHECKPOINT",
               help="Checkpoint(s) of the per-token table (default: each selected run's latest). Repeatable.")
 @option("min_count", "report")
 @option("scheduler", "report")
-def report(store_positional, store, out, where, metrics_, target, controls, permutations, seed, tokens, checkpoints,
-           min_count, scheduler):
-    """Tables, figures and statistics of NC metrics against eval loss over a STORE (or --store; default
-    $NCANALYZE_STORE, else ./ncanalyze.zarr; a metrics.csv from an earlier report also works).
+def report(store_positional, store, out, where, metrics_, target, controls, permutations, seed, per_run, tokens,
+           checkpoints, min_count, scheduler):
+    """Tables, figures and statistics of NC metrics against the target (default: val_loss, the loss ncanalyze
+    measured on the validation tokens, where every selected checkpoint has it; else eval_loss, the Trainer's) over
+    a STORE (or --store; default $NCANALYZE_STORE, else ./ncanalyze.zarr; a metrics.csv from an earlier report
+    also works).
 
     \b
-    For every metric: Pearson r and R² (raw, and with log10 of the metric where positive), the partial r
-    controlling for model size and training progress, and permutation p-values (Freedman-Lane for the partial r).
+    For every metric: Pearson r and R² (raw, and with log10 of the metric where positive), Spearman's rho, the
+    partial r controlling for model size and training progress, and permutation p-values (Freedman-Lane for the
+    partial r; runs with several checkpoints permuted whole). Tags are never pooled: each tag is reported apart.
     """
     from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.store.io import read_group
@@ -95,7 +102,7 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
     options = ReportOptions(metrics=metrics, target=target, controls=_split(controls), where=where,
                             n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
-                            checkpoints=checkpoints)
+                            checkpoints=checkpoints, per_run=per_run)
     result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path))
     n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:

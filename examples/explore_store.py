@@ -49,17 +49,24 @@ def find_var(tree: xr.DataTree, group: str, name: str) -> xr.DataArray | None:
 
 
 def token_id(spec: str, ds: xr.Dataset) -> int:
-    """A token given as an id or as its decoded string; a bare word means its space-prefixed BPE token
-    (``the`` -> `` the``) when there is one, as byte-level BPEs mark words that way."""
-    if spec.lstrip("-").isdigit():
-        return int(spec)
-    if "token" in ds.coords:
-        strings = np.array(ds["token"].values.tolist(), dtype=object)
-        for cand in ((" " + spec, spec) if not spec.startswith(" ") else (spec,)):
-            hits = np.flatnonzero(strings == cand)
-            if len(hits):
-                return int(hits[0])
-    raise SystemExit(f"error: token {spec!r} is not in the store's vocabulary (pass ids, or decoded strings)")
+    """A token given as an id or as its decoded string, read as ``ncanalyze report --tokens`` reads it (one
+    resolver): a bare word means its space-prefixed BPE token (``the`` -> `` the``) when there is one, as
+    byte-level BPEs mark words that way."""
+    import warnings
+
+    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.analyzer.report.tokens import resolve_token
+
+    strings = np.array(ds["token"].values.tolist(), dtype=object) if "token" in ds.coords else None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            i = resolve_token(spec, strings, ds.attrs.get("tokenizer"), ds.sizes["vocab"])
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+    for w in caught:
+        print(f"  note: {w.message}")
+    return i
 
 
 def show_embeddings(ds: xr.Dataset, tokens: list[int], out: Path) -> None:

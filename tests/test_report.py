@@ -19,15 +19,17 @@ from PIL import Image
 from test_stats import study
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.report import (AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, ReportOptions, token_table,
-                                       write_report)
+from ncanalyze.analyzer.report import (AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, ReportOptions, TokenNote,
+                                       resolve_token, token_table, write_report)
+from ncanalyze.analyzer.report.tables import fmt_p
 from ncanalyze.analyzer.stats import METRICS
 from ncanalyze.store.io import read_group
 
 STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
                  "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note",
-                 "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms"}
-SUMMARY_HEADER = ["metric", "n", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
+                 "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
+                 "tag"}
+SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
                   "p (log)", "p Holm (log)", "partial r (log)", "p FL (log)", "p FL Holm (log)"]
 
 
@@ -120,7 +122,9 @@ def test_csv_files(synthetic_report):
     stats = pd.read_csv(files["stats"])
     assert set(stats.columns) == STATS_COLUMNS
     assert len(stats) == 2 * len(METRICS)
-    assert stats.n_perm.max() == 500
+    tested = stats[stats.n_perm > 0]  # 5 runs of 6 checkpoints permuted whole: all 5! = 120 < 500, exact
+    assert len(tested) > len(METRICS) and (tested.n_perm == 120).all() and tested.exact.all()
+    assert (tested.perm_scheme == "whole runs").all() and (tested.n_units == 5).all()
 
 
 def test_markdown_tables_and_links(synthetic_report):
@@ -130,7 +134,7 @@ def test_markdown_tables_and_links(synthetic_report):
     assert table[0] == SUMMARY_HEADER
     assert [row[0] for row in table[1:]] == list(METRICS)
     stats = pd.read_csv(files["stats"]).set_index(["metric", "scale"])
-    r2 = {row[0]: row[2] for row in table[1:]}
+    r2 = {row[0]: row[table[0].index("R²")] for row in table[1:]}
     assert r2["unc3_cos_cv"] == f"{stats.loc[('unc3_cos_cv', 'raw'), 'r2']:.3f}"
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
     assert sorted(links) == sorted(f"{k}.png" for k in [*FIGURES, DYNAMICS[0]])
@@ -212,12 +216,13 @@ def write_store(path: Path, tokenizer: str | None = None, vocab: int | None = No
 def test_token_table_values_and_average_row(tmp_path):
     store = tmp_path / "s.zarr"
     groups = write_store(store)
-    with pytest.warns(UserWarning, match="'Tim' is not in the vocabulary as written: using ' Tim'"):
-        table = token_table(partial(read_group, store), ["runA/checkpoint-20"], [" Anna", "Tim", "7", "Anna"])
+    with pytest.warns(UserWarning, match="'Tim' read as ' Tim' \\(id 3\\), the word after a space"):
+        table = token_table(partial(read_group, store), ["runA/checkpoint-20"], [" Anna", "Tim", "7", "2", "the"])
     ds = groups["runA/checkpoint-20"]
-    assert list(table.id[:4]) == [1, 3, 7, 2]  # exact string, unique match without spaces, id, exact string
-    assert list(table.token) == [" Anna", " Tim", "x", "Anna", AVERAGE_TOKEN]
-    for j, i in enumerate([1, 3, 7, 2]):
+    # exact string, a bare word as its space-prefixed token, an id, the line-initial 'Anna' by id, an exact string
+    assert list(table.id[:5]) == [1, 3, 7, 2, 4]
+    assert list(table.token) == [" Anna", " Tim", "x", "Anna", "the", AVERAGE_TOKEN]
+    for j, i in enumerate([1, 3, 7, 2, 4]):
         row = table.iloc[j]
         assert row["count"] == ds["count"][i] and row["variance"] == pytest.approx(float(ds.variance[i]), nan_ok=True)
         for var, col in (("class_norm", "norm"), ("class_cdnv", "mean CDNV"), ("class_interference",
@@ -227,12 +232,13 @@ def test_token_table_values_and_average_row(tmp_path):
     kept = ds["count"].values > 0
     assert avg["mean CDNV"] == pytest.approx(ds.class_cdnv.values[kept].mean())
     assert avg["mean interference"] == pytest.approx(ds.class_interference.values[kept].mean())
-    assert avg["count"] == pytest.approx(ds["count"].values[kept].mean())
+    assert avg["count"] == round(ds["count"].values[kept].mean())  # counts are integers: the mean, rounded
+    assert str(table["count"].dtype) == "Int64"
     assert avg["variance"] == pytest.approx(ds.variance.values[kept].mean())
     assert np.isnan(table.iloc[2]["mean CDNV"])  # token 7 is not kept
 
 
-@pytest.mark.parametrize("tok, match", [("Bob", "ambiguous"), ("99", "outside the vocabulary"),
+@pytest.mark.parametrize("tok, match", [(" Bob  ", "ambiguous"), ("99", "outside the vocabulary"),
                                         ("Zed", "not found")])
 def test_bad_tokens_are_user_errors(tmp_path, tok, match):
     store = tmp_path / "s.zarr"
@@ -252,7 +258,10 @@ def test_tokens_resolved_with_the_checkpoints_tokenizer(tmp_path, corpus):
     assert table.id[0] == the and table["count"][0] == ds["count"][the]
     assert len(tok.encode("the big dog", add_special_tokens=False)) > 1
     with pytest.raises(UserError, match="tokens .* not one"):
-        token_table(partial(read_group, store), ["runA/checkpoint-20"], ["the big dog"])
+        resolve_token("the big dog", None, str(corpus["tokenizer"]), len(tok))
+    with pytest.warns(TokenNote, match=r"'the big dog' is \d+ tokens .* not one.*left out of runA/checkpoint-20"):
+        table = token_table(partial(read_group, store), ["runA/checkpoint-20"], ["the big dog", "the"])
+    assert table.id[0] == the and len(table) == 2  # the report goes on without it (and the average token)
 
 
 def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
@@ -292,11 +301,11 @@ def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_p
     files = result.files
     tokens = pd.read_csv(files["tokens"], keep_default_na=False)
     assert list(tokens.token) == [" Tim", " Anna", AVERAGE_TOKEN]
-    pd.testing.assert_frame_equal(pd.read_csv(files["tokens"]), result.tokens.astype({"id": float}))
+    pd.testing.assert_frame_equal(pd.read_csv(files["tokens"]), result.tokens.astype({"id": float, "count": int}))
     said = result.notes
     assert [r.getMessage() for r in heard.buffer] == [f"note: {s}" for s in said]  # logged as they are found
     assert said == ["token 'Tim' given more than once: listed once",
-                    "token 'Tim' is not in the vocabulary as written: using ' Tim' (id 3); pass ' Tim' or 3 to say so",
+                    "token 'Tim' read as ' Tim' (id 3), the word after a space",
                     "token ' Tim' given more than once (in different spellings): listed once"]
     text = files["report"].read_text()
     assert all(f"**Note:** {s}." in text for s in said)
@@ -314,13 +323,21 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     out = tmp_path / "report"
     res = run_cli("report", store, "--out", out, "--tokens", "the, red,quiet,5", "--permutations", 1000, "--seed", 1)
     assert "report.md" in res.output
-    assert "note: token 'quiet' is not in the vocabulary as written: using ' quiet'" in res.output
+    assert "note: token 'quiet' read as ' quiet'" in res.output
 
     measured = measure_store(store)  # already measured by the report: the same table
     metrics = pd.read_csv(out / "metrics.csv")
     assert len(metrics) == len(measured) >= 3
-    assert list(metrics.columns) == list(measured.columns)
-    pd.testing.assert_frame_equal(metrics, measured.reset_index(drop=True), check_dtype=False)
+    support = ["n_kept", "n_singletons", "n_thin", "train_tokens", "val_tokens"]  # after the descriptive columns
+    first = [c for c in ID_COLUMNS if c in measured.columns]
+    assert list(metrics.columns) == first + support + [c for c in measured.columns if c not in first]
+    pd.testing.assert_frame_equal(metrics.drop(columns=support), measured.reset_index(drop=True), check_dtype=False)
+    for _, row in metrics.iterrows():  # brute force from the store's count vectors (min_count 1)
+        ds = read_group(store, f"{row.run}/{row.checkpoint}")
+        count = ds["count"].values
+        assert row.n_kept == (count >= 1).sum() and row.n_singletons == (count == 1).sum()
+        assert row.n_thin == ((count >= 1) & (count < 5)).sum() and row.train_tokens == count.sum()
+        assert row.val_tokens == ds["val_count"].values.sum() > 0
 
     stats = pd.read_csv(out / "stats.csv")
     assert set(stats.columns) == STATS_COLUMNS and len(stats) == 2 * len(METRICS)
@@ -332,8 +349,9 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     tables = markdown_tables(text)
     assert tables[0][0] == SUMMARY_HEADER and len(tables[0]) == 1 + len(METRICS)
     tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
-    ids = [tok.encode(t, add_special_tokens=False) for t in ("the", " red", " quiet")]
-    assert all(len(i) == 1 for i in ids)  # single tokens of this vocabulary; 'quiet' is found as ' quiet'
+    ids = [tok.encode(t, add_special_tokens=False) for t in (" the", " red", " quiet")]
+    assert all(len(i) == 1 for i in ids)  # single tokens of this vocabulary; 'the' and 'quiet' are read as ' the' ...
+    assert "note: token 'the' read as ' the'" in res.output  # ... the word after a space, as explore_store reads it
     ids = [i[0] for i in ids] + [5]
     tokens = pd.read_csv(out / "tokens.csv")
     last = measured.sort_values("global_step").iloc[-1]
@@ -385,7 +403,7 @@ def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
     raw = stats[stats.scale == "raw"].set_index("metric")
     for row in table[1:]:
         p = raw.loc[row[0], "p_holm"]
-        assert row[col] == (f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}")
+        assert row[col] == fmt_p(p) and (float(row[col]) < 0.05) == (p < 0.05)
     for scale in ("raw", "log"):
         s = stats[(stats.scale == scale) & stats.p_holm.notna()]
         assert f"r, {scale} scale: {(s.p_holm < 0.05).sum()} of {len(s)} metric(s) survive at 0.05" in text

@@ -3,7 +3,9 @@ PDF and SVG figures.
 
 - :mod:`.options`: what a report is asked for (``ReportOptions``) and what it gives back (``ReportResult``);
 - :mod:`.write`: ``write_report``, the whole report;
-- :mod:`.tables`: the selection, the statistics' display, report.md and tables.tex;
+- :mod:`.tables`: the selection, the statistics' display and tables.tex; :mod:`.document`: report.md, one
+  section per tag;
+- :mod:`.support`: what the numbers rest on (kept classes, singletons, token counts; which way is more collapse);
 - :mod:`.figures`: Figures 1-4 and the depth figure; :mod:`.ticks`: their axes' limits, ticks and labels;
 - :mod:`.tokens`: the per-token table.
 """

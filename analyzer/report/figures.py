@@ -3,6 +3,7 @@ figure with ``--layers``; each saved as PNG, PDF and SVG, byte-identical from ru
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -63,6 +64,21 @@ def label(name: str) -> str:
     str
     """
     return LABELS.get(name, name)
+
+
+def tag_suffix(tag: str | None) -> str:
+    """The file-stem suffix of one tag's figures where a selection holds several tags (``__untagged`` for none).
+
+    Parameters
+    ----------
+    tag
+        The tag, or None.
+
+    Returns
+    -------
+    str
+    """
+    return "__" + ("untagged" if tag is None else re.sub(r"[^A-Za-z0-9._-]+", "_", str(tag)))
 
 
 def _numeric(df: pd.DataFrame, column: str) -> pd.Series:
@@ -322,7 +338,7 @@ def save_figure(fig: Figure, out: Path, stem: str) -> Path:
 
 
 def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame,
-                 out: Path) -> dict[str, Path]:
+                 out: Path, suffix: str = "") -> dict[str, Path]:
     """Figures 1-3 with the chosen metrics each shows, and the training dynamics when the checkpoints span two
     steps or more.
 
@@ -339,28 +355,31 @@ def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: 
         The correlations of ``sel``.
     out
         The folder the figures are saved in (:func:`save_figure`).
+    suffix
+        Added to each file stem and key (``__<tag>``: one tag's figures where the selection holds several).
 
     Returns
     -------
     dict of str to Path
-        Each figure's PNG by file stem, in the order drawn.
+        Each figure's PNG by file stem (with the suffix), in the order drawn.
     """
     figures = {}
     for stem, (title, fig_metrics) in FIGURES.items():
         shown = [m for m in fig_metrics if m in metrics]
         if shown:
             fig = scatter_figure(sel, shown, target, stats, title.format(target=label(target)))
-            figures[stem] = save_figure(fig, out, stem)
+            figures[stem + suffix] = save_figure(fig, out, stem + suffix)
     shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics]
     if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").nunique() >= 2:  # else no dynamics
         stem, title = DYNAMICS
         fig = dynamics_figure(sel, shown, target, stats, title.format(target=label(target)))
-        figures[stem] = save_figure(fig, out, stem)
+        figures[stem + suffix] = save_figure(fig, out, stem + suffix)
     return figures
 
 
 def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict[str, Path]:
-    """With more than one layer in the table: the depth figure (depth.png) and the per-layer table (layers.csv).
+    """With a checkpoint of several layers: the depth figure (depth.png, .pdf, .svg) and the per-layer table
+    (layers.csv).
 
     Parameters
     ----------
@@ -378,9 +397,6 @@ def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict
     """
     if table is None:
         return {}
-    files = {"depth": out / "depth.png", "layers": out / "layers.csv"}
-    fig = depth_figure(df, labels=LABELS)
-    fig.savefig(files["depth"], dpi=150)
-    plt.close(fig)
+    files = {"depth": save_figure(depth_figure(df, labels=LABELS), out, "depth"), "layers": out / "layers.csv"}
     table.to_csv(files["layers"], index=False)
     return files

@@ -35,6 +35,9 @@ class ReportOptions:
         Tokens (strings as decoded, or ids) of the per-token table (``--tokens``); empty: no table.
     checkpoints
         ``run/checkpoint`` groups of the per-token table (``--checkpoint``); empty: each selected run's latest.
+    per_run
+        ``"last"``: keep each run's latest checkpoint only (``--per-run last``; one row per run, so runs are the
+        units and nothing need be permuted in blocks); None: every selected checkpoint.
     """
 
     metrics: Sequence[str] = METRICS
@@ -46,6 +49,7 @@ class ReportOptions:
     store: str | Path | None = None
     tokens: Sequence[str] = ()
     checkpoints: Sequence[str] = ()
+    per_run: str | None = None
 
 
 @dataclass
@@ -61,15 +65,18 @@ class ReportResult:
     target
         The target the metrics were correlated with (the default resolved).
     stats
-        :func:`ncanalyze.analyzer.stats.correlations` with Holm's adjustment (stats.csv).
+        :func:`ncanalyze.analyzer.stats.correlations_by_tag` with Holm's adjustment per tag (stats.csv).
     tokens
         The per-token table (tokens.csv), or None without tokens.
     depth
         The per-layer table (layers.csv), or None with one layer.
     notes
-        Tokens resolved other than as written or given twice (also in report.md).
+        Tokens resolved other than as written, given twice or not one token (also in report.md).
     figures
-        Each figure's PNG by file stem (its PDF and SVG beside it).
+        Each figure's PNG by key: its file stem, with ``__<tag>`` when the selection holds several tags (its PDF
+        and SVG beside it).
+    depth_notes
+        The depth figure's undefined values (e.g. layer 0's infinite CDNV), said in report.md.
     files
         Every file written by name: metrics, stats, [tokens], the figures, [depth, layers], report, tex.
     """
@@ -82,4 +89,5 @@ class ReportResult:
     depth: pd.DataFrame | None = None
     notes: list[str] = field(default_factory=list)
     figures: dict[str, Path] = field(default_factory=dict)
+    depth_notes: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)

@@ -1,5 +1,5 @@
-"""The report's text: the selection of checkpoints, the display table of the statistics and the notes on them,
-report.md (Markdown) and tables.tex (LaTeX, booktabs)."""
+"""The report's text: the selection of checkpoints, the display table of the statistics and the notes on them, and
+tables.tex (LaTeX, booktabs); report.md is composed in :mod:`.document`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -7,13 +7,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from ncanalyze.analyzer.depth import TITLE as DEPTH_TITLE
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition
-from ncanalyze.analyzer.report.figures import TITLES, label
-from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.tokens import token_rows
-from ncanalyze.analyzer.stats import MIN_N
+from ncanalyze.analyzer.stats import ALPHA, split_tags
 
 MISSING = "—"
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
@@ -44,19 +41,28 @@ def select(df: pd.DataFrame, where: str | None) -> pd.DataFrame:
     return out
 
 
-def fmt_p(p: float) -> str:
-    """A p-value for display: 3 decimals, scientific under 0.001, a dash where missing.
+def fmt_p(p: float, alpha: float = ALPHA) -> str:
+    """A p-value for display: 3 significant figures (scientific under 0.001), more where rounding would put it on
+    the other side of ``alpha`` (0.049995 is 0.049995, not 0.0500, beside 0.0505), a dash where missing.
 
     Parameters
     ----------
     p
         The p-value (NaN where none).
+    alpha
+        The level a survivor is below.
 
     Returns
     -------
     str
     """
-    return MISSING if not np.isfinite(p) else f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}"
+    if p is None or not np.isfinite(p):
+        return MISSING
+    for digits in range(3, 17):
+        text = f"{p:#.{digits}g}" if p >= 1e-3 else f"{p:.{digits - 1}e}"
+        if (float(text) < alpha) == (p < alpha):
+            return text
+    return repr(float(p))
 
 
 def fmt(x: float, digits: int = 3) -> str:
@@ -77,8 +83,9 @@ def fmt(x: float, digits: int = 3) -> str:
 
 
 def summary(stats: pd.DataFrame) -> pd.DataFrame:
-    """One display row per metric: n, and R², r, permutation p (and Holm-adjusted) and the partial r with its
-    Freedman-Lane p (and Holm-adjusted), raw and on log scale. Empty cells are explained in the notes.
+    """One display row per metric: n, Spearman's rho and its permutation p, and R², r, permutation p (and
+    Holm-adjusted) and the partial r with its Freedman-Lane p (and Holm-adjusted), raw and on log scale. Empty cells
+    are explained in the notes. One tag's statistics (rows of several tags are a UserError: never pooled).
 
     Parameters
     ----------
@@ -92,8 +99,13 @@ def summary(stats: pd.DataFrame) -> pd.DataFrame:
     """
     r2 = "R²"
     rows = []
+    if "tag" in stats.columns and len(split_tags(stats)) > 1:
+        raise UserError("summary() of several tags' statistics: pass one tag's rows (stats[stats.tag == name])")
     for metric, s in stats.groupby("metric", sort=False):
         row = {"metric": metric, "n": int(s.n.max())}
+        raw = s[s.scale == "raw"]
+        if "rho" in s.columns and len(raw):
+            row |= {"rho": fmt(raw.rho.iloc[0]), "p rho": fmt_p(raw.rho_p.iloc[0])}
         for _, t in s.iterrows():
             sfx = " (log)" if t.scale == "log" else ""
             row |= {r2 + sfx: fmt(t.r2), "r" + sfx: fmt(t.r), "p" + sfx: fmt_p(t.p_perm),
@@ -236,99 +248,6 @@ def target_note(target: str) -> str:
     return f"Target: `{target}` (`--target`)."
 
 
-# ------------------------------------------------------------------ report.md, section by section
-
-def _correlation_section(r: ReportResult, o: ReportOptions) -> list[str]:
-    """The header, the correlation table with how to read it, Holm's survivors and the notes."""
-    sel, stats, target = r.selected, r.stats, r.target
-    n_runs = sel["run"].nunique() if "run" in sel else 1
-    perm = (f"{o.n_perm} random permutations (seed {o.seed}); exact, over all n! permutations, where n! <= {o.n_perm}"
-            if o.n_perm > 0 else "no permutations")
-    md = [f"# ncanalyze report: NC metrics against {target}", "",
-          f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" ({code(o.where)})" if o.where else "") +
-          (f" in `{o.store}`" if o.store else "") + ".", "", target_note(target), "",
-          f"## Correlation with {target}", "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
-    if len(sel) < MIN_N:
-        md += [f"**Only {len(sel)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
-    md += ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line. "
-           "\"(log)\": log10 of the metric (the paper's axes), where it is positive; the target is not logged. "
-           f"partial r: {controls_text(o.controls)}. "
-           f"p: two-sided permutation p-value, P(|r*| ≥ |r|), {perm}; "
-           "p FL: the same for the partial r, permuting the target's residuals on the controls (Freedman-Lane). "
-           "p Holm, p FL Holm: Holm-adjusted across the metrics with a p-value, per scale (raw and log are "
-           "separate families). Parametric p-values and the partial r's 95% CI are in stats.csv.", ""]
-    if survivors(stats):
-        md += ["Multiple comparisons (Holm, family-wise error 0.05):", ""] + [f"- {s}" for s in survivors(stats)]
-        md += [""]
-    if notes(stats):
-        md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""]
-    return md
-
-
-def _token_section(r: ReportResult) -> list[str]:
-    """The per-token tables, one per checkpoint, after the notes on the tokens."""
-    if r.tokens is None:
-        return []
-    md = ["## Per-token statistics", "", "Mean CDNV and mean interference are to the other kept classes; "
-          "the average token is the mean over the kept classes.", ""]
-    md += [f"**Note:** {n}.\n" for n in r.notes]
-    for g, t in r.tokens.groupby("checkpoint", sort=False):
-        rows = token_rows(t, lambda x: repr(x).replace("|", r"\|"))
-        md += [f"### {g}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
-    return md
-
-
-def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]:
-    """The checkpoints skipped (group: why) and the list of files."""
-    md = []
-    if skipped:
-        md += ["## Skipped checkpoints", "", f"{len(skipped)} checkpoint(s) could not be measured and are left out:",
-               ""] + [f"- `{g}`: {why}" for g, why in skipped.items()] + [""]
-    md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
-           "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
-    if r.figures:
-        md += ["- " + ", ".join(f"`{f.stem}`" for f in r.figures.values()) + ": the figures, each as `.png` "
-               "(150 dpi), `.pdf` (fonts embedded) and `.svg`"]
-    if r.tokens is not None:
-        md += ["- `tokens.csv`: the per-token table"]
-    return md
-
-
-def _depth_section(r: ReportResult) -> list[str]:
-    """The depth figure and the per-layer table (nothing with one layer)."""
-    if r.depth is None:
-        return []
-    return ["", "## Across depth", "", "Layer l is transformers' `hidden_states[l]` (0: the embedding "
-            "output; the last: after the final norm, the checkpoint group). NC4 at the other layers uses the "
-            "logit lens (the head after the final norm); the correlations above use the last layer only.", "",
-            f"![{DEPTH_TITLE}]({r.files['depth'].name})", "", r.depth.to_markdown(index=False, floatfmt=".4g"), "",
-            "- `layers.csv`: the per-layer table", ""]
-
-
-def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> str:
-    """report.md: the correlation table with how to read it, notes, figure links, the per-token tables, the
-    checkpoints skipped and the files; the depth section with layers.
-
-    Parameters
-    ----------
-    result
-        What the report computed (its figures and depth files already written).
-    options
-        What it was asked for.
-    skipped
-        Checkpoints that could not be measured: group to why.
-
-    Returns
-    -------
-    str
-    """
-    md = _correlation_section(result, options)
-    md += ["## Figures", "", "Each figure is also in PDF and SVG beside its PNG.", ""]
-    md += [f"![{TITLES[k].format(target=label(result.target))}]({f.name})\n" for k, f in result.figures.items()]
-    md += _token_section(result) + _files_section(result, skipped)
-    return "\n".join(md) + "\n" + "\n".join(_depth_section(result))
-
-
 # ------------------------------------------------------------------ tables.tex
 
 def tex_escape(s: str) -> str:
@@ -372,12 +291,15 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
     -------
     str
     """
-    tex = ["% ncanalyze report tables; \\usepackage{booktabs}",
-           _latex(summary(stats), f"NC metrics against {tex_escape(target)}: Pearson $r$, $R^2$, permutation $p$; "
-                  f"partial $r$ ({controls_text(controls, tex_escape, '').replace(' r', ' $r$')}) with "
-                  "Freedman-Lane $p$; "
-                  "Holm: adjusted across the metrics, per scale.",
-                  "tab:nc-correlations")]
+    tex = ["% ncanalyze report tables; \\usepackage{booktabs}"]
+    tags = split_tags(stats)
+    for i, (tag, rows) in enumerate(tags):
+        of = "" if len(tags) == 1 else f", tag {'(untagged)' if tag is None else tex_escape(tag)}"
+        tex.append(_latex(summary(rows), f"NC metrics against {tex_escape(target)}{of}: Spearman $\\rho$, Pearson $r$, "
+                          f"$R^2$, permutation $p$; partial $r$ "
+                          f"({controls_text(controls, tex_escape, '').replace(' r', ' $r$')}) with Freedman-Lane $p$; "
+                          "Holm: adjusted across the metrics, per scale" + (" and tag." if of else "."),
+                          "tab:nc-correlations" + ("" if i == 0 else f"-{i}")))
     if tok is not None:
         for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):
             rows = token_rows(t, ascii).map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)

@@ -25,13 +25,26 @@ class GroupReader(Protocol):
 
 
 class TokenNote(UserWarning):
-    """A token resolved other than as written (e.g. 'the' as ' the'): said in report.md and printed."""
+    """A token resolved other than as written (e.g. 'the' as ' the'), or left out: said in report.md and printed."""
+
+
+class NotOneToken(UserError):
+    """A token string the checkpoint's tokenizer makes several tokens of: the report leaves it out with a note."""
 
 
 def _by_string(spec: str, strings: np.ndarray) -> int | None:
-    """The id of a decoded token: an exact match, else a unique match ignoring surrounding spaces (with a
+    """The id of a decoded token. A bare word means its space-prefixed token where the vocabulary has one (byte-level
+    BPEs write a word after a space that way: 'and' is ' and', not the rare line-initial 'and'), with a
+    :class:`TokenNote`; else an exact match; else a unique match ignoring surrounding spaces (with a
     :class:`TokenNote`); None where none matches."""
     exact = np.flatnonzero(strings == spec)
+    spaced = np.flatnonzero(strings == " " + spec) if spec and not spec[0].isspace() else []
+    if len(spaced):
+        i = int(spaced[0])
+        itself = f"; for the token {spec!r} itself pass its id {int(exact[0])}" if len(exact) else ""
+        warnings.warn(TokenNote(f"token {spec!r} read as {strings[i]!r} (id {i}), the word after a space{itself}"),
+                      stacklevel=3)
+        return i
     if len(exact):
         return int(exact[0])
     near = np.flatnonzero(pd.Series(strings).str.strip() == spec.strip())
@@ -57,16 +70,17 @@ def _by_tokenizer(spec: str, tokenizer: str) -> int:
                         "token ids instead") from None
     if len(ids) == 1:
         return int(ids[0])
-    raise UserError(f"{spec!r} is {len(ids)} tokens ({ids}) for this checkpoint's tokenizer, not one; pass a "
-                    "single token (e.g. with its leading space) or an id")
+    raise NotOneToken(f"{spec!r} is {len(ids)} tokens ({ids}) for this checkpoint's tokenizer, not one; pass a "
+                      "single token (e.g. with its leading space) or an id")
 
 
 def resolve_token(spec: str, strings: np.ndarray | None, tokenizer: str | None, vocab_size: int) -> int:
     """A token id from an integer or a token string.
 
-    An integer is an id; a string is looked up in the decoded ``token`` coordinate (exact match first, then a unique
-    match ignoring surrounding spaces, with a :class:`TokenNote` warning), else encoded by the checkpoint's
-    tokenizer if it makes one token.
+    An integer is an id; a string is looked up in the decoded ``token`` coordinate (a bare word as its
+    space-prefixed token where there is one, as ``examples/explore_store.py`` reads it; else an exact match; else a
+    unique match ignoring surrounding spaces; a :class:`TokenNote` warning where read otherwise than written), else
+    encoded by the checkpoint's tokenizer if it makes one token (:class:`NotOneToken` if several).
 
     Parameters
     ----------
@@ -113,13 +127,14 @@ def token_table(read_group: GroupReader, groups: Sequence[str], tokens: Sequence
     Returns
     -------
     pandas.DataFrame
-        Columns checkpoint, token, id (nullable integer; empty for the average token) and the statistics.
+        Columns checkpoint, token, id (nullable integer; empty for the average token) and the statistics, count an
+        integer (the average token's: the mean count over the kept classes, rounded).
     """
     rows = []
     for g in groups:
         ds = read_group(g)
         strings = np.array(ds["token"].values.tolist(), dtype=object) if "token" in ds.coords else None
-        ids = [resolve_token(t, strings, ds.attrs.get("tokenizer"), ds.sizes["vocab"]) for t in tokens]
+        ids = [i for i in (_one_token(t, strings, ds, g) for t in tokens) if i is not None]
         per_class = ds[[v for v in TOKEN_VARIABLES if v in ds]].load()
         kept = per_class["class_cdnv"].notnull() if "class_cdnv" in per_class else per_class["count"] > 0
         for i in ids:
@@ -129,7 +144,20 @@ def token_table(read_group: GroupReader, groups: Sequence[str], tokens: Sequence
         avg = per_class.where(kept).mean("vocab")
         rows.append({"checkpoint": g, "token": AVERAGE_TOKEN, "id": None,
                      **{TOKEN_VARIABLES[v]: float(avg[v]) for v in per_class.data_vars}})
-    return pd.DataFrame(rows).astype({"id": "Int64"})
+    out = pd.DataFrame(rows).astype({"id": "Int64"})
+    if "count" in out:
+        out["count"] = out["count"].round().astype("Int64")  # the average token's: its mean, rounded
+    return out
+
+
+def _one_token(spec: str, strings: np.ndarray | None, ds: xr.Dataset, group: str) -> int | None:
+    """:func:`resolve_token` in one checkpoint; a string its tokenizer makes several tokens of is left out with a
+    :class:`TokenNote` (the report goes on) rather than raised."""
+    try:
+        return resolve_token(spec, strings, ds.attrs.get("tokenizer"), ds.sizes["vocab"])
+    except NotOneToken as e:
+        warnings.warn(TokenNote(f"{e} (left out of {group})"), stacklevel=3)
+        return None
 
 
 def per_token(read_group: GroupReader, groups: Sequence[str], tokens: Sequence[str]) -> tuple[pd.DataFrame, list[str]]:

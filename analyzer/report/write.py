@@ -6,14 +6,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from ncanalyze.analyzer.depth import depth_table, has_depth, last_layer
+from ncanalyze.analyzer.depth import depth_table, has_depth, last_layer, undefined
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.report.figures import depth_files, draw_figures
+from ncanalyze.analyzer.report.document import markdown
+from ncanalyze.analyzer.report.figures import depth_files, draw_figures, tag_suffix
 from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
-from ncanalyze.analyzer.report.tables import default_target, latex, markdown, select
+from ncanalyze.analyzer.report.support import SUPPORT, with_support
+from ncanalyze.analyzer.report.tables import default_target, latex, select
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints, per_token
 from ncanalyze.analyzer.schema import INFO as ID_COLUMNS
-from ncanalyze.analyzer.stats import correlations
+from ncanalyze.analyzer.stats import correlations_by_tag, last_per_run, split_tags
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +31,27 @@ def _check(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader | N
                         "read_group), not a metrics CSV")
 
 
-def _selection(df: pd.DataFrame, where: str | None) -> pd.DataFrame:
-    """The rows ``where`` selects (every layer), identity columns first."""
-    rows = select(df, where)
-    first = [c for c in ID_COLUMNS if c in rows.columns]
+def _selection(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader | None) -> pd.DataFrame:
+    """The rows ``where`` selects (every layer; with ``per_run="last"`` each run's latest checkpoint), identity
+    columns first, then what the numbers rest on (:data:`~ncanalyze.analyzer.report.support.SUPPORT`)."""
+    if options.per_run not in (None, "all", "last"):
+        raise UserError(f"--per-run {options.per_run!r}: not one of 'last' (each run's latest checkpoint) or 'all'")
+    rows = select(df, options.where)
+    if options.per_run == "last":
+        rows = last_per_run(rows)
+    rows = with_support(rows, read_group)
+    first = [c for c in (*ID_COLUMNS, *SUPPORT) if c in rows.columns]
     return rows[first + [c for c in rows.columns if c not in first]]
+
+
+def _figures(r: ReportResult, options: ReportOptions, out: Path) -> dict[str, Path]:
+    """Figures 1-4 of each tag apart (never pooled); stems suffixed with the tag where there are several."""
+    tags = split_tags(r.selected)
+    figures = {}
+    for tag, rows in tags:
+        stats = r.stats[r.stats.tag.isna()] if tag is None else r.stats[r.stats.tag == tag]
+        figures |= draw_figures(rows, options.metrics, r.target, stats, out, tag_suffix(tag) if len(tags) > 1 else "")
+    return figures
 
 
 def _folder(out: str | Path) -> Path:
@@ -62,8 +80,10 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with tokens), the depth figure and layers.csv (with
     layers), report.md and tables.tex into a folder.
 
-    The statistics, Figures 1-4 and the token table use each selected checkpoint's last layer. Tokens resolved other
-    than as written, or given twice, are logged as warnings now and said in report.md.
+    The statistics, Figures 1-4 and the token table use each selected checkpoint's last layer. Tags (datasets) are
+    never pooled: each tag's statistics (Holm within the tag) and figures are its own. Runs with several
+    checkpoints are permuted whole (:func:`ncanalyze.analyzer.stats.correlations`). Tokens resolved other than as
+    written, given twice or not one token are logged as warnings now and said in report.md.
 
     Parameters
     ----------
@@ -84,21 +104,23 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
         The tables computed and the paths of the files written.
     """
     _check(df, options, read_group)
-    every_layer = _selection(df, options.where)
+    every_layer = _selection(df, options, read_group)
     sel = last_layer(every_layer)
     target = options.target or default_target(sel)
-    r = ReportResult(metrics=every_layer, selected=sel, target=target,
-                     stats=correlations(sel, options.metrics, target, options.controls, options.n_perm, options.seed))
+    stats = correlations_by_tag(sel, options.metrics, target, options.controls, options.n_perm, options.seed,
+                                runs="run")
+    r = ReportResult(metrics=every_layer, selected=sel, target=target, stats=stats)
     if options.tokens:
         groups = list(options.checkpoints) or latest_checkpoints(sel)
         r.tokens, r.notes = per_token(read_group, groups, options.tokens)
     for note in r.notes:
         log.warning("note: %s", note)
-    r.depth = depth_table(every_layer) if has_depth(every_layer) else None
+    if has_depth(every_layer):
+        r.depth, r.depth_notes = depth_table(every_layer), undefined(every_layer)
 
     out = _folder(out)
     _write_tables(r, out)
-    r.figures = draw_figures(sel, options.metrics, target, r.stats, out)
+    r.figures = _figures(r, options, out)
     r.files |= r.figures
     r.files |= depth_files(every_layer, r.depth, out)
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}

@@ -1,0 +1,164 @@
+"""report.md, section by section: the selection and target, per tag the correlation table with how to read it,
+the permutations behind its p-values, Holm's survivors, the notes and the figures; what the numbers rest on; the
+per-token tables; the files; the depth section."""
+from __future__ import annotations
+
+import pandas as pd
+
+from ncanalyze.analyzer.depth import TITLE as DEPTH_TITLE
+from ncanalyze.analyzer.report.figures import TITLES, label, tag_suffix
+from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
+from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
+from ncanalyze.analyzer.report.tables import code, controls_text, notes, summary, survivors, target_note
+from ncanalyze.analyzer.report.tokens import token_rows
+from ncanalyze.analyzer.stats import MIN_N, permutation_text, split_tags
+
+
+def tag_name(tag: str | None) -> str:
+    """A tag as report.md names it."""
+    return "(untagged)" if tag is None else f"`{tag}`"
+
+
+def _header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
+    """The title, the selection (checkpoints, runs, tags) and the target."""
+    sel, target = r.selected, r.target
+    n_runs = sel["run"].nunique() if "run" in sel else 1
+    md = [f"# ncanalyze report: NC metrics against {target}", "",
+          f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" ({code(o.where)})" if o.where else "")
+          + (f" in `{o.store}`" if o.store else "") + ".", ""]
+    if o.per_run == "last":
+        md += ["`--per-run last`: each run's latest checkpoint only (one row per run).", ""]
+    if len(tags) > 1:
+        md += [f"The selection holds {len(tags)} tags (datasets): {', '.join(tag_name(t) for t, _ in tags)}. Tags "
+               "are never pooled: each has its own statistics (Holm within the tag) and figures below. One tag "
+               "alone: `--where \"tag == 'NAME'\"`; the untagged rows: `--where \"tag.isna()\"` (or `tag == ''`).",
+               ""]
+    return md + [target_note(target), ""] + _reading(o, len(tags) > 1)
+
+
+def _reading(o: ReportOptions, several: bool) -> list[str]:
+    """How to read the correlation tables (said once, before them)."""
+    return ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line; rho: "
+            "Spearman's rank correlation (the same on both scales). \"(log)\": log10 of the metric (the paper's "
+            f"axes), where it is positive; the target is not logged. partial r: {controls_text(o.controls)}. "
+            "p, p rho: two-sided permutation p-values, P(|r*| ≥ |r|); p FL: the same for the partial r, permuting "
+            "the target's residuals on the controls (Freedman-Lane); the permutations behind them are said under "
+            "each table. p Holm, p FL Holm: Holm-adjusted across the metrics with a p-value, per scale (raw and "
+            "log are separate families)" + (" and per tag" if several else "") + ". p-values show 3 significant "
+            "figures, more where rounding would cross 0.05. Parametric p-values, rho's Holm p and the partial r's "
+            "95% CI are in stats.csv.", ""]
+
+
+def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, rows: pd.DataFrame,
+                         several: bool) -> list[str]:
+    """One tag's correlation table with how to read it, its permutations, Holm's survivors, notes and figures."""
+    stats = r.stats[r.stats.tag.isna()] if tag is None else r.stats[r.stats.tag == tag]
+    stats = stats.reset_index(drop=True)
+    stats.attrs.update(r.stats.attrs)
+    md = [f"## Correlation with {r.target}" + (f", tag {tag_name(tag)} ({len(rows)} checkpoints)" if several else ""),
+          "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
+    if len(rows) < MIN_N:
+        md += [f"**Only {len(rows)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
+    md += [permutation_text(stats, o.seed), ""]
+    if survivors(stats):
+        md += ["Multiple comparisons (Holm, family-wise error 0.05):", ""] + [f"- {s}" for s in survivors(stats)]
+        md += [""]
+    if notes(stats):
+        md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""]
+    suffix = tag_suffix(tag) if several else ""
+    figures = {k: f for k, f in r.figures.items() if (k.endswith(suffix) if suffix else "__" not in k)}
+    md += ["### Figures" if several else "## Figures", "", "Each figure is also in PDF and SVG beside its PNG.", ""]
+    return md + [f"![{TITLES[k.split('__')[0]].format(target=label(r.target))}]({f.name})\n"
+                 for k, f in figures.items()]
+
+
+def _support_section(r: ReportResult, o: ReportOptions) -> list[str]:
+    """What the numbers rest on: kept classes, singletons, token counts; which direction is more collapse."""
+    md = ["## What the numbers rest on", ""]
+    sel = r.selected
+    if "n_kept" in sel and sel["n_kept"].notna().any():
+        def span(col: str) -> str:
+            v = sel[col].dropna()
+            return "—" if v.empty else (f"{int(v.min())}" if v.min() == v.max() else f"{int(v.min())}-{int(v.max())}")
+        md += [f"Per checkpoint (metrics.csv): {span('n_kept')} kept classes (`n_kept`), {span('n_singletons')} of "
+               f"them seen once (`n_singletons`), {span('n_thin')} with fewer than {THIN} train tokens (`n_thin`); "
+               f"{span('train_tokens')} train tokens, {span('val_tokens')} validation tokens.", ""]
+    else:
+        md += ["The kept-class and token counts are not in this table (a metrics CSV without them): report from the "
+               "store to see them.", ""]
+    warning = thin_warning(sel)
+    if warning:
+        md += [f"**Warning:** {warning}", ""]
+    return md + ["Which way is more collapse:", ""] + direction_lines(list(o.metrics)) + [""]
+
+
+def _token_section(r: ReportResult) -> list[str]:
+    """The per-token tables, one per checkpoint, after the notes on the tokens."""
+    if r.tokens is None:
+        return [f"**Note:** {n}.\n" for n in r.notes]
+    md = ["## Per-token statistics", "", "Mean CDNV and mean interference are to the other kept classes; "
+          "the average token is the mean over the kept classes.", ""]
+    md += [f"**Note:** {n}.\n" for n in r.notes]
+    for g, t in r.tokens.groupby("checkpoint", sort=False):
+        rows = token_rows(t, lambda x: repr(x).replace("|", r"\|"))
+        md += [f"### {g}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
+    return md
+
+
+def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]:
+    """The checkpoints skipped (group: why) and the list of files."""
+    md = []
+    if skipped:
+        md += ["## Skipped checkpoints", "", f"{len(skipped)} checkpoint(s) could not be measured and are left out:",
+               ""] + [f"- `{g}`: {why}" for g, why in skipped.items()] + [""]
+    md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
+           "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
+    if r.figures:
+        md += ["- " + ", ".join(f"`{f.stem}`" for f in r.figures.values()) + ": the figures, each as `.png` "
+               "(150 dpi), `.pdf` (fonts embedded) and `.svg`"]
+    if r.tokens is not None:
+        md += ["- `tokens.csv`: the per-token table"]
+    return md
+
+
+def _depth_section(r: ReportResult) -> list[str]:
+    """The depth figure, its gaps and the per-layer table (nothing unless a checkpoint has several layers)."""
+    if r.depth is None:
+        return []
+    md = ["", "## Across depth", "", "Layer l is transformers' `hidden_states[l]` (0: the embedding "
+          "output; the last: after the final norm, the checkpoint group). NC4 at the other layers uses the "
+          "logit lens (the head after the final norm); the correlations above use the last layer only.", "",
+          f"![{DEPTH_TITLE}]({r.files['depth'].name})", ""]
+    if r.depth_notes:
+        md += ["Gaps in the figure (values not defined there, e.g. at layer 0 two tokens can share one input "
+               "embedding, so a distance between class means is 0 and CDNV and GNC2 are infinite):", ""]
+        md += [f"- {n}" for n in r.depth_notes] + [""]
+    return md + [r.depth.to_markdown(index=False, floatfmt=".4g"), "",
+                 "- `layers.csv`: the per-layer table; `depth.png`, `.pdf`, `.svg`: the figure", ""]
+
+
+def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> str:
+    """report.md: the selection, per tag the correlation table with how to read it, notes and figure links, what
+    the numbers rest on, the per-token tables, the checkpoints skipped and the files; the depth section with a
+    checkpoint of several layers.
+
+    Parameters
+    ----------
+    result
+        What the report computed (its figures and depth files already written).
+    options
+        What it was asked for.
+    skipped
+        Checkpoints that could not be measured: group to why.
+
+    Returns
+    -------
+    str
+    """
+    tags = split_tags(result.selected)
+    md = _header(result, options, tags)
+    for tag, rows in tags:
+        md += _correlation_section(result, options, tag, rows, len(tags) > 1)
+    md += _support_section(result, options)
+    md += _token_section(result) + _files_section(result, skipped)
+    return "\n".join(md) + "\n" + "\n".join(_depth_section(result))
