@@ -24,7 +24,7 @@ class DatasetAccessor:
         self._ds = ds
 
     def measure(self, min_count: int = 1, tile: int | None = None) -> dict[str, float]:
-        """The 14 scalar metrics (SPEC section 4), as :func:`ncanalyze.analyzer.measure`.
+        """The scalar metrics (SPEC section 4), as :func:`ncanalyze.analyzer.measure`.
 
         Parameters
         ----------

@@ -1,5 +1,5 @@
 """The metrics table (SPEC section 5, ``metrics.csv``) from the checkpoint groups' attributes: one row per checkpoint
-and stored layer, the descriptive columns (``INFO``), ``layer``, then the 14 metrics. Pure: attributes in, a
+and stored layer, the descriptive columns (``INFO``), ``layer``, then the scalar metrics. Pure: attributes in, a
 DataFrame out; the store (``ncanalyze.store.measure``) and the accessor (``tree.nc.table()``) both build it here."""
 from __future__ import annotations
 

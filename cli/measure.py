@@ -20,7 +20,7 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
 
     \b
-    STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The 14 scalar metrics go into each
+    STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The 23 scalar metrics go into each
     checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
     class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
     when its statistics or --min-count change. --device auto runs the pairwise sums and the d x d work in torch
@@ -28,6 +28,7 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     """
     import pandas as pd
 
+    from ncanalyze.analyzer.schema import SCALARS
     from ncanalyze.store.measure import measure_store
 
     store = resolve_store(store_positional, store)
@@ -44,4 +45,4 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     skipped = df.attrs.get("skipped", {})
     click.echo(f"measured {len(done)} of {len(df)} checkpoints in {store} (min_count={min_count})"
                + (f", {len(skipped)} skipped (see above)" if skipped else "")
-               + "; all 14 metrics: ncanalyze report, or the group attributes `metrics`")
+               + f"; all {len(SCALARS)} metrics: ncanalyze report, or the group attributes `metrics`")

@@ -35,7 +35,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
     store the results in its group, and return one row per measured checkpoint and stored layer: run, checkpoint,
     global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its last layer,
-    n_layers; its ``layers/<l>`` groups are the others) and the 14 metrics (nan where not measurable).
+    n_layers; its ``layers/<l>`` groups are the others) and the scalar metrics (nan where not measurable).
 
     A checkpoint that can't be measured (corrupt or missing data, fewer than 2 kept classes, ...) is left out with a
     warning naming it and the fix; the others go on. ``df.attrs["measured"]`` lists the groups measured by this
