@@ -28,7 +28,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.store import io, layers, training_ddp as ddp
 from ncanalyze.store.config import (ExtractConfig, config_hash, config_record, differences, layer_plan, open_data,
-                                    val_data)
+                                    rows_width, val_data)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout, default_store
 from ncanalyze.store.load import decoded_tokens, default_block_size, head, n_layers
@@ -337,17 +337,18 @@ class NeuralCollapseCallback(TrainerCallback):
         cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         io.prepare(self.store, StoreLayout(self.store).partial)
         config = model.config
-        block_size = cfg.block_size or default_block_size(config)
-        val_spec, val_split = val_data(cfg)
+        block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
+        val_ = val_data(cfg)
         device = next(model.parameters()).device
-        record = config_record(None, cfg, device, block_size, val_spec, val_split, weights=LIVE)
+        record = config_record(None, cfg, device, block_size, val_.spec, val_.split, weights=LIVE,
+                               held_out=val_.held_out)
         plan = layer_plan(cfg, config)
         layers.record_layers(record, plan)
         self._check_run(group.split("/")[0], record)
-        train = open_data(cfg.dataset, cfg.split, cfg.max_train_tokens, "max_train_tokens", cfg, block_size, config,
-                          tokenizer, self.store)
-        val = None if val_spec is None else open_data(val_spec, val_split, cfg.max_val_tokens, "max_val_tokens", cfg,
-                                                      block_size, config, tokenizer, self.store)
+        train = open_data(cfg.dataset, val_.train_split, cfg.max_train_tokens, "max_train_tokens", cfg, block_size,
+                          config, tokenizer, self.store)
+        val = None if val_.spec is None else open_data(val_.spec, val_.split, cfg.max_val_tokens, "max_val_tokens",
+                                                       cfg, block_size, config, tokenizer, self.store)
         self.setup = _Setup(cfg, record, plan, train, val, tokenizer)
         return self.setup
 
@@ -375,7 +376,8 @@ class NeuralCollapseCallback(TrainerCallback):
             "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
             "val_tokens": int(main.val["val_count"].sum()), **loss_attrs(main.lm, ex.transform),
             "min_count": cfg.min_count, "block_size": setup.record["block_size"], "dataset": cfg.dataset,
-            "split": cfg.split, "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
+            "split": setup.record.get("split", cfg.split), "val_held_out": setup.record.get("val_held_out"),
+            "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
             "tokenizer": cfg.tokenizer, "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
             "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": "training",
             "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),

@@ -19,7 +19,7 @@ from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store.layers import plan
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.reservoir import Reservoir, position_keys
-from ncanalyze.store.resume import Phase, flatten, unflatten
+from ncanalyze.store.resume import Phase, flatten, save_state, unflatten
 from ncanalyze.store.running import Extraction, LayerState
 
 SEED = 7  # the reservoir's hash seed
@@ -166,7 +166,7 @@ def legacy_state(V: int, d: int, k: int, ex: LayerState, phase: int, batches: in
                      "config": np.array(json.dumps(record, sort_keys=True))}
 
 
-def test_resume_states_in_earlier_names_load_or_are_refused():
+def test_resume_states_in_earlier_names_load_or_are_refused(tmp_path):
     V, d, k = 6, 3, 2
     src = LayerState(V, d, k, 0, "cpu")
     h, y = torch.randn(10, d), torch.tensor([0, 1, 2, 2, 3, 3, 3, 5, 5, 0])
@@ -195,7 +195,9 @@ def test_resume_states_in_earlier_names_load_or_are_refused():
            "config": np.array("{}")}
     old |= {f"layer2.{n}": v for n, v in legacy_state(V, d, k, src, 0, 2, {}).items()
             if n.split(".")[0] in ("stats", "reservoir", "val", "lm")}
-    ex = Extraction(layered, V, d, k, 0, "cpu")
+    for l in (0, 1):  # the first pass's layers, finished, as a layered run leaves them in its folder
+        save_state(tmp_path / f"layer-{l}.npz", flatten(src.state_dict()))
+    ex = Extraction(layered, V, d, k, 0, "cpu", tmp_path)
     ex.load(old, tokens_per_batch=5, where="s.npz")
     assert (ex.pass_index, list(ex.layers)) == (1, [2])
     np.testing.assert_array_equal(ex.main().stats.mean.numpy(), src.stats.mean.numpy())

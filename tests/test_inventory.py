@@ -122,7 +122,8 @@ def test_checkpoints_in_step_order_everywhere(study, tmp_path):
     zarr.open_group(run / "checkpoint-20" / "layers", mode="w")  # the layers group, as extraction writes it
     for l in (10, 9):
         shutil.copytree(study / OTHER / "layers" / "1", run / "checkpoint-20" / "layers" / str(l))
-        zarr.open_group(run / "checkpoint-20" / "layers" / str(l), mode="r+").attrs["layer"] = l
+        zarr.open_group(run / "checkpoint-20" / "layers" / str(l), mode="r+").attrs.update(  # as if extracted here
+            {"layer": l, "run": "neo-2x32", "checkpoint": "checkpoint-20", "tag": None})
     want = ["neo-2x32/checkpoint-9", "neo-2x32/checkpoint-20", "neo-2x32/checkpoint-20/layers/9",
             "neo-2x32/checkpoint-20/layers/10", "neo-2x32/checkpoint-40", "neo-2x32/checkpoint-60",
             "neo-2x32/checkpoint-100"]
