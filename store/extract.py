@@ -24,9 +24,10 @@ from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_
                                     differences, open_data, refusal, resolve, val_data)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
-from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
+from ncanalyze.store.estimate import (START, Arch, architecture, check_memory, estimate, measure_costs,
+                                      per_architecture, progress, state_bytes)
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout
-from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_model, n_layers
+from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_config, load_model, n_layers
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.loss import loss_attrs
 from ncanalyze.store.passes import run_passes
@@ -35,7 +36,7 @@ from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExtractResult", "announcer", "check_settings", "extract", "extract_checkpoint", "extract_sharded",
+__all__ = ["ExtractResult", "announcer", "announcer_over", "check_settings", "extract", "extract_checkpoint", "extract_sharded",
            "finish_sharded", "todo",
            "ExtractConfig", "config_hash", "config_record", "resolve", "val_data"]  # config.py's, for existing callers
 
@@ -231,12 +232,13 @@ def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart:
 
 
 def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False) -> Callable[..., None]:
-    """The estimate, logged once, at the first checkpoint that does work.
+    """The estimate, logged once, at the first checkpoint that does work: each architecture among ``todo`` is timed
+    once, on its first checkpoint (the one at hand; the others loaded for it), and one line gives the total.
 
     Parameters
     ----------
     todo
-        The checkpoints to do.
+        The checkpoints to do (those of every PATH of a command: :func:`announcer_over`).
     cfg, store
         The configuration and the store.
     restart
@@ -245,12 +247,32 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
     Returns
     -------
     callable
-        ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`: it times the checkpoint's passes
-        (:func:`~ncanalyze.store.estimate.measure_costs`, only where the data's length is known) and logs the
-        estimate for ``todo``.
+        ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`
+        (:func:`~ncanalyze.store.estimate.per_architecture`, :func:`~ncanalyze.store.estimate.estimate`).
     """
     announced = False
     where = StoreLayout(store)
+
+    def timed(model, loaded: float, train: Blocks, val: Blocks | None, plan: layers.Plan) -> Arch:
+        known = train.total is not None and (val is None or val.total is not None)
+        costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count,
+                              cfg.seed, where.partial) if known else None
+        return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes],
+                    plan.save_embeddings, plan.embeddings_dtype)
+
+    def time_first(ckpt: Checkpoint) -> Arch | None:  # another architecture's first checkpoint, loaded to be timed
+        try:
+            run = resolve(ckpt, cfg)
+            other = _load(ckpt, cfg, run)
+            return timed(other.model, other.seconds, *_data(store, cfg, run, other.tokenizer), run.plan)
+        except CheckpointError:
+            return None
+
+    def key_of(ckpt: Checkpoint) -> tuple | None:
+        try:
+            return architecture(load_config(ckpt, cfg.trust_remote_code), cfg.dtype, cfg.block_size)
+        except CheckpointError:
+            return None
 
     def announce(model, loaded: float, train: Blocks, val: Blocks | None, plan: layers.Plan) -> None:
         nonlocal announced
@@ -258,19 +280,23 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
             return
         announced = True
         device = next(model.parameters()).device
-        vocab, d = model.get_output_embeddings().weight.shape
-        known = train.total is not None and (val is None or val.total is not None)
-        costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count,
-                              cfg.seed, where.partial) if known else None
-        at = [START if restart else progress(where.checkpoint(c).state) for c in todo]
-        per_layer, shared = state_bytes(vocab, d, cfg.samples_per_class, device)
-        k = plan.widest_pass
+        archs = per_architecture(todo, architecture(model.config, cfg.dtype, cfg.block_size), key_of,
+                                 timed(model, loaded, train, val, plan), time_first,
+                                 lambda c: START if restart else progress(where.checkpoint(c).state))
+        k = max(max(a.passes) for a in archs)
+        state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
         log.info("estimate: %s; state ~%s MB on %s (%d layer(s))",
-                 estimate(at, costs, train, val, cfg.batch_size, vocab, d, cfg.samples_per_class, store,
-                          [len(p) for p in plan.passes], embeddings=plan.save_embeddings,
-                          embeddings_dtype=plan.embeddings_dtype), f"{(k * per_layer + shared) / 1e6:,.0f}", device, k)
+                 estimate(archs, cfg.batch_size, cfg.samples_per_class, store), f"{state / 1e6:,.0f}", device, k)
 
     return announce
+
+
+def announcer_over(paths: list, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+                   restart: bool = False) -> Callable[..., None]:
+    """:func:`announcer` over the checkpoints to do under every one of ``paths`` (a command's PATHS), for
+    :func:`extract`'s ``announce``: one estimate line, one total."""
+    ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
+    return announcer(todo(Path(store), ckpts, overwrite), cfg, Path(store), restart)
 
 
 def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
@@ -312,7 +338,7 @@ def todo(store: Path, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoi
 
 
 def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
-            restart: bool = False, shards: int = 1) -> ExtractResult:
+            restart: bool = False, shards: int = 1, announce: Callable[..., None] | None = None) -> ExtractResult:
     """Extract every checkpoint under ``path`` into ``store`` (each status logged as it goes).
 
     A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
@@ -329,6 +355,8 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     shards
         > 1: each checkpoint's train stream cut into that many parts, run one after another and merged exactly
         (:func:`extract_sharded`; the same computation a cluster runs in parallel).
+    announce
+        The estimate, where it spans more than ``path`` (:func:`announcer_over`); else one for ``path``.
 
     Returns
     -------
@@ -339,7 +367,7 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     store = Path(store)
     ckpts = tagged(discover(path), cfg.tag)
     check_settings(cfg, store, shards)
-    announce = announcer(todo(store, ckpts, overwrite), cfg, store, restart)
+    announce = announce or announcer(todo(store, ckpts, overwrite), cfg, store, restart)
     try:
         with DeferredInterrupt() as interrupt:
             for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):

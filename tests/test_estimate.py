@@ -17,7 +17,7 @@ import torch
 from conftest import EXTRACT_OPTS, run_cli, tmpfs
 from ncanalyze.store import io
 from ncanalyze.store.data import open_blocks
-from ncanalyze.store.estimate import START, Costs, estimate, group_bytes, kept_classes, progress
+from ncanalyze.store.estimate import START, Arch, Costs, estimate, group_bytes, kept_classes, progress
 from ncanalyze.store.layers import plan
 from ncanalyze.store.running import Extraction
 from ncanalyze.store.resume import Phase, save_state
@@ -46,13 +46,13 @@ def test_estimate_line_adds_load_passes_and_write_for_every_checkpoint(tmp_path)
     val = open_blocks(str(tmp_path / "t.npy"), "train", 16, 16 * 16, "text", None)  # 16 blocks: 4 batches
     disk = group_bytes(50, 8, 2)
     at = [START, (0, Phase.VALIDATION, 1), START]
-    line = estimate(at, COSTS, train, val, 4, 50, 8, 2, tmp_path / "s.zarr")
+    line = estimate([Arch("a", COSTS, train, val, 50, 8, at=at)], 4, 2, tmp_path / "s.zarr")
     want = 3 * (7 + disk) + 66 + 27 + 66
     took = re.search(r"~([\d.,]+) (s|min|h) in all", line)
     assert float(took[1].replace(",", "")) * {"s": 1, "min": 60, "h": 3600}[took[2]] == pytest.approx(want, rel=0.05)
     assert line.startswith("3 checkpoint(s) to do (1 partly done) x 640 train tokens + 256 val tokens")
     assert "train pass 30.0 s, validation 36.0 s" in line
-    unknown = estimate([START], None, train, val, 4, 50, 8, 2, tmp_path / "s.zarr")
+    unknown = estimate([Arch("a", None, train, val, 50, 8, at=[START])], 4, 2, tmp_path / "s.zarr")
     assert "unknown" in unknown and "in all" not in unknown
 
 
@@ -114,5 +114,5 @@ def test_the_write_timing_on_a_full_disk_is_left_out_and_its_leftovers_are_remov
         costs = Costs(7.0, 1.0, 2.0, 3.0, 5.0, None)
         np.save(tmp_path / "t.npy", np.arange(40 * 16) % 50)
         train = open_blocks(str(tmp_path / "t.npy"), "train", 16, None, "text", None)
-        line = estimate([START], costs, train, None, 4, 50, 8, 2, disk / "s.zarr")
+        line = estimate([Arch("a", costs, train, None, 50, 8, at=[START])], 4, 2, disk / "s.zarr")
         assert "write not timed" in line and "~37 s in all" in line  # 7 + 10 x 3, no write counted
