@@ -7,7 +7,7 @@ load is timed, and on its first train batch the extraction's own code is timed o
 a layer's float64 statistics and reservoir, a layer's NC4 decisions over as many kept classes as the full train pass
 will keep (counted from the train tokens), and the loss; a slice of the head is written the way the store writes.
 Parts that grow with the vocabulary are timed on a slice of the batch's positions and scaled (:func:`_per_rows`), so
-the timing stays well under 2 s at any vocabulary. Then, over the checkpoints to do, each with its architecture's
+the timing stays under 2 s at any vocabulary. Then, over the checkpoints to do, each with its architecture's
 costs,
 
     total = sum of  load + train batches left x (forward + k x statistics)
@@ -155,22 +155,24 @@ def _seconds(run, device: torch.device, budget: float = 0.25, at_most: int = 7) 
     return float(np.median(times))
 
 
-def _per_rows(run, rows: int, device: torch.device, target: float = 0.03) -> float:
-    """The seconds of ``run(rows)``, timed on the first m rows and scaled by rows / m: m doubles from 1 until one
-    call takes ``target`` seconds (then the fixed cost of a call is small beside it) or reaches ``rows``. The
-    timing's own cost is bounded by a few ``target``s whatever a row costs (a 50,257-way row included), not by the
-    batch."""
+CELLS = 1 << 22  # a timed slice's (positions x classes) scores, float64: 32 MiB, past the caches as a batch's are
+WORK = 1 << 29   # at most this many (position, class, hidden) multiply-adds in a timed slice
+CHEAP = 0.05     # a call under this many seconds is timed again (median of a few), a longer one once
+
+
+def _per_rows(run, rows: int, cols: int, dim: int, device: torch.device) -> float:
+    """The seconds of ``run(rows)``, a step whose cost grows with its ``rows`` positions x ``cols`` classes x ``dim``,
+    timed on the first m rows and scaled by rows / m. m is all the rows, or enough for ``CELLS`` scores (so the slice
+    meets memory as the whole does, not from the caches) but at most ``WORK`` multiply-adds: the timing costs well
+    under a second whatever the vocabulary, where a whole batch against 50,257 classes takes seconds."""
+    m = min(rows, max(1, -(-CELLS // cols)), max(1, WORK // (cols * dim)))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    m = 1
-    while m < rows:
-        sync()
-        t0 = time.perf_counter()
-        run(m)
-        sync()
-        if time.perf_counter() - t0 >= target:
-            break
-        m = min(rows, 2 * m)
-    return _seconds(lambda: run(m), device, budget=4 * target, at_most=4) * rows / m
+    sync()
+    t0 = time.perf_counter()
+    run(m)  # cold, as each chunk of the real pass is (fresh scores, fresh pages)
+    sync()
+    once = time.perf_counter() - t0
+    return (once if once >= CHEAP else _seconds(lambda: run(m), device, budget=4 * CHEAP)) * rows / m
 
 
 def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int, seed: int,
@@ -193,14 +195,14 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int,
         ex.reservoir.update(h[:m], y[:m], next(offset) + np.arange(m))
 
     forward = _seconds(lambda: features(model, ids), device)
-    train = _per_rows(train_step, len(y), device)
+    train = _per_rows(train_step, len(y), 1, dim, device)
     if not validation:
         return forward, train, 0.0, 0.0
     kept = torch.arange(max(1, n_kept), device=device)
     counts = DecisionCounts(classifier, bias, ex.stats.mean, kept)
     loss = NextTokenLoss(classifier, bias, LogitTransform.of(model.config))
-    decide = _per_rows(lambda m: counts.update(h[:m], labels[:m]), len(y), device)
-    return forward, train, decide, _per_rows(lambda m: loss.update(h[:m], labels[:m]), len(y), device)
+    decide = _per_rows(lambda m: counts.update(h[:m], labels[:m]), len(y), len(kept), dim, device)
+    return forward, train, decide, _per_rows(lambda m: loss.update(h[:m], labels[:m]), len(y), vocab, dim, device)
 
 
 def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch_size: int, samples_per_class: int,
