@@ -29,10 +29,13 @@ import psutil
 import torch
 
 from ncanalyze.analyzer.accumulate import DecisionCounts
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store import io
 from ncanalyze.store.data import Blocks
-from ncanalyze.store.load import default_block_size, head, n_layers
+from ncanalyze.store.discover import Checkpoint
+from ncanalyze.store.layers import Plan
+from ncanalyze.store.config import ExtractConfig
+from ncanalyze.store.load import default_block_size, head, load_config, n_layers
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.passes import check_ids, features
 from ncanalyze.store.resume import UNREADABLE, Phase
@@ -223,16 +226,50 @@ def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch
 
 
 def architecture(config, dtype: str, block_size: int | None = None) -> tuple:
-    """What sets a checkpoint's cost, read from its model ``config``: (model type, layers, hidden size, vocabulary,
-    heads, MLP width, ``dtype``, block size (``block_size``, else the model's default)). Checkpoints with equal keys
-    share one timing."""
+    """What sets a checkpoint's cost: checkpoints with equal keys share one timing.
+
+    Parameters
+    ----------
+    config
+        The checkpoint's model config (transformers).
+    dtype
+        ``--dtype``.
+    block_size
+        ``--block-size`` (None: the model's default).
+
+    Returns
+    -------
+    tuple
+        (model type, layers, hidden size, vocabulary, heads, MLP width, dtype, block size).
+    """
     mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-    return (config.model_type, n_layers(config), getattr(config, "hidden_size", None), getattr(config, "vocab_size", None),
-            getattr(config, "num_attention_heads", None), mlp, dtype, block_size or default_block_size(config))
+    return (config.model_type, n_layers(config), getattr(config, "hidden_size", None),
+            getattr(config, "vocab_size", None), getattr(config, "num_attention_heads", None), mlp, dtype,
+            block_size or default_block_size(config))
+
+
+def checkpoint_architecture(ckpt: Checkpoint, cfg: ExtractConfig) -> tuple | None:
+    """The :func:`architecture` of ``ckpt`` under ``cfg``, from its config alone; None where that can't be read
+    (a Hub revision not yet downloaded)."""
+    try:
+        return architecture(load_config(ckpt, cfg.trust_remote_code), cfg.dtype, cfg.block_size)
+    except CheckpointError:
+        return None
 
 
 def architecture_name(key: tuple) -> str:
-    """``gpt_neo L2 d64 V8192`` (with ``h4 ff256`` and the dtype where known): how the line names an architecture."""
+    """How the line names an architecture.
+
+    Parameters
+    ----------
+    key
+        An :func:`architecture`.
+
+    Returns
+    -------
+    str
+        ``gpt_neo L2 d64 V8192 h4 ff256 float32 block 256`` (heads and MLP width where the config has them).
+    """
     kind, layers, width, vocab, heads, mlp, dtype, block = key
     return " ".join([f"{kind} L{layers} d{width} V{vocab}", *([f"h{heads}"] if heads else []),
                      *([f"ff{mlp}"] if mlp else []), dtype, f"block {block}"])
@@ -321,6 +358,43 @@ def per_architecture(todo: list, first: tuple, key_of: Callable[[object], tuple 
             arch, name = timed_first, f"{name} (not timed: {ckpts[0].group} did not load; the first's costs)"
         archs.append(replace(arch, name=name, at=[progress_of(c) for c in ckpts]))
     return archs
+
+
+def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Plan, cfg: ExtractConfig,
+               partial: Path) -> Arch:
+    """The :class:`Arch` of a loaded checkpoint (``model``, loaded in ``loaded`` seconds), its costs timed
+    (:func:`measure_costs`, only where the data's length is known), its checkpoints still to be added.
+
+    Parameters
+    ----------
+    model, loaded
+        The model and the seconds its load took.
+    train, val, plan
+        Its data and layer plan.
+    cfg
+        The configuration.
+    partial
+        The folder of work in progress beside the store (the write is timed there).
+
+    Returns
+    -------
+    Arch
+        Unnamed, without checkpoints (:func:`per_architecture` adds them).
+    """
+    known = train.total is not None and (val is None or val.total is not None)
+    costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count, cfg.seed,
+                          partial) if known else None
+    return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes], plan.save_embeddings,
+                plan.embeddings_dtype)
+
+
+def announcement(archs: list[Arch], cfg: ExtractConfig, store: Path, device: torch.device) -> str:
+    """The line after ``estimate:`` (:func:`estimate`), with the running state's size on ``device`` (that of the
+    largest architecture's widest pass)."""
+    k = max(max(a.passes) for a in archs)
+    state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
+    return (f"{estimate(archs, cfg.batch_size, cfg.samples_per_class, store)}; state ~{state / 1e6:,.0f} MB on "
+            f"{device} ({k} layer(s))")
 
 
 def _duration(secs: float) -> str:

@@ -24,10 +24,10 @@ from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_
                                     differences, open_data, refusal, resolve, val_data)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
-from ncanalyze.store.estimate import (START, Arch, architecture, check_memory, estimate, measure_costs,
-                                      per_architecture, progress, state_bytes)
+from ncanalyze.store.estimate import (START, Arch, announcement, architecture, check_memory, checkpoint_architecture,
+                                      per_architecture, progress, state_bytes, timed_arch)
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout
-from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_config, load_model, n_layers
+from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_model, n_layers
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.loss import loss_attrs
 from ncanalyze.store.passes import run_passes
@@ -36,8 +36,8 @@ from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExtractResult", "announcer", "announcer_over", "check_settings", "extract", "extract_checkpoint", "extract_sharded",
-           "finish_sharded", "todo",
+__all__ = ["ExtractResult", "announcer", "announcer_over", "check_settings", "extract", "extract_checkpoint",
+           "extract_sharded", "finish_sharded", "todo",
            "ExtractConfig", "config_hash", "config_record", "resolve", "val_data"]  # config.py's, for existing callers
 
 
@@ -253,24 +253,12 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
     announced = False
     where = StoreLayout(store)
 
-    def timed(model, loaded: float, train: Blocks, val: Blocks | None, plan: layers.Plan) -> Arch:
-        known = train.total is not None and (val is None or val.total is not None)
-        costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count,
-                              cfg.seed, where.partial) if known else None
-        return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes],
-                    plan.save_embeddings, plan.embeddings_dtype)
-
     def time_first(ckpt: Checkpoint) -> Arch | None:  # another architecture's first checkpoint, loaded to be timed
         try:
             run = resolve(ckpt, cfg)
             other = _load(ckpt, cfg, run)
-            return timed(other.model, other.seconds, *_data(store, cfg, run, other.tokenizer), run.plan)
-        except CheckpointError:
-            return None
-
-    def key_of(ckpt: Checkpoint) -> tuple | None:
-        try:
-            return architecture(load_config(ckpt, cfg.trust_remote_code), cfg.dtype, cfg.block_size)
+            return timed_arch(other.model, other.seconds, *_data(store, cfg, run, other.tokenizer), run.plan, cfg,
+                              where.partial)
         except CheckpointError:
             return None
 
@@ -279,14 +267,11 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
         if announced:
             return
         announced = True
-        device = next(model.parameters()).device
-        archs = per_architecture(todo, architecture(model.config, cfg.dtype, cfg.block_size), key_of,
-                                 timed(model, loaded, train, val, plan), time_first,
+        archs = per_architecture(todo, architecture(model.config, cfg.dtype, cfg.block_size),
+                                 lambda c: checkpoint_architecture(c, cfg),
+                                 timed_arch(model, loaded, train, val, plan, cfg, where.partial), time_first,
                                  lambda c: START if restart else progress(where.checkpoint(c).state))
-        k = max(max(a.passes) for a in archs)
-        state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
-        log.info("estimate: %s; state ~%s MB on %s (%d layer(s))",
-                 estimate(archs, cfg.batch_size, cfg.samples_per_class, store), f"{state / 1e6:,.0f}", device, k)
+        log.info("estimate: %s", announcement(archs, cfg, store, next(model.parameters()).device))
 
     return announce
 
@@ -294,7 +279,20 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
 def announcer_over(paths: list, store: Path, cfg: ExtractConfig, overwrite: bool = False,
                    restart: bool = False) -> Callable[..., None]:
     """:func:`announcer` over the checkpoints to do under every one of ``paths`` (a command's PATHS), for
-    :func:`extract`'s ``announce``: one estimate line, one total."""
+    :func:`extract`'s ``announce``: one estimate line, one total.
+
+    Parameters
+    ----------
+    paths
+        The PATHS (local).
+    store, cfg, overwrite, restart
+        As for :func:`extract`.
+
+    Returns
+    -------
+    callable
+        As :func:`announcer`'s.
+    """
     ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
     return announcer(todo(Path(store), ckpts, overwrite), cfg, Path(store), restart)
 
