@@ -231,7 +231,8 @@ def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart:
     return "resumed"
 
 
-def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False) -> Callable[..., None]:
+def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False,
+              local: bool = False) -> Callable[..., None]:
     """The estimate, logged once, at the first checkpoint that does work: each architecture among ``todo`` is timed
     once, on its first checkpoint (the one at hand; the others loaded for it), and one line gives the total.
 
@@ -243,20 +244,20 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
         The configuration and the store.
     restart
         Resume states are to be discarded (else what they hold is left out of the estimate).
+    local
+        ``todo`` are local folders, whose configs tell their architectures (Hub revisions: all the first's).
 
     Returns
     -------
     callable
-        ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`
-        (:func:`~ncanalyze.store.estimate.per_architecture`, :func:`~ncanalyze.store.estimate.estimate`).
+        ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`.
     """
     announced = False
     where = StoreLayout(store)
 
     def time_first(ckpt: Checkpoint) -> Arch | None:  # another architecture's first checkpoint, loaded to be timed
         try:
-            run = resolve(ckpt, cfg)
-            other = _load(ckpt, cfg, run)
+            other = _load(ckpt, cfg, run := resolve(ckpt, cfg))
             return timed_arch(other.model, other.seconds, *_data(store, cfg, run, other.tokenizer), run.plan, cfg,
                               where.partial)
         except CheckpointError:
@@ -268,7 +269,7 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
             return
         announced = True
         archs = per_architecture(todo, architecture(model.config, cfg.dtype, cfg.block_size),
-                                 lambda c: checkpoint_architecture(c, cfg),
+                                 lambda c: checkpoint_architecture(c, cfg) if local else None,
                                  timed_arch(model, loaded, train, val, plan, cfg, where.partial), time_first,
                                  lambda c: START if restart else progress(where.checkpoint(c).state))
         log.info("estimate: %s", announcement(archs, cfg, store, next(model.parameters()).device))
@@ -294,7 +295,7 @@ def announcer_over(paths: list, store: Path, cfg: ExtractConfig, overwrite: bool
         As :func:`announcer`'s.
     """
     ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
-    return announcer(todo(Path(store), ckpts, overwrite), cfg, Path(store), restart)
+    return announcer(todo(Path(store), ckpts, overwrite), cfg, Path(store), restart, local=True)
 
 
 def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
@@ -365,7 +366,7 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     store = Path(store)
     ckpts = tagged(discover(path), cfg.tag)
     check_settings(cfg, store, shards)
-    announce = announce or announcer(todo(store, ckpts, overwrite), cfg, store, restart)
+    announce = announce or announcer(todo(store, ckpts, overwrite), cfg, store, restart, local=True)
     try:
         with DeferredInterrupt() as interrupt:
             for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
