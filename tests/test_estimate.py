@@ -188,12 +188,13 @@ def test_the_timing_is_bounded_at_a_gpt2_vocabulary():
     model = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=50_257, hidden_size=32, num_layers=1, num_heads=4,
                                            attention_types=[[["global"], 1]], max_position_embeddings=256)).eval()
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, 50_257, (8, 256)))
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     forward, train, decide, loss = batch_seconds(model, ids, 4, 50_257, seed=0)
-    took = time.perf_counter() - started
-    # a whole batch's decisions against 50,257 classes take ~4-8 s here; the old timing ran them 4 times (~12 s)
-    assert took < 2.0, took
-    assert min(forward, train, decide, loss) > 0 and decide > took / 2
+    took, cpu = time.perf_counter() - started, time.process_time() - cpu
+    # a whole batch's decisions against 50,257 classes take ~4-8 s here; the old timing ran them 4 times (~12 s). The
+    # bound is on the CPU time (these 2 cores are shared: the wall time follows the load)
+    assert cpu < 2.0 and took < 6.0, (cpu, took)
+    assert min(forward, train, decide, loss) > 0 and decide + loss > took  # the parts timed cost more than the timing
 
 
 def test_one_line_over_two_runs_of_different_widths(trained_run, corpus, tmp_path):
