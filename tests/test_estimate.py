@@ -141,13 +141,13 @@ def test_each_architecture_timed_once_and_one_total_of_planted_costs(tmp_path):
     b = Arch("", Costs(1.0, 0.5, 1.0, 2.0, 1.0, group_bytes(60, 4, 2) / 2), train, val, 60, 4)
     timed: list[str] = []
 
-    def time(c):
+    def time_first(c):
         timed.append(c.name)
         return b if c.name == "b1" else None  # c1 does not load
 
     at = {"a2": (0, Phase.VALIDATION, 1)}
     todo = [ckpts[n] for n in ("b1", "a1", "b2", "u1", "a2", "b3", "c1")]
-    archs = per_architecture(todo, A, lambda c: keys[c.name], first, time, lambda c: at.get(c.name, START))
+    archs = per_architecture(todo, A, lambda c: keys[c.name], first, time_first, lambda c: at.get(c.name, START))
     assert timed == ["b1", "c1"]  # once per other architecture, on its first checkpoint to do
     assert [a.at for a in archs] == [[START, START, (0, Phase.VALIDATION, 1)], [START] * 3, [START]]
     assert archs[0].name.startswith("gpt_neo L2 d8 V50 h4") and archs[1].name.startswith("gpt_neo L2 d4 V60 h2 ff16")
