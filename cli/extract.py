@@ -104,7 +104,7 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
                                          for k in ("dataset", "val_dataset", "tokenizer")}})
     from ncanalyze.analyzer.errors import UserError
     from ncanalyze.store.config import ExtractConfig
-    from ncanalyze.store.extract import extract as extract_local
+    from ncanalyze.store.extract import announcer_over, extract as extract_local
     from ncanalyze.store.hub import extract_hub, is_hub_id, parse_revisions
 
     store = store or default_store()
@@ -129,8 +129,10 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
         results.append(extract_on_cluster(local, store, cfg, scheduler, overwrite, restart, shards))
         click.echo(results[-1].summary())
     elif local:
+        announce = announcer_over(local, store, cfg, overwrite, restart)  # one estimate over every PATH
         for path in local:
-            results.append(extract_local(path, store, cfg, overwrite=overwrite, restart=restart, shards=shards))
+            results.append(extract_local(path, store, cfg, overwrite=overwrite, restart=restart, shards=shards,
+                                         announce=announce))
             click.echo(results[-1].summary())
     failed = [line for r in results for line in r.failures]
     if failed:

@@ -1,11 +1,14 @@
 """The line printed before extraction starts (what is left to do, how long it will take, the disk it needs), and the
 memory check of the running state.
 
-The time is measured, not guessed. On the first checkpoint that does work, its model load is timed, and on its first
-train batch the extraction's own code is timed on a scratch state: the forward pass, a layer's float64 statistics
-and reservoir, a layer's NC4 decisions over as many kept classes as the full train pass will keep (counted from the
-train tokens), and the loss; a slice of the head is written the way the store writes. Then, over the checkpoints
-to do,
+The time is measured, not guessed, once per architecture (:func:`architecture`: what sets the cost, the model type,
+depth, width, vocabulary, heads, MLP width, dtype and block size). For the first checkpoint to do of each, its model
+load is timed, and on its first train batch the extraction's own code is timed on a scratch state: the forward pass,
+a layer's float64 statistics and reservoir, a layer's NC4 decisions over as many kept classes as the full train pass
+will keep (counted from the train tokens), and the loss; a slice of the head is written the way the store writes.
+Parts that grow with the vocabulary are timed on a slice of the batch's positions and scaled (:func:`_per_rows`), so
+the timing stays under 2 s at any vocabulary. Then, over the checkpoints to do, each with its architecture's
+costs,
 
     total = sum of  load + train batches left x (forward + k x statistics)
                     + validation batches left x (forward + k x decisions + loss) + group bytes / write rate
@@ -17,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +29,13 @@ import psutil
 import torch
 
 from ncanalyze.analyzer.accumulate import DecisionCounts
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store import io
 from ncanalyze.store.data import Blocks
-from ncanalyze.store.load import head
+from ncanalyze.store.discover import Checkpoint
+from ncanalyze.store.layers import Plan
+from ncanalyze.store.config import ExtractConfig
+from ncanalyze.store.load import default_block_size, head, load_config, n_layers
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.passes import check_ids, features
 from ncanalyze.store.resume import UNREADABLE, Phase
@@ -136,7 +143,7 @@ def kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
     return int((counts >= min_count).sum())
 
 
-def _seconds(run, device: torch.device, budget: float = 0.5, at_most: int = 7) -> float:
+def _seconds(run, device: torch.device, budget: float = 0.25, at_most: int = 7) -> float:
     """The median seconds of ``run()``, after a warm-up call, over calls made until ``budget`` seconds have passed
     (at least 3, at most ``at_most``): the machine's noise, not one slow call, sets the estimate."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -151,11 +158,32 @@ def _seconds(run, device: torch.device, budget: float = 0.5, at_most: int = 7) -
     return float(np.median(times))
 
 
+CELLS = 1 << 22  # a timed slice's (positions x classes) scores, float64: 32 MiB, past the caches as a batch's are
+WORK = 1 << 29   # at most this many (position, class, hidden) multiply-adds in a timed slice
+CHEAP = 0.05     # a call under this many seconds is timed again (median of a few), a longer one once
+
+
+def _per_rows(run, rows: int, cols: int, dim: int, device: torch.device) -> float:
+    """The seconds of ``run(rows)``, a step whose cost grows with its ``rows`` positions x ``cols`` classes x ``dim``,
+    timed on the first m rows and scaled by rows / m. m is all the rows, or enough for ``CELLS`` scores (so the slice
+    meets memory as the whole does, not from the caches) but at most ``WORK`` multiply-adds: the timing costs well
+    under a second whatever the vocabulary, where a whole batch against 50,257 classes takes seconds."""
+    m = min(rows, max(1, -(-CELLS // cols)), max(1, WORK // (cols * dim)))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    run(m)  # cold, as each chunk of the real pass is (fresh scores, fresh pages)
+    sync()
+    once = time.perf_counter() - t0
+    return (once if once >= CHEAP else _seconds(lambda: run(m), device, budget=4 * CHEAP)) * rows / m
+
+
 def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int, seed: int,
                   validation: bool = True) -> tuple[float, float, float, float]:
     """Seconds, for the batch ``ids`` (b x L), of the forward pass, of a layer's part of the train pass (float64
     statistics, reservoir), of a layer's part of the validation pass (NC4's decisions over ``n_kept`` classes) and
-    of the loss (the last two 0 without ``validation``); each by the extraction's own code on a scratch state."""
+    of the loss (the last two 0 without ``validation``); each by the extraction's own code on a scratch state, the
+    last three on a slice of the positions, scaled (:func:`_per_rows`)."""
     device = ids.device
     classifier, bias = head(model)
     vocab, dim = classifier.shape
@@ -165,19 +193,19 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int,
     ex = LayerState(vocab, dim, samples_per_class, seed, device)
     offset = iter(range(0, 1 << 40, len(y)))  # fresh stream positions for every reservoir call
 
-    def train_step() -> None:
-        ex.stats.update(h, labels)
-        ex.reservoir.update(h, y, next(offset) + np.arange(len(y)))
+    def train_step(m: int) -> None:
+        ex.stats.update(h[:m], labels[:m])
+        ex.reservoir.update(h[:m], y[:m], next(offset) + np.arange(m))
 
     forward = _seconds(lambda: features(model, ids), device)
-    train = _seconds(train_step, device)
+    train = _per_rows(train_step, len(y), 1, dim, device)
     if not validation:
         return forward, train, 0.0, 0.0
     kept = torch.arange(max(1, n_kept), device=device)
     counts = DecisionCounts(classifier, bias, ex.stats.mean, kept)
     loss = NextTokenLoss(classifier, bias, LogitTransform.of(model.config))
-    decide = _seconds(lambda: counts.update(h, labels), device)
-    return forward, train, decide, _seconds(lambda: loss.update(h, labels), device)
+    decide = _per_rows(lambda m: counts.update(h[:m], labels[:m]), len(y), len(kept), dim, device)
+    return forward, train, decide, _per_rows(lambda m: loss.update(h[:m], labels[:m]), len(y), vocab, dim, device)
 
 
 def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch_size: int, samples_per_class: int,
@@ -197,35 +225,205 @@ def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch
     return Costs(loaded, *timed, io.write_rate(sample, partial))
 
 
+def architecture(config, dtype: str, block_size: int | None = None) -> tuple:
+    """What sets a checkpoint's cost: checkpoints with equal keys share one timing.
+
+    Parameters
+    ----------
+    config
+        The checkpoint's model config (transformers).
+    dtype
+        ``--dtype``.
+    block_size
+        ``--block-size`` (None: the model's default).
+
+    Returns
+    -------
+    tuple
+        (model type, layers, hidden size, vocabulary, heads, MLP width, dtype, block size).
+    """
+    mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    return (config.model_type, n_layers(config), getattr(config, "hidden_size", None),
+            getattr(config, "vocab_size", None), getattr(config, "num_attention_heads", None), mlp, dtype,
+            block_size or default_block_size(config))
+
+
+def checkpoint_architecture(ckpt: Checkpoint, cfg: ExtractConfig) -> tuple | None:
+    """The :func:`architecture` of ``ckpt`` under ``cfg``, from its config alone; None where that can't be read
+    (a Hub revision not yet downloaded)."""
+    try:
+        return architecture(load_config(ckpt, cfg.trust_remote_code), cfg.dtype, cfg.block_size)
+    except CheckpointError:
+        return None
+
+
+def architecture_name(key: tuple) -> str:
+    """How the line names an architecture.
+
+    Parameters
+    ----------
+    key
+        An :func:`architecture`.
+
+    Returns
+    -------
+    str
+        ``gpt_neo L2 d64 V8192 h4 ff256 float32 block 256`` (heads and MLP width where the config has them).
+    """
+    kind, layers, width, vocab, heads, mlp, dtype, block = key
+    return " ".join([f"{kind} L{layers} d{width} V{vocab}", *([f"h{heads}"] if heads else []),
+                     *([f"ff{mlp}"] if mlp else []), dtype, f"block {block}"])
+
+
+@dataclass
+class Arch:
+    """One architecture's checkpoints to do and what the estimate needs of them: ``costs`` timed on the first (None
+    where the data's length is unknown), its data, head shape (``vocab`` x ``dim``), ``passes`` (the layers in each
+    pass) and ``embeddings`` saved positions; ``at`` each checkpoint's :func:`progress`."""
+    name: str
+    costs: Costs | None
+    train: Blocks
+    val: Blocks | None
+    vocab: int
+    dim: int
+    passes: list[int] = field(default_factory=lambda: [1])
+    embeddings: int = 0
+    embeddings_dtype: str = "float32"
+    at: list[tuple[int, Phase, int]] = field(default_factory=list)
+
+    def disk(self, samples_per_class: int) -> int:
+        """A checkpoint's bytes in the store, before compression (:func:`group_bytes`); no more embedding positions
+        are staged than the train data has (layers.fit_embeddings)."""
+        embeddings = self.embeddings
+        if self.train.total is not None:
+            embeddings = min(embeddings, self.train.total * (self.train.block_size - 1))
+        return group_bytes(self.vocab, self.dim, samples_per_class, sum(self.passes), embeddings,
+                           np.dtype(self.embeddings_dtype).itemsize)
+
+    def batches(self, batch_size: int) -> tuple[int, int]:
+        """(train, validation) batches of a checkpoint."""
+        return -(-self.train.total // batch_size), 0 if self.val is None else -(-self.val.total // batch_size)
+
+    def seconds(self, batch_size: int, samples_per_class: int) -> float:
+        """Seconds of its checkpoints' loads, passes left and writes."""
+        c, (n_train, n_val) = self.costs, self.batches(batch_size)
+        write = self.disk(samples_per_class) / c.write_rate if c.write_rate else 0.0
+        return len(self.at) * (c.load + write) + sum(c.left(p, self.passes, n_train, n_val) for p in self.at)
+
+    def parts(self, batch_size: int, samples_per_class: int) -> str:
+        """``load 1.0 s, train pass 3.0 s, validation 2.0 s, write 0.1 s``: a checkpoint's parts from the start."""
+        c, (n_train, n_val) = self.costs, self.batches(batch_size)
+        train_s = sum(c.train_batch(k) for k in self.passes)
+        val_s = sum(c.val_batch(k, i == len(self.passes) - 1) for i, k in enumerate(self.passes))
+        wrote = f"{self.disk(samples_per_class) / c.write_rate:.1f} s" if c.write_rate else "not timed"
+        return (f"load {c.load:.1f} s, train pass {n_train * train_s:,.1f} s, validation {n_val * val_s:,.1f} s, "
+                f"write {wrote}")
+
+    def tokens(self) -> str:
+        """``8,192 train tokens + 4,096 val tokens`` of a checkpoint."""
+        val = "no validation" if self.val is None else f"{self.val.total * self.val.block_size:,} val tokens"
+        return f"{self.train.total * self.train.block_size:,} train tokens + {val}"
+
+
+def per_architecture(todo: list, first: tuple, key_of: Callable[[object], tuple | None], timed_first: Arch,
+                     time: Callable[[object], Arch | None], progress_of: Callable[[object], tuple]) -> list[Arch]:
+    """The checkpoints to do grouped by :func:`architecture`, each group timed once.
+
+    Parameters
+    ----------
+    todo
+        The checkpoints to do.
+    first, timed_first
+        The architecture of the checkpoint at hand (loaded), and its :class:`Arch`, timed.
+    key_of
+        A checkpoint's architecture (None where its config can't be read yet, e.g. a Hub revision not downloaded:
+        counted as ``first``).
+    time
+        The :class:`Arch` of a checkpoint, loaded and timed (None where it does not load: its group then takes
+        ``first``'s costs, and says so).
+    progress_of
+        A checkpoint's :func:`progress`.
+
+    Returns
+    -------
+    list of Arch
+        One per architecture, ``first``'s first, each with its checkpoints' progress.
+    """
+    groups: dict[tuple, list] = {first: []}
+    for c in todo:
+        groups.setdefault(key_of(c) or first, []).append(c)
+    archs = []
+    for key, ckpts in groups.items():
+        if not ckpts:
+            continue
+        arch = timed_first if key == first else time(ckpts[0])
+        name = architecture_name(key)
+        if arch is None:
+            arch, name = timed_first, f"{name} (not timed: {ckpts[0].group} did not load; the first's costs)"
+        archs.append(replace(arch, name=name, at=[progress_of(c) for c in ckpts]))
+    return archs
+
+
+def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Plan, cfg: ExtractConfig,
+               partial: Path) -> Arch:
+    """The :class:`Arch` of a loaded checkpoint (``model``, loaded in ``loaded`` seconds), its costs timed
+    (:func:`measure_costs`, only where the data's length is known), its checkpoints still to be added.
+
+    Parameters
+    ----------
+    model, loaded
+        The model and the seconds its load took.
+    train, val, plan
+        Its data and layer plan.
+    cfg
+        The configuration.
+    partial
+        The folder of work in progress beside the store (the write is timed there).
+
+    Returns
+    -------
+    Arch
+        Unnamed, without checkpoints (:func:`per_architecture` adds them).
+    """
+    known = train.total is not None and (val is None or val.total is not None)
+    costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count, cfg.seed,
+                          partial) if known else None
+    return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes], plan.save_embeddings,
+                plan.embeddings_dtype)
+
+
+def announcement(archs: list[Arch], cfg: ExtractConfig, store: Path, device: torch.device) -> str:
+    """The line after ``estimate:`` (:func:`estimate`), with the running state's size on ``device`` (that of the
+    largest architecture's widest pass)."""
+    k = max(max(a.passes) for a in archs)
+    state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
+    return (f"{estimate(archs, cfg.batch_size, cfg.samples_per_class, store)}; state ~{state / 1e6:,.0f} MB on "
+            f"{device} ({k} layer(s))")
+
+
 def _duration(secs: float) -> str:
     return f"{secs:,.0f} s" if secs < 120 else f"{secs / 60:,.1f} min" if secs < 7200 else f"{secs / 3600:,.1f} h"
 
 
-def estimate(at: list[tuple[int, Phase, int]], costs: Costs | None, train: Blocks, val: Blocks | None,
-             batch_size: int, vocab: int, dim: int, samples_per_class: int, store: Path,
-             passes: list[int] | None = None, embeddings: int = 0, embeddings_dtype: str = "float32") -> str:
-    """The estimate for the checkpoints to do, standing at ``at`` (their :func:`progress`): ``costs`` measured on
-    the first (None where the data's length is unknown), ``passes`` the layers in each pass (None: the last layer
-    only), ``embeddings`` saved positions."""
-    passes = passes or [1]
-    n = len(at)
-    if train.total is not None:  # no more positions are staged than the train data has (layers.fit_embeddings)
-        embeddings = min(embeddings, train.total * (train.block_size - 1))
-    disk = group_bytes(vocab, dim, samples_per_class, sum(passes), embeddings, np.dtype(embeddings_dtype).itemsize)
-    where = f"~{n * disk / 1e6:,.0f} MB (before compression) in {store}"
-    if costs is None or train.total is None or (val is not None and val.total is None):
+def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: Path) -> str:
+    """The estimate for the checkpoints to do, one line over every architecture in ``archs``: the count (and how
+    many are partly done), tokens, the time in all, each architecture's parts per checkpoint (timed on its first
+    checkpoint) and the disk."""
+    n = sum(len(a.at) for a in archs)
+    disk = sum(len(a.at) * a.disk(samples_per_class) for a in archs)
+    where = f"~{disk / 1e6:,.0f} MB (before compression) in {store}"
+    if any(a.costs is None or a.train.total is None or (a.val is not None and a.val.total is None) for a in archs):
         return (f"{n} checkpoint(s) to do; the data's length is unknown (text without the token cache: drop "
                 f"--no-token-cache, or cap it with --max-train-tokens/--max-val-tokens, for a time); {where}")
-    n_train = -(-train.total // batch_size)
-    n_val = 0 if val is None else -(-val.total // batch_size)
-    write = disk / costs.write_rate if costs.write_rate else 0.0
-    wrote = f"{write:.1f} s" if costs.write_rate else "not timed"
-    total = n * (costs.load + write) + sum(costs.left(p, passes, n_train, n_val) for p in at)
-    started = sum(p != START for p in at)
+    total = sum(a.seconds(batch_size, samples_per_class) for a in archs)
+    started = sum(p != START for a in archs for p in a.at)
     partly = f" ({started} partly done)" if started else ""
-    val_tokens = "no validation" if val is None else f"{val.total * val.block_size:,} val tokens"
-    train_s = sum(costs.train_batch(k) for k in passes)
-    val_s = sum(costs.val_batch(k, i == len(passes) - 1) for i, k in enumerate(passes))
-    return (f"{n} checkpoint(s) to do{partly} x {train.total * train.block_size:,} train tokens + {val_tokens}; "
-            f"~{_duration(total)} in all. Per checkpoint: load {costs.load:.1f} s, train pass {n_train * train_s:,.1f} "
-            f"s, validation {n_val * val_s:,.1f} s, write {wrote} (timed on the first); {where}")
+    tokens = {a.tokens() for a in archs}
+    common = f" x {tokens.pop()}" if len(tokens) == 1 else ""
+    if len(archs) == 1:
+        return (f"{n} checkpoint(s) to do{partly}{common}; ~{_duration(total)} in all. Per checkpoint: "
+                f"{archs[0].parts(batch_size, samples_per_class)} (timed on the first); {where}")
+    each = "; ".join(f"{a.name} ({len(a.at)}{'' if common else ', ' + a.tokens()}): "
+                     f"{a.parts(batch_size, samples_per_class)}" for a in archs)
+    return (f"{n} checkpoint(s) to do{partly} in {len(archs)} architectures{common}; ~{_duration(total)} in all. "
+            f"Per checkpoint, timed on the first of each architecture: {each}; {where}")

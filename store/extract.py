@@ -24,7 +24,8 @@ from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_
                                     differences, held_out_line, open_data, refusal, resolve, val_data)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
-from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
+from ncanalyze.store.estimate import (START, Arch, announcement, architecture, check_memory, checkpoint_architecture,
+                                      per_architecture, progress, state_bytes, timed_arch)
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout
 from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_model, n_layers
 from ncanalyze.store.lock import checkpoint_lock
@@ -35,8 +36,8 @@ from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExtractResult", "announcer", "check_settings", "extract", "extract_checkpoint", "extract_sharded",
-           "finish_sharded", "todo",
+__all__ = ["ExtractResult", "announcer", "announcer_over", "check_settings", "extract", "extract_checkpoint",
+           "extract_sharded", "finish_sharded", "todo",
            "ExtractConfig", "config_hash", "config_record", "resolve", "val_data"]  # config.py's, for existing callers
 
 
@@ -232,47 +233,71 @@ def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart:
     return "resumed"
 
 
-def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False) -> Callable[..., None]:
-    """The estimate, logged once, at the first checkpoint that does work.
+def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False,
+              local: bool = False) -> Callable[..., None]:
+    """The estimate, logged once, at the first checkpoint that does work: each architecture among ``todo`` is timed
+    once, on its first checkpoint (the one at hand; the others loaded for it), and one line gives the total.
 
     Parameters
     ----------
     todo
-        The checkpoints to do.
+        The checkpoints to do (those of every PATH of a command: :func:`announcer_over`).
     cfg, store
         The configuration and the store.
     restart
         Resume states are to be discarded (else what they hold is left out of the estimate).
+    local
+        ``todo`` are local folders, whose configs tell their architectures (Hub revisions: all the first's).
 
     Returns
     -------
     callable
-        ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`: it times the checkpoint's passes
-        (:func:`~ncanalyze.store.estimate.measure_costs`, only where the data's length is known) and logs the
-        estimate for ``todo``.
+        ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`.
     """
     announced = False
     where = StoreLayout(store)
+
+    def time_first(ckpt: Checkpoint) -> Arch | None:  # another architecture's first checkpoint, loaded to be timed
+        try:
+            other = _load(ckpt, cfg, run := resolve(ckpt, cfg))
+            return timed_arch(other.model, other.seconds, *_data(store, cfg, run, other.tokenizer), run.plan, cfg,
+                              where.partial)
+        except CheckpointError:
+            return None
 
     def announce(model, loaded: float, train: Blocks, val: Blocks | None, plan: layers.Plan) -> None:
         nonlocal announced
         if announced:
             return
         announced = True
-        device = next(model.parameters()).device
-        vocab, d = model.get_output_embeddings().weight.shape
-        known = train.total is not None and (val is None or val.total is not None)
-        costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count,
-                              cfg.seed, where.partial) if known else None
-        at = [START if restart else progress(where.checkpoint(c).state) for c in todo]
-        per_layer, shared = state_bytes(vocab, d, cfg.samples_per_class, device)
-        k = plan.widest_pass
-        log.info("estimate: %s; state ~%s MB on %s (%d layer(s))",
-                 estimate(at, costs, train, val, cfg.batch_size, vocab, d, cfg.samples_per_class, store,
-                          [len(p) for p in plan.passes], embeddings=plan.save_embeddings,
-                          embeddings_dtype=plan.embeddings_dtype), f"{(k * per_layer + shared) / 1e6:,.0f}", device, k)
+        archs = per_architecture(todo, architecture(model.config, cfg.dtype, cfg.block_size),
+                                 lambda c: checkpoint_architecture(c, cfg) if local else None,
+                                 timed_arch(model, loaded, train, val, plan, cfg, where.partial), time_first,
+                                 lambda c: START if restart else progress(where.checkpoint(c).state))
+        log.info("estimate: %s", announcement(archs, cfg, store, next(model.parameters()).device))
 
     return announce
+
+
+def announcer_over(paths: list, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+                   restart: bool = False) -> Callable[..., None]:
+    """:func:`announcer` over the checkpoints to do under every one of ``paths`` (a command's PATHS), for
+    :func:`extract`'s ``announce``: one estimate line, one total.
+
+    Parameters
+    ----------
+    paths
+        The PATHS (local).
+    store, cfg, overwrite, restart
+        As for :func:`extract`.
+
+    Returns
+    -------
+    callable
+        As :func:`announcer`'s.
+    """
+    ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
+    return announcer(todo(Path(store), ckpts, overwrite), cfg, Path(store), restart, local=True)
 
 
 def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
@@ -316,7 +341,7 @@ def todo(store: Path, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoi
 
 
 def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
-            restart: bool = False, shards: int = 1) -> ExtractResult:
+            restart: bool = False, shards: int = 1, announce: Callable[..., None] | None = None) -> ExtractResult:
     """Extract every checkpoint under ``path`` into ``store`` (each status logged as it goes).
 
     A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
@@ -333,6 +358,8 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     shards
         > 1: each checkpoint's train stream cut into that many parts, run one after another and merged exactly
         (:func:`extract_sharded`; the same computation a cluster runs in parallel).
+    announce
+        The estimate, where it spans more than ``path`` (:func:`announcer_over`); else one for ``path``.
 
     Returns
     -------
@@ -343,7 +370,7 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     store = Path(store)
     ckpts = tagged(discover(path), cfg.tag)
     check_settings(cfg, store, shards)
-    announce = announcer(todo(store, ckpts, overwrite), cfg, store, restart)
+    announce = announce or announcer(todo(store, ckpts, overwrite), cfg, store, restart, local=True)
     try:
         with DeferredInterrupt() as interrupt:
             for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
