@@ -58,7 +58,8 @@ def main() -> None:
     from distributed import Client, LocalCluster
 
     from ncanalyze.store.cluster import extract_on_cluster
-    from ncanalyze.store.extract import ExtractConfig, extract
+    from ncanalyze.store.config import ExtractConfig
+    from ncanalyze.store.extract import extract
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store import io, layers, shards as sh
-from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_status, config_hash, config_record,
-                                    differences, held_out_line, open_data, refusal, resolve, val_data)
+from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_status, config_hash, differences,
+                                    held_out_line, open_data, refusal, resolve)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
 from ncanalyze.store.estimate import (START, Arch, announcement, architecture, check_memory, checkpoint_architecture,
@@ -35,10 +35,6 @@ from ncanalyze.store.resume import DeferredInterrupt, Phase, Saver, drop_state, 
 from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
-
-__all__ = ["ExtractResult", "announcer", "announcer_over", "check_settings", "extract", "extract_checkpoint",
-           "extract_sharded", "finish_sharded", "todo",
-           "ExtractConfig", "config_hash", "config_record", "resolve", "val_data"]  # config.py's, for existing callers
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_names_are_defined_once():
 
 
 def test_every_extraction_setting_says_whether_it_is_hashed():
-    from ncanalyze.store.extract import ExtractConfig
+    from ncanalyze.store.config import ExtractConfig
 
     for f in dataclasses.fields(ExtractConfig):
         assert isinstance(f.metadata.get("hashed"), bool), f"ExtractConfig.{f.name} must declare hashed=True/False"
@@ -99,7 +99,7 @@ def test_a_default_configuration_hashes_as_before(trained_run):
     import torch
 
     from ncanalyze.store.discover import discover
-    from ncanalyze.store.extract import ExtractConfig, config_record
+    from ncanalyze.store.config import ExtractConfig, config_record
 
     ckpt = discover(trained_run)[0]
     record = config_record(ckpt, ExtractConfig(dataset="d.txt"), torch.device("cpu"), 32, "v.txt", "validation")

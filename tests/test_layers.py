@@ -197,7 +197,7 @@ def test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical(tr
 
 def test_config_hash_of_a_default_run_is_unchanged(trained_run):
     from ncanalyze.store.discover import discover
-    from ncanalyze.store.extract import ExtractConfig, config_record
+    from ncanalyze.store.config import ExtractConfig, config_record
     from ncanalyze.store.layers import plan, record_layers
 
     ck = discover(trained_run / CK)[0]

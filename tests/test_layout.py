@@ -196,7 +196,8 @@ def test_one_result_type():
 
 def test_extract_returns_the_result(trained_run, corpus, extracted_store, tmp_path):
     """The library's extract() returns the same result the command prints: a re-run over a finished store skips all."""
-    from ncanalyze.store.extract import ExtractConfig, extract
+    from ncanalyze.store.config import ExtractConfig
+    from ncanalyze.store.extract import extract
 
     groups = sorted(g for g in ncanalyze.store.open(extracted_store).groups if g.count("/") == 2)
     cfg = ExtractConfig(dataset=str(corpus["train"]), max_train_tokens=8192, max_val_tokens=4096, batch_size=8,

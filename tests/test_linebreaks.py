@@ -8,7 +8,7 @@ from conftest import lone_model, run_cli
 from transformers import AutoTokenizer
 
 import ncanalyze.store
-from ncanalyze.store.extract import ExtractConfig, config_hash, config_record
+from ncanalyze.store.config import ExtractConfig, config_hash, config_record
 
 BLOCK = 32
 
