@@ -258,8 +258,7 @@ def resolved_commit(repo: str, revision: str) -> str | None:
     str or None
         The commit's hash.
     """
-    import httpx
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import HfApi, constants, errors
     from huggingface_hub.file_download import repo_folder_name
 
     if COMMIT.match(revision):
@@ -267,7 +266,8 @@ def resolved_commit(repo: str, revision: str) -> str | None:
     if not constants.HF_HUB_OFFLINE:
         try:
             return HfApi().model_info(repo, revision=revision).sha
-        except (*hub_errors(), OSError, httpx.HTTPError) as e:  # no network: the cache's ref, else unknown
+        except (*hub_errors(), OSError, getattr(errors, "HTTPError", OSError)) as e:  # no network (the client's
+            # transport error): the cache's ref, else unknown
             log.debug("%s@%s: the Hub did not answer (%s)", repo, revision, e)
     ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "refs" / revision
     return ref.read_text().strip() if ref.is_file() else None
