@@ -159,6 +159,14 @@ def test_ctrl_c_under_shards_stops_at_a_batch_boundary(trained_run, corpus, tmp_
     assert "interrupted:" in out and "run the same command" in out, out
     assert time.monotonic() - sent < 20  # at its next batch, not after every checkpoint
     done = sorted(ncanalyze.store.open(store)[trained_run.name].children)
-    assert 1 <= len(done) < 4, done
+    assert 1 <= len(done) < 3, done  # of checkpoint-20, -40, -60
     r = subprocess.run(CLI + ["extract"] + [str(a) for a in args], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"{len(done)} already in" in r.stdout, r.stdout + r.stderr
+
+
+def test_empty_layers_is_named(trained_run, corpus, tmp_path):
+    for spec in ("", ","):
+        r = cli("extract", trained_run, "--layers", spec, *data_args(corpus, tmp_path / "s.zarr"), cache=tmp_path,
+                home=tmp_path / "home")
+        assert r.returncode != 0 and "names no layer" in r.stderr and "outside" not in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "s.zarr").exists()
