@@ -3,11 +3,16 @@ laid out on disk in huggingface_hub's format (test_hub.add_revision), the CLI in
 no network: HF_ENDPOINT on a closed local port), a blob removed under its symlink, and a real SIGINT."""
 from __future__ import annotations
 
+import http.server
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
@@ -170,3 +175,57 @@ def test_empty_layers_is_named(trained_run, corpus, tmp_path):
                 home=tmp_path / "home")
         assert r.returncode != 0 and "names no layer" in r.stderr and "outside" not in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "s.zarr").exists()
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """The two Hub API answers snapshot_download and model_info need, from a cache's own snapshots: a revision's
+    commit (``refs`` served as the Hub's branches) and its file tree."""
+    root: Path
+    refs: dict[str, str]
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        path = urllib.parse.urlparse(self.path).path
+        m = re.match(r"^/api/models/[^/]+/[^/]+/(revision|tree)/(.+?)(/)?$", path)
+        rev = urllib.parse.unquote(m[2]) if m else ""
+        commit = self.refs.get(rev, rev)
+        snap = self.root / "snapshots" / commit
+        if not m or not snap.is_dir():
+            self.send_response(404), self.send_header("X-Error-Code", "RevisionNotFound"), self.end_headers()
+            return
+        files = [{"type": "file", "path": p.name, "size": p.stat().st_size, "oid": p.resolve().name}
+                 for p in sorted(snap.iterdir())]
+        body = files if m[1] == "tree" else {"id": REPO, "modelId": REPO, "sha": commit, "private": False,
+                                            "siblings": [{"rfilename": f["path"]} for f in files]}
+        data = json.dumps(body).encode()
+        self.send_response(200), self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))), self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_delete_downloads_keeps_a_snapshot_cached_under_another_ref(trained_run, corpus, tmp_path):
+    """A new ref (v1) resolving to the commit main has in the cache: the snapshot was not this run's download, so
+    --delete-downloads leaves it, with main's ref."""
+    cache, store = tmp_path / "hub", tmp_path / "s.zarr"
+    snap = add_revision(cache, REPO, "main", files(trained_run, 20))
+    root = cache / "models--test-org--neo-2x32"
+    handler = type("Hub", (_Hub,), {"root": root, "refs": {"main": snap.name, "v1": snap.name}})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    before = tree(cache)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env |= {"HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home"), "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"}
+    try:
+        r = subprocess.run(CLI + ["extract", REPO, "--revision", "v1", "--delete-downloads",
+                                  *map(str, data_args(corpus, store))], env=env, capture_output=True, text=True,
+                           timeout=600)
+    finally:
+        server.shutdown()
+    assert r.returncode == 0 and "1 extracted" in r.stdout, r.stdout + r.stderr
+    assert "deleted" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert set(before) <= set(tree(cache)) and (root / "refs" / "main").read_text() == snap.name
+    assert (snap / "model.safetensors").read_bytes() == (trained_run / "checkpoint-20" / "model.safetensors").read_bytes()
+    assert ncanalyze.store.open(store)["neo-2x32/v1"].to_dataset().attrs["hub_commit"] == snap.name
