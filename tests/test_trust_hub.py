@@ -142,7 +142,8 @@ def test_deleting_a_snapshot_that_is_gone_says_nothing_was_deleted(trained_run, 
     keep = add_revision(cache, REPO, "step40", files(trained_run, 40))
     assert Snapshot(REPO, "step20", snap, downloaded=True).delete() is True and not snap.exists()
     assert Snapshot(REPO, "step20", snap, downloaded=True).delete() is False
-    assert (keep / "model.safetensors").read_bytes() == (trained_run / "checkpoint-40" / "model.safetensors").read_bytes()
+    weights = trained_run / "checkpoint-40" / "model.safetensors"
+    assert (keep / "model.safetensors").read_bytes() == weights.read_bytes()
 
 
 def test_ctrl_c_under_shards_stops_at_a_batch_boundary(trained_run, corpus, tmp_path):
@@ -167,6 +168,16 @@ def test_ctrl_c_under_shards_stops_at_a_batch_boundary(trained_run, corpus, tmp_
     assert 1 <= len(done) < 3, done  # of checkpoint-20, -40, -60
     r = subprocess.run(CLI + ["extract"] + [str(a) for a in args], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"{len(done)} already in" in r.stdout, r.stdout + r.stderr
+
+
+def test_an_empty_snapshot_is_not_called_pickle_only(trained_run, corpus, tmp_path):
+    cache = tmp_path / "hub"
+    add_revision(cache, REPO, "step20", {f: trained_run / f for f in TOKENIZER}
+                 | {"config.json": trained_run / "checkpoint-20" / "config.json"})
+    r = cli("extract", REPO, "--revision", "step20", *data_args(corpus, tmp_path / "s.zarr"), cache=cache,
+            home=tmp_path / "home")
+    assert r.returncode == 1 and "holds no weights (no .safetensors, no .bin)" in r.stderr, r.stderr
+    assert "pickle" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_empty_layers_is_named(trained_run, corpus, tmp_path):
@@ -227,5 +238,6 @@ def test_delete_downloads_keeps_a_snapshot_cached_under_another_ref(trained_run,
     assert r.returncode == 0 and "1 extracted" in r.stdout, r.stdout + r.stderr
     assert "deleted" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert set(before) <= set(tree(cache)) and (root / "refs" / "main").read_text() == snap.name
-    assert (snap / "model.safetensors").read_bytes() == (trained_run / "checkpoint-20" / "model.safetensors").read_bytes()
+    weights = trained_run / "checkpoint-20" / "model.safetensors"
+    assert (snap / "model.safetensors").read_bytes() == weights.read_bytes()
     assert ncanalyze.store.open(store)["neo-2x32/v1"].to_dataset().attrs["hub_commit"] == snap.name
