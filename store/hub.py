@@ -4,8 +4,10 @@ Each revision is resolved to a local snapshot folder with ``huggingface_hub.snap
 ``HF_HOME``/``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and tokens work as usual) and then extracted as a local model
 folder: one checkpoint at ``<NAME>/<revision>``, ``global_step`` from the number in the revision's name, the
 tokenizer from the same repository and revision. Revisions are done one at a time; with ``delete_downloads`` a
-snapshot this run downloaded is removed after its extraction (never one that was cached before). A revision that
-cannot be had is named in one line and the others go on.
+snapshot this run downloaded is removed after its extraction (never one whose commit was cached before, under any
+ref). A revision that cannot be had (or whose cached snapshot lacks a blob) is named in one line and the others go on;
+revisions that would share a group are refused before any is fetched; a revision the store holds is skipped from its
+record when the Hub cannot be reached. Revision names are parsed and checked in revisions.py.
 """
 from __future__ import annotations
 
