@@ -107,6 +107,8 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
     from ncanalyze.store.extract import announcer_over, extract as extract_local
     from ncanalyze.store.hub import extract_hub, is_hub_id, parse_revisions
 
+    if not options["layers"].strip(" ,"):
+        raise click.UsageError(f"--layers {options['layers']!r} names no layer: pass last, all, or indices like 0,-1")
     store = store or default_store()
     cfg = ExtractConfig(**options)
     hub = [p for p in paths if is_hub_id(p)]

@@ -383,7 +383,7 @@ def _one(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool, res
     """One checkpoint's status; a CheckpointError is its status ('failed: why') when it is one of several."""
     try:
         if shards > 1:
-            return extract_sharded(ckpt, store, cfg, shards, overwrite, restart)
+            return extract_sharded(ckpt, store, cfg, shards, overwrite, restart, interrupt)
         return extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce, interrupt)
     except CheckpointError as e:
         if n == 1:
@@ -392,7 +392,7 @@ def _one(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool, res
 
 
 def finish_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
-                   overwrite: bool = False) -> str:
+                   overwrite: bool = False, interrupt: DeferredInterrupt | None = None) -> str:
     """The merged train state saved as the checkpoint's resume state (:func:`~ncanalyze.store.shards.save_merged`),
     then :func:`extract_checkpoint` resumes from it: the validation pass and the write.
 
@@ -402,7 +402,7 @@ def finish_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: di
         The checkpoint, the store and the configuration.
     merged
         The shards' states, merged.
-    overwrite
+    overwrite, interrupt
         As for :func:`extract_checkpoint`.
 
     Returns
@@ -414,12 +414,12 @@ def finish_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: di
     saved = sh.save_merged(ckpt, store, cfg, merged, overwrite)
     if saved is Status.SKIP:
         return "skipped"
-    status = extract_checkpoint(ckpt, store, cfg, overwrite, restart=False)
+    status = extract_checkpoint(ckpt, store, cfg, overwrite, restart=False, interrupt=interrupt)
     return "done" if status == "resumed" and saved is Status.FRESH else status
 
 
 def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
-                    restart: bool = False) -> str:
+                    restart: bool = False, interrupt: DeferredInterrupt | None = None) -> str:
     """The sharded extraction of one checkpoint in this process: the shards one after another, the same merge tree
     as on a cluster, then the validation pass.
 
@@ -429,8 +429,9 @@ def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: i
         The checkpoint, the store and the configuration.
     shards
         How many parts to cut the train stream into.
-    overwrite, restart
-        As for :func:`extract_checkpoint`.
+    overwrite, restart, interrupt
+        As for :func:`extract_checkpoint`; a Ctrl-C stops a shard at its next batch boundary (its work is not
+        kept), the validation pass with its state saved.
 
     Returns
     -------
@@ -441,9 +442,9 @@ def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: i
     if parts == "skipped":
         return "skipped"
     if parts == sh.WHOLE:
-        return extract_checkpoint(ckpt, store, cfg, overwrite, restart=False)
-    states = [sh.train_shard(ckpt, cfg, a, b) for a, b in parts]
+        return extract_checkpoint(ckpt, store, cfg, overwrite, restart=False, interrupt=interrupt)
+    states = [sh.train_shard(ckpt, cfg, a, b, interrupt) for a, b in parts]
     for level in sh.merge_order(len(states)):
         states = [states[i] if j < 0 else sh.merge_states(states[i], states[j], cfg.samples_per_class, cfg.seed)
                   for i, j in level]
-    return finish_sharded(ckpt, store, cfg, states[0], overwrite)
+    return finish_sharded(ckpt, store, cfg, states[0], overwrite, interrupt)

@@ -4,8 +4,10 @@ Each revision is resolved to a local snapshot folder with ``huggingface_hub.snap
 ``HF_HOME``/``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and tokens work as usual) and then extracted as a local model
 folder: one checkpoint at ``<NAME>/<revision>``, ``global_step`` from the number in the revision's name, the
 tokenizer from the same repository and revision. Revisions are done one at a time; with ``delete_downloads`` a
-snapshot this run downloaded is removed after its extraction (never one that was cached before). A revision that
-cannot be had is named in one line and the others go on.
+snapshot this run downloaded is removed after its extraction (never one whose commit was cached before, under any
+ref). A revision that cannot be had (or whose cached snapshot lacks a blob) is named in one line and the others go on;
+revisions that would share a group are refused before any is fetched; a revision the store holds is skipped from its
+record when the Hub cannot be reached. Revision names are parsed and checked in revisions.py.
 """
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ from ncanalyze.store.extract import ExtractResult, announcer, check_settings, ex
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.load import quiet_loading, resolve_device
 from ncanalyze.store.resume import DeferredInterrupt, prune
+from ncanalyze.store.revisions import (COMMIT, MAX_REVISIONS, check_revision, parse_revisions,  # noqa: F401
+                                       step_of)
 
 log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_RANGE = re.compile(r"^(?P<prefix>\D*?)(?P<start>\d+):(?P=prefix)?(?P<stop>\d+)(?::(?P<step>\d+))?$")
 # what a snapshot needs: config, safetensors weights (and their index), tokenizer files
 SAFE_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 PICKLE_PATTERNS = ["*.bin"]
@@ -52,64 +54,31 @@ def is_hub_id(path: str) -> bool:
     return not Path(path).exists() and not looks_local(path) and bool(_HUB_ID.match(path))
 
 
-def parse_revisions(revisions: tuple[str, ...] | list[str], compact: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """Every revision asked for, in order, without repeats: ``--revision REV`` as given; ``--revisions`` as
-    ``PREFIXstart:stop:step`` (inclusive, the prefix kept: ``step1000:3000:1000`` -> step1000, step2000, step3000) or
-    ``@FILE`` (one revision per line; blank lines and ``#`` comments skipped).
+def check_groups(repo: str, revisions: list[str], groups: dict[str, str], store: Path) -> None:
+    """Refuse revisions that would share one group (``feature/x`` and ``feature-x``), among themselves or with a
+    group in the store holding another revision or repository; never by replacing the other.
 
     Parameters
     ----------
-    revisions
-        ``--revision`` values.
-    compact
-        ``--revisions`` values.
-
-    Returns
-    -------
-    list of str
-        The revisions (``main`` when none).
+    repo, revisions
+        The Hub model id and the revisions asked for.
+    groups
+        Each revision's group.
+    store
+        The store.
     """
-    out = list(revisions)
-    for spec in compact:
-        if spec.startswith("@"):
-            try:
-                lines = Path(spec[1:]).read_text().splitlines()
-            except OSError as e:
-                raise UserError(f"--revisions {spec}: cannot read {spec[1:]} ({e.strerror}); pass a file with one "
-                                "revision per line") from None
-            out += [s.split("#", 1)[0].strip() for s in lines if s.split("#", 1)[0].strip()]
-            continue
-        m = _RANGE.match(spec)
-        if not m:
-            raise UserError(f"--revisions {spec!r} is not START:STOP:STEP (e.g. step1000:143000:1000) or @FILE")
-        start, stop, step = int(m["start"]), int(m["stop"]), int(m["step"] or 1)
-        if step < 1 or stop < start:
-            raise UserError(f"--revisions {spec!r}: need STOP >= START and STEP >= 1")
-        out += [f"{m['prefix']}{n}" for n in range(start, stop + 1, step)]
-    return list(dict.fromkeys(out)) or ["main"]
-
-
-def step_of(revision: str) -> int | None:
-    """The training step a revision's name holds: the number after 'step' (``step1000``, ``step1000-tokens4B``),
-    else its only number (``checkpoint-500``, ``iter_0002000``); None for names without one and commit hashes.
-
-    Parameters
-    ----------
-    revision
-        A revision's name.
-
-    Returns
-    -------
-    int or None
-        The step.
-    """
-    if _COMMIT.match(revision):
-        return None
-    m = re.search(r"step[-_]?(\d+)", revision, re.IGNORECASE)
-    if m:
-        return int(m.group(1))
-    numbers = re.findall(r"\d+", revision)
-    return int(numbers[0]) if len(numbers) == 1 else None
+    seen: dict[str, str] = {}
+    for rev in revisions:
+        other = seen.setdefault(groups[rev], rev)
+        if other != rev:
+            raise UserError(f"revisions {other!r} and {rev!r} would both be stored as {groups[rev]} ('/' becomes "
+                            "'-'): extract one of them in another run with --tag NAME")
+        attrs = io.group_attrs(store, groups[rev], corrupt_ok=True) or {}
+        had = (attrs.get("hub_repo"), attrs.get("hub_revision"))
+        if had[1] is not None and had != (repo, rev):
+            raise UserError(f"{repo}@{rev} would be stored as {groups[rev]}, which holds {had[0]}@{had[1]} in "
+                            f"{store}: extract it with --tag NAME to keep both (or remove the other with "
+                            "ncanalyze rm)")
 
 
 @dataclass
@@ -146,16 +115,33 @@ class Snapshot:
         return {"hub_repo": self.repo, "hub_revision": self.revision, "hub_commit": self.commit,
                 "source": f"hf://{self.repo}@{self.commit}", **({"global_step": step} if step is not None else {})}
 
-    def delete(self) -> None:
-        """Remove this snapshot from the cache (blobs that other revisions share stay)."""
+    def delete(self) -> bool:
+        """Remove this snapshot from the cache (blobs that other revisions share stay); whether it was there."""
         from huggingface_hub import scan_cache_dir
 
+        if not self.path.is_dir():
+            return False
         cache = self.path.parents[2]  # <cache>/models--ORG--NAME/snapshots/<commit>
         scan_cache_dir(cache).delete_revisions(self.commit).execute()
+        return not self.path.exists()
 
 
 def _has_safetensors(p: Path) -> bool:
     return any(p.glob("*.safetensors"))
+
+
+def _cached(repo: str) -> set[str]:
+    """The commits whose snapshot folders are in the cache now."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    snaps = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots"
+    return {p.name for p in snaps.iterdir()} if snaps.is_dir() else set()
+
+
+def _dangling(path: Path) -> list[str]:
+    """The snapshot's files whose blob is missing (an interrupted download, a blob deleted by hand)."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_symlink() and not p.exists())
 
 
 def fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
@@ -185,19 +171,26 @@ def _fetch(repo: str, revision: str, allow_pickle: bool = False) -> Snapshot:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     patterns = SAFE_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    before = _cached(repo)  # a snapshot cached before (under any ref) is never this run's download
     try:
-        path, downloaded = Path(snapshot_download(repo, revision=revision, allow_patterns=SAFE_PATTERNS,
-                                                  local_files_only=True)), False
+        path = Path(snapshot_download(repo, revision=revision, allow_patterns=SAFE_PATTERNS, local_files_only=True))
     except LocalEntryNotFoundError:  # not cached (offline, this raises again below, naming HF_HUB_OFFLINE)
-        path, downloaded = Path(snapshot_download(repo, revision=revision, allow_patterns=SAFE_PATTERNS)), True
-    if not _has_safetensors(path) and not constants.HF_HUB_OFFLINE:
-        if allow_pickle or not any(path.glob("*.bin")):  # a partial cache, or a pickle-only revision allowed
+        path = Path(snapshot_download(repo, revision=revision, allow_patterns=SAFE_PATTERNS))
+    online = not constants.HF_HUB_OFFLINE
+    if online and (_dangling(path) or not _has_safetensors(path)):
+        if _dangling(path) or allow_pickle or not any(path.glob("*.bin")):  # a partial cache, or pickle allowed
             path = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
+    snap = Snapshot(repo, revision, path, downloaded=path.name not in before)
+    if _dangling(path):
+        raise UserError(f"its cached snapshot {path} lacks the file(s) {', '.join(_dangling(path))} (a blob missing "
+                        "after an interrupted download): fetch it again online, or delete that snapshot folder")
     if not _has_safetensors(path) and not (allow_pickle and any(path.glob("*.bin"))):
-        raise UserError("no .safetensors weights"
-                        + ("" if allow_pickle else "; if it ships only pickle weights (pytorch_model.bin) and you "
-                           "trust them, pass --allow-pickle"))
-    return Snapshot(repo, revision, path, downloaded)
+        if not any(path.glob("*.bin")):
+            raise UserError(f"its snapshot {path} holds no weights (no .safetensors, no .bin): not a model "
+                            "repository at this revision, or an incomplete download; check the repository's files")
+        raise UserError("no .safetensors weights, only pickle weights (.bin)"
+                        + ("" if allow_pickle else "; if you trust them, pass --allow-pickle"))
+    return snap
 
 
 def hub_errors() -> tuple[type[Exception], ...]:
@@ -267,16 +260,17 @@ def resolved_commit(repo: str, revision: str) -> str | None:
     str or None
         The commit's hash.
     """
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import HfApi, constants, errors
     from huggingface_hub.file_download import repo_folder_name
 
-    if _COMMIT.match(revision):
+    if COMMIT.match(revision):
         return revision
     if not constants.HF_HUB_OFFLINE:
         try:
             return HfApi().model_info(repo, revision=revision).sha
-        except hub_errors():
-            pass
+        except (*hub_errors(), OSError, getattr(errors, "HTTPError", OSError)) as e:  # no network (the client's
+            # transport error): the cache's ref, else unknown
+            log.debug("%s@%s: the Hub did not answer (%s)", repo, revision, e)
     ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "refs" / revision
     return ref.read_text().strip() if ref.is_file() else None
 
@@ -338,7 +332,9 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg: Extract
     store = Path(store)
     check_settings(cfg, store)
     name = repo.split("/")[-1]
-    ckpts = {r: tagged([Snapshot(repo, r, Path("."), False).checkpoint(name)], cfg.tag)[0] for r in revisions}
+    ckpts = {r: tagged([Snapshot(repo, check_revision(r), Path("."), False).checkpoint(name)], cfg.tag)[0]
+             for r in revisions}
+    check_groups(repo, revisions, {r: c.group for r, c in ckpts.items()}, store)
     announce = announcer(todo(store, list(ckpts.values()), overwrite), cfg, store, restart)
     try:
         with DeferredInterrupt() as interrupt:
@@ -382,5 +378,8 @@ def _revision(repo: str, rev: str, name: str, store: Path, cfg: ExtractConfig, o
         return None
     finally:
         if delete_downloads and snap.downloaded:
-            snap.delete()
-            log.info("%s@%s: deleted its downloaded snapshot %s", repo, rev, snap.path)
+            if snap.delete():
+                log.info("%s@%s: deleted its downloaded snapshot %s", repo, rev, snap.path)
+            else:
+                log.warning("%s@%s: its downloaded snapshot %s was gone already; nothing deleted", repo, rev,
+                            snap.path)

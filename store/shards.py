@@ -32,7 +32,8 @@ from ncanalyze.store.load import find_tokenizer, load_model
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.passes import train_pass
 from ncanalyze.store.reservoir import Reservoir
-from ncanalyze.store.resume import Phase, Saver, drop_state, flatten, save_state, unflatten
+from ncanalyze.store.resume import (DeferredInterrupt, Interrupted, Phase, Saver, drop_state, flatten, save_state,
+                                    unflatten)
 from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,25 @@ def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwri
     return ranges(n_batches, shards)
 
 
-def train_shard(ckpt: Checkpoint, cfg: ExtractConfig, start: int, stop: int) -> dict[str, np.ndarray]:
-    """The train pass over batches [start, stop) of the stream: statistics and reservoir state, on the CPU."""
+class _ShardSaver(Saver):
+    """A shard keeps no state: nothing is saved; a pending Ctrl-C (``interrupt``) stops it at a batch boundary."""
+
+    def __init__(self, interrupt: DeferredInterrupt | None, group: str):
+        super().__init__(Path("unused"), dict, every=float("inf"))
+        self.pending, self.group = interrupt, group
+
+    def maybe(self, force: bool = False) -> None:
+        if self.pending is not None and self.pending.pending:
+            self.pending.pending = False
+            raise Interrupted(f"interrupted: {self.group} was in its train shards, which keep no state (it starts "
+                              "again); the checkpoints finished before it are in the store; run the same command to "
+                              "go on")
+
+
+def train_shard(ckpt: Checkpoint, cfg: ExtractConfig, start: int, stop: int,
+                interrupt: DeferredInterrupt | None = None) -> dict[str, np.ndarray]:
+    """The train pass over batches [start, stop) of the stream: statistics and reservoir state, on the CPU; a
+    pending Ctrl-C in ``interrupt`` (this process's) stops it at its next batch boundary (:class:`Interrupted`)."""
     device, blocks = _train_blocks(ckpt, cfg)
     model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
     vocab, dim = model.get_output_embeddings().weight.shape
@@ -108,8 +126,7 @@ def train_shard(ckpt: Checkpoint, cfg: ExtractConfig, start: int, stop: int) -> 
     blocks = dataclasses.replace(blocks, max_blocks=cap if blocks.max_blocks is None else min(blocks.max_blocks, cap))
     ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
-    never = Saver(Path("unused"), dict, every=float("inf"))
-    train_pass(model, blocks, ex, cfg.batch_size, never, f"{ckpt.group} [{start}:{stop}]")
+    train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group), f"{ckpt.group} [{start}:{stop}]")
     return _arrays(ex.main().stats, ex.main().reservoir)
 
 

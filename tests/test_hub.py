@@ -37,7 +37,7 @@ def add_revision(cache: Path, repo: str, revision: str, files: dict[str, Path]) 
         blob = root / "blobs" / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
         (snap / name).symlink_to(os.path.relpath(blob, snap))
-    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / revision).parent.mkdir(parents=True, exist_ok=True)  # a branch like feature/x nests
     (root / "refs" / revision).write_text(commit)
     return snap
 
