@@ -1,0 +1,65 @@
+"""The frontier's extraction side (issue 24): a pass below the last layer runs the model only up to its deepest
+layer, bit for bit the hidden states ``output_hidden_states`` gives, on a real Trainer checkpoint (GPT-Neo) and on
+random-initialised Llama, GPT-NeoX and OPT shapes; ``--layers-per-pass auto`` groups the layers so each pass's
+float64 state fits ``--state-memory``, equal to one pass bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, OPTConfig
+
+from ncanalyze.store.layers import plan
+from ncanalyze.store.passes import blocks_of, hidden_forward
+
+CK = "checkpoint-40"
+
+
+def ran(model) -> tuple[list[int], list[str]]:
+    """Hooks that record the blocks that run (their index) and whether the final norm or the head runs."""
+    blocks, other = [], []
+    for j, b in enumerate(blocks_of(model)):
+        b.register_forward_hook(lambda m, a, o, j=j: blocks.append(j))
+    model.get_output_embeddings().register_forward_hook(lambda m, a, o: other.append("head"))
+    return blocks, other
+
+
+def check_cut(model, n: int, ids: torch.Tensor) -> None:
+    """Every plan of layers below the last: bit for bit ``hidden_states``, and the blocks up to the deepest alone."""
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states
+    for layers in [(0,), (1,), (0, 1), (1, n - 1), tuple(range(n))]:
+        h = hidden_forward(model, layers, n)(ids)
+        for i, l in enumerate(layers):
+            np.testing.assert_array_equal(h[i].numpy(), want[l][:, :-1].numpy(), err_msg=f"layers {layers}")
+    blocks, other = ran(model)
+    for layers in [(0,), (1,), (0, n - 1), (n - 1,)]:
+        f = hidden_forward(model, layers, n)
+        f(ids)  # checked against the whole forward on its first call
+        blocks.clear(), other.clear()
+        f(ids)
+        assert blocks == list(range(layers[-1])) and other == [], (layers, blocks, other)
+    blocks.clear()
+    hidden_forward(model, (n,), n)(ids)  # the last layer runs every block
+    assert blocks == list(range(n))
+
+
+def test_a_pass_below_the_last_layer_stops_at_its_deepest_block(trained_run):
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    ids = torch.arange(3 * 20).reshape(3, 20) * 7 % model.config.vocab_size
+    check_cut(model, 2, ids)
+
+
+@pytest.mark.parametrize("config", [
+    LlamaConfig(vocab_size=128_256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False),
+    GPTNeoXConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                  max_position_embeddings=64),
+    OPTConfig(vocab_size=512, hidden_size=16, ffn_dim=32, num_hidden_layers=4, num_attention_heads=2,
+              max_position_embeddings=64, word_embed_proj_dim=16),
+], ids=["llama-128k", "gpt-neox", "opt"])
+def test_the_cut_is_bit_identical_on_modern_architectures(config):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    check_cut(model, 4, ids)
