@@ -28,6 +28,7 @@ from ncanalyze.analyzer.accumulate import DecisionCounts
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.data import Blocks
+from ncanalyze.store.layers import Plan, auto_groups
 from ncanalyze.store.load import head
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.passes import check_ids, features
@@ -52,6 +53,73 @@ def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return int(psutil.virtual_memory().available)
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+         "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(size: str | None) -> int | None:
+    """The bytes of a ``--state-memory`` size.
+
+    Parameters
+    ----------
+    size
+        A number and a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), e.g. ``40GB``, ``512MiB``; None.
+
+    Returns
+    -------
+    int or None
+        The bytes (None for None).
+    """
+    if size is None:
+        return None
+    text = str(size).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in UNITS or not value > 0 or value * UNITS[unit] > 2**62:
+        raise UserError(f"--state-memory {size!r} is not a size: pass a number and a unit, like 40GB or 512MiB")
+    return int(value * UNITS[unit])
+
+
+def state_budget(device: torch.device, state_memory: int | None = None) -> int:
+    """The bytes ``--layers-per-pass auto`` lets a pass's state take: ``state_memory`` where given, else the free
+    memory of ``device`` (after the model is loaded) less a margin for the forward's activations and the
+    validation's logits: a tenth of it, at least 1 GiB."""
+    if state_memory is not None:
+        return int(state_memory)
+    free = available_bytes(device)
+    return max(0, free - max(free // 10, 1 << 30))
+
+
+def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: torch.device,
+             state_memory: int | None = None) -> Plan:
+    """``plan`` with its passes fitted to the memory under ``--layers-per-pass auto`` (:func:`layers.auto_groups`
+    with :func:`state_bytes` and :func:`state_budget`); any other plan as it is.
+
+    Parameters
+    ----------
+    plan : the extraction's plan.
+    vocab, dim : the head's shape.
+    samples_per_class : the reservoir's samples per class.
+    device : where the state lives.
+    state_memory : ``--state-memory`` in bytes (None: the free memory less a margin).
+
+    Returns
+    -------
+    Plan : the plan to run.
+    """
+    if not plan.auto:
+        return plan
+    fitted = auto_groups(plan, *state_bytes(vocab, dim, samples_per_class, device), state_budget(device, state_memory))
+    if len(fitted.passes) > 1:
+        log.info("--layers-per-pass auto: %d passes of at most %d layers (%s)", len(fitted.passes),
+                 fitted.widest_pass, "; ".join(",".join(map(str, p)) for p in fitted.passes))
+    return fitted
 
 
 def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.device,

@@ -24,7 +24,8 @@ from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_
                                     differences, held_out_line, open_data, refusal, resolve, val_data)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
-from ncanalyze.store.estimate import START, check_memory, estimate, measure_costs, progress, state_bytes
+from ncanalyze.store.estimate import (START, check_memory, estimate, fit_plan, measure_costs, parse_size,
+                                      progress, state_bytes)
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout
 from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_model, n_layers
 from ncanalyze.store.lock import checkpoint_lock
@@ -84,6 +85,7 @@ class Loaded(NamedTuple):
     seconds: float                # the time the load took (for the estimate)
     classifier: torch.Tensor      # the output layer's weight (vocab x hidden) and bias
     bias: torch.Tensor | None
+    plan: layers.Plan             # the run's plan, its passes fitted to the memory under --layers-per-pass auto
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
@@ -122,6 +124,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         if _settle(ckpt, store, cfg, run.record, files, overwrite) is Status.SKIP:
             return "skipped"
         loaded = _load(ckpt, cfg, run)
+        run = run._replace(plan=loaded.plan)
         train, val = _data(store, cfg, run, loaded.tokenizer)
         if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
             announce(loaded.model, loaded.seconds, train, val, run.plan)
@@ -154,8 +157,9 @@ def _load(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Loaded:
     tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
-    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), run.plan.widest_pass, run.device)
-    return Loaded(model, tokenizer, tok_name, loaded, classifier, bias)
+    plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
+    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
+    return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
 
 
 def _data(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:

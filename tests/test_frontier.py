@@ -63,3 +63,51 @@ def test_the_cut_is_bit_identical_on_modern_architectures(config):
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(0, config.vocab_size, (2, 24))
     check_cut(model, 4, ids)
+
+
+def test_auto_groups_fit_the_budget_exactly_and_keep_the_deepest_layers_together():
+    from ncanalyze.analyzer import UserError
+    from ncanalyze.store.layers import auto_groups
+
+    nine = plan("all", "auto", 0, "float32", 8)
+    assert nine.auto and nine.passes == [tuple(range(9))]  # not fitted yet: one pass
+    per_layer, shared = 1000, 77
+    for k, want in [(9, [tuple(range(9))]), (4, [(0,), (1, 2, 3, 4), (5, 6, 7, 8)]), (3, [(0, 1, 2), (3, 4, 5),
+                    (6, 7, 8)]), (1, [(l,) for l in range(9)])]:
+        assert auto_groups(nine, per_layer, shared, shared + k * per_layer).passes == want  # k layers fit exactly
+        if k > 1:  # a byte less: one layer fewer per pass
+            assert auto_groups(nine, per_layer, shared, shared + k * per_layer - 1).widest_pass == k - 1
+    with pytest.raises(UserError, match="--state-memory"):
+        auto_groups(nine, per_layer, shared, shared + per_layer - 1)
+    fixed = plan("all", 4, 0, "float32", 8)  # an explicit integer keeps its meaning: from the first layer
+    assert auto_groups(fixed, 1, 0, 1) is fixed and fixed.passes == [(0, 1, 2, 3), (4, 5, 6, 7), (8,)]
+
+
+def test_state_memory_sizes():
+    from ncanalyze.analyzer import UserError
+    from ncanalyze.store.estimate import parse_size
+
+    assert parse_size("40GB") == 40 * 10**9 and parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5 GiB") == 3 * 2**29 and parse_size("100") == 100 and parse_size(None) is None
+    for bad in ("", "GB", "-1GB", "12 parsecs", "1e400GB", "0"):
+        with pytest.raises(UserError, match="--state-memory"):
+            parse_size(bad)
+
+
+def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run, corpus, tmp_path):
+    from conftest import EXTRACT_OPTS, assert_same_group, run_cli
+
+    from ncanalyze.store.estimate import state_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
+    vocab, dim = model.get_output_embeddings().weight.shape
+    per_layer, shared = state_bytes(vocab, dim, 4, torch.device("cpu"))
+    args = ["extract", trained_run / CK, "--dataset", corpus["train"], *EXTRACT_OPTS, "--layers", "all"]
+    one, auto = tmp_path / "one.zarr", tmp_path / "auto.zarr"
+    run_cli(*args, "--store", one, "--layers-per-pass", "auto")
+    r = run_cli(*args, "--store", auto, "--state-memory", str(shared + per_layer + 1))
+    assert "3 passes of at most 1 layers (0; 1; 2)" in r.output
+    for g in [f"neo-2x32/{CK}", f"neo-2x32/{CK}/layers/0", f"neo-2x32/{CK}/layers/1"]:
+        assert_same_group(one, auto, g)  # the attributes too: the same config record and hash
+    r = run_cli(*args, "--store", auto, "--state-memory", "100GB")  # another memory: the same configuration
+    assert "0 extracted, 0 resumed, 1 already in" in r.output
