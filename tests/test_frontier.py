@@ -4,6 +4,8 @@ random-initialised Llama, GPT-NeoX and OPT shapes; ``--layers-per-pass auto`` gr
 float64 state fits ``--state-memory``, equal to one pass bit for bit."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,27 @@ def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run
         assert_same_group(one, auto, g)  # the attributes too: the same config record and hash
     r = run_cli(*args, "--store", auto, "--state-memory", "100GB")  # another memory: the same configuration
     assert "0 extracted, 0 resumed, 1 already in" in r.output
+
+
+def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run, corpus, tmp_path):
+    """Killed in its second pass of three, then resumed where one pass would fit: the saved groups are kept (the
+    finished layer is not thrown away), and the result is one pass's bit for bit."""
+    from conftest import assert_same_group, kill_when, run_cli
+    from test_extract_reliability import _state
+
+    from ncanalyze.store.estimate import state_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
+    per_layer, shared = state_bytes(*model.get_output_embeddings().weight.shape, 8, torch.device("cpu"))
+    args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 4096,
+            "--max-val-tokens", 2048, "--batch-size", 1, "--state-every", 0, "--layers", "all"]
+    one, store = tmp_path / "one.zarr", tmp_path / "killed.zarr"
+    run_cli(*args, "--store", one)
+    state = _state(store) / "neo-2x32" / f"{CK}.npz"
+    kill_when([*args, "--store", store, "--state-memory", shared + per_layer + 1], state, at={"pass": 1, "phase": 0})
+    with np.load(state) as s:
+        assert json.loads(str(s["passes"])) == [[0], [1], [2]] and int(s["pass"]) == 1
+    r = run_cli(*args, "--store", store)
+    assert "1 resumed" in r.output
+    for g in [f"neo-2x32/{CK}", f"neo-2x32/{CK}/layers/0", f"neo-2x32/{CK}/layers/1"]:
+        assert_same_group(one, store, g)
