@@ -45,6 +45,7 @@ SLOW: dict[str, str | set[str]] = {
     "test_frontier.py": {"test_a_pass_below_the_last_layer_stops_at_its_deepest_block",
         "test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit",
         "test_auto_resumes_with_the_passes_it_saved_under_another_memory",
+        "test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass",
         "test_the_cut_is_bit_identical_on_modern_architectures"},
     "test_hub.py": {"test_a_missing_relative_path_that_is_no_hub_model_says_so",
         "test_a_pickle_only_revision_is_refused_unless_allowed",

@@ -137,3 +137,29 @@ def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run,
     assert "1 resumed" in r.output
     for g in [f"neo-2x32/{CK}", f"neo-2x32/{CK}/layers/0", f"neo-2x32/{CK}/layers/1"]:
         assert_same_group(one, store, g)
+
+
+def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp_path):
+    """A Llama-shaped model at V = 128,256 (width 16, 4 blocks), random-initialised from its config, ``--layers all``
+    under a ``--state-memory`` of two layers: three passes, every layer's group one pass's bit for bit."""
+    from conftest import assert_same_group, run_cli
+
+    from ncanalyze.store.estimate import state_bytes
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128_256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    rng = np.random.default_rng(0)
+    zipf = np.minimum(rng.zipf(1.2, (64, 33)), config.vocab_size) - 1  # hot classes and a long tail
+    np.save(tmp_path / "train.npy", zipf.astype(np.int64))
+    np.save(tmp_path / "val.npy", rng.integers(0, config.vocab_size, (8, 33)))
+    per_layer, shared = state_bytes(config.vocab_size, 16, 1, torch.device("cpu"))
+    args = ["extract", tmp_path / "llama", "--dataset", tmp_path / "train.npy", "--val-dataset", tmp_path / "val.npy",
+            "--layers", "all", "--samples-per-class", 1, "--batch-size", 16]
+    run_cli(*args, "--store", tmp_path / "one.zarr")
+    r = run_cli(*args, "--store", tmp_path / "auto.zarr", "--state-memory", shared + 2 * per_layer + 1)
+    assert "3 passes of at most 2 layers (0; 1,2; 3,4)" in r.output
+    for g in ["llama/final", *(f"llama/final/layers/{l}" for l in range(4))]:
+        assert_same_group(tmp_path / "one.zarr", tmp_path / "auto.zarr", g)
