@@ -309,11 +309,18 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     transform, loss, last = None, None, list(ex.layers).index(ex.plan.last) if ex.plan.last in ex.layers else None
     if last is not None:
         transform, loss = model_loss(model, blocks, classifier, bias, ex.main().lm, desc)
+    if loss:  # the last layer's decisions read the kept columns of the logits the loss forms: formed once
+        head = counts[last]
+        shares = head.w.device == classifier.device
+
+        def decide(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
+            head.count(hc, yc, logits[:, head.kept])
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
-        for c, hl in zip(counts, h):
-            c.update(hl, y)
+        for i, (c, hl) in enumerate(zip(counts, h)):
+            if not (loss and shares and i == last):
+                c.update(hl, y)
         if loss:
-            loss.update(h[last], y)
+            loss.update(h[last], y, decide if shares else None)
     return transform
 
 

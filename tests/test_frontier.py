@@ -163,3 +163,38 @@ def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp
     assert "3 passes of at most 2 layers (0; 1,2; 3,4)" in r.output
     for g in ["llama/final", *(f"llama/final/layers/{l}" for l in range(4))]:
         assert_same_group(tmp_path / "one.zarr", tmp_path / "auto.zarr", g)
+
+
+def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_run):
+    """The last layer's NC4 decisions read the kept columns of the float64 logits the loss forms: the counts equal
+    those of the decisions' own scores and of a numpy brute force, the loss is bit for bit the loss alone."""
+    from ncanalyze.analyzer.accumulate import DecisionCounts
+    from ncanalyze.store.load import head
+    from ncanalyze.store.loss import LogitTransform, NextTokenLoss
+    from ncanalyze.store.passes import features
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    W, b = head(model)
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, W.shape[0], (6, 32)))
+    h, y = features(model, ids).reshape(-1, W.shape[1]), ids[:, 1:].reshape(-1)
+    V = W.shape[0]
+    mean = torch.zeros(V, W.shape[1], dtype=torch.float64).index_add_(0, y, h.double())
+    count = torch.bincount(y, minlength=V)
+    mean[count > 0] /= count[count > 0, None]
+    kept = torch.nonzero(count > 0).squeeze(1)
+    own, shared = DecisionCounts(W, b, mean, kept), DecisionCounts(W, b, mean, kept)
+    alone, both = (NextTokenLoss(W, b, LogitTransform.of(model.config), budget=V * 50) for _ in range(2))
+    own.update(h, y)
+    alone.update(h, y)
+    both.update(h, y, lambda hc, yc, logits: shared.count(hc, yc, logits[:, shared.kept]))
+    for n in DecisionCounts.NAMES:
+        assert torch.equal(own.counts[n], shared.counts[n]), n
+    for n in NextTokenLoss.NAMES:
+        assert torch.equal(alone.state[n], both.state[n]), n
+    H, Wn, M = h.double().numpy(), W.double().numpy(), mean.numpy()
+    bn = np.zeros(V) if b is None else b.double().numpy()
+    k, yn = kept.numpy(), y.numpy()
+    linear = k[(H @ Wn[k].T + bn[k]).argmax(1)]
+    ncc = k[((H[:, None] - M[k][None]) ** 2).sum(-1).argmin(1)]
+    assert shared.counts["val_count"].sum() == len(yn) and int(shared.counts["val_correct"].sum()) == (linear == yn).sum()
+    np.testing.assert_array_equal(shared.counts["val_ncc_agree"].numpy(), np.bincount(yn[linear == ncc], minlength=V))
