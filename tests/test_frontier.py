@@ -199,3 +199,24 @@ def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_ru
     assert shared.counts["val_count"].sum() == len(yn)
     np.testing.assert_array_equal(shared.counts["val_correct"].numpy(), np.bincount(yn[linear == yn], minlength=V))
     np.testing.assert_array_equal(shared.counts["val_ncc_agree"].numpy(), np.bincount(yn[linear == ncc], minlength=V))
+
+
+def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_run, caplog):
+    """A steering hook that changes block 1's input inside the block call (so ``hidden_states[1]`` is not block 1's
+    input as it runs): the first batch's check finds the cut differs, and the pass runs the whole forward."""
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    blocks_of(model)[1].register_forward_pre_hook(lambda m, args: (args[0] * 2, *args[1:]))
+    ids = torch.arange(2 * 16).reshape(2, 16) % model.config.vocab_size
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states
+    blocks, other = ran(model)
+    with caplog.at_level("INFO"):
+        h = hidden_forward(model, (1,), 2)(ids)
+    assert "cannot be cut" in caplog.text
+    np.testing.assert_array_equal(h[0].numpy(), want[1][:, :-1].numpy())
+    blocks.clear()
+    f = hidden_forward(model, (0,), 2)
+    f(ids)
+    blocks.clear()
+    f(ids)  # block 0's input is untouched by the hook: that cut holds
+    assert blocks == []
