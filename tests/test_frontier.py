@@ -5,6 +5,7 @@ float64 state fits ``--state-memory``, equal to one pass bit for bit."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -210,8 +211,13 @@ def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_r
     with torch.no_grad():
         want = model(ids, output_hidden_states=True).hidden_states
     blocks, other = ran(model)
-    with caplog.at_level("INFO"):
-        h = hidden_forward(model, (1,), 2)(ids)
+    logger = logging.getLogger("ncanalyze.store.passes")  # the CLI's logging setup may stop propagation to root
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="ncanalyze.store.passes"):
+            h = hidden_forward(model, (1,), 2)(ids)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "cannot be cut" in caplog.text
     np.testing.assert_array_equal(h[0].numpy(), want[1][:, :-1].numpy())
     blocks.clear()
