@@ -87,9 +87,18 @@ def parse_size(size: str | None) -> int | None:
 
 
 def state_budget(device: torch.device, state_memory: int | None = None) -> int:
-    """The bytes ``--layers-per-pass auto`` lets a pass's state take: ``state_memory`` where given, else the free
-    memory of ``device`` (after the model is loaded) less a margin for the forward's activations and the
-    validation's logits: a tenth of it, at least 1 GiB."""
+    """The bytes ``--layers-per-pass auto`` lets a pass's state take.
+
+    Parameters
+    ----------
+    device : where the state lives.
+    state_memory : ``--state-memory`` in bytes, or None.
+
+    Returns
+    -------
+    int : ``state_memory`` where given, else the free memory of ``device`` (after the model is loaded) less a margin
+    for the forward's activations and the validation's logits: a tenth of it, at least 1 GiB.
+    """
     if state_memory is not None:
         return int(state_memory)
     free = available_bytes(device)

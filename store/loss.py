@@ -92,9 +92,14 @@ class NextTokenLoss(Accumulator):
 
     def update(self, h: torch.Tensor, y: torch.Tensor,
                also: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
-        """Add a batch: features ``h`` (n x d) and labels ``y``. ``also(h, y, logits)``, where given, is called with
-        each chunk (float64, int64) and its head logits before the transform, so that NC4's decisions share them
-        (the head's float64 logits formed once per batch)."""
+        """Add a batch.
+
+        Parameters
+        ----------
+        h, y : the features (n x d) and labels (n).
+        also : where given, ``also(h, y, logits)`` is called with each chunk (float64, int64) and its head logits
+            before the transform, so that NC4's decisions share them (the head's float64 logits formed once).
+        """
         h, y = h.to(self.w.device, torch.float64), y.to(self.w.device, torch.int64)
         for s in range(0, len(y), self.chunk):
             hc, yc = h[s:s + self.chunk], y[s:s + self.chunk]

@@ -83,8 +83,17 @@ class _Cut(Exception):
 
 
 def blocks_of(model) -> torch.nn.ModuleList | None:
-    """The model's blocks, the list whose block j takes ``hidden_states[j]`` as its input (one of :data:`BLOCKS`, as
-    many as the config's layers); None where none is known."""
+    """The model's blocks: the list whose block j takes ``hidden_states[j]`` as its input.
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+
+    Returns
+    -------
+    ModuleList or None : the first of :data:`BLOCKS` on the base model with as many blocks as the config's layers;
+    None where none is.
+    """
     n = n_layers(model.config)
     for path in BLOCKS:
         m = model.base_model
