@@ -1,7 +1,8 @@
 """The frontier's extraction side (issue 24): a pass below the last layer runs the model only up to its deepest
 layer, bit for bit the hidden states ``output_hidden_states`` gives, on a real Trainer checkpoint (GPT-Neo) and on
-random-initialised Llama, GPT-NeoX and OPT shapes; ``--layers-per-pass auto`` groups the layers so each pass's
-float64 state fits ``--state-memory``, equal to one pass bit for bit."""
+random-initialised Llama (at V = 128,256), GPT-NeoX, OPT, Gemma-2, Qwen2, OLMo, Falcon, Phi and BLOOM shapes;
+``--layers-per-pass auto`` groups the layers so each pass's float64 state fits ``--state-memory``, equal to one pass
+bit for bit; the loss and NC4 share the head's float64 logits."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, OPTConfig
+from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, Gemma2Config, GPTNeoXConfig, LlamaConfig,
+                          OlmoConfig, OPTConfig, PhiConfig, Qwen2Config)
 
 from ncanalyze.store.layers import plan
 from ncanalyze.store.passes import blocks_of, hidden_forward
@@ -60,7 +62,17 @@ def test_a_pass_below_the_last_layer_stops_at_its_deepest_block(trained_run):
                   max_position_embeddings=64),
     OPTConfig(vocab_size=512, hidden_size=16, ffn_dim=32, num_hidden_layers=4, num_attention_heads=2,
               max_position_embeddings=64, word_embed_proj_dim=16),
-], ids=["llama-128k", "gpt-neox", "opt"])
+    Gemma2Config(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8, max_position_embeddings=64),
+    Qwen2Config(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64),
+    OlmoConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+               max_position_embeddings=64),
+    FalconConfig(vocab_size=512, hidden_size=16, num_hidden_layers=4, num_attention_heads=2),
+    PhiConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+              max_position_embeddings=64),
+    BloomConfig(vocab_size=512, hidden_size=16, n_layer=4, n_head=2),
+], ids=["llama-128k", "gpt-neox", "opt", "gemma2", "qwen2", "olmo", "falcon", "phi", "bloom"])
 def test_the_cut_is_bit_identical_on_modern_architectures(config):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
