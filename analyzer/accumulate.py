@@ -175,14 +175,26 @@ class DecisionCounts(Accumulator):
                 z = self.lens(h).to(self.mu.device, torch.float64)
         h, y = h.to(self.mu.device, torch.float64), y.to(self.mu.device, torch.int64)
         z = h if z is None else z
-        vocab = self.counts["val_count"].shape[0]
         for s in range(0, len(y), self.chunk):
             hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
-            linear = self.kept[(zc @ self.w.T + self.b).argmax(1)]
-            ncc = self.kept[(hc @ self.mu.T - self.half_sq).argmax(1)]
-            self.counts["val_count"] += torch.bincount(yc, minlength=vocab)
-            self.counts["val_correct"] += torch.bincount(yc[linear == yc], minlength=vocab)
-            self.counts["val_ncc_agree"] += torch.bincount(yc[linear == ncc], minlength=vocab)
+            self.count(hc, yc, zc @ self.w.T + self.b)
+
+    def count(self, h: torch.Tensor, y: torch.Tensor, scores: torch.Tensor) -> None:
+        """Count a chunk whose linear scores over the kept classes are given: ``scores`` (n x |kept|, float64),
+        e.g. the kept columns of the head's logits the loss forms anyway (the head's logits formed once).
+
+        Parameters
+        ----------
+        h : the chunk's raw features (n x d), float64 on the counts' device.
+        y : their labels (n), int64.
+        scores : w_c . z + b_c for the kept classes c (n x |kept|).
+        """
+        vocab = self.counts["val_count"].shape[0]
+        linear = self.kept[scores.argmax(1)]
+        ncc = self.kept[(h @ self.mu.T - self.half_sq).argmax(1)]
+        self.counts["val_count"] += torch.bincount(y, minlength=vocab)
+        self.counts["val_correct"] += torch.bincount(y[linear == y], minlength=vocab)
+        self.counts["val_ncc_agree"] += torch.bincount(y[linear == ncc], minlength=vocab)
 
     def merge(self, other: "DecisionCounts") -> "DecisionCounts":
         """Add the counts of another part of the stream (counted with the same head, means and kept classes)."""

@@ -7,6 +7,15 @@ from ncanalyze.cli.common import default_store
 from ncanalyze.cli.options import option
 
 
+def _per_pass(ctx, param, value: str) -> str | int:
+    """``auto`` or a positive integer (an int, so the record hashes as before)."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r} is not auto or a positive integer")
+    return int(value)
+
+
 @click.command(short_help="Exact per-class statistics of every checkpoint into the store.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @option("store", "extract")
@@ -67,9 +76,12 @@ from ncanalyze.cli.options import option
               help="Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after "
                    "the final norm, the checkpoint group itself), negative from the end. Others are stored at "
                    "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm).")
-@click.option("--layers-per-pass", type=click.IntRange(1), metavar="K",
-              help="At most K layers' state at a time: several passes over the data (exact either way) [default: all "
-                   "in one pass].")
+@click.option("--layers-per-pass", default="auto", show_default=True, metavar="auto|K", callback=_per_pass,
+              help="At most K layers' state at a time: several passes over the data (exact either way); auto: as many "
+                   "as --state-memory holds, the deepest layers together.")
+@click.option("--state-memory", metavar="SIZE",
+              help="Memory the float64 state may take under --layers-per-pass auto, e.g. 40GB or 512MiB "
+                   "[default: the device's free memory after the model, less a tenth (at least 1 GiB)].")
 @click.option("--save-embeddings", type=click.IntRange(0), default=0, show_default=True, metavar="N",
               help="Keep the first N train positions' features of each stored layer as a chunked Zarr array "
                    "embeddings (position, hidden) with label (position).")

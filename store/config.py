@@ -20,6 +20,7 @@ from ncanalyze.store import layers, tokens
 from ncanalyze.store.data import (VAL_NAMES, Blocks, base_split, check_block_size, is_token_file, model_positions,
                                   open_blocks)
 from ncanalyze.store.discover import Checkpoint
+from ncanalyze.store.memory import parse_size
 from ncanalyze.store.load import default_block_size, load_config, n_layers, resolve_device, weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,13 @@ class ExtractConfig:
     tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
     token_cache: bool = setting(True, hashed=False)  # text tokenized once into <store>.tokens/ (the same blocks)
     layers: str = setting("last", hashed=True, omit_default=True)  # recorded resolved (indices), see store/layers.py
-    layers_per_pass: int | None = setting(None, hashed=True, omit_default=True)
+    layers_per_pass: int | str | None = setting("auto", hashed=True, omit_default=True)  # auto: never recorded
+    state_memory: str | None = setting(hashed=False)  # a size (40GB, 512MiB): the state's memory under auto
     save_embeddings: int = setting(0, hashed=True, omit_default=True)
     embeddings_dtype: str = setting("float32", hashed=True, omit_default=True)
+
+    def __post_init__(self) -> None:  # None is auto (one pass where it fits, as None was); a bad size is refused
+        self.layers_per_pass, _ = self.layers_per_pass or layers.AUTO, parse_size(self.state_memory)
 
 
 def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,

@@ -1,5 +1,5 @@
-"""The line printed before extraction starts (what is left to do, how long it will take, the disk it needs), and the
-memory check of the running state.
+"""The line printed before extraction starts (what is left to do, how long it will take, the disk it needs); the
+running state's size and the memory budget are memory.py.
 
 The time is measured, not guessed, once per architecture (:func:`architecture`: what sets the cost, the model type,
 depth, width, vocabulary, heads, MLP width, dtype and block size). For the first checkpoint to do of each, its model
@@ -25,56 +25,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
 from ncanalyze.analyzer.accumulate import DecisionCounts
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store import io
 from ncanalyze.store.data import Blocks
+from ncanalyze.store.config import ExtractConfig
 from ncanalyze.store.discover import Checkpoint
 from ncanalyze.store.layers import Plan
-from ncanalyze.store.config import ExtractConfig
 from ncanalyze.store.load import default_block_size, head, load_config, n_layers
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss
+from ncanalyze.store.memory import state_bytes
 from ncanalyze.store.passes import check_ids, features
 from ncanalyze.store.resume import UNREADABLE, Phase
 from ncanalyze.store.running import LayerState
 
 log = logging.getLogger(__name__)
-
-
-def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> tuple[int, int]:
-    """(bytes per layer, bytes shared by the layers) of an extraction's running state on ``device``: per layer the
-    float64 means, the per-class vectors (count, M2, 3 validation counts), the d x d scatter, and in the validation
-    pass the kept means' float64 copy; shared, the head's float64 copy. The reservoir (CPU) counts on the CPU only."""
-    per_layer = 2 * vocab * dim * 8 + 5 * vocab * 8 + dim * dim * 8
-    if device.type == "cpu":
-        per_layer += vocab * samples_per_class * (4 * dim + 16)
-    return per_layer, vocab * dim * 8
-
-
-def available_bytes(device: torch.device) -> int:
-    """Free memory on ``device``: torch.cuda.mem_get_info on CUDA, psutil's available memory on the CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return int(psutil.virtual_memory().available)
-
-
-def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.device,
-                 available: int | None = None) -> None:
-    """A UserError if the state of ``per_pass`` layers (1 without --layers) does not fit in the ``available`` memory
-    of ``device`` (default: what is free now), naming how many layers per pass would."""
-    per_layer, shared = sizes
-    k = per_pass or 1
-    free = available_bytes(device) if available is None else available
-    if k * per_layer + shared <= free:
-        return
-    fits = (free - shared) // per_layer
-    hint = (f"pass fewer --layers, or --layers-per-pass {fits} (several passes over the data, exact either way)"
-            if fits >= 1 else "use a device with more memory, or --device cpu")
-    raise UserError(f"the float64 state of {k} layer(s) needs ~{(k * per_layer + shared) / 2**30:.1f} GiB on {device} "
-                    f"but {free / 2**30:.1f} GiB is free: {hint}")
 
 
 def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,

@@ -10,7 +10,6 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,53 +23,19 @@ from ncanalyze.store.config import (ExtractConfig, Resolved, Status, checkpoint_
                                     held_out_line, open_data, refusal, resolve)
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.discover import Checkpoint, discover, tagged, training_metadata
-from ncanalyze.store.estimate import (START, Arch, announcement, architecture, check_memory, checkpoint_architecture,
-                                      per_architecture, progress, state_bytes, timed_arch)
+from ncanalyze.store.estimate import (START, Arch, announcement, architecture, checkpoint_architecture, per_architecture,
+                                      progress, timed_arch)
+from ncanalyze.store.memory import check_memory, fit_plan, parse_size, state_bytes
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout
 from ncanalyze.store.load import decoded_tokens, find_tokenizer, head, load_model, n_layers
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.loss import loss_attrs
 from ncanalyze.store.passes import run_passes
+from ncanalyze.store.result import ExtractResult
 from ncanalyze.store.resume import DeferredInterrupt, Phase, Saver, drop_state, load_state, prune, record_of
 from ncanalyze.store.running import Extraction
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ExtractResult:
-    """What one extraction did (local, Hub or cluster).
-
-    Parameters
-    ----------
-    label
-        What was extracted: the path, the Hub repository, or the paths sent to a cluster.
-    store
-        The store, as given.
-    statuses
-        Each checkpoint group's status: 'done', 'resumed', 'skipped' or 'failed: why'.
-    errors
-        One line for each thing that failed before it had a group (a Hub revision that could not be fetched).
-    """
-    label: str
-    store: str
-    statuses: dict[str, str] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-
-    def count(self, status: str) -> int:
-        """How many groups have ``status``."""
-        return sum(v == status for v in self.statuses.values())
-
-    @property
-    def failures(self) -> list[str]:
-        """One line for each failure: the errors, then each failed group with why."""
-        return self.errors + [f"{g} {v}" for g, v in self.statuses.items() if v.startswith("failed")]
-
-    def summary(self) -> str:
-        """``LABEL: N extracted, N resumed, N already in STORE[, N failed]``, the line the command prints."""
-        failed = len(self.failures)
-        return (f"{self.label}: {self.count('done')} extracted, {self.count('resumed')} resumed, "
-                f"{self.count('skipped')} already in {self.store}" + (f", {failed} failed" if failed else ""))
 
 
 class Loaded(NamedTuple):
@@ -81,6 +46,7 @@ class Loaded(NamedTuple):
     seconds: float                # the time the load took (for the estimate)
     classifier: torch.Tensor      # the output layer's weight (vocab x hidden) and bias
     bias: torch.Tensor | None
+    plan: layers.Plan             # the run's plan, its passes fitted to the memory under --layers-per-pass auto
 
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
@@ -119,6 +85,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         if _settle(ckpt, store, cfg, run.record, files, overwrite) is Status.SKIP:
             return "skipped"
         loaded = _load(ckpt, cfg, run)
+        run = run._replace(plan=loaded.plan)
         train, val = _data(store, cfg, run, loaded.tokenizer)
         if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
             announce(loaded.model, loaded.seconds, train, val, run.plan)
@@ -151,8 +118,9 @@ def _load(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Loaded:
     tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
-    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), run.plan.widest_pass, run.device)
-    return Loaded(model, tokenizer, tok_name, loaded, classifier, bias)
+    plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
+    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
+    return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
 
 
 def _data(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
@@ -170,12 +138,10 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
                       interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> str:
     """The running state (resumed where saved), the train and validation passes, the group's attributes and its write;
     'done' or 'resumed'."""
-    device, plan, record, block_size, val_spec, val_split = (run.device, run.plan, run.record, run.block_size,
-                                                             run.val_spec, run.val_split)
-    model, tokenizer, tok_name, classifier, bias = (loaded.model, loaded.tokenizer, loaded.tokenizer_name,
-                                                    loaded.classifier, loaded.bias)
+    model, classifier, bias, record = loaded.model, loaded.classifier, loaded.bias, run.record
     positions = None if train.total is None else train.total * (train.block_size - 1)
-    ex = Extraction(layers.fit_embeddings(plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed, device, files.layers)
+    ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
+                    run.device, files.layers)
     status = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none
@@ -187,15 +153,15 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
         "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
         "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
         "val_tokens": int(main.val["val_count"].sum()),
-        **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": block_size,
-        "dataset": cfg.dataset, "split": run.split, "val_dataset": val_spec,
-        "val_split": val_split, "val_held_out": run.held_out, "tokenizer": tok_name, "dtype": cfg.dtype, "device": str(device),
+        **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": run.block_size,
+        "dataset": cfg.dataset, "split": run.split, "val_dataset": run.val_spec, "val_split": run.val_split,
+        "val_held_out": run.held_out, "tokenizer": loaded.tokenizer_name, "dtype": cfg.dtype, "device": str(run.device),
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
         "ncanalyze_version": io.version(), "config_hash": config_hash(record),
         "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
     }
     norm = layers.final_norm(model)
-    ds, others = ex.datasets(classifier, bias, decoded_tokens(tokenizer, classifier.shape[0]), attrs, norm and norm[0])
+    ds, others = ex.datasets(classifier, bias, decoded_tokens(loaded.tokenizer, classifier.shape[0]), attrs, norm and norm[0])
     io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
     ex.cleanup()
     return status

@@ -23,7 +23,8 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, config_record, val_data
 from ncanalyze.store.discover import Checkpoint, looks_local, tagged
-from ncanalyze.store.extract import ExtractResult, announcer, check_settings, extract_checkpoint, todo
+from ncanalyze.store.extract import announcer, check_settings, extract_checkpoint, todo
+from ncanalyze.store.result import ExtractResult
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.load import quiet_loading, resolve_device
 from ncanalyze.store.resume import DeferredInterrupt, prune

@@ -81,15 +81,21 @@ def resolve_layers(spec: str, n: int | None) -> list[int]:
 class Plan:
     """What an extraction stores: ``layers`` (sorted, the last one always, as the checkpoint group), run in
     ``passes`` of at most ``per_pass`` layers; the first ``save_embeddings`` positions' features. The default
-    extraction is the plan of the last layer alone without embeddings (:attr:`default`)."""
+    extraction is the plan of the last layer alone without embeddings (:attr:`default`). ``auto``
+    (``--layers-per-pass auto``): the passes are ``groups``, once :func:`auto_groups` has fitted them to the memory
+    (one pass until then)."""
     layers: tuple[int, ...]
     last: int
     per_pass: int
     save_embeddings: int
     embeddings_dtype: str
+    auto: bool = False
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def passes(self) -> list[tuple[int, ...]]:
+        if self.groups:
+            return list(self.groups)
         k = self.per_pass or len(self.layers)
         return [self.layers[i:i + k] for i in range(0, len(self.layers), k)]
 
@@ -104,7 +110,7 @@ class Plan:
         return self.layers == (self.last,) and not self.save_embeddings
 
 
-def plan(layers: str = "last", layers_per_pass: int | None = None, save_embeddings: int = 0,
+def plan(layers: str = "last", layers_per_pass: int | str | None = None, save_embeddings: int = 0,
          embeddings_dtype: str = "float32", n: int | None = None) -> Plan:
     """The plan of ``--layers``, ``--layers-per-pass``, ``--save-embeddings`` and ``--embeddings-dtype`` for a model of
     ``n`` blocks (None: not known; only ``last`` is then possible).
@@ -112,7 +118,8 @@ def plan(layers: str = "last", layers_per_pass: int | None = None, save_embeddin
     Parameters
     ----------
     layers : ``last``, ``all`` or comma-separated indices into hidden_states (negative from the end).
-    layers_per_pass : at most this many layers per pass over the data (None or 0: all in one).
+    layers_per_pass : at most this many layers per pass over the data (None or 0: all in one; ``auto``: as many as
+        the memory holds, :func:`auto_groups`).
     save_embeddings : keep the first N labelled train positions' features of every layer.
     embeddings_dtype : their dtype on disk.
     n : the model's number of blocks.
@@ -123,8 +130,43 @@ def plan(layers: str = "last", layers_per_pass: int | None = None, save_embeddin
     """
     chosen = resolve_layers(layers, n)
     last = n if n is not None else -1
-    return Plan(tuple(sorted(set(chosen) | {last})), last, int(layers_per_pass or 0), int(save_embeddings),
-                embeddings_dtype)
+    auto = not layers_per_pass or layers_per_pass == AUTO
+    if not auto and not (str(layers_per_pass).isdigit() and int(layers_per_pass) >= 1):
+        raise UserError(f"--layers-per-pass {layers_per_pass!r} is not auto or a positive integer")
+    return Plan(tuple(sorted(set(chosen) | {last})), last, 0 if auto else int(layers_per_pass or 0),
+                int(save_embeddings), embeddings_dtype, auto)
+
+
+AUTO = "auto"  # --layers-per-pass auto
+
+
+def auto_groups(plan_: Plan, per_layer: int, shared: int, budget: int) -> Plan:
+    """An ``auto`` plan's passes: as many layers per pass as the float64 state (``per_layer`` bytes a layer, plus
+    ``shared``) fits in ``budget`` bytes, the passes aligned on the deepest layers, so that the last pass (the whole
+    forward) holds the most and the earlier ones stop early. Any other plan is returned as it is.
+
+    Parameters
+    ----------
+    plan_ : the extraction's plan.
+    per_layer, shared : the state's bytes per layer and shared by the layers (memory.state_bytes).
+    budget : the bytes the state may take (``--state-memory``, or the free memory less a margin).
+
+    Returns
+    -------
+    Plan : ``plan_`` with its ``groups`` set (``auto`` plans only).
+    """
+    if not plan_.auto:
+        return plan_
+    fits = (budget - shared) // per_layer
+    if fits < 1:
+        raise UserError(f"the float64 state of one layer needs ~{(per_layer + shared) / 2**30:.2f} GiB but the state "
+                        f"may take {budget / 2**30:.2f} GiB: raise --state-memory, or use a device with more memory "
+                        "(or --device cpu)")
+    n = len(plan_.layers)
+    k = min(n, int(fits))
+    starts = [0, *range(n % k or k, n, k)] if n % k else list(range(0, n, k))
+    groups = tuple(plan_.layers[a:b] for a, b in zip(starts, [*starts[1:], n]))
+    return replace(plan_, groups=groups)
 
 
 def fit_embeddings(plan_: Plan, positions: int | None) -> Plan:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,13 +90,24 @@ class NextTokenLoss(Accumulator):
                 "correct": torch.zeros((), dtype=torch.int64, device=device),
                 "tokens": torch.zeros((), dtype=torch.int64, device=device)}
 
-    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+    def update(self, h: torch.Tensor, y: torch.Tensor,
+               also: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """Add a batch.
+
+        Parameters
+        ----------
+        h, y : the features (n x d) and labels (n).
+        also : where given, ``also(h, y, logits)`` is called with each chunk (float64, int64) and its head logits
+            before the transform, so that NC4's decisions share them (the head's float64 logits formed once).
+        """
         h, y = h.to(self.w.device, torch.float64), y.to(self.w.device, torch.int64)
         for s in range(0, len(y), self.chunk):
             hc, yc = h[s:s + self.chunk], y[s:s + self.chunk]
             logits = hc @ self.w.T
             if self.b is not None:
                 logits += self.b
+            if also is not None:
+                also(hc, yc, logits)
             logits = self.transform(logits)
             nll = torch.logsumexp(logits, 1) - logits.gather(1, yc[:, None]).squeeze(1)
             self.state["loss_sum"] += nll.sum()

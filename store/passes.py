@@ -22,6 +22,7 @@ from ncanalyze.analyzer.accumulate import DecisionCounts, kept_head
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.layers import FINAL_NORMS, final_norm
+from ncanalyze.store.load import n_layers
 from ncanalyze.store.loss import LogitTransform, NextTokenLoss, matches_model
 from ncanalyze.store.resume import Phase, Saver
 from ncanalyze.store.running import Extraction
@@ -47,7 +48,8 @@ def features(model, ids: torch.Tensor) -> torch.Tensor:
 
 def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The forward pass of a pass's layers. The last layer is ``last_hidden_state``; with only the last layer asked
-    (the default plan), no hidden states are formed.
+    (the default plan), no hidden states are formed. A pass below the last layer runs the model only up to its
+    deepest layer (:func:`cut_forward`), or, where the model cannot be cut, the whole forward with a note.
 
     Parameters
     ----------
@@ -66,6 +68,101 @@ def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch
     def forward(ids: torch.Tensor) -> torch.Tensor:
         out = model.base_model(input_ids=ids, output_hidden_states=True)
         return torch.stack([(out.last_hidden_state if l == last else out.hidden_states[l])[:, :-1] for l in layers])
+    if last in layers:
+        return forward
+    return cut_forward(model, layers, forward) or forward
+
+
+# where models keep their blocks, on the base model (GPT-2/GPT-Neo/Falcon/BLOOM, Llama/Mistral/Gemma/Qwen/OLMo/
+# GPT-NeoX, OPT, MPT)
+BLOCKS = ("h", "layers", "decoder.layers", "blocks")
+
+
+class _Cut(Exception):
+    """Raised at the deepest layer's block, before it runs: the forward stops there."""
+
+
+def blocks_of(model) -> torch.nn.ModuleList | None:
+    """The model's blocks: the list whose block j takes ``hidden_states[j]`` as its input.
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+
+    Returns
+    -------
+    ModuleList or None : the first of :data:`BLOCKS` on the base model with as many blocks as the config's layers;
+    None where none is.
+    """
+    n = n_layers(model.config)
+    for path in BLOCKS:
+        m = model.base_model
+        for part in path.split("."):
+            m = getattr(m, part, None)
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n:
+            return m
+    return None
+
+
+def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], torch.Tensor]
+                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The features of ``layers`` (all below the last) from a forward that stops before block ``max(layers)``: each
+    ``hidden_states[l]`` is taken as block l's input by a forward pre-hook, and the deepest one's hook ends the
+    forward (no later block, final norm or head runs). On its first call the cut is checked bit for bit against
+    ``full`` on a prefix of the batch; where it differs (or the model's blocks are not found) the pass runs ``full``
+    with a note.
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+    layers : the pass's layers, all below the last.
+    full : the whole forward (``output_hidden_states``), as :func:`hidden_forward` makes it.
+
+    Returns
+    -------
+    callable or None : ids (b x L) -> (k, b, L-1, d); None where the model's blocks are not found (with a note).
+    """
+    blocks = blocks_of(model)
+    if blocks is None:
+        log.info("note: %s's blocks are not found (none of %s): the passes below the last layer run the whole "
+                 "forward", model.config.model_type, ", ".join(BLOCKS))
+        return None
+    deepest = max(layers)
+
+    @torch.inference_mode()
+    def cut(ids: torch.Tensor) -> torch.Tensor:
+        got: dict[int, torch.Tensor] = {}
+
+        def take(j: int):
+            def hook(module, args, kwargs):
+                got[j] = args[0] if args else kwargs["hidden_states"]
+                if j == deepest:
+                    raise _Cut
+            return hook
+        handles = [blocks[j].register_forward_pre_hook(take(j), with_kwargs=True) for j in layers]
+        try:
+            model.base_model(input_ids=ids)
+        except _Cut:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.stack([got[l][:, :-1] for l in layers])
+
+    checked: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        if not checked:
+            prefix = ids[:1, :64]
+            try:
+                same = torch.equal(cut(prefix), full(prefix))
+            except (KeyError, IndexError, RuntimeError, TypeError):
+                same = False
+            checked.append(cut if same else full)
+            if not same:
+                log.info("note: %s cannot be cut at its blocks' inputs (they are not its hidden states): the passes "
+                         "below the last layer run the whole forward", model.config.model_type)
+        return checked[0](ids)
     return forward
 
 
@@ -221,11 +318,18 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     transform, loss, last = None, None, list(ex.layers).index(ex.plan.last) if ex.plan.last in ex.layers else None
     if last is not None:
         transform, loss = model_loss(model, blocks, classifier, bias, ex.main().lm, desc)
+    if loss:  # the last layer's decisions read the kept columns of the logits the loss forms: formed once
+        head = counts[last]
+        shares = head.w.device == classifier.device
+
+        def decide(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
+            head.count(hc, yc, logits[:, head.kept])
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
-        for c, hl in zip(counts, h):
-            c.update(hl, y)
+        for i, (c, hl) in enumerate(zip(counts, h)):
+            if not (loss and shares and i == last):
+                c.update(hl, y)
         if loss:
-            loss.update(h[last], y)
+            loss.update(h[last], y, decide if shares else None)
     return transform
 
 

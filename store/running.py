@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from ncanalyze.store.resume import RESTART, Phase, flatten, load_state, save_sta
 
 log = logging.getLogger(__name__)
 
-OPTIONAL = ("stream", "pass", "lm")  # names written since the first states: a state from before lacks them
+OPTIONAL = ("stream", "pass", "lm", "passes")  # names written since the first states: a state from before lacks them
 
 
 class LayerState:
@@ -122,6 +123,8 @@ class Extraction:
         if self.embeddings is not None:
             self.embeddings.flush()
             emb = {"embeddings": self.embeddings.state_dict()}
+        if self.plan.auto and not self.plan.default:  # the groups auto fitted to this machine's memory
+            emb["passes"] = json.dumps(self.plan.passes)
         return flatten(self._nested() | emb | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
                                          "stream": self.stream, "config": json.dumps(record, sort_keys=True)})
 
@@ -141,6 +144,7 @@ class Extraction:
         earlier passes' finished layers there, whole and fitting, and counts that add up to the batches done (a
         state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings, their
         shapes and digests checked."""
+        self._saved_groups(arrays)
         at = int(arrays["pass"]) if "pass" in arrays and arrays["pass"].shape == () else 0
         if not 0 <= at < len(self.plan.passes):
             raise CheckpointError(f"the resume state {where} is in pass {at} of {len(self.plan.passes)}; {RESTART}")
@@ -167,6 +171,17 @@ class Extraction:
                                       f"{done} tokens counted); {RESTART}")
         self.restore(arrays)
         self._open_embeddings(resume=True, saved=unflatten(arrays).get("embeddings"))
+
+    def _saved_groups(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Under ``--layers-per-pass auto``, the passes a saved state was made with (the memory may differ now)."""
+        if not self.plan.auto or "passes" not in arrays or arrays["passes"].shape != ():
+            return
+        try:
+            groups = tuple(tuple(int(l) for l in g) for g in json.loads(str(arrays["passes"])))
+        except (ValueError, TypeError):
+            return
+        if tuple(l for g in groups for l in g) == self.plan.layers and all(groups):
+            self.plan = replace(self.plan, groups=groups)
 
     def _finished_layer(self, l: int) -> dict[str, np.ndarray]:
         """Layer ``l``'s state from an earlier pass, as saved in the staging folder: its digest checked, and every

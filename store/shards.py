@@ -26,7 +26,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io, layers
 from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, open_data, resolve
 from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.estimate import check_memory, state_bytes
+from ncanalyze.store.memory import check_memory, state_bytes
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.load import find_tokenizer, load_model
 from ncanalyze.store.lock import checkpoint_lock

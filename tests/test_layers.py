@@ -227,7 +227,7 @@ def test_layers_outside_the_model_are_a_clean_error(spec, trained_run, corpus, t
 
 
 def test_memory_check_names_the_layers_per_pass_that_fit():
-    from ncanalyze.store.estimate import check_memory, state_bytes
+    from ncanalyze.store.memory import check_memory, state_bytes
 
     sizes = state_bytes(50257, 768, 8, torch.device("cuda"))
     per_layer, shared = sizes

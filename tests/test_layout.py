@@ -19,7 +19,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.common import default_store
 from ncanalyze.store.config import Status, checkpoint_status, config_hash, refusal
 from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.extract import ExtractResult
+from ncanalyze.store.result import ExtractResult
 from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout
 from ncanalyze.store.resume import Phase, save_state
 

@@ -1,0 +1,124 @@
+"""The running state's memory: its size per layer (:func:`state_bytes`), the memory a pass may use
+(``--state-memory``, else the device's free memory less a margin), the layers per pass that fit (``--layers-per-pass
+auto``), and the check before the passes start.
+"""
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store.layers import Plan, auto_groups
+
+log = logging.getLogger(__name__)
+
+
+def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> tuple[int, int]:
+    """(bytes per layer, bytes shared by the layers) of an extraction's running state on ``device``: per layer the
+    float64 means, the per-class vectors (count, M2, 3 validation counts), the d x d scatter, and in the validation
+    pass the kept means' float64 copy; shared, the head's float64 copy. The reservoir (CPU) counts on the CPU only."""
+    per_layer = 2 * vocab * dim * 8 + 5 * vocab * 8 + dim * dim * 8
+    if device.type == "cpu":
+        per_layer += vocab * samples_per_class * (4 * dim + 16)
+    return per_layer, vocab * dim * 8
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory on ``device``: torch.cuda.mem_get_info on CUDA, psutil's available memory on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+         "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(size: str | None) -> int | None:
+    """The bytes of a ``--state-memory`` size.
+
+    Parameters
+    ----------
+    size
+        A number and a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), e.g. ``40GB``, ``512MiB``; None.
+
+    Returns
+    -------
+    int or None
+        The bytes (None for None).
+    """
+    if size is None:
+        return None
+    text = str(size).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in UNITS or not value > 0 or value * UNITS[unit] > 2**62:
+        raise UserError(f"--state-memory {size!r} is not a size: pass a number and a unit, like 40GB or 512MiB")
+    return int(value * UNITS[unit])
+
+
+def state_budget(device: torch.device, state_memory: int | None = None) -> int:
+    """The bytes ``--layers-per-pass auto`` lets a pass's state take.
+
+    Parameters
+    ----------
+    device : where the state lives.
+    state_memory : ``--state-memory`` in bytes, or None.
+
+    Returns
+    -------
+    int : ``state_memory`` where given, else the free memory of ``device`` (after the model is loaded) less a margin
+    for the forward's activations and the validation's logits: a tenth of it, at least 1 GiB.
+    """
+    if state_memory is not None:
+        return int(state_memory)
+    free = available_bytes(device)
+    return max(0, free - max(free // 10, 1 << 30))
+
+
+def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: torch.device,
+             state_memory: int | None = None) -> Plan:
+    """``plan`` with its passes fitted to the memory under ``--layers-per-pass auto`` (:func:`layers.auto_groups`
+    with :func:`state_bytes` and :func:`state_budget`); any other plan as it is.
+
+    Parameters
+    ----------
+    plan : the extraction's plan.
+    vocab, dim : the head's shape.
+    samples_per_class : the reservoir's samples per class.
+    device : where the state lives.
+    state_memory : ``--state-memory`` in bytes (None: the free memory less a margin).
+
+    Returns
+    -------
+    Plan : the plan to run.
+    """
+    if not plan.auto:
+        return plan
+    fitted = auto_groups(plan, *state_bytes(vocab, dim, samples_per_class, device), state_budget(device, state_memory))
+    if len(fitted.passes) > 1:
+        log.info("--layers-per-pass auto: %d passes of at most %d layers (%s)", len(fitted.passes),
+                 fitted.widest_pass, "; ".join(",".join(map(str, p)) for p in fitted.passes))
+    return fitted
+
+
+def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.device,
+                 available: int | None = None) -> None:
+    """A UserError if the state of ``per_pass`` layers (1 without --layers) does not fit in the ``available`` memory
+    of ``device`` (default: what is free now), naming how many layers per pass would."""
+    per_layer, shared = sizes
+    k = per_pass or 1
+    free = available_bytes(device) if available is None else available
+    if k * per_layer + shared <= free:
+        return
+    fits = (free - shared) // per_layer
+    hint = (f"pass fewer --layers, or --layers-per-pass {fits} (several passes over the data, exact either way)"
+            if fits >= 1 else "use a device with more memory, or --device cpu")
+    raise UserError(f"the float64 state of {k} layer(s) needs ~{(k * per_layer + shared) / 2**30:.1f} GiB on {device} "
+                    f"but {free / 2**30:.1f} GiB is free: {hint}")
