@@ -18,7 +18,7 @@ from conftest import CLI, assert_same_group, kill_when, run_cli, tmpfs
 
 import ncanalyze.store
 from ncanalyze.store.data import Blocks
-from ncanalyze.store.estimate import START, estimate
+from ncanalyze.store.estimate import START, Arch, estimate
 from ncanalyze.store.resume import DIGEST, digest, save_state
 
 CK = "checkpoint-20"
@@ -308,8 +308,12 @@ def test_the_estimate_counts_only_the_embeddings_staged(tmp_path):
 
     train = Blocks("train.npy", 32, None, 64, lambda: iter(()))  # 64 x 31 = 1984 positions
     staged = group_bytes(300, 1024, 2, 3, POSITIONS, 4)  # 3 layers' groups with 1984 positions' float32 features
+    def line(n: int) -> str:
+        arch = Arch("neo", None, train, None, 300, 1024, passes=[3], embeddings=n, at=[START])
+        return estimate([arch], 8, 2, tmp_path)
+
     for n in (10**12, POSITIONS, POSITIONS + 1):
-        est = estimate([START], None, train, None, 8, 300, 1024, 2, tmp_path, [3], embeddings=n)
+        est = line(n)
         assert f"~{staged / 1e6:,.0f} MB (before compression)" in est, est
-    fewer = estimate([START], None, train, None, 8, 300, 1024, 2, tmp_path, [3], embeddings=POSITIONS // 2)
+    fewer = line(POSITIONS // 2)
     assert f"~{staged / 1e6:,.0f} MB" not in fewer
