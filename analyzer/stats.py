@@ -85,6 +85,9 @@ def eval_controls(df: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
             raise UserError(f"control {expr!r} uses no column of the metrics table (it is the constant {v!r}); "
                             f"columns: {', '.join(df.columns)}")
         out[expr] = pd.to_numeric(v, errors="coerce").astype(float)
+        if out[expr].isna().all() and v.notna().any():  # text (e.g. run): held fixed it would mean nothing
+            raise UserError(f"control {expr!r} is not a number (it gives {v.dropna().iloc[0]!r}); --controls take "
+                            "numeric expressions, e.g. log(n_params); select one run with --where instead")
     return pd.DataFrame(out, index=df.index).replace([np.inf, -np.inf], np.nan)
 
 

@@ -65,7 +65,7 @@ class _Group(click.Group):
                 raise
             where = "--out" if ctx.invoked_subcommand == "report" else "--store"
             raise click.ClickException(
-                f"disk full while writing ({e.filename or 'the store'}); free space or pass {where} on another disk, "
+                f"disk full while writing ({e.filename or ('the report' if where == '--out' else 'the store')}); free space or pass {where} on another disk, "
                 "then run the same command again" + (" to resume" if where == "--store" else "")) from None
 
 

@@ -83,6 +83,10 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
                 str(ckpt.path), dtype=DTYPES[dtype], use_safetensors=safe, trust_remote_code=trust_remote_code,
                 output_loading_info=True)
     except LOAD_ERRORS as e:
+        if "ignore_mismatched_sizes" in str(e):  # transformers points at a load report that we keep quiet
+            raise CheckpointError(f"cannot load the model in {ckpt.path}: the shapes of its weights do not match its "
+                                  "config.json (a config of another model size?); put the config the weights were "
+                                  "saved with beside them") from None
         raise CheckpointError(f"cannot load the model in {ckpt.path}: {_first_line(e)} (is the weight file complete? "
                         "custom code needs --trust-remote-code)") from None
     missing = [k for k in info.get("missing_keys", []) if "lm_head" not in k or not model.config.tie_word_embeddings]

@@ -62,7 +62,23 @@ def _folder(out: str | Path) -> Path:
     except (FileExistsError, NotADirectoryError) as e:
         raise UserError(f"--out (write_report's out) {out}: cannot make the folder ({e.strerror}: {e.filename}); "
                         "pass a folder path that is not under a file") from None
+    theirs = [f for f in OUTPUTS if (out / f).is_file()]
+    if theirs and not _ours(out / "report.md"):
+        raise UserError(f"--out {out} holds {', '.join(theirs)} that no ncanalyze report wrote (no report.md of ours "
+                        "beside them), which the report would overwrite; pass another --out, or move them")
     return out
+
+
+OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "tables.tex", "report.md")  # files a report writes
+
+
+def _ours(report_md: Path) -> bool:
+    """Whether ``report_md`` is a report.md that ncanalyze wrote (its title line)."""
+    try:
+        with open(report_md, encoding="utf-8") as f:
+            return f.readline().startswith("# ncanalyze report")
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _write_tables(r: ReportResult, out: Path) -> None:
@@ -106,6 +122,10 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     _check(df, options, read_group)
     every_layer = _selection(df, options, read_group)
     sel = last_layer(every_layer)
+    if sel.empty and not every_layer.empty:
+        raise UserError("the selection holds no checkpoint's last layer (--where picked intermediate layers only): the "
+                        "correlations use each checkpoint's last layer, the other layers are in depth.png and "
+                        "layers.csv; select checkpoints, not layers (e.g. drop the layer condition)")
     target = options.target or default_target(sel)
     stats = correlations_by_tag(sel, options.metrics, target, options.controls, options.n_perm, options.seed,
                                 runs="run")
