@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import open_blocks
 from ncanalyze.store.layers import Plan, plan
 from ncanalyze.store.memory import fit_plan, parse_size
@@ -122,8 +123,11 @@ def main() -> None:
     vocab, width = model.get_output_embeddings().weight.shape
     blocks_n = model.config.num_hidden_layers
     per_pass = args.layers_per_pass if args.layers_per_pass == "auto" else int(args.layers_per_pass)
-    layered = fit_plan(plan("all", per_pass, 0, "float32", blocks_n), vocab, width, args.samples_per_class,
-                       torch.device(args.device), parse_size(args.state_memory))
+    try:
+        layered = fit_plan(plan("all", per_pass, 0, "float32", blocks_n), vocab, width, args.samples_per_class,
+                           torch.device(args.device), parse_size(args.state_memory))
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
         ids_file = Path(tmp) / "train.npy"
         np.save(ids_file, tokens(args, vocab, args.tokens))
