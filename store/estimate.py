@@ -10,11 +10,13 @@ Parts that grow with the vocabulary are timed on a slice of the batch's position
 the timing stays under 2 s at any vocabulary. Then, over the checkpoints to do, each with its architecture's
 costs,
 
-    total = sum of  load + train batches left x (forward + k x statistics)
-                    + validation batches left x (forward + k x decisions + loss) + group bytes / write rate
+    total = sum of  load + train batches left x (f x forward + k x statistics)
+                    + validation batches left x (f x forward + k x decisions + loss) + group bytes / write rate
 
-with k the layers of a pass (1 without ``--layers``; the loss only in the pass of the last layer), and the batches
-left from each checkpoint's resume state (pass, phase, batches done), so work already done is left out.
+with k the layers of a pass (1 without ``--layers``; the loss only in the pass of the last layer), f the fraction
+of the blocks the pass runs (its deepest layer / the number of blocks, for a pass below the last layer, which
+passes.cut_forward stops early; 1 for the pass of the last layer), and the batches left from each checkpoint's
+resume state (pass, phase, batches done), so work already done is left out.
 """
 from __future__ import annotations
 
@@ -66,19 +68,23 @@ class Costs:
     loss: float     # the loss's part of a validation batch (measured at the last layer only)
     write_rate: float | None  # bytes per second into the store (None: not measurable, e.g. a full disk)
 
-    def train_batch(self, k: int) -> float:
-        """A train batch with ``k`` layers."""
-        return self.forward + k * self.train
+    def train_batch(self, k: int, depth: float = 1.0) -> float:
+        """A train batch with ``k`` layers, its forward running the fraction ``depth`` of the blocks."""
+        return depth * self.forward + k * self.train
 
-    def val_batch(self, k: int, last: bool) -> float:
-        """A validation batch with ``k`` layers, the last layer among them if ``last``."""
-        return self.forward + k * self.decide + (self.loss if last else 0.0)
+    def val_batch(self, k: int, last: bool, depth: float = 1.0) -> float:
+        """A validation batch with ``k`` layers, the last layer among them if ``last``, its forward running the
+        fraction ``depth`` of the blocks."""
+        return depth * self.forward + k * self.decide + (self.loss if last else 0.0)
 
-    def left(self, progress: tuple[int, Phase, int], passes: list[int], n_train: int, n_val: int) -> float:
+    def left(self, progress: tuple[int, Phase, int], passes: list[int], n_train: int, n_val: int,
+             depths: list[float] | None = None) -> float:
         """Seconds of passes left for a checkpoint standing at ``progress`` (pass, phase, batches done in it), with
         ``passes`` the layers in each pass ([1] without --layers; the last layer is in the last pass) over
-        ``n_train`` and ``n_val`` batches."""
+        ``n_train`` and ``n_val`` batches; ``depths`` the fraction of the blocks each pass runs (:func:`depths`;
+        None: every pass the whole forward)."""
         at, phase, done = progress
+        depths = depths or [1.0] * len(passes)
         secs = 0.0
         for i, k in enumerate(passes[at:], at):
             train = n_train if i > at or phase == Phase.TRAIN else 0
@@ -87,8 +93,27 @@ class Costs:
                 train -= done
             elif i == at and phase == Phase.VALIDATION:
                 val -= done
-            secs += max(0, train) * self.train_batch(k) + max(0, val) * self.val_batch(k, i == len(passes) - 1)
+            last = i == len(passes) - 1
+            secs += max(0, train) * self.train_batch(k, depths[i]) + max(0, val) * self.val_batch(k, last, depths[i])
         return secs
+
+
+def depths(plan: Plan) -> list[float]:
+    """The fraction of the model's blocks each pass of ``plan`` runs: a pass below the last layer stops before the
+    block of its deepest layer l (passes.cut_forward), so it runs l of the ``plan.last`` blocks; the pass of the last
+    layer runs them all. (Where a model cannot be cut, its passes run the whole forward: the estimate is then low.)
+
+    Parameters
+    ----------
+    plan
+        The layer plan (its passes and last layer).
+
+    Returns
+    -------
+    list of float
+        One fraction in [0, 1] per pass.
+    """
+    return [1.0 if plan.last in p or plan.last <= 0 else max(p) / plan.last for p in plan.passes]
 
 
 def progress(state: Path) -> tuple[int, Phase, int]:
@@ -257,6 +282,7 @@ class Arch:
     embeddings: int = 0
     embeddings_dtype: str = "float32"
     at: list[tuple[int, Phase, int]] = field(default_factory=list)
+    depths: list[float] = field(default_factory=list)  # the fraction of the blocks each pass runs (empty: all)
 
     def disk(self, samples_per_class: int) -> int:
         """A checkpoint's bytes in the store, before compression (:func:`group_bytes`); no more embedding positions
@@ -275,13 +301,14 @@ class Arch:
         """Seconds of its checkpoints' loads, passes left and writes."""
         c, (n_train, n_val) = self.costs, self.batches(batch_size)
         write = self.disk(samples_per_class) / c.write_rate if c.write_rate else 0.0
-        return len(self.at) * (c.load + write) + sum(c.left(p, self.passes, n_train, n_val) for p in self.at)
+        return len(self.at) * (c.load + write) + sum(c.left(p, self.passes, n_train, n_val, self.depths) for p in self.at)
 
     def parts(self, batch_size: int, samples_per_class: int) -> str:
         """``load 1.0 s, train pass 3.0 s, validation 2.0 s, write 0.1 s``: a checkpoint's parts from the start."""
         c, (n_train, n_val) = self.costs, self.batches(batch_size)
-        train_s = sum(c.train_batch(k) for k in self.passes)
-        val_s = sum(c.val_batch(k, i == len(self.passes) - 1) for i, k in enumerate(self.passes))
+        depth = self.depths or [1.0] * len(self.passes)
+        train_s = sum(c.train_batch(k, f) for k, f in zip(self.passes, depth))
+        val_s = sum(c.val_batch(k, i == len(self.passes) - 1, f) for i, (k, f) in enumerate(zip(self.passes, depth)))
         wrote = f"{self.disk(samples_per_class) / c.write_rate:.1f} s" if c.write_rate else "not timed"
         return (f"load {c.load:.1f} s, train pass {n_train * train_s:,.1f} s, validation {n_val * val_s:,.1f} s, "
                 f"write {wrote}")
@@ -356,7 +383,7 @@ def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Pl
     costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count, cfg.seed,
                           partial) if known else None
     return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes], plan.save_embeddings,
-                plan.embeddings_dtype)
+                plan.embeddings_dtype, depths=depths(plan))
 
 
 def announcement(archs: list[Arch], cfg: ExtractConfig, store: Path, device: torch.device) -> str:

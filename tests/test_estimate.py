@@ -21,8 +21,8 @@ from ncanalyze.store import io
 from ncanalyze.store.data import open_blocks
 from ncanalyze.store import estimate as est
 from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.estimate import (START, Arch, Costs, batch_seconds, estimate, group_bytes, kept_classes,
-                                      per_architecture, progress)
+from ncanalyze.store.estimate import (START, Arch, Costs, batch_seconds, depths, estimate, group_bytes,
+                                      kept_classes, per_architecture, progress)
 from ncanalyze.store.layers import plan
 from ncanalyze.store.running import Extraction
 from ncanalyze.store.resume import Phase, save_state
@@ -42,6 +42,19 @@ COSTS = Costs(load=7.0, forward=1.0, train=2.0, decide=3.0, loss=5.0, write_rate
 ])
 def test_seconds_left_of_planted_costs(at, passes, want):
     assert COSTS.left(at, passes, n_train=10, n_val=4) == want
+
+
+def test_passes_below_the_last_layer_cost_the_blocks_they_run():
+    # 8 blocks, layers 0..8 in passes of 4: (0..3) stops before block 3, (4..7) before block 7, (8) runs them all
+    fixed = plan("all", 4, 0, "float32", 8)
+    assert depths(fixed) == [3 / 8, 7 / 8, 1.0]
+    assert depths(plan("2", None, 0, "float32", 8)) == [1.0]  # layers 2 and 8 in one pass: the whole forward
+    assert depths(plan("0,8", 1, 0, "float32", 8)) == [0.0, 1.0]  # the embedding output alone: no block runs
+    # by hand, 10 train and 4 validation batches: pass 0: 10 x (3/8 + 4 x 2) + 4 x (3/8 + 4 x 3) = 133.25;
+    # pass 1: 10 x (7/8 + 8) + 4 x (7/8 + 12) = 140.25; the last pass: 10 x (1 + 2) + 4 x (1 + 3 + 5) = 66
+    assert COSTS.left(START, [4, 4, 1], 10, 4, depths(fixed)) == 133.25 + 140.25 + 66
+    assert COSTS.left((1, Phase.VALIDATION, 2), [4, 4, 1], 10, 4, depths(fixed)) == 2 * 12.875 + 66
+    assert COSTS.left(START, [4, 4, 1], 10, 4) == 2 * (10 * 9 + 4 * 13) + 66  # without depths: every forward whole
 
 
 def test_estimate_line_adds_load_passes_and_write_for_every_checkpoint(tmp_path):
