@@ -137,7 +137,30 @@ def kept_head(classifier: torch.Tensor, bias: torch.Tensor | None, kept: torch.T
     return w, b
 
 
-class DecisionCounts(Accumulator):
+class Sums(Accumulator):
+    """An accumulator whose state is named tensors summed over the stream (``NAMES``, held by :meth:`sums`): parts
+    merge by adding them, and the state is the tensors themselves."""
+    NAMES: tuple[str, ...] = ()
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def merge(self, other: "Sums") -> "Sums":
+        """Add the sums of another part of the stream. Returns self."""
+        mine, theirs = self.sums(), other.sums()
+        for n in self.NAMES:
+            mine[n] += theirs[n].to(mine[n].device)
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sums()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for n in self.NAMES:
+            self.sums()[n].copy_(torch.as_tensor(state[n]))
+
+
+class DecisionCounts(Sums):
     """NC4's counts per true class, over the kept classes ``kept`` (float64): ``val_count`` tokens,
     ``val_correct`` hits of the linear argmax_c (w_c . z + b_c), and ``val_ncc_agree`` tokens where that
     argmax equals the nearest-class-mean decision argmin_c ||h - mu_c||^2 = argmax_c (mu_c . h - ||mu_c||^2 / 2).
@@ -196,15 +219,6 @@ class DecisionCounts(Accumulator):
         self.counts["val_correct"] += torch.bincount(y[linear == y], minlength=vocab)
         self.counts["val_ncc_agree"] += torch.bincount(y[linear == ncc], minlength=vocab)
 
-    def merge(self, other: "DecisionCounts") -> "DecisionCounts":
-        """Add the counts of another part of the stream (counted with the same head, means and kept classes)."""
-        for n in self.NAMES:
-            self.counts[n] += other.counts[n].to(self.counts[n].device)
-        return self
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def sums(self) -> dict[str, torch.Tensor]:
+        """The counts (merged across parts counted with the same head, means and kept classes)."""
         return self.counts
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for n in self.NAMES:
-            self.counts[n].copy_(torch.as_tensor(state[n]))

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ncanalyze.analyzer.accumulate import Accumulator
+from ncanalyze.analyzer.accumulate import Sums
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class LogitTransform:
         return "none" if s == "logits" else s
 
 
-class NextTokenLoss(Accumulator):
+class NextTokenLoss(Sums):
     """Running sums of the full-vocabulary cross-entropy (float64) and of argmax hits over validation tokens.
 
     ``state`` (``loss_sum`` float64, ``correct`` and ``tokens`` int64, 0-d tensors) may be given to continue from
@@ -114,18 +113,9 @@ class NextTokenLoss(Accumulator):
             self.state["correct"] += (logits.argmax(1) == yc).sum()
             self.state["tokens"] += len(yc)
 
-    def merge(self, other: NextTokenLoss) -> NextTokenLoss:
-        """Add the sums of another part of the validation stream. Returns self."""
-        for n in self.NAMES:
-            self.state[n] += other.state[n].to(self.state[n].device)
-        return self
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def sums(self) -> dict[str, torch.Tensor]:
+        """The running sums (merged across parts of the validation stream)."""
         return self.state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for n in self.NAMES:
-            self.state[n].copy_(torch.as_tensor(state[n]))
 
 
 @torch.inference_mode()
