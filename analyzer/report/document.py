@@ -43,8 +43,9 @@ def _reading(o: ReportOptions, several: bool) -> list[str]:
             f"axes), where it is positive; the target is not logged. partial r: {controls_text(o.controls)}. "
             "p, p rho: two-sided permutation p-values, P(|r*| ≥ |r|); p FL: the same for the partial r, permuting "
             "the target's residuals on the controls (Freedman-Lane); the permutations behind them are said under "
-            "each table. p Holm, p FL Holm: Holm-adjusted across the metrics with a p-value, per scale (raw and "
-            "log are separate families)" + (" and per tag" if several else "") + ". p-values show 3 significant "
+            "each table. p Holm, p FL Holm: Holm-adjusted across the metrics with a p-value (the NC and geometry "
+            "metrics tested are one family), per scale (raw and log are separate families)"
+            + (" and per tag" if several else "") + ". p-values show 3 significant "
             "figures, more where rounding would cross 0.05. Parametric p-values, rho's Holm p and the partial r's "
             "95% CI are in stats.csv.", ""]
 
