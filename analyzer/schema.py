@@ -32,8 +32,11 @@ INFO = ("run", "tag", "checkpoint", "global_step", "epoch", "n_params", "n_layer
         "val_loss", "val_accuracy")
 # NC4's counts per true class, from the validation pass
 VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
+# the output layer (vocab x hidden, and its bias when the model has one): in a store, once per checkpoint, as
+# coordinates of the checkpoint group that its layer groups inherit (store/classifier.py); a data variable elsewhere
+HEAD = ("classifier", "classifier_bias")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)
-MEASURED = ("count", "mean", "variance", "within_covariance", "unit_sum", "classifier", "classifier_bias", *VAL_COUNTS)
+MEASURED = ("count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS)
 # the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
 LAYER = "layer"
 

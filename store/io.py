@@ -3,17 +3,14 @@
 Layout (SPEC section 3): a Zarr v3 group per checkpoint at ``<run>/<checkpoint>``, its attribute ``complete`` set
 last, so a group without it is an interrupted write; `ncanalyze measure` adds the metrics to the group. Layers other
 than the last (``--layers``) are groups of the same schema at ``<run>/<checkpoint>/layers/<l>``, written before the
-checkpoint is marked complete.
+checkpoint is marked complete, except the classifier: stored once, in the checkpoint group (classifier.py).
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import math
 import os
 import shutil
-import tempfile
-import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
@@ -24,11 +21,12 @@ import zarr
 import zarr.errors
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import MEASURED, PER_CLASS
+from ncanalyze.analyzer.schema import HEAD, MEASURED, PER_CLASS
+from ncanalyze.store import classifier
+from ncanalyze.store.encoding import XR, encoding, position_chunk, write_rate  # noqa: F401 (io.write_rate: the estimate's)
 from ncanalyze.store.layout import CheckpointFiles, default_store, group_order, probe_writable
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
-XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
 # what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash")
@@ -73,7 +71,7 @@ def open_tree(path: str | Path | None = None) -> xr.DataTree:
     steps = {node.path.strip("/"): node.attrs.get("global_step") for node in tree.subtree}
     for node in [n for n in tree.subtree if len(n.children) > 1]:  # runs, checkpoints and layers in study order
         node.children = dict(sorted(node.children.items(), key=lambda kv: group_order(kv[1].path.strip("/"), steps)))
-    return tree
+    return classifier.attach(tree)  # each layer node with its checkpoint's head (stored once), lazily
 
 
 def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
@@ -154,7 +152,13 @@ def read_statistics(path: str | Path, group: str) -> xr.Dataset:
     missing = missing_chunks(path, group)
     if missing:
         raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
+    owner = classifier.checkpoint_group(group)
     ds = read_group(path, group, chunks=None)  # read straight into one array each (through dask: twice the memory)
+    if HEAD[0] not in ds.variables and owner != group:  # a layer group: the head is its checkpoint's, stored once
+        missing = [f"{owner}'s {m}" for m in missing_chunks(path, owner) if m.split()[0] in HEAD]
+        if missing:
+            raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
+        ds = classifier.with_head(ds, read_group(path, owner, chunks=None))
     try:
         return ds[[v for v in MEASURED if v in ds]].load()
     except CHUNK_ERRORS as e:
@@ -250,51 +254,14 @@ def prepare(path: Path, partial: Path) -> None:
         raise UserError(f"the store {path} is on a read-only file system: pass --store on a writable disk") from None
 
 
-def position_chunk(n: int, row_bytes: int) -> int:
-    """Rows per chunk along ``position`` (saved embeddings): ~32 MB.
-
-    Parameters
-    ----------
-    n
-        Rows in all.
-    row_bytes
-        Bytes per row.
-
-    Returns
-    -------
-    int
-        Rows per chunk.
-    """
-    return max(1, min(n, (32 << 20) // max(1, row_bytes)))
-
-
-def _encoding(ds: xr.Dataset) -> dict:
-    """Chunks along vocab: ~32 MB of float64 class rows, and at most ~8 MB for each variable's chunk; along
-    position (saved embeddings) ~32 MB; checksummed."""
-    d = ds.sizes["hidden"]
-    rows = max(1, min(ds.sizes["vocab"], (32 << 20) // (8 * d)))
-    enc = {}
-    for name, var in ds.data_vars.items():
-        if "vocab" in var.dims:
-            per_row = int(np.prod([ds.sizes[x] for x in var.dims if x != "vocab"]))
-            n = max(1, min(ds.sizes["vocab"], (8 << 20) // max(1, per_row * var.dtype.itemsize)))
-            enc[name] = {"chunks": tuple(min(rows, n) if x == "vocab" else ds.sizes[x] for x in var.dims)}
-        elif "position" in var.dims:
-            n = position_chunk(ds.sizes["position"], int(np.prod([ds.sizes[x] for x in var.dims if x != "position"]))
-                               * var.dtype.itemsize)
-            enc[name] = {"chunks": tuple(n if x == "position" else ds.sizes[x] for x in var.dims)}
-        # zstd with its frame checksum: a flipped bit in a chunk is an error on read, never a wrong number
-        enc.setdefault(name, {})["compressors"] = [zarr.codecs.ZstdCodec(level=0, checksum=True)]
-    return enc
-
-
 def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: CheckpointFiles,
                      layers: Iterable[tuple[int, xr.Dataset]] = ()) -> None:
     """Write a finished checkpoint dataset as ``group``, replacing any group there, without a moment where neither
     the old group nor the new one is whole: the new group is written at ``files.staging`` (a folder beside the store,
     on the same disk), marked complete, and then renamed into place; the old one is moved aside (``files.old``) first
     and removed last (``recover_swap`` puts it back if a crash comes between the two renames). The other ``layers``
-    ((l, dataset), made one at a time) go into the staged group at ``layers/<l>`` first, so they arrive with it. Every
+    ((l, dataset), made one at a time) go into the staged group at ``layers/<l>`` first, so they arrive with it,
+    without the classifier, which is written once, as coordinates of the checkpoint group (classifier.py). Every
     chunk is written, even one of fill values only, so that a missing chunk can be told from an empty one.
 
     Parameters
@@ -314,10 +281,12 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
     shutil.rmtree(staging, ignore_errors=True)
     ds.attrs |= {"complete": False, "all_chunks": True}
     with zarr.config.set({"array.write_empty_chunks": True}):
-        ds.to_zarr(staging, mode="w", encoding=_encoding(ds), **XR)
+        ds = classifier.on_checkpoint(ds)  # the head once, as coordinates the layer groups inherit
+        ds.to_zarr(staging, mode="w", encoding=encoding(ds), **XR)
         for layer, lds in layers:
+            lds = classifier.without_head(lds)
             lds.attrs |= {"complete": True, "all_chunks": True}
-            lds.to_zarr(staging, group=f"layers/{layer}", mode="w", encoding=_encoding(lds), **XR)
+            lds.to_zarr(staging, group=f"{classifier.LAYERS}/{layer}", mode="w", encoding=encoding(lds), **XR)
     zarr.open_group(staging, mode="r+", **ZARR).attrs["complete"] = True
     parent = group.rsplit("/", 1)[0] if "/" in group else ""
     ensure_group(path, parent)                                  # the run's group (and the root) exist
@@ -325,43 +294,6 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
         os.rename(dest, old)
     os.rename(staging, dest)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def write_rate(sample: np.ndarray, folder: Path) -> float | None:
-    """Bytes per second at which a group's (vocab x hidden) ``sample`` is written the way :func:`write_checkpoint`
-    writes (chunks, zstd with checksums, to disk), timed in a scratch folder under ``folder`` that is removed after
-    (and, left by a killed run, an hour later); None where it can't be written (a full disk: the write will say).
-
-    Parameters
-    ----------
-    sample
-        A slice of a group's (vocab x hidden) float64 array.
-    folder
-        Where to write it (``StoreLayout.partial``).
-
-    Returns
-    -------
-    float or None
-        Bytes per second.
-    """
-    for stale in folder.glob(".write-rate-*"):
-        with contextlib.suppress(OSError):
-            if time.time() - stale.stat().st_mtime > 3600:
-                shutil.rmtree(stale, ignore_errors=True)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".write-rate-"))
-    except OSError:
-        return None
-    try:
-        ds = xr.Dataset({"classifier": (("vocab", "hidden"), sample)})
-        t0 = time.perf_counter()
-        ds.to_zarr(tmp / "g", mode="w", encoding=_encoding(ds), **XR)
-        return sample.nbytes / max(time.perf_counter() - t0, 1e-6)
-    except OSError:
-        return None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def recover_swap(path: str | Path, group: str, files: CheckpointFiles) -> None:

@@ -10,8 +10,9 @@ order); a finished pass's layers wait in the resume folder, off the device.
 
 NC4 at a layer l < n uses the logit lens: the linear decision is the model's own head applied to the layer's
 features after the model's final norm, argmax_c (w_c . final_norm(h_l) + b_c), and the nearest-class-mean decision is
-argmin_c ||h_l - mu_c^(l)||^2 with the raw features and the layer's own (raw) means. The classifier stored with every
-layer is the head as it is (so NC3 there is the duality of the head's rows with the layer's raw means).
+argmin_c ||h_l - mu_c^(l)||^2 with the raw features and the layer's own (raw) means. The classifier every layer's
+dataset exposes is the head as it is (so NC3 there is the duality of the head's rows with the layer's raw means),
+stored once, in the checkpoint group, whose layer groups refer to it (classifier.py).
 
 ``--save-embeddings N`` keeps the first N labelled train positions' features of every stored layer, staged as .npy
 files in the resume folder during the train pass (so a resume keeps them) and written as the chunked variable
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.io import position_chunk
+from ncanalyze.store.encoding import position_chunk
 from ncanalyze.store.resume import RESTART
 
 log = logging.getLogger(__name__)

@@ -64,13 +64,14 @@ class LayerState:
             v.copy_(torch.as_tensor(lm[k]))
         return True
 
-    def dataset(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None,
+    def dataset(self, classifier: np.ndarray, bias: np.ndarray | None, tokens: list[str] | None,
                 attrs: dict, **embeddings) -> xr.Dataset:
-        """The layer's dataset (the store's schema); ``embeddings``: stats_dataset's embedding arguments. Reservoir
-        slots in key order: the same however the stream was read (one pass or shards)."""
+        """The layer's dataset (the store's schema), holding ``classifier`` and ``bias`` as given (no copy: every
+        layer's dataset shares them); ``embeddings``: stats_dataset's embedding arguments. Reservoir slots in key
+        order: the same however the stream was read (one pass or shards)."""
         s, r = self.stats, self.reservoir.canonical()
-        return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier.float(),
-                             classifier_bias=None if bias is None else bias.float(), val=self.val,
+        return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier,
+                             classifier_bias=bias, val=self.val,
                              samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
                              attrs=attrs, unit_sum=s.unit_sum, **embeddings)
 
@@ -238,8 +239,11 @@ class Extraction:
         """The checkpoint group's dataset (the last layer), and the other layers' ``(l, dataset)``, made one at a
         time as they are written (none for the default plan). Under a layered plan each records ``layer`` and
         ``lens``: how NC4's linear decisions were made, "head(h)" at the last layer, "head(ln_f(h))" (``lens``, the
-        final norm's path on the base model) at the others."""
+        final norm's path on the base model) at the others. The head is made float32 numpy once, and every layer's
+        dataset shares that one array (io.write_checkpoint stores it once, in the checkpoint group)."""
         written = int(self.main().stats.count.sum())
+        classifier, bias = (None if x is None else x.detach().to("cpu", torch.float32).numpy()
+                            for x in (classifier, bias))
 
         def make(l: int, s: LayerState) -> xr.Dataset:
             emb = {} if self.embeddings is None else self.embeddings.variables(l, written)

@@ -1,0 +1,201 @@
+"""The classifier stored once per checkpoint (SPEC 2, issue 24): a ``--layers all`` store holds the head in the
+checkpoint group alone, as coordinates its layer groups inherit; every layer still reads and measures with it, as
+before; stores written the old way (a copy in every group, as a data variable) read and measure identically."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+import zarr
+from conftest import EXTRACT_OPTS, run_cli
+
+import ncanalyze.store
+from ncanalyze.analyzer import class_stats, measure
+from ncanalyze.analyzer.schema import HEAD
+from ncanalyze.store import io
+from ncanalyze.store.classifier import checkpoint_group
+from ncanalyze.store.encoding import encoding
+from ncanalyze.store.inventory import disk_bytes
+from ncanalyze.store.layers import plan
+from ncanalyze.store.layout import StoreLayout
+from ncanalyze.store.measure import measure_store
+from ncanalyze.store.running import Extraction
+
+LAYERS = (0, 1)  # the layer groups of the 2-block model; the checkpoint group is layer 2
+
+
+def model_head(path) -> np.ndarray:
+    from transformers import GPTNeoForCausalLM
+
+    return GPTNeoForCausalLM.from_pretrained(path).lm_head.weight.detach().numpy()
+
+
+def old_layout(new, old) -> None:
+    """``new`` rewritten as stores were before: every group (checkpoint and layers) with its own copy of the head, as
+    a data variable, written with the same encoding."""
+    groups, _ = io.checkpoint_groups(new)
+    for g in groups:  # a checkpoint group comes before its layers (study order)
+        ds = xr.open_zarr(new, group=g, zarr_format=3, consolidated=False).load()
+        if g == checkpoint_group(g):
+            ds, head = ds.reset_coords([h for h in HEAD if h in ds.coords]), ds
+            io.ensure_group(old, g.rsplit("/", 1)[0])
+        else:
+            ds = ds.assign({h: head[h].variable for h in HEAD if h in head.variables})
+        assert "classifier" in ds.data_vars
+        ds.to_zarr(old, group=g, mode="w", encoding=encoding(ds), zarr_format=3, consolidated=False)
+
+
+@pytest.fixture(scope="module")
+def stores(trained_run, corpus, tmp_path_factory):
+    """``--layers all`` of checkpoint-60 (``new``), the same rewritten the old way (``old``), and a store holding
+    both layouts (``mixed``: new's run, and old's under ``old-run``), all measured; the model's own head ``W``."""
+    d = tmp_path_factory.mktemp("head")
+    new, old, mixed = d / "new.zarr", d / "old.zarr", d / "mixed.zarr"
+    run_cli("extract", trained_run / "checkpoint-60", "--dataset", corpus["train"], "--store", new, "--layers", "all",
+            *EXTRACT_OPTS)
+    old_layout(new, old)
+    shutil.copytree(new, mixed)
+    ckpt = io.checkpoint_groups(new)[0][0]
+    shutil.copytree(old / ckpt.split("/")[0], mixed / "old-run")
+    metrics = {s: measure_store(s) for s in (new, old, mixed)}
+    return {"new": new, "old": old, "mixed": mixed, "ckpt": ckpt, "W": model_head(trained_run / "checkpoint-60"),
+            "metrics": metrics}
+
+
+def stored_metrics(store, group) -> dict:
+    return zarr.open_group(store, path=group, mode="r", zarr_format=3).attrs["metrics"]
+
+
+def assert_same_metrics(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        if a[k] is None or b[k] is None:
+            assert a[k] is None and b[k] is None, k
+        else:
+            assert a[k] == pytest.approx(b[k], abs=1e-12, rel=0, nan_ok=True), k
+
+
+def test_layer_groups_hold_no_classifier_and_the_checkpoint_group_one(stores):
+    new, ckpt, W = stores["new"], stores["ckpt"], stores["W"]
+    g = zarr.open_group(new, path=ckpt, mode="r", zarr_format=3)
+    np.testing.assert_array_equal(g["classifier"][:], W)  # the model's own head, float32 as it holds it
+    assert g["classifier"].dtype == np.float32 and "classifier_bias" not in g  # GPT-Neo's head has no bias
+    assert "classifier" in xr.open_zarr(new, group=ckpt, zarr_format=3, consolidated=False).coords
+    for l in LAYERS:
+        arrays = dict(zarr.open_group(new, path=f"{ckpt}/layers/{l}", mode="r", zarr_format=3).arrays())
+        assert "mean" in arrays and not set(HEAD) & set(arrays), l
+    in_old = [dict(zarr.open_group(stores["old"], path=f"{ckpt}/layers/{l}", mode="r").arrays()) for l in LAYERS]
+    assert all("classifier" in a for a in in_old)  # the hand-written old layout has the copies
+
+
+def test_the_store_shrinks_by_the_copies_of_the_head(stores):
+    new, old, ckpt, W = stores["new"], stores["old"], stores["ckpt"], stores["W"]
+    head = disk_bytes(new / ckpt / "classifier")
+    assert head > W.nbytes // 2  # zstd at level 0 barely compresses float32 weights
+    for l in LAYERS:  # each old copy is the same bytes as the one kept
+        assert disk_bytes(old / ckpt / "layers" / str(l) / "classifier") == head
+    saved = disk_bytes(old) - disk_bytes(new)
+    assert len(LAYERS) * head <= saved <= len(LAYERS) * head + 4096  # (layers - 1) x the head, give or take metadata
+
+
+def test_every_layer_measures_as_with_its_own_copy_of_the_head(stores):
+    """Each group's stored metrics equal those of its statistics in memory with the model's head attached as a data
+    variable (as every group held it before), and two metrics of the head against brute force in float64."""
+    new, ckpt, W = stores["new"], stores["ckpt"], stores["W"]
+    W64 = W.astype(np.float64)
+    for g in [ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)]:
+        ds = xr.open_zarr(new, group=g, zarr_format=3, consolidated=False).load()
+        ds = ds.drop_vars([h for h in HEAD if h in ds.variables]).assign(classifier=(("vocab", "hidden"), W))
+        ours = stored_metrics(new, g)
+        assert_same_metrics(ours, {k: (v if np.isfinite(v) else None) for k, v in measure(ds).items()})
+        K = np.flatnonzero(ds["count"].values >= 1)
+        m = ds["mean"].values[K] - ds["mean"].values[K].mean(0)
+        w = W64[K]
+        cos = (w * m).sum(1) / np.linalg.norm(w, axis=1) / np.linalg.norm(m, axis=1)
+        assert ours["nc3_cos_mean"] == pytest.approx(cos.mean(), abs=1e-10)
+        s = np.sqrt(np.clip(np.linalg.eigvalsh(W64.T @ W64), 0, None))
+        p = s[s > 0] / s.sum()
+        assert ours["head_erank"] == pytest.approx(np.exp(-(p * np.log(p)).sum()), abs=1e-10)
+    assert len({stored_metrics(new, f"{ckpt}/layers/{l}")["nc3_cos_mean"] for l in LAYERS}) == len(LAYERS)
+
+
+def test_an_old_and_a_mixed_store_read_and_measure_identically(stores):
+    new, old, mixed, ckpt, W = stores["new"], stores["old"], stores["mixed"], stores["ckpt"], stores["W"]
+    run = ckpt.split("/")[0]
+    for g in [ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)]:
+        ref = stored_metrics(new, g)
+        assert_same_metrics(stored_metrics(old, g), ref)
+        assert_same_metrics(stored_metrics(mixed, g), ref)
+        assert_same_metrics(stored_metrics(mixed, g.replace(run, "old-run", 1)), ref)
+        for store, where in ((old, g), (mixed, g.replace(run, "old-run", 1)), (mixed, g)):
+            np.testing.assert_array_equal(io.read_statistics(store, where)["classifier"].values, W)
+            np.testing.assert_array_equal(ncanalyze.store.open(store)[where].to_dataset()["classifier"].values, W)
+    assert "classifier" in ncanalyze.store.open(old)[f"{ckpt}/layers/0"].to_dataset().data_vars  # its own, as written
+    table = stores["metrics"][mixed]
+    assert len(table) == 2 * (len(LAYERS) + 1) and table["nc1_cdnv"].notna().all()
+
+
+def test_plain_xarray_reaches_the_head_from_a_layer_node(stores):
+    new, ckpt, W = stores["new"], stores["ckpt"], stores["W"]
+    tree = xr.open_datatree(new, engine="zarr", consolidated=False)
+    node = tree[f"{ckpt}/layers/1"]
+    assert "classifier" not in node.to_dataset()  # xarray inherits only indexed coordinates by default
+    np.testing.assert_array_equal(node.to_dataset(inherit="all_coords")["classifier"].values, W)
+
+
+def test_store_open_gives_every_layer_node_the_checkpoints_head_lazily(stores):
+    new, ckpt, W = stores["new"], stores["ckpt"], stores["W"]
+    tree = ncanalyze.store.open(new)
+    head = tree[ckpt].to_dataset()["classifier"]
+    for l in LAYERS:
+        ds = tree[f"{ckpt}/layers/{l}"].to_dataset()
+        assert ds["classifier"].chunks is not None and ds["classifier"].data is head.data  # the same lazy array
+        ours = {k: (v if np.isfinite(v) else None) for k, v in ds.nc.measure().items()}
+        assert_same_metrics(ours, stored_metrics(new, f"{ckpt}/layers/{l}"))
+        np.testing.assert_array_equal(ds["classifier"].values, W)
+    assert tree.nc.table()["nc3_cos_mean"].notna().sum() == len(LAYERS) + 1
+
+
+def test_a_head_with_a_bias_is_written_once_and_every_layer_reads_it(tmp_path):
+    """Planted statistics (two layers of different features, one head with a bias) through io.write_checkpoint."""
+    rng = np.random.default_rng(0)
+    V, d, n = 12, 5, 600
+    W, b = rng.standard_normal((V, d)).astype(np.float32), rng.standard_normal(V).astype(np.float32)
+    y, yv = rng.integers(0, V, n), rng.integers(0, V, 200)
+    made = {}
+    for layer, scale in ((0, 0.5), (1, 2.0)):
+        h = scale * W[y] + rng.standard_normal((n, d))
+        hv = scale * W[yv] + rng.standard_normal((200, d))
+        made[layer] = class_stats(h, y, V, classifier=W, classifier_bias=b, val_embeddings=hv, val_labels=yv)
+    store, group = tmp_path / "s.zarr", "run/checkpoint-1"
+    io.write_checkpoint(store, group, made[1].copy(), StoreLayout(store).checkpoint(_Named("run", "checkpoint-1")),
+                        layers=[(0, made[0].copy())])
+    arrays = dict(zarr.open_group(store, path=f"{group}/layers/0", mode="r").arrays())
+    assert "mean" in arrays and not set(HEAD) & set(arrays)
+    for g, layer in ((group, 1), (f"{group}/layers/0", 0)):
+        read = io.read_statistics(store, g)
+        np.testing.assert_array_equal(read["classifier"].values, W)
+        np.testing.assert_array_equal(read["classifier_bias"].values, b)
+        assert_same_metrics(measure(read), measure(made[layer]))
+    assert measure(made[0])["nc3_cos_mean"] != measure(made[1])["nc3_cos_mean"]
+
+
+class _Named:
+    def __init__(self, run: str, name: str):
+        self.run, self.name, self.group = run, name, f"{run}/{name}"
+
+
+def test_every_layers_dataset_in_memory_shares_one_float32_head():
+    """Extraction.datasets converts the (bf16) head once: every layer's dataset holds that one array."""
+    V, d = 20, 6
+    W = torch.randn(V, d).to(torch.bfloat16)
+    ex = Extraction(plan("all", n=3), V, d, 2, 0, "cpu")
+    ds, others = ex.datasets(W, None, None, {}, "ln_f")
+    layers = [lds for _, lds in others]
+    assert len(layers) == 3
+    np.testing.assert_array_equal(ds["classifier"].values, W.float().numpy())
+    assert ds["classifier"].dtype == np.float32
+    assert all(np.shares_memory(ds["classifier"].values, lds["classifier"].values) for lds in layers)
