@@ -63,7 +63,7 @@ def test_store_holds_every_checkpoint_measured(recipe):
     for run in RUNS:
         for ckpt in ("checkpoint-5", "checkpoint-10"):
             node = tree[f"{run}/{ckpt}"]
-            assert {"count", "mean", "variance", "classifier", "samples", "class_cdnv"} <= set(node.data_vars)
+            assert {"count", "mean", "variance", "classifier", "samples", "class_cdnv"} <= set(node.variables)
             assert node.attrs["global_step"] == int(ckpt.split("-")[1])
             assert node.attrs["train_tokens"] == 4096 // 32 * 31  # 128 blocks; a block's last token has no label
             assert np.isfinite(node.attrs["metrics"]["nc1_cdnv"])
