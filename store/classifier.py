@@ -7,7 +7,7 @@ and ``classifier_bias`` (vocab) are coordinates of the checkpoint group ``<run>/
 - Reading: :func:`attach` gives each layer node of a store's tree the checkpoint's head (the same lazy arrays: nothing
   read, nothing copied), so ``tree[layer].to_dataset()`` and ``ds.nc.measure()`` work on any layer group; io's
   ``read_statistics`` takes it from :func:`checkpoint_group` for a layer group. Plain xarray reaches it with
-  ``xr.open_datatree(store, engine="zarr")[layer].to_dataset(inherit="all_coords")`` (xarray inherits only indexed
+  ``tree[layer].to_dataset(inherit="all_coords")`` on the tree of ``xr.open_datatree`` (xarray inherits only indexed
   coordinates by default).
 - Stores written before hold the head in every group as a data variable: a group that has its own is read as it is.
 """

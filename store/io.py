@@ -7,10 +7,13 @@ checkpoint is marked complete, except the classifier: stored once, in the checkp
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
 import shutil
+import tempfile
+import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
@@ -23,10 +26,11 @@ import zarr.errors
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import HEAD, MEASURED, PER_CLASS
 from ncanalyze.store import classifier
-from ncanalyze.store.encoding import XR, encoding, position_chunk, write_rate  # noqa: F401 (io.write_rate: the estimate's)
+from ncanalyze.store.chunks import chunks
 from ncanalyze.store.layout import CheckpointFiles, default_store, group_order, probe_writable
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
+XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
 # what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash")
@@ -254,6 +258,13 @@ def prepare(path: Path, partial: Path) -> None:
         raise UserError(f"the store {path} is on a read-only file system: pass --store on a writable disk") from None
 
 
+def _encoding(ds: xr.Dataset) -> dict:
+    """chunks.py's chunk shapes; zstd with its frame checksum: a flipped bit in a chunk is an error on read, never a
+    wrong number."""
+    return {name: {**enc, "compressors": [zarr.codecs.ZstdCodec(level=0, checksum=True)]}
+            for name, enc in chunks(ds).items()}
+
+
 def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: CheckpointFiles,
                      layers: Iterable[tuple[int, xr.Dataset]] = ()) -> None:
     """Write a finished checkpoint dataset as ``group``, replacing any group there, without a moment where neither
@@ -282,11 +293,11 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
     ds.attrs |= {"complete": False, "all_chunks": True}
     with zarr.config.set({"array.write_empty_chunks": True}):
         ds = classifier.on_checkpoint(ds)  # the head once, as coordinates the layer groups inherit
-        ds.to_zarr(staging, mode="w", encoding=encoding(ds), **XR)
+        ds.to_zarr(staging, mode="w", encoding=_encoding(ds), **XR)
         for layer, lds in layers:
             lds = classifier.without_head(lds)
             lds.attrs |= {"complete": True, "all_chunks": True}
-            lds.to_zarr(staging, group=f"{classifier.LAYERS}/{layer}", mode="w", encoding=encoding(lds), **XR)
+            lds.to_zarr(staging, group=f"{classifier.LAYERS}/{layer}", mode="w", encoding=_encoding(lds), **XR)
     zarr.open_group(staging, mode="r+", **ZARR).attrs["complete"] = True
     parent = group.rsplit("/", 1)[0] if "/" in group else ""
     ensure_group(path, parent)                                  # the run's group (and the root) exist
@@ -294,6 +305,43 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
         os.rename(dest, old)
     os.rename(staging, dest)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_rate(sample: np.ndarray, folder: Path) -> float | None:
+    """Bytes per second at which a group's (vocab x hidden) ``sample`` is written the way :func:`write_checkpoint`
+    writes (chunks, zstd with checksums, to disk), timed in a scratch folder under ``folder`` that is removed after
+    (and, left by a killed run, an hour later); None where it can't be written (a full disk: the write will say).
+
+    Parameters
+    ----------
+    sample
+        A slice of a group's (vocab x hidden) float64 array.
+    folder
+        Where to write it (``StoreLayout.partial``).
+
+    Returns
+    -------
+    float or None
+        Bytes per second.
+    """
+    for stale in folder.glob(".write-rate-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".write-rate-"))
+    except OSError:
+        return None
+    try:
+        ds = xr.Dataset({"mean": (("vocab", "hidden"), sample)})
+        t0 = time.perf_counter()
+        ds.to_zarr(tmp / "g", mode="w", encoding=_encoding(ds), **XR)
+        return sample.nbytes / max(time.perf_counter() - t0, 1e-6)
+    except OSError:
+        return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def recover_swap(path: str | Path, group: str, files: CheckpointFiles) -> None:

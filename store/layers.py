@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.encoding import position_chunk
+from ncanalyze.store.chunks import position_chunk
 from ncanalyze.store.resume import RESTART
 
 log = logging.getLogger(__name__)
