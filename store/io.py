@@ -119,12 +119,14 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
 
 
 def read_group(path: str | Path, group: str, **kwargs) -> xr.Dataset:
-    """One checkpoint's dataset, lazily.
+    """One group's dataset, lazily; a layer group's with its checkpoint's classifier, stored once (classifier.py).
 
     Parameters
     ----------
     path, group
-        The store and the group (``<run>/<checkpoint>``).
+        The store and the group (``<run>/<checkpoint>``, or a layer group ``<run>/<checkpoint>/layers/<l>``).
+    kwargs
+        ``xarray.open_zarr``'s (``chunks``).
 
     Returns
     -------
@@ -132,15 +134,19 @@ def read_group(path: str | Path, group: str, **kwargs) -> xr.Dataset:
         Its variables, lazily.
     """
     try:
-        return xr.open_zarr(Path(path), group=group, **XR, **kwargs)
+        ds = xr.open_zarr(Path(path), group=group, **XR, **kwargs)
+        owner = classifier.checkpoint_group(group)
+        if owner != group and HEAD[0] not in ds.variables:
+            ds = classifier.with_head(ds, xr.open_zarr(Path(path), group=owner, **XR, **kwargs))
+        return ds
     except MISSING_GROUP:
         raise UserError(f"no checkpoint group {group!r} in {path}; groups are <run>/<checkpoint>, as in "
                         "metrics.csv") from None
 
 
 def read_statistics(path: str | Path, group: str) -> xr.Dataset:
-    """The variables of a group that the metrics read (schema.MEASURED), loaded; a UserError naming the group and the
-    fix if any of its data is missing or corrupt.
+    """The variables of a group that the metrics read (schema.MEASURED), loaded (a layer group's with its
+    checkpoint's classifier); a UserError naming the group and the fix if any of its data is missing or corrupt.
 
     Parameters
     ----------
@@ -153,16 +159,12 @@ def read_statistics(path: str | Path, group: str) -> xr.Dataset:
         The measured variables, in memory.
     """
     fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / group}"
-    missing = missing_chunks(path, group)
+    owner, missing = classifier.checkpoint_group(group), missing_chunks(path, group)
+    if owner != group and HEAD[0] not in zarr.open_group(path, path=group, mode="r", **ZARR):  # the head stored once
+        missing += [f"{owner}'s {m}" for m in missing_chunks(path, owner) if m.split()[0] in HEAD]
     if missing:
         raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
-    owner = classifier.checkpoint_group(group)
     ds = read_group(path, group, chunks=None)  # read straight into one array each (through dask: twice the memory)
-    if HEAD[0] not in ds.variables and owner != group:  # a layer group: the head is its checkpoint's, stored once
-        missing = [f"{owner}'s {m}" for m in missing_chunks(path, owner) if m.split()[0] in HEAD]
-        if missing:
-            raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
-        ds = classifier.with_head(ds, read_group(path, owner, chunks=None))
     try:
         return ds[[v for v in MEASURED if v in ds]].load()
     except CHUNK_ERRORS as e:

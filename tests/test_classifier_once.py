@@ -14,6 +14,7 @@ from conftest import EXTRACT_OPTS, run_cli
 
 import ncanalyze.store
 from ncanalyze.analyzer import class_stats, measure
+from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import HEAD
 from ncanalyze.store import io
 from ncanalyze.store.classifier import checkpoint_group
@@ -156,6 +157,7 @@ def test_store_open_gives_every_layer_node_the_checkpoints_head_lazily(stores):
         ours = {k: (v if np.isfinite(v) else None) for k, v in ds.nc.measure().items()}
         assert_same_metrics(ours, stored_metrics(new, f"{ckpt}/layers/{l}"))
         np.testing.assert_array_equal(ds["classifier"].values, W)
+        np.testing.assert_array_equal(io.read_group(new, f"{ckpt}/layers/{l}")["classifier"].values, W)
     assert tree.nc.table()["nc3_cos_mean"].notna().sum() == len(LAYERS) + 1
 
 
@@ -181,6 +183,10 @@ def test_a_head_with_a_bias_is_written_once_and_every_layer_reads_it(tmp_path):
         np.testing.assert_array_equal(read["classifier_bias"].values, b)
         assert_same_metrics(measure(read), measure(made[layer]))
     assert measure(made[0])["nc3_cos_mean"] != measure(made[1])["nc3_cos_mean"]
+    chunk = next(p for p in (store / group / "classifier").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk.unlink()  # the one copy of the head loses a chunk: every layer that refers to it says so, in one line
+    with pytest.raises(UserError, match=f"{group}/layers/0 lacks data chunks \\({group}'s classifier"):
+        io.read_statistics(store, f"{group}/layers/0")
 
 
 class _Named:
