@@ -18,7 +18,11 @@ NAME = "nc"
 
 @xr.register_dataset_accessor(NAME)
 class DatasetAccessor:
-    """``ds.nc``: the neural-collapse metrics of one checkpoint's dataset (a store group, or ``class_stats``)."""
+    """``ds.nc``: the neural-collapse metrics of one checkpoint's dataset (a store group, or ``class_stats``).
+
+    A layer group's classifier is stored once, in its checkpoint group: ``ncanalyze.store.open(path)[layer]`` has it
+    (attached, lazily); on a tree of plain ``xarray.open_datatree`` take ``node.to_dataset(inherit="all_coords")``,
+    else NC3 and the head's erank are nan (with a warning)."""
 
     def __init__(self, ds: xr.Dataset) -> None:
         self._ds = ds
