@@ -208,7 +208,7 @@ def test_class_sums_at_the_real_vocabulary_with_zipf_labels_equal_brute_force_wi
     """Zipf labels over V = 128,256 (a few hot classes, a long tail): batches folded by the sorted segment reduction
     equal a numpy float64 brute force to 1e-12; the batch's grouping shared between layers (as the train pass shares
     it) gives bit for bit the statistics of each layer grouping on its own, and a second run is bit for bit the
-    first (no atomics: deterministic)."""
+    first (no atomics: deterministic); the segment reduction CUDA runs gives the CPU's sums bit for bit."""
     from ncanalyze.analyzer.accumulate import Groups
 
     rng = np.random.default_rng(11)
@@ -221,6 +221,8 @@ def test_class_sums_at_the_real_vocabulary_with_zipf_labels_equal_brute_force_wi
         hb, yb = h[s:s + n], y[s:s + n]
         groups = Groups(yb)
         assert torch.equal(groups.classes, torch.unique(yb)) and int(groups.lengths.sum()) == n
+        sorted_rows = groups.sort(hb.double())  # CUDA's segment reduction and the CPU's index_add_: the same sums
+        assert torch.equal(groups.sum(sorted_rows, segmented=True), groups.sum(sorted_rows, segmented=False))
         own.update(hb, yb)
         shared.update(hb, yb, groups)
         again.update(hb, yb, groups)
