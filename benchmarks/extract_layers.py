@@ -162,7 +162,7 @@ def main() -> None:
           f"{'; '.join(','.join(map(str, q)) for q in layered.passes)})")
     if args.preset:
         full = passes_on_80gb(args.preset, args.samples_per_class)
-        print(f"  on one 80 GB GPU, {args.preset} at its full shape: {len(full.passes)} passes of at most "
+        print(f"  on one 80 GB GPU, {args.preset} at its full shape: {len(full.passes)} pass(es) of at most "
               f"{full.widest_pass} layers by memory.state_bytes (--layers-per-pass auto)")
     (ours, r_ours), (fw, r_fw) = rate.items()
     print(f"  {ours:>24}: {r_ours:>10,.0f} tokens/s, {r_ours * n_pass:,.0f} tokens/s per pass")
