@@ -33,6 +33,46 @@ class Accumulator(Protocol):
         """Take the arrays of a :meth:`state_dict` (copied in place)."""
 
 
+class Groups:
+    """A batch's tokens grouped by label, once for every layer that reads the batch: ``order`` (a stable argsort of
+    the labels), ``classes`` (the labels present, ascending), ``lengths`` (their tokens, int64) and ``row`` (each
+    sorted token's group). Sums over a group are reductions over its contiguous sorted rows (:meth:`sum`): no
+    atomics, so hot classes do not serialise and float64 sums are the same on every run; nothing of size
+    n x num_classes is formed.
+
+    Parameters
+    ----------
+    y : the labels (n), int64, on the device of the sums.
+    """
+
+    def __init__(self, y: torch.Tensor):
+        self.order = torch.argsort(y, stable=True)
+        self.classes, self.lengths = torch.unique_consecutive(y[self.order], return_counts=True)
+        self.row = torch.repeat_interleave(torch.arange(len(self.classes), device=y.device), self.lengths)
+
+    def sort(self, h: torch.Tensor) -> torch.Tensor:
+        """The rows of ``h`` (n x ...) in group order."""
+        return h[self.order]
+
+    def sum(self, x: torch.Tensor, segmented: bool | None = None) -> torch.Tensor:
+        """Each group's sum of the rows of ``x`` (sorted by :meth:`sort`), in row order.
+
+        Parameters
+        ----------
+        x : sorted rows (n x ...).
+        segmented : ``torch.segment_reduce`` (a sequential loop per segment and column, or CUB's segmented
+            reduction, on CUDA: no atomics, deterministic), else ``index_add_`` (sequential on the CPU: the same sums,
+            3x faster there; on CUDA it would use atomics). Default: on CUDA.
+
+        Returns
+        -------
+        Tensor : the sums (groups x ...).
+        """
+        if x.is_cuda if segmented is None else segmented:
+            return torch.segment_reduce(x, "sum", lengths=self.lengths, axis=0, unsafe=True)
+        return torch.zeros(len(self.classes), *x.shape[1:], dtype=x.dtype).index_add_(0, self.row, x)
+
+
 class ClassStats(Accumulator):
     """Running per-class count, mean, squared deviation (M2) and pooled within-class scatter.
 
@@ -48,15 +88,18 @@ class ClassStats(Accumulator):
         self.scatter = torch.zeros(dim, dim, **kw) if scatter else None  # sum (h - mu_c)(h - mu_c)^T
         self.unit_sum = torch.zeros(dim, **kw)  # sum h / ||h|| over every token (anisotropy)
 
-    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+    def update(self, h: torch.Tensor, y: torch.Tensor, groups: Groups | None = None) -> None:
+        """Fold in features ``h`` (n x d) with labels ``y`` (n); ``groups`` (:class:`Groups` of ``y`` on the
+        statistics' device) may be given to share one grouping of a batch between the layers that read it."""
+        if len(y) == 0:
+            return
+        g = groups if groups is not None else Groups(y.to(self.mean.device, torch.int64))
         h = h.to(self.mean.device, torch.float64)
-        y = y.to(self.mean.device, torch.int64)
-        classes, inv, n_b = torch.unique(y, return_inverse=True, return_counts=True)
-        n_b = n_b.to(torch.float64)
-        mean_b = torch.zeros(len(classes), h.shape[1], dtype=torch.float64, device=h.device).index_add_(0, inv, h)
-        mean_b /= n_b[:, None]
-        dev = h - mean_b[inv]
-        m2_b = torch.zeros_like(n_b).index_add_(0, inv, (dev * dev).sum(1))
+        hs, classes = g.sort(h), g.classes
+        n_b = g.lengths.to(torch.float64)
+        mean_b = g.sum(hs) / n_b[:, None]
+        dev = hs - mean_b[g.row]
+        m2_b = g.sum((dev * dev).sum(1))
         n_a = self.count[classes].to(torch.float64)
         n = n_a + n_b
         delta = mean_b - self.mean[classes]
@@ -65,8 +108,8 @@ class ClassStats(Accumulator):
         self.m2[classes] += m2_b + w * (delta * delta).sum(1)
         if self.scatter is not None:
             self.scatter += dev.T @ dev + (delta * w[:, None]).T @ delta
-        self.unit_sum += torch.nn.functional.normalize(h, dim=1).sum(0)
-        self.count[classes] += n_b.to(torch.int64)
+        self.unit_sum += torch.nn.functional.normalize(h, dim=1).sum(0)  # in stream order
+        self.count[classes] += g.lengths
 
     def merge(self, other: "ClassStats") -> "ClassStats":
         """Fold in the statistics of another stream (disjoint tokens) with Chan's parallel formula, exactly as
@@ -117,24 +160,23 @@ class ClassStats(Accumulator):
             getattr(self, k).copy_(torch.as_tensor(v))
 
 
-def kept_head(classifier: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
-    """The head's rows of the kept classes in float64, and their bias (zeros without one), on ``kept``'s device.
+def float64_head(classifier: torch.Tensor, bias: torch.Tensor | None,
+                 device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer in float64 on ``device`` (default: the classifier's): one copy for a whole validation pass,
+    shared by the loss and every layer's NC4 decisions (none where the head is float64 there already).
 
     Parameters
     ----------
     classifier, bias : the output layer's weight (vocab x d) and bias (vocab) or None.
-    kept : the kept classes' indices.
+    device : where the validation pass runs.
 
     Returns
     -------
-    (w, b) : the kept rows (|kept| x d) and their bias (|kept|), float64.
+    (w, b) : the weight (vocab x d) and bias (vocab, or None), float64.
     """
-    device = kept.device
-    w = classifier.to(device, torch.float64)[kept]
-    b = (bias.to(device, torch.float64)[kept] if bias is not None
-         else torch.zeros(len(kept), dtype=torch.float64, device=device))
-    return w, b
+    device = classifier.device if device is None else device
+    return (classifier.to(device, torch.float64),
+            None if bias is None else bias.to(device, torch.float64))
 
 
 class Sums(Accumulator):
@@ -160,15 +202,22 @@ class Sums(Accumulator):
             self.sums()[n].copy_(torch.as_tensor(state[n]))
 
 
+# classes scored at a time by NC4's decisions (their head rows and means gathered for the tile)
+TILE = 1 << 14
+
+
 class DecisionCounts(Sums):
     """NC4's counts per true class, over the kept classes ``kept`` (float64): ``val_count`` tokens,
     ``val_correct`` hits of the linear argmax_c (w_c . z + b_c), and ``val_ncc_agree`` tokens where that
     argmax equals the nearest-class-mean decision argmin_c ||h - mu_c||^2 = argmax_c (mu_c . h - ||mu_c||^2 / 2).
 
     ``z`` is ``h`` itself, or ``lens(h)`` with a ``lens`` (the logit lens at an earlier layer: the model's final norm);
-    the nearest class mean always reads the raw ``h`` and ``mean``. Scores are formed for at most ``budget``
-    (token, class) cells at a time; ``counts`` may be given to continue from earlier counts (updated in place);
-    ``head`` (:func:`kept_head`'s ``(w, b)``) may be given to share one float64 copy of the head between layers.
+    the nearest class mean always reads the raw ``h`` and ``mean``. The means are read in place (no copy of the kept
+    ones); ``head`` (:func:`float64_head`) may be given to share one float64 head between the loss and the layers.
+    The kept classes are scored a tile of at most :data:`TILE` at a time (their head rows and means gathered for the
+    tile, at most ``budget`` cells), over chunks of tokens of at most ``budget`` (token, class) cells, and the argmax
+    carried across tiles (the first of equal scores, as one argmax over all). ``counts`` may be given to continue
+    from earlier counts (updated in place).
     """
 
     NAMES = ("val_count", "val_correct", "val_ncc_agree")
@@ -176,48 +225,74 @@ class DecisionCounts(Sums):
     def __init__(self, classifier: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor, kept: torch.Tensor,
                  counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25,
                  lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 head: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 head: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         device = mean.device
         self.kept = kept.to(device)
-        self.w, self.b = head if head is not None else kept_head(classifier, bias, self.kept)
-        self.mu = mean.to(torch.float64)[self.kept]
-        self.half_sq = 0.5 * (self.mu * self.mu).sum(1)
+        self.w, self.b = head if head is not None else float64_head(classifier, bias, device)
+        self.mean = mean.to(torch.float64)  # the layer's own float64 means: no copy
+        self.tile = max(1, min(TILE, budget // max(1, self.mean.shape[1])))
+        self.half_sq = torch.cat([0.5 * (m * m).sum(1) for m in self._tiles(self.mean)]) if len(self.kept) else \
+            torch.zeros(0, dtype=torch.float64, device=device)
         self.counts = counts or self.zeros(classifier.shape[0], device)
         self.lens = lens
-        self.chunk = max(1, budget // max(1, len(self.kept)))
+        self.chunk = max(1, budget // max(1, min(len(self.kept), self.tile)))
 
     @classmethod
     def zeros(cls, vocab: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Fresh counts: each of :attr:`NAMES` a zero int64 vector of ``vocab``."""
         return {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in cls.NAMES}
 
+    def _tiles(self, rows: torch.Tensor):
+        """The kept rows of ``rows`` (vocab x ...), a tile of classes at a time (gathered, float64)."""
+        for s in range(0, len(self.kept), self.tile):
+            yield rows[self.kept[s:s + self.tile].to(rows.device)].to(self.mean.device, torch.float64)
+
+    def _argmax(self, x: torch.Tensor, rows: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+        """The kept class of the largest ``x . rows_c + offset_c`` for each row of ``x`` (ties: the first kept)."""
+        best = torch.full((len(x),), -torch.inf, dtype=torch.float64, device=x.device)
+        arg = torch.zeros(len(x), dtype=torch.int64, device=x.device)
+        for i, r in enumerate(self._tiles(rows)):
+            s = x @ r.T
+            if offset is not None:
+                s += offset[i * self.tile:i * self.tile + len(r)]
+            v, j = s.max(1)
+            better = v > best
+            best, arg = torch.where(better, v, best), torch.where(better, j + i * self.tile, arg)
+        return self.kept[arg]
+
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         z = None
         if self.lens is not None:
             with torch.inference_mode():
-                z = self.lens(h).to(self.mu.device, torch.float64)
-        h, y = h.to(self.mu.device, torch.float64), y.to(self.mu.device, torch.int64)
+                z = self.lens(h).to(self.mean.device, torch.float64)
+        h, y = h.to(self.mean.device, torch.float64), y.to(self.mean.device, torch.int64)
         z = h if z is None else z
+        b = None if self.b is None else self.b[self.kept]
         for s in range(0, len(y), self.chunk):
             hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
-            self.count(hc, yc, zc @ self.w.T + self.b)
+            self.count(hc, yc, self._argmax(zc, self.w, b))
 
-    def count(self, h: torch.Tensor, y: torch.Tensor, scores: torch.Tensor) -> None:
-        """Count a chunk whose linear scores over the kept classes are given: ``scores`` (n x |kept|, float64),
-        e.g. the kept columns of the head's logits the loss forms anyway (the head's logits formed once).
+    def count(self, h: torch.Tensor, y: torch.Tensor, linear: torch.Tensor) -> None:
+        """Count a chunk whose linear decisions are given: ``linear`` (n, the kept class of the largest
+        w_c . z + b_c), e.g. the argmax of the kept columns of the head's logits the loss forms anyway (the head's
+        logits formed once).
 
         Parameters
         ----------
         h : the chunk's raw features (n x d), float64 on the counts' device.
         y : their labels (n), int64.
-        scores : w_c . z + b_c for the kept classes c (n x |kept|).
+        linear : the linear decision of each token (n), int64 class ids.
         """
         vocab = self.counts["val_count"].shape[0]
-        linear = self.kept[scores.argmax(1)]
-        ncc = self.kept[(h @ self.mu.T - self.half_sq).argmax(1)]
+        ncc = self._argmax(h, self.mean, -self.half_sq)
         self.counts["val_count"] += torch.bincount(y, minlength=vocab)
         self.counts["val_correct"] += torch.bincount(y[linear == y], minlength=vocab)
         self.counts["val_ncc_agree"] += torch.bincount(y[linear == ncc], minlength=vocab)
+
+    def decide(self, logits: torch.Tensor) -> torch.Tensor:
+        """The linear decisions from a chunk's head logits over the whole vocabulary (n x vocab): the kept class of
+        each row's largest logit among the kept (ties: the first kept)."""
+        return self.kept[logits[:, self.kept].argmax(1)]
 
     def sums(self) -> dict[str, torch.Tensor]:
         """The counts (merged across parts counted with the same head, means and kept classes)."""

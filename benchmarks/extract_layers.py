@@ -8,7 +8,8 @@
 8192; llama-3.1-8b: 4096, 32, 32, 8, 14336; vocabulary 128,256), random-initialised from its config (no download),
 bf16 on CUDA; ``--scale s`` divides its width, MLP width, heads and blocks by s (at least 2 blocks, the vocabulary
 kept) so it runs on a CPU. The layers are grouped by ``--layers-per-pass auto`` (memory.fit_plan, under
-``--state-memory`` or the device's free memory), and the number of passes it chose is printed.
+``--state-memory`` or the device's free memory), and the number of passes it chose is printed; with ``--preset``, also
+the passes ``auto`` would choose for the full shape on one 80 GB GPU, by the memory formula (on any device).
 
 Prints tokens/s of the extraction (every pass's train pass: a forward cut at the pass's deepest layer, per layer the
 float64 Chan statistics and the reservoir), per pass (tokens x passes / time), and of the base model's forward alone
@@ -31,7 +32,7 @@ from transformers import GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig, LlamaForC
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import open_blocks
 from ncanalyze.store.layers import Plan, plan
-from ncanalyze.store.memory import fit_plan, parse_size
+from ncanalyze.store.memory import budget_of, fit_plan, parse_size
 from ncanalyze.store.passes import run_passes
 from ncanalyze.store.resume import Saver
 from ncanalyze.store.running import Extraction
@@ -61,6 +62,19 @@ def build(args) -> tuple[torch.nn.Module, str]:
                           attention_types=[[["global", "local"], args.layers // 2]], max_position_embeddings=2048,
                           intermediate_size=4 * args.width)
     return GPTNeoForCausalLM(config).to(args.device).eval(), "GPT-Neo"
+
+
+def passes_on_80gb(preset: str, samples_per_class: int) -> Plan:
+    """The passes ``--layers all --layers-per-pass auto`` chooses for the preset's full shape on one 80 GiB GPU, by
+    memory.state_bytes: the bf16 weights (counted on a meta-device model: nothing is allocated) and state_budget's
+    margin taken from 80 GiB, the reservoir on the CPU."""
+    width, blocks, heads, kv, mlp, vocab = PRESETS[preset]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=blocks, num_attention_heads=heads,
+                         num_key_value_heads=kv, intermediate_size=mlp, tie_word_embeddings=False)
+    with torch.device("meta"):
+        weights = 2 * sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    return fit_plan(plan("all", "auto", 0, "float32", blocks), vocab, width, samples_per_class, torch.device("cuda"),
+                    budget_of(80 * 2**30 - weights))
 
 
 def timers(model, layered: Plan, args, blocks, tmp: str) -> dict:
@@ -146,6 +160,10 @@ def main() -> None:
           f"batch {args.batch_size} x {args.block_size}, {n_tok:,} tokens, {args.device}, median of {args.repeats}")
     print(f"  passes: {n_pass} (--layers-per-pass {args.layers_per_pass}: "
           f"{'; '.join(','.join(map(str, q)) for q in layered.passes)})")
+    if args.preset:
+        full = passes_on_80gb(args.preset, args.samples_per_class)
+        print(f"  on one 80 GB GPU, {args.preset} at its full shape: {len(full.passes)} pass(es) of at most "
+              f"{full.widest_pass} layers by memory.state_bytes (--layers-per-pass auto)")
     (ours, r_ours), (fw, r_fw) = rate.items()
     print(f"  {ours:>24}: {r_ours:>10,.0f} tokens/s, {r_ours * n_pass:,.0f} tokens/s per pass")
     print(f"  {fw:>24}: {r_fw:>10,.0f} tokens/s")

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ncanalyze.analyzer.accumulate import DecisionCounts
+from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store import io
 from ncanalyze.store.data import Blocks
@@ -194,8 +194,9 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int,
     if not validation:
         return forward, train, 0.0, 0.0
     kept = torch.arange(max(1, n_kept), device=device)
-    counts = DecisionCounts(classifier, bias, ex.stats.mean, kept)
-    loss = NextTokenLoss(classifier, bias, LogitTransform.of(model.config))
+    shared = float64_head(classifier, bias, device)  # one float64 head for both, as the validation pass has it
+    counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, head=shared)
+    loss = NextTokenLoss(*shared, LogitTransform.of(model.config))
     decide = _per_rows(lambda m: counts.update(h[:m], labels[:m]), len(y), len(kept), dim, device)
     return forward, train, decide, _per_rows(lambda m: loss.update(h[:m], labels[:m]), len(y), vocab, dim, device)
 

@@ -68,7 +68,8 @@ class LogitTransform:
 
 
 class NextTokenLoss(Sums):
-    """Running sums of the full-vocabulary cross-entropy (float64) and of argmax hits over validation tokens.
+    """Running sums of the full-vocabulary cross-entropy (float64) and of argmax hits over validation tokens. A float64
+    head (``ncanalyze.analyzer.accumulate.float64_head``) is used as it is, not copied.
 
     ``state`` (``loss_sum`` float64, ``correct`` and ``tokens`` int64, 0-d tensors) may be given to continue from
     earlier sums (updated in place); it is part of the resume state, so a resumed pass ends bit-identical."""
@@ -120,17 +121,18 @@ class NextTokenLoss(Sums):
 
 @torch.inference_mode()
 def matches_model(model, ids: torch.Tensor, h: torch.Tensor, classifier: torch.Tensor, bias: torch.Tensor | None,
-                  transform: LogitTransform) -> bool:
+                  transform: LogitTransform, dtype: torch.dtype | None = None) -> bool:
     """Whether ``transform`` of the head applied to features ``h`` (the first block's, L-1 x d) gives the model's own
     logits for that block: a model whose output differs in a way :meth:`LogitTransform.of` does not know is caught
-    rather than measured wrong."""
+    rather than measured wrong. ``dtype`` is the model head's own (default ``classifier``'s), for the tolerance; a
+    float64 ``classifier`` is read as it is."""
     own = model(input_ids=ids[:1]).logits[0, :-1].to(torch.float64)
     ours = h.to(torch.float64) @ classifier.to(torch.float64).T
     if bias is not None:
         ours += bias.to(torch.float64)
     ours = transform(ours)
     scale = float(own.abs().max()) or 1.0
-    return float((own - ours).abs().max()) <= TOLERANCE.get(classifier.dtype, 1e-2) * scale
+    return float((own - ours).abs().max()) <= TOLERANCE.get(dtype or classifier.dtype, 1e-2) * scale
 
 
 def loss_attrs(state: dict[str, torch.Tensor], transform: LogitTransform | None) -> dict:

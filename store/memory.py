@@ -16,13 +16,28 @@ log = logging.getLogger(__name__)
 
 
 def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> tuple[int, int]:
-    """(bytes per layer, bytes shared by the layers) of an extraction's running state on ``device``: per layer the
-    float64 means, the per-class vectors (count, M2, 3 validation counts), the d x d scatter, and in the validation
-    pass the kept means' float64 copy; shared, the head's float64 copy. The reservoir (CPU) counts on the CPU only."""
-    per_layer = 2 * vocab * dim * 8 + 5 * vocab * 8 + dim * dim * 8
+    """(bytes per layer, bytes shared by the layers) of an extraction's running state on ``device``, as the passes
+    hold it (``tests/test_frontier.py`` measures it). Per layer: the float64 means (vocab x d), the d x d scatter, the
+    per-class vectors (count, M2, 3 validation counts, and in the validation pass the kept means' half squared
+    norms; the means themselves are read in place) and the unit-vector sum; on the CPU also the reservoir (float32
+    samples, their keys and positions), which lives on the CPU whatever the device. Shared: the head's float64 copy
+    and bias, and the kept classes' indices, one for the whole validation pass (the loss and every layer read it).
+    The batches' transient work (bounded chunks) is left to :func:`state_budget`'s margin.
+
+    Parameters
+    ----------
+    vocab, dim : the head's shape.
+    samples_per_class : the reservoir's samples per class.
+    device : where the state lives.
+
+    Returns
+    -------
+    (per_layer, shared) : bytes.
+    """
+    per_layer = vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8
     if device.type == "cpu":
         per_layer += vocab * samples_per_class * (4 * dim + 16)
-    return per_layer, vocab * dim * 8
+    return per_layer, vocab * dim * 8 + 2 * vocab * 8
 
 
 def available_bytes(device: torch.device) -> int:
@@ -78,7 +93,13 @@ def state_budget(device: torch.device, state_memory: int | None = None) -> int:
     """
     if state_memory is not None:
         return int(state_memory)
-    free = available_bytes(device)
+    return budget_of(available_bytes(device))
+
+
+def budget_of(free: int) -> int:
+    """The state's share of ``free`` bytes: all but a margin for the forward's activations and the validation's
+    chunks of logits and scores, a tenth of it and at least 1 GiB (e.g. on an 80 GiB GPU holding a model's weights,
+    ``budget_of(80 * 2**30 - weights)``)."""
     return max(0, free - max(free // 10, 1 << 30))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ncanalyze.analyzer.accumulate import DecisionCounts, kept_head
+from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.data import Blocks
 from ncanalyze.store.layers import FINAL_NORMS, final_norm
@@ -251,8 +251,9 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
         first = ex.batches * batch_size
         pos = ((first + np.arange(len(batch)))[:, None] * L + np.arange(L - 1)).ravel()
         labels = batch[:, 1:].ravel()
+        groups = Groups(y.to(ex.device))  # the batch's labels grouped once for every layer
         for i, s in enumerate(ex.layers.values()):
-            s.stats.update(h[i], y)
+            s.stats.update(h[i], y, groups)
             s.reservoir.update(h[i], labels, pos)
         if ex.embeddings is not None:
             ex.embeddings.write(first * (L - 1), dict(zip(ex.layers, h)), y, pos)
@@ -261,7 +262,7 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
                         "--block-size")
 
 
-def model_loss(model, blocks: Blocks, classifier: torch.Tensor, bias: torch.Tensor | None,
+def model_loss(model, blocks: Blocks, head: tuple[torch.Tensor, torch.Tensor | None], dtype: torch.dtype,
                state: dict[str, torch.Tensor], desc: str) -> tuple[LogitTransform | None, NextTokenLoss | None]:
     """The model's own full-vocabulary loss, accumulated into ``state`` (a layer's ``lm``) as the validation pass
     feeds it the last layer's features: its logit transform, checked against the model's own logits on a prefix of
@@ -271,7 +272,8 @@ def model_loss(model, blocks: Blocks, classifier: torch.Tensor, bias: torch.Tens
     ----------
     model : the causal LM.
     blocks : the validation blocks.
-    classifier, bias : the output layer's weight and bias (or None).
+    head : the output layer's float64 weight and bias (or None), as :func:`val_state` shares it.
+    dtype : the model's head's own dtype (how close its logits must be to ours).
     state : the loss sums to continue (updated in place).
     desc : the checkpoint, for the warning.
 
@@ -282,12 +284,36 @@ def model_loss(model, blocks: Blocks, classifier: torch.Tensor, bias: torch.Tens
     transform = LogitTransform.of(model.config)
     first = next(blocks.batches(1), None)
     if first is not None:
-        ids = torch.from_numpy(first[:1, :64]).to(classifier.device)  # a prefix is enough (causal)
-        if not matches_model(model, ids, features(model, ids)[0], classifier, bias, transform):
+        ids = torch.from_numpy(first[:1, :64]).to(head[0].device)  # a prefix is enough (causal)
+        if not matches_model(model, ids, features(model, ids)[0], *head, transform, dtype):
             log.warning("warning: %s: the model's own logits are not its head's under %s; val_loss and val_accuracy "
                         "are left out (model type %s)", desc, transform.describe(), model.config.model_type)
             return None, None
-    return transform, NextTokenLoss(classifier, bias, transform, state=state)
+    return transform, NextTokenLoss(*head, transform, state=state)
+
+
+def val_state(ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None, min_count: int,
+              lens: Callable[[torch.Tensor], torch.Tensor] | None
+              ) -> tuple[list[DecisionCounts], tuple[torch.Tensor, torch.Tensor | None]]:
+    """What a validation pass holds beside the layers' statistics: one float64 head on the state's device, shared by
+    the loss and every layer's NC4 decisions, which read the layers' means in place (no per-layer copy).
+
+    Parameters
+    ----------
+    ex : the running state (its current pass's layers; the classes kept are those of ``min_count`` train tokens).
+    classifier, bias : the output layer's weight and bias (or None).
+    min_count : the train tokens a class needs to be kept.
+    lens : the model's final norm, for the layers below the last (None: no layer below the last in the pass).
+
+    Returns
+    -------
+    (counts, head) : each layer's :class:`DecisionCounts` (in the pass's order), and the float64 (weight, bias).
+    """
+    kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
+    head = float64_head(classifier, bias, ex.device)
+    counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=head,
+                             lens=None if l == ex.plan.last else lens) for l, s in ex.layers.items()]
+    return counts, head
 
 
 def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
@@ -311,25 +337,20 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     if norm is None and any(l != ex.plan.last for l in ex.layers):
         raise UserError(f"NC4 at layers other than the last needs the model's final norm, and none of "
                         f"{', '.join(FINAL_NORMS)} is on this model; pass --max-val-tokens 0 or --layers last")
-    kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
-    shared = kept_head(classifier, bias, kept)  # one float64 copy of the kept rows for every layer
-    counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=shared,
-                             lens=None if l == ex.plan.last else norm[1]) for l, s in ex.layers.items()]
+    counts, head = val_state(ex, classifier, bias, min_count, norm[1] if norm else None)
     transform, loss, last = None, None, list(ex.layers).index(ex.plan.last) if ex.plan.last in ex.layers else None
     if last is not None:
-        transform, loss = model_loss(model, blocks, classifier, bias, ex.main().lm, desc)
-    if loss:  # the last layer's decisions read the kept columns of the logits the loss forms: formed once
-        head = counts[last]
-        shares = head.w.device == classifier.device
+        transform, loss = model_loss(model, blocks, head, classifier.dtype, ex.main().lm, desc)
 
-        def decide(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
-            head.count(hc, yc, logits[:, head.kept])
+    def decide(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
+        # the last layer's decisions read the kept columns of the logits the loss forms: formed once
+        counts[last].count(hc, yc, counts[last].decide(logits))
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
         for i, (c, hl) in enumerate(zip(counts, h)):
-            if not (loss and shares and i == last):
+            if not (loss and i == last):
                 c.update(hl, y)
         if loss:
-            loss.update(h[last], y, decide if shares else None)
+            loss.update(h[last], y, decide)
     return transform
 
 

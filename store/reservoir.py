@@ -38,7 +38,9 @@ class Reservoir(Accumulator):
         self.k, self.seed = k, seed
         self.key = np.full((num_classes, k), EMPTY, dtype=np.uint64)
         self.position = np.full((num_classes, k), -1, dtype=np.int64)
-        self.samples = np.zeros((num_classes, k, dim), dtype=np.float32)
+        # written now, sequentially: left as lazy zero pages, the scattered first writes of many classes first seen
+        # fault page by page (3 layers at V = 128,256, d = 1,024, a fresh process: 7.0 s against 2.7 s)
+        self.samples = np.full((num_classes, k, dim), 0.0, dtype=np.float32)
 
     def update(self, h: torch.Tensor, y: np.ndarray, pos: np.ndarray) -> None:
         """Offer features ``h`` (n x d) with labels ``y`` and stream positions ``pos``."""

@@ -202,3 +202,45 @@ def test_resume_states_in_earlier_names_load_or_are_refused(tmp_path):
     assert (ex.pass_index, list(ex.layers)) == (1, [2])
     np.testing.assert_array_equal(ex.main().stats.mean.numpy(), src.stats.mean.numpy())
     assert ex.state({}).keys() == old.keys()
+
+
+def test_class_sums_at_the_real_vocabulary_with_zipf_labels_equal_brute_force_with_one_grouping_shared():
+    """Zipf labels over V = 128,256 (a few hot classes, a long tail): batches folded by the sorted segment reduction
+    equal a numpy float64 brute force to 1e-12; the batch's grouping shared between layers (as the train pass shares
+    it) gives bit for bit the statistics of each layer grouping on its own, and a second run is bit for bit the
+    first (no atomics: deterministic); the segment reduction CUDA runs gives the CPU's sums bit for bit."""
+    from ncanalyze.analyzer.accumulate import Groups
+
+    rng = np.random.default_rng(11)
+    V, d, n, batches = 128_256, 6, 3000, 4
+    Y = np.minimum(rng.zipf(1.1, n * batches), V) - 1
+    H = rng.normal(size=(n * batches, d)) * 3 + 1
+    h, y = torch.from_numpy(H).float(), torch.from_numpy(Y)
+    own, shared, again = ClassStats(V, d), ClassStats(V, d), ClassStats(V, d)
+    for s in range(0, len(Y), n):
+        hb, yb = h[s:s + n], y[s:s + n]
+        groups = Groups(yb)
+        assert torch.equal(groups.classes, torch.unique(yb)) and int(groups.lengths.sum()) == n
+        sorted_rows = groups.sort(hb.double())  # CUDA's segment reduction and the CPU's index_add_: the same sums
+        assert torch.equal(groups.sum(sorted_rows, segmented=True), groups.sum(sorted_rows, segmented=False))
+        own.update(hb, yb)
+        shared.update(hb, yb, groups)
+        again.update(hb, yb, groups)
+    for k, v in own.state_dict().items():
+        assert torch.equal(v, shared.state_dict()[k]) and torch.equal(v, again.state_dict()[k]), k
+    X = h.double().numpy()
+    count = np.bincount(Y, minlength=V)
+    assert count.max() > 500 and (count == 1).sum() > 100  # hot classes and a long tail
+    np.testing.assert_array_equal(own.count.numpy(), count)
+    sums = np.zeros((V, d))
+    np.add.at(sums, Y, X)
+    seen = count > 0
+    mean = np.zeros((V, d))
+    mean[seen] = sums[seen] / count[seen, None]
+    dev = X - mean[Y]
+    np.testing.assert_allclose(own.mean.numpy(), mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(own.m2.numpy(), np.bincount(Y, (dev * dev).sum(1), minlength=V), rtol=1e-12,
+                               atol=1e-12)
+    np.testing.assert_allclose(own.scatter.numpy(), dev.T @ dev, rtol=1e-12)
+    np.testing.assert_allclose(own.unit_sum.numpy(), (X / np.linalg.norm(X, axis=1, keepdims=True)).sum(0),
+                               rtol=1e-12)

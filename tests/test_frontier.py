@@ -199,7 +199,7 @@ def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_ru
     alone, both = (NextTokenLoss(W, b, LogitTransform.of(model.config), budget=V * 50) for _ in range(2))
     own.update(h, y)
     alone.update(h, y)
-    both.update(h, y, lambda hc, yc, logits: shared.count(hc, yc, logits[:, shared.kept]))
+    both.update(h, y, lambda hc, yc, logits: shared.count(hc, yc, shared.decide(logits)))
     for n in DecisionCounts.NAMES:
         assert torch.equal(own.counts[n], shared.counts[n]), n
     for n in NextTokenLoss.NAMES:
@@ -238,3 +238,126 @@ def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_r
     blocks.clear()
     f(ids)  # block 0's input is untouched by the hook: that cut holds
     assert blocks == []
+
+
+def _held_bytes(*roots) -> int:
+    """The bytes of every distinct torch storage and numpy buffer reachable from ``roots`` (through lists, tuples,
+    dicts and ncanalyze objects): what the running state holds in fact, each buffer once."""
+    buffers: dict[int, int] = {}
+    seen: set[int] = set()
+
+    def walk(o) -> None:
+        if id(o) in seen:
+            return
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            buffers[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, np.ndarray):
+            base = o if o.base is None else o.base
+            buffers[base.ctypes.data] = base.nbytes
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif type(o).__module__.startswith("ncanalyze"):
+            walk(vars(o))
+    for r in roots:
+        walk(r)
+    return sum(buffers.values())
+
+
+def test_state_bytes_is_what_a_validation_pass_holds():
+    """An extraction's running state of 3 layers in its validation pass (every class kept, a float32 head with a
+    bias): the
+    buffers it holds, measured, are state_bytes' per layer x 3 + shared within 0.1% (no hidden copy of the means or
+    of the head: the loss and the layers share one float64 head)."""
+    from ncanalyze.store.loss import LogitTransform, NextTokenLoss
+    from ncanalyze.store.memory import state_bytes
+    from ncanalyze.store.passes import val_state
+    from ncanalyze.store.running import Extraction
+
+    V, d, k = 3000, 48, 2
+    plan3 = plan("all", "auto", 0, "float32", 2)
+    ex = Extraction(plan3, V, d, k, 0, torch.device("cpu"), None)
+    for s in ex.layers.values():
+        s.stats.update(torch.randn(2 * V, d), torch.arange(2 * V) % V)  # every class seen: every class kept
+    W, bias = torch.randn(V, d), torch.randn(V)
+    counts, head = val_state(ex, W, bias, 1, torch.nn.LayerNorm(d))
+    loss = NextTokenLoss(*head, LogitTransform(), state=ex.main().lm)
+    assert loss.w is head[0] and all(c.w is head[0] and c.mean is s.stats.mean
+                                     for c, s in zip(counts, ex.layers.values()))
+    held = _held_bytes(ex.layers, counts, loss)
+    per_layer, shared = state_bytes(V, d, k, torch.device("cpu"))
+    # within 0.1% (the loss's 0-d sums are not counted): one more V x d float64 copy would be 13% more
+    assert abs(held - (3 * per_layer + shared)) <= 1e-3 * held, (held, 3 * per_layer + shared)
+
+
+def test_the_8b_shape_fits_in_three_passes_on_one_80gb_gpu():
+    """Llama-3.1-8B: 33 hidden states, V = 128,256, d = 4,096, samples on the CPU. An 80 GiB H100 holding the bf16
+    weights (8.03e9 parameters x 2 bytes = 16.1 GB) has 85.90e9 - 16.1e9 = 69.80e9 bytes free; state_budget's margin
+    takes a tenth (6.98e9), leaving 62.82e9. A layer's state is 128,256 x 4,096 x 8 (4.20e9, the float64 means) +
+    4,096^2 x 8 (0.13e9, the scatter) + 6 x 128,256 x 8 (per-class vectors) + 4,096 x 8 = 4.343e9; shared, the float64
+    head 4.20e9 + 2 x 128,256 x 8. (62.82e9 - 4.205e9) / 4.343e9 = 13.5: 13 layers a pass, 3 passes (the formula that
+    counted two V x d float64 copies a layer gave 6)."""
+    from ncanalyze.store.memory import budget_of, fit_plan, state_bytes
+
+    V, d = 128_256, 4_096
+    budget = budget_of(80 * 2**30 - 16_100_000_000)
+    assert budget == 69_799_345_920 - 6_979_934_592
+    per_layer, shared = state_bytes(V, d, 8, torch.device("cuda"))
+    assert per_layer == 4_343_099_392 and shared == 4_204_744_704
+    fitted = fit_plan(plan("all", "auto", 0, "float32", 32), V, d, 8, torch.device("cuda"), budget)
+    assert len(fitted.passes) == 3 and fitted.widest_pass == 13
+    assert [l for p in fitted.passes for l in p] == list(range(33))
+    assert fitted.passes[-1] == tuple(range(20, 33))
+
+
+def _nc4_numpy(W, b, M, kept, H, Z, y):
+    """NC4's three counts by brute force in numpy float64: argmax over the kept classes of W z + b, and the nearest
+    kept class mean to h by squared distance."""
+    V = W.shape[0]
+    linear = kept[(Z @ W[kept].T + b[kept]).argmax(1)]
+    ncc = kept[((H[:, None] - M[kept][None]) ** 2).sum(-1).argmin(1)]
+    return {"val_count": np.bincount(y, minlength=V), "val_correct": np.bincount(y[linear == y], minlength=V),
+            "val_ncc_agree": np.bincount(y[linear == ncc], minlength=V)}
+
+
+def _nc4_previous(W, b, M, kept, H, Z, y):
+    """The previous path (before the tiles): the kept head rows and the kept means copied, one argmax over all."""
+    V = W.shape[0]
+    w, mu = W[kept], M[kept]
+    linear = kept[(Z @ w.T + b[kept]).argmax(1)]
+    ncc = kept[(H @ mu.T - 0.5 * (mu * mu).sum(1)).argmax(1)]
+    return {"val_count": torch.bincount(y, minlength=V), "val_correct": torch.bincount(y[linear == y], minlength=V),
+            "val_ncc_agree": torch.bincount(y[linear == ncc], minlength=V)}
+
+
+@pytest.mark.parametrize("budget", [1 << 25, 7 * 24, 24], ids=["one-tile", "tiles-of-7", "tiles-of-1"])
+def test_nc4_over_tiles_of_classes_equals_brute_force_and_the_previous_path(budget):
+    """NC4's counts with the classes scored a tile at a time (and through a lens) equal a numpy float64 brute force
+    and the previous path (the kept rows copied, one argmax), on well-separated and on near-collapsed classes."""
+    from ncanalyze.analyzer.accumulate import DecisionCounts
+
+    rng = np.random.default_rng(5)
+    V, d, n = 40, 24, 300
+    kept = torch.from_numpy(np.sort(rng.choice(V, 29, replace=False)))
+    lens = torch.nn.LayerNorm(d).double()
+    for spread in (1.0, 1e-3):
+        W = torch.from_numpy(rng.normal(size=(V, d)))
+        b = torch.from_numpy(rng.normal(size=V))
+        M = torch.from_numpy(rng.normal(size=(V, d)) * spread)
+        y = torch.from_numpy(rng.integers(0, V, n))
+        H = M[y] + torch.from_numpy(rng.normal(size=(n, d))) * spread
+        c = DecisionCounts(W, b, M, kept, budget=budget, lens=lens)
+        assert c.tile == max(1, budget // d) if budget < 1 << 25 else c.tile >= len(kept)
+        c.update(H, y)
+        with torch.no_grad():
+            Z = lens(H)
+        want = _nc4_numpy(W.numpy(), b.numpy(), M.numpy(), kept.numpy(), H.numpy(), Z.numpy(), y.numpy())
+        previous = _nc4_previous(W, b, M, kept, H, Z, y)
+        for name in DecisionCounts.NAMES:
+            np.testing.assert_array_equal(c.counts[name].numpy(), want[name], err_msg=f"{name} at spread {spread}")
+            assert torch.equal(c.counts[name], previous[name]), name
+        assert 0 < int(c.counts["val_ncc_agree"].sum()) and 0 < int(c.counts["val_correct"].sum())
