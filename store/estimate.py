@@ -48,11 +48,11 @@ log = logging.getLogger(__name__)
 
 def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,
                 embeddings_itemsize: int = 4) -> int:
-    """A checkpoint's size in the store before compression: per stored layer the float64 means, the float32 head and
-    reservoir with its positions, the 7 per-class vectors and the d x d covariance; the saved embeddings (and their
-    labels)."""
-    per_layer = vocab * dim * (8 + 4 + 4 * samples_per_class) + vocab * 8 * (7 + samples_per_class) + dim * dim * 8
-    return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8))
+    """A checkpoint's size in the store before compression: per stored layer the float64 means, the float32
+    reservoir with its positions, the 7 per-class vectors and the d x d covariance, and the saved embeddings (and
+    their labels); once per checkpoint, the float32 head (its layer groups refer to it)."""
+    per_layer = vocab * dim * (8 + 4 * samples_per_class) + vocab * 8 * (7 + samples_per_class) + dim * dim * 8
+    return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8)) + vocab * dim * 4
 
 
 START = (0, Phase.TRAIN, 0)  # the progress (pass, phase, batches done) of a checkpoint not yet started

@@ -230,3 +230,20 @@ def test_the_training_callbacks_layer_groups_refer_to_the_checkpoints_head(corpu
     for g, ours in live.items():
         assert_same_metrics(stored_metrics(store, g), ours)
         assert np.isfinite(ours["nc3_cos_mean"]), g
+
+
+def test_the_estimate_counts_the_head_once(stores):
+    """The estimate's size of a ``--layers all`` checkpoint (:func:`group_bytes`) is the bytes its groups hold, the
+    head counted once; counting it per layer (as before) would be off by (layers - 1) x the head's bytes."""
+    from ncanalyze.store.estimate import group_bytes
+
+    new, ckpt = stores["new"], stores["ckpt"]
+    groups = [ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)]
+    opened = [xr.open_zarr(new, group=g, zarr_format=3, consolidated=False) for g in groups]
+    held = sum(ds[v].nbytes for ds in opened for v in [*ds.data_vars, *HEAD]  # as extracted (no class_* metrics)
+               if v in ds.variables and not v.startswith("class_"))
+    ds = xr.open_zarr(new, group=ckpt, zarr_format=3, consolidated=False)
+    V, d, S = ds.sizes["vocab"], ds.sizes["hidden"], ds.sizes["slot"]
+    est = group_bytes(V, d, S, layers=len(groups))
+    assert est == pytest.approx(held, rel=0.01)
+    assert est + len(LAYERS) * V * d * 4 != pytest.approx(held, rel=0.05)  # the head per layer would miss it
