@@ -301,31 +301,31 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
 TORCH_CELLS = {"cuda": 1 << 25, "cpu": 1 << 20}  # Gram cells per panel (256 MiB, 8 MiB): ~12 temporaries each
 
 
-def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, device: str,
-                    panel: int | None = None) -> tuple[PairSums, np.ndarray, list[tuple[int, int, bool]]]:
-    """What :func:`pair_sums` computes, in torch float64 on ``device``: the sums over the pairs, per class its
-    CDNV sum over the others and a few coincident pairs (:func:`examples`, found on the host in the panels that
-    hold any).
+def torch_pair_sums(U, side, t0: float, panel: int | None = None
+                    ) -> tuple[PairSums, np.ndarray, list[tuple[int, int, bool]]]:
+    """What :func:`pair_sums` computes, in torch float64 on the device that holds ``U``: the sums over the pairs,
+    per class its CDNV sum over the others and a few coincident pairs (:func:`examples`, found on the host in the
+    panels that hold any, from slices of the device's arrays).
 
     Parameters
     ----------
-    U, r, var, p, t0
-        As for :func:`pair_sums`.
-    device
-        A torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+    U
+        The unit centred means u_c, a float64 tensor (n x d) on the device.
+    side
+        :func:`side_of`'s rows r, 1/r, var, p as a float64 tensor (4 x n) on the same device.
+    t0
+        The mean of T over the pairs.
     panel
         Classes per row panel (default: ``TORCH_CELLS`` Gram cells over the number of classes).
 
     Returns
     -------
     tuple
-        (PairSums, per-class CDNV sums, coincident pairs (i, j, means coincide)).
+        (PairSums, per-class CDNV sums, coincident pairs (i, j, means coincide)), on the host.
     """
     import torch
 
-    dev = torch.device(device)
-    n, side = len(U), side_of(r, var, p)
-    Ut, St = torch.as_tensor(U, device=dev), torch.as_tensor(side, device=dev)
+    n, dev = len(U), U.device
     acc = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device=dev)     # SUMS and the count of coincident means
     row = torch.zeros(n, dtype=torch.float64, device=dev)
     step = panel or max(1, TORCH_CELLS.get(dev.type, TORCH_CELLS["cuda"]) // n)
@@ -334,7 +334,7 @@ def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray
         b = min(a + step, n)
         for c0, c1, diag in ((a, b, True), (b, n, False)):
             if c1 > c0:
-                sums, rows, cols = _torch_block(Ut[a:b], St[:, a:b], Ut[c0:c1], St[:, c0:c1], t0, diag)
+                sums, rows, cols = _torch_block(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], t0, diag)
                 acc += sums
                 row[a:b] += rows
                 row[c0:c1] += cols
@@ -344,11 +344,13 @@ def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray
     if acc[0]:
         counts = torch.stack([h[0] for h in hits]).cpu().numpy()
         want = min(EXAMPLES, acc[-1]) + min(EXAMPLES, acc[0] - acc[-1])   # of each kind, as many as there are
+        host = lambda x: x.cpu().numpy()                                  # noqa: E731
         for count, (_, a, b, c0, c1, diag) in zip(counts, hits):
             if diag and len(found) >= want:                        # a new row panel: the first pairs are found
                 break
             if count:
-                found = few(found + examples(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], diag, (a, c0)))
+                found = few(found + examples(host(U[a:b]), host(side[:, a:b]), host(U[c0:c1]), host(side[:, c0:c1]),
+                                             diag, (a, c0)))
     return PairSums(*acc[:len(SUMS)].tolist()), row.cpu().numpy(), found
 
 
