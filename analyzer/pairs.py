@@ -293,12 +293,12 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
 
 # ---------------------------------------------------------------- the same sums in torch (any device)
 #
-# The definitions of reference_tile_sums, as whole-array torch float64 operations on a device (a GPU, or the CPU for
+# The definitions of reference_tile_sums as whole-array torch float64 operations on a device (a GPU, or the CPU for
 # the tests): the upper triangle of the Gram in row panels [a, b) x [a, n), each split into its diagonal square (the
-# pairs j > i) and the rectangle right of it (all pairs). torch's log is exact at 0 (-inf), so coincident pairs
-# need no other path: their terms are those of the reference.
+# pairs j > i) and the rectangle right of it (all pairs); each block is read a few times by products with per-class
+# vectors rather than through a dozen elementwise temporaries (see _torch_block).
 
-TORCH_CELLS = {"cuda": 1 << 25, "cpu": 1 << 20}  # Gram cells per panel (256 MiB, 8 MiB): ~12 temporaries each
+TORCH_CELLS = {"cuda": 1 << 25, "cpu": 1 << 20}  # Gram cells per panel (256 MiB, 8 MiB): ~3 temporaries each
 
 
 def torch_pair_sums(U, side, t0: float, panel: int | None = None
@@ -355,26 +355,44 @@ def torch_pair_sums(U, side, t0: float, panel: int | None = None
 
 
 def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
-    """One block's sums (SUMS order, then the count of coincident means), row and column sums of (v + v')/D, by the
-    definitions of :func:`reference_tile_sums` (on a ``diag`` block, the pairs j > i only)."""
+    """One block's sums (SUMS order, then the count of coincident means), row and column sums of (v + v')/D: the
+    definitions of :func:`reference_tile_sums` (on a ``diag`` block, the pairs j > i only), arranged so that the
+    block is read about a dozen times rather than forming a dozen temporaries (a GPU's time here is memory traffic).
+
+    As in the numba pass, e = D/(r r') = r/r' + r'/r - 2g (one rank-2 update of the Gram) and, with b = 1/r and
+    h = 1/e, (v + v')/D = (v + v') b b' h: every CDNV sum is a product of h (or h^2) with a few per-class vectors,
+    one pass over the block per side. A row or column holding coincident means (e <= COINCIDENT) is +inf, and so is
+    every CDNV sum of such a block, as the reference says. x = T/t0 - 1 = (c - 1) - c g (c = 2/t0, in g's place),
+    l = log1p(x); the logs of coincident directions (-inf or nan) are not used (the metrics are inf or nan there).
+    """
     import torch
 
-    (ri, _, vi, pi), (rj, _, vj, pj) = Si[:, :, None], Sj[:, None, :]
+    (ri, bi, vi, pi), (rj, bj, vj, pj) = Si, Sj
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
-    T = 2 - 2 * g
-    rr = ri * rj
-    D = ri * ri + rj * rj - 2 * rr * g                             # ||mu_c - mu_c'||^2
-    same = D <= COINCIDENT * rr
-    inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
-    q = torch.where(same, inf, (vi + vj) / D)
-    q2 = torch.where(same, inf, q / D)
-    x, l = T / t0 - 1, torch.log(T / t0)
+    e = torch.addmm(g, torch.stack([ri, bi], 1), torch.stack([bj, rj]), beta=-2)   # D/(r r')
+    bad, same = g > 1 - COINCIDENT / 2, e <= COINCIDENT            # T < COINCIDENT; coincident means
+    h = e.reciprocal_()                                            # r r'/D
     if diag:                                                       # c = c' and the lower triangle: no pairs
-        pair = torch.ones_like(same).triu_(1)
-        zero = torch.zeros((), dtype=g.dtype, device=g.device)
-        T, x, l, q, q2 = (torch.where(pair, t, inf if t is T else zero) for t in (T, x, l, q, q2))
-        same = same & pair
-    rows, cols = q.sum(1), q.sum(0)
-    sums = torch.stack([(T < COINCIDENT).sum().to(g.dtype), (x * x).sum(), l.sum(), (l * l).sum(), rows.sum(),
-                        q2.sum(), pi[:, 0] @ (q @ pj[0]), pi[:, 0] @ (l @ pj[0]), same.sum().to(g.dtype)])
+        off = torch.ones_like(same).tril_()
+        bad.masked_fill_(off, False)
+        same.masked_fill_(off, False)
+        h.masked_fill_(off, 0.0)
+    hr = h @ torch.stack([bj, bj * vj, bj * pj, bj * vj * pj], 1)  # per row: sum_j h b', h b' v', h b' p', h b' v' p'
+    hc = torch.stack([bi, bi * vi]) @ h                            # per column: sum_i h b, h b v
+    h.square_()
+    h2 = h @ torch.stack([bj * bj, bj * bj * vj], 1)
+    inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
+    rows = torch.where(same.any(1), inf, bi * (vi * hr[:, 0] + hr[:, 1]))    # sum_j (v + v') / D
+    cols = torch.where(same.any(0), inf, bj * (hc[1] + vj * hc[0]))
+    n_same = same.sum().to(g.dtype)
+    cdnv_p2, cdnv_freq = (torch.where(n_same > 0, inf, t) for t in ((bi * bi * (vi * h2[:, 0] + h2[:, 1])).sum(),
+                                                                   pi @ (bi * (vi * hr[:, 2] + hr[:, 3]))))
+    x = g.addmm_(torch.ones_like(ri)[:, None], torch.full_like(rj, 2 / t0 - 1)[None], beta=-2 / t0)  # T/t0 - 1
+    if diag:
+        x.masked_fill_(off, 0.0)
+    xx = torch.dot(x.view(-1), x.view(-1))
+    l = x.log1p_()                                                 # log(T/t0)
+    lr = l @ torch.stack([torch.ones_like(pj), pj], 1)
+    sums = torch.stack([bad.sum().to(g.dtype), xx, lr[:, 0].sum(), torch.dot(l.view(-1), l.view(-1)), rows.sum(),
+                        cdnv_p2, cdnv_freq, pi @ lr[:, 1], n_same])
     return sums, rows, cols

@@ -155,23 +155,30 @@ def _block_case(rng, ni: int, nj: int, d: int, coincide: bool):
 @pytest.mark.parametrize("coincide", [False, True])
 @pytest.mark.parametrize("diag", [False, True])
 def test_torch_block_is_the_reference_tile(diag, coincide):
-    """_torch_block's sums, rows and columns are reference_tile_sums', coincident pairs (inf CDNV terms) included;
-    its last sum counts the pairs whose means coincide."""
+    """_torch_block's sums, rows and columns are reference_tile_sums', coincident pairs (inf CDNV terms, 0/0 for two
+    zero variances) included, on a diagonal block too; its last sum counts the pairs whose means coincide."""
     rng = np.random.default_rng(int(diag) + 2 * int(coincide))
     U, side = _block_case(rng, 23, 23 if diag else 31, 8, coincide and not diag)
     if diag:
+        if coincide:              # within the block: 2 and 5 one mean and no variance (0/0), 3 and 8 one direction
+            U[0][[5, 8]] = U[0][[2, 3]]
+            side[0][:, 5] = side[0][:, 2]
+            side[0][2, [2, 5]] = 0.0
         U[1], side[1] = U[0], side[0]
     t0 = 1.3
     want = reference_tile_sums(U[0], side[0], U[1], side[1], t0, diag)
     T = [torch.from_numpy(x) for x in (U[0], side[0], U[1], side[1])]
     sums, rows, cols = (x.numpy() for x in _torch_block(*T, t0, diag))
-    keep = [0, 1, 4, 5, 6] if coincide and not diag else range(len(SUMS))   # the logs at T ~ 0 are not used
+    keep = [0, 1, 4, 5, 6] if coincide else range(len(SUMS))   # the logs at T ~ 0 are not used
     np.testing.assert_allclose(sums[list(keep)], want[0][list(keep)], rtol=SAME, atol=1e-14)
     np.testing.assert_allclose(rows, want[1], rtol=SAME, atol=1e-14)
     np.testing.assert_allclose(cols, want[2], rtol=SAME, atol=1e-14)
-    assert sums[len(SUMS)] == (1 if coincide and not diag else 0)
-    if coincide and not diag:
-        assert sums[0] == 3 and np.isinf(rows[0]) and np.isinf(sums[SUMS.index("cdnv")])
+    assert sums[len(SUMS)] == (1 if coincide else 0)
+    if coincide:
+        i, j = (2, 5) if diag else (0, 0)
+        assert sums[0] == (2 if diag else 3) and np.isinf(rows[i]) and np.isinf(cols[j])
+        assert np.isinf(sums[[SUMS.index("cdnv"), SUMS.index("cdnv_p2"), SUMS.index("cdnv_freq")]]).all()
+        assert np.isfinite(np.delete(rows, i)).all() and np.isfinite(np.delete(cols, j)).all()
 
 
 @pytest.mark.parametrize("engine", ["numba", "torch"])
