@@ -5,7 +5,8 @@ Each (vocab, hidden) array (the class means, the classifier) is read once from t
 stored dtype) and made float64 there; the kept rows are gathered, centred and normalised on the device, the d x d
 moments and the pairwise sums (pairs.torch_pair_sums) read them in place, and only vectors of length |K| or d (r,
 u_c . s, the duality terms, the per-class CDNV sums) and d x d matrices come back to the host, where metrics.py
-keeps its numpy semantics. Peak device memory: about three |K| x d float64 arrays and one Gram panel's temporaries.
+keeps its numpy semantics. Peak device memory: about three |V| x d float64 arrays (the classifier's step) and
+one Gram panel's few temporaries.
 """
 from __future__ import annotations
 
@@ -107,13 +108,15 @@ def _moments(M: torch.Tensor, A: torch.Tensor, fK: torch.Tensor, fA: torch.Tenso
     return {"MtM": M.T @ M, "MtFM": mf.T @ mf + af.T @ af, "delta": fK @ M + fA @ A}
 
 
-def _classifier_moments(var: xr.DataArray, K: np.ndarray, M: torch.Tensor, dev: torch.device) -> dict[str, torch.Tensor]:
+def _classifier_moments(var: xr.DataArray, K: np.ndarray, M: torch.Tensor,
+                        dev: torch.device) -> dict[str, torch.Tensor]:
     """W^T W over K, the row norms ``wn``, the row products ``wm`` (w_c . m_c), the column sums ``w_sum`` and
     ``head``, W^T W over the whole vocabulary: the classifier moved once in its stored dtype, its rows made float64
     on the device (those outside K in blocks of HEAD_ROWS)."""
     full = _moved(var.values, dev)
     W = full[torch.as_tensor(K, device=dev)].to(torch.float64)
-    out = {"WtW": W.T @ W, "wn": torch.linalg.vector_norm(W, dim=1), "wm": (W * M).sum(1), "w_sum": W.sum(0)}
+    out = {"WtW": W.T @ W, "wn": torch.linalg.vector_norm(W, dim=1), "wm": torch.einsum("ij,ij->i", W, M),
+           "w_sum": W.sum(0)}
     del W
     outside = torch.ones(len(full), dtype=torch.bool, device=dev)
     outside[torch.as_tensor(K, device=dev)] = False

@@ -1,6 +1,6 @@
 """The kept classes' geometry, gathered once per checkpoint for every metric: the one place where min_count is applied,
 the O(n d) algebra on the centred means, and one dask compute for the pairwise sums (pairs.py), the d x d moments
-and their spectra (spectral.py).
+and their spectra (spectral.py); or all of that in torch float64 on a device (device.py, ``measure --device cuda``).
 
 Notation, over the kept classes K = {c : count_c >= min_count} (n = |K|, pairs P = {c < c'}):
 m_c = mu_c - mu_G (centred mean), r_c = ||m_c||, u_c = m_c / r_c, T_cc' = ||u_c - u_c'||^2 = 2 - 2 cos(m_c, m_c'),
@@ -63,12 +63,12 @@ class Geometry:
     """What the metric definitions read, over the kept classes K (n = |K|; vectors are indexed like K).
 
     m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, ``us`` u_c . s (no n x d array is kept),
-    t0 = mean over P of T = ||u_c - u_c'||^2, p_c = n_c / sum_K n_c; ``pairs`` holds the pairwise sums (pairs.py) and ``row_cdnv`` each class's sum of
-    (var_c + var_c') / D over the others; ``lam``, ``V`` the eigen-decomposition of M^T M; ``spectra`` the
-    eigenvalues of the d x d matrices of the representation geometry (:func:`_spectra`). The NC3 fields need the
-    classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the within-class covariance,
-    the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of the N = ``n_tokens``
-    unit train features (anisotropy).
+    t0 = mean over P of T = ||u_c - u_c'||^2, p_c = n_c / sum_K n_c; ``pairs`` holds the pairwise sums (pairs.py) and
+    ``row_cdnv`` each class's sum of (var_c + var_c') / D over the others; ``lam``, ``V`` the eigen-decomposition of
+    M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry (:func:`_spectra`). The
+    NC3 fields need the classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the
+    within-class covariance, the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of
+    the N = ``n_tokens`` unit train features (anisotropy).
     """
     K: np.ndarray
     var: np.ndarray
