@@ -1,12 +1,14 @@
 """The metrics' torch path (the GPU's code, run here on the CPU: analyzer/device.py and pairs.torch_pair_sums)
 against the numba path, brute force and the reference tile sums: classes counted but not kept, classifier rows
-outside K, stored float32, no classifier or within_covariance, corrupt input; where it runs (``engine_device``); and
+outside K, stored float32, a lazy dataset read once, no classifier or within_covariance, corrupt input; where it runs (``engine_device``); and
 coincident classes in bounded memory."""
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,27 @@ def test_classes_counted_but_not_kept_and_the_head_outside_K(min_count):
     brute, share = geometry_brute_force(h, y, W, min_count)
     assert_metrics({k: got[k] for k in brute}, brute)
     np.testing.assert_allclose(per["class_freq_weight"].values[count >= min_count], share, rtol=1e-9)
+
+
+def test_each_vocab_by_hidden_array_is_read_once():
+    """From a lazy (dask) dataset, the torch path computes the means and the classifier once each (the host path
+    reads each twice: the kept rows, then the others); the metrics stay those of the numba path."""
+    h, y, W = geometry_study(seed=15)
+    ds = class_stats(h, y, len(W), classifier=W).chunk({"vocab": 7})
+    names = {v: ds[v].data.name for v in ("mean", "classifier")}
+    reads: collections.Counter = collections.Counter()
+
+    def counting_get(graph, keys, **kw):
+        held = {k[0] if isinstance(k, tuple) else k for k in graph.__dask_graph__().keys()}
+        reads.update(v for v, name in names.items() if name in held)
+        return dask.get(graph, keys, **kw)
+
+    with dask.config.set(scheduler=counting_get):
+        got, per = measure_all(ds, 15, 5, **TORCH)
+    assert reads == {"mean": 1, "classifier": 1}
+    want, per_want = measure_all(ds.compute(), 15, 5, device="cpu")
+    assert_same(got, want)
+    assert_same_per_class(per, per_want)
 
 
 def test_without_classifier_or_within_covariance():
