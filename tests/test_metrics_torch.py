@@ -1,7 +1,7 @@
 """The metrics' torch path (the GPU's code, run here on the CPU: analyzer/device.py and pairs.torch_pair_sums)
 against the numba path, brute force and the reference tile sums: classes counted but not kept, classifier rows
-outside K, stored float32, a lazy dataset read once, no classifier or within_covariance, corrupt input; where it runs (``engine_device``); and
-coincident classes in bounded memory."""
+outside K, stored float32, a lazy dataset read once, no classifier or within_covariance, corrupt input; where it
+runs (``engine_device``); and coincident classes in bounded memory."""
 from __future__ import annotations
 
 import collections
