@@ -377,10 +377,10 @@ def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
         bad.masked_fill_(off, False)
         same.masked_fill_(off, False)
         h.masked_fill_(off, 0.0)
-    hr = h @ torch.stack([bj, bj * vj, bj * pj, bj * vj * pj], 1)  # per row: sum_j h b', h b' v', h b' p', h b' v' p'
+    hr = h @ torch.stack([bj, bj * vj, bj * pj, bj * vj * pj]).T  # per row: sum_j h b', h b' v', h b' p', h b' v' p'
     hc = torch.stack([bi, bi * vi]) @ h                            # per column: sum_i h b, h b v
     h.square_()
-    h2 = h @ torch.stack([bj * bj, bj * bj * vj], 1)
+    h2 = h @ torch.stack([bj * bj, bj * bj * vj]).T               # (k, n) stacks, transposed: BLAS's fast layout
     inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
     rows = torch.where(same.any(1), inf, bi * (vi * hr[:, 0] + hr[:, 1]))    # sum_j (v + v') / D
     cols = torch.where(same.any(0), inf, bj * (hc[1] + vj * hc[0]))
@@ -392,7 +392,7 @@ def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
         x.masked_fill_(off, 0.0)
     xx = torch.dot(x.view(-1), x.view(-1))
     l = x.log1p_()                                                 # log(T/t0)
-    lr = l @ torch.stack([torch.ones_like(pj), pj], 1)
+    lr = l @ torch.stack([torch.ones_like(pj), pj]).T
     sums = torch.stack([bad.sum().to(g.dtype), xx, lr[:, 0].sum(), torch.dot(l.view(-1), l.view(-1)), rows.sum(),
                         cdnv_p2, cdnv_freq, pi @ lr[:, 1], n_same])
     return sums, rows, cols
