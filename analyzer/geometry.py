@@ -176,7 +176,20 @@ def _host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarra
 
 
 def pair_mean(s: np.ndarray, n: int) -> float:
-    """t0, the mean over P of T = ||u_c - u_c'||^2 = 2 - 2 cos, from s = sum_c u_c."""
+    """t0, the mean over P of T = ||u_c - u_c'||^2 = 2 - 2 cos, from s = sum_c u_c.
+
+    Parameters
+    ----------
+    s
+        The sum of the n unit centred means.
+    n
+        The number of kept classes.
+
+    Returns
+    -------
+    float
+        t0 = 2 - 2 (||s||^2 - n) / (n (n - 1)).
+    """
     return 2 - 2 * (float(s @ s) - n) / (n * (n - 1))
 
 
@@ -192,7 +205,15 @@ def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def check_centred(r: np.ndarray, var: np.ndarray, K: np.ndarray) -> None:
-    """A UserError where the norms r_c of the centred means or the variances are not finite, or an r_c is zero."""
+    """A UserError where the norms r_c of the centred means or the variances are not finite, or an r_c is zero.
+
+    Parameters
+    ----------
+    r, var
+        Per kept class: ||m_c|| and the variance.
+    K
+        The kept classes (named in the message).
+    """
     _check_finite(np.r_[r, var], "class means or variances")
     zero = np.flatnonzero(r <= 1e-12 * r.max())
     if zero.size:
@@ -289,7 +310,24 @@ def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.
 def finish_moments(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
                    device: str | None = None) -> dict[str, np.ndarray]:
     """The moments with the eigen-decomposition of M^T M (``lam``, ``V``) and the ``spectra``: numpy.linalg, or
-    torch.linalg on ``device`` (device.TorchLinalg)."""
+    torch.linalg on ``device`` (device.TorchLinalg).
+
+    Parameters
+    ----------
+    out
+        The d x d moments (``MtM``, ``MtFM``; with the classifier ``WtW``, ``head``) and per-class ``wn``, ``wm``.
+    sigma_w
+        The within-class covariance, or None.
+    delta, n
+        sum_c f_c a_c (see :func:`_moments`) and the number of kept classes.
+    device
+        A torch device, or None for numpy.
+
+    Returns
+    -------
+    dict
+        ``out`` with ``lam``, ``V``, ``vsv`` (with sigma_w) and ``spectra``.
+    """
     if device:
         from ncanalyze.analyzer.device import TorchLinalg
 
