@@ -151,9 +151,9 @@ def run_torch(k: int, d: int, rounds: int, device: str) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     t_metrics, t_gram, ratio = ratios(lambda: measure(ds, **kw), lambda: device_gram(M, panel), rounds)  # synchronised
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else math.nan
-    U = M / torch.linalg.vector_norm(M, dim=1)[:, None]
-    side = torch.stack([U[:, 0] * 0 + 1, U[:, 0] * 0 + 1, torch.as_tensor(ds["variance"].values, device=device),
-                        torch.full((k,), 1 / k, dtype=M.dtype, device=device)])
+    U = M / torch.linalg.vector_norm(M, dim=1)[:, None]                   # the pairwise sums alone (r = 1 here)
+    one = torch.ones(k, dtype=M.dtype, device=device)
+    side = torch.stack([one, one, torch.as_tensor(ds["variance"].values, device=device), one / k])
     t_pairs = statistics.median(timeit.repeat(lambda: torch_pair_sums(U, side, 1.0), number=1, repeat=rounds))
     del U, side
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU (torch)"
