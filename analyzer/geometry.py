@@ -1,6 +1,6 @@
 """The kept classes' geometry, gathered once per checkpoint for every metric: the one place where min_count is applied,
 the O(n d) algebra on the centred means, and one dask compute for the pairwise sums (pairs.py), the d x d moments
-and their spectra (spectral.py).
+and their spectra (spectral.py); or all of that in torch float64 on a device (device.py, ``measure --device cuda``).
 
 Notation, over the kept classes K = {c : count_c >= min_count} (n = |K|, pairs P = {c < c'}):
 m_c = mu_c - mu_G (centred mean), r_c = ||m_c||, u_c = m_c / r_c, T_cc' = ||u_c - u_c'||^2 = 2 - 2 cos(m_c, m_c'),
@@ -24,7 +24,7 @@ from dask.delayed import Delayed
 from scipy.linalg import solve_triangular
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums, torch_pair_sums
+from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums
 
 MAX_TILE = 2048
 
@@ -62,19 +62,19 @@ def needs(field: str):
 class Geometry:
     """What the metric definitions read, over the kept classes K (n = |K|; vectors are indexed like K).
 
-    m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, t0 = mean over P of T = ||u_c - u_c'||^2,
-    p_c = n_c / sum_K n_c; ``pairs`` holds the pairwise sums (pairs.py) and ``row_cdnv`` each class's sum of
-    (var_c + var_c') / D over the others; ``lam``, ``V`` the eigen-decomposition of M^T M; ``spectra`` the
-    eigenvalues of the d x d matrices of the representation geometry (:func:`_spectra`). The NC3 fields need the
-    classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the within-class covariance,
-    the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of the N = ``n_tokens``
-    unit train features (anisotropy).
+    m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, ``us`` u_c . s (no n x d array is kept),
+    t0 = mean over P of T = ||u_c - u_c'||^2, p_c = n_c / sum_K n_c; ``pairs`` holds the pairwise sums (pairs.py) and
+    ``row_cdnv`` each class's sum of (var_c + var_c') / D over the others; ``lam``, ``V`` the eigen-decomposition of
+    M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry (:func:`_spectra`). The
+    NC3 fields need the classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the
+    within-class covariance, the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of
+    the N = ``n_tokens`` unit train features (anisotropy).
     """
     K: np.ndarray
     var: np.ndarray
     r: np.ndarray
-    U: np.ndarray
     s: np.ndarray
+    us: np.ndarray                         # u_c . s per kept class (class_interference)
     t0: float
     p: np.ndarray
     pairs: PairSums
@@ -123,9 +123,9 @@ class Geometry:
 
 def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
              engine: str | None = None) -> Geometry:
-    """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra here, the pairwise sums, the
-    d x d moments and their spectra in one dask compute (one BLAS thread per task), or in torch float64 on
-    ``device`` (:func:`engine_device`). Degenerate input is a UserError naming it."""
+    """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra, the pairwise sums, the d x d moments
+    and their spectra in one dask compute on the host (:func:`_host_parts`, one BLAS thread per task), or all of it
+    in torch float64 on ``device`` (:func:`engine_device`; device.py). Degenerate input is a UserError naming it."""
     K = kept_classes(ds["count"].values, min_count)
     n = K.size
     if n < 2:
@@ -134,28 +134,21 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
     on = engine_device(device, engine)
     if tile is not None and int(tile) < 1:
         raise UserError(f"tile must be a positive number of classes (got {tile})")
-    M, var, r, mu_G = _centred_means(ds, K)
-    U = M / r[:, None]
-    s = U.sum(0)
-    t0 = 2 - 2 * (s @ s - n) / (n * (n - 1))                      # mean over P of T = 2 - 2 cos
     count = np.asarray(ds["count"].values)
     p = count[K] / count[K].sum()                                 # token frequencies within K
-    W = _rows(ds["classifier"], K) if "classifier" in ds else None
     sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64) if "within_covariance" in ds else None
     if on is None:
-        tile = int(tile or auto_tile(n))
-        with threadpoolctl.threadpool_limits(1, user_api="blas"):
-            (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, t0, blocks(n, tile)),
-                                                              _moments(ds, K, M, mu_G, W, sigma_w, tile))
+        parts = _host_parts(ds, K, p, sigma_w, tile)
     else:
-        pairs, row_cdnv, coincident = torch_pair_sums(U, r, var, p, t0, on, tile)
-        mom = _moments_torch(ds, K, M, mu_G, W, sigma_w, on)
-    if coincident:
-        _warn_coincident(coincident, K)
-    g = Geometry(K=K, var=var, r=r, U=U, s=s, t0=t0, p=p, pairs=pairs, row_cdnv=row_cdnv, MtM=mom["MtM"],
-                 lam=mom["lam"], V=mom["V"], m_sum=M.sum(0), spectra=mom["spectra"], n_tokens=int(count.sum()),
-                 sigma_w=sigma_w, vsv=mom.get("vsv"), coincident=coincident)
-    if W is not None:
+        from ncanalyze.analyzer.device import device_parts
+
+        parts = device_parts(ds, K, p, sigma_w, on, tile)
+    mom = parts.pop("mom")
+    if parts["coincident"]:
+        _warn_coincident(parts["coincident"], K)
+    g = Geometry(K=K, p=p, MtM=mom["MtM"], lam=mom["lam"], V=mom["V"], spectra=mom["spectra"],
+                 n_tokens=int(count.sum()), sigma_w=sigma_w, vsv=mom.get("vsv"), **parts)
+    if "wn" in mom:
         dead = np.flatnonzero(mom["wn"] == 0)
         if dead.size:
             raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
@@ -165,6 +158,41 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
     return g
 
 
+def _host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarray | None,
+                tile: int | None) -> dict[str, Any]:
+    """The Geometry's fields that read the class means and the classifier, on the host: numpy, then the numba pair
+    sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.device.device_parts`."""
+    M, var, r, mu_G = _centred_means(ds, K)
+    U = M / r[:, None]
+    s = U.sum(0)
+    t0 = pair_mean(s, K.size)
+    W = _rows(ds["classifier"], K) if "classifier" in ds else None
+    tile = int(tile or auto_tile(K.size))
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, t0, blocks(K.size, tile)),
+                                                          _moments(ds, K, M, mu_G, W, sigma_w, tile))
+    return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0), "pairs": pairs,
+            "row_cdnv": row_cdnv, "coincident": coincident, "mom": mom}
+
+
+def pair_mean(s: np.ndarray, n: int) -> float:
+    """t0, the mean over P of T = ||u_c - u_c'||^2 = 2 - 2 cos, from s = sum_c u_c.
+
+    Parameters
+    ----------
+    s
+        The sum of the n unit centred means.
+    n
+        The number of kept classes.
+
+    Returns
+    -------
+    float
+        t0 = 2 - 2 (||s||^2 - n) / (n (n - 1)).
+    """
+    return 2 - 2 * (float(s @ s) - n) / (n * (n - 1))
+
+
 def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """M (the centred means m_c), the variances, r_c = ||m_c|| and mu_G, checked finite and non-zero."""
     M = _rows(ds["mean"], K)
@@ -172,13 +200,26 @@ def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarra
     M -= mu_G                                                     # m_c = mu_c - mu_G
     var = _rows(ds["variance"], K)
     r = np.sqrt(np.einsum("ij,ij->i", M, M))
+    check_centred(r, var, K)
+    return M, var, r, mu_G
+
+
+def check_centred(r: np.ndarray, var: np.ndarray, K: np.ndarray) -> None:
+    """A UserError where the norms r_c of the centred means or the variances are not finite, or an r_c is zero.
+
+    Parameters
+    ----------
+    r, var
+        Per kept class: ||m_c|| and the variance.
+    K
+        The kept classes (named in the message).
+    """
     _check_finite(np.r_[r, var], "class means or variances")
     zero = np.flatnonzero(r <= 1e-12 * r.max())
     if zero.size:
         raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
                         "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
                         "--min-count or leave them out")
-    return M, var, r, mu_G
 
 
 def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:
@@ -237,33 +278,6 @@ def _outside(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray) -> 
     return count, f, rest, A, f[K] @ M + f[rest] @ A
 
 
-def _moments_torch(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: np.ndarray | None,
-                   sigma_w: np.ndarray | None, device: str) -> dict[str, np.ndarray]:
-    """What the task of :func:`_moments` returns, computed by torch in float64 on ``device``: the products over
-    the classes as whole-array operations, the head's rows outside K in blocks (read in place, made float64 one
-    block at a time), and the eigendecompositions by torch.linalg."""
-    import torch
-
-    dev = torch.device(device)
-    on = lambda x: torch.as_tensor(np.asarray(x, dtype=np.float64), device=dev)  # noqa: E731
-    count, f, rest, A, delta = _outside(ds, K, M, mu_G)
-    Mt = on(M)
-    mf, af = Mt * on(np.sqrt(f[K]))[:, None], on(A) * on(np.sqrt(f[rest]))[:, None]
-    out = {"MtM": Mt.T @ Mt, "MtFM": mf.T @ mf + af.T @ af}
-    del mf, af
-    if W is not None:
-        Wt = on(W)
-        out |= {"WtW": Wt.T @ Wt, "wn": torch.sqrt((Wt * Wt).sum(1)), "wm": (Wt * Mt).sum(1), "w_sum": Wt.sum(0)}
-        out["head"] = out["WtW"].clone()
-        W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
-        for s in blocks(count.size, MAX_TILE * 8):
-            if out_K[s].any():
-                w = on(W_all[s][out_K[s]])
-                out["head"] += w.T @ w
-    out = {k: v.cpu().numpy() for k, v in out.items()}
-    return _finish(out, sigma_w, delta, K.size, device)
-
-
 def _block_moments(m: np.ndarray, f: np.ndarray, w: np.ndarray | None) -> dict[str, np.ndarray]:
     mf = m * np.sqrt(f)[:, None]                                  # s^T s: numpy's symmetric product (syrk)
     out = {"MtM": m.T @ m, "MtFM": mf.T @ mf}
@@ -290,14 +304,36 @@ def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.
     out["MtFM"] = out["MtFM"] + sum(p["MtFM"] for p in outside if "MtFM" in p)
     if "WtW" in out:
         out["head"] = out["WtW"] + sum(p["head"] for p in outside if "head" in p)
-    return _finish(out, sigma_w, delta, n)
+    return finish_moments(out, sigma_w, delta, n)
 
 
-def _finish(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
-            device: str | None = None) -> dict[str, np.ndarray]:
+def finish_moments(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
+                   device: str | None = None) -> dict[str, np.ndarray]:
     """The moments with the eigen-decomposition of M^T M (``lam``, ``V``) and the ``spectra``: numpy.linalg, or
-    torch.linalg on ``device``."""
-    la = _TorchLinalg(device) if device else np.linalg
+    torch.linalg on ``device`` (device.TorchLinalg).
+
+    Parameters
+    ----------
+    out
+        The d x d moments (``MtM``, ``MtFM``; with the classifier ``WtW``, ``head``) and per-class ``wn``, ``wm``.
+    sigma_w
+        The within-class covariance, or None.
+    delta, n
+        sum_c f_c a_c (see :func:`_moments`) and the number of kept classes.
+    device
+        A torch device, or None for numpy.
+
+    Returns
+    -------
+    dict
+        ``out`` with ``lam``, ``V``, ``vsv`` (with sigma_w) and ``spectra``.
+    """
+    if device:
+        from ncanalyze.analyzer.device import TorchLinalg
+
+        la = TorchLinalg(device)
+    else:
+        la = np.linalg
     out["lam"], out["V"] = la.eigh(out["MtM"])
     if sigma_w is not None:                                       # v_i^T Sigma_W v_i (nc1_trace): O(d^3) too
         out["vsv"] = la.quad(sigma_w, out["V"]) if device else np.sum(out["V"] * (sigma_w @ out["V"]), 0)
@@ -324,7 +360,7 @@ def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.n
 def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray, la=np.linalg) -> np.ndarray:
     """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d, as
     those of the similar matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two
-    triangular solves and one eigvalsh (``la``: numpy's and scipy's, or :class:`_TorchLinalg`). nan where Sigma_W
+    triangular solves and one eigvalsh (``la``: numpy's and scipy's, or device.TorchLinalg). nan where Sigma_W
     is zero (no within-class noise) or not positive semi-definite (corrupt statistics)."""
     eps = 1e-4 * np.trace(sigma_w) / len(sigma_w)
     try:
@@ -336,40 +372,6 @@ def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray, la=np.linalg) -> np
     solve = getattr(la, "solve_lower", None) or (lambda L, B: solve_triangular(L, B, lower=True))
     X = solve(L, sigma_b)                                         # L^-1 Sigma_B
     return la.eigvalsh(solve(L, X.T))
-
-
-class _TorchLinalg:
-    """numpy.linalg's eigh, eigvalsh and cholesky (and a lower-triangular solve) in torch float64 on a device:
-    numpy in, numpy out."""
-
-    def __init__(self, device: str):
-        import torch
-
-        self.torch, self.device = torch, torch.device(device)
-
-    def _on(self, a: np.ndarray):
-        return self.torch.as_tensor(np.asarray(a, dtype=np.float64), device=self.device)
-
-    def eigh(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lam, V = self.torch.linalg.eigh(self._on(a))
-        return lam.cpu().numpy(), V.cpu().numpy()
-
-    def eigvalsh(self, a: np.ndarray) -> np.ndarray:
-        return self.torch.linalg.eigvalsh(self._on(a)).cpu().numpy()
-
-    def cholesky(self, a: np.ndarray) -> np.ndarray:
-        L, info = self.torch.linalg.cholesky_ex(self._on(a))
-        if int(info):
-            raise np.linalg.LinAlgError("not positive definite")
-        return L.cpu().numpy()
-
-    def quad(self, S: np.ndarray, V: np.ndarray) -> np.ndarray:
-        """v_i^T S v_i for the columns v_i of V."""
-        V = self._on(V)
-        return (V * (self._on(S) @ V)).sum(0).cpu().numpy()
-
-    def solve_lower(self, L: np.ndarray, B: np.ndarray) -> np.ndarray:
-        return self.torch.linalg.solve_triangular(self._on(L), self._on(B), upper=False).cpu().numpy()
 
 
 def engine_device(device: str | None = "auto", engine: str | None = None) -> str | None:

@@ -129,7 +129,7 @@ def class_cdnv(g: Geometry) -> np.ndarray:
 
 def class_interference(g: Geometry) -> np.ndarray:
     """mean over c' != c in K of cos(m_c, m_c') = (u_c . s - 1) / (n - 1)."""
-    return (g.U @ g.s - 1) / (g.n - 1)
+    return (g.us - 1) / (g.n - 1)
 
 
 @needs("wm")

@@ -293,39 +293,39 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
 
 # ---------------------------------------------------------------- the same sums in torch (any device)
 #
-# The definitions of reference_tile_sums, as whole-array torch float64 operations on a device (a GPU, or the CPU for
+# The definitions of reference_tile_sums as whole-array torch float64 operations on a device (a GPU, or the CPU for
 # the tests): the upper triangle of the Gram in row panels [a, b) x [a, n), each split into its diagonal square (the
-# pairs j > i) and the rectangle right of it (all pairs). torch's log is exact at 0 (-inf), so coincident pairs
-# need no other path: their terms are those of the reference.
+# pairs j > i) and the rectangle right of it (all pairs); each block is read a few times by products with per-class
+# vectors rather than through a dozen elementwise temporaries (see _torch_block).
 
-TORCH_CELLS = {"cuda": 1 << 25, "cpu": 1 << 20}  # Gram cells per panel (256 MiB, 8 MiB): ~12 temporaries each
+TORCH_CELLS = {"cuda": 1 << 25, "cpu": 1 << 20}  # Gram cells per panel (256 MiB, 8 MiB): ~3 temporaries each
 
 
-def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, device: str,
-                    panel: int | None = None) -> tuple[PairSums, np.ndarray, list[tuple[int, int, bool]]]:
-    """What :func:`pair_sums` computes, in torch float64 on ``device``: the sums over the pairs, per class its
-    CDNV sum over the others and a few coincident pairs (:func:`examples`, found on the host in the panels that
-    hold any).
+def torch_pair_sums(U, side, t0: float, panel: int | None = None
+                    ) -> tuple[PairSums, np.ndarray, list[tuple[int, int, bool]]]:
+    """What :func:`pair_sums` computes, in torch float64 on the device that holds ``U``: the sums over the pairs,
+    per class its CDNV sum over the others and a few coincident pairs (:func:`examples`, found on the host in the
+    panels that hold any, from slices of the device's arrays).
 
     Parameters
     ----------
-    U, r, var, p, t0
-        As for :func:`pair_sums`.
-    device
-        A torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+    U
+        The unit centred means u_c, a float64 tensor (n x d) on the device.
+    side
+        :func:`side_of`'s rows r, 1/r, var, p as a float64 tensor (4 x n) on the same device.
+    t0
+        The mean of T over the pairs.
     panel
         Classes per row panel (default: ``TORCH_CELLS`` Gram cells over the number of classes).
 
     Returns
     -------
     tuple
-        (PairSums, per-class CDNV sums, coincident pairs (i, j, means coincide)).
+        (PairSums, per-class CDNV sums, coincident pairs (i, j, means coincide)), on the host.
     """
     import torch
 
-    dev = torch.device(device)
-    n, side = len(U), side_of(r, var, p)
-    Ut, St = torch.as_tensor(U, device=dev), torch.as_tensor(side, device=dev)
+    n, dev = len(U), U.device
     acc = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device=dev)     # SUMS and the count of coincident means
     row = torch.zeros(n, dtype=torch.float64, device=dev)
     step = panel or max(1, TORCH_CELLS.get(dev.type, TORCH_CELLS["cuda"]) // n)
@@ -334,7 +334,7 @@ def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray
         b = min(a + step, n)
         for c0, c1, diag in ((a, b, True), (b, n, False)):
             if c1 > c0:
-                sums, rows, cols = _torch_block(Ut[a:b], St[:, a:b], Ut[c0:c1], St[:, c0:c1], t0, diag)
+                sums, rows, cols = _torch_block(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], t0, diag)
                 acc += sums
                 row[a:b] += rows
                 row[c0:c1] += cols
@@ -344,35 +344,55 @@ def torch_pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray
     if acc[0]:
         counts = torch.stack([h[0] for h in hits]).cpu().numpy()
         want = min(EXAMPLES, acc[-1]) + min(EXAMPLES, acc[0] - acc[-1])   # of each kind, as many as there are
+        host = lambda x: x.cpu().numpy()                                  # noqa: E731
         for count, (_, a, b, c0, c1, diag) in zip(counts, hits):
             if diag and len(found) >= want:                        # a new row panel: the first pairs are found
                 break
             if count:
-                found = few(found + examples(U[a:b], side[:, a:b], U[c0:c1], side[:, c0:c1], diag, (a, c0)))
+                found = few(found + examples(host(U[a:b]), host(side[:, a:b]), host(U[c0:c1]), host(side[:, c0:c1]),
+                                             diag, (a, c0)))
     return PairSums(*acc[:len(SUMS)].tolist()), row.cpu().numpy(), found
 
 
 def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
-    """One block's sums (SUMS order, then the count of coincident means), row and column sums of (v + v')/D, by the
-    definitions of :func:`reference_tile_sums` (on a ``diag`` block, the pairs j > i only)."""
+    """One block's sums (SUMS order, then the count of coincident means), row and column sums of (v + v')/D: the
+    definitions of :func:`reference_tile_sums` (on a ``diag`` block, the pairs j > i only), arranged so that the
+    block is read about a dozen times rather than forming a dozen temporaries (a GPU's time here is memory traffic).
+
+    As in the numba pass, e = D/(r r') = r/r' + r'/r - 2g (one rank-2 update of the Gram) and, with b = 1/r and
+    h = 1/e, (v + v')/D = (v + v') b b' h: every CDNV sum is a product of h (or h^2) with a few per-class vectors,
+    one pass over the block per side. A row or column holding coincident means (e <= COINCIDENT) is +inf, and so is
+    every CDNV sum of such a block, as the reference says. x = T/t0 - 1 = (c - 1) - c g (c = 2/t0, in g's place),
+    l = log1p(x); the logs of coincident directions (-inf or nan) are not used (the metrics are inf or nan there).
+    """
     import torch
 
-    (ri, _, vi, pi), (rj, _, vj, pj) = Si[:, :, None], Sj[:, None, :]
+    (ri, bi, vi, pi), (rj, bj, vj, pj) = Si, Sj
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
-    T = 2 - 2 * g
-    rr = ri * rj
-    D = ri * ri + rj * rj - 2 * rr * g                             # ||mu_c - mu_c'||^2
-    same = D <= COINCIDENT * rr
-    inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
-    q = torch.where(same, inf, (vi + vj) / D)
-    q2 = torch.where(same, inf, q / D)
-    x, l = T / t0 - 1, torch.log(T / t0)
+    e = torch.addmm(g, torch.stack([ri, bi], 1), torch.stack([bj, rj]), beta=-2)   # D/(r r')
+    bad, same = g > 1 - COINCIDENT / 2, e <= COINCIDENT            # T < COINCIDENT; coincident means
+    h = e.reciprocal_()                                            # r r'/D
     if diag:                                                       # c = c' and the lower triangle: no pairs
-        pair = torch.ones_like(same).triu_(1)
-        zero = torch.zeros((), dtype=g.dtype, device=g.device)
-        T, x, l, q, q2 = (torch.where(pair, t, inf if t is T else zero) for t in (T, x, l, q, q2))
-        same = same & pair
-    rows, cols = q.sum(1), q.sum(0)
-    sums = torch.stack([(T < COINCIDENT).sum().to(g.dtype), (x * x).sum(), l.sum(), (l * l).sum(), rows.sum(),
-                        q2.sum(), pi[:, 0] @ (q @ pj[0]), pi[:, 0] @ (l @ pj[0]), same.sum().to(g.dtype)])
+        off = torch.ones_like(same).tril_()
+        bad.masked_fill_(off, False)
+        same.masked_fill_(off, False)
+        h.masked_fill_(off, 0.0)
+    hr = h @ torch.stack([bj, bj * vj, bj * pj, bj * vj * pj]).T  # per row: sum_j h b', h b' v', h b' p', h b' v' p'
+    hc = torch.stack([bi, bi * vi]) @ h                            # per column: sum_i h b, h b v
+    h.square_()
+    h2 = h @ torch.stack([bj * bj, bj * bj * vj]).T               # (k, n) stacks, transposed: BLAS's fast layout
+    inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
+    rows = torch.where(same.any(1), inf, bi * (vi * hr[:, 0] + hr[:, 1]))    # sum_j (v + v') / D
+    cols = torch.where(same.any(0), inf, bj * (hc[1] + vj * hc[0]))
+    n_same = same.sum().to(g.dtype)
+    cdnv_p2, cdnv_freq = (torch.where(n_same > 0, inf, t) for t in ((bi * bi * (vi * h2[:, 0] + h2[:, 1])).sum(),
+                                                                   pi @ (bi * (vi * hr[:, 2] + hr[:, 3]))))
+    x = g.addmm_(torch.ones_like(ri)[:, None], torch.full_like(rj, 2 / t0 - 1)[None], beta=-2 / t0)  # T/t0 - 1
+    if diag:
+        x.masked_fill_(off, 0.0)
+    xx = torch.dot(x.view(-1), x.view(-1))
+    l = x.log1p_()                                                 # log(T/t0)
+    lr = l @ torch.stack([torch.ones_like(pj), pj]).T
+    sums = torch.stack([bad.sum().to(g.dtype), xx, lr[:, 0].sum(), torch.dot(l.view(-1), l.view(-1)), rows.sum(),
+                        cdnv_p2, cdnv_freq, pi @ lr[:, 1], n_same])
     return sums, rows, cols

@@ -1,13 +1,20 @@
-"""The metrics' torch path (the GPU's code, run here on the CPU) against the numba path, brute force and the
-reference tile sums; where it runs (``engine_device``); and coincident classes in bounded memory."""
+"""The metrics' torch path (the GPU's code, run here on the CPU: analyzer/device.py and pairs.torch_pair_sums)
+against the numba path, brute force and the reference tile sums: classes counted but not kept, classifier rows
+outside K, stored float32, a lazy dataset read once, no classifier or within_covariance, corrupt input; where it
+runs (``engine_device``); and coincident classes in bounded memory."""
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 
+import dask
 import numpy as np
 import pytest
 import torch
+import xarray as xr
+from test_geometry import brute_force as geometry_brute_force
+from test_geometry import study as geometry_study
 from test_metrics import assert_degenerate_like_brute_force, assert_metrics, brute_force, random_study, stats_dataset
 
 from ncanalyze.analyzer import SCALARS, UserError, class_stats, measure_all
@@ -45,6 +52,106 @@ def test_torch_path_equals_the_numba_path_and_brute_force(study, tile):
         np.testing.assert_allclose(per[name].values, fast_per[name].values, rtol=SAME, atol=1e-14, err_msg=name)
 
 
+def assert_same_per_class(got: xr.Dataset, want: xr.Dataset) -> None:
+    for name in want:
+        np.testing.assert_allclose(got[name].values, want[name].values, rtol=SAME, atol=1e-14, err_msg=name)
+
+
+@pytest.mark.parametrize("min_count", [1, 15])
+def test_classes_counted_but_not_kept_and_the_head_outside_K(min_count):
+    """Empty classes, rare ones that min_count 15 leaves out (Sigma_T still counts them) and a classifier over the
+    whole vocabulary (head_erank reads the rows outside K): the torch path = numba to 1e-12 and = test_geometry's
+    brute force from the raw features (covariances as explicit matrices, SVDs of the features and of W)."""
+    h, y, W = geometry_study(seed=min_count)
+    ds = class_stats(h, y, len(W), classifier=W)
+    count = ds["count"].values
+    assert (count == 0).any() and ((count > 0) & (count < 15)).any()
+    got, per = measure_all(ds, min_count, 5, **TORCH)
+    want, per_want = measure_all(ds, min_count, 5, device="cpu")
+    assert_same(got, want)
+    assert_same_per_class(per, per_want)
+    brute, share = geometry_brute_force(h, y, W, min_count)
+    assert_metrics({k: got[k] for k in brute}, brute)
+    np.testing.assert_allclose(per["class_freq_weight"].values[count >= min_count], share, rtol=1e-9)
+
+
+def test_each_vocab_by_hidden_array_is_read_once():
+    """From a lazy (dask) dataset, the torch path computes the means and the classifier once each (the host path
+    reads each twice: the kept rows, then the others); the metrics stay those of the numba path."""
+    h, y, W = geometry_study(seed=15)
+    ds = class_stats(h, y, len(W), classifier=W).chunk({"vocab": 7})
+    names = {v: ds[v].data.name for v in ("mean", "classifier")}
+    reads: collections.Counter = collections.Counter()
+
+    def counting_get(graph, keys, **kw):
+        held = {k[0] if isinstance(k, tuple) else k for k in graph.__dask_graph__().keys()}
+        reads.update(v for v, name in names.items() if name in held)
+        return dask.get(graph, keys, **kw)
+
+    with dask.config.set(scheduler=counting_get):
+        got, per = measure_all(ds, 15, 5, **TORCH)
+    assert reads == {"mean": 1, "classifier": 1}
+    want, per_want = measure_all(ds.compute(), 15, 5, device="cpu")
+    assert_same(got, want)
+    assert_same_per_class(per, per_want)
+
+
+def test_without_classifier_or_within_covariance():
+    """What is defined without them equals the numba path; what is not is nan on both (every key present)."""
+    h, y, *_ = random_study(seed=4, V=30, d=6, N=1200)
+    ds = class_stats(h, y, 30).drop_vars("within_covariance")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, per = measure_all(ds, 2, 4, **TORCH)
+        want, per_want = measure_all(ds, 2, 4, device="cpu")
+    assert list(got) == list(want) and "nc1_trace" not in got and "nc3_cos_mean" not in got and "lidar" not in got
+    assert_same(got, want)
+    assert_same_per_class(per, per_want)
+    assert np.isnan(per["class_duality"].values).all()
+
+
+def test_stored_float32_means_and_classifier_are_made_float64_on_the_device():
+    """A classifier (and means) stored in float32 travel in float32 and are made float64 there: the same numbers
+    as the numba path, which makes them float64 on the host."""
+    rng = np.random.default_rng(8)
+    V, d = 300, 12
+    ds = stats_dataset((rng.standard_normal((V, d)) * 3).astype(np.float32), rng.uniform(0.5, 2, V),
+                       classifier=rng.standard_normal((V, d)).astype(np.float32))
+    ds["count"] = ("vocab", rng.integers(0, 40, V))
+    assert ds["mean"].dtype == ds["classifier"].dtype == np.float32
+    assert_same(measure_all(ds, 5, 64, **TORCH)[0], measure_all(ds, 5, 64, device="cpu")[0])
+
+
+@pytest.mark.parametrize("min_count", [1, 3])
+def test_the_torch_path_leaves_its_input_untouched(min_count):
+    """On the CPU torch shares the dataset's memory: gathering, centring and normalising must not write to it."""
+    rng = np.random.default_rng(3)
+    ds = stats_dataset(rng.standard_normal((40, 5)) + 2, classifier=rng.standard_normal((40, 5)))
+    ds["count"] = ("vocab", np.arange(40) % 6)
+    before = ds.copy(deep=True)
+    measure_all(ds, min_count, 7, **TORCH)
+    xr.testing.assert_identical(ds, before)
+
+
+def test_corrupt_input_on_the_torch_path():
+    """The numba path's one-line errors, from the device's checks."""
+    rng = np.random.default_rng(0)
+    means = rng.standard_normal((8, 3))
+    cases = [(stats_dataset(means, variance=np.r_[1.0, np.nan, 1, 1, 1, 1, 1, 1]), 1, "NaN or Inf"),
+             (stats_dataset(np.r_[[[1.0, 2.0], [-1.0, -2.0], [0.0, 0.0], [3.0, -1.0], [-3.0, 1.0]]]), 1,
+              r"class\(es\) \[2\] have a zero-norm centred mean"),
+             (stats_dataset(means, classifier=np.where(np.arange(8)[:, None] == 4, 0.0, means)), 1,
+              r"classifier row\(s\) of class\(es\) \[4\] are zero")]
+    outside = stats_dataset(np.where(np.arange(8)[:, None] == 6, np.inf, means))
+    outside["count"] = ("vocab", np.r_[np.full(6, 10), 1, 0])          # class 6: counted, not kept, corrupt
+    cases.append((outside, 5, "means of the classes counted but not kept contain NaN or Inf"))
+    for ds, min_count, said in cases:
+        with pytest.raises(UserError, match=said):
+            measure_all(ds, min_count, **TORCH)
+        with pytest.raises(UserError):
+            measure_all(ds, min_count, device="cpu")
+
+
 def test_torch_path_equals_numba_over_many_panels():
     """A few thousand classes with Zipf counts (the frequency-weighted sums matter) in panels of 97 rows against the
     numba pass in tiles of 256."""
@@ -71,23 +178,30 @@ def _block_case(rng, ni: int, nj: int, d: int, coincide: bool):
 @pytest.mark.parametrize("coincide", [False, True])
 @pytest.mark.parametrize("diag", [False, True])
 def test_torch_block_is_the_reference_tile(diag, coincide):
-    """_torch_block's sums, rows and columns are reference_tile_sums', coincident pairs (inf CDNV terms) included;
-    its last sum counts the pairs whose means coincide."""
+    """_torch_block's sums, rows and columns are reference_tile_sums', coincident pairs (inf CDNV terms, 0/0 for two
+    zero variances) included, on a diagonal block too; its last sum counts the pairs whose means coincide."""
     rng = np.random.default_rng(int(diag) + 2 * int(coincide))
     U, side = _block_case(rng, 23, 23 if diag else 31, 8, coincide and not diag)
     if diag:
+        if coincide:              # within the block: 2 and 5 one mean and no variance (0/0), 3 and 8 one direction
+            U[0][[5, 8]] = U[0][[2, 3]]
+            side[0][:, 5] = side[0][:, 2]
+            side[0][2, [2, 5]] = 0.0
         U[1], side[1] = U[0], side[0]
     t0 = 1.3
     want = reference_tile_sums(U[0], side[0], U[1], side[1], t0, diag)
     T = [torch.from_numpy(x) for x in (U[0], side[0], U[1], side[1])]
     sums, rows, cols = (x.numpy() for x in _torch_block(*T, t0, diag))
-    keep = [0, 1, 4, 5, 6] if coincide and not diag else range(len(SUMS))   # the logs at T ~ 0 are not used
+    keep = [0, 1, 4, 5, 6] if coincide else range(len(SUMS))   # the logs at T ~ 0 are not used
     np.testing.assert_allclose(sums[list(keep)], want[0][list(keep)], rtol=SAME, atol=1e-14)
     np.testing.assert_allclose(rows, want[1], rtol=SAME, atol=1e-14)
     np.testing.assert_allclose(cols, want[2], rtol=SAME, atol=1e-14)
-    assert sums[len(SUMS)] == (1 if coincide and not diag else 0)
-    if coincide and not diag:
-        assert sums[0] == 3 and np.isinf(rows[0]) and np.isinf(sums[SUMS.index("cdnv")])
+    assert sums[len(SUMS)] == (1 if coincide else 0)
+    if coincide:
+        i, j = (2, 5) if diag else (0, 0)
+        assert sums[0] == (2 if diag else 3) and np.isinf(rows[i]) and np.isinf(cols[j])
+        assert np.isinf(sums[[SUMS.index("cdnv"), SUMS.index("cdnv_p2"), SUMS.index("cdnv_freq")]]).all()
+        assert np.isfinite(np.delete(rows, i)).all() and np.isfinite(np.delete(cols, j)).all()
 
 
 @pytest.mark.parametrize("engine", ["numba", "torch"])
