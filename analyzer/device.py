@@ -18,10 +18,10 @@ import torch
 import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.geometry import check_centred, finish_moments, pair_mean
+from ncanalyze.analyzer.moments import check_centred, finish_moments, pair_mean
 from ncanalyze.analyzer.pairs import torch_pair_sums
 
-__all__ = ["TorchLinalg", "device_parts"]
+__all__ = ["device_parts"]
 HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 
 
@@ -126,35 +126,3 @@ def _classifier_moments(var: xr.DataArray, K: np.ndarray, M: torch.Tensor,
         if len(w):
             head += w.T @ w
     return out | {"head": head}
-
-
-class TorchLinalg:
-    """numpy.linalg's eigh, eigvalsh and cholesky (and a lower-triangular solve) in torch float64 on a device:
-    numpy in, numpy out."""
-
-    def __init__(self, device: str):
-        self.device = torch.device(device)
-
-    def _on(self, a: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(a, dtype=np.float64), device=self.device)
-
-    def eigh(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lam, V = torch.linalg.eigh(self._on(a))
-        return lam.cpu().numpy(), V.cpu().numpy()
-
-    def eigvalsh(self, a: np.ndarray) -> np.ndarray:
-        return torch.linalg.eigvalsh(self._on(a)).cpu().numpy()
-
-    def cholesky(self, a: np.ndarray) -> np.ndarray:
-        L, info = torch.linalg.cholesky_ex(self._on(a))
-        if int(info):
-            raise np.linalg.LinAlgError("not positive definite")
-        return L.cpu().numpy()
-
-    def quad(self, S: np.ndarray, V: np.ndarray) -> np.ndarray:
-        """v_i^T S v_i for the columns v_i of V."""
-        V = self._on(V)
-        return (V * (self._on(S) @ V)).sum(0).cpu().numpy()
-
-    def solve_lower(self, L: np.ndarray, B: np.ndarray) -> np.ndarray:
-        return torch.linalg.solve_triangular(self._on(L), self._on(B), upper=False).cpu().numpy()

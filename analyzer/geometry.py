@@ -21,9 +21,9 @@ import psutil
 import threadpoolctl
 import xarray as xr
 from dask.delayed import Delayed
-from scipy.linalg import solve_triangular
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.moments import check_centred, check_finite, finish_moments, pair_mean
 from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums
 
 MAX_TILE = 2048
@@ -65,7 +65,7 @@ class Geometry:
     m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, ``us`` u_c . s (no n x d array is kept),
     t0 = mean over P of T = ||u_c - u_c'||^2, p_c = n_c / sum_K n_c; ``pairs`` holds the pairwise sums (pairs.py) and
     ``row_cdnv`` each class's sum of (var_c + var_c') / D over the others; ``lam``, ``V`` the eigen-decomposition of
-    M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry (:func:`_spectra`). The
+    M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry (moments.py). The
     NC3 fields need the classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the
     within-class covariance, the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of
     the N = ``n_tokens`` unit train features (anisotropy).
@@ -175,24 +175,6 @@ def _host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarra
             "row_cdnv": row_cdnv, "coincident": coincident, "mom": mom}
 
 
-def pair_mean(s: np.ndarray, n: int) -> float:
-    """t0, the mean over P of T = ||u_c - u_c'||^2 = 2 - 2 cos, from s = sum_c u_c.
-
-    Parameters
-    ----------
-    s
-        The sum of the n unit centred means.
-    n
-        The number of kept classes.
-
-    Returns
-    -------
-    float
-        t0 = 2 - 2 (||s||^2 - n) / (n (n - 1)).
-    """
-    return 2 - 2 * (float(s @ s) - n) / (n * (n - 1))
-
-
 def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """M (the centred means m_c), the variances, r_c = ||m_c|| and mu_G, checked finite and non-zero."""
     M = _rows(ds["mean"], K)
@@ -202,24 +184,6 @@ def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarra
     r = np.sqrt(np.einsum("ij,ij->i", M, M))
     check_centred(r, var, K)
     return M, var, r, mu_G
-
-
-def check_centred(r: np.ndarray, var: np.ndarray, K: np.ndarray) -> None:
-    """A UserError where the norms r_c of the centred means or the variances are not finite, or an r_c is zero.
-
-    Parameters
-    ----------
-    r, var
-        Per kept class: ||m_c|| and the variance.
-    K
-        The kept classes (named in the message).
-    """
-    _check_finite(np.r_[r, var], "class means or variances")
-    zero = np.flatnonzero(r <= 1e-12 * r.max())
-    if zero.size:
-        raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
-                        "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
-                        "--min-count or leave them out")
 
 
 def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:
@@ -253,7 +217,7 @@ def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: 
              sigma_w: np.ndarray | None, tile: int) -> Delayed:
     """A dask task for M^T M (= |K| Sigma_B) with its eigenvalues ``lam`` and eigenvectors ``V``; with W, also
     W^T W, the row norms ``wn`` of W, the row products ``wm`` (w_c . m_c) and the column sums ``w_sum``; and the
-    ``spectra`` of :func:`_spectra`. Sigma_T's between-class part sum_c f_c (mu_c - mu)(mu_c - mu)^T (f_c = n_c/N
+    ``spectra`` of moments.py. Sigma_T's between-class part sum_c f_c (mu_c - mu)(mu_c - mu)^T (f_c = n_c/N
     over every class with a train token, mu = sum_c f_c mu_c) is sum_c f_c a_c a_c^T - delta delta^T with
     a_c = mu_c - mu_G and delta = mu - mu_G = sum_c f_c a_c, so the kept rows reuse M; the classes counted but not
     kept and the classifier rows outside K come in blocks of their own. One task per row block (O(tile d^2) each),
@@ -274,7 +238,7 @@ def _outside(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray) -> 
     f = count / count.sum()
     rest = np.setdiff1d(np.flatnonzero(count > 0), K)             # counted, not kept
     A = _rows(ds["mean"], rest) - mu_G
-    _check_finite(A, "class means (counted but not kept)")
+    check_finite(A, "class means (counted but not kept)")
     return count, f, rest, A, f[K] @ M + f[rest] @ A
 
 
@@ -305,73 +269,6 @@ def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.
     if "WtW" in out:
         out["head"] = out["WtW"] + sum(p["head"] for p in outside if "head" in p)
     return finish_moments(out, sigma_w, delta, n)
-
-
-def finish_moments(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
-                   device: str | None = None) -> dict[str, np.ndarray]:
-    """The moments with the eigen-decomposition of M^T M (``lam``, ``V``) and the ``spectra``: numpy.linalg, or
-    torch.linalg on ``device`` (device.TorchLinalg).
-
-    Parameters
-    ----------
-    out
-        The d x d moments (``MtM``, ``MtFM``; with the classifier ``WtW``, ``head``) and per-class ``wn``, ``wm``.
-    sigma_w
-        The within-class covariance, or None.
-    delta, n
-        sum_c f_c a_c (see :func:`_moments`) and the number of kept classes.
-    device
-        A torch device, or None for numpy.
-
-    Returns
-    -------
-    dict
-        ``out`` with ``lam``, ``V``, ``vsv`` (with sigma_w) and ``spectra``.
-    """
-    if device:
-        from ncanalyze.analyzer.device import TorchLinalg
-
-        la = TorchLinalg(device)
-    else:
-        la = np.linalg
-    out["lam"], out["V"] = la.eigh(out["MtM"])
-    if sigma_w is not None:                                       # v_i^T Sigma_W v_i (nc1_trace): O(d^3) too
-        out["vsv"] = la.quad(sigma_w, out["V"]) if device else np.sum(out["V"] * (sigma_w @ out["V"]), 0)
-    out["spectra"] = _spectra(out, sigma_w, delta, n, la)
-    return out
-
-
-def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
-             la=np.linalg) -> dict[str, np.ndarray]:
-    """The eigenvalues (ascending, ``la.eigvalsh`` in float64) of the d x d matrices of spectral.py:
-    ``between`` Sigma_B = M^T M / n; with Sigma_W, ``within`` Sigma_W, ``total`` Sigma_T = Sigma_W + sum_c f_c
-    (mu_c - mu)(mu_c - mu)^T (the law of total covariance) and ``lidar`` (:func:`lidar_spectrum`); with the
-    classifier, ``head`` W^T W over the whole vocabulary."""
-    out = {"between": mom["lam"] / n}
-    if sigma_w is not None:
-        out |= {"within": la.eigvalsh(sigma_w),
-                "total": la.eigvalsh(sigma_w + mom["MtFM"] - np.outer(delta, delta)),
-                "lidar": lidar_spectrum(sigma_w, mom["MtM"] / n, la)}
-    if "WtW" in mom:
-        out["head"] = la.eigvalsh(mom["head"])
-    return out
-
-
-def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray, la=np.linalg) -> np.ndarray:
-    """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d, as
-    those of the similar matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two
-    triangular solves and one eigvalsh (``la``: numpy's and scipy's, or device.TorchLinalg). nan where Sigma_W
-    is zero (no within-class noise) or not positive semi-definite (corrupt statistics)."""
-    eps = 1e-4 * np.trace(sigma_w) / len(sigma_w)
-    try:
-        L = la.cholesky(sigma_w + eps * np.eye(len(sigma_w))) if eps > 0 else None
-    except np.linalg.LinAlgError:
-        L = None
-    if L is None:
-        return np.full(len(sigma_w), np.nan)
-    solve = getattr(la, "solve_lower", None) or (lambda L, B: solve_triangular(L, B, lower=True))
-    X = solve(L, sigma_b)                                         # L^-1 Sigma_B
-    return la.eigvalsh(solve(L, X.T))
 
 
 def engine_device(device: str | None = "auto", engine: str | None = None) -> str | None:
@@ -417,11 +314,6 @@ def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
     """The kept classes' rows of a (vocab, ...) variable as a new float64 array (np.take always copies, so the
     caller may write to it), read once: O(|V| d) memory."""
     return np.take(var.values, K, axis=0).astype(np.float64, copy=False)
-
-
-def _check_finite(x: np.ndarray, what: str) -> None:
-    if not np.isfinite(x).all():
-        raise UserError(f"the {what} of kept classes contain NaN or Inf: the statistics are corrupt; extract again")
 
 
 def _warn_coincident(pairs: list[tuple[int, int, bool]], K: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """Representation geometry beyond NC (SPEC section 4, second table), from the statistics already stored: no new pass.
 
-The spectra are the eigenvalues of d x d float64 matrices (numpy.linalg, gathered by ``geometry._spectra``):
+The spectra are the eigenvalues of d x d float64 matrices (numpy.linalg, gathered by ``moments.spectra``):
 Sigma_W (the stored within_covariance), Sigma_B = (1/|K|) sum_K m_c m_c^T, Sigma_T = Sigma_W + sum_c (n_c/N)
 (mu_c - mu)(mu_c - mu)^T (the law of total covariance: the covariance of all train features), LiDAR's whitened
 Sigma_B, and the head's W^T W. The frequency-weighted CDNV and GNC2 are pair sums of the same tiled pass as the

@@ -39,7 +39,7 @@ import psutil
 import threadpoolctl
 import xarray as xr
 
-from ncanalyze.analyzer.geometry import lidar_spectrum
+from ncanalyze.analyzer.moments import lidar_spectrum
 from ncanalyze.analyzer.metrics import auto_tile, measure
 from ncanalyze.analyzer.pairs import torch_pair_sums
 from ncanalyze.analyzer.schema import NC_METRICS, SCALARS
@@ -155,7 +155,6 @@ def run_torch(k: int, d: int, rounds: int, device: str) -> None:
     one = torch.ones(k, dtype=M.dtype, device=device)
     side = torch.stack([one, one, torch.as_tensor(ds["variance"].values, device=device), one / k])
     t_pairs = statistics.median(timeit.repeat(lambda: torch_pair_sums(U, side, 1.0), number=1, repeat=rounds))
-    del U, side
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU (torch)"
     flops = 2 * k * k * d
     print(f"K={k:,} d={d:,} on {name}, the {len(NC_METRICS)} NC metrics (and {len(SCALARS) - len(NC_METRICS)} geometry "

@@ -1,0 +1,151 @@
+"""The d x d end of the geometry, shared by the host path (geometry.py) and the device path (device.py): the
+eigen-decomposition of M^T M and the spectra of the representation geometry (numpy.linalg, or torch.linalg on a
+device through :class:`TorchLinalg`), and the checks and sums both paths make of the centred means."""
+from __future__ import annotations
+
+import numpy as np
+from scipy.linalg import solve_triangular
+
+from ncanalyze.analyzer.errors import UserError
+
+
+def pair_mean(s: np.ndarray, n: int) -> float:
+    """t0, the mean over P of T = ||u_c - u_c'||^2 = 2 - 2 cos, from s = sum_c u_c.
+
+    Parameters
+    ----------
+    s
+        The sum of the n unit centred means.
+    n
+        The number of kept classes.
+
+    Returns
+    -------
+    float
+        t0 = 2 - 2 (||s||^2 - n) / (n (n - 1)).
+    """
+    return 2 - 2 * (float(s @ s) - n) / (n * (n - 1))
+
+
+def check_finite(x: np.ndarray, what: str) -> None:
+    """A UserError naming ``what`` where ``x`` holds NaN or Inf (corrupt statistics)."""
+    if not np.isfinite(x).all():
+        raise UserError(f"the {what} of kept classes contain NaN or Inf: the statistics are corrupt; extract again")
+
+
+def check_centred(r: np.ndarray, var: np.ndarray, K: np.ndarray) -> None:
+    """A UserError where the norms r_c of the centred means or the variances are not finite, or an r_c is zero.
+
+    Parameters
+    ----------
+    r, var
+        Per kept class: ||m_c|| and the variance.
+    K
+        The kept classes (named in the message).
+    """
+    check_finite(np.r_[r, var], "class means or variances")
+    zero = np.flatnonzero(r <= 1e-12 * r.max())
+    if zero.size:
+        raise UserError(f"class(es) {K[zero[:5]].tolist()} have a zero-norm centred mean (their mean equals the "
+                        "global mean of the kept classes), so cosines, GNC2 and NC3 are undefined; raise "
+                        "--min-count or leave them out")
+
+
+def finish_moments(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
+                   device: str | None = None) -> dict[str, np.ndarray]:
+    """The moments with the eigen-decomposition of M^T M (``lam``, ``V``) and the ``spectra``: numpy.linalg, or
+    torch.linalg on ``device`` (:class:`TorchLinalg`).
+
+    Parameters
+    ----------
+    out
+        The d x d moments (``MtM``, ``MtFM``; with the classifier ``WtW``, ``head``) and per-class ``wn``, ``wm``.
+    sigma_w
+        The within-class covariance, or None.
+    delta, n
+        sum_c f_c a_c (see :func:`_moments`) and the number of kept classes.
+    device
+        A torch device, or None for numpy.
+
+    Returns
+    -------
+    dict
+        ``out`` with ``lam``, ``V``, ``vsv`` (with sigma_w) and ``spectra``.
+    """
+    if device:
+
+        la = TorchLinalg(device)
+    else:
+        la = np.linalg
+    out["lam"], out["V"] = la.eigh(out["MtM"])
+    if sigma_w is not None:                                       # v_i^T Sigma_W v_i (nc1_trace): O(d^3) too
+        out["vsv"] = la.quad(sigma_w, out["V"]) if device else np.sum(out["V"] * (sigma_w @ out["V"]), 0)
+    out["spectra"] = _spectra(out, sigma_w, delta, n, la)
+    return out
+
+
+def _spectra(mom: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, n: int,
+             la=np.linalg) -> dict[str, np.ndarray]:
+    """The eigenvalues (ascending, ``la.eigvalsh`` in float64) of the d x d matrices of spectral.py:
+    ``between`` Sigma_B = M^T M / n; with Sigma_W, ``within`` Sigma_W, ``total`` Sigma_T = Sigma_W + sum_c f_c
+    (mu_c - mu)(mu_c - mu)^T (the law of total covariance) and ``lidar`` (:func:`lidar_spectrum`); with the
+    classifier, ``head`` W^T W over the whole vocabulary."""
+    out = {"between": mom["lam"] / n}
+    if sigma_w is not None:
+        out |= {"within": la.eigvalsh(sigma_w),
+                "total": la.eigvalsh(sigma_w + mom["MtFM"] - np.outer(delta, delta)),
+                "lidar": lidar_spectrum(sigma_w, mom["MtM"] / n, la)}
+    if "WtW" in mom:
+        out["head"] = la.eigvalsh(mom["head"])
+    return out
+
+
+def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray, la=np.linalg) -> np.ndarray:
+    """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d, as
+    those of the similar matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two
+    triangular solves and one eigvalsh (``la``: numpy's and scipy's, or device.TorchLinalg). nan where Sigma_W
+    is zero (no within-class noise) or not positive semi-definite (corrupt statistics)."""
+    eps = 1e-4 * np.trace(sigma_w) / len(sigma_w)
+    try:
+        L = la.cholesky(sigma_w + eps * np.eye(len(sigma_w))) if eps > 0 else None
+    except np.linalg.LinAlgError:
+        L = None
+    if L is None:
+        return np.full(len(sigma_w), np.nan)
+    solve = getattr(la, "solve_lower", None) or (lambda L, B: solve_triangular(L, B, lower=True))
+    X = solve(L, sigma_b)                                         # L^-1 Sigma_B
+    return la.eigvalsh(solve(L, X.T))
+
+
+class TorchLinalg:
+    """numpy.linalg's eigh, eigvalsh and cholesky (and a lower-triangular solve) in torch float64 on a device:
+    numpy in, numpy out."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+
+    def _on(self, a: np.ndarray) :
+        return self.torch.as_tensor(np.asarray(a, dtype=np.float64), device=self.device)
+
+    def eigh(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lam, V = self.torch.linalg.eigh(self._on(a))
+        return lam.cpu().numpy(), V.cpu().numpy()
+
+    def eigvalsh(self, a: np.ndarray) -> np.ndarray:
+        return self.torch.linalg.eigvalsh(self._on(a)).cpu().numpy()
+
+    def cholesky(self, a: np.ndarray) -> np.ndarray:
+        L, info = self.torch.linalg.cholesky_ex(self._on(a))
+        if int(info):
+            raise np.linalg.LinAlgError("not positive definite")
+        return L.cpu().numpy()
+
+    def quad(self, S: np.ndarray, V: np.ndarray) -> np.ndarray:
+        """v_i^T S v_i for the columns v_i of V."""
+        V = self._on(V)
+        return (V * (self._on(S) @ V)).sum(0).cpu().numpy()
+
+    def solve_lower(self, L: np.ndarray, B: np.ndarray) -> np.ndarray:
+        return self.torch.linalg.solve_triangular(self._on(L), self._on(B), upper=False).cpu().numpy()
