@@ -158,8 +158,8 @@ def read_statistics(path: str | Path, group: str) -> xr.Dataset:
     xarray.Dataset
         The measured variables, in memory.
     """
-    fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / group}"
     owner, missing = classifier.checkpoint_group(group), missing_chunks(path, group)
+    fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / owner}"  # the checkpoint
     if owner != group and HEAD[0] not in zarr.open_group(path, path=group, mode="r", **ZARR):  # the head stored once
         missing += [f"{owner}'s {m}" for m in missing_chunks(path, owner) if m.split()[0] in HEAD]
     if missing:

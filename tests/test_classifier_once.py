@@ -247,3 +247,28 @@ def test_the_estimate_counts_the_head_once(stores):
     est = group_bytes(V, d, S, layers=len(groups))
     assert est == pytest.approx(held, rel=0.01)
     assert est + len(LAYERS) * V * d * 4 != pytest.approx(held, rel=0.05)  # the head per layer would miss it
+
+
+def test_a_corrupt_head_skips_its_checkpoint_with_every_layer_and_names_the_fix(stores, tmp_path):
+    """A flipped bit in the one stored head (zstd's checksum catches it): `measure` leaves out the checkpoint group
+    and every layer group that refers to it, each naming the checkpoint to extract again or remove, never the layer
+    group alone (removing it would not mend the head); the old-layout run beside it is measured as before."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(stores["mixed"], store)
+    ckpt = stores["ckpt"]
+    chunk = next(p for p in sorted((store / ckpt / "classifier").rglob("*")) if p.is_file() and p.name != "zarr.json")
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    chunk.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning) as caught:
+        df = measure_store(store, force=True)
+    skipped = df.attrs["skipped"]
+    assert set(skipped) == {ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)}
+    for g, why in skipped.items():
+        assert "corrupt data" in why and why.endswith(f"or remove {store / ckpt}"), why
+    old = [g for g in df.attrs["measured"] if g.startswith("old-run/")]
+    assert len(old) == 1 + len(LAYERS)
+    run = ckpt.split("/")[0]
+    for g in old:  # the other run, untouched, measures as it did in the old store (old-run/<ckpt> is <run>/<ckpt>)
+        assert_same_metrics(stored_metrics(store, g), stored_metrics(stores["old"], f"{run}/{g.split('/', 1)[1]}"))
+    assert any("skipped" in str(w.message) for w in caught)
