@@ -68,14 +68,14 @@ def build(args) -> tuple[torch.nn.Module, str]:
 def passes_on_80gb(preset: str, samples_per_class: int) -> Plan:
     """The passes ``--layers all --layers-per-pass auto`` chooses for the preset's full shape on one 80 GiB GPU, by
     memory.state_bytes: the bf16 weights (counted on a meta-device model: nothing is allocated) and state_budget's
-    margin taken from 80 GiB, the reservoir on the CPU."""
+    margin taken from 80 GiB, the reservoirs in the host's memory (128 GiB, as the H100 machines here have)."""
     width, blocks, heads, kv, mlp, vocab = PRESETS[preset]
     config = LlamaConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=blocks, num_attention_heads=heads,
                          num_key_value_heads=kv, intermediate_size=mlp, tie_word_embeddings=False)
     with torch.device("meta"):
         weights = 2 * sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     return fit_plan(plan("all", "auto", 0, "float32", blocks), vocab, width, samples_per_class, torch.device("cuda"),
-                    budget_of(80 * 2**30 - weights))
+                    budget_of(80 * 2**30 - weights), budget_of(128 * 2**30))
 
 
 def timers(model, layered: Plan, args, blocks, tmp: str) -> dict:
@@ -167,7 +167,8 @@ def main() -> None:
           f"{'; '.join(','.join(map(str, q)) for q in layered.passes)})")
     if args.preset:
         full = passes_on_80gb(args.preset, args.samples_per_class)
-        print(f"  on one 80 GB GPU, {args.preset} at its full shape: {len(full.passes)} pass(es) of at most "
+        print(f"  on one 80 GB GPU beside a 128 GiB host, {args.preset} at its full shape, --samples-per-class "
+              f"{args.samples_per_class}: {len(full.passes)} pass(es) of at most "
               f"{full.widest_pass} layers by memory.state_bytes (--layers all --layers-per-pass auto)")
     (ours, r_ours), (fw, r_fw) = rate.items()
     print(f"  {ours:>24}: {r_ours:>10,.0f} tokens/s, {r_ours * n_pass:,.0f} tokens/s per pass")

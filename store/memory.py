@@ -103,10 +103,18 @@ def budget_of(free: int) -> int:
     return max(0, free - max(free // 10, 1 << 30))
 
 
+def host_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> int:
+    """Bytes per layer the running state keeps in host memory beside a GPU's: the reservoir (float32 samples, their
+    keys and positions), which lives on the CPU whatever the device (0 on the CPU, where :func:`state_bytes` counts
+    it). Pages are touched as classes are seen, so this is the most it takes."""
+    return 0 if device.type == "cpu" else vocab * samples_per_class * (4 * dim + 16)
+
+
 def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: torch.device,
-             state_memory: int | None = None) -> Plan:
+             state_memory: int | None = None, host_memory: int | None = None) -> Plan:
     """``plan`` with its passes fitted to the memory under ``--layers-per-pass auto`` (:func:`layers.auto_groups`
-    with :func:`state_bytes` and :func:`state_budget`); any other plan as it is.
+    with :func:`state_bytes` and :func:`state_budget`), and beside a GPU to the host memory the pass's reservoirs
+    take (:func:`host_bytes`), whichever holds fewer layers; any other plan as it is.
 
     Parameters
     ----------
@@ -115,6 +123,7 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
     samples_per_class : the reservoir's samples per class.
     device : where the state lives.
     state_memory : ``--state-memory`` in bytes (None: the free memory less a margin).
+    host_memory : the host memory the reservoirs may take beside a GPU (None: the host's free memory less a margin).
 
     Returns
     -------
@@ -123,6 +132,19 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
     if not plan.auto:
         return plan
     fitted = auto_groups(plan, *state_bytes(vocab, dim, samples_per_class, device), state_budget(device, state_memory))
+    host = host_bytes(vocab, dim, samples_per_class, device)
+    if host:
+        budget = host_memory if host_memory is not None else state_budget(torch.device("cpu"))
+        if budget < host:
+            raise UserError(f"the reservoir of one layer (--samples-per-class {samples_per_class}) needs "
+                            f"~{host / 2**30:.1f} GiB of host memory but {budget / 2**30:.1f} GiB is free: lower "
+                            "--samples-per-class")
+        by_host = auto_groups(plan, host, 0, budget)
+        if by_host.widest_pass < fitted.widest_pass:
+            log.info("--layers-per-pass auto: the host memory holds the reservoirs of %d layers a pass (%.1f GiB "
+                     "each at --samples-per-class %d; fewer samples, more layers a pass)", by_host.widest_pass,
+                     host / 2**30, samples_per_class)
+            fitted = by_host
     if len(fitted.passes) > 1:
         log.info("--layers-per-pass auto: %d passes of at most %d layers (%s)", len(fitted.passes),
                  fitted.widest_pass, "; ".join(",".join(map(str, p)) for p in fitted.passes))

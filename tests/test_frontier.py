@@ -308,10 +308,33 @@ def test_the_8b_shape_fits_in_three_passes_on_one_80gb_gpu():
     assert budget == 69_799_345_920 - 6_979_934_592
     per_layer, shared = state_bytes(V, d, 8, torch.device("cuda"))
     assert per_layer == 4_343_099_392 and shared == 4_204_744_704
-    fitted = fit_plan(plan("all", "auto", 0, "float32", 32), V, d, 8, torch.device("cuda"), budget)
+    fitted = fit_plan(plan("all", "auto", 0, "float32", 32), V, d, 8, torch.device("cuda"), budget, 2**50)
     assert len(fitted.passes) == 3 and fitted.widest_pass == 13
     assert [l for p in fitted.passes for l in p] == list(range(33))
     assert fitted.passes[-1] == tuple(range(20, 33))
+
+
+def test_beside_a_gpu_the_hosts_memory_for_the_reservoirs_bounds_the_layers_a_pass():
+    """The reservoir lives on the host whatever the device: V x samples x (4d + 16) bytes a layer. On the H100
+    machine's 128 GiB host (budget_of: 137.44e9 less a tenth, 123.69e9), the 8B shape with 2 samples per class takes
+    128,256 x 2 x 16,400 = 4.207e9 a layer: 29 layers, so the GPU's 13 bind (3 passes); with the default 8, 16.83e9 a
+    layer: 7 layers a pass, 5 passes, said in the log; a host that cannot hold one layer's reservoir is one line."""
+    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.store.memory import budget_of, fit_plan, host_bytes
+
+    V, d, cuda = 128_256, 4_096, torch.device("cuda")
+    gpu, host = budget_of(80 * 2**30 - 16_100_000_000), budget_of(128 * 2**30)
+    assert host == 123_695_058_125 and host_bytes(V, d, 8, cuda) == 16_827_187_200
+    assert host_bytes(V, d, 8, torch.device("cpu")) == 0  # on the CPU state_bytes counts it
+    layered = plan("all", "auto", 0, "float32", 32)
+    two = fit_plan(layered, V, d, 2, cuda, gpu, host)
+    assert len(two.passes) == 3 and two.widest_pass == 13
+    eight = fit_plan(layered, V, d, 8, cuda, gpu, host)
+    assert eight.widest_pass == 7 and len(eight.passes) == 5 and [l for p in eight.passes for l in p] == list(range(33))
+    assert eight.passes[-1] == tuple(range(26, 33))
+    with pytest.raises(UserError, match="reservoir of one layer .*--samples-per-class 8.* lower --samples-per-class"):
+        fit_plan(layered, V, d, 8, cuda, gpu, 10 * 2**30)
+    assert fit_plan(layered, V, d, 0, cuda, gpu, 0).widest_pass == 13  # no samples: nothing on the host
 
 
 def _nc4_numpy(W, b, M, kept, H, Z, y):
