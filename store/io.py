@@ -144,7 +144,7 @@ def read_group(path: str | Path, group: str, **kwargs) -> xr.Dataset:
                         "metrics.csv") from None
 
 
-def read_statistics(path: str | Path, group: str) -> xr.Dataset:
+def read_statistics(path: str | Path, group: str, head: xr.Dataset | None = None) -> xr.Dataset:
     """The variables of a group that the metrics read (schema.MEASURED), loaded (a layer group's with its
     checkpoint's classifier); a UserError naming the group and the fix if any of its data is missing or corrupt.
 
@@ -152,6 +152,9 @@ def read_statistics(path: str | Path, group: str) -> xr.Dataset:
     ----------
     path, group
         The store and the group.
+    head
+        The checkpoint's head (schema.HEAD) already loaded, for a layer group that refers to it: used instead of
+        reading it again (``measure`` reads a checkpoint's head once for all its layers).
 
     Returns
     -------
@@ -160,11 +163,15 @@ def read_statistics(path: str | Path, group: str) -> xr.Dataset:
     """
     owner, missing = classifier.checkpoint_group(group), missing_chunks(path, group)
     fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / owner}"  # the checkpoint
-    if owner != group and HEAD[0] not in zarr.open_group(path, path=group, mode="r", **ZARR):  # the head stored once
+    shared = owner != group and HEAD[0] not in zarr.open_group(path, path=group, mode="r", **ZARR)  # stored once
+    if shared and head is None:
         missing += [f"{owner}'s {m}" for m in missing_chunks(path, owner) if m.split()[0] in HEAD]
     if missing:
         raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
     ds = read_group(path, group, chunks=None)  # read straight into one array each (through dask: twice the memory)
+    if shared and head is not None:
+        ds = ds.drop_vars([h for h in HEAD if h in ds.variables]).assign_coords(
+            {h: head[h].variable for h in HEAD if h in head.variables})
     try:
         return ds[[v for v in MEASURED if v in ds]].load()
     except CHUNK_ERRORS as e:

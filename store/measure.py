@@ -13,7 +13,9 @@ from tqdm.auto import tqdm
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import DEFINITIONS, measure_all
+from ncanalyze.analyzer.schema import HEAD
 from ncanalyze.analyzer.table import metrics_table
+from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.cluster import client
 from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
 
@@ -60,13 +62,16 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
                       "the results, so they are measured again next time; measure a writable copy to keep them",
                       ReadOnlyStore, stacklevel=2)
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
+    heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
     with client(scheduler, workers=WORKER_WAIT_S if todo else None):
         for g in tqdm(todo, desc="measuring", unit="checkpoint", disable=None):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    scalars, per_class = measure_all(read_statistics(store, g), min_count, tile, on or "cpu",
-                                                      "torch" if on else "numba")
+                    ds = read_statistics(store, g, heads.get(checkpoint_group(g)))
+                    if checkpoint_group(g) == g:
+                        heads = {g: ds[[h for h in HEAD if h in ds.variables]]}
+                    scalars, per_class = measure_all(ds, min_count, tile, on or "cpu", "torch" if on else "numba")
                 except UserError as e:
                     skipped[g] = str(e).removeprefix(f"{g} ")
                     continue

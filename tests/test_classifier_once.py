@@ -272,3 +272,22 @@ def test_a_corrupt_head_skips_its_checkpoint_with_every_layer_and_names_the_fix(
     for g in old:  # the other run, untouched, measures as it did in the old store (old-run/<ckpt> is <run>/<ckpt>)
         assert_same_metrics(stored_metrics(store, g), stored_metrics(stores["old"], f"{run}/{g.split('/', 1)[1]}"))
     assert any("skipped" in str(w.message) for w in caught)
+
+
+def test_a_checkpoints_head_is_read_once_for_all_its_layer_groups(stores, tmp_path):
+    """read_statistics of a layer group given its checkpoint's loaded head uses it and reads none of the head's files
+    (their chunks are removed here after the first read: a second read would give fill values); the statistics are the same as read
+    in full; without it, the missing files are named as before."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(stores["new"], store)
+    ckpt = stores["ckpt"]
+    read = io.read_statistics(store, ckpt)
+    head = read[[h for h in HEAD if h in read.variables]]  # as measure_store keeps it
+    full = {l: io.read_statistics(store, f"{ckpt}/layers/{l}") for l in LAYERS}
+    shutil.rmtree(store / ckpt / "classifier" / "c")  # its chunks: read now, the head would be fill values
+    for l in LAYERS:
+        given = io.read_statistics(store, f"{ckpt}/layers/{l}", head)
+        assert given.identical(full[l])
+        np.testing.assert_array_equal(given["classifier"].values, stores["W"])
+    with pytest.raises(UserError, match=f"lacks data chunks \\({ckpt}'s classifier"):
+        io.read_statistics(store, f"{ckpt}/layers/{LAYERS[0]}")
