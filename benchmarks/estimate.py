@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import GPTNeoConfig, GPTNeoForCausalLM
-
 from ncanalyze.cli.main import main as cli
+from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 
 def seconds(line: str) -> float:
@@ -80,7 +79,7 @@ def run_once(args) -> float:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("ncanalyze.store.extract")  # the CLI sets the handlers of "ncanalyze" itself
+    logger = logging.getLogger("ncanalyze.store.runs.local")  # the CLI sets the handlers of "ncanalyze" itself
     logger.addHandler(handler)
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)

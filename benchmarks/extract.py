@@ -25,14 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import GPTNeoConfig, GPTNeoForCausalLM
-
-from ncanalyze.store.data import open_blocks
-from ncanalyze.store.layers import plan
-from ncanalyze.store.passes import train_pass
+from ncanalyze.store.data.blocks import open_blocks
+from ncanalyze.store.extraction.layers import plan
+from ncanalyze.store.extraction.passes import train_pass
+from ncanalyze.store.extraction.running import Extraction, LayerState
 from ncanalyze.store.resume import Saver
-from ncanalyze.store.running import Extraction, LayerState
-from ncanalyze.store.shards import _arrays, merge_states
+from ncanalyze.store.runs.shards import _arrays, merge_states
+from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 
 def tokens(args, vocab: int, n: int) -> np.ndarray:

@@ -28,19 +28,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data import open_blocks
-from ncanalyze.store.layers import Plan, plan
-from ncanalyze.store.memory import budget_of, fit_plan, parse_size
-from ncanalyze.store.passes import run_passes
+from ncanalyze.store.data.blocks import open_blocks
+from ncanalyze.store.extraction.layers import Plan, plan
+from ncanalyze.store.extraction.memory import budget_of, fit_plan, parse_size
+from ncanalyze.store.extraction.passes import run_passes
+from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Saver
-from ncanalyze.store.running import Extraction
+from transformers import GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from extract import tokens  # noqa: E402  (the same Zipf-like ids, or a tokenized text)
-
 
 # the published shapes: width, blocks, heads, KV heads, MLP width, vocabulary
 PRESETS = {"llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256), "llama-3.1-8b": (4096, 32, 32, 8, 14336, 128256)}

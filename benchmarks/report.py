@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import timeit
 import tempfile
+import timeit
 
 import numpy as np
 import pandas as pd
-
 from ncanalyze.analyzer.report import ReportOptions, write_report
-from ncanalyze.analyzer.stats import CONTROLS, METRICS, correlations, eval_controls, perm_test, scaled_metrics
+from ncanalyze.analyzer.stats import (
+    CONTROLS,
+    METRICS,
+    correlations,
+    eval_controls,
+    perm_test,
+    scaled_metrics,
+)
 
 
 def study(n: int, seed: int = 0) -> pd.DataFrame:

@@ -56,10 +56,9 @@ def main() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
 
     from distributed import Client, LocalCluster
-
-    from ncanalyze.store.cluster import extract_on_cluster
-    from ncanalyze.store.config import ExtractConfig
-    from ncanalyze.store.extract import extract
+    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.runs.cluster import extract_on_cluster
+    from ncanalyze.store.runs.local import extract
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -69,7 +68,7 @@ def main() -> None:
         one = run / f"checkpoint-{100 * args.checkpoints}"
         with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
                           silence_logs=logging.ERROR) as lc, Client(lc) as client:
-            client.run(lambda: __import__("ncanalyze.store.shards"))
+            client.run(lambda: __import__("ncanalyze.store.runs.shards"))
             address = lc.scheduler_address
             times: dict[str, list[float]] = {}
             counter = iter(range(10 ** 6))

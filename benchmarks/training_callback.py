@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import Dataset
-from transformers import GPTNeoConfig, GPTNeoForCausalLM, Trainer, TrainingArguments, default_data_collator
+from transformers import (
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
 
 from ncanalyze.training import NeuralCollapseCallback
 

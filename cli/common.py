@@ -1,9 +1,7 @@
 """What the commands share: where the store is, and the one store a command was given (its options: options.py)."""
 from __future__ import annotations
 
-
 import click
-
 from ncanalyze.store import layout
 
 

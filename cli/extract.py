@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import click
-
 from ncanalyze.cli.common import default_store
 from ncanalyze.cli.options import option
 
@@ -110,14 +109,17 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
       ncanalyze extract runs/neo-L2-d64 --dataset data/train.txt --max-train-tokens 1000000
       ncanalyze extract EleutherAI/pythia-70m --revisions step1000:143000:1000 --dataset data/val.bin
     """
-    from ncanalyze.store.discover import check_local  # light: a typo is said before torch and the Hub are loaded
+    from ncanalyze.store.sources.discover import (
+        check_local,  # light: a typo is said before torch and the Hub are loaded
+    )
 
     check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
                                          for k in ("dataset", "val_dataset", "tokenizer")}})
     from ncanalyze.analyzer.errors import UserError
-    from ncanalyze.store.config import ExtractConfig
-    from ncanalyze.store.extract import announcer_over, extract as extract_local
-    from ncanalyze.store.hub import extract_hub, is_hub_id, parse_revisions
+    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.runs.hub import extract_hub, is_hub_id, parse_revisions
+    from ncanalyze.store.runs.local import announcer_over
+    from ncanalyze.store.runs.local import extract as extract_local
 
     if not options["layers"].strip(" ,"):
         raise click.UsageError(f"--layers {options['layers']!r} names no layer: pass last, all, or indices like 0,-1")
@@ -138,7 +140,7 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
                                    restart=restart))
         click.echo(results[-1].summary())
     if scheduler and local:
-        from ncanalyze.store.cluster import extract_on_cluster
+        from ncanalyze.store.runs.cluster import extract_on_cluster
 
         results.append(extract_on_cluster(local, store, cfg, scheduler, overwrite, restart, shards))
         click.echo(results[-1].summary())

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import click
-
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import store_argument
 

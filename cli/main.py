@@ -6,15 +6,15 @@ import sys
 import warnings
 
 import click
-from tqdm.auto import tqdm
-
-import ncanalyze
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
 from ncanalyze.cli.ls import ls
 from ncanalyze.cli.measure import measure
 from ncanalyze.cli.report import report
 from ncanalyze.cli.rm import rm
+from tqdm.auto import tqdm
+
+import ncanalyze
 
 log = logging.getLogger(__name__)
 ROOT_LOGGER = "ncanalyze"  # configured here; every module's logging.getLogger(__name__) propagates to it

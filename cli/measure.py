@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import click
-
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import option, store_argument
 
@@ -27,7 +26,6 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     float64 on CUDA where torch sees a GPU (equal to the CPU's numba path to 1e-12), else on the CPU.
     """
     import pandas as pd
-
     from ncanalyze.analyzer.schema import SCALARS
     from ncanalyze.store.measure import measure_store
 

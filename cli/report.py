@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N
 from ncanalyze.cli.common import resolve_store

@@ -5,11 +5,10 @@ import sys
 from pathlib import Path
 
 import click
-
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.common import resolve_store
-from ncanalyze.cli.options import option
 from ncanalyze.cli.ls import human
+from ncanalyze.cli.options import option
 
 
 def split_store(names: tuple[str, ...], store: str | None) -> tuple[str, list[str]]:

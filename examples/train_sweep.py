@@ -140,8 +140,14 @@ def train(train_files, val_files, tokenizer_dir, out_dir, *, n_layer: int = 2, w
     ``data`` (a DatasetDict with train/validation blocks) replaces the text files, so a sweep tokenizes once;
     ``tokenizer_dir`` may then be None (token files), with ``vocab_size`` given.
     """
-    from transformers import AutoTokenizer, GPTNeoForCausalLM, Trainer, TrainingArguments, default_data_collator
-    from transformers import set_seed
+    from transformers import (
+        AutoTokenizer,
+        GPTNeoForCausalLM,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+        set_seed,
+    )
 
     set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None

@@ -1,6 +1,8 @@
-"""Checkpoints in, the store out: discovery, data, extraction, and every read and write of the Zarr store (io.py).
+"""The Zarr store and what lies beside it (layout, lock, resume state, chunks, the classifier once, io, inventory,
+measure, the Dask client); the extraction pipeline climbs above it: sources -> data -> extraction -> runs.
 
-Imports go one way: ``ncanalyze.cli`` -> ``ncanalyze.store`` -> ``ncanalyze.analyzer``. Importing this package is
+Each floor imports only the floors below it (``tests/test_architecture.py``); between packages imports go
+``ncanalyze.cli`` -> ``ncanalyze.store`` -> ``ncanalyze.analyzer``. Importing this package is
 light: :func:`open` (the SPEC's ``ncanalyze.store.open(path)``, io.open_tree) loads zarr and xarray when first used.
 """
 from __future__ import annotations

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import xarray as xr
-
 from ncanalyze.analyzer.schema import HEAD
 
 

@@ -14,7 +14,6 @@ and ``classifier_bias`` (vocab) are coordinates of the checkpoint group ``<run>/
 from __future__ import annotations
 
 import xarray as xr
-
 from ncanalyze.analyzer.schema import HEAD
 
 LAYERS = "layers"  # a checkpoint's layer groups are <run>/<checkpoint>/layers/<l>

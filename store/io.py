@@ -15,19 +15,24 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable
-from importlib.metadata import PackageNotFoundError, version as _pkg_version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _pkg_version
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 import zarr
 import zarr.errors
-
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import HEAD, MEASURED, PER_CLASS
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
-from ncanalyze.store.layout import CheckpointFiles, default_store, group_order, probe_writable
+from ncanalyze.store.layout import (
+    CheckpointFiles,
+    default_store,
+    group_order,
+    probe_writable,
+)
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)

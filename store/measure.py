@@ -8,16 +8,21 @@ import warnings
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
-
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import DEFINITIONS, measure_all
 from ncanalyze.analyzer.schema import HEAD
 from ncanalyze.analyzer.table import metrics_table
 from ncanalyze.store.classifier import checkpoint_group
-from ncanalyze.store.cluster import client
-from ncanalyze.store.io import checkpoint_groups, group_attrs, open_tree, read_statistics, write_metrics
+from ncanalyze.store.client import client
+from ncanalyze.store.io import (
+    checkpoint_groups,
+    group_attrs,
+    open_tree,
+    read_statistics,
+    write_metrics,
+)
+from tqdm.auto import tqdm
 
 WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from ncanalyze.analyzer.errors import CheckpointError
 
 log = logging.getLogger(__name__)

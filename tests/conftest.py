@@ -181,7 +181,6 @@ def trained_run(corpus, tmp_path_factory) -> Path:
 def run_cli(*args: str, ok: bool = True):
     """Run the ``ncanalyze`` CLI in-process; with ``ok`` assert it succeeded, else that it failed cleanly."""
     from click.testing import CliRunner
-
     from ncanalyze.cli.main import main
 
     result = CliRunner().invoke(main, [str(a) for a in args])
@@ -233,9 +232,8 @@ def fails_cleanly(args, store: Path, words) -> str:
 
 def assert_same_group(a: Path, b: Path, group: str) -> None:
     """``group`` of stores ``a`` and ``b``: the same variables, bit for bit, and the same attributes."""
-    import numpy as np
-
     import ncanalyze.store
+    import numpy as np
 
     da, db = (ncanalyze.store.open(s)[group].to_dataset() for s in (a, b))
     assert set(da.variables) == set(db.variables)

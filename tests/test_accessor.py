@@ -8,14 +8,13 @@ import shutil
 import subprocess
 import sys
 
+import ncanalyze.store
 import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
 import zarr
 from conftest import ROOT, run_cli
-
-import ncanalyze.store
 from ncanalyze.analyzer import class_metrics, measure
 from ncanalyze.analyzer.schema import INFO, LAYER, SCALARS
 from ncanalyze.store.io import checkpoint_groups

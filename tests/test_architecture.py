@@ -62,6 +62,57 @@ def test_the_new_modules_import_down_the_layers():
     assert "analyzer" in imports(ROOT / "store" / "measure.py")
 
 
+STORE_FLOORS = {"": 0, "sources": 1, "data": 2, "extraction": 3, "runs": 4}  # store/ itself, then the pipeline
+
+
+def store_floor(module: str) -> int:
+    """The floor of a module of ``ncanalyze.store`` (its subpackage; store/ itself is the ground floor)."""
+    parts = module.split(".")
+    return STORE_FLOORS.get(parts[2], 0) if len(parts) > 3 else 0
+
+
+def store_imports(path: Path) -> set[str]:
+    """The ``ncanalyze.store`` modules that ``path`` imports (``from ncanalyze.store.x import m`` names x.m's floor)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("ncanalyze.store.")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ncanalyze.store"):
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_store_floors_import_only_downwards():
+    """Inside store/, each floor imports only the floors below it: store/ itself (the Zarr store and what lies beside
+    it) <- sources <- data <- extraction <- runs; and every subpackage's __init__ states its rule in one docstring."""
+    upward = set()
+    for f in sources("store"):
+        rel = f.relative_to(ROOT / "store").parts
+        here = STORE_FLOORS[rel[0]] if len(rel) > 1 else 0
+        for dep in store_imports(f):
+            if store_floor(dep) > here:
+                upward.add(f"{f.relative_to(ROOT)} imports {dep}")
+    assert not upward, sorted(upward)
+    for sub in STORE_FLOORS:
+        if sub:
+            doc = " ".join((ast.get_docstring(ast.parse((ROOT / "store" / sub / "__init__.py").read_text())) or "").split())
+            assert "Imports only" in doc or "may import everything below" in doc, sub
+    assert {d.name for d in (ROOT / "store").iterdir() if d.is_dir() and (d / "__init__.py").exists()} == \
+        {s for s in STORE_FLOORS if s}
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path, monkeypatch):
+    fake = tmp_path / "store"
+    for sub in STORE_FLOORS:
+        (fake / sub).mkdir(parents=True, exist_ok=True)
+        if sub:
+            (fake / sub / "__init__.py").write_text('"""Imports only what is below."""\n')
+    (fake / "io.py").write_text("from ncanalyze.store.runs import local\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="store/io.py imports ncanalyze.store.runs.local"):
+        test_store_floors_import_only_downwards()
+
+
 def test_the_import_check_sees_a_backward_import(tmp_path):
     f = tmp_path / "bad.py"
     f.write_text("def f():\n    from ncanalyze.cli.main import main\n    import ncanalyze.store.io\n")
@@ -87,7 +138,7 @@ def test_names_are_defined_once():
 
 
 def test_every_extraction_setting_says_whether_it_is_hashed():
-    from ncanalyze.store.config import ExtractConfig
+    from ncanalyze.store.extraction.config import ExtractConfig
 
     for f in dataclasses.fields(ExtractConfig):
         assert isinstance(f.metadata.get("hashed"), bool), f"ExtractConfig.{f.name} must declare hashed=True/False"
@@ -97,9 +148,8 @@ def test_a_default_configuration_hashes_as_before(trained_run):
     """Stores written before a change must not look foreign: the record of a default configuration keeps exactly
     these keys (a new hashed setting may enter the record only when it is not at its default)."""
     import torch
-
-    from ncanalyze.store.discover import discover
-    from ncanalyze.store.config import ExtractConfig, config_record
+    from ncanalyze.store.extraction.config import ExtractConfig, config_record
+    from ncanalyze.store.sources.discover import discover
 
     ckpt = discover(trained_run)[0]
     record = config_record(ckpt, ExtractConfig(dataset="d.txt"), torch.device("cpu"), 32, "v.txt", "validation")

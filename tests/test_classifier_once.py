@@ -5,24 +5,23 @@ from __future__ import annotations
 
 import shutil
 
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
 import xarray as xr
 import zarr
 from conftest import EXTRACT_OPTS, run_cli
-
-import ncanalyze.store
 from ncanalyze.analyzer import class_stats, measure
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import HEAD
 from ncanalyze.store import io
 from ncanalyze.store.classifier import checkpoint_group
+from ncanalyze.store.extraction.layers import plan
+from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.inventory import disk_bytes
-from ncanalyze.store.layers import plan
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.measure import measure_store
-from ncanalyze.store.running import Extraction
 
 LAYERS = (0, 1)  # the layer groups of the 2-block model; the checkpoint group is layer 2
 
@@ -235,7 +234,7 @@ def test_the_training_callbacks_layer_groups_refer_to_the_checkpoints_head(corpu
 def test_the_estimate_counts_the_head_once(stores):
     """The estimate's size of a ``--layers all`` checkpoint (:func:`group_bytes`) is the bytes its groups hold, the
     head counted once; counting it per layer (as before) would be off by (layers - 1) x the head's bytes."""
-    from ncanalyze.store.estimate import group_bytes
+    from ncanalyze.store.extraction.estimate import group_bytes
 
     new, ckpt = stores["new"], stores["ckpt"]
     groups = [ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)]

@@ -11,11 +11,11 @@ import click
 import pytest
 from click.testing import CliRunner
 from conftest import ROOT, run_cli
-
-import ncanalyze
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.main import main
 from ncanalyze.cli.options import OPTIONS
+
+import ncanalyze
 
 
 @pytest.fixture

@@ -11,15 +11,14 @@ import subprocess
 import sys
 import time
 
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
 import xarray as xr
 from conftest import EXTRACT_OPTS, run_cli
-
-import ncanalyze.store
 from ncanalyze.analyzer.accumulate import ClassStats
-from ncanalyze.store.reservoir import Reservoir
+from ncanalyze.store.extraction.reservoir import Reservoir
 
 CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 EXACT = ("count", "val_count", "val_correct", "val_ncc_agree", "samples", "n_samples", "sample_position",
@@ -49,7 +48,7 @@ def cluster():
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as lc, \
             Client(lc) as client:
-        client.run(lambda: __import__("ncanalyze.store.extract"))  # warm the workers' imports once
+        client.run(lambda: __import__("ncanalyze.store.runs.local"))  # warm the workers' imports once
         yield lc.scheduler_address, client
 
 
@@ -108,7 +107,6 @@ def _writer(store: str, me: int, barrier, runs: int) -> None:
 
 def test_concurrent_writers_keep_the_root_and_every_group(tmp_path):
     from ncanalyze.store import io
-
     n, runs = 6, 6
     for trial in range(2):
         store = tmp_path / f"s{trial}.zarr"

@@ -9,10 +9,9 @@ import json
 
 import numpy as np
 import pytest
-from conftest import fails_cleanly, run_cli
-
+from conftest import fails_cleanly
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data import check_block_size, model_positions, open_blocks
+from ncanalyze.store.data.blocks import check_block_size, model_positions, open_blocks
 
 
 def _tokenize(texts):

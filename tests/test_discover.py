@@ -4,9 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.discover import discover, training_metadata
+from ncanalyze.store.sources.discover import discover, training_metadata
 
 
 def model(d, weights: bytes = b"w", state: dict | None = None):
@@ -81,13 +80,12 @@ import math  # noqa: E402
 import os  # noqa: E402
 import warnings  # noqa: E402
 
+import ncanalyze.store  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from conftest import lone_model, run_cli  # noqa: E402
+from ncanalyze.store.sources.discover import check_safe_weights  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-
-import ncanalyze.store  # noqa: E402
-from ncanalyze.store.discover import check_safe_weights  # noqa: E402
 
 
 def _shard(ck, second: str = "model-00002-of-00002.safetensors", drop: str | None = None):

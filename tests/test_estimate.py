@@ -15,17 +15,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import EXTRACT_OPTS, run_cli, tmpfs, train_sweep
 from ncanalyze.store import io
-from ncanalyze.store.data import open_blocks
-from ncanalyze.store import estimate as est
-from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.estimate import (START, Arch, Costs, batch_seconds, depths, estimate, group_bytes,
-                                      kept_classes, per_architecture, progress)
-from ncanalyze.store.layers import plan
-from ncanalyze.store.running import Extraction
+from ncanalyze.store.data.blocks import open_blocks
+from ncanalyze.store.extraction import estimate as est
+from ncanalyze.store.extraction.estimate import (
+    START,
+    Arch,
+    Costs,
+    batch_seconds,
+    depths,
+    estimate,
+    group_bytes,
+    kept_classes,
+    per_architecture,
+    progress,
+)
+from ncanalyze.store.extraction.layers import plan
+from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, save_state
+from ncanalyze.store.sources.discover import Checkpoint
 
 # planted: forward 1 s, a layer's statistics 2 s, a layer's decisions 3 s, the loss 5 s, load 7 s, 1 byte/s
 COSTS = Costs(load=7.0, forward=1.0, train=2.0, decide=3.0, loss=5.0, write_rate=1.0)

@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
-
 from conftest import ROOT, make_corpus
 
 TINY = [  # a 2 x 2 grid and 3 seed replicas of one of its architectures, 10 steps each, checkpoints at 5 and 10

@@ -10,12 +10,11 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
-from test_stats import study
-
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition, evaluate
 from ncanalyze.analyzer.report import ReportOptions, select, write_report
 from ncanalyze.analyzer.stats import eval_controls
+from test_stats import study
 
 
 @pytest.fixture
@@ -202,7 +201,6 @@ def test_within_budget_is_evaluated(df):
 
 def test_report_cli_answers_a_hostile_where_in_one_line(df, tmp_path):
     from click.testing import CliRunner
-
     from ncanalyze.cli.main import main
 
     df.to_csv(tmp_path / "m.csv", index=False)

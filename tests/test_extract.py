@@ -4,14 +4,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
 import xarray as xr
 from conftest import EXTRACT_OPTS, lone_model, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import ncanalyze.store
 
 BLOCK = 32  # the fixture model's context
 

@@ -3,13 +3,19 @@ from __future__ import annotations
 
 import os
 
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_group, fails_cleanly, kill_when, lone_model, run_cli, tmpfs
+from conftest import (
+    assert_same_group,
+    fails_cleanly,
+    kill_when,
+    lone_model,
+    run_cli,
+    tmpfs,
+)
 from safetensors.torch import load_file, save_file
-
-import ncanalyze.store
 
 
 def _state(store):
@@ -138,7 +144,7 @@ def test_full_disk_is_a_clean_error_and_resumes(trained_run, corpus, tmp_path):
 
 
 def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_a_clean_error(trained_run, corpus, tmp_path):
-    from ncanalyze.store.load import resolve_device
+    from ncanalyze.store.sources.load import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

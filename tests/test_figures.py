@@ -9,11 +9,17 @@ import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.collections import PathCollection
-from test_stats import study
-
-from ncanalyze.analyzer.report import (DYNAMICS, FIGURES, FORMATS, ReportOptions, dynamics_figure, scatter_figure,
-                                        write_report)
+from ncanalyze.analyzer.report import (
+    DYNAMICS,
+    FIGURES,
+    FORMATS,
+    ReportOptions,
+    dynamics_figure,
+    scatter_figure,
+    write_report,
+)
 from ncanalyze.analyzer.stats import correlations
+from test_stats import study
 
 FIG1 = FIGURES["fig1_nc_vs_loss"][1]
 
@@ -195,7 +201,6 @@ def test_fig2_does_not_repeat_the_gnc2_panel_of_fig1():
 
 def test_declutter_blanks_every_other_label_where_they_would_collide():
     from matplotlib.ticker import FixedFormatter, FixedLocator
-
     from ncanalyze.analyzer.report.ticks import declutter, overlapping_labels
 
     fig, ax = plt.subplots(figsize=(2.5, 2))

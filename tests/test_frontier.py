@@ -11,11 +11,20 @@ import logging
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, Gemma2Config, GPTNeoXConfig, LlamaConfig,
-                          OlmoConfig, OPTConfig, PhiConfig, Qwen2Config)
-
-from ncanalyze.store.layers import plan
-from ncanalyze.store.passes import blocks_of, hidden_forward
+from ncanalyze.store.extraction.layers import plan
+from ncanalyze.store.extraction.passes import blocks_of, hidden_forward
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    Gemma2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    OlmoConfig,
+    OPTConfig,
+    PhiConfig,
+    Qwen2Config,
+)
 
 CK = "checkpoint-40"
 
@@ -82,7 +91,7 @@ def test_the_cut_is_bit_identical_on_modern_architectures(config):
 
 def test_auto_groups_fit_the_budget_exactly_and_keep_the_deepest_layers_together():
     from ncanalyze.analyzer import UserError
-    from ncanalyze.store.layers import auto_groups
+    from ncanalyze.store.extraction.layers import auto_groups
 
     nine = plan("all", "auto", 0, "float32", 8)
     assert nine.auto and nine.passes == [tuple(range(9))]  # not fitted yet: one pass
@@ -100,7 +109,7 @@ def test_auto_groups_fit_the_budget_exactly_and_keep_the_deepest_layers_together
 
 def test_state_memory_sizes():
     from ncanalyze.analyzer import UserError
-    from ncanalyze.store.memory import parse_size
+    from ncanalyze.store.extraction.memory import parse_size
 
     assert parse_size("40GB") == 40 * 10**9 and parse_size("512MiB") == 512 * 2**20
     assert parse_size("1.5 GiB") == 3 * 2**29 and parse_size("100") == 100 and parse_size(None) is None
@@ -111,8 +120,7 @@ def test_state_memory_sizes():
 
 def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run, corpus, tmp_path):
     from conftest import EXTRACT_OPTS, assert_same_group, run_cli
-
-    from ncanalyze.store.memory import state_bytes
+    from ncanalyze.store.extraction.memory import state_bytes
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
     vocab, dim = model.get_output_embeddings().weight.shape
@@ -132,9 +140,8 @@ def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run,
     """Killed in its second pass of three, then resumed where one pass would fit: the saved groups are kept (the
     finished layer is not thrown away), and the result is one pass's bit for bit."""
     from conftest import assert_same_group, kill_when, run_cli
+    from ncanalyze.store.extraction.memory import state_bytes
     from test_extract_reliability import _state
-
-    from ncanalyze.store.memory import state_bytes
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
     per_layer, shared = state_bytes(*model.get_output_embeddings().weight.shape, 8, torch.device("cpu"))
@@ -156,8 +163,7 @@ def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp
     """A Llama-shaped model at V = 128,256 (width 16, 4 blocks), random-initialised from its config, ``--layers all``
     under a ``--state-memory`` of two layers: three passes, every layer's group one pass's bit for bit."""
     from conftest import assert_same_group, run_cli
-
-    from ncanalyze.store.memory import state_bytes
+    from ncanalyze.store.extraction.memory import state_bytes
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128_256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
@@ -182,9 +188,9 @@ def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_ru
     """The last layer's NC4 decisions read the kept columns of the float64 logits the loss forms: the counts equal
     those of the decisions' own scores and of a numpy brute force, the loss is bit for bit the loss alone."""
     from ncanalyze.analyzer.accumulate import DecisionCounts
-    from ncanalyze.store.load import head
-    from ncanalyze.store.loss import LogitTransform, NextTokenLoss
-    from ncanalyze.store.passes import features
+    from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
+    from ncanalyze.store.extraction.passes import features
+    from ncanalyze.store.sources.load import head
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
     W, b = head(model)
@@ -223,10 +229,10 @@ def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_r
     with torch.no_grad():
         want = model(ids, output_hidden_states=True).hidden_states
     blocks, other = ran(model)
-    logger = logging.getLogger("ncanalyze.store.passes")  # the CLI's logging setup may stop propagation to root
+    logger = logging.getLogger("ncanalyze.store.extraction.passes")  # the CLI's logging setup may stop propagation to root
     logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level("INFO", logger="ncanalyze.store.passes"):
+        with caplog.at_level("INFO", logger="ncanalyze.store.extraction.passes"):
             h = hidden_forward(model, (1,), 2)(ids)
     finally:
         logger.removeHandler(caplog.handler)
@@ -273,10 +279,10 @@ def test_state_bytes_is_what_a_validation_pass_holds():
     bias): the
     buffers it holds, measured, are state_bytes' per layer x 3 + shared within 0.1% (no hidden copy of the means or
     of the head: the loss and the layers share one float64 head)."""
-    from ncanalyze.store.loss import LogitTransform, NextTokenLoss
-    from ncanalyze.store.memory import state_bytes
-    from ncanalyze.store.passes import val_state
-    from ncanalyze.store.running import Extraction
+    from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
+    from ncanalyze.store.extraction.memory import state_bytes
+    from ncanalyze.store.extraction.passes import val_state
+    from ncanalyze.store.extraction.running import Extraction
 
     V, d, k = 3000, 48, 2
     plan3 = plan("all", "auto", 0, "float32", 2)
@@ -301,7 +307,7 @@ def test_the_8b_shape_fits_in_three_passes_on_one_80gb_gpu():
     4,096^2 x 8 (0.13e9, the scatter) + 6 x 128,256 x 8 (per-class vectors) + 4,096 x 8 = 4.343e9; shared, the float64
     head 4.20e9 + 2 x 128,256 x 8. (62.82e9 - 4.205e9) / 4.343e9 = 13.5: 13 layers a pass, 3 passes (the formula that
     counted two V x d float64 copies a layer gave 6)."""
-    from ncanalyze.store.memory import budget_of, fit_plan, state_bytes
+    from ncanalyze.store.extraction.memory import budget_of, fit_plan, state_bytes
 
     V, d = 128_256, 4_096
     budget = budget_of(80 * 2**30 - 16_100_000_000)
@@ -320,7 +326,7 @@ def test_beside_a_gpu_the_hosts_memory_for_the_reservoirs_bounds_the_layers_a_pa
     128,256 x 2 x 16,400 = 4.207e9 a layer: 29 layers, so the GPU's 13 bind (3 passes); with the default 8, 16.83e9 a
     layer: 7 layers a pass, 5 passes, said in the log; a host that cannot hold one layer's reservoir is one line."""
     from ncanalyze.analyzer.errors import UserError
-    from ncanalyze.store.memory import budget_of, fit_plan, host_bytes
+    from ncanalyze.store.extraction.memory import budget_of, fit_plan, host_bytes
 
     V, d, cuda = 128_256, 4_096, torch.device("cuda")
     gpu, host = budget_of(80 * 2**30 - 16_100_000_000), budget_of(128 * 2**30)

@@ -6,17 +6,22 @@ import math
 import shutil
 import warnings
 
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
 from conftest import EXTRACT_OPTS
+from ncanalyze.analyzer import (
+    GEOMETRY_METRICS,
+    ClassStats,
+    class_stats,
+    measure,
+    measure_all,
+)
+from ncanalyze.store.measure import measure_store
 from scipy.linalg import sqrtm
 from scipy.stats import linregress
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import ncanalyze.store
-from ncanalyze.analyzer import GEOMETRY_METRICS, ClassStats, class_stats, measure, measure_all
-from ncanalyze.store.measure import measure_store
 
 RTOL = 1e-9
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
 from conftest import lone_model, run_cli
 from transformers import AutoTokenizer
-
-import ncanalyze.store
 
 BLOCK = 32  # the fixture model's context
 LINES = 600  # 5% of 600 rows is 30, with no rounding to argue about
@@ -181,8 +180,12 @@ def test_a_slice_without_validation_is_refused_with_the_fix(model, corpus, tmp_p
 
 
 def test_the_record_gains_the_held_out_part_only_when_one_is_held_out(trained_run):
-    from ncanalyze.store.config import ExtractConfig, config_hash, config_record
-    from ncanalyze.store.discover import discover
+    from ncanalyze.store.extraction.config import (
+        ExtractConfig,
+        config_hash,
+        config_record,
+    )
+    from ncanalyze.store.sources.discover import discover
 
     ck = discover(trained_run)[0]
     cfg = ExtractConfig(dataset="d.txt")
@@ -199,8 +202,7 @@ def test_the_record_gains_the_held_out_part_only_when_one_is_held_out(trained_ru
 def test_slices_of_token_blocks_follow_datasets_rounding(tmp_path):
     """A token file's split slices count blocks as datasets counts rows (percentages rounded to the closest)."""
     from datasets import ReadInstruction
-
-    from ncanalyze.store.data import open_blocks, slice_bounds
+    from ncanalyze.store.data.blocks import open_blocks, slice_bounds
 
     for n in (1, 19, 20, 21, 39, 101, 1000):
         for spec in ("train[:5%]", "train[5%:]", "train[:50%]", "train[3:7]"):

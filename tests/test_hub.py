@@ -11,13 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS
-
-import ncanalyze.store
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.hub import Snapshot, parse_revisions, step_of
+from ncanalyze.store.runs.hub import Snapshot, parse_revisions, step_of
 
 REPO = "test-org/neo-2x32"
 FILES = ("config.json", "generation_config.json", "model.safetensors")  # what a Hub repo of the model holds

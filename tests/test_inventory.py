@@ -12,20 +12,19 @@ import threading
 from pathlib import Path
 
 import dask.array as da
+import ncanalyze.store
 import numpy as np
 import pandas as pd
 import pytest
 import zarr
 from conftest import CLI, EXTRACT_OPTS, kill_when, make_corpus, run_cli
-from test_metrics import assert_metrics, brute_force
-
-import ncanalyze.store
 from ncanalyze.analyzer import SCALARS, measure
 from ncanalyze.store import io
-from ncanalyze.store.layout import group_order
 from ncanalyze.store.inventory import disk_bytes, files_of
-from ncanalyze.store.measure import measure_store
+from ncanalyze.store.layout import group_order
 from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.measure import measure_store
+from test_metrics import assert_metrics, brute_force
 
 N_EMB = 400
 OTHER = "neo-2x32@other/checkpoint-40"  # the tagged checkpoint of ``study``

@@ -3,20 +3,18 @@ Trainer checkpoint: every layer's statistics to 1e-9, the logit lens's NC4 count
 the embeddings through xarray/flox, kill-and-resume bit for bit, the config hash, the memory check."""
 from __future__ import annotations
 
-
 import dask.array as da
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
 import xarray as xr
 from conftest import EXTRACT_OPTS, kill_when, run_cli
+from ncanalyze.analyzer import UserError, class_stats, measure
+from ncanalyze.store.io import read_group
 from test_extract import assert_matches, text_blocks
 from test_extract_reliability import _state
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import ncanalyze.store
-from ncanalyze.analyzer import UserError, class_stats, measure
-from ncanalyze.store.io import read_group
 
 CK = "checkpoint-40"
 N_EMB = 1000  # saved embeddings: the first 1000 of the 8192 / 32 * 31 = 7936 train positions
@@ -196,9 +194,9 @@ def test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical(tr
 
 
 def test_config_hash_of_a_default_run_is_unchanged(trained_run):
-    from ncanalyze.store.discover import discover
-    from ncanalyze.store.config import ExtractConfig, config_record
-    from ncanalyze.store.layers import plan, record_layers
+    from ncanalyze.store.extraction.config import ExtractConfig, config_record
+    from ncanalyze.store.extraction.layers import plan, record_layers
+    from ncanalyze.store.sources.discover import discover
 
     ck = discover(trained_run / CK)[0]
 
@@ -227,7 +225,7 @@ def test_layers_outside_the_model_are_a_clean_error(spec, trained_run, corpus, t
 
 
 def test_memory_check_names_the_layers_per_pass_that_fit():
-    from ncanalyze.store.memory import check_memory, state_bytes
+    from ncanalyze.store.extraction.memory import check_memory, state_bytes
 
     sizes = state_bytes(50257, 768, 8, torch.device("cuda"))
     per_layer, shared = sizes
@@ -244,11 +242,10 @@ def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_
     """A table with rows at three layers: stats.csv equals the report of its last-layer rows alone (the numbers of a
     store without --layers), metrics.csv keeps every row, and the depth figure and table appear only with layers."""
     import pandas as pd
-    from PIL import Image
-    from test_stats import study
-
     from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.analyzer.stats import METRICS
+    from PIL import Image
+    from test_stats import study
 
     last = study(n_runs=3, per_run=4, seed=5).assign(n_layers=2)
     rng = np.random.default_rng(0)
@@ -272,8 +269,8 @@ def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_
 def test_the_default_plan_forms_no_hidden_states(trained_run):
     """The default extraction is the one-layer plan through the same passes, and its forward is the base model's
     alone: ``output_hidden_states`` is never asked (no memory or time for the other layers)."""
-    from ncanalyze.store.layers import plan
-    from ncanalyze.store.passes import hidden_forward
+    from ncanalyze.store.extraction.layers import plan
+    from ncanalyze.store.extraction.passes import hidden_forward
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
     default = plan("last", None, 0, "float32", 2)

@@ -10,18 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, ROOT, run_cli
-
-import ncanalyze.store
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.common import default_store
-from ncanalyze.store.config import Status, checkpoint_status, config_hash, refusal
-from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.result import ExtractResult
+from ncanalyze.store.extraction.config import (
+    Status,
+    checkpoint_status,
+    config_hash,
+    refusal,
+)
 from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout
 from ncanalyze.store.resume import Phase, save_state
+from ncanalyze.store.runs.result import ExtractResult
+from ncanalyze.store.sources.discover import Checkpoint
 
 PACKAGES = {"analyzer": "ncanalyze.analyzer", "store": "ncanalyze.store", "cli": "ncanalyze.cli"}
 
@@ -82,7 +86,7 @@ def test_every_module_imports(package):
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_import_cycle(package):
     graph = import_graph(package)
-    assert "ncanalyze.store.config" in graph or package != "store"
+    assert "ncanalyze.store.extraction.config" in graph or package != "store"
     assert cycle(graph) is None, " -> ".join(cycle(graph))
 
 
@@ -91,8 +95,8 @@ def test_the_cycle_check_sees_a_cycle(tmp_path):
     assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     # and the graph sees a function-level import of a sibling as an edge (today none closes a cycle)
     graph = import_graph("store")
-    assert "ncanalyze.store.extract" in graph["ncanalyze.store.cluster"]  # imported inside extract_on_cluster
-    assert "ncanalyze.store.io" in graph["ncanalyze.store.extract"]       # from ncanalyze.store import io
+    assert "ncanalyze.store.runs.local" in graph["ncanalyze.store.runs.cluster"]  # imported inside extract_on_cluster
+    assert "ncanalyze.store.io" in graph["ncanalyze.store.runs.local"]       # from ncanalyze.store import io
 
 
 def test_importing_the_package_is_light():
@@ -196,8 +200,8 @@ def test_one_result_type():
 
 def test_extract_returns_the_result(trained_run, corpus, extracted_store, tmp_path):
     """The library's extract() returns the same result the command prints: a re-run over a finished store skips all."""
-    from ncanalyze.store.config import ExtractConfig
-    from ncanalyze.store.extract import extract
+    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.runs.local import extract
 
     groups = sorted(g for g in ncanalyze.store.open(extracted_store).groups if g.count("/") == 2)
     cfg = ExtractConfig(dataset=str(corpus["train"]), max_train_tokens=8192, max_val_tokens=4096, batch_size=8,

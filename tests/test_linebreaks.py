@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 
+import ncanalyze.store
 import numpy as np
 from conftest import lone_model, run_cli
+from ncanalyze.store.extraction.config import ExtractConfig, config_hash, config_record
 from transformers import AutoTokenizer
-
-import ncanalyze.store
-from ncanalyze.store.config import ExtractConfig, config_hash, config_record
 
 BLOCK = 32
 
@@ -39,8 +38,7 @@ def test_linebreaks_kept_by_default_and_stripped_on_request(trained_run, corpus,
 def test_the_default_leaves_the_config_hash_as_before(trained_run, tmp_path):
     """A store made before the option existed keeps its hash: the default adds nothing to the record."""
     import torch
-
-    from ncanalyze.store.discover import discover
+    from ncanalyze.store.sources.discover import discover
 
     ck = discover(trained_run)[0]
     rec = config_record(ck, ExtractConfig(dataset="x.txt"), torch.device("cpu"), 32, "v.txt", "validation")

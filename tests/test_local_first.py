@@ -7,8 +7,7 @@ import time
 
 import pytest
 from conftest import lone_model, run_cli
-
-from ncanalyze.store.discover import looks_local
+from ncanalyze.store.sources.discover import looks_local
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +83,7 @@ def test_what_looks_local(tmp_path, monkeypatch):
 def test_the_data_code_says_it_without_the_cli(tmp_path, monkeypatch):
     """open_blocks itself never sends a local-looking path to the Hub."""
     from ncanalyze.analyzer.errors import UserError
-    from ncanalyze.store.data import open_blocks
+    from ncanalyze.store.data.blocks import open_blocks
 
     monkeypatch.chdir(tmp_path)
     for spec in ("data/nonexist.txt", "data/nope.npy", "./folder"):

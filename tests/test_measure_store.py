@@ -10,21 +10,20 @@ import threading
 import time
 import warnings
 
+import ncanalyze.store
+import ncanalyze.store.client
+import ncanalyze.store.measure
 import numpy as np
 import pandas as pd
 import pytest
 import zarr
 from click.testing import CliRunner
 from conftest import tmpfs
-from test_metrics import assert_metrics, brute_force, random_study
-
-import ncanalyze.store
-import ncanalyze.store.cluster
-import ncanalyze.store.measure
 from ncanalyze.analyzer import PER_CLASS, SCALARS, UserError, class_stats, measure_all
 from ncanalyze.analyzer.schema import INFO
-from ncanalyze.store.measure import measure_store
 from ncanalyze.cli.main import main
+from ncanalyze.store.measure import measure_store
+from test_metrics import assert_metrics, brute_force, random_study
 
 
 def write_checkpoint(store, run: str, step: int, seed: int, complete: bool = True):
@@ -245,7 +244,7 @@ class _Stranger(socketserver.ThreadingTCPServer):
 def test_an_address_that_is_not_a_dask_scheduler_is_one_line(small_store, monkeypatch, answer, said):
     pytest.importorskip("distributed")
     store, _ = small_store
-    monkeypatch.setattr(ncanalyze.store.cluster, "CONNECT_S", 3)
+    monkeypatch.setattr(ncanalyze.store.client, "CONNECT_S", 3)
     stranger = _Stranger(answer)
     try:
         code, out, took = _measure_cli(store, "--scheduler", stranger.address)

@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-
-from ncanalyze.analyzer import SCALARS, UserError, class_metrics, class_stats, measure, measure_all
+from ncanalyze.analyzer import (
+    SCALARS,
+    UserError,
+    class_metrics,
+    class_stats,
+    measure,
+    measure_all,
+)
 
 RTOL = 1e-9
 

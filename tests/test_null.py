@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from scipy import stats as sps
-
 from ncanalyze.analyzer.permute import Scheme, perm_test
 from ncanalyze.analyzer.stats import correlations, correlations_by_tag
+from scipy import stats as sps
 
 ALPHA = 0.05
 N_DATASETS = 400

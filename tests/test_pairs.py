@@ -1,8 +1,14 @@
 """The fused pass over Gram blocks (analyzer/pairs.py) against brute force, panel by panel."""
 import numpy as np
 import pytest
-
-from ncanalyze.analyzer.pairs import COINCIDENT, SUMS, blocks, reference_tile_sums, tile_sums, vlog
+from ncanalyze.analyzer.pairs import (
+    COINCIDENT,
+    SUMS,
+    blocks,
+    reference_tile_sums,
+    tile_sums,
+    vlog,
+)
 
 
 def test_log_is_within_one_ulp_of_numpy():

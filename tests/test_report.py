@@ -15,15 +15,23 @@ import pandas as pd
 import pytest
 import xarray as xr
 from conftest import run_cli
-from PIL import Image
-from test_stats import study
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.report import (AVERAGE_TOKEN, DYNAMICS, FIGURES, ID_COLUMNS, ReportOptions, TokenNote,
-                                       resolve_token, token_table, write_report)
+from ncanalyze.analyzer.report import (
+    AVERAGE_TOKEN,
+    DYNAMICS,
+    FIGURES,
+    ID_COLUMNS,
+    ReportOptions,
+    TokenNote,
+    resolve_token,
+    token_table,
+    write_report,
+)
 from ncanalyze.analyzer.report.tables import fmt_p
 from ncanalyze.analyzer.stats import METRICS
 from ncanalyze.store.io import read_group
+from PIL import Image
+from test_stats import study
 
 STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
                  "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note",
@@ -314,9 +322,8 @@ def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_p
 # ---------------------------------------------------------------- the whole command on a real extracted store
 
 def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
-    from transformers import AutoTokenizer
-
     from ncanalyze.store.measure import measure_store
+    from transformers import AutoTokenizer
 
     store = tmp_path / "study.zarr"
     shutil.copytree(extracted_store, store)  # report measures into the store: leave the session's one as it is

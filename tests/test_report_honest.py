@@ -13,14 +13,13 @@ import pandas as pd
 import pytest
 import xarray as xr
 from conftest import _load_example, lone_model, run_cli
-from scipy.stats import pearsonr, spearmanr
-
 from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.analyzer.report.support import DIRECTION, THIN
 from ncanalyze.analyzer.report.tables import fmt_p
 from ncanalyze.analyzer.schema import SCALARS, stats_dataset
 from ncanalyze.analyzer.stats import correlations_by_tag
 from ncanalyze.store.io import read_group
+from scipy.stats import pearsonr, spearmanr
 
 NC3_NC4 = ("nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error", "nc4_agreement", "head_erank")
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import shutil
 
+import ncanalyze.store
 import numpy as np
 import pandas as pd
 import pytest
 from conftest import run_cli
-from test_stats import study
-
-import ncanalyze.store
 from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.store.measure import measure_store
+from test_stats import study
 
 
 def _with_val_loss(seed: int = 3) -> pd.DataFrame:

@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 import torch
-
-from ncanalyze.store.reservoir import Reservoir, position_keys
+from ncanalyze.store.extraction.reservoir import Reservoir, position_keys
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -9,14 +9,20 @@ import numpy as np
 import pandas as pd
 import pingouin as pg
 import pytest
-from scipy import stats as sps
-
 from ncanalyze.analyzer.errors import UserError
-from statsmodels.stats.multitest import multipletests
-
 from ncanalyze.analyzer.permute import Scheme
-from ncanalyze.analyzer.stats import (METRICS, correlations, correlations_by_tag, last_per_run, perm_test,
-                                      permutation_chunks, permutation_text, split_tags)
+from ncanalyze.analyzer.stats import (
+    METRICS,
+    correlations,
+    correlations_by_tag,
+    last_per_run,
+    perm_test,
+    permutation_chunks,
+    permutation_text,
+    split_tags,
+)
+from scipy import stats as sps
+from statsmodels.stats.multitest import multipletests
 
 
 def study(n_runs: int = 6, per_run: int = 8, seed: int = 0) -> pd.DataFrame:

@@ -1,11 +1,10 @@
 """--tag: the same checkpoint measured on two datasets in one store, at distinct groups, selectable by `tag`."""
 from __future__ import annotations
 
+import ncanalyze.store
 import numpy as np
 import pandas as pd
 from conftest import lone_model, make_corpus, run_cli
-
-import ncanalyze.store
 
 OPTS = ("--max-train-tokens", 2048, "--max-val-tokens", 1024, "--samples-per-class", 2)
 

@@ -8,15 +8,14 @@ import logging
 import os
 import shutil
 
+import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, lone_model, run_cli
+from ncanalyze.store.data import tokens
+from ncanalyze.store.data.blocks import open_blocks
 from test_extract import text_blocks
 from transformers import AutoTokenizer
-
-import ncanalyze.store
-from ncanalyze.store import tokens
-from ncanalyze.store.data import open_blocks
 
 
 def test_one_cache_per_text_source_shared_by_every_checkpoint(extracted_store, trained_run, corpus, tmp_path):
@@ -94,7 +93,6 @@ def test_text_knows_its_rows_for_the_tokenizing_bar(form, tmp_path):
 
 def test_a_corrupt_file_leaves_the_bar_without_a_total_and_a_corrupt_parquet_is_named(tmp_path):
     import pandas as pd
-
     from ncanalyze.analyzer.errors import UserError
 
     (tmp_path / "folder").mkdir()
@@ -196,7 +194,6 @@ def test_extract_over_a_truncated_cache_rebuilds_it_and_gets_the_same_numbers(tr
     for f in tokens.cache_dir(store).glob("*.npy"):
         os.truncate(f, f.stat().st_size - 100)
     from click.testing import CliRunner
-
     from ncanalyze.cli.main import main
 
     r = CliRunner().invoke(main, [str(a) for a in ("extract", ck, "--dataset", corpus["train"], "--store", store,

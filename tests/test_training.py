@@ -32,14 +32,20 @@ def said(caplog):
     finally:
         logger.removeHandler(caplog.handler)
         once = {id(r): r for r in caplog.records}.values()  # a record reaches the handler twice where it propagates
-        lines += [r.getMessage() for r in once if r.name == "ncanalyze.store.training"]
+        lines += [r.getMessage() for r in once if r.name == "ncanalyze.store.runs.training"]
 
 
 def train(corpus, out: Path, callbacks=(), steps: int = STEPS, give_trainer: bool = False, **args):
     """A tiny GPT-Neo trained by the stock Trainer as tests/conftest.py's run is, evaluated and saved every
     ``EVERY`` steps, with the tokenizer as its processing class; returns the trainer."""
-    from transformers import AutoTokenizer, GPTNeoForCausalLM, Trainer, TrainingArguments, default_data_collator
-    from transformers import set_seed
+    from transformers import (
+        AutoTokenizer,
+        GPTNeoForCausalLM,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+        set_seed,
+    )
 
     set_seed(0)
     tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
@@ -169,6 +175,7 @@ def test_a_run_under_other_settings_is_refused_and_kept(measured, corpus, tmp_pa
     """The store holds run ``neo`` at max_train_tokens 2048; the same run name at 1024 is refused and the store's
     groups stay as they were."""
     import ncanalyze.store
+
     from ncanalyze.training import NeuralCollapseCallback
 
     before = ncanalyze.store.open(measured["live"]).to_dict()
@@ -210,6 +217,7 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     ``layers="all"``: the layers below the last equal extract --layers all of the saved checkpoint; with the Trainer
     given, the metrics of every layer reach the integrations' ``on_log``; one line per measurement gives its time."""
     import ncanalyze.store
+
     from ncanalyze.training import NeuralCollapseCallback
 
     rec = Recorder()
@@ -244,6 +252,7 @@ def test_a_full_disk_is_one_line_training_goes_on_and_the_store_is_kept(corpus, 
 
     import ncanalyze.store
     from conftest import tmpfs
+
     from ncanalyze.training import NeuralCollapseCallback
 
     small = {**OPTS, "max_train_tokens": 512, "max_val_tokens": 256}
@@ -324,6 +333,7 @@ def test_ddp_ranks_share_the_blocks_and_equal_one_process(corpus, tmp_path):
 
 def test_bad_settings_are_one_line_before_training(corpus, tmp_path):
     from ncanalyze.analyzer.errors import UserError
+
     from ncanalyze.training import NeuralCollapseCallback
 
     with pytest.raises(UserError, match="takes no setting batchsize: the settings are .*batch_size"):

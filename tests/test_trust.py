@@ -12,13 +12,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import ncanalyze.store
 import numpy as np
 import pandas as pd
 import pytest
 import zarr
 from conftest import CLI, assert_same_group, kill_when, lone_model, run_cli, tmpfs
-
-import ncanalyze.store
 from ncanalyze.store.resume import DIGEST, save_state
 
 SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 2)

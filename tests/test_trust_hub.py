@@ -15,15 +15,19 @@ import time
 import urllib.parse
 from pathlib import Path
 
+import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS
-from test_hub import CLI, FILES, REPO, TOKENIZER, add_revision, cli
-
-import ncanalyze.store
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.hub import Snapshot
-from ncanalyze.store.revisions import MAX_REVISIONS, check_revision, parse_revisions, revision_range
+from ncanalyze.store.runs.hub import Snapshot
+from ncanalyze.store.sources.revisions import (
+    MAX_REVISIONS,
+    check_revision,
+    parse_revisions,
+    revision_range,
+)
+from test_hub import CLI, FILES, REPO, TOKENIZER, add_revision, cli
 
 
 def files(trained_run: Path, step: int) -> dict[str, Path]:

@@ -12,13 +12,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import CLI, assert_same_group, kill_when, run_cli, tmpfs
-
-import ncanalyze.store
-from ncanalyze.store.data import Blocks
-from ncanalyze.store.estimate import START, Arch, estimate
+from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.extraction.estimate import START, Arch, estimate
 from ncanalyze.store.resume import DIGEST, digest, save_state
 
 CK = "checkpoint-20"
@@ -304,7 +303,7 @@ def test_save_embeddings_beyond_the_train_positions_stages_what_there_is(trained
 
 
 def test_the_estimate_counts_only_the_embeddings_staged(tmp_path):
-    from ncanalyze.store.estimate import group_bytes
+    from ncanalyze.store.extraction.estimate import group_bytes
 
     train = Blocks("train.npy", 32, None, 64, lambda: iter(()))  # 64 x 31 = 1984 positions
     staged = group_bytes(300, 1024, 2, 3, POSITIONS, 4)  # 3 layers' groups with 1984 positions' float32 features

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import ncanalyze.store
 import numpy as np
 import pytest
 import torch
 from conftest import EXTRACT_OPTS, run_cli
+from ncanalyze.store.extraction.loss import LogitTransform, matches_model
+from ncanalyze.store.extraction.passes import features
 from test_extract import text_blocks
 from transformers import AutoModelForCausalLM, AutoTokenizer, CohereConfig, Gemma2Config
-
-import ncanalyze.store
-from ncanalyze.store.loss import LogitTransform, matches_model
-from ncanalyze.store.passes import features
 
 
 def model_loss(model_dir, blocks: np.ndarray, batch: int = 16) -> tuple[float, float]:

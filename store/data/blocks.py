@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.discover import looks_local
+from ncanalyze.store.sources.discover import looks_local
 
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
                  ".csv": "csv"}

@@ -8,10 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.discover import Checkpoint, check_safe_weights
+from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights
+from safetensors import SafetensorError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # what loading a broken checkpoint raises: missing or unreadable files (OSError), malformed JSON or an unknown

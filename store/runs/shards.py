@@ -20,21 +20,35 @@ import logging
 from pathlib import Path
 
 import numpy as np
-
 from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store import io, layers
-from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, open_data, resolve
-from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.memory import check_memory, state_bytes
+from ncanalyze.store import io
+from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.config import (
+    ExtractConfig,
+    Status,
+    checkpoint_status,
+    open_data,
+    resolve,
+)
+from ncanalyze.store.extraction.memory import check_memory, state_bytes
+from ncanalyze.store.extraction.passes import train_pass
+from ncanalyze.store.extraction.reservoir import Reservoir
+from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.layout import StoreLayout
-from ncanalyze.store.load import find_tokenizer, load_model
 from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.passes import train_pass
-from ncanalyze.store.reservoir import Reservoir
-from ncanalyze.store.resume import (DeferredInterrupt, Interrupted, Phase, Saver, drop_state, flatten, save_state,
-                                    unflatten)
-from ncanalyze.store.running import Extraction
+from ncanalyze.store.resume import (
+    DeferredInterrupt,
+    Interrupted,
+    Phase,
+    Saver,
+    drop_state,
+    flatten,
+    save_state,
+    unflatten,
+)
+from ncanalyze.store.sources.discover import Checkpoint
+from ncanalyze.store.sources.load import find_tokenizer, load_model
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +82,7 @@ def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwri
     shards
         How many ranges to cut the train batches into (fewer when there are fewer batches).
     overwrite, restart
-        As for :func:`~ncanalyze.store.extract.extract_checkpoint`.
+        As for :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`.
 
     Returns
     -------
@@ -164,7 +178,7 @@ def merge_order(n: int) -> list[list[tuple[int, int]]]:
 def save_merged(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
                 overwrite: bool = False) -> Status:
     """Save the merged train state as the checkpoint's resume state at the start of the validation pass, for
-    ``extract_checkpoint`` to resume (:func:`~ncanalyze.store.extract.finish_sharded`).
+    ``extract_checkpoint`` to resume (:func:`~ncanalyze.store.runs.local.finish_sharded`).
 
     Parameters
     ----------

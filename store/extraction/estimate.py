@@ -28,20 +28,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store import io
-from ncanalyze.store.data import Blocks
-from ncanalyze.store.config import ExtractConfig
-from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.layers import Plan
-from ncanalyze.store.load import default_block_size, head, load_config, n_layers
-from ncanalyze.store.loss import LogitTransform, NextTokenLoss
-from ncanalyze.store.memory import state_bytes
-from ncanalyze.store.passes import check_ids, features
+from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.extraction.config import ExtractConfig
+from ncanalyze.store.extraction.layers import Plan
+from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
+from ncanalyze.store.extraction.memory import state_bytes
+from ncanalyze.store.extraction.passes import check_ids, features
+from ncanalyze.store.extraction.running import LayerState
 from ncanalyze.store.resume import UNREADABLE, Phase
-from ncanalyze.store.running import LayerState
+from ncanalyze.store.sources.discover import Checkpoint
+from ncanalyze.store.sources.load import default_block_size, head, load_config, n_layers
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The running state of one checkpoint's extraction: every layer's accumulators, where the passes stand, and its
 resume state (names, checks, restore).
 
-One :class:`~ncanalyze.store.layers.Plan` drives it, the default's (the last layer alone) as ``--layers``'s. A layer's
+One :class:`~ncanalyze.store.extraction.layers.Plan` drives it, the default's (the last layer alone) as ``--layers``'s. A layer's
 accumulators (:class:`LayerState`) are the float64 class statistics, the reservoir, NC4's decision counts and the
 model's loss sums; their states nest under their names (``stats``, ``reservoir``, ``val``, ``lm``), under
 ``layer<l>`` for a layered plan and at the top for the default, and are flattened into the saved state's names by
@@ -21,14 +21,20 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
-
 from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.analyzer.schema import stats_dataset
-from ncanalyze.store.layers import Embeddings, Plan
-from ncanalyze.store.loss import LogitTransform, NextTokenLoss
-from ncanalyze.store.reservoir import Reservoir
-from ncanalyze.store.resume import RESTART, Phase, flatten, load_state, save_state, unflatten
+from ncanalyze.store.extraction.layers import Embeddings, Plan
+from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
+from ncanalyze.store.extraction.reservoir import Reservoir
+from ncanalyze.store.resume import (
+    RESTART,
+    Phase,
+    flatten,
+    load_state,
+    save_state,
+    unflatten,
+)
 
 log = logging.getLogger(__name__)
 

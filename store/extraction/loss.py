@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from ncanalyze.analyzer.accumulate import Sums
 
 log = logging.getLogger(__name__)

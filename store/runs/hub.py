@@ -17,19 +17,30 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
-from ncanalyze.store.config import ExtractConfig, Status, checkpoint_status, config_record, val_data
-from ncanalyze.store.discover import Checkpoint, looks_local, tagged
-from ncanalyze.store.extract import announcer, check_settings, extract_checkpoint, todo
-from ncanalyze.store.result import ExtractResult
+from ncanalyze.store.extraction.checkpoint import extract_checkpoint
+from ncanalyze.store.extraction.config import (
+    ExtractConfig,
+    Status,
+    checkpoint_status,
+    config_record,
+    val_data,
+)
 from ncanalyze.store.layout import StoreLayout
-from ncanalyze.store.load import quiet_loading, resolve_device
 from ncanalyze.store.resume import DeferredInterrupt, prune
-from ncanalyze.store.revisions import (COMMIT, MAX_REVISIONS, check_revision, parse_revisions,  # noqa: F401
-                                       step_of)
+from ncanalyze.store.runs.local import announcer, check_settings, todo
+from ncanalyze.store.runs.result import ExtractResult
+from ncanalyze.store.sources.discover import Checkpoint, looks_local, tagged
+from ncanalyze.store.sources.load import quiet_loading, resolve_device
+from ncanalyze.store.sources.revisions import (  # noqa: F401
+    COMMIT,
+    MAX_REVISIONS,
+    check_revision,
+    parse_revisions,
+    step_of,
+)
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +214,15 @@ def hub_errors() -> tuple[type[Exception], ...]:
     tuple of type
         huggingface_hub's exception types.
     """
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     return (RevisionNotFoundError, RepositoryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
             OfflineModeIsEnabled, HfHubHTTPError, HFValidationError)
@@ -225,8 +243,14 @@ def explain(repo: str, revision: str, e: Exception) -> str:
     str
         The line.
     """
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, IncompleteSnapshotError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     what = f"{repo}@{revision}"
     if isinstance(e, RevisionNotFoundError):
@@ -292,7 +316,7 @@ def done_before(store: Path, ckpt: Checkpoint, repo: str, revision: str, cfg: Ex
     -------
     bool
         Its group is complete, from this repository and revision (and its commit, where that can be known without
-        downloading), under the same settings (:func:`~ncanalyze.store.config.checkpoint_status` says skip).
+        downloading), under the same settings (:func:`~ncanalyze.store.extraction.config.checkpoint_status` says skip).
     """
     attrs = io.group_attrs(store, ckpt.group) or {}
     if not (attrs.get("complete") and attrs.get("hub_repo") == repo and attrs.get("hub_revision") == revision):
@@ -320,7 +344,7 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg: Extract
     store, cfg
         The store and the configuration (its tag applies).
     overwrite, restart
-        As for :func:`~ncanalyze.store.extract.extract_checkpoint`.
+        As for :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`.
     delete_downloads
         Remove each snapshot this run downloaded once its extraction is over.
 

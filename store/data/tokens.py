@@ -21,11 +21,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data import Blocks
+from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.layout import StoreLayout
+from tqdm.auto import tqdm
 
 VERSION = 2  # bump when the cache's format or the tokenization recipe changes
 

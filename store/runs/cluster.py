@@ -1,4 +1,4 @@
-"""A Dask distributed cluster: connecting to it (shared by measure and extract), and extraction with checkpoints as
+"""Extraction on a Dask distributed cluster (the connection: store/client.py) with checkpoints as
 tasks (and, with shards, the parts of one checkpoint's train pass as tasks merged on the workers).
 
 Every task writes into the same store, which must be a path every worker sees (a shared file system). Concurrent
@@ -8,124 +8,20 @@ the checkpoint's saved state (the lock dies with the process that held it).
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
-import json
 import logging
 import os
-import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import dask
-from tqdm.auto import tqdm
-
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.discover import discover, tagged
+from ncanalyze.store.client import ENV, check_address, client
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.resume import drop_state, prune
+from ncanalyze.store.sources.discover import discover, tagged
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
-
-ENV = "DASK_SCHEDULER_ADDRESS"
-CONNECT_S = 10  # seconds for a scheduler to answer
-_ADDRESS = re.compile(r"^(?:(?P<scheme>tcp|tls|ucx|ws|wss)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9._-]*)"
-                      r"(?::(?P<port>\d{1,5}))?/?$")
-
-
-def check_address(address: str) -> dict:
-    """``Client`` keyword arguments for ``address``: ``scheme://host:port`` or ``host:port`` (what ``dask scheduler``
-    prints), or a scheduler file (``--scheduler-file`` of ``dask scheduler``, a .json). Anything else is a one-line
-    error naming the forms."""
-    address = address.strip()
-    if address.endswith(".json"):
-        if not Path(address).is_file():
-            raise UserError(f"the scheduler file {address} does not exist: start `dask scheduler --scheduler-file "
-                            f"{address}` first, or pass the scheduler's address (tcp://host:8786)")
-        return {"scheduler_file": address}
-    m = _ADDRESS.match(address)
-    if not m or not (m["scheme"] or m["port"]) or (m["port"] and not 0 < int(m["port"]) < 65536):
-        raise UserError(f"--scheduler {address!r} is not a Dask scheduler address: pass one like tcp://host:8786 "
-                        f"(as `dask scheduler` prints it) or a scheduler file (.json), or leave --scheduler and "
-                        f"${ENV} unset to run locally")
-    return {"address": address}
-
-
-@contextlib.contextmanager
-def client(address: str | None, workers: float | None = None) -> Iterator[object | None]:
-    """A ``distributed.Client`` on ``address`` (or ``$DASK_SCHEDULER_ADDRESS``), set as dask's default scheduler
-    while it is open; None (and dask's local threaded scheduler) without one. The address must answer as a Dask
-    scheduler within ``CONNECT_S`` seconds, else a one-line error; with ``workers``, a first worker must join within
-    that many seconds, else a one-line error saying how long it waited."""
-    address = address or os.environ.get(ENV)
-    if not address:
-        with dask.config.set(scheduler="threads"):
-            yield None
-        return
-    kwargs = check_address(address)
-    _probe(kwargs.get("address") or _file_address(address), address)
-    from distributed import Client
-
-    try:
-        c = Client(**kwargs, timeout=f"{CONNECT_S}s", set_as_default=True)
-    except (OSError, TimeoutError) as e:
-        raise UserError(f"cannot reach the dask scheduler at {address} ({e}); start it, or drop --scheduler / "
-                        f"{ENV} to run locally") from None
-    with c:
-        if workers is not None and not c.scheduler_info()["workers"]:
-            log.info("waiting up to %g s for a dask worker to join the scheduler at %s", workers, address)
-            try:
-                c.wait_for_workers(1, timeout=workers)
-            except TimeoutError:
-                raise UserError(f"the dask scheduler at {address} has no workers (waited {workers:g} s for one): "
-                                f"start some (`dask worker {address}`), or drop --scheduler / {ENV} to run "
-                                "locally") from None
-        yield c
-
-
-def _file_address(path: str) -> str:
-    """The address a scheduler file holds; a one-line error when it holds none."""
-    try:
-        address = json.loads(Path(path).read_text()).get("address")
-    except (OSError, ValueError, AttributeError):
-        address = None
-    if not isinstance(address, str):
-        raise UserError(f"the scheduler file {path} holds no scheduler address (it is not the JSON `dask scheduler "
-                        f"--scheduler-file {path}` writes): start the scheduler with it, or pass its address")
-    return address
-
-
-def _probe(address: str | None, shown: str) -> None:
-    """A one-line error unless a Dask scheduler answers at tcp ``address`` within ``CONNECT_S`` seconds (a Client
-    on a silent port waits for ever; on a port answered by something else it reads a length of exabytes)."""
-    if not address or ("://" in address and not address.startswith("tcp://")):
-        return  # tls/ucx/ws need the Client's own security settings
-    from distributed.comm import connect
-
-    async def identity():
-        comm = await connect(address if "://" in address else f"tcp://{address}", timeout=CONNECT_S)
-        try:
-            await comm.write({"op": "identity", "reply": True})
-            return await comm.read()
-        finally:
-            comm.abort()
-
-    fix = f"pass the address `dask scheduler` prints, or drop --scheduler / {ENV} to run locally"
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # its own event loop, even under a running one
-            info = pool.submit(asyncio.run, asyncio.wait_for(identity(), CONNECT_S)).result()
-    except (TimeoutError, OSError) as e:
-        raise UserError(f"no dask scheduler answered at {shown} within {CONNECT_S} s ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else 'no answer'}); start it, or {fix}") from None
-    except Exception as e:  # noqa: BLE001  (whatever a stranger's bytes make of dask's protocol, MemoryError too)
-        raise UserError(f"{shown} answered, but not as a dask scheduler ({type(e).__name__}); {fix}") from None
-    if not isinstance(info, dict) or info.get("type") != "Scheduler":
-        kind = info.get("type") if isinstance(info, dict) else type(info).__name__
-        raise UserError(f"{shown} answered as a dask {kind}, not a scheduler; {fix}")
-
 
 def _resources(c) -> dict | None:
     """{"GPU": 1} when the workers declare GPU resources (``dask worker --resources GPU=1``): one checkpoint per GPU
@@ -160,11 +56,11 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
     store
         The store (made absolute: the workers may run elsewhere).
     cfg
-        The :class:`~ncanalyze.store.config.ExtractConfig`.
+        The :class:`~ncanalyze.store.extraction.config.ExtractConfig`.
     address
         The scheduler (else ``$DASK_SCHEDULER_ADDRESS``).
     overwrite, restart
-        As for :func:`~ncanalyze.store.extract.extract_checkpoint`.
+        As for :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`.
     shards
         Parts of each checkpoint's train pass, run as tasks and merged exactly.
 
@@ -173,9 +69,8 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
     ExtractResult
         Labelled with the paths; each group 'done', 'resumed', 'skipped' or 'failed: why'.
     """
-    # here, not at the top: measure uses this module's client() without loading torch
-    from ncanalyze.store import extract as ex
-
+    # here, not at the top: `ncanalyze extract --help` and the CLI's import stay light (no torch)
+    from ncanalyze.store.runs import local as ex
     address = address or os.environ.get(ENV)
     if not address:
         raise UserError(f"no dask scheduler given: pass --scheduler ADDRESS or set ${ENV}")
@@ -205,10 +100,13 @@ class _Tasks:
     sharded checkpoint submitted when its plan is known."""
 
     def __init__(self, c, store: Path, cfg, overwrite: bool):
-        from ncanalyze.store import extract, shards  # torch: see extract_on_cluster
+        from ncanalyze.store.extraction import (
+            checkpoint,  # torch: see extract_on_cluster
+        )
+        from ncanalyze.store.runs import local, shards
 
         self.c, self.store, self.cfg, self.overwrite = c, store, cfg, overwrite
-        self.ex, self.sh = extract, shards
+        self.one, self.local, self.sh = checkpoint, local, shards
         self.tag = uuid.uuid4().hex[:8]
         self.opts = dict(pure=False, resources=_resources(c))
         self.what: dict = {}  # future -> (checkpoint, stage)
@@ -219,7 +117,7 @@ class _Tasks:
         return future
 
     def whole(self, ckpt):
-        return self.submit("extract", ckpt, self.ex.extract_checkpoint, ckpt, self.store, self.cfg, self.overwrite,
+        return self.submit("extract", ckpt, self.one.extract_checkpoint, ckpt, self.store, self.cfg, self.overwrite,
                            False)
 
     def sharded(self, ckpt, parts: list[tuple[int, int]]):
@@ -233,7 +131,7 @@ class _Tasks:
                       c.submit(sh.merge_states, states[i], states[j], cfg.samples_per_class, cfg.seed, pure=False,
                                key=f"merge {ckpt.group} {depth}.{n} {self.tag}")
                       for n, (i, j) in enumerate(level)]
-        return self.submit("finish", ckpt, self.ex.finish_sharded, ckpt, self.store, cfg, states[0], self.overwrite)
+        return self.submit("finish", ckpt, self.local.finish_sharded, ckpt, self.store, cfg, states[0], self.overwrite)
 
     def run(self, ckpts: list, shards: int) -> dict[str, str]:
         """Every checkpoint's status, as its last task completes."""

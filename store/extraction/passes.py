@@ -16,16 +16,15 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-
 from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.data import Blocks
-from ncanalyze.store.layers import FINAL_NORMS, final_norm
-from ncanalyze.store.load import n_layers
-from ncanalyze.store.loss import LogitTransform, NextTokenLoss, matches_model
+from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.extraction.layers import FINAL_NORMS, final_norm
+from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss, matches_model
+from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, Saver
-from ncanalyze.store.running import Extraction
+from ncanalyze.store.sources.load import n_layers
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,27 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store import layers, tokens
-from ncanalyze.store.data import (VAL_NAMES, Blocks, base_split, check_block_size, is_token_file, model_positions,
-                                  open_blocks)
-from ncanalyze.store.discover import Checkpoint
-from ncanalyze.store.memory import parse_size
-from ncanalyze.store.load import default_block_size, load_config, n_layers, resolve_device, weights_fingerprint
+from ncanalyze.store.data import tokens
+from ncanalyze.store.data.blocks import (
+    VAL_NAMES,
+    Blocks,
+    base_split,
+    check_block_size,
+    is_token_file,
+    model_positions,
+    open_blocks,
+)
+from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.memory import parse_size
+from ncanalyze.store.sources.discover import Checkpoint
+from ncanalyze.store.sources.load import (
+    default_block_size,
+    load_config,
+    n_layers,
+    resolve_device,
+    weights_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 

@@ -22,19 +22,33 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import TrainerCallback
-
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.store import io, layers, training_ddp as ddp
-from ncanalyze.store.config import (ExtractConfig, config_hash, config_record, differences, layer_plan, open_data,
-                                    rows_width, val_data)
-from ncanalyze.store.data import Blocks
+from ncanalyze.store import io
+from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.config import (
+    ExtractConfig,
+    config_hash,
+    config_record,
+    differences,
+    layer_plan,
+    open_data,
+    rows_width,
+    val_data,
+)
+from ncanalyze.store.extraction.loss import loss_attrs
+from ncanalyze.store.extraction.passes import run_passes
+from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout, default_store
-from ncanalyze.store.load import decoded_tokens, default_block_size, head, n_layers
-from ncanalyze.store.loss import loss_attrs
-from ncanalyze.store.passes import run_passes
-from ncanalyze.store.running import Extraction
+from ncanalyze.store.runs import training_ddp as ddp
+from ncanalyze.store.sources.load import (
+    decoded_tokens,
+    default_block_size,
+    head,
+    n_layers,
+)
+from transformers import TrainerCallback
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +156,7 @@ class NeuralCollapseCallback(TrainerCallback):
         The Trainer, when known: the scalar metrics then go through ``trainer.log`` to every integration (TensorBoard,
         W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
     **settings
-        Any other field of :class:`~ncanalyze.store.config.ExtractConfig` (``batch_size``, ``samples_per_class``,
+        Any other field of :class:`~ncanalyze.store.extraction.config.ExtractConfig` (``batch_size``, ``samples_per_class``,
         ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ...).
     """
 

@@ -8,9 +8,8 @@ import logging
 
 import psutil
 import torch
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.layers import Plan, auto_groups
+from ncanalyze.store.extraction.layers import Plan, auto_groups
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from ncanalyze.analyzer.accumulate import Accumulator
 
 log = logging.getLogger(__name__)

@@ -12,12 +12,11 @@ import dataclasses
 import logging
 
 import torch.distributed as dist
-
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store import shards as sh
-from ncanalyze.store.passes import train_pass
+from ncanalyze.store.extraction.passes import train_pass
+from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, flatten, unflatten
-from ncanalyze.store.running import Extraction
+from ncanalyze.store.runs import shards as sh
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,6 @@ from pathlib import Path
 import dask.array as da
 import numpy as np
 import torch
-
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.chunks import position_chunk
 from ncanalyze.store.resume import RESTART

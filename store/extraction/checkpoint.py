@@ -1,0 +1,218 @@
+"""One checkpoint into the store: :func:`extract_checkpoint`, a table of contents of its steps (settle, load, data,
+passes and write)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store import io
+from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.config import (
+    ExtractConfig,
+    Resolved,
+    Status,
+    checkpoint_status,
+    config_hash,
+    differences,
+    open_data,
+    refusal,
+    resolve,
+)
+from ncanalyze.store.extraction.loss import loss_attrs
+from ncanalyze.store.extraction.memory import (
+    check_memory,
+    fit_plan,
+    parse_size,
+    state_bytes,
+)
+from ncanalyze.store.extraction.passes import run_passes
+from ncanalyze.store.extraction.running import Extraction
+from ncanalyze.store.layout import CheckpointFiles, StoreLayout
+from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.resume import (
+    DeferredInterrupt,
+    Phase,
+    Saver,
+    drop_state,
+    load_state,
+    record_of,
+)
+from ncanalyze.store.sources.discover import (
+    Checkpoint,
+    training_metadata,
+)
+from ncanalyze.store.sources.load import (
+    decoded_tokens,
+    find_tokenizer,
+    head,
+    load_model,
+    n_layers,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Loaded(NamedTuple):
+    """A checkpoint's model, loaded, and what comes with it."""
+    model: torch.nn.Module
+    tokenizer: object | None
+    tokenizer_name: str | None
+    seconds: float                # the time the load took (for the estimate)
+    classifier: torch.Tensor      # the output layer's weight (vocab x hidden) and bias
+    bias: torch.Tensor | None
+    plan: layers.Plan             # the run's plan, its passes fitted to the memory under --layers-per-pass auto
+
+
+def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+                       restart: bool = False, announce: Callable[..., None] | None = None,
+                       interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> str:
+    """Extract one checkpoint into ``<store>/<run>/<checkpoint>``.
+
+    One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done). A
+    finished checkpoint is skipped without loading its weights.
+
+    Parameters
+    ----------
+    ckpt, store, cfg
+        The checkpoint, the store and the configuration.
+    overwrite
+        Replace a group extracted under another configuration.
+    restart
+        Discard a saved resume state.
+    announce
+        ``announce(model, seconds_to_load, train, val, plan)``, called before the passes start (the estimate is
+        logged there, :func:`announcer`).
+    interrupt
+        A pending Ctrl-C is taken at the next batch boundary, after saving the state.
+    extra_attrs
+        Go into the group's attributes last (a Hub revision's origin and step).
+
+    Returns
+    -------
+    str
+        'done', 'skipped' or 'resumed'.
+    """
+    store = Path(store)
+    run = resolve(ckpt, cfg)
+    files = StoreLayout(store).checkpoint(ckpt)
+    with checkpoint_lock(files.lock, ckpt.group):
+        if _settle(ckpt, store, cfg, run.record, files, overwrite) is Status.SKIP:
+            return "skipped"
+        loaded = load_checkpoint(ckpt, cfg, run)
+        run = run._replace(plan=loaded.plan)
+        train, val = open_inputs(store, cfg, run, loaded.tokenizer)
+        if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
+            announce(loaded.model, loaded.seconds, train, val, run.plan)
+        status = _passes_and_write(ckpt, store, cfg, run, files, loaded, train, val, overwrite, restart, interrupt,
+                                   extra_attrs)
+        drop_state(files.state)
+        return status
+
+
+def _settle(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, record: dict, files: CheckpointFiles,
+            overwrite: bool) -> Status:
+    """The checkpoint's status, after putting back a group an overwrite left aside; a skipped one's leftovers (a
+    state or a staged copy left by a run killed after its write) are removed, a refused one raises."""
+    io.recover_swap(store, ckpt.group, files)
+    existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
+    status = checkpoint_status(existing, record, files.state, overwrite)
+    if status is Status.SKIP:
+        drop_state(files.state)
+        for stale in (files.staging, files.old):
+            shutil.rmtree(stale, ignore_errors=True)
+    if status is Status.REFUSE:
+        raise refusal(ckpt.group, store, existing, record, cfg.tag)
+    return status
+
+
+def load_checkpoint(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Loaded:
+    """The model and tokenizer, timed, and the head; the running state checked against the free memory."""
+    started = time.perf_counter()
+    model = load_model(ckpt, cfg.dtype, run.device, cfg.allow_pickle, cfg.trust_remote_code)
+    tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
+    loaded = time.perf_counter() - started
+    classifier, bias = head(model)
+    plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
+    check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
+    return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
+
+
+def open_inputs(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
+    """The train and validation blocks (none without validation data)."""
+    train = open_data(cfg.dataset, run.split, cfg.max_train_tokens, "--max-train-tokens", cfg, run.block_size,
+                      run.config, tokenizer, store)
+    val = None if run.val_spec is None else open_data(run.val_spec, run.val_split, cfg.max_val_tokens,
+                                                      "--max-val-tokens", cfg, run.block_size, run.config, tokenizer,
+                                                      store)
+    return train, val
+
+
+def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Resolved, files: CheckpointFiles,
+                      loaded: Loaded, train: Blocks, val: Blocks | None, overwrite: bool, restart: bool,
+                      interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> str:
+    """The running state (resumed where saved), the train and validation passes, the group's attributes and its write;
+    'done' or 'resumed'."""
+    model, classifier, bias, record = loaded.model, loaded.classifier, loaded.bias, run.record
+    positions = None if train.total is None else train.total * (train.block_size - 1)
+    ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
+                    run.device, files.layers)
+    status = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
+    saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
+    io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none
+    run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
+    main = ex.main()
+    attrs = {
+        "run": ckpt.run, "tag": cfg.tag, "checkpoint": ckpt.name, **training_metadata(ckpt),
+        "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
+        "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
+        "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
+        "val_tokens": int(main.val["val_count"].sum()),
+        **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": run.block_size,
+        "dataset": cfg.dataset, "split": run.split, "val_dataset": run.val_spec, "val_split": run.val_split,
+        "val_held_out": run.held_out, "tokenizer": loaded.tokenizer_name, "dtype": cfg.dtype, "device": str(run.device),
+        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
+        "ncanalyze_version": io.version(), "config_hash": config_hash(record),
+        "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
+    }
+    norm = layers.final_norm(model)
+    ds, others = ex.datasets(classifier, bias, decoded_tokens(loaded.tokenizer, classifier.shape[0]), attrs, norm and norm[0])
+    io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
+    ex.cleanup()
+    return status
+
+
+def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
+            train: Blocks, val: Blocks | None, group: str) -> str:
+    """Load the saved state into ``ex`` if there is one for this configuration: 'resumed', else 'done' (a fresh
+    start). A state under another configuration, or unreadable, or inconsistent, is refused unless ``overwrite``
+    (or ``restart``) discards it."""
+    if restart or not spath.exists():
+        drop_state(spath)
+        ex.start()
+        return "done"
+    try:
+        arrays = load_state(spath)
+        old = record_of(arrays)
+        if old != record:
+            raise UserError(f"an interrupted extraction of {group} used another configuration "
+                            f"({differences(old, record)}); rerun with the same options to resume it, "
+                            "or pass --overwrite to start again")
+        blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
+        ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
+    except UserError as e:
+        if not overwrite:
+            raise
+        log.info("%s: discarding its resume state (%s)", group, e)
+        drop_state(spath)
+        ex.reset()
+        return "done"
+    return "resumed"
