@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import fails_cleanly
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data.blocks import check_block_size, model_positions, open_blocks
+from ncanalyze.store.data.blocks import check_block_size, open_blocks
+from ncanalyze.store.sources.anatomy import model_positions
 
 
 def _tokenize(texts):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from ncanalyze.store.extraction.layers import plan
-from ncanalyze.store.extraction.passes import blocks_of, hidden_forward
+from ncanalyze.store.sources.anatomy import blocks_of, hidden_forward
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
@@ -188,9 +188,8 @@ def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_ru
     """The last layer's NC4 decisions read the kept columns of the float64 logits the loss forms: the counts equal
     those of the decisions' own scores and of a numpy brute force, the loss is bit for bit the loss alone."""
     from ncanalyze.analyzer.accumulate import DecisionCounts
-    from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
-    from ncanalyze.store.extraction.passes import features
-    from ncanalyze.store.sources.load import head
+    from ncanalyze.store.extraction.loss import NextTokenLoss
+    from ncanalyze.store.sources.anatomy import LogitTransform, features, head
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
     W, b = head(model)
@@ -279,10 +278,11 @@ def test_state_bytes_is_what_a_validation_pass_holds():
     bias): the
     buffers it holds, measured, are state_bytes' per layer x 3 + shared within 0.1% (no hidden copy of the means or
     of the head: the loss and the layers share one float64 head)."""
-    from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
+    from ncanalyze.store.extraction.loss import NextTokenLoss
     from ncanalyze.store.extraction.memory import state_bytes
     from ncanalyze.store.extraction.passes import val_state
     from ncanalyze.store.extraction.running import Extraction
+    from ncanalyze.store.sources.anatomy import LogitTransform
 
     V, d, k = 3000, 48, 2
     plan3 = plan("all", "auto", 0, "float32", 2)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import EXTRACT_OPTS, run_cli
-from ncanalyze.store.extraction.loss import LogitTransform, matches_model
-from ncanalyze.store.extraction.passes import features
+from ncanalyze.store.extraction.loss import matches_model
+from ncanalyze.store.sources.anatomy import LogitTransform, features
 from test_extract import text_blocks
 from transformers import AutoModelForCausalLM, AutoTokenizer, CohereConfig, Gemma2Config
 

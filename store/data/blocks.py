@@ -177,15 +177,6 @@ def _check_cap(max_tokens: int | None, block_size: int, spec: str, cap_flag: str
                         f"would be read; raise {flag} to at least {block_size}{lower}")
 
 
-def model_positions(config) -> int | None:
-    """The number of positions a model config allows (``max_position_embeddings`` or ``n_positions``), or None."""
-    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
-        v = getattr(config, k, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
 def check_block_size(block_size: int, n_positions: int | None, spec: str, rows_from_file: bool = False) -> None:
     """Refuse blocks longer than the model's positions (``n_positions`` None: the model has no such limit).
 

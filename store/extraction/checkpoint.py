@@ -46,17 +46,12 @@ from ncanalyze.store.resume import (
     load_state,
     record_of,
 )
+from ncanalyze.store.sources.anatomy import final_norm, head, n_layers
 from ncanalyze.store.sources.discover import (
     Checkpoint,
     training_metadata,
 )
-from ncanalyze.store.sources.load import (
-    decoded_tokens,
-    find_tokenizer,
-    head,
-    load_model,
-    n_layers,
-)
+from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +178,7 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
         "ncanalyze_version": io.version(), "config_hash": config_hash(record),
         "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
     }
-    norm = layers.final_norm(model)
+    norm = final_norm(model)
     ds, others = ex.datasets(classifier, bias, decoded_tokens(loaded.tokenizer, classifier.shape[0]), attrs, norm and norm[0])
     io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
     ex.cleanup()

@@ -16,25 +16,12 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import tokens
-from ncanalyze.store.data.blocks import (
-    VAL_NAMES,
-    Blocks,
-    base_split,
-    check_block_size,
-    is_token_file,
-    model_positions,
-    open_blocks,
-)
+from ncanalyze.store.data.blocks import VAL_NAMES, Blocks, base_split, check_block_size, is_token_file, open_blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.memory import parse_size
+from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
-from ncanalyze.store.sources.load import (
-    default_block_size,
-    load_config,
-    n_layers,
-    resolve_device,
-    weights_fingerprint,
-)
+from ncanalyze.store.sources.load import load_config, resolve_device, weights_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ costs,
 
 with k the layers of a pass (1 without ``--layers``; the loss only in the pass of the last layer), f the fraction
 of the blocks the pass runs (its deepest layer / the number of blocks, for a pass below the last layer, which
-passes.cut_forward stops early; 1 for the pass of the last layer), and the batches left from each checkpoint's
+anatomy.cut_forward stops early; 1 for the pass of the last layer), and the batches left from each checkpoint's
 resume state (pass, phase, batches done), so work already done is left out.
 """
 from __future__ import annotations
@@ -34,13 +34,14 @@ from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.config import ExtractConfig
 from ncanalyze.store.extraction.layers import Plan
-from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
+from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.memory import state_bytes
-from ncanalyze.store.extraction.passes import check_ids, features
+from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.running import LayerState
 from ncanalyze.store.resume import UNREADABLE, Phase
+from ncanalyze.store.sources.anatomy import LogitTransform, default_block_size, features, head, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
-from ncanalyze.store.sources.load import default_block_size, head, load_config, n_layers
+from ncanalyze.store.sources.load import load_config
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class Costs:
 
 def depths(plan: Plan) -> list[float]:
     """The fraction of the model's blocks each pass of ``plan`` runs: a pass below the last layer stops before the
-    block of its deepest layer l (passes.cut_forward), so it runs l of the ``plan.last`` blocks; the pass of the last
+    block of its deepest layer l (anatomy.cut_forward), so it runs l of the ``plan.last`` blocks; the pass of the last
     layer runs them all. (Where a model cannot be cut, its passes run the whole forward: the estimate is then low.)
 
     Parameters

@@ -42,7 +42,6 @@ from ncanalyze.store.resume import RESTART
 log = logging.getLogger(__name__)
 
 # where models keep their final norm, on the base model (GPT-2/GPT-Neo, Llama/Mistral/Gemma, OPT, GPT-NeoX, Falcon)
-FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "decoder.final_layer_norm", "final_layernorm", "norm_f")
 EMBEDDING_DTYPES = ("float32", "float16", "float64")
 
 
@@ -185,27 +184,6 @@ def fit_embeddings(plan_: Plan, positions: int | None) -> Plan:
     if positions is None or plan_.save_embeddings <= positions:
         return plan_
     return replace(plan_, save_embeddings=positions)
-
-
-def final_norm(model) -> tuple[str, torch.nn.Module] | None:
-    """The model's final norm (the logit lens below the last layer).
-
-    Parameters
-    ----------
-    model : a transformers causal LM.
-
-    Returns
-    -------
-    (path, module) or None : its path on the base model (one of :data:`FINAL_NORMS`) and the module; None if none
-    is known.
-    """
-    for path in FINAL_NORMS:
-        m = model.base_model
-        for part in path.split("."):
-            m = getattr(m, part, None)
-        if isinstance(m, torch.nn.Module):
-            return path, m
-    return None
 
 
 class Embeddings:

@@ -11,59 +11,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from ncanalyze.analyzer.accumulate import Sums
+from ncanalyze.store.sources.anatomy import LogitTransform
 
 log = logging.getLogger(__name__)
 
 
-# models whose ``logits_scaling`` multiplies the logits (MuP), unlike Granite's and MiniCPM3's, which divide
-MULTIPLYING_SCALING = {"hyperclovax"}
 # how far the model's own logits may be from ours, relative to the largest logit, for each model dtype
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-@dataclass(frozen=True)
-class LogitTransform:
-    """``logits * multiply / divide``, then soft-capped at ``softcap`` when set: what the model does after its head."""
-    multiply: float = 1.0
-    divide: float = 1.0
-    softcap: float | None = None
-
-    @classmethod
-    def of(cls, config) -> LogitTransform:
-        """The transform a model config declares (its text config, for multimodal configs)."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-
-        def number(name: str) -> float | None:
-            v = getattr(text, name, None)
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-        scaling = number("logits_scaling") or 1.0
-        if getattr(text, "model_type", None) in MULTIPLYING_SCALING:
-            return cls(multiply=scaling * (number("logit_scale") or 1.0),
-                       softcap=number("final_logit_softcapping") or None)
-        return cls(multiply=number("logit_scale") or 1.0, divide=scaling,
-                   softcap=number("final_logit_softcapping") or None)
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.multiply != 1.0:
-            logits = logits * self.multiply
-        if self.divide != 1.0:
-            logits = logits / self.divide
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def describe(self) -> str:
-        """How the logits were transformed, e.g. ``'30.0 * tanh(logits * 0.0625 / 30.0)'``; ``'none'``."""
-        s = "logits" + (f" * {self.multiply!r}" if self.multiply != 1.0 else "") + \
-            (f" / {self.divide!r}" if self.divide != 1.0 else "")
-        if self.softcap is not None:
-            s = f"{self.softcap!r} * tanh({s} / {self.softcap!r})"
-        return "none" if s == "logits" else s
 
 
 class NextTokenLoss(Sums):

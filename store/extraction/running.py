@@ -25,7 +25,7 @@ from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.analyzer.schema import stats_dataset
 from ncanalyze.store.extraction.layers import Embeddings, Plan
-from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
+from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.reservoir import Reservoir
 from ncanalyze.store.resume import (
     RESTART,
@@ -35,6 +35,7 @@ from ncanalyze.store.resume import (
     save_state,
     unflatten,
 )
+from ncanalyze.store.sources.anatomy import LogitTransform
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,8 @@ from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout, default_store
 from ncanalyze.store.runs import training_ddp as ddp
-from ncanalyze.store.sources.load import (
-    decoded_tokens,
-    default_block_size,
-    head,
-    n_layers,
-)
+from ncanalyze.store.sources.anatomy import default_block_size, final_norm, head, n_layers
+from ncanalyze.store.sources.load import decoded_tokens
 from transformers import TrainerCallback
 
 log = logging.getLogger(__name__)
@@ -312,7 +308,7 @@ class NeuralCollapseCallback(TrainerCallback):
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
                        group)
             attrs = self._attrs(model, ex, classifier, setup, group, when, device)
-            norm = layers.final_norm(model)
+            norm = final_norm(model)
             ds, others = ex.datasets(classifier, bias, decoded_tokens(setup.tokenizer, classifier.shape[0]), attrs,
                                      norm and norm[0])
             done = [("nc/", group, _metrics(ds, cfg.min_count, group))]

@@ -95,13 +95,6 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
     return model.to(device).eval()
 
 
-def head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The output layer's weight (vocab x hidden) and bias (None where it has none), detached."""
-    out = model.get_output_embeddings()
-    bias = getattr(out, "bias", None)
-    return out.weight.detach(), None if bias is None else bias.detach()
-
-
 def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code: bool = False):
     """(tokenizer, where it came from): ``name`` (--tokenizer), else the checkpoint's, else its run's; (None, None)
     if there is none."""
@@ -138,16 +131,3 @@ def weights_fingerprint(path: Path) -> str:
             f.seek(max(0, size - (1 << 20)))
             h.update(f.read())
     return h.hexdigest()[:16]
-
-
-def n_layers(config) -> int | None:
-    for k in ("num_hidden_layers", "num_layers", "n_layer"):
-        if isinstance(getattr(config, k, None), int):
-            return getattr(config, k)
-    return None
-
-
-def default_block_size(config) -> int:
-    """The model's context, at most 1024 (``run_clm``'s default)."""
-    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1024
-    return min(int(n), 1024)

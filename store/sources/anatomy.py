@@ -1,0 +1,247 @@
+"""A transformers causal LM's anatomy, in one place: its layers and positions, its blocks and how to cut the forward at
+one, its final norm (the logit lens), its head and the logit transform after it. Supporting a new architecture means
+touching this module (and ``tests/test_anatomy.py``, which runs every supported architecture through it).
+
+The transforms after the head: Cohere's ``logit_scale`` (multiply), Granite's and MiniCPM3's ``logits_scaling``
+(divide), Gemma2/3's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# where models keep their final norm, on the base model
+FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "decoder.final_layer_norm", "final_layernorm", "norm_f")
+# models whose ``logits_scaling`` multiplies the logits (MuP), unlike Granite's and MiniCPM3's, which divide
+MULTIPLYING_SCALING = {"hyperclovax"}
+def n_layers(config) -> int | None:
+    """The number of blocks a model config declares, or None."""
+    for k in ("num_hidden_layers", "num_layers", "n_layer"):
+        if isinstance(getattr(config, k, None), int):
+            return getattr(config, k)
+    return None
+
+
+def model_positions(config) -> int | None:
+    """The number of positions a model config allows (``max_position_embeddings``, ``n_positions`` or ``n_ctx``), or
+    None."""
+    for k in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(config, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def default_block_size(config) -> int:
+    """The model's context, at most 1024 (``run_clm``'s default)."""
+    return min(model_positions(config) or 1024, 1024)
+
+
+def head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output layer's weight (vocab x hidden) and bias (None where it has none), detached."""
+    out = model.get_output_embeddings()
+    bias = getattr(out, "bias", None)
+    return out.weight.detach(), None if bias is None else bias.detach()
+
+
+def final_norm(model) -> tuple[str, torch.nn.Module] | None:
+    """The model's final norm (the logit lens below the last layer).
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+
+    Returns
+    -------
+    (path, module) or None : its path on the base model (one of :data:`FINAL_NORMS`) and the module; None if none
+    is known.
+    """
+    for path in FINAL_NORMS:
+        m = model.base_model
+        for part in path.split("."):
+            m = getattr(m, part, None)
+        if isinstance(m, torch.nn.Module):
+            return path, m
+    return None
+
+
+@torch.inference_mode()
+def features(model, ids: torch.Tensor) -> torch.Tensor:
+    """The last layer's features.
+
+    Parameters
+    ----------
+    model : a transformers causal LM (only its base model runs: no logits are formed).
+    ids : token ids, b x L.
+
+    Returns
+    -------
+    Tensor : the last hidden state after the final norm, at every position but the last: (b, L-1, d).
+    """
+    return model.base_model(input_ids=ids).last_hidden_state[:, :-1]
+
+
+def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The forward pass of a pass's layers. The last layer is ``last_hidden_state``; with only the last layer asked
+    (the default plan), no hidden states are formed. A pass below the last layer runs the model only up to its
+    deepest layer (:func:`cut_forward`), or, where the model cannot be cut, the whole forward with a note.
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+    layers : the pass's layers, indices into hidden_states.
+    last : the last layer's index.
+
+    Returns
+    -------
+    callable : ids (b x L) -> the layers' features at every position but the last, stacked: (k, b, L-1, d).
+    """
+    if layers == (last,):
+        return lambda ids: features(model, ids)[None]
+
+    @torch.inference_mode()
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        out = model.base_model(input_ids=ids, output_hidden_states=True)
+        return torch.stack([(out.last_hidden_state if l == last else out.hidden_states[l])[:, :-1] for l in layers])
+    if last in layers:
+        return forward
+    return cut_forward(model, layers, forward) or forward
+
+
+# where models keep their blocks, on the base model (GPT-2/GPT-Neo/Falcon/BLOOM, Llama/Mistral/Gemma/Qwen/OLMo/
+# GPT-NeoX, OPT, MPT)
+BLOCKS = ("h", "layers", "decoder.layers", "blocks")
+
+
+class _Cut(Exception):
+    """Raised at the deepest layer's block, before it runs: the forward stops there."""
+
+
+def blocks_of(model) -> torch.nn.ModuleList | None:
+    """The model's blocks: the list whose block j takes ``hidden_states[j]`` as its input.
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+
+    Returns
+    -------
+    ModuleList or None : the first of :data:`BLOCKS` on the base model with as many blocks as the config's layers;
+    None where none is.
+    """
+    n = n_layers(model.config)
+    for path in BLOCKS:
+        m = model.base_model
+        for part in path.split("."):
+            m = getattr(m, part, None)
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n:
+            return m
+    return None
+
+
+def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], torch.Tensor]
+                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The features of ``layers`` (all below the last) from a forward that stops before block ``max(layers)``: each
+    ``hidden_states[l]`` is taken as block l's input by a forward pre-hook, and the deepest one's hook ends the
+    forward (no later block, final norm or head runs). On its first call the cut is checked bit for bit against
+    ``full`` on a prefix of the batch; where it differs (or the model's blocks are not found) the pass runs ``full``
+    with a note.
+
+    Parameters
+    ----------
+    model : a transformers causal LM.
+    layers : the pass's layers, all below the last.
+    full : the whole forward (``output_hidden_states``), as :func:`hidden_forward` makes it.
+
+    Returns
+    -------
+    callable or None : ids (b x L) -> (k, b, L-1, d); None where the model's blocks are not found (with a note).
+    """
+    blocks = blocks_of(model)
+    if blocks is None:
+        log.info("note: %s's blocks are not found (none of %s): the passes below the last layer run the whole "
+                 "forward", model.config.model_type, ", ".join(BLOCKS))
+        return None
+    deepest = max(layers)
+
+    @torch.inference_mode()
+    def cut(ids: torch.Tensor) -> torch.Tensor:
+        got: dict[int, torch.Tensor] = {}
+
+        def take(j: int):
+            def hook(module, args, kwargs):
+                got[j] = args[0] if args else kwargs["hidden_states"]
+                if j == deepest:
+                    raise _Cut
+            return hook
+        handles = [blocks[j].register_forward_pre_hook(take(j), with_kwargs=True) for j in layers]
+        try:
+            model.base_model(input_ids=ids)
+        except _Cut:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.stack([got[l][:, :-1] for l in layers])
+
+    checked: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        if not checked:
+            prefix = ids[:1, :64]
+            try:
+                same = torch.equal(cut(prefix), full(prefix))
+            except (KeyError, IndexError, RuntimeError, TypeError):
+                same = False
+            checked.append(cut if same else full)
+            if not same:
+                log.info("note: %s cannot be cut at its blocks' inputs (they are not its hidden states): the passes "
+                         "below the last layer run the whole forward", model.config.model_type)
+        return checked[0](ids)
+    return forward
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``logits * multiply / divide``, then soft-capped at ``softcap`` when set: what the model does after its head."""
+    multiply: float = 1.0
+    divide: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> LogitTransform:
+        """The transform a model config declares (its text config, for multimodal configs)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+        def number(name: str) -> float | None:
+            v = getattr(text, name, None)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        scaling = number("logits_scaling") or 1.0
+        if getattr(text, "model_type", None) in MULTIPLYING_SCALING:
+            return cls(multiply=scaling * (number("logit_scale") or 1.0),
+                       softcap=number("final_logit_softcapping") or None)
+        return cls(multiply=number("logit_scale") or 1.0, divide=scaling,
+                   softcap=number("final_logit_softcapping") or None)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiply != 1.0:
+            logits = logits * self.multiply
+        if self.divide != 1.0:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def describe(self) -> str:
+        """How the logits were transformed, e.g. ``'30.0 * tanh(logits * 0.0625 / 30.0)'``; ``'none'``."""
+        s = "logits" + (f" * {self.multiply!r}" if self.multiply != 1.0 else "") + \
+            (f" / {self.divide!r}" if self.divide != 1.0 else "")
+        if self.softcap is not None:
+            s = f"{self.softcap!r} * tanh({s} / {self.softcap!r})"
+        return "none" if s == "logits" else s
