@@ -17,7 +17,7 @@ from test_geometry import brute_force as geometry_brute_force
 from test_geometry import study as geometry_study
 from test_metrics import assert_degenerate_like_brute_force, assert_metrics, brute_force, random_study, stats_dataset
 
-from ncanalyze.analyzer import SCALARS, UserError, class_stats, measure_all
+from ncanalyze.analyzer import CLASS_COUNTS, SCALARS, UserError, class_stats, measure_all
 from ncanalyze.analyzer.geometry import engine_device, geometry
 from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, _torch_block, reference_tile_sums, side_of
 
@@ -45,7 +45,7 @@ def test_torch_path_equals_the_numba_path_and_brute_force(study, tile):
     assert 20 < K.size < 80
     fast, fast_per = measure_all(study, 10, tile, device="cpu")
     got, per = measure_all(study, 10, tile, **TORCH)
-    assert list(got) == list(SCALARS)
+    assert list(got) == [*SCALARS, *CLASS_COUNTS]
     assert_same(got, fast)
     assert_metrics(got, brute_force(study, 10)[0])
     for name in per:
