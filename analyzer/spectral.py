@@ -93,7 +93,13 @@ def lidar(g: Geometry) -> float:
     rank of the class means measured in units of the within-class noise (the LDA matrix). nan without
     within-class noise. The published code adds a fixed delta (1e-4 or 1e-6); relative to tr(Sigma_W)/d, ours is
     the same at every feature scale (the README gives the gap at a 1e-3 feature scale)."""
-    lam = np.maximum(g.spectra["lidar"], 0.0)
+    return eigen_entropy_rank(g.spectra["lidar"])
+
+
+def eigen_entropy_rank(lam: np.ndarray) -> float:
+    """exp(-sum p_i log p_i), p_i = lambda_i / sum lambda_j (LiDAR's weighting: lambda, not sqrt(lambda) as in
+    :func:`erank`), negative rounding noise counted as 0; nan for a zero or non-finite spectrum."""
+    lam = np.maximum(np.asarray(lam, dtype=np.float64), 0.0)
     if not np.isfinite(lam).all() or lam.sum() == 0:
         return math.nan
     p = lam[lam > 0] / lam.sum()

@@ -17,7 +17,7 @@ from conftest import ROOT, run_cli
 
 import ncanalyze.store
 from ncanalyze.analyzer import class_metrics, measure
-from ncanalyze.analyzer.schema import INFO, LAYER, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, INFO, LAYER, SCALARS
 from ncanalyze.store.io import checkpoint_groups
 from ncanalyze.store.measure import measure_store
 
@@ -56,12 +56,12 @@ def test_tree_table_is_the_metrics_table(measured, tmp_path):
     store, df = measured
     tree = ncanalyze.store.open(store)
     table = tree.nc.table()
-    assert list(table.columns) == [*INFO, LAYER, *SCALARS]
+    assert list(table.columns) == [*INFO, LAYER, *CLASS_COUNTS, *SCALARS]
     pd.testing.assert_frame_equal(table, df)
     assert [f"{r}/{c}" for r, c in zip(table.run, table.checkpoint)] == checkpoint_groups(store)[0]
     for row in table.itertuples():
         ds = tree[f"{row.run}/{row.checkpoint}"].to_dataset()
-        assert_same_metrics({k: getattr(row, k) for k in SCALARS}, measure(ds, min_count=2))
+        assert_same_metrics({k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS)}, measure(ds, min_count=2))
         assert (row.global_step, row.n_params, row.layer) == (ds.attrs["global_step"], ds.attrs["n_params"], 2)
         assert math.isnan(row.tag)  # no --tag: nan, as metrics.csv reads back
     run_cli("report", store, "--out", tmp_path / "r", "--permutations", 0, "--min-count", 2)
