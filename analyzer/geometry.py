@@ -67,11 +67,11 @@ class Geometry:
     m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, ``us`` u_c . s (no n x d array is kept),
     t0 = mean over P of T = ||u_c - u_c'||^2, p_c = n_c / sum_K n_c, ``has_var`` n_c >= 2 (the classes the CDNV
     family reads); ``pairs`` holds the pairwise sums (pairs.py) and ``row_cdnv`` each class's sum of
-    (var_c + var_c') / D over the other classes with a variance (0 for a class without); ``lam``, ``V`` the eigen-decomposition of
-    M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry (moments.py). The
-    NC3 fields need the classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the
-    within-class covariance, the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of
-    the N = ``n_tokens`` unit train features (anisotropy).
+    (var_c + var_c') / D over the other classes with a variance (0 for a class without); ``lam``, ``V`` the
+    eigen-decomposition of M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry
+    (moments.py). The NC3 fields need the classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c),
+    ``sigma_w`` the within-class covariance, the NC4 fields the validation counts over the same kept set,
+    ``unit_sum`` the sum of the N = ``n_tokens`` unit train features (anisotropy).
     """
     K: np.ndarray
     has_var: np.ndarray

@@ -92,7 +92,7 @@ def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
     assert list(table.layer) == [0, 1, 2]
     for row in table.itertuples():
         g = "neo-2x32/checkpoint-20" + ("" if row.layer == 2 else f"/layers/{row.layer}")
-        assert_same_metrics({k: getattr(row, k) for k in SCALARS}, measure(tree[g].to_dataset()))
+        assert_same_metrics({k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS)}, measure(tree[g].to_dataset()))
 
 
 @pytest.mark.parametrize("code", [

@@ -56,7 +56,8 @@ def test_a_simplex_etf_head_has_erank_exactly_c_minus_1():
     fast, dev = both(ds)
     s = np.linalg.svd(W, compute_uv=False)                        # the explicit matrix's singular values
     assert erank_of(s, d) == pytest.approx(C - 1, abs=1e-12)
-    assert fast["head_erank"] == pytest.approx(C - 1, abs=1e-12) and dev["head_erank"] == pytest.approx(C - 1, abs=1e-12)
+    assert fast["head_erank"] == pytest.approx(C - 1, abs=1e-12)
+    assert dev["head_erank"] == pytest.approx(C - 1, abs=1e-12)
     noise = np.sort(np.abs(np.linalg.eigvalsh(W.T @ W)))[: d - C + 1]
     assert noise.max() > 0                                         # the failure the cut closes is there
     uncut = np.sqrt(np.r_[np.full(C - 1, 1.0), noise / np.linalg.eigvalsh(W.T @ W).max()])
@@ -118,7 +119,8 @@ def test_rankme_is_the_erank_of_the_raw_feature_matrix(offset):
     h = rng.standard_normal((C, d))[y] + rng.standard_normal((N, d)) @ np.diag(rng.uniform(0.1, 2, d)) + offset
     fast, dev = both(class_stats(h, y, C))
     want = erank_of(np.linalg.svd(h, compute_uv=False), d)
-    assert fast["rankme"] == pytest.approx(want, rel=1e-10) and dev["rankme"] == pytest.approx(fast["rankme"], rel=1e-12)
+    assert fast["rankme"] == pytest.approx(want, rel=1e-10)
+    assert dev["rankme"] == pytest.approx(fast["rankme"], rel=1e-12)
     if offset:
         assert fast["rankme"] < fast["total_erank"] - 0.5         # one dominant mean direction
 
@@ -133,7 +135,8 @@ def test_eigen_decay_recovers_an_exact_power_law(alpha):
     rotation = np.linalg.qr(rng.standard_normal((d, d)))[0]
     h = exact_white(N, d, 5) * np.arange(1, d + 1) ** (-alpha / 2) @ rotation + 1.0
     fast, dev = both(class_stats(h, rng.integers(0, 20, N), 20))
-    assert fast["eigen_decay"] == pytest.approx(alpha, abs=1e-10) and dev["eigen_decay"] == pytest.approx(alpha, abs=1e-10)
+    assert fast["eigen_decay"] == pytest.approx(alpha, abs=1e-10)
+    assert dev["eigen_decay"] == pytest.approx(alpha, abs=1e-10)
 
 
 def test_eigen_decay_is_the_weighted_fit_over_ranks_4_to_100_and_the_range_is_a_keyword():
@@ -153,7 +156,8 @@ def test_eigen_decay_is_the_weighted_fit_over_ranks_4_to_100_and_the_range_is_a_
                                                                                - (w * x).sum() ** 2)
     assert want == pytest.approx(closed, rel=1e-10)
     fast, dev = both(ds)
-    assert fast["eigen_decay"] == pytest.approx(want, rel=1e-10) and dev["eigen_decay"] == pytest.approx(want, rel=1e-10)
+    assert fast["eigen_decay"] == pytest.approx(want, rel=1e-10)
+    assert dev["eigen_decay"] == pytest.approx(want, rel=1e-10)
     unweighted = -np.polyfit(np.log(np.arange(1, d + 1)), np.log(np.sort(lam)[::-1]), 1)[0]   # the old fit
     assert abs(unweighted - want) > 1e-3
     other = quiet(ds.nc.measure, decay_ranks=(2, 50))["eigen_decay"]
@@ -245,7 +249,8 @@ def test_a_nan_head_row_makes_head_erank_nan_and_leaves_the_rest():
     clean = both(ds)
     ds["classifier"] = ds["classifier"].copy(data=np.where(np.arange(V)[:, None] == V - 2, np.nan, W))
     for kw, want in zip(({"device": "cpu"}, TORCH), clean):
-        with pytest.warns(UserWarning, match=rf"head_erank is nan: the classifier's rows of 1 token\(s\) \(\[{V - 2}\]\)"):
+        why = rf"head_erank is nan: the classifier's rows of 1 token\(s\) \(\[{V - 2}\]\)"
+        with pytest.warns(UserWarning, match=why):
             got = measure(ds, **kw)
         assert math.isnan(got["head_erank"]) and math.isfinite(want["head_erank"])
         rest = [k for k in SCALARS if k not in ("head_erank", "nc4_agreement")]
