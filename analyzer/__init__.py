@@ -11,6 +11,7 @@ _LAZY = {
     "ClassStats": "accumulate",
     "class_stats": "metrics", "measure": "metrics", "class_metrics": "metrics", "measure_all": "metrics",
     "kept_classes": "metrics", "SCALARS": "schema", "NC_METRICS": "schema", "GEOMETRY_METRICS": "schema",
+    "CLASS_COUNTS": "schema",
     "PER_CLASS": "schema", "INFO": "schema",
     "stats_dataset": "schema",
 }

@@ -27,8 +27,10 @@ class DatasetAccessor:
     def __init__(self, ds: xr.Dataset) -> None:
         self._ds = ds
 
-    def measure(self, min_count: int = 1, tile: int | None = None) -> dict[str, float]:
-        """The scalar metrics (SPEC section 4), as :func:`ncanalyze.analyzer.measure`.
+    def measure(self, min_count: int = 1, tile: int | None = None,
+                decay_ranks: tuple[int, int] = (4, 100)) -> dict[str, float]:
+        """The scalar metrics (SPEC section 4) and how many classes they rest on, as
+        :func:`ncanalyze.analyzer.measure`.
 
         Parameters
         ----------
@@ -36,15 +38,17 @@ class DatasetAccessor:
             Keep only classes with at least this many train tokens (``--min-count``).
         tile
             Classes per tile of the pairwise sums (``--tile``); default from the available memory.
+        decay_ranks
+            The ranks (first, last) of Sigma_T's eigenvalues that ``eigen_decay`` fits (alpha-ReQ's 4..100).
 
         Returns
         -------
         dict
-            Metric name -> value.
+            Metric name -> value, then ``n_classes`` and ``n_classes_var``.
         """
         from ncanalyze.analyzer.metrics import measure
 
-        return measure(self._ds, min_count=min_count, tile=tile)
+        return measure(self._ds, min_count=min_count, tile=tile, decay_ranks=decay_ranks)
 
     def class_metrics(self, min_count: int = 1, tile: int | None = None) -> xr.Dataset:
         """The per-class views (``class_norm``, ``class_cdnv``, ...; nan outside the kept set), as

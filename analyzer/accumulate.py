@@ -73,6 +73,14 @@ class Groups:
         return torch.zeros(len(self.classes), *x.shape[1:], dtype=x.dtype).index_add_(0, self.row, x)
 
 
+def unit_rows(h: torch.Tensor) -> torch.Tensor:
+    """h_i / ||h_i|| at any scale: each row divided by its largest magnitude first, so the norm's squares neither
+    overflow nor underflow (an absolute floor such as normalize's 1e-12 would shrink rows of norm below it); a zero
+    row stays zero."""
+    top = h.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
+    return torch.nn.functional.normalize(h / top, dim=1)
+
+
 class ClassStats(Accumulator):
     """Running per-class count, mean, squared deviation (M2) and pooled within-class scatter.
 
@@ -108,7 +116,7 @@ class ClassStats(Accumulator):
         self.m2[classes] += m2_b + w * (delta * delta).sum(1)
         if self.scatter is not None:
             self.scatter += dev.T @ dev + (delta * w[:, None]).T @ delta
-        self.unit_sum += torch.nn.functional.normalize(h, dim=1).sum(0)  # in stream order
+        self.unit_sum += unit_rows(h).sum(0)  # in stream order
         self.count[classes] += g.lengths
 
     def merge(self, other: "ClassStats") -> "ClassStats":

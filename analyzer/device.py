@@ -19,14 +19,14 @@ import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_centred, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import torch_pair_sums
+from ncanalyze.analyzer.pairs import side_of, torch_pair_sums
 
 __all__ = ["device_parts"]
 HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 
 
-def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarray | None, device: str,
-                 panel: int | None = None) -> dict[str, Any]:
+def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
+                 device: str, panel: int | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, computed in torch float64 on ``device``.
 
     Parameters
@@ -37,6 +37,8 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarr
         The kept classes (geometry.kept_classes).
     p
         Their token frequencies within K.
+    has_var
+        Per kept class, whether it has a variance (n_c >= 2: the classes the CDNV family reads).
     sigma_w
         The within-class covariance, or None.
     device
@@ -56,13 +58,14 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarr
     f = count / count.sum()                                       # f_c = n_c / N over every class
     rest = np.setdiff1d(np.flatnonzero(count > 0), K)             # counted, not kept
     M, A = _gathered(ds["mean"], (K, rest), dev)
+    scale = float(torch.linalg.vector_norm(M, dim=1).max())
     mu_G = M.mean(0)
     M -= mu_G                                                     # m_c = mu_c - mu_G
     A -= mu_G
     r = torch.linalg.vector_norm(M, dim=1)
     var = np.asarray(ds["variance"].values)[K].astype(np.float64)
     r_host = r.cpu().numpy()
-    check_centred(r_host, var, K)
+    check_centred(r_host, var, K, scale)
     if not bool(torch.isfinite(A).all()):
         raise UserError("the means of the classes counted but not kept contain NaN or Inf: the statistics are "
                         "corrupt; extract again")
@@ -76,12 +79,13 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarr
     s = U.sum(0)
     out["s"] = s.cpu().numpy()
     out["t0"] = pair_mean(out["s"], K.size)
-    side = torch.stack([r, 1 / r, torch.as_tensor(var, device=dev), torch.as_tensor(p, device=dev)])
+    side = torch.as_tensor(side_of(r_host, var, p, has_var), device=dev)
     out["pairs"], out["row_cdnv"], out["coincident"] = torch_pair_sums(U, side, out["t0"], panel)
     out["us"] = (U @ s).cpu().numpy()
-    delta = mom.pop("delta").cpu().numpy()
+    delta = mom.pop("delta")
+    mu = (mu_G + delta).cpu().numpy()
     mom = {k: v.cpu().numpy() for k, v in mom.items()}
-    out["mom"] = finish_moments(mom, sigma_w, delta, K.size, device)
+    out["mom"] = finish_moments(mom, sigma_w, delta.cpu().numpy(), mu, K.size, device)
     return out
 
 

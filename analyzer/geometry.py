@@ -4,7 +4,8 @@ and their spectra (spectral.py); or all of that in torch float64 on a device (de
 
 Notation, over the kept classes K = {c : count_c >= min_count} (n = |K|, pairs P = {c < c'}):
 m_c = mu_c - mu_G (centred mean), r_c = ||m_c||, u_c = m_c / r_c, T_cc' = ||u_c - u_c'||^2 = 2 - 2 cos(m_c, m_c'),
-D_cc' = ||mu_c - mu_c'||^2, p_c = n_c / sum_K n_c (token frequency).
+D_cc' = ||mu_c - mu_c'||^2, p_c = n_c / sum_K n_c (token frequency), a_c = 1 where n_c >= 2 (the class has a
+variance: the CDNV family reads only such classes), else 0.
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import xarray as xr
 from dask.delayed import Delayed
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.moments import check_centred, check_finite, finish_moments, pair_mean
+from ncanalyze.analyzer.moments import check_centred, check_covariance, check_finite, finish_moments, pair_mean
 from ncanalyze.analyzer.pairs import COINCIDENT, PairSums, blocks, pair_sums
 
 MAX_TILE = 2048
+DECAY_RANKS = (4, 100)  # eigen_decay's fit range of ranks, as Agrawal et al. fit alpha-ReQ (Stringer et al. 2019)
 
 
 
@@ -63,14 +65,16 @@ class Geometry:
     """What the metric definitions read, over the kept classes K (n = |K|; vectors are indexed like K).
 
     m_c = mu_c - mu_G, r_c = ||m_c||, u_c = m_c / r_c, s = sum_c u_c, ``us`` u_c . s (no n x d array is kept),
-    t0 = mean over P of T = ||u_c - u_c'||^2, p_c = n_c / sum_K n_c; ``pairs`` holds the pairwise sums (pairs.py) and
-    ``row_cdnv`` each class's sum of (var_c + var_c') / D over the others; ``lam``, ``V`` the eigen-decomposition of
-    M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry (moments.py). The
-    NC3 fields need the classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c), ``sigma_w`` the
-    within-class covariance, the NC4 fields the validation counts over the same kept set, ``unit_sum`` the sum of
-    the N = ``n_tokens`` unit train features (anisotropy).
+    t0 = mean over P of T = ||u_c - u_c'||^2, p_c = n_c / sum_K n_c, ``has_var`` n_c >= 2 (the classes the CDNV
+    family reads); ``pairs`` holds the pairwise sums (pairs.py) and ``row_cdnv`` each class's sum of
+    (var_c + var_c') / D over the other classes with a variance (0 for a class without); ``lam``, ``V`` the
+    eigen-decomposition of M^T M; ``spectra`` the eigenvalues of the d x d matrices of the representation geometry
+    (moments.py). The NC3 fields need the classifier (``w_norm`` ||w_c||, ``wm`` w_c . m_c, W^T W, sum_c w_c),
+    ``sigma_w`` the within-class covariance, the NC4 fields the validation counts over the same kept set,
+    ``unit_sum`` the sum of the N = ``n_tokens`` unit train features (anisotropy).
     """
     K: np.ndarray
+    has_var: np.ndarray
     var: np.ndarray
     r: np.ndarray
     s: np.ndarray
@@ -98,6 +102,8 @@ class Geometry:
     nc4_nan_because: str | None = None   # NC4 is defined here but not measurable, and why
     unit_sum: np.ndarray | None = None
     anisotropy_nan_because: str | None = None
+    head_nan_because: str | None = None   # the classifier holds NaN or Inf, and where
+    decay_ranks: tuple[int, int] = DECAY_RANKS
 
     @property
     def n(self) -> int:
@@ -111,6 +117,21 @@ class Geometry:
     def pair_weight(self) -> float:
         """sum over P of p_c p_c' = ((sum p)^2 - sum p^2) / 2 = (1 - sum p^2) / 2."""
         return (1 - float(self.p @ self.p)) / 2
+
+    @property
+    def n_var(self) -> int:
+        """The kept classes with a variance (n_c >= 2): the CDNV family's classes."""
+        return int(self.has_var.sum())
+
+    @property
+    def n_var_pairs(self) -> float:
+        return self.n_var * (self.n_var - 1) / 2
+
+    @property
+    def var_pair_weight(self) -> float:
+        """sum of p_c p_c' over the pairs of classes with a variance (nc1_cdnv_freq's normaliser)."""
+        q = self.p[self.has_var]
+        return (float(q.sum()) ** 2 - float(q @ q)) / 2
 
     @property
     def duality(self) -> np.ndarray:
@@ -137,28 +158,31 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
     count = np.asarray(ds["count"].values)
     p = count[K] / count[K].sum()                                 # token frequencies within K
     sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64) if "within_covariance" in ds else None
+    check_covariance(sigma_w)
+    has_var = count[K] >= 2
     if on is None:
-        parts = _host_parts(ds, K, p, sigma_w, tile)
+        parts = _host_parts(ds, K, p, has_var, sigma_w, tile)
     else:
         from ncanalyze.analyzer.device import device_parts
 
-        parts = device_parts(ds, K, p, sigma_w, on, tile)
+        parts = device_parts(ds, K, p, has_var, sigma_w, on, tile)
     mom = parts.pop("mom")
     if parts["coincident"]:
-        _warn_coincident(parts["coincident"], K)
-    g = Geometry(K=K, p=p, MtM=mom["MtM"], lam=mom["lam"], V=mom["V"], spectra=mom["spectra"],
+        _warn_coincident(parts["coincident"], K, bool(np.isinf(parts["pairs"].cdnv)))
+    g = Geometry(K=K, p=p, has_var=has_var, MtM=mom["MtM"], lam=mom["lam"], V=mom["V"], spectra=mom["spectra"],
                  n_tokens=int(count.sum()), sigma_w=sigma_w, vsv=mom.get("vsv"), **parts)
     if "wn" in mom:
         dead = np.flatnonzero(mom["wn"] == 0)
         if dead.size:
             raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
         g.w_norm, g.wm, g.WtW, g.w_sum = mom["wn"], mom["wm"], mom["WtW"], mom["w_sum"]
+        g.head_nan_because = _head_nan(ds, K, mom["head"])
     _validation(g, ds, min_count)
     _unit_sum(g, ds)
     return g
 
 
-def _host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarray | None,
+def _host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
                 tile: int | None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, on the host: numpy, then the numba pair
     sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.device.device_parts`."""
@@ -169,20 +193,22 @@ def _host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, sigma_w: np.ndarra
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
     tile = int(tile or auto_tile(K.size))
     with threadpoolctl.threadpool_limits(1, user_api="blas"):
-        (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, t0, blocks(K.size, tile)),
+        (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile)),
                                                           _moments(ds, K, M, mu_G, W, sigma_w, tile))
     return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0), "pairs": pairs,
             "row_cdnv": row_cdnv, "coincident": coincident, "mom": mom}
 
 
 def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """M (the centred means m_c), the variances, r_c = ||m_c|| and mu_G, checked finite and non-zero."""
+    """M (the centred means m_c), the variances, r_c = ||m_c|| and mu_G, checked finite, not all one mean, and
+    non-zero."""
     M = _rows(ds["mean"], K)
+    scale = float(np.sqrt(np.einsum("ij,ij->i", M, M)).max())
     mu_G = M.mean(0)
     M -= mu_G                                                     # m_c = mu_c - mu_G
     var = _rows(ds["variance"], K)
     r = np.sqrt(np.einsum("ij,ij->i", M, M))
-    check_centred(r, var, K)
+    check_centred(r, var, K, scale)
     return M, var, r, mu_G
 
 
@@ -228,7 +254,7 @@ def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: 
     if W is not None and K.size < count.size:                    # the head's rows outside K, read in place
         W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
         outside += [dask.delayed(_head)(W_all[s], out_K[s]) for s in blocks(count.size, tile) if out_K[s].any()]
-    return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, K.size)
+    return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, mu_G + delta, K.size)
 
 
 def _outside(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -262,13 +288,13 @@ def _head(w: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.ndarray]],
-                 sigma_w: np.ndarray | None, delta: np.ndarray, n: int) -> dict[str, np.ndarray]:
+                 sigma_w: np.ndarray | None, delta: np.ndarray, mu: np.ndarray, n: int) -> dict[str, np.ndarray]:
     out = {k: np.concatenate([p[k] for p in parts]) if k in ("wn", "wm") else sum(p[k] for p in parts)
            for k in parts[0]}
     out["MtFM"] = out["MtFM"] + sum(p["MtFM"] for p in outside if "MtFM" in p)
     if "WtW" in out:
         out["head"] = out["WtW"] + sum(p["head"] for p in outside if "head" in p)
-    return finish_moments(out, sigma_w, delta, n)
+    return finish_moments(out, sigma_w, delta, mu, n)
 
 
 def engine_device(device: str | None = "auto", engine: str | None = None) -> str | None:
@@ -316,15 +342,35 @@ def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
     return np.take(var.values, K, axis=0).astype(np.float64, copy=False)
 
 
-def _warn_coincident(pairs: list[tuple[int, int, bool]], K: np.ndarray) -> None:
+def _head_nan(ds: xr.Dataset, K: np.ndarray, head: np.ndarray) -> str | None:
+    """Why head_erank is nan where the classifier holds NaN or Inf (its rows found only then: one more read), else
+    None. Such a head gives NaN logits for every token, so it has no honest rank; the other metrics are computed
+    (NC3 reads the kept rows, and is nan where one of those is not finite)."""
+    if np.isfinite(head).all():
+        return None
+    W = np.asarray(ds["classifier"].values)
+    rows = np.flatnonzero(~np.isfinite(W).all(1))
+    inside = np.intersect1d(rows, K)
+    return (f"the classifier's rows of {rows.size} token(s) ({rows[:5].tolist()}{' ...' if rows.size > 5 else ''}) "
+            "hold NaN or Inf, so the output layer has no rank (its logits are NaN)"
+            + ("; nc3_* are nan too: kept classes' rows are among them" if inside.size else
+               "; they are no kept class's, so every other metric is computed"))
+
+
+def _warn_coincident(pairs: list[tuple[int, int, bool]], K: np.ndarray, cdnv_inf: bool) -> None:
     """Say which kept classes coincide (a few pairs (i, j, means coincide)) and what that makes of the metrics (the
-    others stay exact)."""
+    others stay exact): coincident means make the CDNV family inf (``cdnv_inf``) only where both classes have a
+    variance."""
     same = [(i, j) for i, j, s in pairs if s]
     names = lambda ps: ", ".join(f"{K[i]} and {K[j]}" for i, j in ps[:3]) + (" ..." if len(ps) > 2 else "")  # noqa
-    if same:
+    if same and cdnv_inf:
         warnings.warn(f"classes {names(same)} have coincident means: nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and their "
                       "class_cdnv are inf; gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics are "
                       "exact (raise --min-count to leave such classes out)", stacklevel=3)
+    elif same:
+        warnings.warn(f"classes {names(same)} have coincident means (a class seen once has no variance, so the CDNV "
+                      "family leaves them out): gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other metrics "
+                      "are exact (raise --min-count to leave such classes out)", stacklevel=3)
     else:
         warnings.warn(f"the centred means of classes {names([(i, j) for i, j, _ in pairs])} point the same way "
                       f"(||u - u'||^2 < {COINCIDENT:g}): gnc2_log_mean(_freq) is inf and gnc2_log_std nan; the other "

@@ -20,22 +20,25 @@ import xarray as xr
 
 from ncanalyze.analyzer import spectral
 from ncanalyze.analyzer.arrays import class_stats  # noqa: F401  (exported here too)
-from ncanalyze.analyzer.geometry import Geometry, auto_tile, geometry, kept_classes, needs  # noqa: F401
-from ncanalyze.analyzer.schema import PER_CLASS, SCALARS
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, auto_tile, geometry, kept_classes, needs  # noqa: F401
+from ncanalyze.analyzer.schema import CLASS_COUNTS, PER_CLASS, SCALARS
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)
 # Each takes the Geometry and returns a float; `needs` names the Geometry field it requires (the metric is left out
 # of the result where that is missing). Their names are schema.SCALARS and schema.PER_CLASS.
 
 def nc1_cdnv(g: Geometry) -> float:
-    """mean over P of (var_c + var_c') / (2 ||mu_c - mu_c'||^2): class-distance normalized variance (Galanti et
-    al. 2022, "On the role of neural collapse in transfer learning"). +inf when two class means coincide."""
-    return g.pairs.cdnv / (2 * g.n_pairs)
+    """mean over the pairs of kept classes with a variance (n_c >= 2: a class seen once has none) of
+    (var_c + var_c') / (2 ||mu_c - mu_c'||^2): class-distance normalized variance (Galanti et al. 2022, "On the role
+    of neural collapse in transfer learning"), with population variances (their code: the same). +inf when two such
+    class means coincide; nan, with a warning, where fewer than 2 kept classes have a variance."""
+    return g.pairs.cdnv / (2 * g.n_var_pairs) if g.n_var >= 2 else math.nan
 
 
 def nc1_cdnv_p2(g: Geometry) -> float:
-    """mean over P of (var_c + var_c') / (2 ||mu_c - mu_c'||^4): the form in Wu & Papyan's code (2024)."""
-    return g.pairs.cdnv_p2 / (2 * g.n_pairs)
+    """nc1_cdnv with ||mu_c - mu_c'||^4 in the denominator: the form in Wu & Papyan's code (2024)."""
+    return g.pairs.cdnv_p2 / (2 * g.n_var_pairs) if g.n_var >= 2 else math.nan
 
 
 @needs("sigma_w")
@@ -49,7 +52,7 @@ def nc1_trace(g: Geometry) -> float:
 
 def nc2_norm_cv(g: Geometry) -> float:
     """std / mean of ||m_c|| over K: equinorm (Papyan, Han & Donoho 2020)."""
-    return g.r.std() / g.r.mean()
+    return coefficient_of_variation(g.r, "nc2_norm_cv", "||m_c||")
 
 
 def nc2_lognorm_std(g: Geometry) -> float:
@@ -98,8 +101,9 @@ def nc3_cos_mean(g: Geometry) -> float:
 
 @needs("wm")
 def unc3_cos_cv(g: Geometry) -> float:
-    """std / mean over K of cos(w_c, m_c): uniform duality (UNC3, Wu & Papyan 2024)."""
-    return g.duality.std() / g.duality.mean()
+    """std / mean over K of cos(w_c, m_c): uniform duality (UNC3, Wu & Papyan 2024); nan, with a warning, where the
+    mean duality cosine is not clearly positive (:func:`coefficient_of_variation`)."""
+    return coefficient_of_variation(g.duality, "unc3_cos_cv", "cos(w_c, m_c)")
 
 
 @needs("wm")
@@ -123,8 +127,11 @@ def class_norm(g: Geometry) -> np.ndarray:
 
 
 def class_cdnv(g: Geometry) -> np.ndarray:
-    """mean over c' != c in K of (var_c + var_c') / (2 ||mu_c - mu_c'||^2)."""
-    return g.row_cdnv / (2 * (g.n - 1))
+    """mean over the other kept classes with a variance of (var_c + var_c') / (2 ||mu_c - mu_c'||^2), for each kept
+    class with a variance (n_c >= 2; nan for a class seen once, and where fewer than 2 classes have one)."""
+    if g.n_var < 2:
+        return np.full(g.n, np.nan)
+    return np.where(g.has_var, g.row_cdnv / (2 * (g.n_var - 1)), np.nan)
 
 
 def class_interference(g: Geometry) -> np.ndarray:
@@ -146,6 +153,25 @@ def class_nc4(g: Geometry) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(g.val_count > 0, g.val_agree / g.val_count, np.nan)
 
+
+CV_MIN_MEAN = 1e-3  # a coefficient of variation needs a mean above this many standard deviations (and above 0)
+
+
+def coefficient_of_variation(x: np.ndarray, name: str, what: str) -> float:
+    """std / mean of ``x`` (population std), or nan with a warning naming ``name`` where the mean is not clearly
+    positive (mean <= CV_MIN_MEAN std, or <= 0): a ratio to a mean near 0 or below is no measure of spread. Scale-free:
+    ``x`` is divided by its largest magnitude first (std's squares neither overflow nor underflow)."""
+    x = np.asarray(x, dtype=np.float64)
+    top = np.abs(x).max()
+    x = x / top if top > 0 else x
+    mean, std = float(x.mean()), float(x.std())
+    if not (mean > 0 and mean > CV_MIN_MEAN * std):
+        warnings.warn(f"{name} is nan: the mean of {what} over the kept classes is {mean * top:.3g} (std "
+                      f"{std * top:.3g}), not clearly positive, so std/mean measures nothing", stacklevel=4)
+        return math.nan
+    return std / mean
+
+
 _ALL = {**vars(spectral), **globals()}
 DEFINITIONS = {name: _ALL[name] for name in SCALARS}
 PER_CLASS_DEFINITIONS = {name: _ALL[name] for name in PER_CLASS}
@@ -154,12 +180,14 @@ PER_CLASS_DEFINITIONS = {name: _ALL[name] for name in PER_CLASS}
 # ---------------------------------------------------------------- the entry points
 
 def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-            engine: str | None = None) -> dict[str, float]:
-    """The scalar metrics of one checkpoint (SPEC section 4): name -> float. nc3_* and head_erank need
-    ``classifier``, nc4 needs ``val_*`` counts taken over the same kept set (else nc4_agreement is nan, with a
-    warning saying why), anisotropy needs ``unit_sum`` (else nan, with a warning). Every metric is a key: one whose
-    inputs are missing (plain arrays without a classifier: nc3_*, unc3_cos_cv, nc4_agreement, head_erank) is nan,
-    with one warning naming them.
+            engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS) -> dict[str, float]:
+    """The scalar metrics of one checkpoint (SPEC section 4): name -> float, then how many classes they rest on
+    (``n_classes`` |K|, ``n_classes_var`` the kept classes with 2 or more train tokens, which the CDNV family reads).
+    nc3_* and head_erank need ``classifier``, nc4 needs ``val_*`` counts taken over the same kept set (else
+    nc4_agreement is nan, with a warning saying why), anisotropy needs ``unit_sum`` (else nan, with a warning). Every
+    metric is a key: one whose inputs are missing (plain arrays without a classifier: nc3_*, unc3_cos_cv,
+    nc4_agreement, head_erank) is nan, with one warning naming them; so is a coefficient of variation whose mean is
+    not clearly positive, and head_erank where the classifier holds NaN or Inf.
 
     Parameters
     ----------
@@ -175,41 +203,66 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
     engine
         ``torch`` runs the GPU's code on the CPU (``device="cpu"``), ``numba`` insists on the CPU's; default: as
         ``device`` says (:func:`~ncanalyze.analyzer.geometry.engine_device`).
+    decay_ranks
+        (first, last): the ranks of Sigma_T's eigenvalues (1-based, decreasing) that ``eigen_decay`` fits, the
+        last capped at r = #{lambda_i > 1e-10 lambda_1}; default (4, 100), as alpha-ReQ's authors fit it.
 
     Returns
     -------
     dict
-        Metric name -> value.
+        Metric name -> value (schema.SCALARS), then schema.CLASS_COUNTS.
     """
-    scalars = measure_all(ds, min_count, tile, device, engine)[0]
+    scalars = measure_all(ds, min_count, tile, device, engine, decay_ranks)[0]
     missing = [k for k in DEFINITIONS if k not in scalars]
     if missing:
         needs = sorted({str(getattr(DEFINITIONS[k], "needs", "")) for k in missing} - {""})
         warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
                       stacklevel=2)
-    return {k: scalars.get(k, float("nan")) for k in DEFINITIONS}
+    return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS)}
 
 
 def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
                   engine: str | None = None) -> xr.Dataset:
     """Per-class views over the kept set (nan elsewhere): ``class_norm`` ||m_c||, ``class_cdnv`` mean CDNV to the
-    other kept classes, ``class_interference`` mean cos(m_c, m_c') over them, ``class_duality`` cos(w_c, m_c),
-    ``class_nc4`` val_ncc_agree / val_count, ``class_freq_weight`` the class's share of the pairs' frequency
-    weight (nc1_cdnv_freq, gnc2_log_mean_freq). Parameters as :func:`measure`."""
+    other kept classes with a variance (nan for a class seen once), ``class_interference`` mean cos(m_c, m_c') over
+    them, ``class_duality`` cos(w_c, m_c), ``class_nc4`` val_ncc_agree / val_count, ``class_freq_weight`` the class's
+    share of the pairs' frequency weight (gnc2_log_mean_freq's). Parameters as :func:`measure`."""
     return measure_all(ds, min_count, tile, device, engine)[1]
 
 
 def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-                engine: str | None = None) -> tuple[dict[str, float], xr.Dataset]:
-    """:func:`measure` and :func:`class_metrics` from one pass."""
+                engine: str | None = None,
+                decay_ranks: tuple[int, int] = DECAY_RANKS) -> tuple[dict[str, float], xr.Dataset]:
+    """:func:`measure` and :func:`class_metrics` from one pass (the scalars: the metrics that are defined here, then
+    schema.CLASS_COUNTS)."""
+    ranks = _ranks(decay_ranks)
     g = geometry(ds, min_count, tile, device, engine)
-    if g.nc4_nan_because:
-        warnings.warn(f"nc4_agreement is nan: {g.nc4_nan_because}", stacklevel=2)
-    if g.anisotropy_nan_because:
-        warnings.warn(f"anisotropy is nan: {g.anisotropy_nan_because}", stacklevel=2)
+    g.decay_ranks = ranks
+    for name, why in (("nc4_agreement", g.nc4_nan_because), ("anisotropy", g.anisotropy_nan_because),
+                      ("head_erank", g.head_nan_because)):
+        if why:
+            warnings.warn(f"{name} is nan: {why}", stacklevel=2)
+    if g.n_var < 2:
+        warnings.warn(f"nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and class_cdnv are nan: only {g.n_var} of the {g.n} kept "
+                      "classes have 2 or more train tokens (a class seen once has no variance); extract more tokens",
+                      stacklevel=2)
     scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    scalars |= {"n_classes": float(g.n), "n_classes_var": float(g.n_var)}
     per = {name: f(g) for name, f in PER_CLASS_DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
     return scalars, _per_class(ds, g.K, per)
+
+
+def _ranks(decay_ranks: tuple[int, int]) -> tuple[int, int]:
+    """``decay_ranks`` checked: two whole ranks 1 <= first < last."""
+    try:
+        first, last = (int(x) for x in decay_ranks)
+        ok = 1 <= first < last and (first, last) == tuple(decay_ranks)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError(f"decay_ranks must be two whole ranks (first, last) with 1 <= first < last (got "
+                        f"{decay_ranks!r}); the default is {DECAY_RANKS}")
+    return first, last
 
 
 def _per_class(ds: xr.Dataset, K: np.ndarray, per: dict[str, np.ndarray]) -> xr.Dataset:
@@ -233,6 +286,7 @@ def etf_error_from_spectrum(lam: np.ndarray, n: int) -> float:
     rounding even at 0.
     """
     lam = np.sort(lam)[::-1][: n - 1]
+    lam = lam / lam[0] if lam[0] > 0 else lam                     # scale-free: the squares neither overflow nor vanish
     g = math.sqrt(float(np.sum(lam * lam)))
     target = 1 / math.sqrt(n - 1)
     return math.sqrt(float(np.sum((lam / g - target) ** 2)) + (n - 1 - lam.size) * target ** 2)
@@ -241,8 +295,12 @@ def etf_error_from_spectrum(lam: np.ndarray, n: int) -> float:
 def dual_error(MtM: np.ndarray, WtW: np.ndarray, trace_s: float, m_sum: np.ndarray, w_sum: np.ndarray,
                n: int) -> float:
     """||S/||S||_F - (I - 11^T/n)/sqrt(n-1)||_F for S = M W^T, from d x d quantities: ||S||_F^2 = <M^T M, W^T W>,
-    <S, I - 11^T/n> = tr S - (1^T M)(W^T 1)/n. The expanded square loses ~1e-8 absolute near 0."""
-    s_norm = math.sqrt(float(np.sum(MtM * WtW)))
-    inner = (trace_s - float(m_sum @ w_sum) / n) / (s_norm * math.sqrt(n - 1))
+    <S, I - 11^T/n> = tr S - (1^T M)(W^T 1)/n. The expanded square loses ~1e-8 absolute near 0. Scale-free: M^T M and
+    W^T W are divided by their largest entries (a, b) before their product, and so are the terms of the inner
+    product (by sqrt(a b)), so nothing is squared at the features' own scale."""
+    a, b = float(np.abs(MtM).max()), float(np.abs(WtW).max())
+    s_norm = math.sqrt(float(np.sum((MtM / a) * (WtW / b))))       # ||S||_F / sqrt(a b)
+    root = math.sqrt(a) * math.sqrt(b)
+    inner = (trace_s / root - float((m_sum / math.sqrt(a)) @ (w_sum / math.sqrt(b))) / n) / (s_norm * math.sqrt(n - 1))
     return math.sqrt(max(2 - 2 * inner, 0.0))
 

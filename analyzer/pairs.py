@@ -6,7 +6,8 @@ the sums the metrics need (SPEC section 4):
 - T = ||u_c - u_c'||^2 = 2 - 2g, shifted by t0 (T's mean over the pairs, from d-dimensional algebra) so that
   second moments stay exact: x = T/t0 - 1 (sum x^2: the spread of the cosines) and l = log(T/t0) (sums l, l^2:
   GNC2);
-- D = ||mu_c - mu_c'||^2 = r r' (r/r' + r'/r - 2g), from the same g and the norms (the CDNV sums);
+- D = ||mu_c - mu_c'||^2 = r r' (r/r' + r'/r - 2g), from the same g and the norms (the CDNV sums, over the pairs
+  whose classes both have a variance, a_c a_c' = 1: a class seen once has none);
 - the same CDNV and log terms weighted by w = p_c p_c', p_c the classes' token frequencies (nc1_cdnv_freq,
   gnc2_log_mean_freq);
 - the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless (the
@@ -45,9 +46,9 @@ class PairSums(NamedTuple):
     xx: float           # sum x^2
     l: float            # sum l
     ll: float           # sum l^2
-    cdnv: float         # sum (var_c + var_c') / D
-    cdnv_p2: float      # sum (var_c + var_c') / D^2
-    cdnv_freq: float    # sum w (var_c + var_c') / D, w = p_c p_c'
+    cdnv: float         # sum a a' (var_c + var_c') / D  (a_c = 1 where class c has a variance, else 0)
+    cdnv_p2: float      # sum a a' (var_c + var_c') / D^2
+    cdnv_freq: float    # sum a a' w (var_c + var_c') / D, w = p_c p_c'
     l_freq: float       # sum w l
 
 
@@ -59,19 +60,21 @@ def blocks(n: int, tile: int) -> list[slice]:
     return [slice(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
-def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: float, spans: list[slice]) -> Delayed:
+def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, a: np.ndarray, t0: float,
+              spans: list[slice]) -> Delayed:
     """A dask task for the sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l,
     l^2; (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV; and p_c p_c' (v_c + v_c')/D, p_c p_c' l), per class its
     CDNV sum over the others, and a few of the pairs whose directions coincide (:func:`examples`).
 
-    ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies
-    and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is
+    ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies,
+    ``a`` 1 where a class has a variance (2 or more train tokens; the CDNV terms read only pairs of such classes),
+    else 0, and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is
     written as a plain dask graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of
     the whole run at K = 8,192, d = 256.
     """
     token = uuid.uuid4().hex
     data, out = f"unit-side-{token}", f"pair_sums-{token}"
-    graph: dict = {data: (U, side_of(r, var, p))}                 # per class: u_c; r_c, 1/r_c, var_c, p_c
+    graph: dict = {data: (U, side_of(r, var, p, a))}              # per class: u_c; r_c, 1/r_c, var_c, p_c, a_c
     pairs = [(i, j) for i in range(len(spans)) for j in range(i, len(spans))]
     for i, j in pairs:
         graph[(f"tile_sums-{token}", i, j)] = (_tile, data, spans[i], spans[j], t0)
@@ -80,9 +83,10 @@ def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, t0: 
     return Delayed(out, graph)
 
 
-def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """The per-class rows the passes read: r, 1/r, var, p (4 x n)."""
-    return np.stack([r, 1 / r, var, p])
+def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray, a: np.ndarray | None = None) -> np.ndarray:
+    """The per-class rows the passes read: r, 1/r, var, p and a (1 where the class has a variance, else 0; default
+    every class) (5 x n)."""
+    return np.stack([r, 1 / r, var, p, np.ones_like(r) if a is None else np.asarray(a, dtype=np.float64)])
 
 
 def _tile(data: tuple[np.ndarray, np.ndarray], si: slice, sj: slice, t0: float):
@@ -108,8 +112,9 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
                         diag: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What :func:`tile_sums` computes, written as the definitions in plain numpy (for tests and for reading). Also
     the meaning of coincident pairs: the CDNV terms of two coincident means (D below COINCIDENT r r', including
-    0/0 for two zero variances) are +inf, and the logs of coincident directions are not used."""
-    (ri, _, vi, pi), (rj, _, vj, pj) = side_i, side_j
+    0/0 for two zero variances) are +inf, and the logs of coincident directions are not used. The CDNV terms read
+    only the pairs whose classes both have a variance (a a' = 1)."""
+    (ri, _, vi, pi, ai), (rj, _, vj, pj, aj) = side_i, side_j
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
     D = ri[:, None] ** 2 + rj[None, :] ** 2 - 2 * np.outer(ri, rj) * g   # ||m_c - m_c'||^2 = ||mu_c - mu_c'||^2
@@ -120,6 +125,8 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
         x, l = T / t0 - 1, np.log(T / t0)
         q2 = np.where(same, np.inf, q / D)
     w = np.outer(pi, pj)                                           # p_c p_c'
+    both = np.outer(ai, aj) > 0                                    # both classes have a variance
+    q, q2 = np.where(both, q, 0.0), np.where(both, q2, 0.0)
     sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
             np.sum(q[pair]), np.sum(q2[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair])]
     q = np.where(pair, q, 0.0)
@@ -144,7 +151,8 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
               panel_cells: int = PANEL_CELLS, found: list | None = None,
               offsets: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One tile pair's sums (in ``SUMS`` order), row sums and column sums of (v + v')/D, over its pairs (on a
-    diagonal tile, i < j only); ``side`` holds each class's r, 1/r, variance and token frequency p. The Gram goes
+    diagonal tile, i < j only); ``side`` holds each class's r, 1/r, variance, token frequency p and a (see
+    :func:`side_of`). The Gram goes
     in row panels of about ``panel_cells`` into one reused buffer; on a diagonal tile, each panel's Gram starts at
     its own first column. Where a panel holds coincident directions, a few of them go into ``found`` (as
     :func:`examples`, indexed through ``offsets``), read from the same buffer.
@@ -243,14 +251,16 @@ def vlog(y: np.ndarray) -> np.ndarray:
 
 @numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False,
             cache=True)
-def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
+def _pass(G, ri, bi, vi, pi, ai, rj, bj, vj, pj, aj, c, diag, acc, rows, cols):
     """Accumulate one Gram block's pair sums into acc (SUMS order), rows and cols (see tile_sums); on a diagonal
     block only the pairs j > i.
 
     x = T/t0 - 1 = (c - 1) - c g with c = 2/t0 (given ready-made: from t0, reassociation would turn it into a
     division per pair); e = r/r' + r'/r - 2g = D/(r r'), so with b = 1/r, 1/D = b b'/e and every CDNV sum is a
     weighted sum of 1/e and 1/e^2; the frequency-weighted sums take p_i p_j as two more multiply-adds a pair (p_j
-    within the row, p_i once per row). The log shares that division: 1/(e (2 + f)) gives both 1/e and musl's
+    within the row, p_i once per row); the CDNV terms are multiplied by a_i a_j (a pair of classes that both have a
+    variance: 1, else 0), and a coincident pair outside them is 0, not inf. The log shares that division:
+    1/(e (2 + f)) gives both 1/e and musl's
     s = f/(2 + f). Reductions may be reordered (fastmath reassoc), which is what lets the loop vectorise; every
     term is float64.
     """
@@ -258,9 +268,9 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
     col = np.zeros(G.shape[1])                                    # sum_i (v_i + v_j) / D_ij
     bad = xx = l1 = l2 = cdnv = p2 = cdnv_f = l_f = 0.0
     for i in range(G.shape[0]):
-        r_i, b_i, v_i = ri[i], bi[i], vi[i]
+        r_i, b_i, v_i, a_i = ri[i], bi[i], vi[i], ai[i]
         lo = i + 1 if diag else 0
-        g_row, r_j, b_j, v_j, p_j, col_j = G[i, lo:], rj[lo:], bj[lo:], vj[lo:], pj[lo:], col[lo:]  # views
+        g_row, r_j, b_j, v_j, p_j, a_j, col_j = G[i, lo:], rj[lo:], bj[lo:], vj[lo:], pj[lo:], aj[lo:], col[lo:]
         row = row2 = row_f = l_row = 0.0
         for j in range(g_row.size):
             g = g_row[j]
@@ -274,10 +284,11 @@ def _pass(G, ri, bi, vi, pi, rj, bj, vj, pj, c, diag, acc, rows, cols):
             l1 += l
             l2 += l * l
             l_row += p_j[j] * l
+            both = a_i * a_j[j]                                   # 1 where both classes have a variance, else 0
             qb = inv * (2.0 + f) * b_j[j]                         # b'/e = r/D
-            t = qb * (v_i + v_j[j])                               # (v + v') r / D
+            t = qb * (v_i + v_j[j]) * both                        # (v + v') r / D
             if e <= COINCIDENT:                                   # coincident means: +inf, as the reference says
-                qb = t = np.inf
+                qb = t = np.inf if both > 0.0 else 0.0
             row += t
             row2 += t * qb                                        # (v + v') r^2 / D^2
             row_f += p_j[j] * t
@@ -362,31 +373,36 @@ def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
     As in the numba pass, e = D/(r r') = r/r' + r'/r - 2g (one rank-2 update of the Gram) and, with b = 1/r and
     h = 1/e, (v + v')/D = (v + v') b b' h: every CDNV sum is a product of h (or h^2) with a few per-class vectors,
     one pass over the block per side. A row or column holding coincident means (e <= COINCIDENT) is +inf, and so is
-    every CDNV sum of such a block, as the reference says. x = T/t0 - 1 = (c - 1) - c g (c = 2/t0, in g's place),
+    every CDNV sum of such a block, as the reference says; the CDNV terms read only the pairs whose classes both have
+    a variance (b and b' multiplied by a and a', and a coincident pair outside them is 0).
+    x = T/t0 - 1 = (c - 1) - c g (c = 2/t0, in g's place),
     l = log1p(x); the logs of coincident directions (-inf or nan) are not used (the metrics are inf or nan there).
     """
     import torch
 
-    (ri, bi, vi, pi), (rj, bj, vj, pj) = Si, Sj
+    (ri, bi, vi, pi, ai), (rj, bj, vj, pj, aj) = Si, Sj
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     e = torch.addmm(g, torch.stack([ri, bi], 1), torch.stack([bj, rj]), beta=-2)   # D/(r r')
     bad, same = g > 1 - COINCIDENT / 2, e <= COINCIDENT            # T < COINCIDENT; coincident means
     h = e.reciprocal_()                                            # r r'/D
+    h.masked_fill_(same, 0.0)                                      # their CDNV terms are inf (below) or left out
     if diag:                                                       # c = c' and the lower triangle: no pairs
         off = torch.ones_like(same).tril_()
         bad.masked_fill_(off, False)
         same.masked_fill_(off, False)
         h.masked_fill_(off, 0.0)
+    inside = same & (ai[:, None] * aj[None, :] > 0)               # coincident means whose CDNV terms count: +inf
+    bj, bi = bj * aj, bi * ai                                      # a_c a_c': the CDNV terms of classes with a variance
     hr = h @ torch.stack([bj, bj * vj, bj * pj, bj * vj * pj]).T  # per row: sum_j h b', h b' v', h b' p', h b' v' p'
     hc = torch.stack([bi, bi * vi]) @ h                            # per column: sum_i h b, h b v
     h.square_()
-    h2 = h @ torch.stack([bj * bj, bj * bj * vj]).T               # (k, n) stacks, transposed: BLAS's fast layout
+    h2 = h @ torch.stack([bj * bj, bj * bj * vj]).T              # (k, n) stacks, transposed: BLAS's fast layout
     inf = torch.tensor(math.inf, dtype=g.dtype, device=g.device)
-    rows = torch.where(same.any(1), inf, bi * (vi * hr[:, 0] + hr[:, 1]))    # sum_j (v + v') / D
-    cols = torch.where(same.any(0), inf, bj * (hc[1] + vj * hc[0]))
-    n_same = same.sum().to(g.dtype)
-    cdnv_p2, cdnv_freq = (torch.where(n_same > 0, inf, t) for t in ((bi * bi * (vi * h2[:, 0] + h2[:, 1])).sum(),
-                                                                   pi @ (bi * (vi * hr[:, 2] + hr[:, 3]))))
+    rows = torch.where(inside.any(1), inf, bi * (vi * hr[:, 0] + hr[:, 1]))    # sum_j (v + v') / D
+    cols = torch.where(inside.any(0), inf, bj * (hc[1] + vj * hc[0]))
+    n_same, n_inside = same.sum().to(g.dtype), inside.sum()
+    cdnv_p2, cdnv_freq = (torch.where(n_inside > 0, inf, t) for t in ((bi * bi * (vi * h2[:, 0] + h2[:, 1])).sum(),
+                                                                      pi @ (bi * (vi * hr[:, 2] + hr[:, 3]))))
     x = g.addmm_(torch.ones_like(ri)[:, None], torch.full_like(rj, 2 / t0 - 1)[None], beta=-2 / t0)  # T/t0 - 1
     if diag:
         x.masked_fill_(off, 0.0)

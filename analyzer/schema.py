@@ -19,12 +19,15 @@ NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognor
               "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
               "nc4_agreement")
 # the representation geometry beyond NC (section 4, second table); each is a function of the same name in spectral.py
-GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "eigen_decay", "lidar", "anisotropy", "head_erank",
-                    "nc1_cdnv_freq", "gnc2_log_mean_freq")
+GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "eigen_decay", "lidar", "anisotropy",
+                    "head_erank", "nc1_cdnv_freq", "gnc2_log_mean_freq")
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
 # (stats.METRICS is SCALARS). They form ONE Holm family (per scale): the adjusted p-values control the family-wise
 # error over everything report.md lists, so adding the geometry made the NC metrics' Holm p-values more conservative.
 SCALARS = NC_METRICS + GEOMETRY_METRICS
+# how many classes the metrics rest on, beside them in measure's results and metrics.csv (not metrics: no tests):
+# the kept classes K, and those of them with a variance (n_c >= 2), which the CDNV family reads
+CLASS_COUNTS = ("n_classes", "n_classes_var")
 # the per-class views (vocab), written back into each group by `ncanalyze measure`
 PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4", "class_freq_weight")
 # the attributes that describe a checkpoint in a metrics table, before the metrics

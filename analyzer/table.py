@@ -9,14 +9,15 @@ from typing import Any
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import INFO, LAYER, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, INFO, LAYER, SCALARS
 
-COLUMNS = (*INFO, LAYER, *SCALARS)
+COLUMNS = (*INFO, LAYER, *CLASS_COUNTS, *SCALARS)
 
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """One group's row: its descriptive attributes, its layer (a checkpoint group without ``layer`` is its last,
-    ``n_layers``), and its metrics as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
+    ``n_layers``), how many classes the metrics rest on (``CLASS_COUNTS``, nan where measured before they were
+    recorded) and its metrics as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
 
     Parameters
     ----------
@@ -29,7 +30,8 @@ def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
         Column name -> value, for every name in :data:`COLUMNS`.
     """
     metrics, nonfinite = attrs.get("metrics") or {}, attrs.get("metrics_nonfinite") or {}
-    floats = {k: float(nonfinite.get(k, "nan")) if metrics.get(k) is None else float(metrics[k]) for k in SCALARS}
+    floats = {k: float(nonfinite.get(k, "nan")) if metrics.get(k) is None else float(metrics[k])
+              for k in (*CLASS_COUNTS, *SCALARS)}
     return {**{k: attrs.get(k) for k in INFO}, LAYER: attrs.get(LAYER, attrs.get("n_layers")), **floats}
 
 

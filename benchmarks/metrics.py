@@ -7,13 +7,13 @@
     python benchmarks/metrics.py --classes 128256 --width 64 --engine torch --rounds 1   # the GPU's code on the CPU
 
 For each size it prints the median time of `measure` (all the metrics of schema.SCALARS, NC and representation
-geometry, with the per-class views' pairwise sums, the d x d moments and their five eigendecompositions: M^T M,
-Sigma_W, Sigma_T, LiDAR's whitened Sigma_B and the head's W^T W) and of the Gram G = M M^T of the centred means,
+geometry, with the per-class views' pairwise sums, the d x d moments and their six eigendecompositions: M^T M,
+Sigma_W, Sigma_T, the raw second moment, LiDAR's whitened Sigma_B and the head's W^T W) and of the Gram G = M M^T of the centred means,
 computed three ways in the same run: tile by tile over the upper triangle (the work the metrics do, |K|^2 d / 2
 multiply-adds) with multi-threaded BLAS, the same tiles as dask tasks with one BLAS thread each (how the metrics
 run), and, where it fits in a quarter of the memory, as one BLAS call. The ratio is taken over the fastest of the
 three: `measure` and that Gram run in alternating rounds and the median of the per-round ratios is printed, so that
-the slow spells of a shared machine hit both sides. The five d x d eigendecompositions alone are timed too (they are
+the slow spells of a shared machine hit both sides. The six d x d eigendecompositions alone are timed too (they are
 part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small
 buffers are not seen) and set against |K|^2 x 8 bytes.
 
@@ -21,7 +21,7 @@ With ``--cuda`` (or ``--engine torch``: the same code on the CPU) `measure` runs
 (``device="cuda"``, analyzer/device.py) and is set against one float64 Gram M M^T of the centred means on that device
 (all K^2 cells, in row panels into one buffer: 2 K^2 d flops, then a synchronise), with the peak device memory. The
 metrics' time is `measure`'s from the host dataset to the host floats (which waits for the device): moving the means
-and the classifier to the device, the 14 NC metrics of the target and the 9 geometry metrics beside them (their three
+and the classifier to the device, the 14 NC metrics of the target and the 10 geometry metrics beside them (their four
 more eigendecompositions included), as `ncanalyze measure --device cuda` runs them once a checkpoint is read; the
 statistics are random (float64), so the store's read is not in either time.
 """
@@ -79,9 +79,10 @@ def dask_gram(M: np.ndarray, tile: int) -> float:
 
 def eigendecompositions(MtM: np.ndarray, WtW: np.ndarray, sigma_w: np.ndarray) -> None:
     """The d x d spectra `measure` takes, as it takes them (float64 numpy.linalg): eigh of M^T M, eigvalsh of
-    Sigma_W, Sigma_T and W^T W, and LiDAR's (a Cholesky factor, two triangular solves, one eigvalsh)."""
+    Sigma_W, Sigma_T, the second moment (RankMe) and W^T W, and LiDAR's (a Cholesky factor, two triangular solves,
+    one eigvalsh)."""
     np.linalg.eigh(MtM)
-    for S in (sigma_w, sigma_w + MtM / len(MtM), WtW):
+    for S in (sigma_w, sigma_w + MtM / len(MtM), sigma_w + MtM / len(MtM) + 1.0, WtW):
         np.linalg.eigvalsh(S)
     lidar_spectrum(sigma_w, MtM / len(MtM))
 
@@ -119,7 +120,7 @@ def run(k: int, d: int, rounds: int) -> None:
     print(f"K={k:,} d={d:,} tile={tile}, {len(SCALARS)} metrics: Gram "
           + ", ".join(f"{name} {t:.2f} s" for name, t in times.items()) +
           f" | {rounds} alternating rounds: metrics {t_metrics:.2f} s, fastest Gram {t_gram:.2f} s, "
-          f"ratio {ratio:.2f} (median per round; target <= 1.5); the five d x d eigendecompositions alone "
+          f"ratio {ratio:.2f} (median per round; target <= 1.5); the six d x d eigendecompositions alone "
           f"{t_eigen:.3f} s | peak {peak / 2**20:,.0f} MiB traced "
           f"(|K| d x 8 = {k * d * 8 / 2**20:,.0f} MiB, |K|^2 x 8 = {full_bytes / 2**20:,.0f} MiB)", flush=True)
 

@@ -20,7 +20,6 @@ from ncanalyze.analyzer import (
 )
 from ncanalyze.store.measure import measure_store
 from scipy.linalg import sqrtm
-from scipy.stats import linregress
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 RTOL = 1e-9
@@ -28,11 +27,24 @@ RTOL = 1e-9
 
 # ---------------------------------------------------------------- brute force, written from SPEC section 4
 
-def erank_of(singular_values: np.ndarray) -> float:
-    """exp of the entropy of the normalised singular values (the square roots of the covariance's eigenvalues)."""
-    p = singular_values / singular_values.sum()
-    p = p[p > 0]
+def erank_of(singular_values: np.ndarray, d: int) -> float:
+    """exp of the entropy of the normalised singular values (the square roots of the covariance's eigenvalues),
+    those whose square is at most d eps times the largest one's counting as 0 (SPEC: rounding noise)."""
+    s = singular_values[singular_values ** 2 > d * np.finfo(float).eps * singular_values.max() ** 2]
+    p = s / s.sum()
     return math.exp(-sum(x * math.log(x) for x in p))
+
+
+def weighted_decay(lam: np.ndarray, first: int = 4, last: int = 100) -> float:
+    """Stringer et al.'s fit, written independently: numpy's polyfit of log lambda_i on log i with weights
+    sqrt(1/i) on the residuals (so 1/i on their squares) over i = first..min(last, r), r = #{lambda > 1e-10
+    lambda_1}, eigenvalues in decreasing order."""
+    lam = np.sort(lam)[::-1]
+    r = int(np.sum(lam > 1e-10 * lam[0]))
+    i = np.arange(first, min(last, r) + 1)
+    if i.size < 2:
+        return math.nan
+    return -np.polyfit(np.log(i), np.log(lam[i - 1]), 1, w=np.sqrt(1 / i))[0]
 
 
 def brute_force(h: np.ndarray, y: np.ndarray, W: np.ndarray, min_count: int) -> tuple[dict, np.ndarray]:
@@ -48,8 +60,7 @@ def brute_force(h: np.ndarray, y: np.ndarray, W: np.ndarray, min_count: int) -> 
     m = mean[K] - mean[K].mean(0)
     sigma_b = m.T @ m / len(K)
     sigma_t = np.cov(h.T, bias=True)                                  # the covariance of all train features
-    lam_t = np.sort(np.linalg.eigvalsh(sigma_t))[::-1]
-    r = int(np.sum(lam_t > 1e-10 * lam_t[0]))
+    lam_t = np.linalg.eigvalsh(sigma_t)
     delta = 1e-4 * np.trace(sigma_w) / h.shape[1]
     root = np.real(sqrtm(np.linalg.inv(sigma_w + delta * np.eye(h.shape[1]))))
     lam_l = np.linalg.eigvalsh(root @ sigma_b @ root)
@@ -59,18 +70,22 @@ def brute_force(h: np.ndarray, y: np.ndarray, W: np.ndarray, min_count: int) -> 
     N = len(h)
     pairs = [(a, b) for i, a in enumerate(K) for b in K[i + 1:]]
     w = np.array([count[a] * count[b] for a, b in pairs], dtype=float)
-    cdnv = np.array([(var[a] + var[b]) / (2 * np.sum((mean[a] - mean[b]) ** 2)) for a, b in pairs])
+    var_pairs = [(a, b) for a, b in pairs if count[a] >= 2 and count[b] >= 2]      # classes with a variance
+    w_var = np.array([count[a] * count[b] for a, b in var_pairs], dtype=float)
+    cdnv = np.array([(var[a] + var[b]) / (2 * np.sum((mean[a] - mean[b]) ** 2)) for a, b in var_pairs])
     unit = {c: (mean[c] - mean[K].mean(0)) / np.linalg.norm(mean[c] - mean[K].mean(0)) for c in K}
     gnc = np.array([math.log(1 / np.linalg.norm(unit[a] - unit[b])) for a, b in pairs])
     share = np.array([sum(count[c] * count[o] for o in K if o != c) for c in K]) / (2 * w.sum())
-    out = {"within_erank": erank_of(np.linalg.svd(dev, compute_uv=False)),
-           "between_erank": erank_of(np.linalg.svd(m, compute_uv=False)),
-           "total_erank": erank_of(np.linalg.svd(h - h.mean(0), compute_uv=False)),
-           "eigen_decay": -linregress(np.log(np.arange(1, r + 1)), np.log(lam_t[:r])).slope,
+    d = h.shape[1]
+    out = {"within_erank": erank_of(np.linalg.svd(dev, compute_uv=False), d),
+           "between_erank": erank_of(np.linalg.svd(m, compute_uv=False), d),
+           "total_erank": erank_of(np.linalg.svd(h - h.mean(0), compute_uv=False), d),
+           "rankme": erank_of(np.linalg.svd(h, compute_uv=False), d),
+           "eigen_decay": weighted_decay(lam_t),
            "lidar": math.exp(-np.sum(q[q > 0] * np.log(q[q > 0]))),
            "anisotropy": (cos.sum() - np.trace(cos)) / (N * (N - 1)),
-           "head_erank": erank_of(np.linalg.svd(W, compute_uv=False)),
-           "nc1_cdnv_freq": np.sum(w * cdnv) / w.sum(), "gnc2_log_mean_freq": np.sum(w * gnc) / w.sum()}
+           "head_erank": erank_of(np.linalg.svd(W, compute_uv=False), d),
+           "nc1_cdnv_freq": np.sum(w_var * cdnv) / w_var.sum(), "gnc2_log_mean_freq": np.sum(w * gnc) / w.sum()}
     return out, share
 
 
@@ -188,7 +203,8 @@ def test_unit_sum_merges_and_resumes_like_one_stream():
     torch.testing.assert_close(a.merge(b).unit_sum, want, rtol=1e-12, atol=1e-12)
     resumed = ClassStats(7, 5)
     resumed.load_state_dict(whole.state_dict())
-    torch.testing.assert_close(resumed.unit_sum, want, rtol=0, atol=0)
+    torch.testing.assert_close(resumed.unit_sum, whole.unit_sum, rtol=0, atol=0)  # the saved state, bit for bit
+    torch.testing.assert_close(resumed.unit_sum, want, rtol=1e-12, atol=1e-12)
     old = {k: v for k, v in whole.state_dict().items() if k != "unit_sum"}   # a state from before unit_sum
     resumed.load_state_dict(old)
     assert torch.isnan(resumed.unit_sum).all()

@@ -12,19 +12,20 @@ import threading
 from pathlib import Path
 
 import dask.array as da
-import ncanalyze.store
 import numpy as np
 import pandas as pd
 import pytest
 import zarr
 from conftest import CLI, EXTRACT_OPTS, kill_when, make_corpus, run_cli
-from ncanalyze.analyzer import SCALARS, measure
-from ncanalyze.store import io
-from ncanalyze.store.inventory import disk_bytes, files_of
-from ncanalyze.store.layout import group_order
-from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.measure import measure_store
 from test_metrics import assert_metrics, brute_force
+
+import ncanalyze.store
+from ncanalyze.analyzer import CLASS_COUNTS, SCALARS, measure
+from ncanalyze.store import io
+from ncanalyze.store.layout import group_order
+from ncanalyze.store.inventory import disk_bytes, files_of
+from ncanalyze.store.measure import measure_store
+from ncanalyze.store.lock import checkpoint_lock
 
 N_EMB = 400
 OTHER = "neo-2x32@other/checkpoint-40"  # the tagged checkpoint of ``study``
@@ -93,7 +94,7 @@ def test_measure_on_a_lazily_opened_group_gives_the_stored_numbers(store):
     assert isinstance(ds["mean"].data, da.Array)
     got = measure(ds)
     stored = zarr.open_group(store, path=g, mode="r").attrs["metrics"]
-    assert got == pytest.approx({k: stored[k] for k in SCALARS}, rel=1e-12, nan_ok=True)
+    assert got == pytest.approx({k: stored[k] for k in (*SCALARS, *CLASS_COUNTS)}, rel=1e-12, nan_ok=True)
     assert got == measure(ds.load())
     assert_metrics(got, brute_force(ds, 1)[0])
 

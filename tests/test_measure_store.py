@@ -10,20 +10,21 @@ import threading
 import time
 import warnings
 
-import ncanalyze.store
-import ncanalyze.store.client
-import ncanalyze.store.measure
 import numpy as np
 import pandas as pd
 import pytest
 import zarr
 from click.testing import CliRunner
 from conftest import tmpfs
-from ncanalyze.analyzer import PER_CLASS, SCALARS, UserError, class_stats, measure_all
-from ncanalyze.analyzer.schema import INFO
-from ncanalyze.cli.main import main
-from ncanalyze.store.measure import measure_store
 from test_metrics import assert_metrics, brute_force, random_study
+
+import ncanalyze.store
+import ncanalyze.store.client
+import ncanalyze.store.measure
+from ncanalyze.analyzer import CLASS_COUNTS, PER_CLASS, SCALARS, UserError, class_stats, measure_all
+from ncanalyze.analyzer.schema import INFO
+from ncanalyze.store.measure import measure_store
+from ncanalyze.cli.main import main
 
 
 def write_checkpoint(store, run: str, step: int, seed: int, complete: bool = True):
@@ -56,7 +57,7 @@ def attrs(store, group: str) -> dict:
 def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
     store, data = small_store
     df = measure_store(store, tile=7)
-    assert list(df.columns) == [*INFO, "layer", *SCALARS]
+    assert list(df.columns) == [*INFO, "layer", *CLASS_COUNTS, *SCALARS]
     assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
                                                                   "b/checkpoint-5"]
     assert sorted(df.attrs["measured"]) == sorted(data)
@@ -69,7 +70,7 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
         want, want_per = brute_force(ds, 1)
         assert_metrics(row._asdict(), want)
         a = attrs(store, g)
-        assert a["metrics"] == {k: getattr(row, k) for k in SCALARS}
+        assert a["metrics"] == {k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS)}
         assert (a["metrics_min_count"], a["metrics_config_hash"], a["complete"]) == (1, ds.attrs["config_hash"], True)
         stored = tree[g].to_dataset()
         K = np.flatnonzero(ds["count"].values >= 1)

@@ -13,25 +13,26 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-from ncanalyze.analyzer import (
-    SCALARS,
-    UserError,
-    class_metrics,
-    class_stats,
-    measure,
-    measure_all,
-)
+
+from ncanalyze.analyzer import CLASS_COUNTS, SCALARS, UserError, class_metrics, class_stats, measure, measure_all
 
 RTOL = 1e-9
 
 
 # ---------------------------------------------------------------- brute force, written from SPEC section 4
 
+def cv(x: np.ndarray) -> float:
+    """std/mean, nan where the mean is not clearly positive (<= 1e-3 std, or <= 0): SPEC section 4."""
+    return x.std() / x.mean() if x.mean() > 0 and x.mean() > 1e-3 * x.std() else math.nan
+
+
 def brute_force(ds: xr.Dataset, min_count: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Every metric by explicit pair loops and full |K| x |K| matrices (small K only)."""
+    """Every metric by explicit pair loops and full |K| x |K| matrices (small K only). The CDNV family over the
+    pairs of kept classes with 2 or more train tokens (a class seen once has no variance)."""
     K = np.flatnonzero(ds["count"].values >= min_count)
     n = len(K)
     mu, v = ds["mean"].values[K].astype(float), ds["variance"].values[K].astype(float)
+    has_var = ds["count"].values[K] >= 2
     m = mu - mu.mean(0)
     norm = np.linalg.norm(m, axis=1)
     u = m / norm[:, None]
@@ -40,30 +41,32 @@ def brute_force(ds: xr.Dataset, min_count: int) -> tuple[dict[str, float], dict[
     for a in range(n):
         for b in range(a + 1, n):
             dist2 = float(np.sum((mu[a] - mu[b]) ** 2))
-            cdnv.append((v[a] + v[b]) / (2 * dist2))
-            cdnv2.append((v[a] + v[b]) / (2 * dist2 ** 2))
+            if has_var[a] and has_var[b]:
+                cdnv.append((v[a] + v[b]) / (2 * dist2))
+                cdnv2.append((v[a] + v[b]) / (2 * dist2 ** 2))
+                per_cdnv[[a, b]] += cdnv[-1]
             cos.append(float(m[a] @ m[b]) / (norm[a] * norm[b]))
             gnc.append(math.log(1 / np.linalg.norm(u[a] - u[b])))
-            per_cdnv[[a, b]] += cdnv[-1]
             per_cos[[a, b]] += cos[-1]
     target = (np.eye(n) - np.ones((n, n)) / n) / math.sqrt(n - 1)
     G = m @ m.T
     sigma_b = m.T @ m / n
-    out = {"nc1_cdnv": np.mean(cdnv), "nc1_cdnv_p2": np.mean(cdnv2),
+    out = {"nc1_cdnv": np.mean(cdnv) if cdnv else math.nan, "nc1_cdnv_p2": np.mean(cdnv2) if cdnv else math.nan,
            "nc1_trace": np.trace(ds["within_covariance"].values @ np.linalg.pinv(sigma_b)) / n,
-           "nc2_norm_cv": norm.std() / norm.mean(), "nc2_lognorm_std": np.log(norm).std(),
+           "nc2_norm_cv": cv(norm), "nc2_lognorm_std": np.log(norm).std(),
            "nc2_cos_mean": np.mean(cos), "nc2_cos_std": np.std(cos),
            "nc2_etf_error": np.linalg.norm(G / np.linalg.norm(G) - target),
            "gnc2_log_mean": np.mean(gnc), "gnc2_log_std": np.std(gnc)}
     freq = ds["count"].values[K].astype(float)
     weight = np.array([[freq[a] * freq[b] * (a != b) for b in range(n)] for a in range(n)])   # n_c n_c', c != c'
-    per = {"class_norm": norm, "class_cdnv": per_cdnv / (n - 1), "class_interference": per_cos / (n - 1),
+    per = {"class_norm": norm, "class_cdnv": np.where(has_var, per_cdnv / (has_var.sum() - 1), np.nan),
+           "class_interference": per_cos / (n - 1),
            "class_freq_weight": weight.sum(1) / weight.sum()}
     if "classifier" in ds:
         w = ds["classifier"].values[K].astype(float)
         dual = np.array([w[c] @ m[c] / (np.linalg.norm(w[c]) * norm[c]) for c in range(n)])
         S = m @ w.T
-        out |= {"nc3_cos_mean": dual.mean(), "unc3_cos_cv": dual.std() / dual.mean(),
+        out |= {"nc3_cos_mean": dual.mean(), "unc3_cos_cv": cv(dual),
                 "nc3_dual_error": np.linalg.norm(S / np.linalg.norm(S) - target)}
         per["class_duality"] = dual
     if "val_count" in ds:
@@ -88,9 +91,11 @@ def brute_nc4(h, y, W, b, means, kept) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def assert_metrics(got: dict, want: dict, rtol: float = RTOL) -> None:
-    """Equal to ``rtol``; values that are 0 in exact arithmetic (two classes are always a simplex) to 1e-13."""
+    """Equal to ``rtol``; values that are 0 in exact arithmetic (two classes are always a simplex) to 1e-13; nan
+    where the brute force is nan (a coefficient of variation over a mean that is not clearly positive)."""
     assert set(want) <= set(got)
-    bad = {k: (got[k], want[k]) for k in want if not math.isclose(got[k], want[k], rel_tol=rtol, abs_tol=1e-13)}
+    bad = {k: (got[k], want[k]) for k in want if not (math.isclose(got[k], want[k], rel_tol=rtol, abs_tol=1e-13)
+                                                      or (math.isnan(got[k]) and math.isnan(want[k])))}
     assert not bad, bad
 
 
@@ -160,7 +165,7 @@ def test_every_metric_matches_brute_force(study, tile):
     assert tile > len(K) or -(-len(K) // tile) >= 3  # one tile, or several
     want, want_per = brute_force(ds, 20)
     got, per = measure_all(ds, min_count=20, tile=tile)
-    assert list(got) == list(SCALARS)
+    assert list(got) == [*SCALARS, *CLASS_COUNTS]
     assert_metrics(got, want)
     for name, values in want_per.items():
         np.testing.assert_allclose(per[name].values[K], values, rtol=RTOL, err_msg=name)
@@ -200,6 +205,7 @@ def test_nc4_needs_the_extraction_kept_set(study):
     same = int(counts[counts >= 20].min())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="unc3_cos_cv is nan")  # a random classifier: duality mean ~ 0
         assert measure(ds, min_count=same)["nc4_agreement"] == measure(ds, min_count=20)["nc4_agreement"]
 
 
@@ -208,7 +214,7 @@ def test_without_classifier_or_validation_only_what_is_defined():
     with pytest.warns(UserWarning, match="nc3_cos_mean, unc3_cos_cv, nc3_dual_error, nc4_agreement, head_erank are "
                       "nan: the dataset lacks"):
         got = measure(class_stats(h, y, 20))
-    assert list(got) == list(SCALARS)  # every key, NaN where undefined
+    assert list(got) == [*SCALARS, *CLASS_COUNTS]  # every key, NaN where undefined
     assert [k for k in SCALARS if np.isnan(got[k])] == ["nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
                                                         "nc4_agreement", "head_erank"]
 
@@ -345,7 +351,7 @@ def test_twenty_thousand_classes_in_bounded_memory():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["growth"] < 0.1 * K * K * 8, f"peak growth {result['growth'] / 2**20:.0f} MiB"
     got = result["metrics"]
-    assert list(got) == list(SCALARS) and math.isnan(got["nc4_agreement"])  # no val_* data: NaN
+    assert list(got) == [*SCALARS, *CLASS_COUNTS] and math.isnan(got["nc4_agreement"])  # no val_* data: NaN
     assert all(math.isfinite(v) for k, v in got.items() if k not in ("anisotropy", "nc4_agreement"))  # no unit_sum
     # spot checks that need no K x K matrix: the cosine mean, and the ETF error from ||M M^T||_F = ||M^T M||_F
     m = big_study(K, d)["mean"].values
@@ -397,13 +403,20 @@ def test_coincident_means_make_cdnv_and_gnc2_infinite_and_leave_the_rest_exact()
 
 
 def test_two_singleton_classes_with_the_same_feature():
-    """As in real data under min_count 1: two tokens seen once, at the same feature (variance 0, so 0/0)."""
+    """As in real data under min_count 1: two tokens seen once, at the same feature. A class seen once has no
+    variance, so the CDNV family leaves both out (finite, the brute force over the classes with n >= 2; their
+    class_cdnv nan); their directions coincide, so GNC2's log mean is inf."""
     rng = np.random.default_rng(3)
     h = rng.standard_normal((40, 4))
     y = np.r_[np.repeat(np.arange(6), 6), 6, 7, 8, 9]
     h[37] = h[36]                                                  # classes 6 and 7: one token each, same feature
     ds = class_stats(h, y, 10)
-    assert_degenerate_like_brute_force(ds, "classes 6 and 7 have coincident means", per_class_inf=[6, 7])
+    assert_degenerate_like_brute_force(ds, "classes 6 and 7 have coincident means .a class seen once has no variance")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, per = measure_all(ds)
+    assert math.isfinite(got["nc1_cdnv"]) and (got["n_classes"], got["n_classes_var"]) == (10, 6)
+    assert np.isnan(per["class_cdnv"].values[6:]).all() and np.isfinite(per["class_cdnv"].values[:6]).all()
 
 
 def test_parallel_centred_means_make_only_gnc2_infinite():

@@ -13,25 +13,13 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-from ncanalyze.analyzer import SCALARS, UserError, class_stats, measure_all
-from ncanalyze.analyzer.geometry import engine_device, geometry
-from ncanalyze.analyzer.pairs import (
-    COINCIDENT,
-    EXAMPLES,
-    SUMS,
-    _torch_block,
-    reference_tile_sums,
-    side_of,
-)
 from test_geometry import brute_force as geometry_brute_force
 from test_geometry import study as geometry_study
-from test_metrics import (
-    assert_degenerate_like_brute_force,
-    assert_metrics,
-    brute_force,
-    random_study,
-    stats_dataset,
-)
+from test_metrics import assert_degenerate_like_brute_force, assert_metrics, brute_force, random_study, stats_dataset
+
+from ncanalyze.analyzer import CLASS_COUNTS, SCALARS, UserError, class_stats, measure_all
+from ncanalyze.analyzer.geometry import engine_device, geometry
+from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, _torch_block, reference_tile_sums, side_of
 
 TORCH = {"device": "cpu", "engine": "torch"}
 SAME = 1e-12  # the torch path equals the CPU's to this (relative; values 0 in exact arithmetic to 1e-14 absolute)
@@ -57,7 +45,7 @@ def test_torch_path_equals_the_numba_path_and_brute_force(study, tile):
     assert 20 < K.size < 80
     fast, fast_per = measure_all(study, 10, tile, device="cpu")
     got, per = measure_all(study, 10, tile, **TORCH)
-    assert list(got) == list(SCALARS)
+    assert list(got) == [*SCALARS, *CLASS_COUNTS]
     assert_same(got, fast)
     assert_metrics(got, brute_force(study, 10)[0])
     for name in per:
@@ -267,9 +255,10 @@ def test_where_the_metrics_run():
 def test_measure_cli_takes_device(tmp_path):
     """``ncanalyze measure --device cpu`` measures; a device that is not there or not a device is one line."""
     from click.testing import CliRunner
+    from test_measure_store import write_checkpoint
+
     from ncanalyze.cli.main import main
     from ncanalyze.store.io import group_attrs
-    from test_measure_store import write_checkpoint
 
     store = tmp_path / "s.zarr"
     ds = write_checkpoint(store, "a", 10, seed=10)

@@ -1,14 +1,8 @@
 """The fused pass over Gram blocks (analyzer/pairs.py) against brute force, panel by panel."""
 import numpy as np
 import pytest
-from ncanalyze.analyzer.pairs import (
-    COINCIDENT,
-    SUMS,
-    blocks,
-    reference_tile_sums,
-    tile_sums,
-    vlog,
-)
+
+from ncanalyze.analyzer.pairs import COINCIDENT, SUMS, blocks, reference_tile_sums, side_of, tile_sums, vlog
 
 
 def test_log_is_within_one_ulp_of_numpy():
@@ -22,16 +16,18 @@ def test_log_is_within_one_ulp_of_numpy():
     assert vlog(np.array([1.0]))[0] == 0.0
 
 
-def brute(U, r, v, p, t0, pairs):
-    """Every sum of one tile in float64 from explicit loops over its pairs (i, j)."""
+def brute(U, r, v, p, t0, pairs, a=None):
+    """Every sum of one tile in float64 from explicit loops over its pairs (i, j); the CDNV terms only where both
+    classes have a variance (a = 1)."""
+    a = a or [np.ones(len(U[0])), np.ones(len(U[1]))]
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(U[0])), np.zeros(len(U[1]))
     for i, j in pairs:
         g = float(U[0][i] @ U[1][j])
         T = float(np.sum((U[0][i] - U[1][j]) ** 2))
         D = float(np.sum((r[0][i] * U[0][i] - r[1][j] * U[1][j]) ** 2))
-        c = (v[0][i] + v[1][j]) / D
+        c = (v[0][i] + v[1][j]) / D if a[0][i] and a[1][j] else 0.0
         w = p[0][i] * p[1][j]
-        acc += [g > 1 - COINCIDENT / 2, (T / t0 - 1) ** 2, np.log(T / t0), np.log(T / t0) ** 2, c, c / D, w * c,
+        acc += [g > 1 - COINCIDENT / 2, (T / t0 - 1) ** 2, np.log(T / t0), np.log(T / t0) ** 2, c, c and c / D, w * c,
                 w * np.log(T / t0)]
         rows[i] += c
         cols[j] += c
@@ -40,7 +36,8 @@ def brute(U, r, v, p, t0, pairs):
 
 @pytest.mark.parametrize("diag", [False, True])
 @pytest.mark.parametrize("panel_rows", [1, 3, 7, 100])
-def test_tile_sums_match_loops_over_pairs(diag, panel_rows):
+@pytest.mark.parametrize("singletons", [False, True])
+def test_tile_sums_match_loops_over_pairs(diag, panel_rows, singletons):
     rng = np.random.default_rng(panel_rows)
     (ni, nj), d = ((17, 17) if diag else (13, 19)), 6
     U = [rng.standard_normal((n, d)) for n in (ni, nj)]
@@ -50,19 +47,21 @@ def test_tile_sums_match_loops_over_pairs(diag, panel_rows):
     r = [rng.uniform(0.5, 3, n) for n in (ni, nj)]
     v = [rng.uniform(0, 2, n) for n in (ni, nj)]
     p = [rng.uniform(0.01, 0.2, n) for n in (ni, nj)]
+    a = [(rng.random(n) < 0.7 if singletons else np.ones(n)).astype(float) for n in (ni, nj)]  # has a variance
     if diag:
-        r[1], v[1], p[1] = r[0], v[0], p[0]
+        r[1], v[1], p[1], a[1] = r[0], v[0], p[0], a[0]
     t0 = 1.7
-    side = [np.stack([r[k], 1 / r[k], v[k], p[k]]) for k in (0, 1)]
+    side = [side_of(r[k], v[k], p[k], a[k]) for k in (0, 1)]
     got = tile_sums(U[0], side[0], U[1], side[1], t0, diag, panel_cells=panel_rows * nj)
     pairs = [(i, j) for i in range(ni) for j in range(nj) if j > i or not diag]
-    for g, w in zip(got, brute(U, r, v, p, t0, pairs)):
+    assert not singletons or 0 < got[0][SUMS.index("cdnv")] < brute(U, r, v, p, t0, pairs)[0][SUMS.index("cdnv")]
+    for g, w in zip(got, brute(U, r, v, p, t0, pairs, a)):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
 
 
 def test_coincident_directions_are_counted():
     u = np.array([[1.0, 0.0], [np.cos(1e-6), np.sin(1e-6)], [0.0, 1.0]])     # T = 1e-12 between the first two
-    side = np.ones((4, 3))
+    side = np.ones((5, 3))
     acc, _, _ = tile_sums(u, side, u, side, 1.0, True)
     assert acc[SUMS.index("coincident")] == 1
 
@@ -77,7 +76,7 @@ def test_fast_pass_equals_the_numpy_reference_tile_by_tile(tile):
     M -= M.mean(0)
     r = np.linalg.norm(M, axis=1)
     U = M / r[:, None]
-    side = np.stack([r, 1 / r, rng.uniform(0.1, 3, n), rng.dirichlet(np.ones(n))])
+    side = side_of(r, rng.uniform(0.1, 3, n), rng.dirichlet(np.ones(n)), rng.random(n) < 0.8)
     s = U.sum(0)
     t0 = 2 - 2 * (s @ s - n) / (n * (n - 1))
     spans = blocks(n, tile)
@@ -100,11 +99,11 @@ def test_coincident_tiles_keep_the_reference_meaning(diag):
     U /= np.linalg.norm(U, axis=1, keepdims=True)
     r = rng.uniform(0.5, 3, n)
     r[9] = r[3]                                                    # and the means of 3 and 9
-    side = np.stack([r, 1 / r, rng.uniform(0, 2, n), rng.dirichlet(np.ones(n))])
+    side = side_of(r, rng.uniform(0, 2, n), rng.dirichlet(np.ones(n)))
     a, b = (slice(0, n), slice(0, n)) if diag else (slice(0, 20), slice(20, n))
     if not diag:                                                   # put a coincident mean across the two blocks
         U[25], r[25] = U[3], r[3]
-        side = np.stack([r, 1 / r, side[2], side[3]])
+        side = side_of(r, side[2], side[3])
     args = (U[a], side[:, a], U[b], side[:, b], 1.4, diag)
     found: list = []
     got = tile_sums(*args, panel_cells=7 * n, found=found, offsets=(a.start, b.start))
@@ -118,3 +117,32 @@ def test_coincident_tiles_keep_the_reference_meaning(diag):
     else:
         assert found == [(3, 25, True), (9, 25, True), (3, 30, False), (9, 30, False)] and got[0][0] == 4
         assert np.isinf(got[1][[3, 9]]).all() and np.isinf(got[2][25 - 20]) and np.isfinite(got[2][30 - 20])
+
+
+@pytest.mark.parametrize("diag", [False, True])
+def test_coincident_means_of_a_class_without_variance_stay_out_of_the_cdnv(diag):
+    """Classes 3 and 9 coincide, and 9 was seen once (no variance): their pair is no CDNV term, so the CDNV sums
+    stay finite (not +inf), equal to the reference's and to the loops' over the pairs of classes with a variance."""
+    rng = np.random.default_rng(8)
+    n, d = 30, 5
+    U = rng.standard_normal((n, d))
+    U[9] = U[3]
+    U /= np.linalg.norm(U, axis=1, keepdims=True)
+    r, v, p = rng.uniform(0.5, 3, n), rng.uniform(0, 2, n), rng.dirichlet(np.ones(n))
+    r[9] = r[3]
+    a = np.ones(n)
+    a[9] = 0
+    side = side_of(r, v, p, a)
+    s1, s2 = (slice(0, n), slice(0, n)) if diag else (slice(0, 5), slice(5, n))
+    args = (U[s1], side[:, s1], U[s2], side[:, s2], 1.3, diag)
+    got, want = tile_sums(*args), reference_tile_sums(*args)
+    cd = [SUMS.index(k) for k in ("cdnv", "cdnv_p2", "cdnv_freq")]
+    assert np.isfinite(got[0][cd]).all() and np.isfinite(got[1]).all() and np.isfinite(got[2]).all()
+    np.testing.assert_allclose(got[0][cd], want[0][cd], rtol=1e-12)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(g, w, rtol=1e-12)
+    pairs = [(i, j) for i in range(s1.stop - s1.start) for j in range(s2.stop - s2.start) if j > i or not diag]
+    with np.errstate(divide="ignore"):                             # the logs of the coincident pair: not compared
+        loops = brute([U[s1], U[s2]], [r[s1], r[s2]], [v[s1], v[s2]], [p[s1], p[s2]], 1.3, pairs, [a[s1], a[s2]])
+    np.testing.assert_allclose(got[0][cd], loops[0][cd], rtol=1e-12)
+    np.testing.assert_allclose(got[1], loops[1], rtol=1e-12)

@@ -16,7 +16,7 @@ from conftest import _load_example, lone_model, run_cli
 from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.analyzer.report.support import DIRECTION, THIN
 from ncanalyze.analyzer.report.tables import fmt_p
-from ncanalyze.analyzer.schema import SCALARS, stats_dataset
+from ncanalyze.analyzer.schema import CLASS_COUNTS, SCALARS, stats_dataset
 from ncanalyze.analyzer.stats import correlations_by_tag
 from ncanalyze.store.io import read_group
 from scipy.stats import pearsonr, spearmanr
@@ -242,7 +242,7 @@ def test_measure_without_a_classifier_gives_every_key_nan_with_a_warning():
     ds = stats_dataset(rng.integers(2, 9, v), rng.normal(size=(v, d)), rng.uniform(0.5, 1, v), np.eye(d))
     with pytest.warns(UserWarning, match="nc3_cos_mean.* are nan: the dataset lacks"):
         out = measure(ds)
-    assert set(out) == set(SCALARS)
+    assert set(out) == {*SCALARS, *CLASS_COUNTS}
     assert all(np.isnan(out[k]) for k in NC3_NC4)
     assert np.isfinite(out["nc1_cdnv"])
 
