@@ -139,7 +139,10 @@ class _Evaluator:
         if op is None:
             raise _Refused(f"{_describe(node.op)} not allowed")
         name = _NAMES[type(node.op)]
-        a, b = _number(self(node.left), name), _number(self(node.right), name)
+        a, b = self(node.left), self(node.right)
+        if isinstance(a, str) or isinstance(b, str):
+            raise _Refused(f"{name!r} on a string not allowed")
+        a, b = _number(a, name), _number(b, name)
         if op is operator.pow and not isinstance(a, pd.Series) and not isinstance(b, pd.Series):
             if abs(b) > _MAX_LITERAL_POW:
                 raise _Refused(f"exponent {b} of two literals too large")

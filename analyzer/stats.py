@@ -288,14 +288,11 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
                    perm_scheme=scheme.name, perm_unit=_unit_name(scheme), n_units=scheme.n_units,
                    n_distinct_perms=_as_float(n_distinct), n_perm=0, exact=False, p_floor=np.nan)
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", RuntimeWarning)
+            warnings.simplefilter("always")
             note = notes[metric, scale] or _fill(row, X[metric, scale], y, C[ctrl], res, j, dropped) + few + unused
         for w in caught:  # none is expected (every undefined case is a note): one that comes names its metric
-            if not issubclass(w.category, RuntimeWarning):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            else:
-                warnings.warn(f"{metric} ({scale} scale) against {y.name}: {w.message}", StatisticsWarning,
-                              stacklevel=2)
+            warnings.warn(f"{metric} ({scale} scale) against {y.name}: {w.category.__name__}: {w.message}",
+                          StatisticsWarning, stacklevel=2)
         rows.append(row | {"note": "; ".join(note)})
     return rows
 
@@ -330,7 +327,14 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
     if not np.isfinite(res["partial_r"][j]):
         return note + ["metric or target is determined by the controls: no partial r"]
     data = pd.concat({"x": x, "y": y, **{f"c{i}": C[c] for i, c in enumerate(C.columns)}}, axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):  # pingouin's Fisher CI at n - k <= 3 or |r| = 1: see below
+    distinct = len(data.drop_duplicates())
+    if distinct < k + MIN_N:  # a checkpoint repeated (a copy as another run): its residuals are ±1 by construction
+        return note + [f"only {distinct} distinct rows (a checkpoint repeated): too few for a partial r with {k} "
+                       f"control(s) (needs >= {k + MIN_N})"]
+    if np.linalg.matrix_rank(((data - data.mean()) / data.std()).cov()) < k + 2:  # as pingouin tests it
+        note.append("metric and target exactly linearly related given the controls: |partial r| = 1")
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The covariance matrix is rank-deficient")  # the note above says it
         part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
     lo, hi = part["CI95"].iloc[0]
     if n - k <= 3:  # Fisher's z has standard error 1/sqrt(n - k - 3): no CI (pingouin would divide by zero)

@@ -187,6 +187,8 @@ def test_depth_only_where_a_checkpoint_has_several_layers_with_gaps_said(tmp_pat
     r = write_report(deep, tmp_path / "deep", options)
     for ext in ("png", "pdf", "svg"):
         assert (tmp_path / "deep" / f"depth.{ext}").is_file()
+    from PIL import Image
+    assert 1500 < Image.open(tmp_path / "deep" / "depth.png").size[0] <= 2000  # three panels a row, not four
     text = (tmp_path / "deep" / "report.md").read_text()
     assert "`nc1_cdnv` is infinite at layer(s) 0 (3 of 9 rows): a gap in its panel" in text
     assert "`gnc2_log_std` is undefined (nan) at layer(s) 0 (3 of 9 rows)" in text

@@ -454,8 +454,9 @@ def test_tags_are_never_pooled_and_holm_stays_within_a_tag():
         got = out[out.tag == tag] if tag else out[out.tag.isna()]
         want = correlations(rows, n_perm=200, seed=1, runs="run")
         pd.testing.assert_frame_equal(got.drop(columns="tag").reset_index(drop=True), want, check_dtype=False)
-        for scale in ("raw", "log"):
-            s = got[(got.scale == scale) & got.p_perm.notna()]
+        for scale, fam in itertools.product(("raw", "log"), ("NC", "geometry")):  # Holm within tag, scale, family
+            s = got[(got.scale == scale) & (got.family == fam) & got.p_perm.notna()]
+            assert len(s) >= len(GEOMETRY_METRICS)
             np.testing.assert_allclose(s.p_holm, multipletests(s.p_perm, method="holm")[1], rtol=0, atol=1e-15)
     untagged = correlations_by_tag(a, n_perm=0)
     assert untagged.tag.isna().all() and len(untagged) == 2 * len(METRICS)

@@ -156,6 +156,11 @@ def survivors(stats: pd.DataFrame, alpha: float = 0.05) -> list[str]:
     return out
 
 
+def units(n: int, unit: str) -> str:
+    """'1 run', '4 runs', '1 checkpoint', '16 checkpoints'."""
+    return f"{int(n)} {unit.removesuffix('s') if int(n) == 1 else unit}"
+
+
 def _runs_needed(m: int, alpha: float) -> int:
     """The fewest runs of one length whose whole-run permutations (K!) put 1/K! below alpha/m."""
     k = 2
@@ -194,8 +199,7 @@ def unreachable_lines(stats: pd.DataFrame, alpha: float = ALPHA) -> list[str]:
         tag = "" if "tag" not in g or pd.isna(u.get("tag")) else f"tag `{u.tag}`, "
         floor = float(g.p_floor.min())
         exact = np.isclose(floor, 1 / u.n_distinct_perms)
-        unit = f"whole runs permuted ({u.n_units} runs)" if u.perm_unit == "runs" else \
-            f"rows permuted ({u.n_units} checkpoints)"
+        unit = f"{'whole runs' if u.perm_unit == 'runs' else 'rows'} permuted ({units(u.n_units, u.perm_unit)})"
         why = (f"{unit} have only {int(u.n_distinct_perms)} distinct "
                f"permutations, so no p falls below 1/{int(u.n_distinct_perms)} = {floor:.3g}" if exact else
                f"only {round(1 / floor) - 1} permutations were drawn, so no p falls below {floor:.3g}")
@@ -366,7 +370,7 @@ def design_caption(stats: pd.DataFrame) -> str:
         unit = "whole runs" if u.perm_scheme != "rows" else "rows"
         count = "all enumerated, exact" if u.exact else f"{int(u.n_perm)} drawn"
         floor = f"1/{int(u.n_distinct_perms)} = {fmt_p(u.p_floor)}" if u.exact else fmt_p(u.p_floor)
-        parts.append(f"{unit} permuted ({int(u.n_units)} {u.perm_unit}; {count}), so p >= {floor}")
+        parts.append(f"{unit} permuted ({units(u.n_units, u.perm_unit)}; {count}), so p >= {floor}")
     return "; ".join(parts)
 
 
