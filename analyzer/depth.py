@@ -17,7 +17,7 @@ from ncanalyze.analyzer.schema import LAYER  # noqa: E402
 
 DEPTH_METRICS = ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement",   # Figure 1's, then the geometry's
                  "total_erank", "eigen_decay", "lidar", "anisotropy")
-PANELS_PER_ROW = 4
+PANELS_PER_ROW = 3  # 3.9 in each: the figure stays within 2000 px at 150 dpi, as the report's others
 TITLE = "NC properties across depth (layer 0: embedding output; the last: after the final norm)"
 
 

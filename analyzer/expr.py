@@ -19,7 +19,11 @@ comprehensions, f-strings, ``:=``) is refused with a one-line :class:`UserError`
 
 Budget, part of the language: an expression is at most :data:`MAX_LENGTH` characters and nested at most
 :data:`MAX_DEPTH` levels (each operator, call, comparison or bracket is a level; a chain ``a + b + c`` is two), and
-the power of two literals has an exponent of at most 1000. Regular expressions (``contains``, ``match``,
+the power of two literals has an exponent of at most 1000. Arithmetic (``+ - * / // % **``, unary ``- +``) and
+the functions take numbers only, as fixed-width numpy values (:func:`_number`): text, a text column or a result
+of ``.str`` is refused (``run * 300000000`` would repeat every name 300 million times), a column of Python objects
+is read as float64 and an integer literal beyond int64 as a float, so no intermediate result is larger than a
+column of the table and no element costs more than a machine operation; ``.str`` methods keep or shrink the text. Regular expressions (``contains``, ``match``,
 ``fullmatch``) run on RE2 (Arrow's ``match_substring_regex``), which takes time linear in the text and has no
 backreferences or lookaround: a pattern RE2 does not accept is refused, never handed to Python's backtracking ``re``.
 ``flags=`` takes ``re.IGNORECASE`` (2), ``re.MULTILINE`` (8), ``re.DOTALL`` (16) or their sum, given to RE2 as
@@ -119,10 +123,9 @@ class _Evaluator:
     # operators
     def _UnaryOp(self, node: ast.UnaryOp):
         v = self(node.operand)
-        if isinstance(node.op, ast.USub):
-            return -v
-        if isinstance(node.op, ast.UAdd):
-            return +v
+        if isinstance(node.op, ast.USub | ast.UAdd):
+            v = _number(v, "-" if isinstance(node.op, ast.USub) else "+")
+            return -v if isinstance(node.op, ast.USub) else +v
         if isinstance(node.op, ast.Not | ast.Invert):
             if isinstance(v, pd.Series):
                 return ~v
@@ -135,9 +138,11 @@ class _Evaluator:
         op = _BINOPS.get(type(node.op))
         if op is None:
             raise _Refused(f"{_describe(node.op)} not allowed")
+        name = _NAMES[type(node.op)]
         a, b = self(node.left), self(node.right)
         if isinstance(a, str) or isinstance(b, str):
-            raise _Refused(f"{_NAMES[type(node.op)]!r} on a string not allowed")
+            raise _Refused(f"{name!r} on a string not allowed")
+        a, b = _number(a, name), _number(b, name)
         if op is operator.pow and not isinstance(a, pd.Series) and not isinstance(b, pd.Series):
             if abs(b) > _MAX_LITERAL_POW:
                 raise _Refused(f"exponent {b} of two literals too large")
@@ -180,7 +185,7 @@ class _Evaluator:
             if len(node.args) != 1 or node.keywords:
                 raise _Refused(f"{name}() takes one argument")
             with np.errstate(all="ignore"):
-                return FUNCTIONS[name](self(node.args[0]))
+                return FUNCTIONS[name](_number(self(node.args[0]), f"{name}()"))
         f = node.func
         if isinstance(f, ast.Attribute) and f.attr in NA_METHODS and not isinstance(f.value, ast.Attribute):
             series = self(f.value)
@@ -213,6 +218,28 @@ class _Evaluator:
 
     def _Attribute(self, node: ast.Attribute):
         raise _Refused(f"attribute access .{node.attr} not allowed (only column.str.<method>(...) calls)")
+
+
+def _number(v, op: str):
+    """``v`` as an operand of arithmetic: a bool, an int within int64, a float, or a Series of fixed-width numbers
+    (a column of Python objects holding numbers read as float64); a :class:`_Refused` for text (``'a' * 9``, ``run
+    * 300000000``: repetition) or anything else, so that every result is at most a column of 8-byte numbers."""
+    if isinstance(v, bool | float | np.bool_ | np.floating):
+        return v
+    if isinstance(v, int | np.integer):
+        return int(v) if -2 ** 63 <= v < 2 ** 63 else float(v)  # a float overflows at once; a Python int grows
+    if isinstance(v, pd.Series):
+        if pd.api.types.is_bool_dtype(v.dtype) or (pd.api.types.is_numeric_dtype(v.dtype) and v.dtype != object):
+            return v
+        numbers = pd.to_numeric(v, errors="coerce")
+        if not _text(v) or v.dropna().map(lambda x: isinstance(x, int | float | np.number)).all():
+            if numbers.notna().sum() == v.notna().sum():
+                return numbers.astype(float)
+        raise _Refused(f"{op!r} on text ({v.name or 'a .str result'}) not allowed: arithmetic takes numbers "
+                       "(text is compared, or tested with .str methods)")
+    if isinstance(v, str):
+        raise _Refused(f"{op!r} on a string not allowed")
+    raise _Refused(f"{op!r} on {type(v).__name__} not allowed")
 
 
 def _text(s) -> bool:
@@ -317,8 +344,10 @@ def evaluate(expr: str, df: pd.DataFrame, what: str = "expression"):
         problem = str(e)
     except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError, OverflowError) as e:
         problem = f"cannot be evaluated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    except (RecursionError, MemoryError):
+    except RecursionError:
         problem = f"nested deeper than the limit of {MAX_DEPTH} levels: simplify it"
+    except MemoryError:
+        problem = "needs more memory than there is (an intermediate result too large): simplify it"
     raise UserError(f"{what} {_shown(expr)}: {problem}; {_columns(df)}")
 
 

@@ -22,8 +22,8 @@ NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognor
 GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "eigen_decay", "lidar", "anisotropy",
                     "head_erank", "nc1_cdnv_freq", "gnc2_log_mean_freq")
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
-# (stats.METRICS is SCALARS). They form ONE Holm family (per scale): the adjusted p-values control the family-wise
-# error over everything report.md lists, so adding the geometry made the NC metrics' Holm p-values more conservative.
+# (stats.METRICS is SCALARS). NC_METRICS and GEOMETRY_METRICS are two Holm families (per scale and tag,
+# stats.family): the geometry does not make the NC metrics' adjusted p-values more conservative.
 SCALARS = NC_METRICS + GEOMETRY_METRICS
 # how many classes the metrics rest on, beside them in measure's results and metrics.csv (not metrics: no tests):
 # the kept classes K, and those of them with a variance (n_c >= 2), which the CDNV family reads

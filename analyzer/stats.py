@@ -26,11 +26,20 @@ checkpoint per run (``--per-run last``).
 
 Multiple comparisons. Many metrics are tested at once, so the permutation p-values are also given Holm-adjusted
 (``p_holm``, ``partial_p_holm``, ``rho_p_holm``; Holm 1979, ``pingouin.multicomp``) across the metrics with
-a finite p, per scale and per tag: the raw and the log scale are two families, not one, since each metric appears
-in both, and each tag is a study of its own.
+a finite p, within a family (:func:`family`: the NC metrics the paper tests, ``schema.NC_METRICS``, and the
+geometry metrics, ``schema.GEOMETRY_METRICS``; any other column is a family of its own), per scale and per tag: the
+raw and the log scale are two families, not one, since each metric appears in both, and each tag is a study of its
+own. A permutation p cannot fall below the scheme's floor (``p_floor``: 1/N for N distinct permutations, all
+enumerated; 1/(1 + B) for B drawn), so a Holm p over m metrics cannot fall below m x floor: with few runs no
+metric can survive, whatever the data (:func:`unreachable`).
+
+Independence. Only the permutation p-values respect runs; the parametric ones (``p_param_iid``,
+``partial_p_param_iid``) and the partial r's Fisher CI (``partial_ci_low_iid``, ``partial_ci_high_iid``) assume
+independent rows, which checkpoints of one run are not: the suffix says so in stats.csv.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,11 +48,55 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test, permutation_chunks  # noqa: F401
-from ncanalyze.analyzer.schema import SCALARS
+from ncanalyze.analyzer.schema import GEOMETRY_METRICS, NC_METRICS, SCALARS
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 CONTROLS = ("log(n_params)", "log1p(global_step)")
 ALPHA = 0.05  # the level report.md speaks of
+NC, GEOMETRY = "NC", "geometry"  # the two Holm families (stats.csv's ``family``)
+LOSSES = ("val_loss", "eval_loss")  # the targets the report is for
+
+
+class StatisticsWarning(RuntimeWarning):
+    """A numerical warning raised while computing one metric's statistics, re-raised naming the metric."""
+
+
+def family(metric: str) -> str:
+    """The Holm family of a metric: :data:`NC` (the paper's NC metrics), :data:`GEOMETRY` (the representation
+    geometry beyond NC), or the column's own name for any other column."""
+    return NC if metric in NC_METRICS else GEOMETRY if metric in GEOMETRY_METRICS else metric
+
+
+def _valid_targets(df: pd.DataFrame, metrics: Sequence[str]) -> str:
+    """The columns a target may be, for a message: the losses present, then the other numeric columns."""
+    numeric = [c for c in df.columns if c not in metrics and c not in LOSSES
+               and pd.to_numeric(df[c], errors="coerce").notna().any()]
+    losses = [c for c in LOSSES if c in df.columns]
+    text = "valid targets: " + (", ".join(losses) + " (the losses)" if losses else "no loss column here")
+    return text + (f"; other numeric columns: {', '.join(map(str, numeric))}" if numeric else "")
+
+
+def _target(df: pd.DataFrame, target: str, metrics: Sequence[str]) -> pd.Series:
+    """The target column as floats; a one-line UserError naming it and the valid targets where it is absent, not
+    numeric, a metric under test or without values."""
+    valid = _valid_targets(df, metrics)
+    if target not in df.columns:
+        raise UserError(f"target {target!r} is not a column of the metrics table (--target); {valid}")
+    if target in metrics:
+        raise UserError(f"target {target!r} is a metric under test (--target, --metrics): it would be correlated with itself; "
+                        f"{valid}")
+    raw = df[target]
+    y = pd.to_numeric(raw, errors="coerce").astype(float)
+    text = raw[y.isna() & raw.notna() & (raw.astype(str).str.strip() != "")]
+    if len(text):
+        raise UserError(f"target {target!r} is not a number (--target; it holds text, e.g. {text.iloc[0]!r}): the "
+                        f"metrics are correlated with a numeric column; {valid}")
+    if y.isna().all():
+        why = {"eval_loss": "the runs logged no evaluation (no eval_loss in trainer_state.json)",
+               "val_loss": "ncanalyze measured no validation loss (extracted without validation tokens)"}
+        raise UserError(f"target {target!r} has no values in the selected checkpoints (--target)"
+                        f"{': ' + why[target] if target in why else ''}; {valid}")
+    return y
 
 
 def independent_controls(C: pd.DataFrame) -> list[str]:
@@ -149,19 +202,18 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     Returns
     -------
     pd.DataFrame
-        metric, scale, n, r, r2, rho, p_perm, rho_p, p_param, partial_r, partial_p_perm, partial_p_param,
-        partial_ci_low/high, controls (used), perm_scheme ("rows" | "whole runs"), n_units (runs or rows
-        permuted), n_distinct_perms, n_perm (permutations counted), exact (all enumerated), note (why a statistic
-        is missing, or what bounds it), and p_holm / rho_p_holm / partial_p_holm (Holm across the metrics, per
-        scale). Rows with a missing or infinite target, or a missing metric or control, are left out of that
-        metric's statistics (an infinite target is said in the notes).
+        metric, family (the Holm family, :func:`family`), scale, n, r, r2, rho, p_perm, rho_p, p_param_iid,
+        partial_r, partial_p_perm, partial_p_param_iid, partial_ci_low_iid/high_iid (``_iid``: assume
+        independent rows), controls (used), perm_scheme ("rows" | "whole runs"), perm_unit ("runs" |
+        "checkpoints"), n_units (runs or rows permuted), n_distinct_perms, n_perm (permutations counted), exact
+        (all enumerated), p_floor (the smallest p the permutations can give), note (why a statistic is missing,
+        or what bounds it), and p_holm / rho_p_holm / partial_p_holm (Holm within the family, per scale). Rows
+        with a missing or infinite target, or a missing metric or control, are left out of that metric's
+        statistics (an infinite target is said in the notes).
     """
-    y = _numeric(df, target, "target")
+    y = _target(df, target, metrics)
     infinite = int(np.isinf(y).sum())
     y = y.where(np.isfinite(y))  # an infinite loss (a diverged run) would make every r nan: such rows are left out
-    if y.isna().all():
-        raise UserError(f"target {target!r} has no values in the selected checkpoints (for eval_loss: the runs "
-                        "logged no evaluation); pass --target with another column")
     C = eval_controls(df, controls)
     refuse_correlated_controls(df, C, target, metrics)
     empty = [c for c in C.columns if C.loc[y.notna(), c].isna().all()]  # e.g. a step no checkpoint recorded
@@ -185,6 +237,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
                   Scheme.whole_blocks(labels[mask], None if order is None else order[mask]))
         rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed, scheme)
     out = pd.DataFrame(rows)
+    out.insert(1, "family", out.metric.map(family))
     rank = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)
@@ -194,15 +247,20 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     return out
 
 
+def holm_families(stats: pd.DataFrame) -> list[str]:
+    """The columns whose values split ``stats`` into Holm families: tag (where present), family and scale."""
+    return [c for c in ("tag", "family", "scale") if c in stats.columns]
+
+
 def holm(stats: pd.DataFrame, column: str) -> pd.Series:
-    """Holm-adjusted ``column`` across the metrics, per scale (raw and log separately) and per tag (where the
-    table has a ``tag`` column), over the finite p-values only (``pingouin.multicomp``, equal to statsmodels'
-    ``multipletests``, which runs a full garbage collection per call); nan elsewhere."""
+    """Holm-adjusted ``column`` across the metrics of a family (:func:`family`), per scale (raw and log
+    separately) and per tag (where the table has a ``tag`` column), over the finite p-values only
+    (``pingouin.multicomp``, equal to statsmodels' ``multipletests``, which runs a full garbage collection per
+    call); nan elsewhere."""
     import pingouin as pg
 
     out = pd.Series(np.nan, index=stats.index)
-    families = ["tag", "scale"] if "tag" in stats.columns else ["scale"]
-    for _, rows in stats.groupby(families, dropna=False, sort=False):
+    for _, rows in stats.groupby(holm_families(stats), dropna=False, sort=False):
         p = rows[column].astype(float)
         p = p[np.isfinite(p)]
         if len(p):
@@ -225,10 +283,16 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     rows = []
     for j, (metric, scale) in enumerate(X.columns):
         row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, rho=np.nan, p_perm=np.nan, rho_p=np.nan,
-                   p_param=np.nan, partial_r=np.nan, partial_p_perm=np.nan, partial_p_param=np.nan,
-                   partial_ci_low=np.nan, partial_ci_high=np.nan, controls=", ".join(ctrl), perm_scheme=scheme.name,
-                   n_units=scheme.n_units, n_distinct_perms=_as_float(n_distinct), n_perm=0, exact=False)
-        note = notes[metric, scale] or _fill(row, X[metric, scale], y, C[ctrl], res, j, dropped) + few + unused
+                   p_param_iid=np.nan, partial_r=np.nan, partial_p_perm=np.nan, partial_p_param_iid=np.nan,
+                   partial_ci_low_iid=np.nan, partial_ci_high_iid=np.nan, controls=", ".join(ctrl),
+                   perm_scheme=scheme.name, perm_unit=_unit_name(scheme), n_units=scheme.n_units,
+                   n_distinct_perms=_as_float(n_distinct), n_perm=0, exact=False, p_floor=np.nan)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            note = notes[metric, scale] or _fill(row, X[metric, scale], y, C[ctrl], res, j, dropped) + few + unused
+        for w in caught:  # none is expected (every undefined case is a note): one that comes names its metric
+            warnings.warn(f"{metric} ({scale} scale) against {y.name}: {w.category.__name__}: {w.message}",
+                          StatisticsWarning, stacklevel=2)
         rows.append(row | {"note": "; ".join(note)})
     return rows
 
@@ -255,18 +319,56 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
         return [("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints"]
     r = float(res["r"][j])
     row.update(r=r, r2=r * r, rho=float(res["rho"][j]), p_perm=res["p_perm"][j], rho_p=res["rho_p"][j],
-               n_perm=res["n_perm"], exact=res["exact"], p_param=float(pearsonr(x, y).pvalue))
+               n_perm=res["n_perm"], exact=res["exact"], p_param_iid=float(pearsonr(x, y).pvalue),
+               p_floor=p_floor(res["n_distinct"], res["n_perm"], res["exact"]) if res["n_perm"] else np.nan)
     note = [f"partial r ignores {', '.join(dropped)} (constant or collinear here)"] if dropped else []
     if n < k + MIN_N:
         return note + [f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})"]
     if not np.isfinite(res["partial_r"][j]):
         return note + ["metric or target is determined by the controls: no partial r"]
     data = pd.concat({"x": x, "y": y, **{f"c{i}": C[c] for i, c in enumerate(C.columns)}}, axis=1)
-    part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
+    distinct = len(data.drop_duplicates())
+    if distinct < k + MIN_N:  # a checkpoint repeated (a copy as another run): its residuals are ±1 by construction
+        return note + [f"only {distinct} distinct rows (a checkpoint repeated): too few for a partial r with {k} "
+                       f"control(s) (needs >= {k + MIN_N})"]
+    if np.linalg.matrix_rank(((data - data.mean()) / data.std()).cov()) < k + 2:  # as pingouin tests it
+        note.append("metric and target exactly linearly related given the controls: |partial r| = 1")
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The covariance matrix is rank-deficient")  # the note above says it
+        part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
     lo, hi = part["CI95"].iloc[0]
+    if n - k <= 3:  # Fisher's z has standard error 1/sqrt(n - k - 3): no CI (pingouin would divide by zero)
+        lo = hi = np.nan
+        note.append(f"n={n} too few for the partial r's 95% CI with {k} control(s) (needs >= {k + 4})")
     row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
-               partial_p_param=float(part["p_val"].iloc[0]), partial_ci_low=lo, partial_ci_high=hi)
+               partial_p_param_iid=float(part["p_val"].iloc[0]), partial_ci_low_iid=lo, partial_ci_high_iid=hi)
     return note
+
+
+def p_floor(n_distinct: float, n_perm: int, exact: bool) -> float:
+    """The smallest permutation p a scheme can give: 1/N when all N distinct permutations are enumerated, else
+    1/(1 + B) for B drawn (Phipson & Smyth)."""
+    return 1 / n_distinct if exact else 1 / (1 + n_perm)
+
+
+def unreachable(stats: pd.DataFrame, column: str = "p_perm", alpha: float = ALPHA) -> pd.DataFrame:
+    """The Holm families (tag, family, scale) of ``stats`` in which no adjusted ``column`` can fall below
+    ``alpha`` whatever the data: Holm multiplies the smallest of m p-values by m, and no p falls below the
+    scheme's floor, so none survives where m x floor >= alpha.
+
+    Returns
+    -------
+    pd.DataFrame
+        One row per such family: its keys, m (metrics with a p), p_floor, n_distinct_perms, perm_unit, n_units.
+    """
+    tested = stats[np.isfinite(stats[column].astype(float)) & (stats.n_perm > 0)]
+    keys = holm_families(tested)
+    if tested.empty:
+        return pd.DataFrame(columns=[*keys, "m", "p_floor", "n_distinct_perms", "perm_unit", "n_units"])
+    g = tested.groupby(keys, dropna=False, sort=False).agg(
+        m=(column, "size"), p_floor=("p_floor", "min"), n_distinct_perms=("n_distinct_perms", "min"),
+        perm_unit=("perm_unit", "first"), n_units=("n_units", "min")).reset_index()
+    return g[g.m * g.p_floor >= alpha].reset_index(drop=True)
 
 
 # ---------------------------------------------------------------- what is pooled: tags, runs
@@ -296,12 +398,18 @@ def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, targ
     parts = []
     groups = split_tags(df, tag)
     for t, rows in groups:
+        name = f"tag {'(untagged)' if t is None else repr(t)}"
         try:
-            stats = correlations(rows, metrics, target, controls, n_perm, seed, runs=runs, step=step)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", StatisticsWarning)
+                stats = correlations(rows, metrics, target, controls, n_perm, seed, runs=runs, step=step)
         except UserError as e:
             if len(groups) == 1:
                 raise
-            raise UserError(f"tag {'(untagged)' if t is None else repr(t)}: {e}") from None
+            raise UserError(f"{name}: {e}") from None
+        for w in caught:
+            text = f"{name}: {w.message}" if len(groups) > 1 and w.category is StatisticsWarning else w.message
+            warnings.warn_explicit(text, w.category, w.filename, w.lineno)
         parts.append(stats.assign(tag=t))
     out = pd.concat(parts, ignore_index=True)
     out = out[["tag", *(c for c in out.columns if c != "tag")]]

@@ -211,3 +211,54 @@ def test_report_cli_answers_a_hostile_where_in_one_line(df, tmp_path):
         assert r.exit_code == 1 and r.output.startswith("Error: --where") and len(r.output.splitlines()) == 1, \
             r.output
     assert not (tmp_path / "r" / "report.md").exists()
+
+
+# ---------------------------------------------------------------- the budget holds for every operator on every type
+
+HOSTILE = [  # each would take gigabytes or run for ever if text could be repeated or numbers grew without bound
+    ("(run * 300000000).str.len() > 0", "'\\*' on text \\(run\\) not allowed"),
+    ("run * 10 ** 9 == ''", "'\\*' on text \\(run\\) not allowed"),
+    ("(run.str.upper() * 300000000).str.len() > 0", "'\\*' on text"),
+    ("300000000 * run == ''", "'\\*' on text"),
+    ("run + run == ''", "'\\+' on text"),
+    ("run ** 99999 == ''", "'\\*\\*' on text"),
+    ("'ab' * 300000000 == run", "'\\*' on a string not allowed"),
+    ("-run == ''", "'-' on text"),
+    ("log(run) > 0", "'log\\(\\)' on text"),
+    ("run.str.strip() % 2 == 0", "'%' on text"),
+]
+
+
+@pytest.mark.parametrize("expr, match", HOSTILE)
+def test_text_takes_no_arithmetic_refused_at_once_in_one_line(df, expr, match):
+    for what, call in (("--where", lambda: select(df, expr)), ("control", lambda: eval_controls(df, [expr]))):
+        with answers_within(5), pytest.raises(UserError, match=match) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{what} {expr!r}: ") and "nested" not in msg, msg
+
+
+NUMERIC = [  # numbers stay fixed-width: overflow to inf (or a one-line error) at once, never a growing Python int
+    ("((obj ** 999) ** 999) ** 999 > 0", "all"), ("(obj ** obj) ** obj > 0", "all"),
+    ("obj * 99999999999999999999999999 ** 30 > 0", "OverflowError"),
+    ("(global_step * 99999999999999999999999999) ** 999 > 0", "stepped"), ("global_step ** 1e308 > 0", "stepped"),
+    ("(run.str.len() * 10 ** 300) ** 999 > 0", "all"), ("exp(exp(exp(n_params))) > 0", "all"),
+]
+
+
+@pytest.mark.parametrize("expr, want", NUMERIC)
+def test_numbers_never_grow_past_a_column(df, expr, want):
+    df["obj"] = pd.Series([10 ** 20 + i for i in range(len(df))], dtype=object)  # Python ints, as a store may give
+    with answers_within(5):
+        if want == "OverflowError":
+            with pytest.raises(UserError, match="cannot be evaluated \\(OverflowError") as e:
+                condition(expr, df)
+            assert "\n" not in str(e.value)
+            return
+        got = condition(expr, df)
+    assert got.tolist() == ([True] * len(df) if want == "all" else (df.global_step > 0).tolist())
+
+
+def test_arithmetic_on_number_columns_of_python_objects_equals_floats(df):
+    df["obj"] = pd.Series(list(df.global_step), dtype=object)
+    pd.testing.assert_series_equal(evaluate("obj * 2 + 1", df), (df.global_step * 2 + 1).astype(float).rename("obj"))

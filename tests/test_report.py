@@ -1,6 +1,7 @@
 """The report's files: CSV columns, Markdown tables, LaTeX syntax, PNG panels; the per-token table; the CLI."""
 from __future__ import annotations
 
+import itertools
 import logging
 import logging.handlers
 import re
@@ -33,8 +34,9 @@ from ncanalyze.store.io import read_group
 from PIL import Image
 from test_stats import study
 
-STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
-                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note",
+STATS_COLUMNS = {"metric", "family", "scale", "n", "r", "r2", "p_perm", "p_param_iid", "partial_r", "partial_p_perm",
+                 "partial_p_param_iid", "partial_ci_low_iid", "partial_ci_high_iid", "controls", "n_perm", "exact",
+                 "note", "perm_unit", "p_floor",
                  "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
                  "tag"}
 SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
@@ -87,24 +89,34 @@ def compile_latex(tex_file: Path, tmp: Path) -> None:
     if shutil.which("pdflatex") is None:
         return
     doc = tmp / "doc.tex"
-    doc.write_text("\\documentclass{article}\n\\usepackage[T1]{fontenc}\n\\usepackage{booktabs}\n"
+    doc.write_text("\\documentclass{article}\n\\usepackage[T1]{fontenc}\n\\usepackage{booktabs}\n\\usepackage{graphicx}\n"
                    f"\\begin{{document}}\n\\input{{{tex_file.resolve()}}}\n\\end{{document}}\n")
     res = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=tmp,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-3000:]
 
 
-def spine_runs(png: Path) -> int:
-    """Long dark vertical lines: two per panel (left and right spines) and two for a colour bar's outline."""
-    img = np.asarray(Image.open(png).convert("L"), float)
-    lines = (img < 80).mean(axis=0) > 0.5
-    return int(np.count_nonzero(np.diff(np.r_[0, lines.astype(int)]) == 1))
+def spine_runs(png: Path, least: int = int(150 * 2.3)) -> int:
+    """Long dark vertical lines (at least ``least`` pixels, 2.3 in at 150 dpi): two per panel (left and right
+    spines), on whichever row of the grid it sits, and two for a colour bar's outline."""
+    dark = np.asarray(Image.open(png).convert("L"), float) < 80
+    found = []  # (x, top) of each long run; a line a pixel or two wide is one line
+    for x in range(dark.shape[1]):
+        edges = np.diff(np.r_[0, dark[:, x].astype(int), 0])
+        for top, end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+            if end - top >= least and not any(abs(x - fx) <= 3 and abs(top - ft) <= 5 for fx, ft in found):
+                found.append((x, top))
+    return len(found)
 
 
 def check_png(png: Path, panels: int, colour_bar: bool = True) -> None:
+    """Panels of 3.9 in and at least 2.3 in tall, wrapped onto rows within 2000 px; the title not clipped."""
+    from ncanalyze.analyzer.report.figures import MAX_WIDTH, grid
+
     img = Image.open(png)
     w, h = img.size
-    assert h >= 150 * 3.9 and w >= 150 * 3.9 * panels
+    rows, cols = grid(panels, 3.9, 0.15, colour_bar)
+    assert 150 * 3.9 * cols <= w <= 150 * MAX_WIDTH == 2000 and h >= 150 * 2.65 * rows
     gray = np.asarray(img.convert("L"), float)
     assert gray.std() > 20 and (gray < 250).mean() > 0.05, "blank figure"
     assert spine_runs(png) == 2 * panels + 2 * colour_bar
@@ -153,9 +165,20 @@ def test_markdown_tables_and_links(synthetic_report):
 def test_latex_tables(synthetic_report, tmp_path):
     _, files = synthetic_report
     tex = files["tex"].read_text()
-    assert check_latex(tex) == 1
+    assert check_latex(tex) == 2  # the raw and the log10 scale
     assert "nc1\\_cdnv" in tex and "$R^2$" in tex
     compile_latex(files["tex"], tmp_path)
+    fit = r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%" + "\n\\begin{tabular}"
+    specs = re.findall(r"\\begin\{tabular\}\{(\w+)\}", tex)
+    assert [len(c) for c in specs] == [11, 9] and tex.count(fit) == 2  # shrunk to the line where wider
+    assert tex.count("\\end{tabular}}") == 2
+    captions = re.findall(r"\\caption\{(.*)\}", tex)
+    # 5 runs of 6 checkpoints: whole runs permuted, 5! = 120, all of them (500 asked for)
+    assert all("whole runs permuted (5 runs; all enumerated, exact), so p $\\geq$ 1/120 = 0.00833" in c
+               for c in captions), captions
+    body = tex[tex.index("\\midrule"):tex.index("\\end{tabular}")]
+    rule = body.index("\\midrule\nwithin\\_erank &")  # the Holm families apart: NC above, geometry below
+    assert "nc4\\_agreement &" in body[:rule] and "lidar &" in body[rule:]
 
 
 def test_figures_have_their_panels(synthetic_report):
@@ -287,7 +310,7 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     assert tables[1][0][:3] == ["token", "id", "count"]
     assert [r[0] for r in tables[1][1:]] == ["' Anna'", "' Tim'", "' \\|'", "'&%$_\\\\{'", AVERAGE_TOKEN]
     assert "too few for a correlation" in text
-    assert check_latex(files["tex"].read_text()) == 2
+    assert check_latex(files["tex"].read_text()) == 3  # raw, log10 and the tokens
     compile_latex(files["tex"], tmp_path)
 
 
@@ -369,7 +392,7 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     assert tokens["mean CDNV"][0] == pytest.approx(float(ds.class_cdnv[ids[0]]))
     assert len(tables) == 2 and tables[1][-1][0] == AVERAGE_TOKEN
 
-    assert check_latex((out / "tables.tex").read_text()) == 2
+    assert check_latex((out / "tables.tex").read_text()) == 3  # raw, log10 and the tokens
     compile_latex(out / "tables.tex", tmp_path)
     for stem, (_, fig_metrics) in FIGURES.items():
         check_png(out / f"{stem}.png", len(fig_metrics), colour_bar=False)  # one run, one size
@@ -411,9 +434,10 @@ def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
     for row in table[1:]:
         p = raw.loc[row[0], "p_holm"]
         assert row[col] == fmt_p(p) and (float(row[col]) < 0.05) == (p < 0.05)
-    for scale in ("raw", "log"):
-        s = stats[(stats.scale == scale) & stats.p_holm.notna()]
-        assert f"r, {scale} scale: {(s.p_holm < 0.05).sum()} of {len(s)} metric(s) survive at 0.05" in text
+    for scale, (fam, name) in itertools.product(("raw", "log"), (("NC", "NC"), ("geometry", "geometry"))):
+        s = stats[(stats.scale == scale) & (stats.family == fam) & stats.p_holm.notna()]
+        assert f"r, {scale} scale, {name} metrics: {(s.p_holm < 0.05).sum()} of {len(s)} metric(s) survive at 0.05" \
+            in text
 
 
 def test_no_controls_reads_well(tmp_path):

@@ -124,7 +124,10 @@ def test_report_md_has_a_section_per_tag_with_its_permutations_and_figures(tagge
     for tag in ("`a`", "`b`", "(untagged)"):
         assert f"## Correlation with eval_loss, tag {tag}" in text
     assert text.count("whole runs (4 runs") == 2 and "24 distinct permutations, all enumerated (exact p)" in text
-    assert "no p can fall below 1/6" in text and "1/24" not in text  # said when few (<= 1/alpha): 3 rows, 3!
+    assert "no p can fall below 1/6" in text and "no p can fall below 1/24" not in text  # when <= 1/alpha: 3!
+    top = text[:text.index("## Correlation")]  # but Holm over 2 metrics needs p < 0.025: 1/24 cannot, said first
+    assert "- tag `a`, NC metrics (raw, log scale): Holm multiplies the smallest of 2 p-values by 2" in top
+    assert "only 24 distinct permutations, so no p falls below 1/24 = 0.0417" in top
     for stem in ("fig1_nc_vs_loss__a", "fig1_nc_vs_loss__b", "fig1_nc_vs_loss__untagged"):
         assert (out / f"{stem}.png").is_file() and (out / f"{stem}.pdf").is_file() and f"({stem}.png)" in text
     assert not (out / "fig1_nc_vs_loss.png").exists()
@@ -186,6 +189,8 @@ def test_depth_only_where_a_checkpoint_has_several_layers_with_gaps_said(tmp_pat
     r = write_report(deep, tmp_path / "deep", options)
     for ext in ("png", "pdf", "svg"):
         assert (tmp_path / "deep" / f"depth.{ext}").is_file()
+    from PIL import Image
+    assert 1500 < Image.open(tmp_path / "deep" / "depth.png").size[0] <= 2000  # three panels a row, not four
     text = (tmp_path / "deep" / "report.md").read_text()
     assert "`nc1_cdnv` is infinite at layer(s) 0 (3 of 9 rows): a gap in its panel" in text
     assert "`gnc2_log_std` is undefined (nan) at layer(s) 0 (3 of 9 rows)" in text

@@ -9,20 +9,15 @@ import numpy as np
 import pandas as pd
 import pingouin as pg
 import pytest
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.permute import Scheme
-from ncanalyze.analyzer.stats import (
-    METRICS,
-    correlations,
-    correlations_by_tag,
-    last_per_run,
-    perm_test,
-    permutation_chunks,
-    permutation_text,
-    split_tags,
-)
 from scipy import stats as sps
+
+from ncanalyze.analyzer.errors import UserError
 from statsmodels.stats.multitest import multipletests
+
+from ncanalyze.analyzer.permute import Scheme
+from ncanalyze.analyzer.schema import GEOMETRY_METRICS, NC_METRICS
+from ncanalyze.analyzer.stats import (METRICS, correlations, correlations_by_tag, last_per_run, perm_test,
+                                      permutation_chunks, permutation_text, split_tags)
 
 
 def study(n_runs: int = 6, per_run: int = 8, seed: int = 0) -> pd.DataFrame:
@@ -67,11 +62,11 @@ def test_r_r2_and_partial_r_equal_numpy_and_pingouin():
             assert row.r == pytest.approx(r_np, abs=1e-12)
             assert row.r2 == pytest.approx(r_np ** 2, abs=1e-12)
             assert row.r == pytest.approx(pg.corr(x[ok], df.eval_loss[ok])["r"].iloc[0], abs=1e-12)
-            assert row.p_param == pytest.approx(sps.pearsonr(x[ok], df.eval_loss[ok]).pvalue, rel=1e-9)
+            assert row.p_param_iid == pytest.approx(sps.pearsonr(x[ok], df.eval_loss[ok]).pvalue, rel=1e-9)
             data = pd.concat({"x": x, "y": df.eval_loss, "ln": controls.ln, "ls": controls.ls}, axis=1)[ok]
             pc = pg.partial_corr(data, x="x", y="y", covar=["ln", "ls"])
             assert row.partial_r == pytest.approx(pc["r"].iloc[0], abs=1e-12)
-            assert row.partial_p_param == pytest.approx(pc["p_val"].iloc[0], rel=1e-9)
+            assert row.partial_p_param_iid == pytest.approx(pc["p_val"].iloc[0], rel=1e-9)
             # and the residual definition, computed independently
             ex = residual(x[ok].to_numpy(), controls[ok].to_numpy())
             ey = residual(df.eval_loss[ok].to_numpy(), controls[ok].to_numpy())
@@ -247,7 +242,9 @@ def test_a_metric_without_values_is_a_note():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(target="nope"), "target 'nope' is not a column"),
-    (dict(target="run"), "target 'run' has no values"),
+    (dict(target="run"), "target 'run' is not a number \\(--target; it holds text, e.g. 'r0'\\).*valid "
+                         "targets: eval_loss \\(the losses\\)"),
+    (dict(target="nc1_cdnv"), "target 'nc1_cdnv' is a metric under test \\(--target, --metrics\\)"),
     (dict(metrics=["nope"]), "metric 'nope' is not a column"),
     (dict(controls=["log(nope)"]), "control 'log\\(nope\\)': unknown name 'nope'"),
 ])
@@ -275,11 +272,15 @@ def test_holm_columns_equal_statsmodels_per_scale():
     df = study(n_runs=4, per_run=4, seed=8)
     df["nc4_agreement"] = np.nan  # no values: no p, not in the family
     out = correlations(df, n_perm=300, seed=1)
-    for scale in ("raw", "log"):
-        rows = out[out.scale == scale]
+    assert list(out.family.unique()) == ["NC", "geometry"]
+    assert set(out.metric[out.family == "NC"]) == set(NC_METRICS)
+    assert set(out.metric[out.family == "geometry"]) == set(GEOMETRY_METRICS)
+    for scale, fam in itertools.product(("raw", "log"), ("NC", "geometry")):
+        rows = out[(out.scale == scale) & (out.family == fam)]
         for col, adj in (("p_perm", "p_holm"), ("partial_p_perm", "partial_p_holm")):
             ok = np.isfinite(rows[col])
-            assert ok.sum() == len(METRICS) - 1 - (scale == "log")  # nc4 empty; nc2_cos_mean has no log scale
+            # nc4 empty; nc2_cos_mean has no log scale
+            assert ok.sum() == (len(NC_METRICS) - 1 - (scale == "log") if fam == "NC" else len(GEOMETRY_METRICS))
             ref = multipletests(rows.loc[ok, col], method="holm")[1]
             np.testing.assert_allclose(rows.loc[ok, adj], ref, rtol=0, atol=0)
             assert rows.loc[~ok, adj].isna().all()
@@ -453,8 +454,9 @@ def test_tags_are_never_pooled_and_holm_stays_within_a_tag():
         got = out[out.tag == tag] if tag else out[out.tag.isna()]
         want = correlations(rows, n_perm=200, seed=1, runs="run")
         pd.testing.assert_frame_equal(got.drop(columns="tag").reset_index(drop=True), want, check_dtype=False)
-        for scale in ("raw", "log"):
-            s = got[(got.scale == scale) & got.p_perm.notna()]
+        for scale, fam in itertools.product(("raw", "log"), ("NC", "geometry")):  # Holm within tag, scale, family
+            s = got[(got.scale == scale) & (got.family == fam) & got.p_perm.notna()]
+            assert len(s) >= len(GEOMETRY_METRICS)
             np.testing.assert_allclose(s.p_holm, multipletests(s.p_perm, method="holm")[1], rtol=0, atol=1e-15)
     untagged = correlations_by_tag(a, n_perm=0)
     assert untagged.tag.isna().all() and len(untagged) == 2 * len(METRICS)

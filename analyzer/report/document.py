@@ -6,12 +6,13 @@ from __future__ import annotations
 import pandas as pd
 
 from ncanalyze.analyzer.depth import TITLE as DEPTH_TITLE
-from ncanalyze.analyzer.report.figures import TITLES, label, tag_suffix
+from ncanalyze.analyzer.report.figures import TITLES, tag_suffix, title_target
 from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
-from ncanalyze.analyzer.report.tables import code, controls_text, notes, summary, survivors, target_note
+from ncanalyze.analyzer.report.tables import (code, controls_text, family_name, notes, summary, survivors,
+                                               target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
-from ncanalyze.analyzer.stats import MIN_N, permutation_text, split_tags
+from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
 
 
 def tag_name(tag: str | None) -> str:
@@ -26,6 +27,7 @@ def _header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
     md = [f"# ncanalyze report: NC metrics against {target}", "",
           f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" ({code(o.where)})" if o.where else "")
           + (f" in `{o.store}`" if o.store else "") + ".", ""]
+    md += unreachable_lines(r.stats)
     if o.per_run == "last":
         md += ["`--per-run last`: each run's latest checkpoint only (one row per run).", ""]
     if len(tags) > 1:
@@ -33,21 +35,30 @@ def _header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
                "are never pooled: each has its own statistics (Holm within the tag) and figures below. One tag "
                "alone: `--where \"tag == 'NAME'\"`; the untagged rows: `--where \"tag.isna()\"` (or `tag == ''`).",
                ""]
-    return md + [target_note(target), ""] + _reading(o, len(tags) > 1)
+    return md + [target_note(target), ""] + _reading(o, r.stats, len(tags) > 1)
 
 
-def _reading(o: ReportOptions, several: bool) -> list[str]:
+def _families(stats: pd.DataFrame) -> str:
+    """The Holm families of the metrics tested, each with its metrics."""
+    fams = stats.drop_duplicates("metric").groupby("family", sort=False).metric.apply(list)
+    order = [f for f in (NC, GEOMETRY) if f in fams] + [f for f in fams.index if f not in (NC, GEOMETRY)]
+    return "; ".join(f"{family_name(f)} ({len(fams[f])}: {', '.join(fams[f])})" for f in order)
+
+
+def _reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
     """How to read the correlation tables (said once, before them)."""
     return ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line; rho: "
             "Spearman's rank correlation (the same on both scales). \"(log)\": log10 of the metric (the paper's "
             f"axes), where it is positive; the target is not logged. partial r: {controls_text(o.controls)}. "
             "p, p rho: two-sided permutation p-values, P(|r*| ≥ |r|); p FL: the same for the partial r, permuting "
             "the target's residuals on the controls (Freedman-Lane); the permutations behind them are said under "
-            "each table. p Holm, p FL Holm: Holm-adjusted across the metrics with a p-value (the NC and geometry "
-            "metrics tested are one family), per scale (raw and log are separate families)"
-            + (" and per tag" if several else "") + ". p-values show 3 significant "
-            "figures, more where rounding would cross 0.05. Parametric p-values, rho's Holm p and the partial r's "
-            "95% CI are in stats.csv.", ""]
+            "each table. p Holm, p FL Holm: Holm-adjusted within a family of metrics, the NC metrics the paper tests "
+            "and the geometry metrics being two families (the geometry does not make the NC metrics' p more "
+            "conservative), per scale (raw and log are separate families)" + (" and per tag" if several else "")
+            + f". The families here: {_families(stats)}. p-values show 3 significant figures, more where rounding "
+            f"would cross {ALPHA:g}. rho's Holm p is in stats.csv, as are parametric p-values and the partial r's "
+            "95% CI, which assume independent rows (checkpoints of one run are not; their columns end in `_iid`).",
+            ""]
 
 
 def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, rows: pd.DataFrame,
@@ -69,7 +80,7 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
     suffix = tag_suffix(tag) if several else ""
     figures = {k: f for k, f in r.figures.items() if (k.endswith(suffix) if suffix else "__" not in k)}
     md += ["### Figures" if several else "## Figures", "", "Each figure is also in PDF and SVG beside its PNG.", ""]
-    return md + [f"![{TITLES[k.split('__')[0]].format(target=label(r.target))}]({f.name})\n"
+    return md + [f"![{TITLES[k.split('__')[0]].format(target=title_target(r.target))}]({f.name})\n"
                  for k, f in figures.items()]
 
 
@@ -112,8 +123,11 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]
     if skipped:
         md += ["## Skipped checkpoints", "", f"{len(skipped)} checkpoint(s) could not be measured and are left out:",
                ""] + [f"- `{g}`: {why}" for g, why in skipped.items()] + [""]
-    md += ["## Files", "", "- `metrics.csv`: one row per checkpoint", "- `stats.csv`: every statistic",
-           "- `tables.tex`: the tables for LaTeX (needs `\\usepackage{booktabs}`)"]
+    md += ["## Files", "", "- `metrics.csv`: one row per checkpoint",
+           "- `stats.csv`: every statistic, with its Holm `family`, the unit permuted (`perm_unit`) and the floor of "
+           "the permutation p (`p_floor`); columns ending in `_iid` assume independent rows",
+           "- `tables.tex`: the tables for LaTeX, a raw and a log10 table per tag (needs "
+           "`\\usepackage{booktabs,graphicx}`)"]
     if r.figures:
         md += ["- " + ", ".join(f"`{f.stem}`" for f in r.figures.values()) + ": the figures, each as `.png` "
                "(150 dpi), `.pdf` (fonts embedded) and `.svg`"]

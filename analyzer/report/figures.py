@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from ncanalyze.analyzer.depth import depth_figure  # noqa: E402
+from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
 from ncanalyze.analyzer.report.ticks import declutter, human, limits, set_ticks  # noqa: E402
 
 LABELS = {  # panel titles
@@ -29,26 +31,45 @@ LABELS = {  # panel titles
     "gnc2_log_mean": "GNC2: mean log inverse distance", "gnc2_log_std": "GNC2: hyperspherical uniformity",
     "nc3_cos_mean": "NC3: self-duality (mean cosine)", "unc3_cos_cv": "UNC3: uniform duality (CV of cosines)",
     "nc3_dual_error": "NC3: distance to self-dual ETF", "nc4_agreement": "NC4: agreement with nearest class mean",
-    "eval_loss": "validation loss", "val_loss": "validation loss (measured by ncanalyze)",
+    "eval_loss": "validation loss", "val_loss": "validation loss (ncanalyze)",
 }
 FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
     "fig1_nc_vs_loss": ("NC properties against {target}",
                         ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")),
-    "fig2_nc2_vs_gnc2": ("Equinorm and equiangularity (NC2) and GNC2's mean log kernel against {target} "
-                         "(GNC2's hyperspherical uniformity: Fig. 1)",
+    "fig2_nc2_vs_gnc2": ("NC2's equinorm and equiangularity and GNC2's mean log kernel against {target}; GNC2's "
+                         "hyperspherical uniformity is in Fig. 1",
                          ("nc2_norm_cv", "nc2_cos_std", "gnc2_log_mean")),
-    "fig3_nc3_vs_unc3": ("Self-duality (NC3) against uniform duality (UNC3), both against {target}",
+    "fig3_nc3_vs_unc3": ("NC3's self-duality and UNC3's uniform duality against {target}",
                          ("nc3_cos_mean", "unc3_cos_cv")),
 }
 DYNAMICS = ("fig4_dynamics", "Training dynamics: NC properties and {target} against the training step")
+TARGET_TITLES = {"eval_loss": "the Trainer's validation loss", "val_loss": "the validation loss measured by ncanalyze"}
 TITLES = {stem: title for stem, (title, _) in FIGURES.items()} | {DYNAMICS[0]: DYNAMICS[1]}  # by file stem
 FORMATS = ("png", "pdf", "svg")
 
 MAX_MARKED_RUNS = 10  # up to this many runs, each gets its own marker (and colour when all sizes are equal)
 MARKERS = "osD^v<>pPXh*"
 RUN_COLOURS = plt.get_cmap("tab10").colors
-_MARGINS = dict(left=0.8, right=0.25, bottom=0.65, top=0.7)  # inches; a fixed layout draws fast
+_MARGINS = dict(left=0.8, right=0.25, bottom=0.65, top=0.45)  # inches; a fixed layout draws fast
 _CBAR_W = 1.35  # inches to the right of the panels for a colour bar and its label
+DPI = 150  # of the PNGs
+MAX_WIDTH = 2000 / DPI  # inches: no figure is wider than 2000 px; more panels wrap onto further rows
+_PANEL_H, _ROW_GAP, _TITLE_LINE = 2.65, 0.8, 0.25  # inches: a panel's height, between rows, a line of the title
+
+
+def title_target(name: str) -> str:
+    """A target as a figure's title names it (no parentheses, so a title never has two in a row).
+
+    Parameters
+    ----------
+    name
+        The target column.
+
+    Returns
+    -------
+    str
+    """
+    return TARGET_TITLES.get(name, name)
 
 
 def label(name: str) -> str:
@@ -147,17 +168,33 @@ class _Style:
         return out
 
 
-def _frame(k: int, style: _Style, panel_w: float = 3.9, gap: float = 0.15, sharey: bool = True):
-    """A figure of k panels in a row, with the fixed margins, room for a colour bar and the legend of runs."""
+def grid(k: int, panel_w: float, gap: float, colour_bar: bool) -> tuple[int, int]:
+    """(rows, columns) for k panels: as many columns as fit in :data:`MAX_WIDTH` with the margins, the panels
+    spread evenly over the rows (4 panels: 2 x 2, not 3 + 1)."""
+    room = MAX_WIDTH - _MARGINS["left"] - _MARGINS["right"] - (_CBAR_W if colour_bar else 0.0)
+    most = max(1, int((room + gap) // (panel_w + gap)))
+    rows = -(-k // most)
+    return rows, -(-k // rows)
+
+
+def _frame(k: int, style: _Style, title: str, panel_w: float = 3.9, gap: float = 0.15, sharey: bool = True):
+    """A figure of k panels (wrapped onto rows at :data:`MAX_WIDTH`), with the fixed margins, the title wrapped to
+    the width, room for a colour bar and the legend of runs; returns (fig, the k panels, w, h, margins, title)."""
+    rows, cols = grid(k, panel_w, gap, style.norm is not None)
     m = dict(_MARGINS)
     m["right"] += _CBAR_W if style.norm is not None else 0.0
     m["bottom"] += 0.18 * (style.legend_rows() + 1) + 0.1 if style.marked else 0.0
-    w = panel_w * k + gap * (k - 1) + m["left"] + m["right"]
-    h = 4.0 - 0.65 + m["bottom"]
-    fig, axes = plt.subplots(1, k, figsize=(w, h), sharey=sharey, squeeze=False)
+    w = panel_w * cols + gap * (cols - 1) + m["left"] + m["right"]
+    title = textwrap.fill(title, width=int(w * 72 / (12 * 0.55)))  # characters of 12 pt text across the width
+    m["top"] += _TITLE_LINE * (title.count("\n") + 1)
+    h = _PANEL_H * rows + _ROW_GAP * (rows - 1) + m["bottom"] + m["top"]
+    fig, axes = plt.subplots(rows, cols, figsize=(w, h), sharey=sharey, squeeze=False)
+    for ax in axes.flat[k:]:
+        ax.remove()
     fig.subplots_adjust(left=m["left"] / w, right=1 - m["right"] / w, bottom=m["bottom"] / h, top=1 - m["top"] / h,
-                        wspace=gap * k / (w - m["left"] - m["right"] - gap * (k - 1)))
-    return fig, axes[0], w, h, m
+                        wspace=gap * cols / (w - m["left"] - m["right"] - gap * (cols - 1)),
+                        hspace=_ROW_GAP * rows / (h - m["bottom"] - m["top"] - _ROW_GAP * (rows - 1)))
+    return fig, list(axes.flat[:k]), w, h, m, title
 
 
 def _log_scale(values: pd.Series, m: str, stats: pd.DataFrame | None) -> bool:
@@ -173,6 +210,33 @@ def _log_scale(values: pd.Series, m: str, stats: pd.DataFrame | None) -> bool:
 def _no_values(ax, m: str) -> None:
     ax.text(0.5, 0.5, f"{m}:\nno values", ha="center", va="center", transform=ax.transAxes)
     ax.set_xticks([])
+
+
+def design_text(s: pd.Series, runs: pd.Series) -> str:
+    """What a panel's R² rests on, for its legend: the runs and checkpoints, and the permutation p with its unit
+    (``p_runs`` where whole runs, or runs of one checkpoint, are permuted; ``p_rows`` where rows of one run are) and
+    its floor where every permutation was counted (exact p), e.g. "p_runs = 0.250 (min 1/24)\n4 runs × 4 ckpts".
+
+    Parameters
+    ----------
+    s
+        The panel's statistics row (:func:`ncanalyze.analyzer.stats.correlations`, one scale).
+    runs
+        The run of each point drawn.
+
+    Returns
+    -------
+    str
+    """
+    per_run = runs.astype(str).value_counts()
+    k, each = len(per_run), int(per_run.iloc[0])
+    design = (f"{k} run{'s' * (k != 1)} × {each} ckpt{'s' * (each != 1)}" if per_run.nunique() == 1
+              else f"{k} runs, {int(s.n)} ckpts")
+    if not s.n_perm or not np.isfinite(s.p_perm):
+        return f"no permutation p\n{design}"
+    unit = "runs" if s.perm_scheme != "rows" or per_run.max() == 1 else "rows"
+    few = f" (min 1/{int(s.n_distinct_perms)})" if s.exact else ""  # every permutation counted: p's floor
+    return f"p_{unit} = {fmt_p(s.p_perm)}{few}\n{design}"
 
 
 def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style, log: bool) -> None:
@@ -192,11 +256,11 @@ def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style,
     if np.isfinite(s.r):
         u = np.log10(d.x) if log else d.x
         slope, icept = np.polyfit(u, d.y, 1)
-        grid = np.linspace(u.min(), u.max(), 50)
-        ax.plot(10 ** grid if log else grid, icept + slope * grid, "--", color="crimson", zorder=3,
-                label=f"fit: $R^2$ = {s.r2:.2f} (n = {s.n})")
+        line = np.linspace(u.min(), u.max(), 50)
+        ax.plot(10 ** line if log else line, icept + slope * line, "--", color="crimson", zorder=3,
+                label=f"fit: $R^2$ = {s.r2:.2f}, {design_text(s, d.run)}")
     else:
-        ax.plot([], [], " ", label=f"$R^2$: n/a (n = {s.n})")
+        ax.plot([], [], " ", label=f"$R^2$: n/a, {design_text(s, d.run)}")
     ax.legend(loc="best", fontsize=8, framealpha=0.85)
     ax.set_xlabel(m + (" (log scale)" if log else ""))
     set_ticks(ax.xaxis, *limits(d.x, log), log)
@@ -228,7 +292,7 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
     matplotlib.figure.Figure
     """
     style = _Style(df)
-    fig, axes, w, h, margins = _frame(len(metrics), style)
+    fig, axes, w, h, margins, title = _frame(len(metrics), style, title)
     sizes, step = _numeric(df, "n_params"), _numeric(df, "global_step")
     y_all = pd.to_numeric(df[target], errors="coerce").replace([np.inf, -np.inf], np.nan).dropna()
     ticked = []
@@ -246,7 +310,9 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
     if not y_all.empty:
         set_ticks(axes[0].yaxis, *limits(y_all, False), False)
         ticked.append(axes[0].yaxis)
-    axes[0].set_ylabel(label(target))
+    for ax in axes:
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel(label(target))
     ticked += style.finish(fig, w, h, margins)
     fig.suptitle(title)
     declutter(fig, ticked)
@@ -279,7 +345,7 @@ def dynamics_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats
     """
     style = _Style(df)
     columns = list(metrics) + [target]
-    fig, axes, w, h, margins = _frame(len(columns), style, panel_w=3.3, gap=0.8, sharey=False)
+    fig, axes, w, h, margins, title = _frame(len(columns), style, title, panel_w=3.0, gap=0.8, sharey=False)
     step = pd.to_numeric(df["global_step"], errors="coerce")
     shift = 1 if (step == 0).any() else 0
     sizes = _numeric(df, "n_params")
@@ -332,7 +398,7 @@ def save_figure(fig: Figure, out: Path, stem: str) -> Path:
     undated = {"png": None, "pdf": {"CreationDate": None}, "svg": {"Date": None}}
     with plt.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42, "svg.hashsalt": "ncanalyze"}):
         for ext in FORMATS:
-            fig.savefig(out / f"{stem}.{ext}", dpi=150 if ext == "png" else "figure", metadata=undated[ext])
+            fig.savefig(out / f"{stem}.{ext}", dpi=DPI if ext == "png" else "figure", metadata=undated[ext])
     plt.close(fig)
     return out / f"{stem}.png"
 
@@ -367,12 +433,12 @@ def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: 
     for stem, (title, fig_metrics) in FIGURES.items():
         shown = [m for m in fig_metrics if m in metrics]
         if shown:
-            fig = scatter_figure(sel, shown, target, stats, title.format(target=label(target)))
+            fig = scatter_figure(sel, shown, target, stats, title.format(target=title_target(target)))
             figures[stem + suffix] = save_figure(fig, out, stem + suffix)
     shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics]
     if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").nunique() >= 2:  # else no dynamics
         stem, title = DYNAMICS
-        fig = dynamics_figure(sel, shown, target, stats, title.format(target=label(target)))
+        fig = dynamics_figure(sel, shown, target, stats, title.format(target=title_target(target)))
         figures[stem + suffix] = save_figure(fig, out, stem + suffix)
     return figures
 

@@ -2,6 +2,7 @@
 tables.tex (LaTeX, booktabs); report.md is composed in :mod:`.document`."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -10,7 +11,7 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition
 from ncanalyze.analyzer.report.tokens import token_rows
-from ncanalyze.analyzer.stats import ALPHA, split_tags
+from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, NC, split_tags, unreachable
 
 MISSING = "—"
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
@@ -115,9 +116,17 @@ def summary(stats: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+FAMILY_NAMES = {NC: "NC metrics", GEOMETRY: "geometry metrics"}
+
+
+def family_name(family: str) -> str:
+    """A Holm family as report.md names it."""
+    return FAMILY_NAMES.get(family, f"`{family}`")
+
+
 def survivors(stats: pd.DataFrame, alpha: float = 0.05) -> list[str]:
-    """Sentences: per scale, how many of the metrics tested keep p < alpha after Holm's adjustment, for r and for
-    the partial r, and which.
+    """Sentences: per scale and Holm family, how many of the metrics tested keep p < alpha after Holm's
+    adjustment, for r and for the partial r, and which.
 
     Parameters
     ----------
@@ -131,18 +140,76 @@ def survivors(stats: pd.DataFrame, alpha: float = 0.05) -> list[str]:
     list of str
     """
     out = []
+    families = stats.family if "family" in stats else pd.Series(NC, index=stats.index)
     for scale, what in (("raw", "raw scale"), ("log", "log scale")):
-        rows = stats[stats.scale == scale]
-        for col, name in (("p_holm", "r"), ("partial_p_holm", "partial r")):
-            if col not in rows:
-                continue
-            tested = rows[np.isfinite(rows[col].astype(float))]
-            if tested.empty:
-                continue
-            ok = tested[tested[col] < alpha]
-            out.append(f"{name}, {what}: {len(ok)} of {len(tested)} metric(s) survive at {alpha:g}"
-                       + (f" ({', '.join(ok.metric)})" if len(ok) else ""))
+        for fam in dict.fromkeys(families):
+            rows = stats[(stats.scale == scale) & (families == fam)]
+            for col, name in (("p_holm", "r"), ("partial_p_holm", "partial r")):
+                if col not in rows:
+                    continue
+                tested = rows[np.isfinite(rows[col].astype(float))]
+                if tested.empty:
+                    continue
+                ok = tested[tested[col] < alpha]
+                out.append(f"{name}, {what}, {family_name(fam)}: {len(ok)} of {len(tested)} metric(s) survive at "
+                           f"{alpha:g}" + (f" ({', '.join(ok.metric)})" if len(ok) else ""))
     return out
+
+
+def units(n: int, unit: str) -> str:
+    """'1 run', '4 runs', '1 checkpoint', '16 checkpoints'."""
+    return f"{int(n)} {unit.removesuffix('s') if int(n) == 1 else unit}"
+
+
+def _runs_needed(m: int, alpha: float) -> int:
+    """The fewest runs of one length whose whole-run permutations (K!) put 1/K! below alpha/m."""
+    k = 2
+    while math.factorial(k) * alpha <= m:
+        k += 1
+    return k
+
+
+def unreachable_lines(stats: pd.DataFrame, alpha: float = ALPHA) -> list[str]:
+    """report.md's opening warning: per tag and Holm family where no Holm-adjusted permutation p can fall below
+    ``alpha`` whatever the data (:func:`ncanalyze.analyzer.stats.unreachable`), why (the floor of p against
+    alpha/m) and what would lift it; empty where every family can.
+
+    Parameters
+    ----------
+    stats
+        :func:`ncanalyze.analyzer.stats.correlations_by_tag`.
+    alpha
+        The family-wise error rate.
+
+    Returns
+    -------
+    list of str
+        A bold lead sentence and one bullet per (tag, family).
+    """
+    bad = unreachable(stats, alpha=alpha)
+    if bad.empty:
+        return []
+    keys = [c for c in ("tag", "family") if c in bad]
+    tested = stats[np.isfinite(stats.p_perm.astype(float)) & (stats.n_perm > 0)]
+    every = len(bad) == len(tested.groupby([c for c in ("tag", "family", "scale") if c in tested], dropna=False))
+    lines = [f"**No p-value {'in this report ' if every else 'of the families below '}can reach {alpha:g} after "
+             "Holm's adjustment, whatever the data.**", ""]
+    for _, g in bad.groupby(keys, dropna=False, sort=False):
+        u, m = g.iloc[0], int(g.m.max())
+        tag = "" if "tag" not in g or pd.isna(u.get("tag")) else f"tag `{u.tag}`, "
+        floor = float(g.p_floor.min())
+        exact = np.isclose(floor, 1 / u.n_distinct_perms)
+        unit = f"{'whole runs' if u.perm_unit == 'runs' else 'rows'} permuted ({units(u.n_units, u.perm_unit)})"
+        why = (f"{unit} have only {int(u.n_distinct_perms)} distinct "
+               f"permutations, so no p falls below 1/{int(u.n_distinct_perms)} = {floor:.3g}" if exact else
+               f"only {round(1 / floor) - 1} permutations were drawn, so no p falls below {floor:.3g}")
+        fix = (f"runs of one length need at least {_runs_needed(m, alpha)} of them" if exact and
+               u.perm_unit == "runs" else f"{int(math.ceil(m / alpha))} or more permutations (--permutations)" if
+               not exact else f"at least {_runs_needed(m, alpha)} checkpoints")
+        lines.append(f"- {tag}{family_name(u.family)} ({', '.join(g.scale)} scale): Holm multiplies the smallest "
+                     f"of {m} p-values by {m}, so a survivor needs p < {alpha:g}/{m} = {alpha / m:.3g}; but {why} "
+                     f"(to reach it: {fix}).")
+    return lines + [""]
 
 
 def code(text: str) -> str:
@@ -265,16 +332,63 @@ def tex_escape(s: str) -> str:
     return "".join(_TEX.get(c, c) for c in str(s))
 
 
-def _latex(table: pd.DataFrame, caption: str, label_: str) -> str:
-    """A booktabs table; cells and headers escaped, R² set as math."""
+FIT = r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%"  # shrink to the line, never grow
+
+
+def _latex(table: pd.DataFrame, caption: str, label_: str, rule_before: str | None = None) -> str:
+    """A booktabs table; cells and headers escaped, R² set as math; shrunk to the line width where wider (graphicx);
+    a rule before the row whose first cell is ``rule_before``."""
     table = table.rename(columns=lambda c: tex_escape(c).replace("R²", "$R^2$"))
     sty = table.style.hide(axis="index").format(escape="latex", na_rep="---")
-    return sty.to_latex(hrules=True, caption=caption, label=label_, position="htbp", position_float="centering",
-                        column_format="l" + "r" * (table.shape[1] - 1))
+    tex = sty.to_latex(hrules=True, caption=caption, label=label_, position="htbp", position_float="centering",
+                       column_format="l" + "r" * (table.shape[1] - 1))
+    if rule_before is not None:
+        tex = tex.replace(f"\n{tex_escape(rule_before)} &", f"\n\\midrule\n{tex_escape(rule_before)} &", 1)
+    return tex.replace("\\begin{tabular}", FIT + "\n\\begin{tabular}").replace("\\end{tabular}", "\\end{tabular}}")
+
+
+def design_caption(stats: pd.DataFrame) -> str:
+    """The permutations behind one tag's p-values, for a caption: the unit permuted, how many distinct
+    permutations, exact or drawn, and the floor of p.
+
+    Parameters
+    ----------
+    stats
+        One tag's :func:`ncanalyze.analyzer.stats.correlations`.
+
+    Returns
+    -------
+    str
+        Plain text (escape it for LaTeX).
+    """
+    cols = ["perm_scheme", "perm_unit", "n_units", "n_distinct_perms", "n_perm", "exact", "p_floor"]
+    used = stats.loc[stats.n_perm > 0, [c for c in cols if c in stats]].drop_duplicates()
+    if used.empty or "p_floor" not in used:
+        return "no permutation p-values"
+    parts = []
+    for _, u in used.iterrows():
+        unit = "whole runs" if u.perm_scheme != "rows" else "rows"
+        count = "all enumerated, exact" if u.exact else f"{int(u.n_perm)} drawn"
+        floor = f"1/{int(u.n_distinct_perms)} = {fmt_p(u.p_floor)}" if u.exact else fmt_p(u.p_floor)
+        parts.append(f"{unit} permuted ({units(u.n_units, u.perm_unit)}; {count}), so p >= {floor}")
+    return "; ".join(parts)
+
+
+def _scale_table(rows: pd.DataFrame, scale: str) -> pd.DataFrame:
+    """One scale's columns of :func:`summary` (rho only on the raw scale: it is the same on both), headers
+    without the scale."""
+    table = summary(rows)
+    sfx = " (log)" if scale == "log" else ""
+    keep = ["metric", "n"] + (["rho", "p rho"] if scale == "raw" else [])
+    keep += [c + sfx for c in ("R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm")]
+    return table[[c for c in keep if c in table]].rename(columns=lambda c: c.removesuffix(sfx))
 
 
 def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: Sequence[str]) -> str:
-    """tables.tex: the correlation table and the per-token tables (booktabs; tokens as Python ASCII literals).
+    """tables.tex: per tag the correlation table of each scale (raw, log10) and the per-token tables (booktabs,
+    graphicx; tokens as Python ASCII literals). Each correlation table fits the line (11 columns at most, shrunk
+    where wider), says in its caption the unit permuted and the floor of p, and has a rule between its Holm
+    families.
 
     Parameters
     ----------
@@ -291,15 +405,24 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
     -------
     str
     """
-    tex = ["% ncanalyze report tables; \\usepackage{booktabs}"]
+    tex = ["% ncanalyze report tables; \\usepackage{booktabs,graphicx}"]
     tags = split_tags(stats)
     for i, (tag, rows) in enumerate(tags):
         of = "" if len(tags) == 1 else f", tag {'(untagged)' if tag is None else tex_escape(tag)}"
-        tex.append(_latex(summary(rows), f"NC metrics against {tex_escape(target)}{of}: Spearman $\\rho$, Pearson $r$, "
-                          f"$R^2$, permutation $p$; partial $r$ "
-                          f"({controls_text(controls, tex_escape, '').replace(' r', ' $r$')}) with Freedman-Lane $p$; "
-                          "Holm: adjusted across the metrics, per scale" + (" and tag." if of else "."),
-                          "tab:nc-correlations" + ("" if i == 0 else f"-{i}")))
+        design = tex_escape(design_caption(rows)).replace(">=", "$\\geq$")
+        geometry = rows.metric[rows.family == GEOMETRY] if "family" in rows else pd.Series([], dtype=object)
+        for scale, what in (("raw", "raw"), ("log", "log10 of the metric")):
+            if not (rows.scale == scale).any():
+                continue
+            cap = (f"Metrics ({what}) against {tex_escape(target)}{of}: "
+                   + ("Spearman $\\rho$, " if scale == "raw" else "") + "Pearson $r$, $R^2$, two-sided "
+                   f"permutation $p$: {design}; partial $r$ "
+                   f"({controls_text(controls, tex_escape, '').replace(' r', ' $r$')}) with Freedman-Lane $p$; "
+                   "Holm: adjusted within the NC metrics and within the geometry metrics (below the rule), per scale"
+                   + (" and tag" if of else "") + ". Parametric p-values (independent rows assumed) are in stats.csv.")
+            label_ = "tab:nc-correlations" + ("" if i == 0 else f"-{i}") + ("" if scale == "raw" else "-log")
+            tex.append(_latex(_scale_table(rows[rows.scale == scale], scale), cap, label_,
+                              geometry.iloc[0] if len(geometry) and len(geometry) < rows.metric.nunique() else None))
     if tok is not None:
         for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):
             rows = token_rows(t, ascii).map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)

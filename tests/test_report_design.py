@@ -1,0 +1,199 @@
+"""Issue 31 item 4 and issue 30 class 15: the design (runs as units, the floor of p, two Holm families) on every
+surface of a report built from real stores (figures, stats.csv, tables.tex, report.md), no bare numpy warning,
+figures within 2000 px with readable titles, and an honest line for a target that is not a number."""
+from __future__ import annotations
+
+import re
+import shutil
+import warnings
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pingouin as pg
+import pytest
+from conftest import EXTRACT_OPTS, lone_model, run_cli
+from PIL import Image
+from test_stats import study
+
+from ncanalyze.analyzer.report import FIGURES, ReportOptions, scatter_figure, write_report
+from ncanalyze.analyzer.report.figures import MAX_WIDTH
+from ncanalyze.analyzer.schema import GEOMETRY_METRICS, NC_METRICS
+from ncanalyze.analyzer.stats import correlations_by_tag
+
+FIG1 = FIGURES["fig1_nc_vs_loss"][1]
+DOUBLED = re.compile(r"\)\s*\(|\(\(|\)\)")  # "(a) (b)", "((", "))"
+
+
+@pytest.fixture(scope="module")
+def two_run_store(extracted_store, trained_run, corpus, tmp_path_factory):
+    """The session's real store (one run, checkpoints 20, 40, 60) and a second run: a copy of checkpoint-60 in its
+    own folder, extracted over fewer tokens, so 4 checkpoints of 2 runs of one size: the partial r has one control (the step) and n - k = 3,
+    where Fisher's CI of pingouin divides by zero."""
+    tmp = tmp_path_factory.mktemp("design")
+    store = tmp / "two.zarr"
+    shutil.copytree(extracted_store, store)
+    opts = dict(zip(EXTRACT_OPTS[::2], EXTRACT_OPTS[1::2])) | {"--max-train-tokens": 4096, "--max-val-tokens": 2048}
+    run_cli("extract", lone_model(trained_run, tmp / "neo-lone"), "--dataset", corpus["train"], "--store", store,
+            *[a for kv in opts.items() for a in kv])  # other tokens than the run's own checkpoint-60: other values
+    return store
+
+
+@pytest.fixture(scope="module")
+def real_report(two_run_store, tmp_path_factory):
+    """``ncanalyze report`` over the two-run store with every warning shown (none deduplicated away)."""
+    out = tmp_path_factory.mktemp("real") / "report"
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        res = run_cli("report", two_run_store, "--out", out, "--permutations", 1000)
+    return out, res.output
+
+
+@pytest.mark.slow
+def test_no_bare_numpy_warning_and_the_undefined_ci_is_a_note(two_run_store, real_report):
+    from ncanalyze.store.measure import measure_store
+
+    out, output = real_report
+    assert "RuntimeWarning" not in output and "divide by zero" not in output, output
+    assert "rank-deficient" not in output and "UserWarning" not in output, output  # pingouin's, naming nothing
+    table = measure_store(two_run_store)
+    assert len(table) == 4 and table.run.nunique() == 2
+    stats = pd.read_csv(out / "stats.csv")
+    raw = stats[(stats.scale == "raw") & stats.partial_r.notna()]
+    assert len(raw) > 10 and raw.partial_ci_low_iid.isna().all() and raw.partial_ci_high_iid.isna().all()
+    assert raw.note.str.contains("n=4 too few for the partial r's 95% CI with 1 control\\(s\\) \\(needs >= 5\\)").all()
+    row = raw.iloc[0]  # what the fix guards against: pingouin itself divides by zero on these rows
+    data = pd.DataFrame({"x": table[row.metric], "y": table.val_loss, "s": np.log1p(table.global_step)})
+    with pytest.warns(RuntimeWarning, match="divide by zero"):
+        pg.partial_corr(data, x="x", y="y", covar=["s"])
+    with np.errstate(divide="ignore"):
+        assert row.partial_r == pytest.approx(pg.partial_corr(data, x="x", y="y", covar=["s"])["r"].iloc[0],
+                                              abs=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and none from the report's own code
+        write_report(table, out.parent / "again", ReportOptions(n_perm=100))
+
+
+def test_a_repeated_checkpoint_is_a_note_not_a_warning():
+    df = study(n_runs=1, per_run=4)
+    df = pd.concat([df, df.iloc[[-1]].assign(run="copy")], ignore_index=True)  # 5 rows, 4 distinct, 1 control
+    df = pd.concat([df.iloc[:3], df.iloc[[3, 4]]], ignore_index=True).drop(index=0)  # 4 rows, 3 distinct points
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = correlations_by_tag(df, ["nc1_cdnv"], "eval_loss", n_perm=10)
+    raw = stats[stats.scale == "raw"].iloc[0]
+    assert np.isfinite(raw.r) and np.isnan(raw.partial_r) and np.isnan(raw.partial_p_perm)
+    assert "only 3 distinct rows (a checkpoint repeated): too few for a partial r with 1 control(s) (needs >= 4)" \
+        in raw.note
+
+
+@pytest.mark.slow
+def test_stats_csv_says_which_p_values_assume_independent_rows_and_the_floor(real_report):
+    out, _ = real_report
+    stats = pd.read_csv(out / "stats.csv")
+    assert {"p_param_iid", "partial_p_param_iid", "partial_ci_low_iid", "partial_ci_high_iid", "perm_unit",
+            "p_floor", "family"} <= set(stats.columns)
+    assert not {"p_param", "partial_p_param", "partial_ci_low", "partial_ci_high"} & set(stats.columns)
+    tested = stats[stats.n_perm > 0]
+    # runs of 3 and 1 checkpoints: no run has a partner of its size, so the only permutation is the identity
+    assert (tested.perm_unit == "runs").all() and (tested.n_distinct_perms == 1).all() and (tested.p_floor == 1).all()
+    assert (tested.p_perm == 1).all()
+    assert set(stats.family) == {"NC", "geometry"}
+    assert set(stats.metric[stats.family == "NC"]) == set(NC_METRICS)
+    assert set(stats.metric[stats.family == "geometry"]) == set(GEOMETRY_METRICS)
+
+
+@pytest.mark.slow
+def test_report_md_says_at_its_top_that_no_p_can_reach_alpha_and_why(real_report):
+    out, _ = real_report
+    text = (out / "report.md").read_text()
+    top = text[:text.index("## Correlation")]
+    assert "**No p-value in this report can reach 0.05 after Holm's adjustment, whatever the data.**" in top
+    assert ("NC metrics (raw, log scale): Holm multiplies the smallest of 14 p-values by 14, so a survivor needs "
+            "p < 0.05/14 = 0.00357; but whole runs permuted (2 runs) have only 1 distinct permutations, so no p falls "
+            "below 1/1 = 1") in top
+    assert "geometry metrics (raw, log scale): Holm multiplies the smallest of" in top
+    assert "the NC metrics the paper tests and the geometry metrics being two families" in top
+    assert "NC metrics (14: nc1_cdnv, " in top and "geometry metrics (9: within_erank, " in top
+    for scale in ("raw", "log"):
+        for fam in ("NC", "geometry"):
+            assert re.search(f"- r, {scale} scale, {fam} metrics: 0 of \\d+ metric\\(s\\) survive at 0.05", text)
+
+
+@pytest.mark.slow
+def test_no_top_warning_where_enough_runs_make_alpha_reachable(tmp_path):
+    r = write_report(study(n_runs=7, per_run=3), tmp_path, ReportOptions(n_perm=6000, metrics=list(FIG1)))
+    text = r.files["report"].read_text()
+    assert (r.stats.n_distinct_perms == 5040).all() and r.stats.exact.all()
+    assert "No p-value" not in text and "can reach 0.05" not in text
+    r = write_report(study(n_runs=4, per_run=3), tmp_path / "four", ReportOptions(n_perm=1000, metrics=list(FIG1)))
+    text = r.files["report"].read_text()  # 24 permutations, 4 NC metrics: 4/24 >= 0.05
+    assert ("NC metrics (raw, log scale): Holm multiplies the smallest of 4 p-values by 4, so a survivor needs "
+            "p < 0.05/4 = 0.0125; but whole runs permuted (4 runs) have only 24 distinct permutations, so no p falls "
+            "below 1/24 = 0.0417 (to reach it: runs of one length need at least 5 of them)") in text
+
+
+@pytest.mark.slow
+def test_tables_tex_carries_the_unit_and_floor_and_fits_the_line(real_report):
+    out, _ = real_report
+    tex = (out / "tables.tex").read_text()
+    assert "\\usepackage{booktabs,graphicx}" in tex
+    captions = re.findall(r"\\caption\{(.*)\}", tex)
+    assert len(captions) == 2 and all("whole runs permuted (2 runs; all enumerated, exact), so p $\\geq$ 1/1 = 1.00"
+                                      in c and "independent rows assumed" in c for c in captions)
+    for spec in re.findall(r"\\begin\{tabular\}\{(\w+)\}", tex):
+        assert len(spec) <= 11
+    assert tex.count("\\resizebox{\\ifdim\\width>\\linewidth\\linewidth\\else\\width\\fi}{!}{%\n\\begin{tabular}") \
+        == tex.count("\\begin{tabular}") == 2
+
+
+@pytest.mark.slow
+def test_figures_within_2000_px_wrapped_with_readable_titles(real_report):
+    out, _ = real_report
+    text = (out / "report.md").read_text()
+    titles = re.findall(r"!\[([^]]*)\]\(", text)
+    assert len(titles) == 4 and not any(DOUBLED.search(t) for t in titles), titles
+    assert "validation loss measured by ncanalyze" in titles[0]  # the default target, val_loss
+    for png in sorted(out.glob("*.png")):
+        w, h = Image.open(png).size
+        assert w <= 150 * MAX_WIDTH == 2000, (png.name, w)
+    w4, h4 = Image.open(out / "fig4_dynamics.png").size
+    assert w4 > 1500 and h4 > 150 * 2 * 2.65  # 5 panels: two rows of three, not 5 in one 3,315 px row
+
+
+@pytest.mark.slow
+def test_panel_legends_give_runs_and_the_whole_run_p(two_run_store, tmp_path):
+    from ncanalyze.store.measure import measure_store
+
+    table = measure_store(two_run_store)
+    stats = correlations_by_tag(table, FIG1, "val_loss", n_perm=100)
+    fig = scatter_figure(table, FIG1, "val_loss", stats, "t")
+    for ax, m in zip(fig.axes, FIG1):
+        s = stats[(stats.metric == m) & (stats.scale == ("log" if ax.get_xscale() == "log" else "raw"))].iloc[0]
+        (label,) = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert label == f"fit: $R^2$ = {s.r2:.2f}, p_runs = 1.00 (min 1/1)\n2 runs, 4 ckpts", label
+        assert not DOUBLED.search(ax.get_title())
+    plt.close(fig)
+    df = study(n_runs=4, per_run=4, seed=1)  # runs of one length: "4 runs × 4 ckpts" and p from stats.csv
+    stats = correlations_by_tag(df, FIG1, "eval_loss", n_perm=100)
+    fig = scatter_figure(df, FIG1, "eval_loss", stats, "t")
+    for ax, m in zip(fig.axes, FIG1):
+        s = stats[(stats.metric == m) & (stats.scale == "log")].iloc[0]
+        (label,) = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert f"p_runs = {s.p_perm:#.3g} (min 1/24)\n4 runs × 4 ckpts" in label, label
+    assert len({round(ax.get_position().y0, 3) for ax in fig.axes[:4]}) == 2  # two rows of two
+    plt.close(fig)
+
+
+@pytest.mark.slow
+def test_a_target_that_is_not_a_loss_gets_an_honest_line(two_run_store, tmp_path):
+    for target, words in (("run", ["target 'run' is not a number", "it holds text, e.g. 'neo-",
+                                   "valid targets: val_loss, eval_loss (the losses)"]),
+                          ("nc1_cdnv", ["target 'nc1_cdnv' is a metric under test", "valid targets: val_loss"]),
+                          ("nope", ["target 'nope' is not a column", "valid targets: val_loss, eval_loss"])):
+        r = run_cli("report", two_run_store, "--out", tmp_path / target, "--target", target, ok=False)
+        error = [line for line in r.output.splitlines() if "Error:" in line]
+        assert len(error) == 1 and all(w in error[0] for w in words), r.output
+        assert "logged no evaluation" not in r.output and not (tmp_path / target / "report.md").exists()
+    run_cli("report", two_run_store, "--out", tmp_path / "acc", "--target", "val_accuracy", "--permutations", 0)
+    assert "Target: `val_accuracy`" in (tmp_path / "acc" / "report.md").read_text()
