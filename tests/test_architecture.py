@@ -138,7 +138,7 @@ def test_names_are_defined_once():
 
 
 def test_every_extraction_setting_says_whether_it_is_hashed():
-    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.extraction.settings import ExtractConfig
 
     for f in dataclasses.fields(ExtractConfig):
         assert isinstance(f.metadata.get("hashed"), bool), f"ExtractConfig.{f.name} must declare hashed=True/False"
@@ -148,7 +148,8 @@ def test_a_default_configuration_hashes_as_before(trained_run):
     """Stores written before a change must not look foreign: the record of a default configuration keeps exactly
     these keys (a new hashed setting may enter the record only when it is not at its default)."""
     import torch
-    from ncanalyze.store.extraction.config import ExtractConfig, config_record
+    from ncanalyze.store.extraction.config import config_record
+    from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.sources.discover import discover
 
     ckpt = discover(trained_run)[0]

@@ -200,7 +200,7 @@ def test_one_result_type():
 
 def test_extract_returns_the_result(trained_run, corpus, extracted_store, tmp_path):
     """The library's extract() returns the same result the command prints: a re-run over a finished store skips all."""
-    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.runs.local import extract
 
     groups = sorted(g for g in ncanalyze.store.open(extracted_store).groups if g.count("/") == 2)

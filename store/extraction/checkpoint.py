@@ -17,7 +17,6 @@ from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Resolved,
     Status,
     checkpoint_status,
@@ -27,11 +26,11 @@ from ncanalyze.store.extraction.config import (
     refusal,
     resolve,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.memory import (
     check_memory,
     fit_plan,
-    parse_size,
     state_bytes,
 )
 from ncanalyze.store.extraction.passes import run_passes

@@ -32,7 +32,7 @@ from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.extraction.config import ExtractConfig
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.layers import Plan
 from ncanalyze.store.extraction.loss import LogitTransform, NextTokenLoss
 from ncanalyze.store.extraction.memory import state_bytes

@@ -46,37 +46,6 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-         "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(size: str | None) -> int | None:
-    """The bytes of a ``--state-memory`` size.
-
-    Parameters
-    ----------
-    size
-        A number and a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), e.g. ``40GB``, ``512MiB``; None.
-
-    Returns
-    -------
-    int or None
-        The bytes (None for None).
-    """
-    if size is None:
-        return None
-    text = str(size).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in UNITS or not value > 0 or value * UNITS[unit] > 2**62:
-        raise UserError(f"--state-memory {size!r} is not a size: pass a number and a unit, like 40GB or 512MiB")
-    return int(value * UNITS[unit])
-
-
 def state_budget(device: torch.device, state_memory: int | None = None) -> int:
     """The bytes ``--layers-per-pass auto`` lets a pass's state take.
 

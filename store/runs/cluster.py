@@ -56,7 +56,7 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
     store
         The store (made absolute: the workers may run elsewhere).
     cfg
-        The :class:`~ncanalyze.store.extraction.config.ExtractConfig`.
+        The :class:`~ncanalyze.store.extraction.settings.ExtractConfig`.
     address
         The scheduler (else ``$DASK_SCHEDULER_ADDRESS``).
     overwrite, restart

@@ -21,12 +21,12 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.extraction.checkpoint import extract_checkpoint
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Status,
     checkpoint_status,
     config_record,
     val_data,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.resume import DeferredInterrupt, prune
 from ncanalyze.store.runs.local import announcer, check_settings, todo

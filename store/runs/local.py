@@ -14,11 +14,11 @@ from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.checkpoint import extract_checkpoint, load_checkpoint, open_inputs
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Status,
     held_out_line,
     resolve,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.estimate import (
     START,
     Arch,

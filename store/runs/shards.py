@@ -25,12 +25,12 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Status,
     checkpoint_status,
     open_data,
     resolve,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.memory import check_memory, state_bytes
 from ncanalyze.store.extraction.passes import train_pass
 from ncanalyze.store.extraction.reservoir import Reservoir
