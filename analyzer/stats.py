@@ -31,7 +31,9 @@ in both, and each tag is a study of its own.
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -44,6 +46,34 @@ from ncanalyze.analyzer.schema import SCALARS
 METRICS = SCALARS  # the metrics tested by default: all of them
 CONTROLS = ("log(n_params)", "log1p(global_step)")
 ALPHA = 0.05  # the level report.md speaks of
+
+
+class NoteKind(enum.Enum):
+    """What a note on a statistic says (stats.csv's ``note_kinds``, comma-separated values)."""
+    NO_VALUES = "no_values"          # the metric was not measurable here
+    NOT_POSITIVE = "not_positive"    # no log scale
+    TOO_FEW = "too_few"              # too few checkpoints for a correlation or a partial r
+    FEW_PERMUTATIONS = "few_permutations"  # too few distinct permutations for a small p
+    CONSTANT = "constant"            # metric or target constant
+    CONTROLS = "controls"            # a control dropped, unused, or determining the metric
+    LEFT_OUT = "left_out"            # rows left out (an infinite target)
+
+
+class Note(NamedTuple):
+    """One note on a row of the statistics: its kind and its words."""
+    kind: NoteKind
+    text: str
+
+
+def note_columns(notes: Sequence[Note]) -> dict[str, str]:
+    """A row's ``note`` (the words, '; '-joined) and ``note_kinds`` (the kinds' values, comma-joined)."""
+    return {"note": "; ".join(n.text for n in notes),
+            "note_kinds": ",".join(dict.fromkeys(n.kind.value for n in notes))}
+
+
+def has_note(stats: pd.DataFrame, kind: NoteKind) -> pd.Series:
+    """Which rows of the statistics carry a note of ``kind``."""
+    return stats.note_kinds.fillna("").str.split(",").map(lambda kinds: kind.value in kinds)
 
 
 def independent_controls(C: pd.DataFrame) -> list[str]:
@@ -102,9 +132,10 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
         cols[m, "raw"] = x
         cols[m, "log"] = np.log10(x.where(x > 0)) if positive else x * np.nan
         if x.isna().all():
-            notes[m, "raw"] = notes[m, "log"] = ["no values (not measurable here)"]
+            notes[m, "raw"] = notes[m, "log"] = [Note(NoteKind.NO_VALUES, "no values (not measurable here)")]
         else:
-            notes[m, "raw"], notes[m, "log"] = [], ([] if positive else ["not positive everywhere: no log scale"])
+            notes[m, "raw"], notes[m, "log"] = [], ([] if positive else [
+                Note(NoteKind.NOT_POSITIVE, "not positive everywhere: no log scale")])
     return pd.DataFrame(cols, index=df.index), notes
 
 
@@ -152,7 +183,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         metric, scale, n, r, r2, rho, p_perm, rho_p, p_param, partial_r, partial_p_perm, partial_p_param,
         partial_ci_low/high, controls (used), perm_scheme ("rows" | "whole runs"), n_units (runs or rows
         permuted), n_distinct_perms, n_perm (permutations counted), exact (all enumerated), note (why a statistic
-        is missing, or what bounds it), and p_holm / rho_p_holm / partial_p_holm (Holm across the metrics, per
+        is missing, or what bounds it) with note_kinds (:class:`NoteKind` values, comma-separated), and p_holm / rho_p_holm / partial_p_holm (Holm across the metrics, per
         scale). Rows with a missing or infinite target, or a missing metric or control, are left out of that
         metric's statistics (an infinite target is said in the notes).
     """
@@ -171,9 +202,9 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     X, notes = scaled_metrics(df[ok], metrics)
     labels = df.loc[ok, runs] if runs is not None and runs in df.columns else None
     order = df.loc[ok, step] if step in df.columns else None
-    unused = [f"control {c} has no values: not used" for c in empty]
+    unused = [Note(NoteKind.CONTROLS, f"control {c} has no values: not used") for c in empty]
     if infinite:
-        unused.append(f"{infinite} checkpoint(s) with an infinite {target} left out")
+        unused.append(Note(NoteKind.LEFT_OUT, f"{infinite} checkpoint(s) with an infinite {target} left out"))
     # columns with the same rows present share one permutation run, all of them in one matrix product
     groups: dict[bytes, list] = {}
     for key in X.columns:
@@ -219,9 +250,9 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     dropped = [c for c in C.columns if c not in ctrl]
     res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed, scheme) if n >= MIN_N else None
     n_distinct = scheme.n_distinct
-    few = ([f"only {n_distinct} distinct permutations of {scheme.name} ({scheme.n_units} {_unit_name(scheme)}): "
-            f"no p below 1/{n_distinct} = {1 / n_distinct:.3g}"] if res and n_perm > 0 and n_distinct <= 1 / ALPHA
-           else [])
+    few = ([Note(NoteKind.FEW_PERMUTATIONS, f"only {n_distinct} distinct permutations of {scheme.name} ({scheme.n_units} "
+                 f"{_unit_name(scheme)}): no p below 1/{n_distinct} = {1 / n_distinct:.3g}")]
+           if res and n_perm > 0 and n_distinct <= 1 / ALPHA else [])
     rows = []
     for j, (metric, scale) in enumerate(X.columns):
         row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, rho=np.nan, p_perm=np.nan, rho_p=np.nan,
@@ -229,7 +260,7 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
                    partial_ci_low=np.nan, partial_ci_high=np.nan, controls=", ".join(ctrl), perm_scheme=scheme.name,
                    n_units=scheme.n_units, n_distinct_perms=_as_float(n_distinct), n_perm=0, exact=False)
         note = notes[metric, scale] or _fill(row, X[metric, scale], y, C[ctrl], res, j, dropped) + few + unused
-        rows.append(row | {"note": "; ".join(note)})
+        rows.append(row | note_columns(note))
     return rows
 
 
@@ -250,17 +281,20 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
     from scipy.stats import pearsonr
     n, k = len(x), C.shape[1]
     if n < MIN_N:
-        return [f"n={n} < {MIN_N} checkpoints: too few for a correlation"]
+        return [Note(NoteKind.TOO_FEW, f"n={n} < {MIN_N} checkpoints: too few for a correlation")]
     if x.nunique() < 2 or y.nunique() < 2:
-        return [("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints"]
+        return [Note(NoteKind.CONSTANT, ("metric" if x.nunique() < 2 else "target")
+                     + " constant over the selected checkpoints")]
     r = float(res["r"][j])
     row.update(r=r, r2=r * r, rho=float(res["rho"][j]), p_perm=res["p_perm"][j], rho_p=res["rho_p"][j],
                n_perm=res["n_perm"], exact=res["exact"], p_param=float(pearsonr(x, y).pvalue))
-    note = [f"partial r ignores {', '.join(dropped)} (constant or collinear here)"] if dropped else []
+    note = [Note(NoteKind.CONTROLS, f"partial r ignores {', '.join(dropped)} (constant or collinear here)")] \
+        if dropped else []
     if n < k + MIN_N:
-        return note + [f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})"]
+        return note + [Note(NoteKind.TOO_FEW, f"n={n} too few for a partial r with {k} control(s) (needs >= "
+                                              f"{k + MIN_N})")]
     if not np.isfinite(res["partial_r"][j]):
-        return note + ["metric or target is determined by the controls: no partial r"]
+        return note + [Note(NoteKind.CONTROLS, "metric or target is determined by the controls: no partial r")]
     data = pd.concat({"x": x, "y": y, **{f"c{i}": C[c] for i, c in enumerate(C.columns)}}, axis=1)
     part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
     lo, hi = part["CI95"].iloc[0]

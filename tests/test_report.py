@@ -34,7 +34,7 @@ from PIL import Image
 from test_stats import study
 
 STATS_COLUMNS = {"metric", "scale", "n", "r", "r2", "p_perm", "p_param", "partial_r", "partial_p_perm",
-                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note",
+                 "partial_p_param", "partial_ci_low", "partial_ci_high", "controls", "n_perm", "exact", "note", "note_kinds",
                  "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
                  "tag"}
 SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
