@@ -1,4 +1,5 @@
-"""The running state's memory: its size per layer (:func:`state_bytes`), the memory a pass may use
+"""The sizes of a checkpoint's extraction: the running state's per layer (:func:`state_bytes`) and the groups' in the
+store (:func:`group_bytes`), the memory a pass may use
 (``--state-memory``, else the device's free memory less a margin), the layers per pass that fit (``--layers-per-pass
 auto``), and the check before the passes start.
 """
@@ -44,6 +45,15 @@ def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return int(psutil.virtual_memory().available)
+
+
+def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,
+                embeddings_itemsize: int = 4) -> int:
+    """A checkpoint's size in the store before compression: per stored layer the float64 means, the float32
+    reservoir with its positions, the 7 per-class vectors and the d x d covariance, and the saved embeddings (and
+    their labels); once per checkpoint, the float32 head (its layer groups refer to it)."""
+    per_layer = vocab * dim * (8 + 4 * samples_per_class) + vocab * 8 * (7 + samples_per_class) + dim * dim * 8
+    return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8)) + vocab * dim * 4
 
 
 def state_budget(device: torch.device, state_memory: int | None = None) -> int:
