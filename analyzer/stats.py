@@ -39,8 +39,10 @@ independent rows, which checkpoints of one run are not: the suffix says so in st
 """
 from __future__ import annotations
 
+import enum
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -99,6 +101,34 @@ def _target(df: pd.DataFrame, target: str, metrics: Sequence[str]) -> pd.Series:
     return y
 
 
+class NoteKind(enum.Enum):
+    """What a note on a statistic says (stats.csv's ``note_kinds``, comma-separated values)."""
+    NO_VALUES = "no_values"          # the metric was not measurable here
+    NOT_POSITIVE = "not_positive"    # no log scale
+    TOO_FEW = "too_few"              # too few checkpoints for a correlation, a partial r or its CI
+    FEW_PERMUTATIONS = "few_permutations"  # too few distinct permutations for a small p
+    CONSTANT = "constant"            # metric or target constant
+    CONTROLS = "controls"            # a control dropped, unused, or determining the metric
+    LEFT_OUT = "left_out"            # rows left out (an infinite target)
+
+
+class Note(NamedTuple):
+    """One note on a row of the statistics: its kind and its words."""
+    kind: NoteKind
+    text: str
+
+
+def note_columns(notes: Sequence[Note]) -> dict[str, str]:
+    """A row's ``note`` (the words, '; '-joined) and ``note_kinds`` (the kinds' values, comma-joined)."""
+    return {"note": "; ".join(n.text for n in notes),
+            "note_kinds": ",".join(dict.fromkeys(n.kind.value for n in notes))}
+
+
+def has_note(stats: pd.DataFrame, kind: NoteKind) -> pd.Series:
+    """Which rows of the statistics carry a note of ``kind``."""
+    return stats.note_kinds.fillna("").str.split(",").map(lambda kinds: kind.value in kinds)
+
+
 def independent_controls(C: pd.DataFrame) -> list[str]:
     """The controls, in order, that add rank to [1, controls so far] (constant or collinear ones dropped)."""
     keep: list[str] = []
@@ -155,9 +185,10 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
         cols[m, "raw"] = x
         cols[m, "log"] = np.log10(x.where(x > 0)) if positive else x * np.nan
         if x.isna().all():
-            notes[m, "raw"] = notes[m, "log"] = ["no values (not measurable here)"]
+            notes[m, "raw"] = notes[m, "log"] = [Note(NoteKind.NO_VALUES, "no values (not measurable here)")]
         else:
-            notes[m, "raw"], notes[m, "log"] = [], ([] if positive else ["not positive everywhere: no log scale"])
+            notes[m, "raw"], notes[m, "log"] = [], ([] if positive else [
+                Note(NoteKind.NOT_POSITIVE, "not positive everywhere: no log scale")])
     return pd.DataFrame(cols, index=df.index), notes
 
 
@@ -207,7 +238,8 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         independent rows), controls (used), perm_scheme ("rows" | "whole runs"), perm_unit ("runs" |
         "checkpoints"), n_units (runs or rows permuted), n_distinct_perms, n_perm (permutations counted), exact
         (all enumerated), p_floor (the smallest p the permutations can give), note (why a statistic is missing,
-        or what bounds it), and p_holm / rho_p_holm / partial_p_holm (Holm within the family, per scale). Rows
+        or what bounds it) with note_kinds (:class:`NoteKind` values, comma-separated), and p_holm / rho_p_holm /
+        partial_p_holm (Holm within the family, per scale). Rows
         with a missing or infinite target, or a missing metric or control, are left out of that metric's
         statistics (an infinite target is said in the notes).
     """
@@ -223,9 +255,9 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     X, notes = scaled_metrics(df[ok], metrics)
     labels = df.loc[ok, runs] if runs is not None and runs in df.columns else None
     order = df.loc[ok, step] if step in df.columns else None
-    unused = [f"control {c} has no values: not used" for c in empty]
+    unused = [Note(NoteKind.CONTROLS, f"control {c} has no values: not used") for c in empty]
     if infinite:
-        unused.append(f"{infinite} checkpoint(s) with an infinite {target} left out")
+        unused.append(Note(NoteKind.LEFT_OUT, f"{infinite} checkpoint(s) with an infinite {target} left out"))
     # columns with the same rows present share one permutation run, all of them in one matrix product
     groups: dict[bytes, list] = {}
     for key in X.columns:
@@ -268,7 +300,7 @@ def holm(stats: pd.DataFrame, column: str) -> pd.Series:
     return out
 
 
-def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, unused: list[str], n_perm: int,
+def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, unused: list[Note], n_perm: int,
                  seed: int | None, scheme: Scheme) -> list[dict]:
     """Statistics of the columns of X, which all have the same rows, against y given controls C, permuting under
     ``scheme``; ``notes`` say why a column has none, ``unused`` is said of every column."""
@@ -277,9 +309,9 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     dropped = [c for c in C.columns if c not in ctrl]
     res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed, scheme) if n >= MIN_N else None
     n_distinct = scheme.n_distinct
-    few = ([f"only {n_distinct} distinct permutations of {scheme.name} ({scheme.n_units} {_unit_name(scheme)}): "
-            f"no p below 1/{n_distinct} = {1 / n_distinct:.3g}"] if res and n_perm > 0 and n_distinct <= 1 / ALPHA
-           else [])
+    few = ([Note(NoteKind.FEW_PERMUTATIONS, f"only {n_distinct} distinct permutations of {scheme.name} "
+                 f"({scheme.n_units} {_unit_name(scheme)}): no p below 1/{n_distinct} = {1 / n_distinct:.3g}")]
+           if res and n_perm > 0 and n_distinct <= 1 / ALPHA else [])
     rows = []
     for j, (metric, scale) in enumerate(X.columns):
         row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, rho=np.nan, p_perm=np.nan, rho_p=np.nan,
@@ -293,7 +325,7 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
         for w in caught:  # none is expected (every undefined case is a note): one that comes names its metric
             warnings.warn(f"{metric} ({scale} scale) against {y.name}: {w.category.__name__}: {w.message}",
                           StatisticsWarning, stacklevel=2)
-        rows.append(row | {"note": "; ".join(note)})
+        rows.append(row | note_columns(note))
     return rows
 
 
@@ -314,32 +346,33 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
     from scipy.stats import pearsonr
     n, k = len(x), C.shape[1]
     if n < MIN_N:
-        return [f"n={n} < {MIN_N} checkpoints: too few for a correlation"]
+        return [Note(NoteKind.TOO_FEW, f"n={n} < {MIN_N} checkpoints: too few for a correlation")]
     if x.nunique() < 2 or y.nunique() < 2:
-        return [("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints"]
+        return [Note(NoteKind.CONSTANT, ("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints")]
     r = float(res["r"][j])
     row.update(r=r, r2=r * r, rho=float(res["rho"][j]), p_perm=res["p_perm"][j], rho_p=res["rho_p"][j],
                n_perm=res["n_perm"], exact=res["exact"], p_param_iid=float(pearsonr(x, y).pvalue),
                p_floor=p_floor(res["n_distinct"], res["n_perm"], res["exact"]) if res["n_perm"] else np.nan)
-    note = [f"partial r ignores {', '.join(dropped)} (constant or collinear here)"] if dropped else []
+    note = [Note(NoteKind.CONTROLS, f"partial r ignores {', '.join(dropped)} (constant or collinear here)")] \
+        if dropped else []
     if n < k + MIN_N:
-        return note + [f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})"]
+        return note + [Note(NoteKind.TOO_FEW, f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})")]
     if not np.isfinite(res["partial_r"][j]):
-        return note + ["metric or target is determined by the controls: no partial r"]
+        return note + [Note(NoteKind.CONTROLS, "metric or target is determined by the controls: no partial r")]
     data = pd.concat({"x": x, "y": y, **{f"c{i}": C[c] for i, c in enumerate(C.columns)}}, axis=1)
     distinct = len(data.drop_duplicates())
     if distinct < k + MIN_N:  # a checkpoint repeated (a copy as another run): its residuals are ±1 by construction
-        return note + [f"only {distinct} distinct rows (a checkpoint repeated): too few for a partial r with {k} "
-                       f"control(s) (needs >= {k + MIN_N})"]
+        return note + [Note(NoteKind.TOO_FEW, f"only {distinct} distinct rows (a checkpoint repeated): too few for a "
+                                              f"partial r with {k} control(s) (needs >= {k + MIN_N})")]
     if np.linalg.matrix_rank(((data - data.mean()) / data.std()).cov()) < k + 2:  # as pingouin tests it
-        note.append("metric and target exactly linearly related given the controls: |partial r| = 1")
+        note.append(Note(NoteKind.CONTROLS, "metric and target exactly linearly related given the controls: |partial r| = 1"))
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The covariance matrix is rank-deficient")  # the note above says it
         part = pg.partial_corr(data, x="x", y="y", covar=[f"c{i}" for i in range(k)] or None)
     lo, hi = part["CI95"].iloc[0]
     if n - k <= 3:  # Fisher's z has standard error 1/sqrt(n - k - 3): no CI (pingouin would divide by zero)
         lo = hi = np.nan
-        note.append(f"n={n} too few for the partial r's 95% CI with {k} control(s) (needs >= {k + 4})")
+        note.append(Note(NoteKind.TOO_FEW, f"n={n} too few for the partial r's 95% CI with {k} control(s) (needs >= {k + 4})"))
     row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
                partial_p_param_iid=float(part["p_val"].iloc[0]), partial_ci_low_iid=lo, partial_ci_high_iid=hi)
     return note

@@ -31,7 +31,8 @@ import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import Plan, plan
-from ncanalyze.store.extraction.memory import budget_of, fit_plan, parse_size
+from ncanalyze.store.extraction.memory import budget_of, fit_plan
+from ncanalyze.store.extraction.settings import parse_size
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Saver

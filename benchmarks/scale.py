@@ -56,7 +56,7 @@ def main() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
 
     from distributed import Client, LocalCluster
-    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.runs.cluster import extract_on_cluster
     from ncanalyze.store.runs.local import extract
 

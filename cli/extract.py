@@ -1,95 +1,95 @@
 """``ncanalyze extract``: exact per-class statistics of every checkpoint into the store."""
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import click
+import cloup
 from ncanalyze.cli.common import default_store
 from ncanalyze.cli.options import option
+from ncanalyze.store.extraction.settings import SECTIONS, ExtractConfig, flag_of
 
 
-def _per_pass(ctx, param, value: str) -> str | int:
-    """``auto`` or a positive integer (an int, so the record hashes as before)."""
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise click.BadParameter(f"{value!r} is not auto or a positive integer")
-    return int(value)
+def setting_option(f: dataclasses.Field) -> Callable[[Callable], Callable]:
+    """The click option of one :class:`ExtractConfig` setting, made from its field: flag, help, default and metavar.
+    Its value is checked by ``ExtractConfig`` itself (so the command and the library refuse alike, in one line);
+    ``--help`` shows its range or choices."""
+    meta, name = f.metadata, f.name
+    flag, kind = flag_of(name), meta["kind"]
+    default = None if f.default is dataclasses.MISSING else f.default
+    if kind is bool:
+        if default is False:
+            return click.option(flag, name, is_flag=True, default=False, help=meta["help"])
+        return click.option(f"{flag}/--no-{flag[2:]}", name, default=True, show_default=True, help=meta["help"])
+    choices = meta["choices"] and "[" + "|".join(meta["choices"]) + "]"
+    return click.option(flag, name, cls=SettingOption, type={int: click.INT, float: click.FLOAT}.get(kind, click.STRING),
+                        default=default, show_default=default is not None,
+                        required=f.default is dataclasses.MISSING, metavar=meta["metavar"] or choices, help=meta["help"],
+                        bounds=_bounds(meta))
 
 
-@click.command(short_help="Exact per-class statistics of every checkpoint into the store.")
+def _bounds(meta: dict) -> str | None:
+    """A setting's range as ``--help`` shows it (``x>=1``, ``0<=x<=99``), or None."""
+    low, high = meta["minimum"], meta["maximum"]
+    if low is None:
+        return None
+    return f"x>={low}" if high is None or high > 2**32 else f"{low}<=x<={high}"
+
+
+class SettingOption(click.Option):
+    """A setting's option: ``--help`` shows its range beside its default, as click's own ranges do."""
+
+    def __init__(self, *args, bounds: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bounds = bounds
+
+    def get_help_extra(self, ctx: click.Context) -> dict:
+        extra = super().get_help_extra(ctx)
+        if self.bounds:
+            extra["range"] = self.bounds
+        return extra
+
+
+HAND_WRITTEN = {  # the options that are not settings of the extraction: where it goes, what it starts from
+    "Hub": [
+        click.option("--revision", "revisions", multiple=True, metavar="REV",
+                     help="For a Hub model id: a revision (branch, tag or commit) to extract as checkpoint "
+                          "<NAME>/<REV>. Repeatable [default: main]."),
+        click.option("--revisions", "revision_ranges", multiple=True, metavar="START:STOP:STEP|@FILE",
+                     help="Many revisions at once: step1000:143000:1000 (inclusive, the prefix kept) or @FILE (one per "
+                          "line). Repeatable; combines with --revision."),
+        click.option("--delete-downloads", is_flag=True, help="Remove each Hub snapshot this run downloaded after its "
+                     "extraction (snapshots already in the cache are never removed)."),
+    ],
+    "Run control": [
+        option("store", "extract"),
+        click.option("--overwrite", is_flag=True, help="Replace checkpoints already extracted (or interrupted) under "
+                     "another configuration."),
+        click.option("--restart", is_flag=True, help="Discard any saved resume state and extract from the start."),
+    ],
+    "Cluster": [
+        option("scheduler", "extract"),
+        click.option("--shards", type=click.IntRange(1), default=1, show_default=True,
+                     help="Cut each checkpoint's train stream into N contiguous parts, computed as separate tasks (in "
+                          "turn without --scheduler) and merged exactly; equal to one pass within float64 rounding "
+                          "(1e-12)."),
+    ],
+}
+
+
+def sections(f: Callable) -> Callable:
+    """Every option of ``extract`` in its ``--help`` section (:data:`SECTIONS`): the settings' generated from
+    :class:`ExtractConfig`, then the hand-written ones."""
+    for title in reversed(SECTIONS):
+        settings = [setting_option(fl) for fl in dataclasses.fields(ExtractConfig) if fl.metadata["section"] == title]
+        f = cloup.option_group(title, *settings, *HAND_WRITTEN.get(title, []))(f)
+    return f
+
+
+@cloup.command(short_help="Exact per-class statistics of every checkpoint into the store.", align_option_groups=False)
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@option("store", "extract")
-@click.option("--dataset", required=True, metavar="SPEC",
-              help="Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token "
-                   "ids in .npy (1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream).")
-@click.option("--val-dataset", metavar="SPEC",
-              help="Validation data (NC4, val_loss), any form --dataset takes. Default: a sibling file (val.bin "
-                   "beside train.bin, validation.txt beside train.txt), else the --val-split of --dataset where it "
-                   "has one, else --val-split-percentage of the train data held out (never the train tokens).")
-@click.option("--split", default="train", show_default=True, help="Split of --dataset (slices like 'train[:95%]' "
-              "work for local data).")
-@click.option("--val-split", default="validation", show_default=True, help="Split of the validation data.")
-@click.option("--val-split-percentage", type=click.IntRange(0, 99), default=5, show_default=True, metavar="P",
-              help="With no validation data given or found, hold out the first P% of the train data as validation "
-                   "and train on the rest, as run_clm's validation_split_percentage: splits 'train[:P%]' and "
-                   "'train[P%:]' (text, datasets), or the first P% of the blocks (.npy/.bin). 0: validate on "
-                   "--val-split of --dataset as before (a token file without a sibling is then refused).")
-@click.option("--text-column", default="text", show_default=True, help="Column holding the text.")
-@click.option("--block-size", type=click.IntRange(2), help="Block length for 1-D streams and text "
-              "[default: the model's context, at most 1024].")
-@click.option("--max-train-tokens", type=click.IntRange(0), help="Cap on train tokens read (whole blocks).")
-@click.option("--max-val-tokens", type=click.IntRange(0), help="Cap on validation tokens read; 0 skips NC4.")
-@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Blocks per forward pass.")
-@option("device", "extract")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default="float32",
-              show_default=True, help="Model dtype; statistics are always accumulated in float64.")
-@click.option("--samples-per-class", type=click.IntRange(0), default=8, show_default=True,
-              help="Raw features kept per class (uniform reservoir sample).")
-@click.option("--tokenizer", metavar="PATH_OR_NAME", help="Tokenizer for text data [default: the checkpoint's, "
-              "else its run folder's].")
-@option("min_count", "extract")
-@option("seed", "extract")
-@click.option("--keep-linebreaks/--no-keep-linebreaks", default=True, show_default=True,
-              help="Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
-                   "--no-keep-linebreaks strips them.")
-@click.option("--token-cache/--no-token-cache", default=True, show_default=True,
-              help="Tokenize text once into <store>.tokens/ (keyed by data, tokenizer, block size, cap and line "
-                   "breaks) and reuse it for every checkpoint; progress bars and the estimate then know the totals.")
-@click.option("--tag", metavar="NAME", help="Store these checkpoints under <run>@NAME/<checkpoint> (attribute and "
-              "metrics.csv column `tag`): the same checkpoints measured on several datasets in one store.")
-@click.option("--allow-pickle", is_flag=True, help="Load pickle weights (pytorch_model.bin); only for trusted files.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow custom model or tokenizer code from the checkpoint.")
-@click.option("--revision", "revisions", multiple=True, metavar="REV",
-              help="For a Hub model id: a revision (branch, tag or commit) to extract as checkpoint <NAME>/<REV>. "
-                   "Repeatable [default: main].")
-@click.option("--revisions", "revision_ranges", multiple=True, metavar="START:STOP:STEP|@FILE",
-              help="Many revisions at once: step1000:143000:1000 (inclusive, the prefix kept) or @FILE (one per "
-                   "line). Repeatable; combines with --revision.")
-@click.option("--delete-downloads", is_flag=True, help="Remove each Hub snapshot this run downloaded after its "
-              "extraction (snapshots already in the cache are never removed).")
-@click.option("--overwrite", is_flag=True, help="Replace checkpoints already extracted (or interrupted) under "
-              "another configuration.")
-@click.option("--restart", is_flag=True, help="Discard any saved resume state and extract from the start.")
-@click.option("--state-every", type=click.FloatRange(0), default=120.0, show_default=True,
-              help="Seconds between saves of the resume state (a killed run continues from the last save).")
-@click.option("--layers", default="last", show_default=True, metavar="last|all|I,J,...",
-              help="Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after "
-                   "the final norm, the checkpoint group itself), negative from the end. Others are stored at "
-                   "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm).")
-@click.option("--layers-per-pass", default="auto", show_default=True, metavar="auto|K", callback=_per_pass,
-              help="At most K layers' state at a time: several passes over the data (exact either way); auto: as many "
-                   "as --state-memory holds, the deepest layers together.")
-@click.option("--state-memory", metavar="SIZE",
-              help="Memory the float64 state may take under --layers-per-pass auto, e.g. 40GB or 512MiB "
-                   "[default: the device's free memory after the model, less a tenth (at least 1 GiB)].")
-@click.option("--save-embeddings", type=click.IntRange(0), default=0, show_default=True, metavar="N",
-              help="Keep the first N train positions' features of each stored layer as a chunked Zarr array "
-                   "embeddings (position, hidden) with label (position).")
-@click.option("--embeddings-dtype", type=click.Choice(["float32", "float16", "float64"]), default="float32",
-              show_default=True, help="dtype of --save-embeddings.")
-@option("scheduler", "extract")
-@click.option("--shards", type=click.IntRange(1), default=1, show_default=True,
-              help="Cut each checkpoint's train stream into N contiguous parts, computed as separate tasks (in turn "
-                   "without --scheduler) and merged exactly; equal to one pass within float64 rounding (1e-12).")
+@sections
 def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete_downloads, scheduler, shards,
             **options):
     """Extract the statistics of every checkpoint under PATHS into the store.
@@ -109,6 +109,7 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
       ncanalyze extract runs/neo-L2-d64 --dataset data/train.txt --max-train-tokens 1000000
       ncanalyze extract EleutherAI/pythia-70m --revisions step1000:143000:1000 --dataset data/val.bin
     """
+    cfg = ExtractConfig(**options)  # every setting checked (light), as the library checks it
     from ncanalyze.store.sources.discover import (
         check_local,  # light: a typo is said before torch and the Hub are loaded
     )
@@ -116,15 +117,11 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
     check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
                                          for k in ("dataset", "val_dataset", "tokenizer")}})
     from ncanalyze.analyzer.errors import UserError
-    from ncanalyze.store.extraction.config import ExtractConfig
     from ncanalyze.store.runs.hub import extract_hub, is_hub_id, parse_revisions
     from ncanalyze.store.runs.local import announcer_over
     from ncanalyze.store.runs.local import extract as extract_local
 
-    if not options["layers"].strip(" ,"):
-        raise click.UsageError(f"--layers {options['layers']!r} names no layer: pass last, all, or indices like 0,-1")
     store = store or default_store()
-    cfg = ExtractConfig(**options)
     hub = [p for p in paths if is_hub_id(p)]
     local = [p for p in paths if p not in hub]
     if (revisions or revision_ranges) and not hub:

@@ -46,8 +46,6 @@ OPTIONS: dict[str, Shared] = {
         ("--min-count",), "Keep only classes with at least this many train tokens.",
         dict(type=click.IntRange(1), default=1, show_default=True),
         helps={
-            "extract": "Classes with fewer train tokens are left out of NC4's decisions (fixed at extraction: "
-                       "measuring with another --min-count reports NC4 as nan).",
             "report": "Keep only classes with at least this many train tokens (when measuring what is new).",
         }),
     "device": Shared(
@@ -60,7 +58,7 @@ OPTIONS: dict[str, Shared] = {
         dict(type=click.IntRange(1))),
     "seed": Shared(
         ("--seed",), "Random seed.", dict(type=click.IntRange(0, 2**63 - 1), default=0, show_default=True),
-        helps={"extract": "Seed of the reservoir sample.", "report": "Seed of the permutations."}),
+        helps={"report": "Seed of the permutations."}),
 }
 
 

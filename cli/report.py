@@ -3,55 +3,17 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N
+from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N, NoteKind, has_note
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import option, store_argument
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    import pandas as pd
-
 
 def _split(s: str | None) -> list[str]:
     return [x for x in (s or "").split(",") if x.strip()]
-
-
-def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.DataFrame, str | None]:
-    """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV.
-
-    Parameters
-    ----------
-    source
-        A store's path, or a ``.csv`` metrics table (an earlier report's metrics.csv).
-    min_count
-        Keep classes with at least this many train tokens (when measuring).
-    scheduler
-        A Dask scheduler address for measuring, or None.
-
-    Returns
-    -------
-    table, store
-        The metrics table, and the store's path (None for a CSV).
-    """
-    import pandas as pd
-
-    path = Path(source)
-    if path.suffix == ".csv":
-        if not path.is_file():
-            raise UserError(f"no metrics table at {path}")
-        return pd.read_csv(path), None
-    if not path.exists():
-        raise UserError(f"no store at {path}: run `ncanalyze extract CHECKPOINTS --store {path}` first, pass the "
-                        "store's path, or set NCANALYZE_STORE")
-    from ncanalyze.store.measure import measure_store
-
-    return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)
 
 
 @click.command(short_help="Tables, figures and statistics of the metrics against the validation loss.")
@@ -96,6 +58,7 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     """
     from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.store.io import read_group
+    from ncanalyze.store.measure import load_table
 
     df, store_path = load_table(resolve_store(store_positional, store), min_count, scheduler)
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
@@ -106,9 +69,8 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)
-    for line in sorted(set(result.stats.note.dropna()) - {""}):
-        if "too few" in line:
-            log.warning("note: %s", line)
+    for line in sorted(set(result.stats.note[has_note(result.stats, NoteKind.TOO_FEW)].dropna()) - {""}):
+        log.warning("note: %s", line)
     click.echo(f"{n} checkpoints, {len(metrics)} metrics -> {result.files['report']}")
     for f in result.files.values():
         click.echo(f"  {f}")

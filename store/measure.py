@@ -136,3 +136,30 @@ def _some(groups: list[str], shown: int = 3) -> str:
     more = f" and {len(groups) - shown} more" if len(groups) > shown else ""
     return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(groups[:shown]) + more
 
+
+def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.DataFrame, str | None]:
+    """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV.
+
+    Parameters
+    ----------
+    source
+        A store's path, or a ``.csv`` metrics table (an earlier report's metrics.csv).
+    min_count
+        Keep classes with at least this many train tokens (when measuring).
+    scheduler
+        A Dask scheduler address for measuring, or None.
+
+    Returns
+    -------
+    table, store
+        The metrics table, and the store's path (None for a CSV).
+    """
+    path = Path(source)
+    if path.suffix == ".csv":
+        if not path.is_file():
+            raise UserError(f"no metrics table at {path}")
+        return pd.read_csv(path), None
+    if not path.exists():
+        raise UserError(f"no store at {path}: run `ncanalyze extract CHECKPOINTS --store {path}` first, pass the "
+                        "store's path, or set NCANALYZE_STORE")
+    return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)

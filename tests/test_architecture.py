@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import io
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -138,7 +140,7 @@ def test_names_are_defined_once():
 
 
 def test_every_extraction_setting_says_whether_it_is_hashed():
-    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.extraction.settings import ExtractConfig
 
     for f in dataclasses.fields(ExtractConfig):
         assert isinstance(f.metadata.get("hashed"), bool), f"ExtractConfig.{f.name} must declare hashed=True/False"
@@ -148,7 +150,8 @@ def test_a_default_configuration_hashes_as_before(trained_run):
     """Stores written before a change must not look foreign: the record of a default configuration keeps exactly
     these keys (a new hashed setting may enter the record only when it is not at its default)."""
     import torch
-    from ncanalyze.store.extraction.config import ExtractConfig, config_record
+    from ncanalyze.store.extraction.config import config_record
+    from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.sources.discover import discover
 
     ckpt = discover(trained_run)[0]
@@ -174,3 +177,62 @@ def test_the_slow_list_names_tests_that_exist():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     assert any(line.startswith("slow:") for line in cfg["tool:pytest"]["markers"].strip().splitlines())
+
+
+MAX_FUNCTION_LINES = 80  # lines of code: docstrings, comments and blank lines are prose, not counted
+
+
+def code_lines(source: str, node: ast.AST) -> int:
+    """The lines of ``node`` (a function) that hold code: not its docstrings' (nor those of what it defines), not
+    comments, not blank."""
+    prose = set()
+    for n in ast.walk(node):
+        body = getattr(n, "body", None)
+        if (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            prose.update(range(body[0].lineno, body[0].end_lineno + 1))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    code = set()
+    for t in tokenize.generate_tokens(io.StringIO(source).readline):
+        if t.type not in skip:
+            code.update(range(max(t.start[0], node.lineno), min(t.end[0], node.end_lineno) + 1))
+    return len(code - prose)
+
+
+def concern_breaches(root: Path) -> list[str]:
+    """The house's size rule, broken: a module without a first docstring line naming its concern, or a function of
+    more than :data:`MAX_FUNCTION_LINES` lines of code."""
+    found = []
+    for pkg in (*LAYERS, "ncanalyze"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            source = f.read_text()
+            tree = ast.parse(source)
+            doc = ast.get_docstring(tree) or ""
+            if not doc.strip() or not doc.strip().splitlines()[0].strip():
+                found.append(f"{f.relative_to(root)}: no first docstring line naming its concern")
+            for n in ast.walk(tree):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = code_lines(source, n)
+                    if lines > MAX_FUNCTION_LINES:
+                        found.append(f"{f.relative_to(root)}:{n.lineno} {n.name}: {lines} lines of code")
+    return found
+
+
+def test_a_module_is_one_concern_and_functions_stay_short():
+    """The rule that replaced the old line cap on modules: a module is one concern its first docstring line names;
+    functions under 80 lines; count code, not prose."""
+    assert not concern_breaches(ROOT), concern_breaches(ROOT)
+
+
+def test_the_concern_rule_can_fail(tmp_path):
+    """At the cap is allowed (the def line and 79 statements, with a docstring and comments that do not count); one
+    more is named; so is a module with no docstring."""
+    (tmp_path / "store").mkdir()
+    prose = '    """A docstring\n\n    of several lines, not counted."""\n'
+    body = "".join(f"    x{i} = {i}  # a comment\n" for i in range(MAX_FUNCTION_LINES - 1))
+    (tmp_path / "store" / "ok.py").write_text('"""At the cap."""\n\n\ndef f():\n' + prose + body)
+    (tmp_path / "store" / "long.py").write_text('"""Over it."""\n\n\ndef g():\n' + prose + body + "    return 1\n")
+    (tmp_path / "store" / "bare.py").write_text("x = 1\n")
+    assert concern_breaches(tmp_path) == ["store/bare.py: no first docstring line naming its concern",
+                                          f"store/long.py:4 g: {MAX_FUNCTION_LINES + 1} lines of code"]

@@ -234,7 +234,7 @@ def test_the_training_callbacks_layer_groups_refer_to_the_checkpoints_head(corpu
 def test_the_estimate_counts_the_head_once(stores):
     """The estimate's size of a ``--layers all`` checkpoint (:func:`group_bytes`) is the bytes its groups hold, the
     head counted once; counting it per layer (as before) would be off by (layers - 1) x the head's bytes."""
-    from ncanalyze.store.extraction.estimate import group_bytes
+    from ncanalyze.store.extraction.memory import group_bytes
 
     new, ckpt = stores["new"], stores["ckpt"]
     groups = [ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)]

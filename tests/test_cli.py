@@ -2,6 +2,7 @@
 and under --debug, and messages through logging with -v/-q."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -14,6 +15,9 @@ from conftest import ROOT, run_cli
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.main import main
 from ncanalyze.cli.options import OPTIONS
+from ncanalyze.store.extraction.settings import ExtractConfig
+
+SETTINGS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 
 import ncanalyze
 
@@ -106,11 +110,14 @@ def test_shared_options_are_defined_once_with_each_commands_help():
     seen = set()
     for name, command in main.commands.items():
         for p in command.params:
-            if p.name in OPTIONS:
+            if p.name in OPTIONS and not (name == "extract" and p.name in SETTINGS):  # extract's: its settings
                 shared = OPTIONS[p.name]
                 assert p.opts == list(shared.decls) and p.help == shared.helps.get(name, shared.help)
                 seen.add((name, p.name))
-    assert {("extract", n) for n in ("store", "scheduler", "min_count", "device", "seed")} <= seen
+    assert {("extract", n) for n in ("store", "scheduler")} <= seen
+    for n in ("min_count", "device", "seed"):  # extract's are settings, generated from ExtractConfig's fields
+        p = next(p for p in main.commands["extract"].params if p.name == n)
+        assert p.opts == list(OPTIONS[n].decls) and p.help == SETTINGS[n].metadata["help"], n
     assert {("measure", n) for n in ("store", "scheduler", "min_count", "tile")} <= seen
     assert {("report", n) for n in ("store", "scheduler", "min_count", "seed")} <= seen
     helps = {c: p.help for c in main.commands for p in main.commands[c].params if p.name == "min_count"}

@@ -26,12 +26,12 @@ from ncanalyze.store.extraction.estimate import (
     batch_seconds,
     depths,
     estimate,
-    group_bytes,
     kept_classes,
     per_architecture,
     progress,
 )
 from ncanalyze.store.extraction.layers import plan
+from ncanalyze.store.extraction.memory import group_bytes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, save_state
 from ncanalyze.store.sources.discover import Checkpoint

@@ -109,13 +109,15 @@ def test_auto_groups_fit_the_budget_exactly_and_keep_the_deepest_layers_together
 
 def test_state_memory_sizes():
     from ncanalyze.analyzer import UserError
-    from ncanalyze.store.extraction.memory import parse_size
+    from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 
     assert parse_size("40GB") == 40 * 10**9 and parse_size("512MiB") == 512 * 2**20
     assert parse_size("1.5 GiB") == 3 * 2**29 and parse_size("100") == 100 and parse_size(None) is None
     for bad in ("", "GB", "-1GB", "12 parsecs", "1e400GB", "0"):
         with pytest.raises(UserError, match="--state-memory"):
             parse_size(bad)
+        with pytest.raises(UserError, match=r"^state_memory \(--state-memory\) must be a size"):
+            ExtractConfig(dataset="d", state_memory=bad)
 
 
 def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run, corpus, tmp_path):

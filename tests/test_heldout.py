@@ -181,10 +181,10 @@ def test_a_slice_without_validation_is_refused_with_the_fix(model, corpus, tmp_p
 
 def test_the_record_gains_the_held_out_part_only_when_one_is_held_out(trained_run):
     from ncanalyze.store.extraction.config import (
-        ExtractConfig,
         config_hash,
         config_record,
     )
+    from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.sources.discover import discover
 
     ck = discover(trained_run)[0]

@@ -194,7 +194,8 @@ def test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical(tr
 
 
 def test_config_hash_of_a_default_run_is_unchanged(trained_run):
-    from ncanalyze.store.extraction.config import ExtractConfig, config_record
+    from ncanalyze.store.extraction.config import config_record
+    from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.extraction.layers import plan, record_layers
     from ncanalyze.store.sources.discover import discover
 

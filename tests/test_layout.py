@@ -24,7 +24,8 @@ from ncanalyze.store.extraction.config import (
 )
 from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout
 from ncanalyze.store.resume import Phase, save_state
-from ncanalyze.store.runs.result import ExtractResult
+from ncanalyze.store.extraction.checkpoint import Outcome
+from ncanalyze.store.runs.local import ExtractResult
 from ncanalyze.store.sources.discover import Checkpoint
 
 PACKAGES = {"analyzer": "ncanalyze.analyzer", "store": "ncanalyze.store", "cli": "ncanalyze.cli"}
@@ -190,17 +191,21 @@ def test_one_decision_of_a_checkpoint_status(tmp_path):
 
 
 def test_one_result_type():
-    r = ExtractResult("runs/a", "s.zarr", {"a/c1": "done", "a/c2": "resumed", "a/c3": "skipped", "a/c4": "skipped",
-                                           "a/c5": "failed: NaN features"}, ["org/m@step9: no such revision"])
-    assert (r.count("done"), r.count("resumed"), r.count("skipped")) == (1, 1, 2)
+    r = ExtractResult("runs/a", "s.zarr", {"a/c1": Outcome.DONE, "a/c2": Outcome.RESUMED, "a/c3": Outcome.SKIPPED,
+                                           "a/c4": Outcome.SKIPPED}, ["org/m@step9: no such revision"])
+    r.add("a/c5", Outcome.FAILED, "NaN features")
+    assert (r.count(Outcome.DONE), r.count(Outcome.RESUMED), r.count(Outcome.SKIPPED)) == (1, 1, 2)
+    assert r.count(Outcome.FAILED) == 1 and r.why == {"a/c5": "NaN features"}
     assert r.failures == ["org/m@step9: no such revision", "a/c5 failed: NaN features"]
     assert r.summary() == "runs/a: 1 extracted, 1 resumed, 2 already in s.zarr, 2 failed"
-    assert ExtractResult("x", "s.zarr", {"x/c": "done"}).summary() == "x: 1 extracted, 0 resumed, 0 already in s.zarr"
+    assert ExtractResult("x", "s.zarr", {"x/c": Outcome.DONE}).summary() == \
+        "x: 1 extracted, 0 resumed, 0 already in s.zarr"
+    assert str(Outcome.DONE) == "done" and f"{Outcome.SKIPPED}" == "skipped"  # as the log lines read
 
 
 def test_extract_returns_the_result(trained_run, corpus, extracted_store, tmp_path):
     """The library's extract() returns the same result the command prints: a re-run over a finished store skips all."""
-    from ncanalyze.store.extraction.config import ExtractConfig
+    from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.runs.local import extract
 
     groups = sorted(g for g in ncanalyze.store.open(extracted_store).groups if g.count("/") == 2)
@@ -208,6 +213,6 @@ def test_extract_returns_the_result(trained_run, corpus, extracted_store, tmp_pa
                         samples_per_class=4)  # EXTRACT_OPTS
     result = extract(trained_run, extracted_store, cfg)
     assert isinstance(result, ExtractResult) and result.label == str(trained_run)
-    assert sorted("/" + g for g in result.statuses) == groups and set(result.statuses.values()) == {"skipped"}
+    assert sorted("/" + g for g in result.statuses) == groups and set(result.statuses.values()) == {Outcome.SKIPPED}
     r = run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", extracted_store, *EXTRACT_OPTS)
     assert result.summary() in r.output

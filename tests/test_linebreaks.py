@@ -6,7 +6,8 @@ import json
 import ncanalyze.store
 import numpy as np
 from conftest import lone_model, run_cli
-from ncanalyze.store.extraction.config import ExtractConfig, config_hash, config_record
+from ncanalyze.store.extraction.config import config_hash, config_record
+from ncanalyze.store.extraction.settings import ExtractConfig
 from transformers import AutoTokenizer
 
 BLOCK = 32

@@ -36,7 +36,7 @@ from test_stats import study
 
 STATS_COLUMNS = {"metric", "family", "scale", "n", "r", "r2", "p_perm", "p_param_iid", "partial_r", "partial_p_perm",
                  "partial_p_param_iid", "partial_ci_low_iid", "partial_ci_high_iid", "controls", "n_perm", "exact",
-                 "note", "perm_unit", "p_floor",
+                 "note", "note_kinds", "perm_unit", "p_floor",
                  "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
                  "tag"}
 SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",

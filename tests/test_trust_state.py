@@ -303,7 +303,7 @@ def test_save_embeddings_beyond_the_train_positions_stages_what_there_is(trained
 
 
 def test_the_estimate_counts_only_the_embeddings_staged(tmp_path):
-    from ncanalyze.store.extraction.estimate import group_bytes
+    from ncanalyze.store.extraction.memory import group_bytes
 
     train = Blocks("train.npy", 32, None, 64, lambda: iter(()))  # 64 x 31 = 1984 positions
     staged = group_bytes(300, 1024, 2, 3, POSITIONS, 4)  # 3 layers' groups with 1984 positions' float32 features

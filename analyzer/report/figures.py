@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.axis import Axis  # noqa: E402
+from ncanalyze.analyzer.stats import NoteKind, has_note  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
@@ -204,7 +205,7 @@ def _log_scale(values: pd.Series, m: str, stats: pd.DataFrame | None) -> bool:
     if stats is None or m not in set(stats.metric):
         return True
     st = stats[(stats.metric == m) & (stats.scale == "log")]
-    return st.empty or "not positive" not in str(st.note.iloc[0])
+    return st.empty or not has_note(st, NoteKind.NOT_POSITIVE).iloc[0]
 
 
 def _no_values(ax, m: str) -> None:

@@ -3,6 +3,7 @@ passes and write)."""
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import shutil
@@ -17,7 +18,6 @@ from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Resolved,
     Status,
     checkpoint_status,
@@ -27,11 +27,11 @@ from ncanalyze.store.extraction.config import (
     refusal,
     resolve,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.memory import (
     check_memory,
     fit_plan,
-    parse_size,
     state_bytes,
 )
 from ncanalyze.store.extraction.passes import run_passes
@@ -56,6 +56,17 @@ from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_mo
 log = logging.getLogger(__name__)
 
 
+class Outcome(str, enum.Enum):
+    """What became of one checkpoint (:func:`extract_checkpoint`, and a run's :class:`ExtractResult`)."""
+    DONE = "done"          # extracted from the start
+    RESUMED = "resumed"    # extracted, continuing a saved state
+    SKIPPED = "skipped"    # already in the store under this configuration
+    FAILED = "failed"      # bad in itself (a CheckpointError): the run's other checkpoints went on
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Loaded(NamedTuple):
     """A checkpoint's model, loaded, and what comes with it."""
     model: torch.nn.Module
@@ -69,7 +80,7 @@ class Loaded(NamedTuple):
 
 def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
                        restart: bool = False, announce: Callable[..., None] | None = None,
-                       interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> str:
+                       interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> Outcome:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``.
 
     One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done). A
@@ -93,24 +104,24 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
 
     Returns
     -------
-    str
-        'done', 'skipped' or 'resumed'.
+    Outcome
+        DONE, SKIPPED or RESUMED.
     """
     store = Path(store)
     run = resolve(ckpt, cfg)
     files = StoreLayout(store).checkpoint(ckpt)
     with checkpoint_lock(files.lock, ckpt.group):
         if _settle(ckpt, store, cfg, run.record, files, overwrite) is Status.SKIP:
-            return "skipped"
+            return Outcome.SKIPPED
         loaded = load_checkpoint(ckpt, cfg, run)
         run = run._replace(plan=loaded.plan)
         train, val = open_inputs(store, cfg, run, loaded.tokenizer)
         if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
             announce(loaded.model, loaded.seconds, train, val, run.plan)
-        status = _passes_and_write(ckpt, store, cfg, run, files, loaded, train, val, overwrite, restart, interrupt,
-                                   extra_attrs)
+        outcome = _passes_and_write(ckpt, store, cfg, run, files, loaded, train, val, overwrite, restart, interrupt,
+                                    extra_attrs)
         drop_state(files.state)
-        return status
+        return outcome
 
 
 def _settle(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, record: dict, files: CheckpointFiles,
@@ -153,14 +164,14 @@ def open_inputs(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tu
 
 def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Resolved, files: CheckpointFiles,
                       loaded: Loaded, train: Blocks, val: Blocks | None, overwrite: bool, restart: bool,
-                      interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> str:
+                      interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> Outcome:
     """The running state (resumed where saved), the train and validation passes, the group's attributes and its write;
-    'done' or 'resumed'."""
+    DONE or RESUMED."""
     model, classifier, bias, record = loaded.model, loaded.classifier, loaded.bias, run.record
     positions = None if train.total is None else train.total * (train.block_size - 1)
     ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
                     run.device, files.layers)
-    status = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
+    outcome = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
@@ -182,18 +193,18 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
     ds, others = ex.datasets(classifier, bias, decoded_tokens(loaded.tokenizer, classifier.shape[0]), attrs, norm and norm[0])
     io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
     ex.cleanup()
-    return status
+    return outcome
 
 
 def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
-            train: Blocks, val: Blocks | None, group: str) -> str:
-    """Load the saved state into ``ex`` if there is one for this configuration: 'resumed', else 'done' (a fresh
+            train: Blocks, val: Blocks | None, group: str) -> Outcome:
+    """Load the saved state into ``ex`` if there is one for this configuration: RESUMED, else DONE (a fresh
     start). A state under another configuration, or unreadable, or inconsistent, is refused unless ``overwrite``
     (or ``restart``) discards it."""
     if restart or not spath.exists():
         drop_state(spath)
         ex.start()
-        return "done"
+        return Outcome.DONE
     try:
         arrays = load_state(spath)
         old = record_of(arrays)
@@ -209,5 +220,5 @@ def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart:
         log.info("%s: discarding its resume state (%s)", group, e)
         drop_state(spath)
         ex.reset()
-        return "done"
-    return "resumed"
+        return Outcome.DONE
+    return Outcome.RESUMED

@@ -8,7 +8,7 @@ import enum
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,69 +18,12 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import tokens
 from ncanalyze.store.data.blocks import VAL_NAMES, Blocks, base_split, check_block_size, is_token_file, open_blocks
 from ncanalyze.store.extraction import layers
-from ncanalyze.store.extraction.memory import parse_size
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config, resolve_device, weights_fingerprint
 
 log = logging.getLogger(__name__)
-
-
-def setting(default=None, *, hashed: bool, omit_default: bool = False):
-    """A configuration field.
-
-    Parameters
-    ----------
-    default
-        Its default value.
-    hashed
-        It determines the numbers, so it goes into the config hash (every field must say).
-    omit_default
-        A hashed field left out of the record (and so of the hash) while it has its default value, so that adding it
-        keeps the hash of every store made before it existed; any other value is recorded.
-
-    Returns
-    -------
-    dataclasses.Field
-        The field, its flags in its metadata.
-    """
-    return field(default=default, metadata={"hashed": hashed, "omit_default": omit_default})
-
-
-@dataclass
-class ExtractConfig:
-    """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run."""
-    dataset: str = field(metadata={"hashed": True})
-    val_dataset: str | None = setting(hashed=True)
-    split: str = setting("train", hashed=True)
-    val_split: str = setting("validation", hashed=True)
-    # held out of the train data when no validation is given or found; recorded resolved, as val_held_out
-    val_split_percentage: int = setting(5, hashed=False)
-    text_column: str = setting("text", hashed=True)
-    block_size: int | None = setting(hashed=True)
-    max_train_tokens: int | None = setting(hashed=True)
-    max_val_tokens: int | None = setting(hashed=True)
-    batch_size: int = setting(8, hashed=True)
-    device: str = setting("auto", hashed=False)  # only its type (cpu/cuda) is hashed, as device_type
-    dtype: str = setting("float32", hashed=True)
-    samples_per_class: int = setting(8, hashed=True)
-    tokenizer: str | None = setting(hashed=True)
-    min_count: int = setting(1, hashed=True)
-    seed: int = setting(0, hashed=True)
-    allow_pickle: bool = setting(False, hashed=False)
-    trust_remote_code: bool = setting(False, hashed=False)
-    state_every: float = setting(120.0, hashed=False)  # seconds between resume-state saves (0: every batch)
-    keep_linebreaks: bool = setting(True, hashed=True, omit_default=True)  # plain text keeps its "\n" (run_clm)
-    tag: str | None = setting(hashed=False)  # where, not what: tagged checkpoints live at <run>@<tag>/<checkpoint>
-    token_cache: bool = setting(True, hashed=False)  # text tokenized once into <store>.tokens/ (the same blocks)
-    layers: str = setting("last", hashed=True, omit_default=True)  # recorded resolved (indices), see store/layers.py
-    layers_per_pass: int | str | None = setting("auto", hashed=True, omit_default=True)  # auto: never recorded
-    state_memory: str | None = setting(hashed=False)  # a size (40GB, 512MiB): the state's memory under auto
-    save_embeddings: int = setting(0, hashed=True, omit_default=True)
-    embeddings_dtype: str = setting("float32", hashed=True, omit_default=True)
-
-    def __post_init__(self) -> None:  # None is auto (one pass where it fits, as None was); a bad size is refused
-        self.layers_per_pass, _ = self.layers_per_pass or layers.AUTO, parse_size(self.state_memory)
 
 
 def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,

@@ -32,10 +32,10 @@ from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.extraction.config import ExtractConfig
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.layers import Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
-from ncanalyze.store.extraction.memory import state_bytes
+from ncanalyze.store.extraction.memory import group_bytes, state_bytes
 from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.running import LayerState
 from ncanalyze.store.resume import UNREADABLE, Phase
@@ -44,15 +44,6 @@ from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config
 
 log = logging.getLogger(__name__)
-
-
-def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,
-                embeddings_itemsize: int = 4) -> int:
-    """A checkpoint's size in the store before compression: per stored layer the float64 means, the float32
-    reservoir with its positions, the 7 per-class vectors and the d x d covariance, and the saved embeddings (and
-    their labels); once per checkpoint, the float32 head (its layer groups refer to it)."""
-    per_layer = vocab * dim * (8 + 4 * samples_per_class) + vocab * 8 * (7 + samples_per_class) + dim * dim * 8
-    return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8)) + vocab * dim * 4
 
 
 START = (0, Phase.TRAIN, 0)  # the progress (pass, phase, batches done) of a checkpoint not yet started

@@ -1,4 +1,5 @@
-"""The running state's memory: its size per layer (:func:`state_bytes`), the memory a pass may use
+"""The sizes of a checkpoint's extraction: the running state's per layer (:func:`state_bytes`) and the groups' in the
+store (:func:`group_bytes`), the memory a pass may use
 (``--state-memory``, else the device's free memory less a margin), the layers per pass that fit (``--layers-per-pass
 auto``), and the check before the passes start.
 """
@@ -46,35 +47,13 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-         "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(size: str | None) -> int | None:
-    """The bytes of a ``--state-memory`` size.
-
-    Parameters
-    ----------
-    size
-        A number and a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), e.g. ``40GB``, ``512MiB``; None.
-
-    Returns
-    -------
-    int or None
-        The bytes (None for None).
-    """
-    if size is None:
-        return None
-    text = str(size).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in UNITS or not value > 0 or value * UNITS[unit] > 2**62:
-        raise UserError(f"--state-memory {size!r} is not a size: pass a number and a unit, like 40GB or 512MiB")
-    return int(value * UNITS[unit])
+def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,
+                embeddings_itemsize: int = 4) -> int:
+    """A checkpoint's size in the store before compression: per stored layer the float64 means, the float32
+    reservoir with its positions, the 7 per-class vectors and the d x d covariance, and the saved embeddings (and
+    their labels); once per checkpoint, the float32 head (its layer groups refer to it)."""
+    per_layer = vocab * dim * (8 + 4 * samples_per_class) + vocab * 8 * (7 + samples_per_class) + dim * dim * 8
+    return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8)) + vocab * dim * 4
 
 
 def state_budget(device: torch.device, state_memory: int | None = None) -> int:

@@ -56,7 +56,7 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
     store
         The store (made absolute: the workers may run elsewhere).
     cfg
-        The :class:`~ncanalyze.store.extraction.config.ExtractConfig`.
+        The :class:`~ncanalyze.store.extraction.settings.ExtractConfig`.
     address
         The scheduler (else ``$DASK_SCHEDULER_ADDRESS``).
     overwrite, restart
@@ -67,7 +67,7 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
     Returns
     -------
     ExtractResult
-        Labelled with the paths; each group 'done', 'resumed', 'skipped' or 'failed: why'.
+        Labelled with the paths; each group's Outcome (a failure with why).
     """
     # here, not at the top: `ncanalyze extract --help` and the CLI's import stay light (no torch)
     from ncanalyze.store.runs import local as ex
@@ -89,9 +89,8 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
         log.info("%d checkpoint(s) as tasks on %s (%d workers%s)%s", len(ckpts), c.scheduler.address,
                  len(c.scheduler_info()["workers"]), ", one GPU each" if tasks.opts["resources"] else "",
                  f", {shards} shards each" if shards > 1 else "")
-        statuses = tasks.run(ckpts, shards)
+        tasks.run(ckpts, shards, result)
     prune(StoreLayout(store).partial)
-    result.statuses = {ckpt.group: statuses[ckpt.group] for ckpt in ckpts if ckpt.group in statuses}
     return result
 
 
@@ -133,8 +132,8 @@ class _Tasks:
                       for n, (i, j) in enumerate(level)]
         return self.submit("finish", ckpt, self.local.finish_sharded, ckpt, self.store, cfg, states[0], self.overwrite)
 
-    def run(self, ckpts: list, shards: int) -> dict[str, str]:
-        """Every checkpoint's status, as its last task completes."""
+    def run(self, ckpts: list, shards: int, result) -> None:
+        """Every checkpoint's outcome into ``result`` (in the order of ``ckpts``), as its last task completes."""
         from distributed import as_completed
 
         for ckpt in ckpts:
@@ -142,32 +141,41 @@ class _Tasks:
                 self.submit("plan", ckpt, self.sh.plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
             else:
                 self.whole(ckpt)
-        done, statuses = as_completed(list(self.what)), {}
+        done, outcomes = as_completed(list(self.what)), {}
         bar = tqdm(total=len(ckpts), desc="checkpoints", unit="ckpt", disable=None)
         try:
             for f in done:
                 ckpt, stage = self.what.pop(f)
-                out = _outcome(f)
-                if stage == "plan" and (out == self.sh.WHOLE or isinstance(out, list)):
-                    done.add(self.whole(ckpt) if out == self.sh.WHOLE else self.sharded(ckpt, out))
-                    continue
-                statuses[ckpt.group] = out
+                out, why = _outcome(f, self.one.Outcome)
+                if stage == "plan" and why is None:  # a Plan: on to its tasks, or skipped
+                    if out.route is not self.sh.Route.SKIP:
+                        done.add(self.whole(ckpt) if out.route is self.sh.Route.WHOLE
+                                 else self.sharded(ckpt, out.ranges))
+                        continue
+                    out = self.one.Outcome.SKIPPED
+                outcomes[ckpt.group] = out, why
                 bar.update()
-                log.info("%s: %s", ckpt.group, out)
+                log.info("%s: %s", ckpt.group, outcomes[ckpt.group][0] if why is None else f"failed: {why}")
         finally:
             bar.close()
             for f in self.what:
                 f.cancel()
-        return statuses
+        for ckpt in ckpts:
+            if ckpt.group in outcomes:
+                result.statuses[ckpt.group], why = outcomes[ckpt.group]
+                if why is not None:
+                    result.why[ckpt.group] = why
 
 
-def _outcome(f):
-    """A task's result; a checkpoint's own failure (CheckpointError, a worker that kept dying) as 'failed: why'."""
+def _outcome(f, outcome):
+    """A task's result, and None; a checkpoint's own failure (CheckpointError, a worker that kept dying) as
+    (``Outcome.FAILED``, why)."""
     from distributed import KilledWorker
 
     try:
-        return f.result()
+        return f.result(), None
     except CheckpointError as e:
-        return f"failed: {e}"
+        return outcome.FAILED, str(e)
     except KilledWorker as e:
-        return f"failed: {_why(e)}"
+        return outcome.FAILED, _why(e)
+

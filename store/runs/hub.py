@@ -19,18 +19,17 @@ from pathlib import Path
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
-from ncanalyze.store.extraction.checkpoint import extract_checkpoint
+from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Status,
     checkpoint_status,
     config_record,
     val_data,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.layout import StoreLayout
 from ncanalyze.store.resume import DeferredInterrupt, prune
-from ncanalyze.store.runs.local import announcer, check_settings, todo
-from ncanalyze.store.runs.result import ExtractResult
+from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, todo
 from ncanalyze.store.sources.discover import Checkpoint, looks_local, tagged
 from ncanalyze.store.sources.load import quiet_loading, resolve_device
 from ncanalyze.store.sources.revisions import (  # noqa: F401
@@ -366,14 +365,14 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg: Extract
             for i, rev in enumerate(tqdm(revisions, desc="revisions", unit="rev", disable=len(revisions) < 2), 1):
                 group = ckpts[rev].group
                 if not overwrite and done_before(store, ckpts[rev], repo, rev, cfg):
-                    result.statuses[group] = "skipped"
+                    result.statuses[group] = Outcome.SKIPPED
                     log.info("%s: skipped, already in the store (%d/%d)", group, i, len(revisions))
                     continue
-                status = _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce,
-                                   interrupt, result.errors)
-                if status is not None:
-                    result.statuses[group] = status
-                    log.info("%s: %s (%d/%d)", group, status, i, len(revisions))
+                outcome = _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce,
+                                    interrupt, result.errors)
+                if outcome is not None:
+                    result.statuses[group] = outcome
+                    log.info("%s: %s (%d/%d)", group, outcome, i, len(revisions))
     finally:
         prune(StoreLayout(store).partial)
     return result
@@ -381,8 +380,8 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg: Extract
 
 def _revision(repo: str, rev: str, name: str, store: Path, cfg: ExtractConfig, overwrite: bool,
               delete_downloads: bool, restart: bool, announce, interrupt: DeferredInterrupt,
-              errors: list[str]) -> str | None:
-    """One revision fetched and extracted: its status, or None with a line added to ``errors``."""
+              errors: list[str]) -> Outcome | None:
+    """One revision fetched and extracted: its outcome, or None with a line added to ``errors``."""
     try:
         snap = fetch(repo, rev, cfg.allow_pickle)
     except hub_errors() as e:

@@ -1,10 +1,11 @@
 """Extraction of the checkpoints under local paths: :func:`extract` (the estimate announced once, then each checkpoint
-by :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`), and one checkpoint in shards
-(:func:`extract_sharded`)."""
+by :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`), one checkpoint in shards
+(:func:`extract_sharded`), and :class:`ExtractResult`, what an extraction did (local, Hub or cluster)."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +13,13 @@ from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
-from ncanalyze.store.extraction.checkpoint import extract_checkpoint, load_checkpoint, open_inputs
+from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint, open_inputs
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Status,
     held_out_line,
     resolve,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.estimate import (
     START,
     Arch,
@@ -35,7 +36,6 @@ from ncanalyze.store.resume import (
     prune,
 )
 from ncanalyze.store.runs import shards as sh
-from ncanalyze.store.runs.result import ExtractResult
 from ncanalyze.store.sources.discover import (
     Checkpoint,
     discover,
@@ -44,6 +44,53 @@ from ncanalyze.store.sources.discover import (
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExtractResult:
+    """What one extraction did (local, Hub or cluster).
+
+    Parameters
+    ----------
+    label
+        What was extracted: the path, the Hub repository, or the paths sent to a cluster.
+    store
+        The store, as given.
+    statuses
+        Each checkpoint group's :class:`Outcome`.
+    errors
+        One line for each thing that failed before it had a group (a Hub revision that could not be fetched).
+    why
+        Why each FAILED group failed, one line each.
+    """
+    label: str
+    store: str
+    statuses: dict[str, Outcome] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)
+
+    def add(self, group: str, outcome: Outcome, why: str | None = None) -> None:
+        """Record a group's outcome (with why, for a failure), and log it."""
+        self.statuses[group] = outcome
+        if why is not None:
+            self.why[group] = why
+        log.info("%s: %s", group, outcome if why is None else f"{outcome}: {why}")
+
+    def count(self, outcome: Outcome) -> int:
+        """How many groups have ``outcome``."""
+        return sum(v is outcome for v in self.statuses.values())
+
+    @property
+    def failures(self) -> list[str]:
+        """One line for each failure: the errors, then each failed group with why."""
+        return self.errors + [f"{g} failed: {self.why.get(g, '')}" for g, v in self.statuses.items()
+                              if v is Outcome.FAILED]
+
+    def summary(self) -> str:
+        """``LABEL: N extracted, N resumed, N already in STORE[, N failed]``, the line the command prints."""
+        failed = len(self.failures)
+        return (f"{self.label}: {self.count(Outcome.DONE)} extracted, {self.count(Outcome.RESUMED)} resumed, "
+                f"{self.count(Outcome.SKIPPED)} already in {self.store}" + (f", {failed} failed" if failed else ""))
 
 
 def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False,
@@ -158,7 +205,7 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     """Extract every checkpoint under ``path`` into ``store`` (each status logged as it goes).
 
     A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
-    'failed: <why>', and the others go on; any other error stops the run.
+    ``Outcome.FAILED`` with why, and the others go on; any other error stops the run.
 
     Parameters
     ----------
@@ -187,29 +234,27 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     try:
         with DeferredInterrupt() as interrupt:
             for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
-                result.statuses[ckpt.group] = _one(ckpt, store, cfg, overwrite, restart, announce, interrupt,
-                                                   len(ckpts), shards)
-                log.info("%s: %s", ckpt.group, result.statuses[ckpt.group])
+                try:
+                    result.add(ckpt.group, _one(ckpt, store, cfg, overwrite, restart, announce, interrupt, shards))
+                except CheckpointError as e:  # bad in itself: it fails alone when it is one of several
+                    if len(ckpts) == 1:
+                        raise
+                    result.add(ckpt.group, Outcome.FAILED, str(e))
     finally:
         prune(StoreLayout(store).partial)
     return result
 
 
 def _one(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool, restart: bool, announce,
-         interrupt: DeferredInterrupt, n: int, shards: int = 1) -> str:
-    """One checkpoint's status; a CheckpointError is its status ('failed: why') when it is one of several."""
-    try:
-        if shards > 1:
-            return extract_sharded(ckpt, store, cfg, shards, overwrite, restart, interrupt)
-        return extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce, interrupt)
-    except CheckpointError as e:
-        if n == 1:
-            raise
-        return f"failed: {e}"
+         interrupt: DeferredInterrupt, shards: int = 1) -> Outcome:
+    """One checkpoint's outcome, in shards or whole."""
+    if shards > 1:
+        return extract_sharded(ckpt, store, cfg, shards, overwrite, restart, interrupt)
+    return extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce, interrupt)
 
 
 def finish_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
-                   overwrite: bool = False, interrupt: DeferredInterrupt | None = None) -> str:
+                   overwrite: bool = False, interrupt: DeferredInterrupt | None = None) -> Outcome:
     """The merged train state saved as the checkpoint's resume state (:func:`~ncanalyze.store.runs.shards.save_merged`),
     then :func:`extract_checkpoint` resumes from it: the validation pass and the write.
 
@@ -224,19 +269,19 @@ def finish_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: di
 
     Returns
     -------
-    str
-        'done' ('resumed' when run again after its worker died in the validation pass, 'skipped' if another writer
+    Outcome
+        DONE (RESUMED when run again after its worker died in the validation pass, SKIPPED if another writer
         finished it meanwhile).
     """
     saved = sh.save_merged(ckpt, store, cfg, merged, overwrite)
     if saved is Status.SKIP:
-        return "skipped"
-    status = extract_checkpoint(ckpt, store, cfg, overwrite, restart=False, interrupt=interrupt)
-    return "done" if status == "resumed" and saved is Status.FRESH else status
+        return Outcome.SKIPPED
+    outcome = extract_checkpoint(ckpt, store, cfg, overwrite, restart=False, interrupt=interrupt)
+    return Outcome.DONE if outcome is Outcome.RESUMED and saved is Status.FRESH else outcome
 
 
 def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
-                    restart: bool = False, interrupt: DeferredInterrupt | None = None) -> str:
+                    restart: bool = False, interrupt: DeferredInterrupt | None = None) -> Outcome:
     """The sharded extraction of one checkpoint in this process: the shards one after another, the same merge tree
     as on a cluster, then the validation pass.
 
@@ -252,15 +297,15 @@ def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: i
 
     Returns
     -------
-    str
-        'done', 'skipped' or 'resumed'.
+    Outcome
+        DONE, SKIPPED or RESUMED.
     """
-    parts = sh.plan(ckpt, store, cfg, shards, overwrite, restart)
-    if parts == "skipped":
-        return "skipped"
-    if parts == sh.WHOLE:
+    plan = sh.plan(ckpt, store, cfg, shards, overwrite, restart)
+    if plan.route is sh.Route.SKIP:
+        return Outcome.SKIPPED
+    if plan.route is sh.Route.WHOLE:
         return extract_checkpoint(ckpt, store, cfg, overwrite, restart=False, interrupt=interrupt)
-    states = [sh.train_shard(ckpt, cfg, a, b, interrupt) for a, b in parts]
+    states = [sh.train_shard(ckpt, cfg, a, b, interrupt) for a, b in plan.ranges]
     for level in sh.merge_order(len(states)):
         states = [states[i] if j < 0 else sh.merge_states(states[i], states[j], cfg.samples_per_class, cfg.seed)
                   for i, j in level]

@@ -4,7 +4,8 @@ reservoir over its batches, merged with Chan's formula in a fixed tree, then the
 The steps are plain functions of picklable arguments, so that a cluster runs them as tasks (cluster.py) and the local
 run calls them one after another (extract.extract_sharded); both merge in the same order and so give the same bits.
 
-- :func:`plan`: skip a finished checkpoint, hand a saved resume state back to the one-task path, else the ranges;
+- :func:`plan`: skip a finished checkpoint, hand a saved resume state back to the one-task path, else the ranges
+  (a :class:`Plan`);
 - :func:`train_shard`: the train pass over one range, with global stream positions (so reservoir keys agree);
 - :func:`merge_states`: two shards' states into one (Chan for the statistics, bottom-k for the reservoir);
 - :func:`save_merged`: the merged state saved as the checkpoint's resume state at the start of the validation pass,
@@ -16,8 +17,10 @@ A shard keeps no resume state of its own: one that is lost (its worker died) is 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from ncanalyze.analyzer.accumulate import ClassStats
@@ -25,12 +28,12 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     Status,
     checkpoint_status,
     open_data,
     resolve,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.memory import check_memory, state_bytes
 from ncanalyze.store.extraction.passes import train_pass
 from ncanalyze.store.extraction.reservoir import Reservoir
@@ -52,7 +55,17 @@ from ncanalyze.store.sources.load import find_tokenizer, load_model
 
 log = logging.getLogger(__name__)
 
-WHOLE = "whole"  # plan's answer when the checkpoint should run as one task (a saved state to resume, or a refusal)
+class Route(enum.Enum):
+    """How :func:`plan` sends a checkpoint on."""
+    SKIP = "skip"      # already in the store under this configuration
+    WHOLE = "whole"    # one task: a saved resume state to continue, or a group under another configuration to refuse
+    SHARDS = "shards"  # its train pass in ranges of batches
+
+
+class Plan(NamedTuple):
+    """:func:`plan`'s answer: the route, and the shards' [start, stop) batch ranges under SHARDS."""
+    route: Route
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 def ranges(n_batches: int, shards: int) -> list[tuple[int, int]]:
@@ -70,9 +83,9 @@ def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
 
 
 def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
-         restart: bool = False) -> str | list[tuple[int, int]]:
-    """'skipped' (already in the store under this configuration), ``WHOLE`` (run it as one task: a saved resume
-    state to continue, or a group under another configuration for extract_checkpoint to refuse), else the shards'
+         restart: bool = False) -> Plan:
+    """SKIP (already in the store under this configuration), WHOLE (run it as one task: a saved resume state to
+    continue, or a group under another configuration for extract_checkpoint to refuse), else SHARDS with the shards'
     batch ranges. Loads no weights; counts the train batches by reading the data once when its length is unknown.
 
     Parameters
@@ -86,8 +99,8 @@ def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwri
 
     Returns
     -------
-    str or list of (int, int)
-        'skipped', ``WHOLE``, or the [start, stop) batch ranges.
+    Plan
+        The route, and the [start, stop) batch ranges under SHARDS.
     """
     record = resolve(ckpt, cfg).record
     files = StoreLayout(store).checkpoint(ckpt)
@@ -96,9 +109,9 @@ def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwri
         status = checkpoint_status(io.group_attrs(store, ckpt.group, corrupt_ok=overwrite), record, files.state,
                                    overwrite, restart)
         if status is Status.SKIP:
-            return "skipped"
+            return Plan(Route.SKIP)
         if status is not Status.FRESH:  # REFUSE: extract_checkpoint says why; RESUME: it continues the state
-            return WHOLE
+            return Plan(Route.WHOLE)
         if restart:
             drop_state(files.state)
     _, blocks = _train_blocks(ckpt, cfg)
@@ -110,7 +123,7 @@ def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwri
     if n_batches == 0:
         raise UserError(f"{blocks.spec} holds no full block of {blocks.block_size} tokens: the dataset is empty or "
                         "shorter than --block-size")
-    return ranges(n_batches, shards)
+    return Plan(Route.SHARDS, tuple(ranges(n_batches, shards)))
 
 
 class _ShardSaver(Saver):

@@ -28,7 +28,6 @@ from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
-    ExtractConfig,
     config_hash,
     config_record,
     differences,
@@ -37,6 +36,7 @@ from ncanalyze.store.extraction.config import (
     rows_width,
     val_data,
 )
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
@@ -152,7 +152,7 @@ class NeuralCollapseCallback(TrainerCallback):
         The Trainer, when known: the scalar metrics then go through ``trainer.log`` to every integration (TensorBoard,
         W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
     **settings
-        Any other field of :class:`~ncanalyze.store.extraction.config.ExtractConfig` (``batch_size``, ``samples_per_class``,
+        Any other field of :class:`~ncanalyze.store.extraction.settings.ExtractConfig` (``batch_size``, ``samples_per_class``,
         ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ...).
     """
 

@@ -1,0 +1,225 @@
+"""Every extraction setting, defined once: its default, its validation, its flag and help, its ``--help`` section and
+whether it is hashed (``ExtractConfig``). Light on purpose (no torch): ``ncanalyze extract --help`` builds its options
+from these fields, and the library, the CLI and the training callback refuse a bad value with the same one line.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from ncanalyze.analyzer.errors import UserError
+
+SECTIONS = ("Data", "Model", "Statistics", "Layers", "Hub", "Run control", "Cluster")  # ``extract --help``, in order
+AUTO = "auto"  # --layers-per-pass auto
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+         "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def setting(default: Any = None, *, required: bool = False, hashed: bool, section: str, help: str, kind: type | None = None,
+            flag: str | None = None, metavar: str | None = None, minimum: float | None = None,
+            maximum: float | None = None, choices: tuple[str, ...] | None = None,
+            check: Callable[[Any], Any] | None = None, omit_default: bool = False):
+    """A configuration field and everything said about it once.
+
+    Parameters
+    ----------
+    default
+        Its default value.
+    required
+        It has no default (the train data).
+    hashed
+        It determines the numbers, so it goes into the config hash (every field must say).
+    section
+        Its section of ``ncanalyze extract --help`` (one of :data:`SECTIONS`).
+    help
+        Its help text.
+    kind
+        Its type (``int``, ``float``, ``str``, ``bool``) [default: the default's type, else ``str``].
+    flag
+        Its command-line flag [default: ``--`` and the name with dashes].
+    metavar
+        The value's name in ``--help``.
+    minimum, maximum, choices
+        The values it accepts (None: any of its type).
+    check
+        ``check(value) -> value``: converts a value or raises ``ValueError("must be ...")``, after the checks above.
+    omit_default
+        A hashed field left out of the record (and so of the hash) while it has its default value, so that adding it
+        kept the hash of every store made before it existed; any other value is recorded.
+
+    Returns
+    -------
+    dataclasses.Field
+        The field, all of the above in its metadata.
+    """
+    assert section in SECTIONS, section
+    kind = kind or (type(default) if default is not None else str)
+    return field(default=MISSING if required else default, metadata={
+        "hashed": hashed, "omit_default": omit_default, "section": section, "help": help, "kind": kind, "flag": flag,
+        "metavar": metavar, "minimum": minimum, "maximum": maximum, "choices": choices, "check": check})
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of the setting ``name``."""
+    meta = next(f.metadata for f in fields(ExtractConfig) if f.name == name)
+    return meta["flag"] or "--" + name.replace("_", "-")
+
+
+def refused(name: str, reason: str, value: Any) -> UserError:
+    """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be >= 1, got 0``."""
+    return UserError(f"{name} ({flag_of(name)}) {reason}, got {value!r}")
+
+
+def parse_size(size: str | None) -> int | None:
+    """The bytes of a ``--state-memory`` size.
+
+    Parameters
+    ----------
+    size
+        A number and a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), e.g. ``40GB``, ``512MiB``; None.
+
+    Returns
+    -------
+    int or None
+        The bytes (None for None).
+    """
+    if size is None:
+        return None
+    text = str(size).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in UNITS or not value > 0 or value * UNITS[unit] > 2**62:
+        raise refused("state_memory", "must be a size, a number and a unit like 40GB or 512MiB", size)
+    return int(value * UNITS[unit])
+
+
+def _size(value: str) -> str:
+    parse_size(value)
+    return value
+
+
+def _layers(value: str) -> str:
+    if not isinstance(value, str) or not value.strip(" ,"):
+        raise ValueError("names no layer: pass last, all, or indices like 0,-1")
+    return value
+
+
+def _per_pass(value: int | str | None) -> int | str:
+    """``auto`` (None too: one pass where it fits) or a positive integer, as an int (so the record hashes alike)."""
+    if value is None or value == AUTO:
+        return AUTO
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise ValueError("must be auto or a positive integer")
+
+
+_VAL_HELP = ("Validation data (NC4, val_loss), any form --dataset takes. Default: a sibling file (val.bin beside "
+             "train.bin, validation.txt beside train.txt), else the --val-split of --dataset where it has one, else "
+             "--val-split-percentage of the train data held out (never the train tokens).")
+
+
+@dataclass
+class ExtractConfig:
+    """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run; every value is
+    checked when the configuration is made (:meth:`__post_init__`), by the library as by the CLI."""
+    dataset: str = setting(required=True, hashed=True, section="Data", metavar="SPEC", help=(
+        "Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token ids in .npy "
+        "(1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream)."))
+    val_dataset: str | None = setting(hashed=True, section="Data", metavar="SPEC", help=_VAL_HELP)
+    split: str = setting("train", hashed=True, section="Data", help=(
+        "Split of --dataset (slices like 'train[:95%]' work for local data)."))
+    val_split: str = setting("validation", hashed=True, section="Data", help="Split of the validation data.")
+    # held out of the train data when no validation is given or found; recorded resolved, as val_held_out
+    val_split_percentage: int = setting(5, hashed=False, section="Data", metavar="P", minimum=0, maximum=99, help=(
+        "With no validation data given or found, hold out the first P% of the train data as validation and train on "
+        "the rest, as run_clm's validation_split_percentage: splits 'train[:P%]' and 'train[P%:]' (text, datasets), "
+        "or the first P% of the blocks (.npy/.bin). 0: validate on --val-split of --dataset as before (a token file "
+        "without a sibling is then refused)."))
+    text_column: str = setting("text", hashed=True, section="Data", help="Column holding the text.")
+    block_size: int | None = setting(hashed=True, section="Data", kind=int, minimum=2, help=(
+        "Block length for 1-D streams and text [default: the model's context, at most 1024]."))
+    max_train_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
+        "Cap on train tokens read (whole blocks)."))
+    max_val_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
+        "Cap on validation tokens read; 0 skips NC4."))
+    batch_size: int = setting(8, hashed=True, section="Statistics", minimum=1, help="Blocks per forward pass.")
+    device: str = setting("auto", hashed=False, section="Model", help=(  # only its type is hashed, as device_type
+        "auto (CUDA when present, else CPU), cpu, cuda, cuda:N."))
+    dtype: str = setting("float32", hashed=True, section="Model", choices=DTYPES, help=(
+        "Model dtype; statistics are always accumulated in float64."))
+    samples_per_class: int = setting(8, hashed=True, section="Statistics", minimum=0, help=(
+        "Raw features kept per class (uniform reservoir sample)."))
+    tokenizer: str | None = setting(hashed=True, section="Data", metavar="PATH_OR_NAME", help=(
+        "Tokenizer for text data [default: the checkpoint's, else its run folder's]."))
+    min_count: int = setting(1, hashed=True, section="Statistics", minimum=1, help=(
+        "Classes with fewer train tokens are left out of NC4's decisions (fixed at extraction: measuring with "
+        "another --min-count reports NC4 as nan)."))
+    seed: int = setting(0, hashed=True, section="Statistics", minimum=0, maximum=2**63 - 1,
+                        help="Seed of the reservoir sample.")
+    allow_pickle: bool = setting(False, hashed=False, section="Model", help=(
+        "Load pickle weights (pytorch_model.bin); only for trusted files."))
+    trust_remote_code: bool = setting(False, hashed=False, section="Model", help=(
+        "Allow custom model or tokenizer code from the checkpoint."))
+    state_every: float = setting(120.0, hashed=False, section="Run control", minimum=0, help=(
+        "Seconds between saves of the resume state (a killed run continues from the last save)."))
+    keep_linebreaks: bool = setting(True, hashed=True, omit_default=True, section="Data", help=(
+        "Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
+        "--no-keep-linebreaks strips them."))
+    tag: str | None = setting(hashed=False, section="Run control", metavar="NAME", help=(  # where, not what
+        "Store these checkpoints under <run>@NAME/<checkpoint> (attribute and metrics.csv column `tag`): the same "
+        "checkpoints measured on several datasets in one store."))
+    token_cache: bool = setting(True, hashed=False, section="Data", help=(
+        "Tokenize text once into <store>.tokens/ (keyed by data, tokenizer, block size, cap and line breaks) and "
+        "reuse it for every checkpoint; progress bars and the estimate then know the totals."))
+    layers: str = setting("last", hashed=True, omit_default=True, section="Layers", metavar="last|all|I,J,...",
+                          check=_layers, help=(  # recorded resolved (indices), see layers.py
+        "Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after the final "
+        "norm, the checkpoint group itself), negative from the end. Others are stored at "
+        "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm)."))
+    layers_per_pass: int | str | None = setting(AUTO, hashed=True, omit_default=True, section="Layers", kind=str,
+                                                metavar="auto|K", check=_per_pass, help=(  # auto: never recorded
+        "At most K layers' state at a time: several passes over the data (exact either way); auto: as many as "
+        "--state-memory holds, the deepest layers together."))
+    state_memory: str | None = setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
+        "Memory the float64 state may take under --layers-per-pass auto, e.g. 40GB or 512MiB [default: the device's "
+        "free memory after the model, less a tenth (at least 1 GiB)]."))
+    save_embeddings: int = setting(0, hashed=True, omit_default=True, section="Layers", metavar="N", minimum=0, help=(
+        "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "
+        "(position, hidden) with label (position)."))
+    embeddings_dtype: str = setting("float32", hashed=True, omit_default=True, section="Layers",
+                                    choices=("float32", "float16", "float64"), help="dtype of --save-embeddings.")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, checked(f.name, f.metadata, f.default, getattr(self, f.name)))
+
+
+def checked(name: str, meta: dict, default: Any, value: Any) -> Any:
+    """A setting's value as checked and converted by its metadata; a bad one is :func:`refused` in one line."""
+    kind, check = meta["kind"], meta["check"]
+    if value is None and default is None:
+        return None
+    if check is not None and kind is str:  # a value of its own syntax (a size, auto|K, layers)
+        try:
+            return check(value)
+        except ValueError as e:
+            raise refused(name, str(e), value) from None
+    ok = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
+    if not isinstance(value, ok) or (kind is not bool and isinstance(value, bool)):
+        raise refused(name, f"must be {'a' if kind is not int else 'an'} {kind.__name__}", value)
+    low, high, choices = meta["minimum"], meta["maximum"], meta["choices"]
+    if low is not None and high is not None and not low <= value <= high:
+        raise refused(name, f"must be between {low} and {high}", value)
+    if low is not None and value < low:
+        raise refused(name, f"must be >= {low}", value)
+    if choices is not None and value not in choices:
+        raise refused(name, f"must be one of {', '.join(choices)}", value)
+    return float(value) if kind is float else value
