@@ -179,6 +179,7 @@ def plan_removal(store: str | Path, names: list[str], tags: list[str] = ()) -> R
     store = Path(store)
     if not (store / "zarr.json").is_file():
         io.open_tree(store)  # the one-line error for a path that is not a store
+    io.check_format(store)  # a store of another format: extract again, nothing removed
     runs_ = known(store)
     groups = [g for gs in runs_.values() for g in gs]
     runs, picked, unknown = [], [], []

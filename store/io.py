@@ -38,6 +38,7 @@ ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
 # what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
+FORMAT_KEY, FORMAT = "ncanalyze_format", 1  # the store's format, a root attribute written when the root is created
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
@@ -76,6 +77,7 @@ def open_tree(path: str | Path | None = None) -> xr.DataTree:
     if not (p / "zarr.json").is_file():
         raise UserError(f"no ncanalyze store at {p}: run `ncanalyze extract CHECKPOINTS --store {p}` first, "
                         "or pass the right path (or set NCANALYZE_STORE)")
+    check_format(p)
     tree = xr.open_datatree(p, engine="zarr", chunks={}, **XR)  # dask arrays in the Zarr chunks: nothing read yet
     steps = {node.path.strip("/"): node.attrs.get("global_step") for node in tree.subtree}
     for node in [n for n in tree.subtree if len(n.children) > 1]:  # runs, checkpoints and layers in study order
@@ -101,6 +103,7 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
         (complete groups, {group: why} for the unreadable ones).
     """
     root, good, bad, steps = Path(path), [], {}, {}
+    check_format(root)
     for d, dirs, files in os.walk(root):
         dirs.sort()
         rel = Path(d).relative_to(root).as_posix()
@@ -213,6 +216,25 @@ def group_attrs(path: str | Path, group: str, corrupt_ok: bool = False) -> dict 
                         "--overwrite to extract it again") from None
 
 
+def check_format(path: str | Path) -> None:
+    """A one-line UserError unless the store at ``path`` is of this version's :data:`FORMAT` (its root attribute
+    ``ncanalyze_format``); a path without a store, or a root that cannot be read, is left to the caller.
+
+    Parameters
+    ----------
+    path
+        The store.
+    """
+    try:
+        found = zarr.open_group(path, mode="r", **ZARR).attrs.get(FORMAT_KEY)
+    except (*MISSING_GROUP, *CORRUPT):
+        return
+    if found != FORMAT:
+        when = "before ncanalyze versioned its stores" if found is None else f"in store format {found!r}"
+        raise UserError(f"the store {path} was written {when}, and this ncanalyze {version()} reads format {FORMAT} "
+                        "only: extract again into a new store (--store NEW.zarr); stores are not migrated before 1.0")
+
+
 def ensure_group(path: str | Path, group: str = "") -> None:
     """Make sure ``group`` (and its parents, up to the root) exists, safely when other processes do the same at once
     (checkpoints written in parallel by a cluster's workers): zarr's create-if-missing checks, then writes, and a
@@ -226,13 +248,14 @@ def ensure_group(path: str | Path, group: str = "") -> None:
     group
         The group ("" for the root).
     """
-    for attempt in range(3):
-        try:
-            zarr.open_group(path, path=group, mode="a", **ZARR)
-            return
-        except zarr.errors.ContainsGroupError:
-            continue  # created by another writer between zarr's check and its write: open it
-    zarr.open_group(path, path=group, mode="r", **ZARR)
+    for where, attrs in (("", {FORMAT_KEY: FORMAT}), (group, {})):  # the root first, its format in the same write
+        for attempt in range(3):
+            try:
+                zarr.open_group(path, path=where, mode="a", attributes=attrs, **ZARR)
+                break
+            except zarr.errors.ContainsGroupError:
+                continue  # created by another writer between zarr's check and its write: open it
+        zarr.open_group(path, path=where, mode="r", **ZARR)
 
 
 def prepare(path: Path, partial: Path) -> None:
@@ -258,6 +281,7 @@ def prepare(path: Path, partial: Path) -> None:
     try:
         if (path / "zarr.json").exists():
             zarr.open_group(path, mode="r", **ZARR)
+            check_format(path)
         for d in (path, partial):
             probe_writable(d)
     except CORRUPT as e:

@@ -23,6 +23,7 @@ import ncanalyze.store.client
 import ncanalyze.store.measure
 from ncanalyze.analyzer import CLASS_COUNTS, PER_CLASS, SCALARS, UserError, class_stats, measure_all
 from ncanalyze.analyzer.schema import INFO
+from ncanalyze.store.io import ensure_group
 from ncanalyze.store.measure import measure_store
 from ncanalyze.cli.main import main
 
@@ -35,6 +36,7 @@ def write_checkpoint(store, run: str, step: int, seed: int, complete: bool = Tru
     ds.attrs |= {"run": run, "checkpoint": f"checkpoint-{step}", "global_step": step, "epoch": step / 10,
                  "n_params": 1000, "n_layers": 2, "hidden_size": 6, "eval_loss": 4 - step / 100,
                  "config_hash": f"hash-{seed}", "complete": False}
+    ensure_group(store)  # a store of this version's format
     ds.to_zarr(store, group=group, mode="w", consolidated=False, zarr_format=3)
     if complete:
         zarr.open_group(store, path=group, mode="r+", zarr_format=3).attrs["complete"] = True

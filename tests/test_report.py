@@ -30,7 +30,7 @@ from ncanalyze.analyzer.report import (
 )
 from ncanalyze.analyzer.report.tables import fmt_p
 from ncanalyze.analyzer.stats import METRICS
-from ncanalyze.store.io import read_group
+from ncanalyze.store.io import ensure_group, read_group
 from PIL import Image
 from test_stats import study
 
@@ -239,6 +239,7 @@ def write_store(path: Path, tokenizer: str | None = None, vocab: int | None = No
                         coords={"vocab": np.arange(v), **({"token": ("vocab", TOKENS)} if with_tokens else {})},
                         attrs={"run": "runA", "checkpoint": name, "global_step": step,
                                **({"tokenizer": tokenizer} if tokenizer else {})})
+        ensure_group(path)  # a store of this version's format
         ds.to_zarr(path, group=f"runA/{name}", mode="w", consolidated=False, zarr_format=3)
         groups[f"runA/{name}"] = ds
     return groups

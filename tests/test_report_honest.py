@@ -18,7 +18,7 @@ from ncanalyze.analyzer.report.support import DIRECTION, THIN
 from ncanalyze.analyzer.report.tables import fmt_p
 from ncanalyze.analyzer.schema import CLASS_COUNTS, SCALARS, stats_dataset
 from ncanalyze.analyzer.stats import correlations_by_tag
-from ncanalyze.store.io import read_group
+from ncanalyze.store.io import ensure_group, read_group
 from scipy.stats import pearsonr, spearmanr
 
 NC3_NC4 = ("nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error", "nc4_agreement", "head_erank")
@@ -207,6 +207,7 @@ def measured_store(path, counts: list[np.ndarray], min_count: int = 1) -> pd.Dat
                         coords={"vocab": np.arange(v)},
                         attrs={"run": "runA", "checkpoint": f"checkpoint-{s}", "train_tokens": int(count.sum()),
                                "val_tokens": 3 * v, "metrics_min_count": min_count})
+        ensure_group(path)  # a store of this version's format
         ds.to_zarr(path, group=f"runA/checkpoint-{s}", mode="w", consolidated=False, zarr_format=3)
         rows.append(dict(run="runA", checkpoint=f"checkpoint-{s}", global_step=s, n_params=1e6,
                          eval_loss=3.0 - 0.1 * s, nc1_cdnv=1.0 + 0.2 * s, nc4_agreement=0.1 * s))

@@ -220,8 +220,8 @@ def test_metrics_that_are_not_finite_are_strict_json(tmp_path):
     from ncanalyze.store.measure import measure_store
 
     rng = np.random.default_rng(0)
-    h, y = rng.standard_normal((30, 3)), np.r_[np.repeat(np.arange(4), 7), 4, 5]
-    h[29] = h[28]  # two singleton classes at one feature: CDNV inf, GNC2 std nan
+    h, y = rng.standard_normal((32, 3)), np.r_[np.repeat(np.arange(4), 7), 4, 4, 5, 5]
+    h[30:] = h[28:30]  # two classes of two tokens at one mean, each with a variance: CDNV inf, GNC2 std nan
     ds = class_stats(h, y, 6)
     ds.attrs |= {"run": "r", "checkpoint": "checkpoint-1", "global_step": 1, "config_hash": "x"}
     io.write_checkpoint(tmp_path / "s.zarr", "r/checkpoint-1", ds, CheckpointFiles(tmp_path / "staging.npz"))
