@@ -79,7 +79,9 @@ def _per_pass(ctx, param, value: str) -> str | int:
               help="At most K layers' state at a time: several passes over the data (exact either way); auto: as many "
                    "as --state-memory holds, the deepest layers together.")
 @click.option("--state-memory", metavar="SIZE",
-              help="Memory the float64 state may take under --layers-per-pass auto, e.g. 40GB or 512MiB "
+              help="Memory the float64 state may take under --layers-per-pass auto: a number of bytes, or a number "
+                   "and a unit: kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), in any case "
+                   "but a lowercase b (bits: 3Mb is refused), e.g. 40GB, 512MiB, 1e9 "
                    "[default: the device's free memory after the model, less a tenth (at least 1 GiB)].")
 @click.option("--save-embeddings", type=click.IntRange(0), default=0, show_default=True, metavar="N",
               help="Keep the first N train positions' features of each stored layer as a chunked Zarr array "

@@ -53,6 +53,7 @@ from ncanalyze.store.sources.discover import (
 from ncanalyze.store.sources.load import (
     decoded_tokens,
     find_tokenizer,
+    finite_head,
     head,
     load_model,
     n_layers,
@@ -141,6 +142,7 @@ def load_checkpoint(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Load
     tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
+    finite_head(classifier, bias, ckpt.group)
     plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
     check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)

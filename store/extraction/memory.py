@@ -5,11 +5,12 @@ auto``), and the check before the passes start.
 from __future__ import annotations
 
 import logging
+import math
 
 import psutil
 import torch
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.extraction.layers import Plan, auto_groups
+from ncanalyze.store.extraction.layers import Plan, auto_groups, bytes_text
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +47,21 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-         "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+PREFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+SIZE_RULE = ("bytes, or a number and a unit: kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
+             "in any case but a lowercase b (bits), e.g. 40GB, 512MiB, 1e9")
 
 
 def parse_size(size: str | None) -> int | None:
-    """The bytes of a ``--state-memory`` size.
+    """The bytes of a ``--state-memory`` size, by one rule (:data:`SIZE_RULE`, stated in ``--help``): a number alone
+    is bytes (``1e9``); a unit is an SI or IEC prefix (its case free) and an optional ``B``, which must be upper case:
+    ``3Mb`` is megabits and refused, never read as megabytes. More than 0 bytes.
 
     Parameters
     ----------
     size
-        A number and a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), e.g. ``40GB``, ``512MiB``; None.
+        The size, e.g. ``40GB``, ``512MiB``, ``1.5 GiB``, ``1e9``; None.
 
     Returns
     -------
@@ -65,16 +70,21 @@ def parse_size(size: str | None) -> int | None:
     """
     if size is None:
         return None
-    text = str(size).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    text = str(size).strip().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = text[len(number):]
+    if unit.endswith("b"):
+        raise UserError(f"--state-memory {size!r}: a lowercase b is bits; write {number}{unit[:-1]}B for bytes")
+    prefix = unit.removesuffix("B").lower()
     try:
         value = float(number)
     except ValueError:
-        value = -1.0
-    if unit not in UNITS or not value > 0 or value * UNITS[unit] > 2**62:
-        raise UserError(f"--state-memory {size!r} is not a size: pass a number and a unit, like 40GB or 512MiB")
-    return int(value * UNITS[unit])
+        value = math.nan
+    if prefix not in PREFIXES or not math.isfinite(value) or value * PREFIXES[prefix] > 2**62:
+        raise UserError(f"--state-memory {size!r} is not a size: pass {SIZE_RULE}")
+    if not int(value * PREFIXES[prefix]) > 0:
+        raise UserError(f"--state-memory {size!r} is not above 0 bytes: pass a size such as 40GB")
+    return int(value * PREFIXES[prefix])
 
 
 def state_budget(device: torch.device, state_memory: int | None = None) -> int:
@@ -136,7 +146,7 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
         budget = host_memory if host_memory is not None else state_budget(torch.device("cpu"))
         if budget < host:
             raise UserError(f"the reservoir of one layer (--samples-per-class {samples_per_class}) needs "
-                            f"~{host / 2**30:.1f} GiB of host memory but {budget / 2**30:.1f} GiB is free: lower "
+                            f"~{bytes_text(host)} of host memory but {bytes_text(budget)} is free: lower "
                             "--samples-per-class")
         by_host = auto_groups(plan, host, 0, budget)
         if by_host.widest_pass < fitted.widest_pass:
@@ -162,5 +172,5 @@ def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.dev
     fits = (free - shared) // per_layer
     hint = (f"pass fewer --layers, or --layers-per-pass {fits} (several passes over the data, exact either way)"
             if fits >= 1 else "use a device with more memory, or --device cpu")
-    raise UserError(f"the float64 state of {k} layer(s) needs ~{(k * per_layer + shared) / 2**30:.1f} GiB on {device} "
-                    f"but {free / 2**30:.1f} GiB is free: {hint}")
+    raise UserError(f"the float64 state of {k} layer(s) needs ~{bytes_text(k * per_layer + shared)} on {device} "
+                    f"but {bytes_text(free)} is free: {hint}")

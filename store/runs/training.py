@@ -45,6 +45,7 @@ from ncanalyze.store.runs import training_ddp as ddp
 from ncanalyze.store.sources.load import (
     decoded_tokens,
     default_block_size,
+    finite_head,
     head,
     n_layers,
 )
@@ -302,6 +303,7 @@ class NeuralCollapseCallback(TrainerCallback):
         rank, world = ddp.rank_world()
         with untouched(model):
             classifier, bias = head(model)
+            finite_head(classifier, bias, group)
             device = classifier.device
             ex = Extraction(setup.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
                             files.layers if rank == 0 else None)
