@@ -12,7 +12,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import DEFINITIONS, measure_all
 from ncanalyze.analyzer.schema import HEAD
-from ncanalyze.analyzer.table import metrics_table
+from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
 from ncanalyze.store.io import (
@@ -104,15 +104,16 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     prune(layout.partial)
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
-    for g, why in skipped.items():
+    twins = same_model_and_step({g: attrs[g] for g in groups if g not in skipped})
+    for g, why in (skipped | twins).items():
         warnings.warn(f"{g}: skipped: {why}", SkippedCheckpoint, stacklevel=2)
-    kept = [g for g in groups if g not in skipped]
+    kept = [g for g in groups if g not in skipped and g not in twins]
     if not kept:
         raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
     df = metrics_table(attrs[g] for g in kept)
     df.attrs["measured"] = [g for g in todo if g not in skipped]
-    df.attrs["skipped"] = skipped
+    df.attrs["skipped"] = skipped | twins
     return df
 
 
