@@ -51,3 +51,43 @@ def metrics_table(groups: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     """
     df = pd.DataFrame([metrics_row(a) for a in groups], columns=list(COLUMNS)).fillna(math.nan)
     return df.sort_values(["run", "global_step", LAYER], kind="stable", ignore_index=True)
+
+
+def same_model_and_step(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The groups that repeat another's model and step, with why: the training callback's ``<run>/step-N`` (source
+    ``training``) where the store also holds that run's saved checkpoint of the same step extracted by ``ncanalyze
+    extract`` (its ``source`` inside the callback's ``output_dir``; for a group recorded before ``output_dir``, the same
+    run, architecture and parameter count), layer by layer. The extracted checkpoint is kept: one unit per model and
+    step, so that no model is counted twice in a report.
+
+    Parameters
+    ----------
+    groups
+        Group name -> its attributes.
+
+    Returns
+    -------
+    dict
+        Group left out -> why (naming the group kept).
+    """
+    def model(a: Mapping[str, Any]) -> tuple:
+        return a.get("run"), a.get("global_step"), a.get(LAYER, a.get("n_layers"))
+
+    def same(live: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
+        if live.get("output_dir"):
+            source = str(saved.get("source") or "")
+            return source == live["output_dir"] or source.rsplit("/", 1)[0] == live["output_dir"]
+        return all(live.get(k) == saved.get(k) for k in ("model_type", "n_params", "hidden_size", "n_layers"))
+
+    saved = {}
+    for g, a in groups.items():
+        if a.get("source") != "training" and a.get("global_step") is not None:
+            saved.setdefault(model(a), []).append(g)
+    out = {}
+    for g, a in groups.items():
+        twin = next((c for c in saved.get(model(a), []) if same(a, groups[c])), None) if a.get("source") == "training" \
+            else None
+        if twin:
+            out[g] = (f"the same model and step as {twin} (the training callback's measurement of a checkpoint also "
+                      f"extracted): counted once, as {twin}")
+    return out

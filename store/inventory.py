@@ -19,7 +19,7 @@ from pathlib import Path
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import LAYER
 from ncanalyze.store import io
-from ncanalyze.store.layout import CheckpointFiles, StoreLayout, group_order
+from ncanalyze.store.layout import CheckpointFiles, StoreLayout, group_order, probe_writable
 from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.resume import drop_state, prune
 
@@ -123,13 +123,13 @@ def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) ->
     entry.layers = sorted({int(g.rsplit("/", 1)[1]) for g in subs if g.rsplit("/", 1)[1].isdigit()}
                           | ({own} if isinstance(own, int) else set()))
     problems = [f"{g.removeprefix(group + '/')} corrupt ({bad[g]})" for g in subs if g in bad]
-    try:
-        problems += [f"{g.removeprefix(group).strip('/') or 'it'} lacks data chunks ({', '.join(m)})"
-                     for g in [group, *subs] if g in good for m in [io.missing_chunks(store, g)] if m]
-    except io.CORRUPT as e:
-        problems.append(f"an array's metadata is corrupt ({e})")
+    for g in (g for g in [group, *subs] if g in good):
+        try:
+            problems += [f"{g.removeprefix(group).strip('/') or 'it'} {p}" for p in io.damage(store, g)]
+        except io.CORRUPT as e:
+            problems.append(f"an array's metadata is corrupt ({e})")
     if problems:
-        entry.status = "corrupt: " + "; ".join(problems)
+        entry.status = "corrupt: " + "; ".join(problems) + f": {io.FIX}"
     entry.measured = _measured([entry.attrs, *(io.group_attrs(store, g) for g in subs if g in good)])
     return entry
 
@@ -213,20 +213,28 @@ def remove_checkpoint(store: Path, group: str) -> None:
     leaves the store with the whole group or without it; what is left beside it, ``ls`` names and ``rm`` run again
     removes."""
     files = files_of(store, group)
-    with checkpoint_lock(files.lock, group):
+    with checkpoint_lock(files.lock, group, doing="removed"):
         io.recover_swap(store, group, files)  # a write cut short: its old group is the one
         if (store / group).exists():
             shutil.rmtree(files.removing, ignore_errors=True)
+            files.removing.parent.mkdir(parents=True, exist_ok=True)
             os.rename(store / group, files.removing)
         drop_state(files.state)
         for path in (files.layers, files.staging, files.old, files.removing):
             shutil.rmtree(path, ignore_errors=True)
+        files.tidy()
 
 
 def remove(removal: Removal) -> list[str]:
     """Carry out ``removal``: each checkpoint (:func:`remove_checkpoint`), then each whole run's own group once
     nothing else is left in it. Returns what was left behind, with why (a run holding other folders)."""
     store, left = removal.store, []
+    for folder in {store, *(store / g.split("/")[0] for g in removal.groups)}:
+        try:
+            probe_writable(folder)
+        except OSError as e:
+            raise UserError(f"cannot remove anything from {store}: {folder} is not writable ({e.strerror}); nothing "
+                            "was removed: remount it read-write or fix its permissions") from None
     try:
         for group in removal.groups:
             remove_checkpoint(store, group)
@@ -241,5 +249,6 @@ def remove(removal: Removal) -> list[str]:
             with contextlib.suppress(FileNotFoundError):
                 folder.rmdir()
     finally:
-        prune(StoreLayout(store).partial)
+        with contextlib.suppress(OSError):
+            prune(StoreLayout(store).partial)
     return left

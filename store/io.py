@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _pkg_version
@@ -24,7 +26,7 @@ import xarray as xr
 import zarr
 import zarr.errors
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import HEAD, MEASURED, PER_CLASS
+from ncanalyze.analyzer.schema import HEAD, MEASURED, PER_CLASS, VAL_COUNTS
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
 from ncanalyze.store.layout import (
@@ -42,6 +44,38 @@ FORMAT_KEY, FORMAT = "ncanalyze_format", 1  # the store's format, a root attribu
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
+STATISTICS = ("count", "mean", "variance", "within_covariance")  # every checkpoint group holds them
+FROM_MODEL = (HEAD[0], *VAL_COUNTS)  # and one extracted from a model (it records vocab_size) these, its head's once
+FIX = "extract it again (ncanalyze extract ... --overwrite) or remove it (ncanalyze rm)"
+
+
+class CorruptMetadata(ValueError):
+    """A zarr.json that is not Zarr metadata: truncated, not JSON, or JSON that is not an object naming a node."""
+
+
+def metadata_problem(file: Path) -> str | None:
+    """Why ``file`` (a ``zarr.json``) is not Zarr metadata, or None; read with json before zarr parses it, so that
+    every kind of damage (a truncated write, ``null``, ``[]``) is one reason, never a zarr or Python traceback."""
+    try:
+        meta = json.loads(Path(file).read_bytes())
+    except FileNotFoundError:
+        return None  # absent: not a node (the caller says what that means)
+    except (OSError, ValueError) as e:
+        return f"not JSON: {e}"
+    if not isinstance(meta, dict) or meta.get("node_type") not in ("group", "array"):
+        return f"JSON {json.dumps(meta)[:40]}, not an object naming its node_type"
+    if not isinstance(meta.get("attributes", {}), (dict, type(None))):
+        return f"its attributes are JSON {json.dumps(meta['attributes'])[:40]}, not an object"
+    return None
+
+
+def open_group(path: str | Path, group: str = "", mode: str = "r") -> zarr.Group:
+    """``zarr.open_group`` with this store's settings, its zarr.json checked first (:func:`metadata_problem`): a
+    damaged one raises :class:`CorruptMetadata` (one of ``CORRUPT``), a missing group one of ``MISSING_GROUP``."""
+    problem = metadata_problem(Path(path) / group / "zarr.json")
+    if problem:
+        raise CorruptMetadata(problem)
+    return zarr.open_group(path, path=group, mode=mode, **ZARR)
 
 
 def version() -> str:
@@ -78,7 +112,9 @@ def open_tree(path: str | Path | None = None) -> xr.DataTree:
         raise UserError(f"no ncanalyze store at {p}: run `ncanalyze extract CHECKPOINTS --store {p}` first, "
                         "or pass the right path (or set NCANALYZE_STORE)")
     check_format(p)
-    tree = xr.open_datatree(p, engine="zarr", chunks={}, **XR)  # dask arrays in the Zarr chunks: nothing read yet
+    with warnings.catch_warnings():  # zarr names the folder of groups being moved in a store on its own mount point
+        warnings.filterwarnings("ignore", message="Object at .ncanalyze.partial is not recognized")
+        tree = xr.open_datatree(p, engine="zarr", chunks={}, **XR)  # dask arrays in the Zarr chunks: nothing read yet
     steps = {node.path.strip("/"): node.attrs.get("global_step") for node in tree.subtree}
     for node in [n for n in tree.subtree if len(n.children) > 1]:  # runs, checkpoints and layers in study order
         node.children = dict(sorted(node.children.items(), key=lambda kv: group_order(kv[1].path.strip("/"), steps)))
@@ -105,25 +141,39 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
     root, good, bad, steps = Path(path), [], {}, {}
     check_format(root)
     for d, dirs, files in os.walk(root):
-        dirs.sort()
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # .ncanalyze.partial: groups being moved (layout.py)
         rel = Path(d).relative_to(root).as_posix()
         if "zarr.json" not in files or rel == ".":
             continue
         try:
-            g = zarr.open_group(root, path=rel, mode="r", **ZARR)
+            g = open_group(root, rel)
         except (zarr.errors.ContainsArrayError, zarr.errors.NodeTypeValidationError):  # an array: no group below
             dirs[:] = []
             continue
         except CORRUPT as e:
-            bad[rel] = f"its metadata {Path(d) / 'zarr.json'} is corrupt ({e})"
+            bad[rel] = f"its metadata {Path(d) / 'zarr.json'} is corrupt ({e}): {FIX}"
             dirs[:] = []
             continue
-        if "mean" in dirs and g.attrs.get("complete") is not True:
+        checkpoint = "mean" in dirs or "count" in dirs or g.attrs.get("complete") is not None
+        if checkpoint and g.attrs.get("complete") is not True:
             dirs[:] = []  # an unfinished checkpoint (an older store's interrupted write): nor its layer groups
-        elif "mean" in dirs:
+        elif checkpoint and _bad_attrs(g.attrs):
+            bad[rel] = f"{_bad_attrs(g.attrs)}: {FIX}"
+            dirs[:] = []
+        elif checkpoint:
             good.append(rel)
             steps[rel] = g.attrs.get("global_step")
     return sorted(good, key=lambda rel: group_order(rel, steps)), bad
+
+
+def _bad_attrs(attrs) -> str | None:
+    """What is wrong with a complete group's descriptive attributes (the metrics table sorts and plots them): a
+    ``global_step`` or ``epoch`` that is not a number (or null), or None."""
+    for key in ("global_step", "epoch"):
+        value = attrs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"its attribute {key} is {json.dumps(value)[:40]}, not a number"
+    return None
 
 
 def read_group(path: str | Path, group: str, **kwargs) -> xr.Dataset:
@@ -169,13 +219,19 @@ def read_statistics(path: str | Path, group: str, head: xr.Dataset | None = None
     xarray.Dataset
         The measured variables, in memory.
     """
-    owner, missing = classifier.checkpoint_group(group), missing_chunks(path, group)
+    owner = classifier.checkpoint_group(group)
     fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / owner}"  # the checkpoint
-    shared = owner != group and HEAD[0] not in zarr.open_group(path, path=group, mode="r", **ZARR)  # stored once
-    if shared and head is None:
-        missing += [f"{owner}'s {m}" for m in missing_chunks(path, owner) if m.split()[0] in HEAD]
-    if missing:
-        raise UserError(f"{group} lacks data chunks ({', '.join(missing[:3])}): {fix}")
+    try:
+        problems = damage(path, group)
+        shared = owner != group and HEAD[0] not in open_group(path, group)  # the head stored once
+        if shared and head is None and not problems:
+            problems = [p.replace("(", f"({owner}'s ", 1) for p in damage(path, owner, HEAD)]
+    except CORRUPT as e:
+        problems = [f"has corrupt metadata ({e})"]
+    except MISSING_GROUP:
+        raise UserError(f"no checkpoint group {group!r} in {path}: it was removed (ncanalyze rm?)") from None
+    if problems:
+        raise UserError(f"{group} {'; '.join(problems)}: {fix}")
     ds = read_group(path, group, chunks=None)  # read straight into one array each (through dask: twice the memory)
     if shared and head is not None:
         ds = ds.drop_vars([h for h in HEAD if h in ds.variables]).assign_coords(
@@ -206,7 +262,7 @@ def group_attrs(path: str | Path, group: str, corrupt_ok: bool = False) -> dict 
         Its attributes.
     """
     try:
-        return dict(zarr.open_group(path, path=group, mode="r", **ZARR).attrs)
+        return dict(open_group(path, group).attrs)
     except MISSING_GROUP:
         return None
     except CORRUPT as e:
@@ -306,8 +362,8 @@ def _encoding(ds: xr.Dataset) -> dict:
 def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: CheckpointFiles,
                      layers: Iterable[tuple[int, xr.Dataset]] = ()) -> None:
     """Write a finished checkpoint dataset as ``group``, replacing any group there, without a moment where neither
-    the old group nor the new one is whole: the new group is written at ``files.staging`` (a folder beside the store,
-    on the same disk), marked complete, and then renamed into place; the old one is moved aside (``files.old``) first
+    the old group nor the new one is whole: the new group is written at ``files.staging`` (a folder on the store's own
+    file system: beside it, or in it where it is a mount point, layout.py), marked complete, and then renamed into place; the old one is moved aside (``files.old``) first
     and removed last (``recover_swap`` puts it back if a crash comes between the two renames). The other ``layers``
     ((l, dataset), made one at a time) go into the staged group at ``layers/<l>`` first, so they arrive with it,
     without the classifier, which is written once, as coordinates of the checkpoint group (classifier.py). Every
@@ -343,6 +399,7 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
         os.rename(dest, old)
     os.rename(staging, dest)
     shutil.rmtree(old, ignore_errors=True)
+    files.tidy()
 
 
 def write_rate(sample: np.ndarray, folder: Path) -> float | None:
@@ -397,7 +454,40 @@ def recover_swap(path: str | Path, group: str, files: CheckpointFiles) -> None:
         os.rename(old, dest)
 
 
-def missing_chunks(path: str | Path, group: str) -> list[str]:
+def damage(path: str | Path, group: str, only: Iterable[str] | None = None) -> list[str]:
+    """What is wrong with a complete group's arrays, from metadata only, as phrases after its name (``lacks data chunks
+    (mean (1 of 4 chunks))``): an array whose zarr.json is damaged, an array every such group holds that is missing
+    (``STATISTICS``; ``FROM_MODEL`` where it records ``vocab_size``, the classifier in its checkpoint group), data
+    chunks missing (:func:`missing_chunks`). ``ls`` and ``measure`` both ask here.
+
+    Parameters
+    ----------
+    path, group
+        The store and the group.
+    only
+        Look at these arrays only (a layer group's read of its checkpoint's head).
+
+    Returns
+    -------
+    list of str
+        The problems; none for a whole group.
+    """
+    root = Path(path) / group
+    names = [d.name for d in sorted(root.iterdir()) if (d / "zarr.json").is_file() and d.name != classifier.LAYERS
+             and (only is None or d.name in only)]
+    corrupt = [f"{n}/zarr.json: {why}" for n in names for why in [metadata_problem(root / n / "zarr.json")] if why]
+    if corrupt:
+        return [f"has corrupt array metadata ({'; '.join(corrupt[:3])})"]
+    g = open_group(path, group)
+    own = group == classifier.checkpoint_group(group)
+    need = [*STATISTICS, *(n for n in FROM_MODEL if "vocab_size" in g.attrs and (own or n not in HEAD))]
+    lacking = [n for n in need if n not in names and (only is None or n in only)]
+    problems = [f"lacks the array{'s' * (len(lacking) > 1)} ({', '.join(lacking)})"] if lacking else []
+    short = missing_chunks(path, group, only)
+    return problems + ([f"lacks data chunks ({', '.join(short[:3])})"] if short else [])
+
+
+def missing_chunks(path: str | Path, group: str, only: Iterable[str] | None = None) -> list[str]:
     """The arrays of a group written with every chunk (``all_chunks``) that lack some (none for older groups).
 
     Parameters
@@ -410,11 +500,11 @@ def missing_chunks(path: str | Path, group: str) -> list[str]:
     list of str
         ``name (missing of all chunks)`` for each array that lacks chunks.
     """
-    g = zarr.open_group(path, path=group, mode="r", **ZARR)
+    g = open_group(path, group)
     if not g.attrs.get("all_chunks"):
         return []
     return [f"{name} ({a.nchunks - a.nchunks_initialized} of {a.nchunks} chunks)" for name, a in g.arrays()
-            if a.nchunks_initialized < a.nchunks]
+            if (only is None or name in only) and a.nchunks_initialized < a.nchunks]
 
 
 def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_class: xr.Dataset, min_count: int,

@@ -9,10 +9,15 @@ A store ``<store>`` (a Zarr v3 group, read and written by io.py) has two folders
   extraction (layers.py). Scratch folders of the estimate's write timing live at its top.
 - ``<store>.tokens/``: text tokenized once, ``<key>.npy`` per source (tokens.py).
 
+A group moves into and out of the store by renames, which work within one file system only: where the store folder
+is its own mount point (on another file system than the folder it sits in), the staged, old and removed groups live
+in ``<store>/.ncanalyze.partial/`` instead (the same names), on the store's own file system, removed when empty.
+
 This module imports nothing heavy (no zarr, xarray or torch), so that the command line's ``--help`` stays fast.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -63,8 +68,10 @@ class Named(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """The files of one checkpoint's extraction in progress, in ``<store>.partial/<run>/``."""
+    """The files of one checkpoint's extraction in progress, in ``<store>.partial/<run>/``; the groups renamed into
+    or out of the store under ``moved`` (``<checkpoint>.npz`` in the folder for them, :attr:`StoreLayout.moves`)."""
     state: Path  # <checkpoint>.npz; the others are named after it
+    moved: Path | None = None  # where the staged, old and removed groups are named after, when not beside ``state``
 
     @property
     def lock(self) -> Path:
@@ -74,12 +81,12 @@ class CheckpointFiles:
     @property
     def staging(self) -> Path:
         """The new group, written here whole and then renamed into the store."""
-        return self.state.with_suffix(".zarr")
+        return (self.moved or self.state).with_suffix(".zarr")
 
     @property
     def old(self) -> Path:
         """The replaced group, moved here between the two renames of an overwrite."""
-        return self.state.with_suffix(".zarr.old")
+        return (self.moved or self.state).with_suffix(".zarr.old")
 
     @property
     def layers(self) -> Path:
@@ -89,7 +96,14 @@ class CheckpointFiles:
     @property
     def removing(self) -> Path:
         """A group ``ncanalyze rm`` moved out of the store, to be deleted (nothing restores it)."""
-        return self.state.with_suffix(".zarr.removing")
+        return (self.moved or self.state).with_suffix(".zarr.removing")
+
+    def tidy(self) -> None:
+        """Remove the folders of the moved groups that are left empty (in the store, where it is a mount point)."""
+        if self.moved is not None:
+            for d in (self.moved.parent, self.moved.parent.parent):
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only when empty
 
     @property
     def all(self) -> tuple[Path, ...]:
@@ -120,6 +134,16 @@ class StoreLayout:
         return self.store.with_name(self.store.name + ".partial")
 
     @property
+    def moves(self) -> Path:
+        """Where groups are staged, and moved aside or out, to be renamed: ``partial``, or ``<store>/.ncanalyze.partial``
+        where the store folder is its own mount point (a rename across file systems fails)."""
+        try:
+            own_mount = self.store.stat().st_dev != self.store.parent.stat().st_dev
+        except OSError:  # no store yet: it is not a mount point
+            own_mount = False
+        return self.store / ".ncanalyze.partial" if own_mount else self.partial
+
+    @property
     def tokens(self) -> Path:
         """``<store>.tokens``: the token cache."""
         return self.store.with_name(self.store.name + ".tokens")
@@ -137,21 +161,27 @@ class StoreLayout:
         CheckpointFiles
             Its resume state, lock, staged group, replaced group and layers folder.
         """
-        return CheckpointFiles(self.partial / ckpt.run / f"{ckpt.name}.npz")
+        return self._files(ckpt.run, ckpt.name)
 
     def group_files(self, group: str) -> CheckpointFiles:
         """:meth:`checkpoint` of the group ``<run>/<checkpoint>``."""
         run, name = group.split("/")
-        return CheckpointFiles(self.partial / run / f"{name}.npz")
+        return self._files(run, name)
+
+    def _files(self, run: str, name: str) -> CheckpointFiles:
+        moves = self.moves
+        return CheckpointFiles(self.partial / run / f"{name}.npz",
+                               None if moves == self.partial else moves / run / f"{name}.npz")
 
     def groups_beside(self) -> list[str]:
         """The checkpoint groups ``<run>/<checkpoint>`` that have a resume state or a moved group beside the store."""
         found = []
-        for f in self.partial.glob("[!.]*/*") if self.partial.is_dir() else ():
+        folders = {self.partial, self.moves}
+        for f in (f for d in folders if d.is_dir() for f in d.glob("[!.]*/*")):
             ends = [s for s in _BESIDE if f.name.endswith(s)]
             if ends and not f.name.endswith(".tmp.npz"):
                 found.append(f"{f.parent.name}/{f.name.removesuffix(ends[0])}")
-        return found
+        return list(dict.fromkeys(found))
 
 
 def _natural(name: str) -> tuple:

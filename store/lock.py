@@ -1,7 +1,9 @@
-"""One writer per checkpoint: an advisory lock file per checkpoint beside the store.
+"""One writer per checkpoint: an advisory lock file per checkpoint beside the store, taken by extraction (the whole
+write), ``rm`` (the rename out of the store) and ``measure`` (the write of the metrics: a group removed before is
+skipped, never half recreated).
 
 ``fcntl.flock`` is held for as long as the extraction runs; the kernel releases it when the process ends however it
-ends, so a lock left by a dead process is taken over by the next writer. The file holds the owner's host and pid,
+ends, so a lock left by a dead process is taken over by the next writer. The file holds the owner's host, pid and what it does,
 for the message a second writer prints while it waits, and is removed on release; a writer that acquired a file
 removed meanwhile (its inode no longer at the path) tries again, so two writers never both hold the lock.
 """
@@ -25,7 +27,7 @@ def _owner(f) -> str:
 
 
 @contextlib.contextmanager
-def checkpoint_lock(path: Path, what: str, poll: float = 0.5) -> Iterator[None]:
+def checkpoint_lock(path: Path, what: str, poll: float = 0.5, doing: str = "extracted") -> Iterator[None]:
     """Hold the lock at ``path``; while another process holds it, say so once and wait.
 
     Parameters
@@ -36,6 +38,9 @@ def checkpoint_lock(path: Path, what: str, poll: float = 0.5) -> Iterator[None]:
         What it guards, for the message (the checkpoint's group).
     poll
         Seconds between tries while another process holds it.
+    doing
+        What this process does with it, for the message of another that waits (``extracted``, ``measured``,
+        ``removed``).
 
     Yields
     ------
@@ -54,7 +59,9 @@ def checkpoint_lock(path: Path, what: str, poll: float = 0.5) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if not told:
-                log.info("%s is being extracted by another process (%s); waiting for it to finish", what, _owner(f))
+                owner, _, theirs = _owner(f).partition("; ")
+                log.info("%s is being %s by another process (%s); waiting for it to finish", what, theirs or "extracted",
+                         owner)
                 told = True
             f.close()
             time.sleep(poll)
@@ -68,7 +75,7 @@ def checkpoint_lock(path: Path, what: str, poll: float = 0.5) -> Iterator[None]:
     try:
         f.seek(0)
         f.truncate()
-        f.write(f"host {socket.gethostname()}, pid {os.getpid()}")
+        f.write(f"host {socket.gethostname()}, pid {os.getpid()}; {doing}")
         f.flush()
         yield
     finally:

@@ -12,21 +12,26 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import DEFINITIONS, measure_all
 from ncanalyze.analyzer.schema import HEAD
-from ncanalyze.analyzer.table import metrics_table
+from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
 from ncanalyze.store.io import (
+    CHUNK_ERRORS,
     checkpoint_groups,
     group_attrs,
     open_tree,
     read_statistics,
     write_metrics,
 )
+from ncanalyze.store.layout import StoreLayout
+from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.resume import prune
 from tqdm.auto import tqdm
 
 WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
 
 
+VANISHED = "removed while being measured (ncanalyze rm): nothing to measure"
 ALWAYS = tuple(k for k, f in DEFINITIONS.items() if not hasattr(f, "needs"))  # recorded for every measured group
 
 
@@ -68,6 +73,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
                       ReadOnlyStore, stacklevel=2)
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
+    layout = StoreLayout(store)
     with client(scheduler, workers=WORKER_WAIT_S if todo else None):
         for g in tqdm(todo, desc="measuring", unit="checkpoint", disable=None):
             with warnings.catch_warnings(record=True) as caught:
@@ -77,23 +83,37 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
                     if checkpoint_group(g) == g:
                         heads = {g: ds[[h for h in HEAD if h in ds.variables]]}
                     scalars, per_class = measure_all(ds, min_count, tile, on or "cpu", "torch" if on else "numba")
-                except UserError as e:
-                    skipped[g] = str(e).removeprefix(f"{g} ")
+                except (UserError, *CHUNK_ERRORS) as e:  # a file gone mid-read is an OSError
+                    if _vanished(store, g):
+                        skipped[g] = VANISHED
+                    elif isinstance(e, UserError):
+                        skipped[g] = str(e).removeprefix(f"{g} ")
+                    else:
+                        raise
                     continue
             for w in caught:
                 raised.setdefault((w.category, str(w.message)), []).append(g)
-            unwritable = _keep(store, g, attrs[g], scalars, per_class, min_count, unwritable)
+            if unwritable:
+                attrs[g]["metrics"] = scalars
+                continue
+            with checkpoint_lock(layout.group_files(checkpoint_group(g)).lock, checkpoint_group(g), doing="measured"):
+                if _vanished(store, g):  # removed (ncanalyze rm) between the read and the write: nothing to write into
+                    skipped[g] = VANISHED
+                    continue
+                unwritable = _keep(store, g, attrs[g], scalars, per_class, min_count, unwritable)
+    prune(layout.partial)
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
-    for g, why in skipped.items():
+    twins = same_model_and_step({g: attrs[g] for g in groups if g not in skipped})
+    for g, why in (skipped | twins).items():
         warnings.warn(f"{g}: skipped: {why}", SkippedCheckpoint, stacklevel=2)
-    kept = [g for g in groups if g not in skipped]
+    kept = [g for g in groups if g not in skipped and g not in twins]
     if not kept:
         raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
     df = metrics_table(attrs[g] for g in kept)
     df.attrs["measured"] = [g for g in todo if g not in skipped]
-    df.attrs["skipped"] = skipped
+    df.attrs["skipped"] = skipped | twins
     return df
 
 
@@ -119,6 +139,12 @@ def _keep(store, g: str, attrs: dict, scalars: dict, per_class, min_count: int, 
                           "the results", ReadOnlyStore, stacklevel=3)
     attrs["metrics"] = scalars
     return unwritable
+
+
+def _vanished(store, g: str) -> bool:
+    """Whether group ``g`` (or its checkpoint) is no longer in ``store``: what ``rm`` leaves, which measure and report
+    skip with one line (rm moves a checkpoint out in one rename, under the lock measure takes to write)."""
+    return not (Path(store) / g / "zarr.json").is_file()
 
 
 def _unwritable(store: Path) -> str | None:

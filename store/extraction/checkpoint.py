@@ -46,7 +46,7 @@ from ncanalyze.store.resume import (
     load_state,
     record_of,
 )
-from ncanalyze.store.sources.anatomy import final_norm, head, n_layers
+from ncanalyze.store.sources.anatomy import final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.discover import (
     Checkpoint,
     training_metadata,
@@ -147,6 +147,7 @@ def load_checkpoint(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Load
     tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
+    finite_head(classifier, bias, ckpt.group)
     plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
     check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)

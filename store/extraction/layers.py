@@ -139,6 +139,17 @@ def plan(layers: str = "last", layers_per_pass: int | str | None = None, save_em
 AUTO = "auto"  # --layers-per-pass auto
 
 
+def bytes_text(n: float) -> str:
+    """A size in the largest binary unit it reaches, to three significant figures: '512 B', '1.23 MiB', '40 GiB'."""
+    if abs(n) < 1023.5:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if abs(n) < 1023.5:
+            return f"{n:.3g} {unit}"
+    return f"{n / 1024:,.3g} TiB"
+
+
 def auto_groups(plan_: Plan, per_layer: int, shared: int, budget: int) -> Plan:
     """An ``auto`` plan's passes: as many layers per pass as the float64 state (``per_layer`` bytes a layer, plus
     ``shared``) fits in ``budget`` bytes, the passes aligned on the deepest layers, so that the last pass (the whole
@@ -158,8 +169,8 @@ def auto_groups(plan_: Plan, per_layer: int, shared: int, budget: int) -> Plan:
         return plan_
     fits = (budget - shared) // per_layer
     if fits < 1:
-        raise UserError(f"the float64 state of one layer needs ~{(per_layer + shared) / 2**30:.2f} GiB but the state "
-                        f"may take {budget / 2**30:.2f} GiB: raise --state-memory, or use a device with more memory "
+        raise UserError(f"the float64 state of one layer needs ~{bytes_text(per_layer + shared)} but the state "
+                        f"may take {bytes_text(budget)}: raise --state-memory, or use a device with more memory "
                         "(or --device cpu)")
     n = len(plan_.layers)
     k = min(n, int(fits))

@@ -10,7 +10,7 @@ import logging
 import psutil
 import torch
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.extraction.layers import Plan, auto_groups
+from ncanalyze.store.extraction.layers import Plan, auto_groups, bytes_text
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
         budget = host_memory if host_memory is not None else state_budget(torch.device("cpu"))
         if budget < host:
             raise UserError(f"the reservoir of one layer (--samples-per-class {samples_per_class}) needs "
-                            f"~{host / 2**30:.1f} GiB of host memory but {budget / 2**30:.1f} GiB is free: lower "
+                            f"~{bytes_text(host)} of host memory but {bytes_text(budget)} is free: lower "
                             "--samples-per-class")
         by_host = auto_groups(plan, host, 0, budget)
         if by_host.widest_pass < fitted.widest_pass:
@@ -141,5 +141,5 @@ def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.dev
     fits = (free - shared) // per_layer
     hint = (f"pass fewer --layers, or --layers-per-pass {fits} (several passes over the data, exact either way)"
             if fits >= 1 else "use a device with more memory, or --device cpu")
-    raise UserError(f"the float64 state of {k} layer(s) needs ~{(k * per_layer + shared) / 2**30:.1f} GiB on {device} "
-                    f"but {free / 2**30:.1f} GiB is free: {hint}")
+    raise UserError(f"the float64 state of {k} layer(s) needs ~{bytes_text(k * per_layer + shared)} on {device} "
+                    f"but {bytes_text(free)} is free: {hint}")

@@ -4,6 +4,7 @@ from these fields, and the library, the CLI and the training callback refuse a b
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -13,8 +14,9 @@ from ncanalyze.analyzer.errors import UserError
 SECTIONS = ("Data", "Model", "Statistics", "Layers", "Hub", "Run control", "Cluster")  # ``extract --help``, in order
 AUTO = "auto"  # --layers-per-pass auto
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-         "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+PREFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+SIZE_RULE = ("a number of bytes, or a number and a unit: kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
+             "of 1024), in any case but a lowercase b (bits: 3Mb is refused), e.g. 40GB, 512MiB, 1e9")
 
 
 def setting(default: Any = None, *, required: bool = False, hashed: bool, section: str, help: str, kind: type | None = None,
@@ -73,12 +75,14 @@ def refused(name: str, reason: str, value: Any) -> UserError:
 
 
 def parse_size(size: str | None) -> int | None:
-    """The bytes of a ``--state-memory`` size.
+    """The bytes of a ``--state-memory`` size, by one rule (:data:`SIZE_RULE`, stated in ``--help``): a number alone
+    is bytes (``1e9``); a unit is an SI or IEC prefix (its case free) and an optional ``B``, which must be upper case:
+    ``3Mb`` is megabits and refused, never read as megabytes. More than 0 bytes.
 
     Parameters
     ----------
     size
-        A number and a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), e.g. ``40GB``, ``512MiB``; None.
+        The size, e.g. ``40GB``, ``512MiB``, ``1.5 GiB``, ``1e9``; None.
 
     Returns
     -------
@@ -87,16 +91,21 @@ def parse_size(size: str | None) -> int | None:
     """
     if size is None:
         return None
-    text = str(size).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    text = str(size).strip().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = text[len(number):]
+    if unit.endswith("b"):
+        raise refused("state_memory", f"has a lowercase b, which is bits: write {number}{unit[:-1]}B for bytes", size)
+    prefix = unit.removesuffix("B").lower()
     try:
         value = float(number)
     except ValueError:
-        value = -1.0
-    if unit not in UNITS or not value > 0 or value * UNITS[unit] > 2**62:
-        raise refused("state_memory", "must be a size, a number and a unit like 40GB or 512MiB", size)
-    return int(value * UNITS[unit])
+        value = math.nan
+    if prefix not in PREFIXES or not math.isfinite(value) or value * PREFIXES[prefix] > 2**62:
+        raise refused("state_memory", f"is not a size: pass {SIZE_RULE}", size)
+    if not int(value * PREFIXES[prefix]) > 0:
+        raise refused("state_memory", "is not above 0 bytes: pass a size such as 40GB", size)
+    return int(value * PREFIXES[prefix])
 
 
 def _size(value: str) -> str:
@@ -189,8 +198,8 @@ class ExtractConfig:
         "At most K layers' state at a time: several passes over the data (exact either way); auto: as many as "
         "--state-memory holds, the deepest layers together."))
     state_memory: str | None = setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
-        "Memory the float64 state may take under --layers-per-pass auto, e.g. 40GB or 512MiB [default: the device's "
-        "free memory after the model, less a tenth (at least 1 GiB)]."))
+        f"Memory the float64 state may take under --layers-per-pass auto: {SIZE_RULE} [default: the device's free "
+        "memory after the model, less a tenth (at least 1 GiB)]."))
     save_embeddings: int = setting(0, hashed=True, omit_default=True, section="Layers", metavar="N", minimum=0, help=(
         "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "
         "(position, hidden) with label (position)."))

@@ -42,7 +42,7 @@ from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.layout import CheckpointFiles, StoreLayout, default_store
 from ncanalyze.store.runs import training_ddp as ddp
-from ncanalyze.store.sources.anatomy import default_block_size, final_norm, head, n_layers
+from ncanalyze.store.sources.anatomy import default_block_size, final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
 from transformers import TrainerCallback
 
@@ -179,6 +179,7 @@ class NeuralCollapseCallback(TrainerCallback):
         self.pending = False
         self.seconds: list[float] = []
         self.n_train: int | None = None  # train batches in all (DDP shares them out)
+        self.output_dir: str | None = None  # the run's output folder, resolved: which run a group is of
 
     # --- the Trainer's events ---
 
@@ -219,6 +220,7 @@ class NeuralCollapseCallback(TrainerCallback):
                        "training, or extract the saved checkpoints with `ncanalyze extract`")
             return
         group = f"{run_name(args)}/step-{step}"
+        self.output_dir = str(Path(args.output_dir).resolve())
         files = StoreLayout(self.store).group_files(group)
         started = time.perf_counter()
         if not self._ready(kwargs["model"], self._tokenizer(kwargs), group):
@@ -298,6 +300,7 @@ class NeuralCollapseCallback(TrainerCallback):
         rank, world = ddp.rank_world()
         with untouched(model):
             classifier, bias = head(model)
+            finite_head(classifier, bias, group)
             device = classifier.device
             ex = Extraction(setup.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
                             files.layers if rank == 0 else None)
@@ -334,8 +337,8 @@ class NeuralCollapseCallback(TrainerCallback):
         several layers is run by rank 0 alone). Whether this rank goes on to the validation pass and the write."""
         if not setup.plan.default:
             return rank == 0
-        if self.n_train is None:
-            self.n_train = ddp.n_batches(setup.train, setup.cfg.batch_size)
+        if self.n_train is None:  # the ranks' data checked equal once (a content hash), then shared out
+            self.n_train = ddp.agreed_batches(setup.train, setup.cfg.batch_size)
         return ddp.share_train(model, setup.train, ex, setup.cfg.batch_size, self.n_train, group)
 
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
@@ -354,7 +357,7 @@ class NeuralCollapseCallback(TrainerCallback):
                                held_out=val_.held_out)
         plan = layer_plan(cfg, config)
         layers.record_layers(record, plan)
-        self._check_run(group.split("/")[0], record)
+        self._check_run(group.split("/")[0], record, identity(model, self.output_dir))
         train = open_data(cfg.dataset, val_.train_split, cfg.max_train_tokens, "max_train_tokens", cfg, block_size,
                           config, tokenizer, self.store)
         val = None if val_.spec is None else open_data(val_.spec, val_.split, cfg.max_val_tokens, "max_val_tokens",
@@ -362,8 +365,10 @@ class NeuralCollapseCallback(TrainerCallback):
         self.setup = _Setup(cfg, record, plan, train, val, tokenizer)
         return self.setup
 
-    def _check_run(self, run: str, record: dict) -> None:
-        """A UserError if the store holds ``run`` measured under other settings (its steps would not compare)."""
+    def _check_run(self, run: str, record: dict, model: dict) -> None:
+        """A UserError if the store holds ``run`` measured under other settings (its steps would not compare), or from
+        another model (another training's output folder, architecture or parameter count: its groups would be replaced
+        step by step); a group recorded before ``output_dir`` is compared on what it records."""
         groups, _ = io.checkpoint_groups(self.store)
         for g in groups:
             if g.count("/") != 1 or not g.startswith(f"{run}/"):
@@ -373,6 +378,11 @@ class NeuralCollapseCallback(TrainerCallback):
                 old = json.loads(attrs.get("config", "{}"))
                 raise UserError(f"{self.store} already holds run {run} under other settings "
                                 f"({differences(old, record)}): set TrainingArguments(run_name=...) to another name, "
+                                f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")
+            theirs = {k: attrs.get(k) for k in model if k in attrs}
+            if attrs.get("source") == "training" and theirs != {k: model[k] for k in theirs}:
+                raise UserError(f"{self.store} already holds run {run} of another model ({describe(theirs)}; this "
+                                f"training: {describe(model)}): set TrainingArguments(run_name=...) to another name, "
                                 f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")
 
     def _attrs(self, model, ex: Extraction, classifier: torch.Tensor, setup: _Setup, group: str, when: dict,
@@ -390,6 +400,7 @@ class NeuralCollapseCallback(TrainerCallback):
             "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
             "tokenizer": cfg.tokenizer, "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
             "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": "training",
+            "output_dir": self.output_dir,
             "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),
             "config": json.dumps(setup.record, sort_keys=True),
         }
@@ -401,6 +412,22 @@ class NeuralCollapseCallback(TrainerCallback):
             self.trainer.log(dict(scalars))
         else:
             state.log_history.append({**scalars, "step": step})
+
+
+def identity(model, output_dir: str | None) -> dict:
+    """What tells one trained model from another in the store's attributes: its architecture, parameter count and the
+    training's output folder (resolved)."""
+    config = model.config
+    return {"model_type": config.model_type, "n_params": sum(p.numel() for p in model.parameters()),
+            "n_layers": n_layers(config), "hidden_size": int(model.get_output_embeddings().weight.shape[1]),
+            "output_dir": output_dir}
+
+
+def describe(model: dict) -> str:
+    """'gpt_neo, 2 layers of width 32, 28,704 parameters, from /runs/a/out'."""
+    return (f"{model.get('model_type')}, {model.get('n_layers')} layers of width {model.get('hidden_size')}, "
+            f"{model.get('n_params') or 0:,} parameters" + (f", from {model['output_dir']}" if model.get("output_dir")
+                                                            else ""))
 
 
 def _handled(logger: logging.Logger) -> bool:

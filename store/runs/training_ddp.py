@@ -4,11 +4,13 @@ gathered on rank 0 and merged in shards.py's fixed tree (Chan for the statistics
 reservoir), and rank 0 alone runs the validation pass and writes: equal to one process to 1e-12.
 
 Every rank meets the same collectives in the same order, and an error on any rank is agreed on by all
-(:func:`agree`), so a bad share never leaves another rank waiting.
+(:func:`agree`), so a bad share never leaves another rank waiting. Before the first share, the ranks agree on a
+content hash of the train blocks (:func:`agreed_batches`): ranks given different data are refused in one line.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 
 import torch.distributed as dist
@@ -55,9 +57,34 @@ def agree(error: str | None) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def n_batches(blocks, batch_size: int) -> int:
-    """The train batches: known for token files, counted (read once) for text."""
-    n_blocks = blocks.total if blocks.total is not None else sum(len(b) for b in blocks.batches(batch_size))
+def agreed_batches(blocks, batch_size: int) -> int:
+    """The train batches, once every rank has hashed the blocks it would read (all of them: sha256 of their tokens,
+    the cap applied) and the ranks agree: a UserError on every rank, naming the ranks and their data, where any
+    differ (each rank would cut its own data into ranges and the merge would mix them silently).
+
+    Parameters
+    ----------
+    blocks
+        This rank's train blocks.
+    batch_size
+        Blocks per batch.
+
+    Returns
+    -------
+    int
+        The train batches in all.
+    """
+    digest, n_blocks = hashlib.sha256(), 0
+    for batch in blocks.batches(batch_size):
+        digest.update(batch.tobytes())
+        n_blocks += len(batch)
+    _, world = rank_world()
+    seen: list = [None] * world
+    dist.all_gather_object(seen, (n_blocks, digest.hexdigest()[:12], blocks.spec))
+    if len(set((n, h) for n, h, _ in seen)) > 1:
+        ranks = "; ".join(f"rank {r}: {n} blocks of {spec}, sha256 {h}" for r, (n, h, spec) in enumerate(seen))
+        raise UserError(f"the ranks read different train data ({ranks}): give every rank the same train_data and "
+                        "settings (the ranks share out one stream of blocks)")
     return -(-n_blocks // batch_size)
 
 
@@ -75,7 +102,7 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
     batch_size
         Blocks per batch.
     total
-        The train batches in all (:func:`n_batches`).
+        The train batches in all (:func:`agreed_batches`).
     desc
         The group, for progress bars and errors.
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from ncanalyze.analyzer.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,28 @@ def head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     out = model.get_output_embeddings()
     bias = getattr(out, "bias", None)
     return out.weight.detach(), None if bias is None else bias.detach()
+
+
+def finite_head(classifier: torch.Tensor, bias: torch.Tensor | None, where: str) -> None:
+    """A CheckpointError naming the token ids whose output-layer row (weight or bias) is NaN or infinite: every
+    logit would be NaN there, so NC3, NC4, the head's erank and the validation loss would be, whatever the features.
+
+    Parameters
+    ----------
+    classifier, bias
+        The output layer (:func:`head`).
+    where
+        The checkpoint, for the message.
+    """
+    bad = ~torch.isfinite(classifier).all(dim=1)
+    if bias is not None:
+        bad |= ~torch.isfinite(bias)
+    if bad.any():
+        ids = torch.nonzero(bad).flatten().tolist()
+        shown = ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+        raise CheckpointError(f"{where}: the output layer has NaN/Inf weights in the row{'s' * (len(ids) > 1)} of "
+                              f"token id{'s' * (len(ids) > 1)} {shown} ({len(ids)} of {len(bad)} rows): the "
+                              "checkpoint is damaged or has diverged; extract a sound checkpoint")
 
 
 def final_norm(model) -> tuple[str, torch.nn.Module] | None:
