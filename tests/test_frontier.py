@@ -116,7 +116,7 @@ def test_state_memory_sizes():
     for bad in ("", "GB", "-1GB", "12 parsecs", "1e400GB", "0"):
         with pytest.raises(UserError, match="--state-memory"):
             parse_size(bad)
-        with pytest.raises(UserError, match=r"^state_memory \(--state-memory\) must be a size"):
+        with pytest.raises(UserError, match=r"^state_memory \(--state-memory\) (is not a size|is not above 0)"):
             ExtractConfig(dataset="d", state_memory=bad)
 
 

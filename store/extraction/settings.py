@@ -95,7 +95,7 @@ def parse_size(size: str | None) -> int | None:
     number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = text[len(number):]
     if unit.endswith("b"):
-        raise refused("state_memory", f"has a lowercase b, which is bits: write {number}{unit[:-1]}B for bytes", size)
+        raise refused("state_memory", f"ends in a lowercase b, and a lowercase b is bits; write {number}{unit[:-1]}B for bytes", size)
     prefix = unit.removesuffix("B").lower()
     try:
         value = float(number)
