@@ -26,7 +26,7 @@ import xarray as xr
 import zarr
 import zarr.errors
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import HEAD, MEASURED, PER_CLASS, VAL_COUNTS
+from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
 from ncanalyze.store.layout import (
@@ -41,7 +41,7 @@ XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated me
 # what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
 FORMAT_KEY, FORMAT = "ncanalyze_format", 1  # the store's format, a root attribute written when the root is created
-RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash")
+RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
 STATISTICS = ("count", "mean", "variance", "within_covariance")  # every checkpoint group holds them
@@ -542,6 +542,6 @@ def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_c
             arr[:] = values
     record = {"metrics": {k: v if math.isfinite(v) else None for k, v in scalars.items()},
               "metrics_nonfinite": {k: str(v) for k, v in scalars.items() if not math.isfinite(v)},
-              "metrics_min_count": min_count, "metrics_config_hash": config_hash}
+              "metrics_min_count": min_count, "metrics_config_hash": config_hash, "metrics_version": METRICS_VERSION}
     g.attrs.update(record)
     return record

@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
-from ncanalyze.analyzer.metrics import DEFINITIONS, measure_all
-from ncanalyze.analyzer.schema import HEAD
+from ncanalyze.analyzer.metrics import measure_all
+from ncanalyze.analyzer.schema import HEAD, METRICS_VERSION
 from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
@@ -32,14 +32,11 @@ WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first o
 
 
 VANISHED = "removed while being measured (ncanalyze rm): nothing to measure"
-ALWAYS = tuple(k for k, f in DEFINITIONS.items() if not hasattr(f, "needs"))  # recorded for every measured group
-
-
 def is_measured(attrs: dict, min_count: int) -> bool:
-    """Measured with this min_count, since the group's statistics were last written, and with every metric that
-    any checkpoint has (a group measured before the geometry metrics existed is measured again)."""
-    return ("metrics" in attrs and set(ALWAYS) <= set(attrs["metrics"]) and attrs.get("metrics_min_count") == min_count
-            and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
+    """Measured with this min_count, since the group's statistics were last written, under this version's metric
+    definitions (``schema.METRICS_VERSION``: a group measured under other definitions is measured again)."""
+    return ("metrics" in attrs and attrs.get("metrics_version") == METRICS_VERSION
+            and attrs.get("metrics_min_count") == min_count and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
 
 
 def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,

@@ -54,3 +54,22 @@ def test_every_writer_creates_the_root_with_its_format(tmp_path):
         store = tmp_path / f"s{len(target)}.zarr"
         io.ensure_group(store, target)
         assert zarr.open_group(store, mode="r", zarr_format=3).attrs[io.FORMAT_KEY] == io.FORMAT
+
+
+def test_a_group_measured_under_other_metric_definitions_is_measured_again(extracted_store, tmp_path):
+    """The metrics record their definitions' version (schema.METRICS_VERSION); a group measured under another (an
+    earlier release's erank or CDNV) is measured again, with today's numbers, and one of this version is not."""
+    from ncanalyze.analyzer.schema import METRICS_VERSION
+    from ncanalyze.store.measure import measure_store
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(extracted_store, store)
+    measure_store(store)
+    groups, _ = io.checkpoint_groups(store)
+    fresh = {g: io.group_attrs(store, g)["metrics"] for g in groups}
+    assert all(io.group_attrs(store, g)["metrics_version"] == METRICS_VERSION for g in groups)
+    g = zarr.open_group(store, path=groups[0], mode="r+", zarr_format=3)
+    g.attrs.update({"metrics_version": METRICS_VERSION - 1, "metrics": {**fresh[groups[0]], "nc1_cdnv": 123.0}})
+    again = measure_store(store)
+    assert list(again.attrs["measured"]) == [groups[0]]  # that group alone
+    assert io.group_attrs(store, groups[0])["metrics"] == fresh[groups[0]]  # today's numbers, not the stale 123
