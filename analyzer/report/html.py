@@ -144,7 +144,7 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     layers = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna().astype(int))) if has_depth(df) else []
     return {"rows": rows, "target": r.target, "labels": {c: label(c) for c in [r.target, *metrics]},
             "metrics": _metric_groups(metrics), "fig1": [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics],
-            "tags": list(dict.fromkeys(rows["_tag"])), "has_tag": "tag" in df.columns, "layers": layers,
+            "tags": list(dict.fromkeys(rows["_tag"])), "layers": layers,
             "colours": colours, "r2": _r2(r.stats)}
 
 

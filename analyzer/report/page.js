@@ -38,14 +38,13 @@ function byRun(rows) {
 // What a hover shows of a row: run, checkpoint, step, tag, parameters, kept classes, layer, the target.
 function custom(i) {
   return [R.run[i], text(R.checkpoint && R.checkpoint[i]), count(R.global_step ? R.global_step[i] : null),
-          D.has_tag ? text(R.tag[i]) : "", count(R.n_params ? R.n_params[i] : null),
+          text(R.tag ? R.tag[i] : null), count(R.n_params ? R.n_params[i] : null),
           count(R.n_kept ? R.n_kept[i] : null), R.layer ? text(R.layer[i]) : "", R[D.target][i]];
 }
 
 function hover(lines) {
-  const head = ["<b>run %{customdata[0]}</b>", "checkpoint %{customdata[1]}", "step %{customdata[2]}"];
-  if (D.has_tag) head.push("tag %{customdata[3]}");
-  head.push("parameters %{customdata[4]}");
+  const head = ["<b>run %{customdata[0]}</b>", "checkpoint %{customdata[1]}", "step %{customdata[2]}",
+                "tag %{customdata[3]}", "parameters %{customdata[4]}"];
   if (D.layers.length) head.push("layer %{customdata[6]}");
   return head.concat(lines, ["kept classes %{customdata[5]}"]).join("<br>") + "<extra></extra>";
 }
