@@ -89,11 +89,13 @@ def pick(driver, select: str, value: str) -> None:
 
 
 def points(driver, plot: str) -> list[dict]:
-    """Every point of a plot as drawn: its trace's x axis, run, checkpoint, x and y (gd.data)."""
+    """Every point of a plot as drawn: its trace's x axis, run, checkpoint, step, layer, x and y (gd.data; not the
+    nulls that end one line in a trace of several)."""
     return driver.execute_script(
         "const gd = document.getElementById(arguments[0]); const out = [];"
-        "gd.data.forEach((t, c) => t.x.forEach((x, i) => out.push({axis: t.xaxis || 'x', run: t.customdata[i][0],"
-        " checkpoint: t.customdata[i][1], layer: t.customdata[i][6], x: x, y: t.y[i], curve: c, point: i,"
+        "gd.data.forEach((t, c) => t.x.forEach((x, i) => t.customdata[i] && out.push({axis: t.xaxis || 'x',"
+        " run: t.customdata[i][0], checkpoint: t.customdata[i][1], step: t.customdata[i][2],"
+        " layer: t.customdata[i][6], x: x, y: t.y[i], curve: c, point: i,"
         " visible: t.visible === undefined ? true : t.visible})));"
         "return out;", plot)
 
@@ -274,8 +276,12 @@ def test_no_html_writes_no_page(tmp_path):
     run_cli("report", files["metrics"], "--out", tmp_path / "cli", "--metrics", "nc1_cdnv", "--permutations", 0,
             "--no-html")
     assert (tmp_path / "cli" / "report.md").exists() and not (tmp_path / "cli" / "report.html").exists()
-    on = write_report(df, tmp_path / "on", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)).files
+    on = write_report(df.drop(columns="run"), tmp_path / "on", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)).files
     assert on["html"] == tmp_path / "on" / "report.html" and on["html"].stat().st_size > 1_000_000  # plotly.js
+    text = on["html"].read_text(encoding="utf-8")
+    data = json.loads(text.split('<script id="ncanalyze-data" type="application/json">')[1].split("</script>")[0])
+    assert data["rows"]["run"] == ["(all)"] * len(df)  # a table without runs: one line
+    assert data["rows"]["nc1_cdnv"] == read_csv(on["metrics"]).nc1_cdnv.tolist()
 
 
 # ---------------------------------------------------------------- layers and tags (a synthetic table)
@@ -311,10 +317,14 @@ def test_layers_and_tags_pick_their_rows_and_depth_draws_every_layer(layered, br
             for plot in ("fig1", "scatter"):  # infinite at layer 0: a gap (null), not a number
                 got = {(p["run"], p["checkpoint"]): p["x"] for p in points(browser, plot) if p["axis"] == "x"}
                 assert got == x and len(got) == len(want) > 0
-        depth = pd.DataFrame(points(browser, "depth"))
-        rows = metrics[metrics.tag == tag]
-        assert len(depth) == len(rows) and depth.curve.nunique() == len(rows.groupby(["run", "checkpoint"]))
-        assert sorted(depth.layer.astype(int)) == sorted(rows.layer)
+        depth = pd.DataFrame(points(browser, "depth"))  # a line per checkpoint: its layers in order, its values
+        rows = metrics[metrics.tag == tag].sort_values(["run", "checkpoint", "layer"])
+        assert len(depth) == len(rows) and depth.curve.nunique() == rows.global_step.nunique()
+        for (run, ckpt), line in depth.groupby(["run", "checkpoint"]):
+            want = rows[(rows.run == run) & (rows.checkpoint == ckpt)]
+            assert line.layer.astype(int).tolist() == [0, 1, 2] and line.point.diff().dropna().eq(1).all()
+            gaps = want.nc1_cdnv.where(np.isfinite(want.nc1_cdnv))  # infinite at layer 0: a gap in the line
+            np.testing.assert_array_equal(line.y.to_numpy(float), gaps.to_numpy())
     assert screenshot(browser, tmp_path, "layers_and_tags").exists()
 
 

@@ -74,12 +74,12 @@ def _tag_keys(df: pd.DataFrame) -> list[str]:
     return list(keys)
 
 
-def _colours(df: pd.DataFrame) -> dict:
+def _colours(df: pd.DataFrame, run: pd.Series) -> dict:
     """Colour by size (viridis on log n_params, as the PNG figures) when sizes differ, else by run; by step for
     the depth figure's lines."""
-    runs = list(dict.fromkeys(df["run"].astype(str))) if "run" in df else []
-    size = pd.to_numeric(df.get("n_params"), errors="coerce").groupby(df["run"].astype(str)).first() if runs else None
-    positive = size[size > 0] if size is not None else pd.Series(dtype=float)
+    runs = list(dict.fromkeys(run))
+    size = pd.to_numeric(df.get("n_params", pd.Series(np.nan, index=df.index)), errors="coerce").groupby(run).first()
+    positive = size[size > 0]
     viridis = colormaps["viridis"]
     out: dict = {"size_scale": None}
     if positive.nunique() > 1:
@@ -137,9 +137,11 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     metrics = [m for m in options.metrics if m in df.columns]
     cols = [c for c in ROW_COLUMNS if c in df.columns] + [c for c in [r.target, *metrics] if c in df.columns]
     rows = {c: _values(df[c]) for c in dict.fromkeys(cols)}
+    run = df["run"].astype(str) if "run" in df else pd.Series("(all)", index=df.index)  # a table without runs
+    rows["run"] = list(run)
     rows["_last"] = [bool(x) for x in df.index.isin(last_layer(df).index)]
     rows["_tag"] = _tag_keys(df)
-    colours = _colours(df)
+    colours = _colours(df, run)
     rows["_step_colour"] = colours.pop("step")
     layers = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna().astype(int))) if has_depth(df) else []
     return {"rows": rows, "target": r.target, "labels": {c: label(c) for c in [r.target, *metrics]},
