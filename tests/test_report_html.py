@@ -184,8 +184,9 @@ def test_hovering_a_point_says_its_run_checkpoint_step_size_values_and_kept_clas
         p = drawn[len(drawn) // 2]
         row = metrics.loc[(p["run"], p["checkpoint"])]
         lines = hover_lines(browser, plot, p["curve"], p["point"], subplot)
+        tag = row.tag if isinstance(row.tag, str) else "—"
         assert lines[:5] == [f"run {p['run']}", f"checkpoint {p['checkpoint']}", f"step {int(row.global_step):,}",
-                             f"tag {row.tag if isinstance(row.tag, str) else '—'}", f"parameters {int(row.n_params):,}"]
+                             f"tag {tag}", f"parameters {int(row.n_params):,}"]
         assert lines[-1] == f"kept classes {int(row.n_kept):,}"
         metric = "gnc2_log_std" if plot == "fig1" else "nc1_cdnv"
         values = {line.split(" = ")[0]: number(line) for line in lines if " = " in line}
@@ -302,7 +303,11 @@ def layered(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_layers_and_tags_pick_their_rows_and_depth_draws_every_layer(layered, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
     open_page(browser, layered / "report.html")
+    tags = next(line for line in (layered / "report.md").read_text().splitlines() if line.startswith("The selection"))
+    assert "never pooled" in tags and re.sub("`", "", tags) in browser.find_element(By.TAG_NAME, "body").text
     metrics = read_csv(layered / "metrics.csv")
     metrics["tag"] = metrics.tag.fillna("(untagged)")
     options = browser.execute_script("return Array.from(document.querySelectorAll('#layer option, #tag option'))"

@@ -28,9 +28,11 @@ from ncanalyze.analyzer.stats import permutation_text, split_tags
 
 UNTAGGED = "(untagged)"
 ROW_COLUMNS = ("run", "tag", "checkpoint", "global_step", "n_params", "n_kept", LAYER)  # hover and grouping
-STATS_COLUMNS = (("n", "n", "{:d}"), ("R²", "r2", fmt), ("r", "r", fmt), ("rho", "rho", fmt), ("p rho", "rho_p", fmt_p),
-                 ("p", "p_perm", fmt_p), ("p Holm", "p_holm", fmt_p), ("partial r", "partial_r", fmt),
-                 ("p FL", "partial_p_perm", fmt_p), ("p FL Holm", "partial_p_holm", fmt_p))  # header, stats.csv, display
+# the statistics table's columns: header, stats.csv's column, display (report.md's)
+STATS_COLUMNS = (("n", "n", "{:d}"), ("R²", "r2", fmt), ("r", "r", fmt), ("rho", "rho", fmt),
+                 ("p rho", "rho_p", fmt_p), ("p", "p_perm", fmt_p), ("p Holm", "p_holm", fmt_p),
+                 ("partial r", "partial_r", fmt), ("p FL", "partial_p_perm", fmt_p),
+                 ("p FL Holm", "partial_p_holm", fmt_p))
 
 
 def md_inline(text: str) -> str:
@@ -102,7 +104,8 @@ def _colours(df: pd.DataFrame, run: pd.Series) -> dict:
 
 def _metric_groups(metrics: list[str]) -> list[tuple[str, list[str]]]:
     """The picker's option groups: NC, geometry, others."""
-    groups = [("NC", [m for m in metrics if m in NC_METRICS]), ("geometry", [m for m in metrics if m in GEOMETRY_METRICS]),
+    groups = [("NC", [m for m in metrics if m in NC_METRICS]),
+              ("geometry", [m for m in metrics if m in GEOMETRY_METRICS]),
               ("other", [m for m in metrics if m not in NC_METRICS and m not in GEOMETRY_METRICS])]
     return [(g, ms) for g, ms in groups if ms]
 

@@ -149,7 +149,8 @@ function drawDepth(p) {
                  customdata: g.map((i) => (i === null ? null : custom(i))), hovertemplate: hover([`${m} = %{y:.6g}`]),
                  line: {color: R._step_colour[rows[0]], width: 1.2},
                  marker: {size: 5, color: g.map((i) => (i === null ? null : R.global_step[i])), colorscale: "Viridis",
-                          cmin: lo, cmax: hi, showscale: traces.length === 0, colorbar: {title: {text: "global step"}}}});
+                          cmin: lo, cmax: hi, showscale: traces.length === 0,
+                          colorbar: {title: {text: "global step"}}}});
   }
   const layout = layoutOf(`${D.labels[m]} across depth`, {
     xaxis: {title: {text: "layer (hidden_states index)"}, dtick: 1}, yaxis: {title: {text: m}}});
@@ -186,4 +187,7 @@ document.querySelectorAll("#pickers select").forEach((s) => s.addEventListener("
 }));
 if (D.fig1.length) $("metric").value = D.fig1[0];
 const started = performance.now();  // the time the figures take to draw, for benchmarks/report.py
-draw().then(() => { document.body.dataset.drawMs = Math.round(performance.now() - started); document.body.dataset.ready = "1"; });
+draw().then(() => {
+  document.body.dataset.drawMs = Math.round(performance.now() - started);
+  document.body.dataset.ready = "1";
+});
