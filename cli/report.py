@@ -19,7 +19,7 @@ def _split(s: str | None) -> list[str]:
 @click.command(short_help="Tables, figures and statistics of the metrics against the validation loss.")
 @store_argument("report")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
-              help="Folder for report.md, metrics.csv, stats.csv, tables.tex and the figures "
+              help="Folder for report.md, report.html, metrics.csv, stats.csv, tables.tex and the figures "
               "(PNG, PDF and SVG).")
 @click.option("--where", help="Condition over the table's columns selecting the checkpoints the report covers, in "
               "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one "
@@ -42,10 +42,12 @@ def _split(s: str | None) -> list[str]:
 @click.option("--tokens", help="Comma-separated tokens (strings as decoded, or ids) for the per-token table.")
 @click.option("--checkpoint", "checkpoints", multiple=True, metavar="RUN/CHECKPOINT",
               help="Checkpoint(s) of the per-token table (default: each selected run's latest). Repeatable.")
+@click.option("--html/--no-html", default=True, show_default=True,
+              help="Also write report.html, one self-contained interactive page (see above); --no-html: not.")
 @option("min_count", "report")
 @option("scheduler", "report")
 def report(store_positional, store, out, where, metrics_, target, controls, permutations, seed, per_run, tokens,
-           checkpoints, min_count, scheduler):
+           checkpoints, html, min_count, scheduler):
     """Tables, figures and statistics of NC metrics against the target (default: val_loss, the loss ncanalyze
     measured on the validation tokens, where every selected checkpoint has it; else eval_loss, the Trainer's) over
     a STORE (or --store; default $NCANALYZE_STORE, else ./ncanalyze.zarr; a metrics.csv from an earlier report
@@ -55,6 +57,14 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     For every metric: Pearson r and R² (raw, and with log10 of the metric where positive), Spearman's rho, the
     partial r controlling for model size and training progress, and permutation p-values (Freedman-Lane for the
     partial r; runs with several checkpoints permuted whole). Tags are never pooled: each tag is reported apart.
+
+    \b
+    report.html is one file that opens offline from disk (plotly.js inlined): Figure 1's panels (hover a point
+    for its run, checkpoint, step, tag, size, metric, target and kept classes), a picker for the metric (NC and
+    geometry) and, where there are several, the layer and the tag; the picked metric against the target and
+    against the step (a line per run: click a run in the legend to show it alone), the depth figure with
+    layers, the sortable statistics table, the per-token tables with --tokens, and report.md's caveats (the
+    permutation unit and count, thin classes, tags kept apart).
     """
     from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.store.io import read_group
@@ -64,7 +74,7 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
     options = ReportOptions(metrics=metrics, target=target, controls=_split(controls), where=where,
                             n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
-                            checkpoints=checkpoints, per_run=per_run)
+                            checkpoints=checkpoints, per_run=per_run, html=html)
     result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path))
     n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:

@@ -77,12 +77,12 @@ def test_quiet_and_verbose(extracted_store, trained_run, corpus, tmp_path):
     assert "checkpoint-20" in quiet and "skipped" not in quiet  # the summary line stays, the log lines go
 
 
-HEAVY = ("zarr", "xarray", "torch", "transformers")
+HEAVY = ("zarr", "xarray", "torch", "transformers", "plotly", "matplotlib")
 
 
 def test_help_and_version_import_no_heavy_library():
     """``ncanalyze --help``, each command's ``--help`` and ``--version`` in a fresh interpreter: none of them loads
-    zarr, xarray, torch or transformers (the version comes from the package's metadata)."""
+    zarr, xarray, torch, transformers, plotly or matplotlib (the version comes from the package's metadata)."""
     code = ("import sys\nfrom ncanalyze.cli.main import main\n"
             "for args in (['--help'], ['--version'], *([c, '--help'] for c in main.commands)):\n"
             "    try:\n        main(args, prog_name='ncanalyze')\n"

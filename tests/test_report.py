@@ -482,4 +482,6 @@ def test_the_result_holds_the_tables_it_wrote(tmp_path):
     assert r.tokens is None and r.notes == [] and "tokens" not in r.files
     assert list(r.figures) == [*FIGURES, DYNAMICS[0]] and r.figures.items() <= r.files.items()
     assert sorted(p.name for p in r.files.values()) == sorted(p.name for p in tmp_path.iterdir() if p.suffix in
-                                                              (".csv", ".md", ".tex") or p.name.endswith(".png"))
+                                                              (".csv", ".md", ".tex", ".html") or
+                                                              p.name.endswith(".png"))
+    assert r.files["html"] == tmp_path / "report.html"

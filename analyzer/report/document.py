@@ -20,7 +20,14 @@ def tag_name(tag: str | None) -> str:
     return "(untagged)" if tag is None else f"`{tag}`"
 
 
-def _header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
+def tags_text(tags: list) -> str:
+    """The sentence on a selection of several tags: which, and that they are never pooled (report.md, report.html)."""
+    return (f"The selection holds {len(tags)} tags (datasets): {', '.join(tag_name(t) for t, _ in tags)}. Tags "
+            "are never pooled: each has its own statistics (Holm within the tag) and figures below. One tag "
+            "alone: `--where \"tag == 'NAME'\"`; the untagged rows: `--where \"tag.isna()\"` (or `tag == ''`).")
+
+
+def header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
     """The title, the selection (checkpoints, runs, tags) and the target."""
     sel, target = r.selected, r.target
     n_runs = sel["run"].nunique() if "run" in sel else 1
@@ -31,11 +38,8 @@ def _header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
     if o.per_run == "last":
         md += ["`--per-run last`: each run's latest checkpoint only (one row per run).", ""]
     if len(tags) > 1:
-        md += [f"The selection holds {len(tags)} tags (datasets): {', '.join(tag_name(t) for t, _ in tags)}. Tags "
-               "are never pooled: each has its own statistics (Holm within the tag) and figures below. One tag "
-               "alone: `--where \"tag == 'NAME'\"`; the untagged rows: `--where \"tag.isna()\"` (or `tag == ''`).",
-               ""]
-    return md + [target_note(target), ""] + _reading(o, r.stats, len(tags) > 1)
+        md += [tags_text(tags), ""]
+    return md + [target_note(target), ""] + reading(o, r.stats, len(tags) > 1)
 
 
 def _families(stats: pd.DataFrame) -> str:
@@ -45,7 +49,7 @@ def _families(stats: pd.DataFrame) -> str:
     return "; ".join(f"{family_name(f)} ({len(fams[f])}: {', '.join(fams[f])})" for f in order)
 
 
-def _reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
+def reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
     """How to read the correlation tables (said once, before them)."""
     return ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line; rho: "
             "Spearman's rank correlation (the same on both scales). \"(log)\": log10 of the metric (the paper's "
@@ -61,12 +65,17 @@ def _reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
             ""]
 
 
+def tag_stats(stats: pd.DataFrame, tag: str | None) -> pd.DataFrame:
+    """One tag's rows of the statistics (None: the untagged), with the statistics' attributes (the seed)."""
+    out = (stats[stats.tag.isna()] if tag is None else stats[stats.tag == tag]).reset_index(drop=True)
+    out.attrs.update(stats.attrs)
+    return out
+
+
 def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, rows: pd.DataFrame,
                          several: bool) -> list[str]:
     """One tag's correlation table with how to read it, its permutations, Holm's survivors, notes and figures."""
-    stats = r.stats[r.stats.tag.isna()] if tag is None else r.stats[r.stats.tag == tag]
-    stats = stats.reset_index(drop=True)
-    stats.attrs.update(r.stats.attrs)
+    stats = tag_stats(r.stats, tag)
     md = [f"## Correlation with {r.target}" + (f", tag {tag_name(tag)} ({len(rows)} checkpoints)" if several else ""),
           "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
     if len(rows) < MIN_N:
@@ -171,7 +180,7 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
     str
     """
     tags = split_tags(result.selected)
-    md = _header(result, options, tags)
+    md = header(result, options, tags)
     for tag, rows in tags:
         md += _correlation_section(result, options, tag, rows, len(tags) > 1)
     md += _support_section(result, options)

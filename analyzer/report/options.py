@@ -38,6 +38,8 @@ class ReportOptions:
     per_run
         ``"last"``: keep each run's latest checkpoint only (``--per-run last``; one row per run, so runs are the
         units and nothing need be permuted in blocks); None: every selected checkpoint.
+    html
+        Also write report.html, the interactive page (:mod:`~ncanalyze.analyzer.report.html`; ``--no-html``: not).
     """
 
     metrics: Sequence[str] = METRICS
@@ -50,6 +52,7 @@ class ReportOptions:
     tokens: Sequence[str] = ()
     checkpoints: Sequence[str] = ()
     per_run: str | None = None
+    html: bool = True
 
 
 @dataclass
@@ -78,7 +81,7 @@ class ReportResult:
     depth_notes
         The depth figure's undefined values (e.g. layer 0's infinite CDNV), said in report.md.
     files
-        Every file written by name: metrics, stats, [tokens], the figures, [depth, layers], report, tex.
+        Every file written by name: metrics, stats, [tokens], the figures, [depth, layers], report, tex, [html].
     """
 
     metrics: pd.DataFrame

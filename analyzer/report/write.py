@@ -10,6 +10,7 @@ from ncanalyze.analyzer.depth import depth_table, has_depth, last_layer, undefin
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.figures import depth_files, draw_figures, tag_suffix
+from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import SUPPORT, with_support
 from ncanalyze.analyzer.report.tables import default_target, latex, select
@@ -69,7 +70,8 @@ def _folder(out: str | Path) -> Path:
     return out
 
 
-OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "tables.tex", "report.md")  # files a report writes
+# files a report writes
+OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "tables.tex", "report.md", "report.html")
 
 
 def _ours(report_md: Path) -> bool:
@@ -94,7 +96,7 @@ def _write_tables(r: ReportResult, out: Path) -> None:
 def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = ReportOptions(),
                  read_group: GroupReader | None = None) -> ReportResult:
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with tokens), the depth figure and layers.csv (with
-    layers), report.md and tables.tex into a folder.
+    layers), report.md, tables.tex and (unless ``options.html`` is False) report.html into a folder.
 
     The statistics, Figures 1-4 and the token table use each selected checkpoint's last layer. Tags (datasets) are
     never pooled: each tag's statistics (Holm within the tag) and figures are its own. Runs with several
@@ -146,4 +148,6 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}
     r.files["report"].write_text(markdown(r, options, skipped=df.attrs.get("skipped")))
     r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls))
+    if options.html:
+        r.files["html"] = write_html(r, options, out, skipped=df.attrs.get("skipped"))
     return r
