@@ -22,7 +22,7 @@ from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
 from ncanalyze.analyzer.report.tables import fmt, fmt_p, notes, survivors
 from ncanalyze.analyzer.report.ticks import human
-from ncanalyze.analyzer.report.tokens import AVERAGE_TOKEN, token_rows
+from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.schema import GEOMETRY_METRICS, LAYER, NC_METRICS
 from ncanalyze.analyzer.stats import permutation_text, split_tags
 
