@@ -36,8 +36,15 @@ def _per_pass(ctx, param, value: str) -> str | int:
 @click.option("--text-column", default="text", show_default=True, help="Column holding the text.")
 @click.option("--block-size", type=click.IntRange(2), help="Block length for 1-D streams and text "
               "[default: the model's context, at most 1024].")
-@click.option("--max-train-tokens", type=click.IntRange(0), help="Cap on train tokens read (whole blocks).")
-@click.option("--max-val-tokens", type=click.IntRange(0), help="Cap on validation tokens read; 0 skips NC4.")
+@click.option("--max-train-tokens", type=click.IntRange(0), help="Cap on train tokens read: whole blocks, spread over "
+              "the whole split (see --cap-mode).")
+@click.option("--max-val-tokens", type=click.IntRange(0), help="Cap on validation tokens read (as --max-train-tokens); "
+              "0 skips NC4.")
+@click.option("--cap-mode", type=click.Choice(["spread", "prefix"]), default="spread", show_default=True,
+              help="How a token cap reads a split: 'spread', whole blocks drawn over all of it (one from each of N "
+                   "equal stretches, N the blocks the cap allows; drawn with --seed, the same for every checkpoint "
+                   "and across a resume; text is tokenized whole into the token cache first); 'prefix', its first "
+                   "blocks. Recorded (attribute cap_mode, and in the config hash) where a cap is set.")
 @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Blocks per forward pass.")
 @option("device", "extract")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default="float32",

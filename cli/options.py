@@ -60,7 +60,8 @@ OPTIONS: dict[str, Shared] = {
         dict(type=click.IntRange(1))),
     "seed": Shared(
         ("--seed",), "Random seed.", dict(type=click.IntRange(0, 2**63 - 1), default=0, show_default=True),
-        helps={"extract": "Seed of the reservoir sample.", "report": "Seed of the permutations."}),
+        helps={"extract": "Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread).",
+               "report": "Seed of the permutations."}),
 }
 
 

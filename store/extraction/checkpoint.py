@@ -179,7 +179,8 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
         **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": run.block_size,
         "dataset": cfg.dataset, "split": run.split, "val_dataset": run.val_spec, "val_split": run.val_split,
         "val_held_out": run.held_out, "tokenizer": loaded.tokenizer_name, "dtype": cfg.dtype, "device": str(run.device),
-        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
+        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": record.get("cap_mode"),
+        "source": str(ckpt.path.resolve()),
         "ncanalyze_version": io.version(), "config_hash": config_hash(record),
         "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
     }

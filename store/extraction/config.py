@@ -4,6 +4,7 @@ under them (:func:`checkpoint_status`: skip, refuse, resume or start fresh).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -17,6 +18,7 @@ import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import tokens
 from ncanalyze.store.data.blocks import (
+    CAP_MODES,
     VAL_NAMES,
     Blocks,
     base_split,
@@ -24,6 +26,7 @@ from ncanalyze.store.data.blocks import (
     is_token_file,
     model_positions,
     open_blocks,
+    spread,
 )
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.memory import parse_size
@@ -91,6 +94,9 @@ class ExtractConfig:
     state_memory: str | None = setting(hashed=False)  # a size (40GB, 512MiB): the state's memory under auto
     save_embeddings: int = setting(0, hashed=True, omit_default=True)
     embeddings_dtype: str = setting("float32", hashed=True, omit_default=True)
+    # how a token cap reads a split: blocks spread over all of it (drawn with `seed`) or its first blocks; recorded
+    # only where a cap is set (config_record)
+    cap_mode: str = setting("spread", hashed=True)
 
     def __post_init__(self) -> None:  # None is auto (one pass where it fits, as None was); a bad size is refused
         self.layers_per_pass, _ = self.layers_per_pass or layers.AUTO, parse_size(self.state_memory)
@@ -124,6 +130,8 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     """
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
               and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
+    if cfg.max_train_tokens is None and not cfg.max_val_tokens:
+        hashed.pop("cap_mode", None)  # no cap: how one would be read changes nothing, and older records keep their hash
     record = {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
               "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
     if held_out is not None:
@@ -375,7 +383,8 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     cap, cap_flag
         The cap on tokens read, and its flag (named in errors).
     cfg
-        The configuration (text column, line breaks, token cache).
+        The configuration (text column, line breaks, token cache, and ``cap_mode`` with ``seed``: a cap reads blocks
+        spread over the whole split, from the cache of the whole split for text, or its first blocks).
     block_size
         Tokens per block.
     config
@@ -390,14 +399,20 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     Blocks
         The blocks.
     """
+    if cfg.cap_mode not in CAP_MODES:
+        raise UserError(f"cap_mode {cfg.cap_mode!r} is not one of {', '.join(CAP_MODES)}")
     tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
     blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag,
-                         keep_linebreaks=cfg.keep_linebreaks)
+                         keep_linebreaks=cfg.keep_linebreaks, cap_mode="prefix")  # the cap is applied below
     check_block_size(blocks.block_size, model_positions(config), blocks.spec, blocks.rows_from_file)
     if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
-        return blocks
-    return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
-                                                         cfg.keep_linebreaks))
+        return spread(blocks, cfg.seed) if cfg.cap_mode == "spread" else blocks
+    if cfg.cap_mode == "prefix":  # the cache holds the first blocks only
+        return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
+                                                             cfg.keep_linebreaks))
+    whole = tokens.cached(store, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
+        spec, split, cfg.text_column, tokenizer, block_size, None, cfg.keep_linebreaks))  # the whole split, once
+    return spread(dataclasses.replace(whole, max_blocks=blocks.max_blocks), cfg.seed)
 
 
 class Status(enum.Enum):

@@ -147,7 +147,8 @@ class NeuralCollapseCallback(TrainerCallback):
     val_data
         The validation data (None: as ``--val-dataset``'s default, the validation split beside ``train_data``).
     max_train_tokens, max_val_tokens
-        Caps on the tokens read (the same fixed first blocks at every measurement).
+        Caps on the tokens read: whole blocks spread over the whole split (``cap_mode="prefix"``: its first blocks),
+        the same blocks at every measurement and as ``ncanalyze extract`` reads them with the same settings.
     layers
         ``last``, ``all`` or comma-separated indices, as ``--layers``.
     every
@@ -157,7 +158,7 @@ class NeuralCollapseCallback(TrainerCallback):
         W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
     **settings
         Any other field of :class:`~ncanalyze.store.extraction.config.ExtractConfig` (``batch_size``, ``samples_per_class``,
-        ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ...).
+        ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ``cap_mode``, ...).
     """
 
     def __init__(self, store: str | Path | None = None, train_data: str | None = None, val_data: str | None = None,
@@ -393,7 +394,8 @@ class NeuralCollapseCallback(TrainerCallback):
             "split": setup.record.get("split", cfg.split), "val_held_out": setup.record.get("val_held_out"),
             "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
             "tokenizer": cfg.tokenizer, "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
-            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": "training",
+            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": setup.record.get("cap_mode"),
+            "source": "training",
             "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),
             "config": json.dumps(setup.record, sort_keys=True),
         }
