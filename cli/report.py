@@ -22,7 +22,8 @@ def _split(s: str | None) -> list[str]:
     return [x for x in (s or "").split(",") if x.strip()]
 
 
-def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.DataFrame, str | None]:
+def load_table(source: str, min_count: int, scheduler: str | None
+               ) -> tuple[pd.DataFrame, str | None, dict[str, str]]:
     """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV.
 
     Parameters
@@ -36,8 +37,8 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 
     Returns
     -------
-    table, store
-        The metrics table, and the store's path (None for a CSV).
+    table, store, failed
+        The metrics table, the store's path (None for a CSV), and the groups left out of it with why.
     """
     import pandas as pd
 
@@ -45,13 +46,14 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
     if path.suffix == ".csv":
         if not path.is_file():
             raise UserError(f"no metrics table at {path}")
-        return pd.read_csv(path), None
+        return pd.read_csv(path), None, {}
     if not path.exists():
         raise UserError(f"no store at {path}: run `ncanalyze extract CHECKPOINTS --store {path}` first, pass the "
                         "store's path, or set NCANALYZE_STORE")
     from ncanalyze.store.measure import measure_store
 
-    return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)
+    result = measure_store(str(path), min_count=min_count, scheduler=scheduler)
+    return result.table, str(path), result.failed
 
 
 @click.command(short_help="Tables, figures and statistics of the metrics against the validation loss.")
@@ -97,12 +99,12 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.store.io import read_group
 
-    df, store_path = load_table(resolve_store(store_positional, store), min_count, scheduler)
+    df, store_path, failed = load_table(resolve_store(store_positional, store), min_count, scheduler)
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
     options = ReportOptions(metrics=metrics, target=target, controls=_split(controls), where=where,
                             n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
                             checkpoints=checkpoints, per_run=per_run)
-    result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path))
+    result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path), skipped=failed)
     n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)

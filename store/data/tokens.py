@@ -65,9 +65,12 @@ def data_fingerprint(spec: str) -> list:
     return [spec]
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer) -> str | None:
     """A hash of what the tokenizer does: a fast tokenizer's full serialisation (model, normaliser, pre-tokeniser,
-    post-processor with any BOS/EOS template), else its class, vocabulary and special tokens."""
+    post-processor with any BOS/EOS template), else its class, vocabulary and special tokens; None without one. The
+    groups' attribute ``tokenizer_sha256``, the same for the same tokenizer wherever it was loaded from."""
+    if tokenizer is None:
+        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         text = backend.to_str()
