@@ -44,7 +44,7 @@ def _per_pass(ctx, param, value: str) -> str | int:
               help="How a token cap reads a split: 'spread', whole blocks drawn over all of it (one from each of N "
                    "equal stretches, N the blocks the cap allows; drawn with --seed, the same for every checkpoint "
                    "and across a resume; text is tokenized whole into the token cache first); 'prefix', its first "
-                   "blocks. Recorded (attribute cap_mode, and in the config hash) where a cap is set.")
+                   "blocks. Recorded where a cap is set (attribute cap_mode; spread also in the config hash).")
 @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Blocks per forward pass.")
 @option("device", "extract")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default="float32",

@@ -19,6 +19,7 @@ from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
     ExtractConfig,
+    cap_mode,
     Resolved,
     Status,
     checkpoint_status,
@@ -181,7 +182,7 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
         "dataset": cfg.dataset, "split": run.split, "val_dataset": run.val_spec, "val_split": run.val_split,
         "val_held_out": run.held_out, "tokenizer": loaded.tokenizer_name,
         "tokenizer_sha256": tokens.tokenizer_fingerprint(loaded.tokenizer), "dtype": cfg.dtype, "device": str(run.device),
-        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": record.get("cap_mode"),
+        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
         "source": str(ckpt.path.resolve()),
         "ncanalyze_version": io.version(), "config_hash": config_hash(record),
         "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),

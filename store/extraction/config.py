@@ -94,8 +94,8 @@ class ExtractConfig:
     state_memory: str | None = setting(hashed=False)  # a size (40GB, 512MiB): the state's memory under auto
     save_embeddings: int = setting(0, hashed=True, omit_default=True)
     embeddings_dtype: str = setting("float32", hashed=True, omit_default=True)
-    # how a token cap reads a split: blocks spread over all of it (drawn with `seed`) or its first blocks; recorded
-    # only where a cap is set (config_record)
+    # how a token cap reads a split: blocks spread over all of it (drawn with `seed`) or its first blocks; `spread`
+    # recorded only where a cap is set (config_record, cap_mode)
     cap_mode: str = setting("spread", hashed=True)
 
     def __post_init__(self) -> None:  # None is auto (one pass where it fits, as None was); a bad size is refused
@@ -130,13 +130,19 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     """
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
               and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
-    if cfg.max_train_tokens is None and not cfg.max_val_tokens:
-        hashed.pop("cap_mode", None)  # no cap: how one would be read changes nothing, and older records keep their hash
+    if cap_mode(cfg) != "spread":  # no cap, or the first blocks as before the setting existed: records as before
+        hashed.pop("cap_mode", None)
     record = {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
               "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
     if held_out is not None:
         record.update(split=f"{cfg.split}[{held_out}%:]", val_held_out=held_out)
     return record
+
+
+def cap_mode(cfg: ExtractConfig) -> str | None:
+    """How a token cap reads the data (``spread`` or ``prefix``; the group's attribute ``cap_mode``), None without a
+    cap. Only ``spread`` enters the configuration record: a prefix read is what a record without it always meant."""
+    return cfg.cap_mode if cfg.max_train_tokens is not None or cfg.max_val_tokens else None
 
 
 def config_hash(record: dict) -> str:

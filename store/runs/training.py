@@ -30,6 +30,7 @@ from ncanalyze.store.data.tokens import tokenizer_fingerprint
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
     ExtractConfig,
+    cap_mode,
     config_hash,
     config_record,
     differences,
@@ -395,7 +396,7 @@ class NeuralCollapseCallback(TrainerCallback):
             "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
             "tokenizer": setup.tokenizer_name, "tokenizer_sha256": tokenizer_fingerprint(setup.tokenizer),
             "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
-            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": setup.record.get("cap_mode"),
+            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
             "source": "training",
             "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),
             "config": json.dumps(setup.record, sort_keys=True),
