@@ -30,17 +30,28 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     from ncanalyze.store.measure import measure_store
 
     store = resolve_store(store_positional, store)
-    df = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device)
-    done = df.attrs["measured"]
-    if not done:
-        click.echo(f"all {len(df)} checkpoints in {store} already measured (min_count={min_count}); --force measures "
-                   "them again")
+    result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device)
+    every, failed = [*result.measured, *result.skipped, *result.failed], result.failed
+    left_out = f", {len(failed)} group(s) left out (see above)" if failed else ""
+    if not result.measured:
+        click.echo(f"all {_count(result, result.skipped)} in {store} already measured (min_count={min_count})"
+                   f"{left_out}; --force measures them again")
         return
-    rows = df[[f"{r}/{c}" in set(done) for r, c in zip(df.run, df.checkpoint)]]
+    layer = ["layer"] if result.has_layers else []
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        click.echo(rows[["run", "checkpoint", "global_step", *SHOWN]].to_string(index=False,
-                                                                              float_format="{:.4g}".format))
-    skipped = df.attrs.get("skipped", {})
-    click.echo(f"measured {len(done)} of {len(df)} checkpoints in {store} (min_count={min_count})"
-               + (f", {len(skipped)} skipped (see above)" if skipped else "")
-               + f"; all {len(SCALARS)} metrics: ncanalyze report, or the group attributes `metrics`")
+        click.echo(result.new[["run", "checkpoint", *layer, "global_step", *SHOWN]].to_string(
+            index=False, float_format="{:.4g}".format))
+    click.echo(f"measured {_count(result, result.measured, every)} in {store} (min_count={min_count}){left_out}"
+               f"; all {len(SCALARS)} metrics: ncanalyze report, or the group attributes `metrics`")
+
+
+def _count(result, groups: list[str], of: list[str] | None = None) -> str:
+    """'3 of 4 checkpoints' (``of``: the groups counted against), and in a store with layers also its layer groups,
+    '(12 of 16 layer groups, ...)': a checkpoint is counted once, however many layers it has."""
+    def n(gs: list[str], f) -> str:
+        return f"{len(f(gs))}" + ("" if of is None else f" of {len(f(of))}")
+
+    line = f"{n(groups, result.checkpoints)} checkpoints"
+    if result.has_layers:
+        line += f" ({n(groups, list)} layer groups, each checkpoint's last layer included)"
+    return line

@@ -70,12 +70,12 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     from ncanalyze.store.io import read_group
     from ncanalyze.store.measure import load_table
 
-    df, store_path = load_table(resolve_store(store_positional, store), min_count, scheduler)
+    df, store_path, failed = load_table(resolve_store(store_positional, store), min_count, scheduler)
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)
     options = ReportOptions(metrics=metrics, target=target, controls=_split(controls), where=where,
                             n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
                             checkpoints=checkpoints, per_run=per_run, html=html)
-    result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path))
+    result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path), skipped=failed)
     n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)

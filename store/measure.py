@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -39,16 +40,38 @@ def is_measured(attrs: dict, min_count: int) -> bool:
             and attrs.get("metrics_min_count") == min_count and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
 
 
+@dataclass
+class MeasureResult:
+    """What :func:`measure_store` did. A group is a checkpoint group (its last layer) or one of its layer groups
+    (``<run>/<checkpoint>/layers/<l>``)."""
+    table: pd.DataFrame              # one row per group measured or already measured (run, checkpoint, ..., layer)
+    new: pd.DataFrame                # the rows of the groups measured by this call
+    measured: list[str]              # the groups measured by this call
+    skipped: list[str]               # the groups already measured under these settings (read back, not recomputed)
+    failed: dict[str, str] = field(default_factory=dict)  # the groups left out (unreadable, not measurable): why
+
+    @property
+    def has_layers(self) -> bool:
+        """Whether any group is a layer group (then a checkpoint is several rows)."""
+        return any(checkpoint_group(g) != g for g in [*self.measured, *self.skipped, *self.failed])
+
+    @staticmethod
+    def checkpoints(groups) -> list[str]:
+        """The checkpoints of ``groups``, each once, in order."""
+        return list(dict.fromkeys(checkpoint_group(g) for g in groups))
+
+
 def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
-                  force: bool = False, device: str = "auto") -> pd.DataFrame:
+                  force: bool = False, device: str = "auto") -> MeasureResult:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
-    store the results in its group, and return one row per measured checkpoint and stored layer: run, checkpoint,
-    global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its last layer,
-    n_layers; its ``layers/<l>`` groups are the others) and the scalar metrics (nan where not measurable).
+    store the results in its group, and return them with the table of one row per checkpoint and stored layer: run,
+    checkpoint, global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its
+    last layer, n_layers; its ``layers/<l>`` groups are the others) and the scalar metrics (nan where not measurable).
 
     A checkpoint that can't be measured (corrupt or missing data, fewer than 2 kept classes, ...) is left out with a
-    warning naming it and the fix; the others go on. ``df.attrs["measured"]`` lists the groups measured by this
-    call, ``df.attrs["skipped"]`` maps each left-out group to why. ``scheduler``: a dask.distributed scheduler
+    warning naming it and the fix; the others go on. The result's ``measured`` lists the groups measured by this
+    call, ``skipped`` those already measured, ``failed`` maps each left-out group to why. ``scheduler``: a
+    dask.distributed scheduler
     address (default ``$DASK_SCHEDULER_ADDRESS``); without one the local threaded scheduler; a scheduler without
     workers gets ``WORKER_WAIT_S`` seconds for one to join, then a one-line error. ``device``: where the pairwise sums
     and the d x d work run (``auto``: CUDA where torch sees one, in this process; else the numba pass on the CPU, on
@@ -72,7 +95,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
     layout = StoreLayout(store)
     with client(scheduler, workers=WORKER_WAIT_S if todo else None):
-        for g in tqdm(todo, desc="measuring", unit="checkpoint", disable=None):
+        for g in tqdm(todo, desc="measuring", unit="group", disable=None):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
@@ -108,10 +131,10 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     if not kept:
         raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
-    df = metrics_table(attrs[g] for g in kept)
-    df.attrs["measured"] = [g for g in todo if g not in skipped]
-    df.attrs["skipped"] = skipped | twins
-    return df
+    failed = skipped | twins
+    measured = [g for g in todo if g not in failed]
+    return MeasureResult(metrics_table(attrs[g] for g in kept), metrics_table(attrs[g] for g in measured), measured,
+                         [g for g in kept if g not in todo], failed)
 
 
 class SkippedCheckpoint(UserWarning):
@@ -160,7 +183,8 @@ def _some(groups: list[str], shown: int = 3) -> str:
     return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(groups[:shown]) + more
 
 
-def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.DataFrame, str | None]:
+def load_table(source: str, min_count: int, scheduler: str | None
+               ) -> tuple[pd.DataFrame, str | None, dict[str, str]]:
     """The metrics table from a store (measuring what is not yet measured) or from a metrics CSV.
 
     Parameters
@@ -174,15 +198,16 @@ def load_table(source: str, min_count: int, scheduler: str | None) -> tuple[pd.D
 
     Returns
     -------
-    table, store
-        The metrics table, and the store's path (None for a CSV).
+    table, store, failed
+        The metrics table, the store's path (None for a CSV), and the groups left out of it with why.
     """
     path = Path(source)
     if path.suffix == ".csv":
         if not path.is_file():
             raise UserError(f"no metrics table at {path}")
-        return pd.read_csv(path), None
+        return pd.read_csv(path), None, {}
     if not path.exists():
         raise UserError(f"no store at {path}: run `ncanalyze extract CHECKPOINTS --store {path}` first, pass the "
                         "store's path, or set NCANALYZE_STORE")
-    return measure_store(str(path), min_count=min_count, scheduler=scheduler), str(path)
+    result = measure_store(str(path), min_count=min_count, scheduler=scheduler)
+    return result.table, str(path), result.failed

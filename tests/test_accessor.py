@@ -32,7 +32,7 @@ def measured(extracted_store, tmp_path_factory):
     """A copy of the extracted store (every checkpoint of the trained run), measured with min_count 2."""
     store = tmp_path_factory.mktemp("accessor") / "s.zarr"
     shutil.copytree(extracted_store, store)
-    return store, measure_store(store, min_count=2)
+    return store, measure_store(store, min_count=2).table
 
 
 def test_dataset_accessor_is_the_analyzer(extracted_store):
@@ -77,14 +77,14 @@ def test_an_unmeasured_or_unfinished_checkpoint_in_the_table(extracted_store, tm
     zarr.open_group(store, path=groups[0], mode="r+", zarr_format=3).attrs["complete"] = False
     table = ncanalyze.store.open(store).nc.table()
     assert [f"{r}/{c}" for r, c in zip(table.run, table.checkpoint)] == groups[1:]
-    assert list(measure_store(store).checkpoint) == list(table.checkpoint)  # the same groups as the store's reader
+    assert list(measure_store(store).table.checkpoint) == list(table.checkpoint)  # the same groups as the store's reader
 
 
 def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
     store = tmp_path / "layers.zarr"
     run_cli("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], "--store", store, "--layers",
             "all", "--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1)
-    df = measure_store(store)
+    df = measure_store(store).table
     tree = ncanalyze.store.open(store)
     table = tree.nc.table()
     pd.testing.assert_frame_equal(table, df)

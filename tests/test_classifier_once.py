@@ -59,7 +59,7 @@ def stores(trained_run, corpus, tmp_path_factory):
     shutil.copytree(new, mixed)
     ckpt = io.checkpoint_groups(new)[0][0]
     shutil.copytree(old / ckpt.split("/")[0], mixed / "old-run")
-    metrics = {s: measure_store(s) for s in (new, old, mixed)}
+    metrics = {s: measure_store(s).table for s in (new, old, mixed)}
     return {"new": new, "old": old, "mixed": mixed, "ckpt": ckpt, "W": model_head(trained_run / "checkpoint-60"),
             "metrics": metrics}
 
@@ -260,12 +260,12 @@ def test_a_corrupt_head_skips_its_checkpoint_with_every_layer_and_names_the_fix(
     raw[len(raw) // 2] ^= 0x10
     chunk.write_bytes(bytes(raw))
     with pytest.warns(UserWarning) as caught:
-        df = measure_store(store, force=True)
-    skipped = df.attrs["skipped"]
+        result = measure_store(store, force=True)
+    skipped = result.failed
     assert set(skipped) == {ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)}
     for g, why in skipped.items():
         assert "corrupt data" in why and why.endswith(f"or remove {store / ckpt}"), why
-    old = [g for g in df.attrs["measured"] if g.startswith("old-run/")]
+    old = [g for g in result.measured if g.startswith("old-run/")]
     assert len(old) == 1 + len(LAYERS)
     run = ckpt.split("/")[0]
     for g in old:  # the other run, untouched, measures as it did in the old store (old-run/<ckpt> is <run>/<ckpt>)

@@ -100,7 +100,7 @@ def test_kept_classes_against_counting_by_hand(tmp_path, min_count):
     rng = np.random.default_rng(0)
     tokens = np.minimum(rng.zipf(1.3, 5000) - 1, 199)
     np.save(tmp_path / "t.npy", tokens)
-    blocks = open_blocks(str(tmp_path / "t.npy"), "train", 32, 4000, "text", None)
+    blocks = open_blocks(str(tmp_path / "t.npy"), "train", 32, 4000, "text", None, cap_mode="prefix")  # counted below
     labels = Counter()
     for b in range(4000 // 32):
         labels.update(tokens[b * 32 + 1:(b + 1) * 32].tolist())  # every position of a block but the first
@@ -123,6 +123,8 @@ def test_a_run_estimates_only_the_checkpoints_left(extracted_store, trained_run,
     out = run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS).output
     (line,) = [x for x in out.splitlines() if "estimate:" in x]
     assert "1 checkpoint(s) to do x 8,192 train tokens + 4,096 val tokens" in line and " in all. " in line
+    assert line.endswith("a snapshot, timed on one batch: each pass's progress bar shows the measured rate and time "
+                         "left as the work runs"), line
     assert not list(Path(f"{store}.partial").glob("**/.write-rate-*"))  # the write timing's scratch is gone
 
 

@@ -15,12 +15,27 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 BLOCK = 32  # the fixture model's context
 
 
-def text_blocks(path, tokenizer, max_tokens: int | None, block: int = BLOCK) -> np.ndarray:
-    """run_clm's recipe written out: tokenize each line, concatenate, cut into blocks (remainder dropped)."""
+def text_blocks(path, tokenizer, max_tokens: int | None, block: int = BLOCK, cap_mode: str = "spread",
+                seed: int = 0) -> np.ndarray:
+    """run_clm's recipe written out: tokenize each line, and for each batch of 1,000 lines (its map's batch_size)
+    concatenate and cut into blocks, that batch's remainder dropped (group_texts). A cap of m blocks takes, with
+    ``cap_mode`` spread (the default, as extract's), one block drawn from each of m equal stretches of the n blocks
+    (block k*n//m up to (k+1)*n//m, numpy's generator seeded with ``seed``), with prefix the first m."""
     lines = open(path).read().splitlines(keepends=True)  # run_clm keeps line breaks
-    ids = np.array([t for doc in tokenizer(lines)["input_ids"] for t in doc], dtype=np.int64)
-    n = len(ids) // block if max_tokens is None else min(len(ids) // block, max_tokens // block)
-    return ids[:n * block].reshape(n, block)
+    blocks = []
+    for s in range(0, len(lines), 1000):
+        ids = [t for doc in tokenizer(lines[s:s + 1000])["input_ids"] for t in doc]
+        blocks += [ids[i:i + block] for i in range(0, len(ids) // block * block, block)]
+    n = len(blocks)
+    m = n if max_tokens is None else max_tokens // block
+    if m >= n:
+        picks = range(n)
+    elif cap_mode == "prefix":
+        picks = range(m)
+    else:
+        rng = np.random.default_rng(seed)
+        picks = rng.integers([k * n // m for k in range(m)], [(k + 1) * n // m for k in range(m)])
+    return np.array([blocks[i] for i in picks], dtype=np.int64).reshape(-1, block)
 
 
 def hidden(model, blocks: np.ndarray, batch: int = 8) -> np.ndarray:

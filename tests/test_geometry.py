@@ -262,7 +262,7 @@ def test_extraction_stores_unit_sum_and_anisotropy(extracted_store, trained_run,
         shutil.rmtree(old / "neo-2x32" / group / "unit_sum")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        table = measure_store(old, force=True)
+        table = measure_store(old, force=True).table
     assert table["anisotropy"].isna().all() and table["total_erank"].notna().all()
     assert any("anisotropy is nan" in str(w.message) for w in caught)
 

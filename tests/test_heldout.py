@@ -32,10 +32,13 @@ def lines_of(corpus) -> list[str]:
 
 
 def text_blocks(lines: list[str], tokenizer) -> np.ndarray:
-    """run_clm's recipe written out: tokenize each row, concatenate, cut into blocks (remainder dropped)."""
-    ids = np.array([t for doc in tokenizer(lines)["input_ids"] for t in doc], dtype=np.int64)
-    n = len(ids) // BLOCK
-    return ids[:n * BLOCK].reshape(n, BLOCK)
+    """run_clm's recipe written out: tokenize each row; each batch of 1,000 rows (its map's batch_size) concatenated
+    and cut into blocks, that batch's remainder dropped (group_texts)."""
+    blocks = []
+    for s in range(0, len(lines), 1000):
+        ids = [t for doc in tokenizer(lines[s:s + 1000])["input_ids"] for t in doc]
+        blocks += [ids[i:i + BLOCK] for i in range(0, len(ids) // BLOCK * BLOCK, BLOCK)]
+    return np.array(blocks, dtype=np.int64).reshape(-1, BLOCK)
 
 
 def extract(model, data, store, *extra, group: str = "model/final"):

@@ -132,7 +132,7 @@ def test_checkpoints_in_step_order_everywhere(study, tmp_path):
     assert list(tree["neo-2x32"].children) == ["checkpoint-9", "checkpoint-20", "checkpoint-40", "checkpoint-60",
                                                "checkpoint-100"]
     assert list(tree["neo-2x32/checkpoint-20/layers"].children) == ["9", "10"]
-    assert measure_store(store).attrs["measured"] == want  # measured in that order
+    assert measure_store(store).measured == want  # measured in that order
     assert [c["checkpoint"] for c in ls(store)["checkpoints"]] == ["checkpoint-9", "checkpoint-20", "checkpoint-40",
                                                                   "checkpoint-60", "checkpoint-100"]
     assert ls(store)["checkpoints"][1]["layers"] == [2, 9, 10]
@@ -218,7 +218,13 @@ def test_rm_a_checkpoint_leaves_the_rest_bit_identical_and_measure_report_work(s
     assert not Path(f"{store}.partial").exists()
     assert [c["group"] for c in ls(store)["checkpoints"]] == ["neo-2x32/checkpoint-20", "neo-2x32/checkpoint-60", OTHER]
     r = run_cli("measure", store)
-    assert "measured 5 of 5" in r.output  # the two checkpoints left, the tagged one and its two other layers
+    # the two checkpoints left and the tagged one, whose two other layers make 5 groups: each checkpoint counted once
+    assert "measured 3 of 3 checkpoints (5 of 5 layer groups" in r.output, r.output
+    header = next(line for line in r.output.splitlines() if "checkpoint" in line and "global_step" in line).split()
+    assert header[:4] == ["run", "checkpoint", "layer", "global_step"], r.output
+    rows = sorted((row[1], row[2]) for row in map(str.split, r.output.splitlines()) if row and row[0].startswith("neo-2x32"))
+    assert rows == [("checkpoint-20", "2"), ("checkpoint-40", "0"), ("checkpoint-40", "1"), ("checkpoint-40", "2"),
+                    ("checkpoint-60", "2")], r.output
     run_cli("report", store, "--out", tmp_path / "r", "--permutations", 0, "--where", "run == 'neo-2x32'")
     table = pd.read_csv(tmp_path / "r" / "metrics.csv")
     assert list(table.checkpoint) == ["checkpoint-20", "checkpoint-60"]

@@ -152,7 +152,7 @@ def test_saved_embeddings_through_xarray_and_flox(layered_store, reference):
 def test_measure_store_and_metrics_at_every_layer(layered_store):
     from ncanalyze.store.measure import measure_store
 
-    df = measure_store(layered_store)
+    df = measure_store(layered_store).table
     assert list(df.layer) == [0, 1, 2] and (df.checkpoint == CK).all()
     for row in df.itertuples():
         g = f"neo-2x32/{CK}" + ("" if row.layer == 2 else f"/layers/{row.layer}")

@@ -58,11 +58,13 @@ def attrs(store, group: str) -> dict:
 
 def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
     store, data = small_store
-    df = measure_store(store, tile=7)
+    result = measure_store(store, tile=7)
+    df = result.table
     assert list(df.columns) == [*INFO, "layer", *CLASS_COUNTS, *SCALARS]
     assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
                                                                   "b/checkpoint-5"]
-    assert sorted(df.attrs["measured"]) == sorted(data)
+    assert sorted(result.measured) == sorted(data) and result.skipped == [] and result.failed == {}
+    assert result.new.equals(df) and not result.has_layers
     tree = ncanalyze.store.open(store)
     for row in df.itertuples():
         g = f"{row.run}/{row.checkpoint}"
@@ -84,28 +86,31 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
 
 def test_recomputes_only_when_statistics_or_min_count_change(small_store):
     store, data = small_store
-    first = measure_store(store)
-    assert measure_store(store).attrs["measured"] == []
+    first = measure_store(store).table
+    assert measure_store(store).measured == []
     # re-extraction rewrites a group (new statistics, new config hash, no metrics): only it is measured again
     new = write_checkpoint(store, "a", 10, seed=11)
-    again = measure_store(store)
-    assert again.attrs["measured"] == ["a/checkpoint-10"]
+    result = measure_store(store)
+    again = result.table
+    assert result.measured == ["a/checkpoint-10"] and result.skipped == ["a/checkpoint-20", "b/checkpoint-5"]
+    assert len(result.new) == 1 and result.new.iloc[0].equals(again.iloc[0])
     assert_metrics(again.iloc[0].to_dict(), brute_force(new, 1)[0])
     assert again.iloc[1:].equals(first.iloc[1:])
     # a group whose statistics changed under the same metrics record (hash differs) is measured again
     zarr.open_group(store, path="b/checkpoint-5", mode="r+", zarr_format=3).attrs["config_hash"] = "changed"
-    assert measure_store(store).attrs["measured"] == ["b/checkpoint-5"]
+    assert measure_store(store).measured == ["b/checkpoint-5"]
     # another min_count: everything, over the new kept set, and NC4 is nan (its kept set was fixed at extraction)
     with pytest.warns(UserWarning, match=r"nc4_agreement is nan: .* count >= 60; .* \(3 checkpoints: a/checkpoint-10, a/checkpoint-20, "
                                              r"b/checkpoint-5\)"):
-        df = measure_store(store, min_count=60)
-    assert len(df.attrs["measured"]) == 3
+        result = measure_store(store, min_count=60)
+    df = result.table
+    assert len(result.measured) == 3
     assert df.nc4_agreement.isna().all() and attrs(store, "a/checkpoint-20")["metrics"]["nc4_agreement"] is None
     assert_metrics(df.iloc[1].to_dict(), {k: v for k, v in brute_force(data["a/checkpoint-20"], 60)[0].items()
                                           if k != "nc4_agreement"})
-    assert measure_store(store, min_count=60).attrs["measured"] == []
+    assert measure_store(store, min_count=60).measured == []
     with pytest.warns(UserWarning, match="nc4_agreement is nan"):
-        assert len(measure_store(store, min_count=60, force=True).attrs["measured"]) == 3
+        assert len(measure_store(store, min_count=60, force=True).measured) == 3
 
 
 def test_a_write_cut_short_is_measured_again(small_store):
@@ -113,7 +118,7 @@ def test_a_write_cut_short_is_measured_again(small_store):
     measure_store(store)
     g = zarr.open_group(store, path="a/checkpoint-20", mode="r+", zarr_format=3)
     del g.attrs["metrics_config_hash"]  # what a crash between the arrays and the record leaves
-    assert measure_store(store).attrs["measured"] == ["a/checkpoint-20"]
+    assert measure_store(store).measured == ["a/checkpoint-20"]
 
 
 def test_bad_stores(tmp_path):
@@ -129,7 +134,8 @@ def test_distributed_cluster_equals_local(small_store, tmp_path):
     store, _ = small_store
     other = tmp_path / "copy.zarr"
     shutil.copytree(store, other)
-    local = measure_store(store, tile=7)
+    done = measure_store(store, tile=7)
+    local = done.table
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
             distributed.Client(cl) as client:
         result = CliRunner().invoke(main, ["measure", str(other), "--tile", "7"],
@@ -137,12 +143,13 @@ def test_distributed_cluster_equals_local(small_store, tmp_path):
         assert result.exit_code == 0, result.output
         ran = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes))
     assert any("tile_sums" in p for p in ran), ran  # the pairwise sums ran on the cluster
-    remote = measure_store(other)
-    assert remote.attrs["measured"] == []
+    again = measure_store(other)
+    remote = again.table
+    assert again.measured == []
     np.testing.assert_allclose(remote[list(SCALARS)].to_numpy(float), local[list(SCALARS)].to_numpy(float),
                                rtol=1e-13, atol=0)
     a, b = ncanalyze.store.open(store), ncanalyze.store.open(other)
-    for g in local.attrs["measured"]:
+    for g in done.measured:
         for name in PER_CLASS:
             np.testing.assert_allclose(b[g][name].values, a[g][name].values, rtol=1e-13, equal_nan=True)
 
@@ -177,8 +184,9 @@ def real_store(extracted_store, tmp_path):
 def test_real_checkpoints_match_brute_force(real_store):
     result = CliRunner().invoke(main, ["measure", str(real_store), "--tile", "16"])
     assert result.exit_code == 0, result.output
-    df = measure_store(real_store)
-    assert df.attrs["measured"] == []
+    result = measure_store(real_store)
+    df = result.table
+    assert result.measured == []
     assert {"checkpoint-20", "checkpoint-40", "checkpoint-60"} <= set(df.checkpoint)
     assert df.global_step.notna().all() and df.eval_loss.notna().all() and df.n_params.gt(0).all()
     tree = ncanalyze.store.open(real_store)
@@ -293,8 +301,9 @@ def test_measure_on_a_read_only_store_measures_without_writing_and_says_so(read_
         in said[0], out
     assert _tree_bytes(store) == before
     with pytest.warns(UserWarning, match="not writable"):
-        df = measure_store(store)
-    assert sorted(df.attrs["measured"]) == sorted(data)  # nothing was stored: measured again
+        result = measure_store(store)
+    df = result.table
+    assert sorted(result.measured) == sorted(data)  # nothing was stored: measured again
     for row in df.itertuples():
         assert_metrics(row._asdict(), brute_force(data[f"{row.run}/{row.checkpoint}"], 1)[0])
 
@@ -323,7 +332,7 @@ def test_a_full_disk_while_storing_keeps_the_numbers_and_loses_nothing(tmp_path)
                 f.flush()
         with pytest.warns(UserWarning, match=r"cannot store the metrics in .* \(No space left on device\): measuring "
                                              "the rest without storing"):
-            df = measure_store(store)
+            df = measure_store(store).table
         for row in df.itertuples():
             assert_metrics(row._asdict(), brute_force(data[f"{row.run}/{row.checkpoint}"], 1)[0])
         for g, ds in data.items():
@@ -332,8 +341,8 @@ def test_a_full_disk_while_storing_keeps_the_numbers_and_loses_nothing(tmp_path)
         (mnt / "filler").unlink()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # zarr notes the half-created array the full disk left
-            assert sorted(measure_store(store).attrs["measured"]) == sorted(data)
-        assert measure_store(store).attrs["measured"] == []
+            assert sorted(measure_store(store).measured) == sorted(data)
+        assert measure_store(store).measured == []
 
 
 @pytest.mark.parametrize("content", ["{nope", "[1, 2]", '{"address": 5}', ""])

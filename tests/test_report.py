@@ -356,7 +356,7 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     assert "report.md" in res.output
     assert "note: token 'quiet' read as ' quiet'" in res.output
 
-    measured = measure_store(store)  # already measured by the report: the same table
+    measured = measure_store(store).table  # already measured by the report: the same table
     metrics = pd.read_csv(out / "metrics.csv")
     assert len(metrics) == len(measured) >= 3
     support = ["n_kept", "n_singletons", "n_thin", "train_tokens", "val_tokens"]  # after the descriptive columns

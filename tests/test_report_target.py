@@ -61,7 +61,7 @@ def test_cli_default_and_explicit_target(tmp_path):
 def test_measure_store_table_carries_val_loss_and_accuracy(extracted_store, tmp_path):
     store = tmp_path / "copy.zarr"
     shutil.copytree(extracted_store, store)
-    df = measure_store(store)
+    df = measure_store(store).table
     tree = ncanalyze.store.open(store)
     for _, row in df.iterrows():
         attrs = tree[f"{row.run}/{row.checkpoint}"].attrs

@@ -347,3 +347,105 @@ def test_bad_settings_are_one_line_before_training(corpus, tmp_path):
         with pytest.raises(UserError) as e:  # the library's one line, the same as the command's (test_settings.py)
             NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), **bad)
         assert str(e.value) == message
+
+
+def test_the_tokenizer_is_recorded_as_extract_records_it(measured, tmp_path):
+    """The Trainer's tokenizer and extract's (the checkpoint's own, the same one): equal tokenizer records, content
+    hashes and config hashes once the weights (a checkpoint's own) are set aside, so `ls` finds no setting differing."""
+    import json
+    import shutil
+
+    import ncanalyze.store
+    from ncanalyze.store.extraction.config import config_hash
+    from ncanalyze.store.inventory import inventory
+
+    live, ckpt = ncanalyze.store.open(measured["live"]), ncanalyze.store.open(measured["ckpt"])
+    a, b = live["neo/step-10"].attrs, ckpt["neo/checkpoint-10"].attrs
+    ra, rb = json.loads(a["config"]), json.loads(b["config"])
+    assert ra["tokenizer"] is None and rb["tokenizer"] is None  # the model's own tokenizer, both ways
+    assert a["tokenizer_sha256"] == b["tokenizer_sha256"] and len(a["tokenizer_sha256"]) == 64
+    assert ra["weights"] == "live" and {**ra, "weights": rb["weights"]} == rb
+    assert config_hash({**ra, "weights": rb["weights"]}) == b["config_hash"]
+    both = tmp_path / "both.zarr"  # one store holding the callback's group and extract's
+    shutil.copytree(measured["live"], both)
+    shutil.copytree(measured["ckpt"] / "neo" / "checkpoint-10", both / "neo" / "checkpoint-10")
+    assert "tokenizer" not in inventory(both)["settings"], inventory(both)["settings"]
+
+
+@pytest.mark.slow
+def test_the_measured_line_shows_once_under_run_clms_logging(corpus, tmp_path):
+    """run_clm's set-up: ``logging.basicConfig(format=..., handlers=[StreamHandler(sys.stdout)])`` on the root, left
+    at WARNING, in a process where nothing configured the ``ncanalyze`` logger: each measurement's line shows once."""
+    import io
+
+    import transformers
+    from ncanalyze.store.runs.training import _OwnHandler
+    from ncanalyze.training import NeuralCollapseCallback
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(name)s - %(message)s"))
+    root, package, ours = (logging.getLogger(n) for n in ("", "ncanalyze", "ncanalyze.store.runs.training"))
+    saved = (root.level, package.level, package.propagate, list(package.handlers), ours.level, list(ours.handlers))
+    try:
+        for h in package.handlers + ours.handlers:  # as in a fresh process: the CLI's handler is not there
+            h.close(), package.removeHandler(h), ours.removeHandler(h)
+        package.setLevel(logging.NOTSET), ours.setLevel(logging.NOTSET)
+        package.propagate = True
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+        transformers.utils.logging.set_verbosity_warning()
+        cb = NeuralCollapseCallback(tmp_path / "live.zarr", str(corpus["train"]), str(corpus["val"]),
+                                    **{**OPTS, "max_train_tokens": 512, "max_val_tokens": 256})
+        train(corpus, tmp_path / "neo", [cb])
+        assert not any(isinstance(h, _OwnHandler) for h in ours.handlers)  # the root's handler shows it
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0]), package.setLevel(saved[1]), ours.setLevel(saved[4])
+        package.propagate = saved[2]
+        for h in saved[3]:
+            package.addHandler(h)
+        for h in ours.handlers:
+            ours.removeHandler(h)
+        for h in saved[5]:
+            ours.addHandler(h)
+    timed = [line for line in out.getvalue().splitlines() if "measured in" in line]
+    assert len(timed) == 2 and all("INFO - ncanalyze.store.runs.training - ncanalyze: neo/step-" in line
+                                   for line in timed), out.getvalue()
+
+
+def test_the_callbacks_own_handler_only_for_what_no_handler_on_the_way_shows(capsys):
+    import io
+
+    from ncanalyze.store.runs.training import show_info
+
+    def path(name: str, level: int | None = None):
+        """A logger ``name.cb`` whose way up ends at ``name`` (not propagating), with a handler at ``level``."""
+        top, child, seen = logging.getLogger(name), logging.getLogger(f"{name}.cb"), io.StringIO()
+        top.propagate = False
+        if level is not None:
+            h = logging.StreamHandler(seen)
+            h.setLevel(level)
+            top.addHandler(h)
+        return child, seen
+
+    nothing, _ = path("nc_none")  # no handler on the way: one of its own, on stderr
+    show_info(nothing)
+    show_info(nothing)  # a second Trainer adds nothing
+    nothing.info("one")
+    nothing.warning("two")
+    assert capsys.readouterr().err.splitlines() == ["one", "two"]
+    high, seen = path("nc_high", logging.WARNING)  # a handler for warnings: ours takes only what it drops
+    show_info(high)
+    high.info("three")
+    high.warning("four")
+    assert capsys.readouterr().err.splitlines() == ["three"] and seen.getvalue().splitlines() == ["four"]
+    shown, seen = path("nc_shown", logging.NOTSET)  # a handler that shows INFO: nothing added, the line once
+    show_info(shown)
+    shown.info("five")
+    assert not shown.handlers and seen.getvalue().splitlines() == ["five"] and not capsys.readouterr().err
+    chosen, seen = path("nc_chosen", logging.NOTSET)
+    logging.getLogger("nc_chosen").setLevel(logging.WARNING)  # someone chose what it shows: kept
+    show_info(chosen)
+    chosen.info("six")
+    assert chosen.level == logging.NOTSET and not seen.getvalue()

@@ -226,11 +226,11 @@ def test_metrics_that_are_not_finite_are_strict_json(tmp_path):
     ds.attrs |= {"run": "r", "checkpoint": "checkpoint-1", "global_step": 1, "config_hash": "x"}
     io.write_checkpoint(tmp_path / "s.zarr", "r/checkpoint-1", ds, CheckpointFiles(tmp_path / "staging.npz"))
     with pytest.warns(UserWarning, match="coincident means"):
-        df = measure_store(tmp_path / "s.zarr")
+        df = measure_store(tmp_path / "s.zarr").table
     assert df.nc1_cdnv[0] == math.inf and math.isnan(df.gnc2_log_std[0]) and df.gnc2_log_mean[0] == math.inf
     meta = (tmp_path / "s.zarr" / "r" / "checkpoint-1" / "zarr.json").read_text()
     json.loads(meta, parse_constant=lambda c: pytest.fail(f"zarr.json holds {c}"))
-    again = measure_store(tmp_path / "s.zarr")  # read back from the store: the same values
+    again = measure_store(tmp_path / "s.zarr").table  # read back from the store: the same values
     assert again.nc1_cdnv[0] == math.inf and math.isnan(again.gnc2_log_std[0])
 
 

@@ -94,7 +94,7 @@ def _write_tables(r: ReportResult, out: Path) -> None:
 
 
 def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = ReportOptions(),
-                 read_group: GroupReader | None = None) -> ReportResult:
+                 read_group: GroupReader | None = None, skipped: dict[str, str] | None = None) -> ReportResult:
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with tokens), the depth figure and layers.csv (with
     layers), report.md, tables.tex and (unless ``options.html`` is False) report.html into a folder.
 
@@ -106,8 +106,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     Parameters
     ----------
     df
-        The metrics table, one row per checkpoint (and layer); ``df.attrs["skipped"]`` (group: why) is listed in
-        report.md.
+        The metrics table, one row per checkpoint (and layer).
     out
         The folder, made where missing.
     options
@@ -115,6 +114,8 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     read_group
         Gives a checkpoint's dataset for the per-token table (:class:`GroupReader`); needed with
         ``options.tokens``.
+    skipped
+        The groups that could not be measured, with why (group: why): listed in report.md.
 
     Returns
     -------
@@ -146,7 +147,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.files |= r.figures
     r.files |= depth_files(every_layer, r.depth, out)
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}
-    r.files["report"].write_text(markdown(r, options, skipped=df.attrs.get("skipped")))
+    r.files["report"].write_text(markdown(r, options, skipped=skipped))
     r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls))
     if options.html:
         r.files["html"] = write_html(r, options, out, skipped=df.attrs.get("skipped"))

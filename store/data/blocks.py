@@ -1,9 +1,15 @@
-"""Token blocks from any data form of SPEC section 2: Hub or local datasets, text/json/parquet, .npy, nanoGPT .bin."""
+"""Token blocks from any data form of SPEC section 2: Hub or local datasets, text/json/parquet, .npy, nanoGPT .bin.
+
+A token cap (``--max-train-tokens``/``--max-val-tokens``) reads whole blocks spread over the whole split
+(:func:`spread`, ``--cap-mode spread``, the default) or its first blocks (``--cap-mode prefix``).
+"""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +22,10 @@ TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "js
                  ".csv": "csv"}
 TOKEN_SUFFIXES = (".npy", ".bin")
 VAL_NAMES = ("validation", "valid", "val", "test")
+CAP_MODES = ("spread", "prefix")
+GROUP_ROWS = 1000  # run_clm groups each batch of this many rows of text (datasets.map's default batch_size) apart
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,6 +53,7 @@ class Blocks:
     _iter: Callable[[], Iterator[np.ndarray]]
     rows_from_file: bool = False  # the block length is the width of a 2-D token array, not --block-size
     text_rows: Rows | None = None  # text: its rows read so far, of how many
+    at: Callable[[int], np.ndarray] | None = None  # block i (of n_blocks) read directly, where the data allows
 
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         """Batches of blocks (b x block_size); a resume reads the batches it holds again, to check them."""
@@ -113,14 +124,27 @@ def slice_bounds(split: str, n: int) -> tuple[int, int]:
 
 def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, text_column: str,
                 tokenize: Callable[[list[str]], list[list[int]]] | None, cap_flag: str | None = None,
-                keep_linebreaks: bool = True) -> Blocks:
-    """Open ``spec`` as a stream of blocks; text is tokenized with ``tokenize`` and grouped like ``run_clm``; plain
-    text files keep their line breaks unless ``keep_linebreaks`` is false.
+                keep_linebreaks: bool = True, cap_mode: str = "spread", seed: int = 0) -> Blocks:
+    """Open ``spec`` as a stream of blocks; text is tokenized with ``tokenize`` and grouped exactly as ``run_clm``'s
+    ``group_texts`` (each batch of 1,000 rows concatenated and cut, its remainder dropped); plain text files keep
+    their line breaks unless ``keep_linebreaks`` is false. 1-D token streams are cut whole (remainder dropped).
 
-    Bad data is a :class:`UserError` naming the file, here or (for text, read lazily) while iterating.
-    ``cap_flag`` is the option ``max_tokens`` came from (``--max-train-tokens`` or ``--max-val-tokens``), named
-    when the cap is below one block; a cap below one block is refused rather than read as an empty dataset.
+    ``max_tokens`` caps the blocks read: ``cap_mode`` ``spread`` reads whole blocks spread over the whole split
+    (:func:`spread`, drawn with ``seed``), ``prefix`` its first blocks. Bad data is a :class:`UserError` naming the
+    file, here or (for text, read lazily) while iterating. ``cap_flag`` is the option ``max_tokens`` came from
+    (``--max-train-tokens`` or ``--max-val-tokens``), named when the cap is below one block; a cap below one block is
+    refused rather than read as an empty dataset.
     """
+    if cap_mode not in CAP_MODES:
+        raise UserError(f"cap mode {cap_mode!r} is not one of {', '.join(CAP_MODES)}")
+    blocks = _open(spec, split, block_size, max_tokens, text_column, tokenize, cap_flag, keep_linebreaks)
+    return spread(blocks, seed) if cap_mode == "spread" else blocks
+
+
+def _open(spec: str, split: str, block_size: int, max_tokens: int | None, text_column: str,
+          tokenize: Callable[[list[str]], list[list[int]]] | None, cap_flag: str | None,
+          keep_linebreaks: bool) -> Blocks:
+    """:func:`open_blocks` with the cap read as a prefix (``max_blocks``)."""
     if is_token_file(spec):
         arr = _token_array(spec)
         if arr.ndim == 2:
@@ -128,12 +152,12 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
         start, stop = slice_bounds(split, len(arr) // block_size if arr.ndim == 1 else arr.shape[0])
         n = stop - start  # the blocks of the split's slice (all of them without one), in order
         if arr.ndim == 1:
-            rows = lambda: (np.asarray(arr[i * block_size:(i + 1) * block_size], dtype=np.int64)
-                            for i in range(start, stop))
+            at = lambda i: np.asarray(arr[(start + i) * block_size:(start + i + 1) * block_size], dtype=np.int64)
             what = f"{len(arr)} tokens"
         else:
-            rows = lambda: (np.asarray(r, dtype=np.int64) for r in arr[start:stop])
+            at = lambda i: np.asarray(arr[start + i], dtype=np.int64)
             what = f"{arr.shape[0]} rows"
+        rows = lambda: (at(i) for i in range(n))
         _check_cap(max_tokens, block_size, spec, cap_flag, arr.ndim == 2)
         if n == 0:
             sliced = f" (split {split!r}, blocks {start}:{stop})" if "[" in split else ""
@@ -141,27 +165,103 @@ def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, 
                             f"or shorter than the block; pass more tokens"
                             f"{'' if arr.ndim == 2 else ' or a smaller --block-size'}"
                             f"{' or a larger --val-split-percentage' if sliced else ''}")
-        return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), n, rows, rows_from_file=arr.ndim == 2)
+        return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), n, rows, rows_from_file=arr.ndim == 2,
+                      at=at)
     _check_cap(max_tokens, block_size, spec, cap_flag, False)
     if tokenize is None:
         raise UserError(f"{spec} is text and needs a tokenizer: none was found beside the checkpoint or its run; "
                         "pass --tokenizer PATH_OR_NAME")
-    texts, text_rows = _text_rows(spec, split, text_column, keep_linebreaks=keep_linebreaks)
+    texts, text_rows = _text_rows(spec, split, text_column, chunk=GROUP_ROWS, keep_linebreaks=keep_linebreaks)
 
     def grouped() -> Iterator[np.ndarray]:
-        pending, n_blocks = np.zeros(0, dtype=np.int64), 0
+        """run_clm's group_texts: each batch of GROUP_ROWS rows concatenated and cut, its remainder dropped."""
+        n_blocks = 0
         for chunk in texts():
-            ids = tokenize(chunk)
-            pending = np.concatenate([pending, np.fromiter((t for doc in ids for t in doc), dtype=np.int64)])
-            n = len(pending) // block_size
+            ids = np.fromiter((t for doc in tokenize(chunk) for t in doc), dtype=np.int64)
+            n = len(ids) // block_size
             n_blocks += n
-            yield from pending[:n * block_size].reshape(n, block_size)
-            pending = pending[n * block_size:]
+            yield from ids[:n * block_size].reshape(n, block_size)
         if n_blocks == 0:
             raise UserError(f"{spec} (split {split!r}) holds no full block of {block_size} tokens: it is empty or "
                             "shorter than one block; pass more text or a smaller --block-size")
 
     return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), None, grouped, text_rows=text_rows)
+
+
+def spread_picks(n: int, m: int, seed: int) -> np.ndarray:
+    """The indices of ``m`` of ``n`` blocks spread over all of them: the ``n`` blocks cut into ``m`` equal strata
+    ``[k n // m, (k + 1) n // m)``, one block drawn uniformly from each by numpy's generator seeded with ``seed``
+    (sorted, so files are read front to back); all ``n``, in order, where ``m >= n``.
+
+    Parameters
+    ----------
+    n
+        The blocks of the split.
+    m
+        The blocks the cap allows.
+    seed
+        The seed (the ``seed`` setting).
+
+    Returns
+    -------
+    numpy.ndarray
+        The chosen indices, ascending.
+    """
+    if m >= n:
+        return np.arange(n)
+    edges = np.arange(m + 1, dtype=np.int64) * n // m
+    return np.random.default_rng(seed).integers(edges[:-1], edges[1:])
+
+
+def spread(blocks: Blocks, seed: int) -> Blocks:
+    """``blocks`` with their cap (``max_blocks``, a prefix) read instead as whole blocks spread over the whole split
+    (:func:`spread_picks`): the same blocks at every call with the same seed, so the same for every checkpoint, across
+    a resume, in every shard and in the training callback. Where the number of blocks is not known up front (text
+    read without the token cache), the split is read (and tokenized) once to count them, said in one log line,
+    before the chosen blocks are read.
+
+    Parameters
+    ----------
+    blocks
+        The blocks, capped as a prefix (``max_blocks`` None: no cap, returned as they are).
+    seed
+        The seed.
+
+    Returns
+    -------
+    Blocks
+        The chosen blocks.
+    """
+    m = blocks.max_blocks
+    if m is None:
+        return blocks
+
+    def chosen(picks: np.ndarray) -> Iterator[np.ndarray]:
+        if blocks.at is not None:
+            yield from (blocks.at(int(i)) for i in picks)
+            return
+        want = iter(picks.tolist())
+        nxt = next(want, None)
+        for i, block in enumerate(blocks._iter() if nxt is not None else ()):
+            if i == nxt:
+                yield block
+                nxt = next(want, None)
+                if nxt is None:
+                    return
+
+    whole = dataclasses.replace(blocks, max_blocks=None)
+    if blocks.n_blocks is not None:
+        picks = spread_picks(blocks.n_blocks, m, seed)
+        at = None if blocks.at is None else (lambda i: blocks.at(int(picks[i])))
+        return dataclasses.replace(whole, n_blocks=len(picks), _iter=lambda: chosen(picks), at=at)
+
+    @functools.cache
+    def counted() -> np.ndarray:
+        log.info("%s: text read as a stream, whose blocks are not known before it is tokenized: it is read once to "
+                 "count them, then again for the %d spread over it that the cap allows", blocks.spec, m)
+        return spread_picks(sum(1 for _ in blocks._iter()), m, seed)
+
+    return dataclasses.replace(whole, max_blocks=m, _iter=lambda: chosen(counted()), at=None)
 
 
 def _max_blocks(max_tokens: int | None, block_size: int) -> int | None:

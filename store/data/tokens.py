@@ -2,7 +2,8 @@
 
 ``<store>.tokens/<key>.npy`` holds the blocks (int32, blocks x block_size) of one text source; the key is a hash of
 what determines them: the dataset spec, split and text column, the content (sha256) of local data files, the
-tokenizer's content, the block size, the token cap and the line-break setting. The file is written under a
+tokenizer's content, the block size, the token cap (none under ``--cap-mode spread``, whose cache holds the whole
+split and the cap picks blocks from it) and the line-break setting. The file is written under a
 temporary name and renamed when complete, so a killed run or a second writer never leaves half a cache; beside it,
 ``<key>.npy.sha256`` (written first, also renamed into place) holds the file's sha256. A cache file is verified
 against it when a process first reads it: altered ids, a truncated file or a missing checksum are said in one log
@@ -26,7 +27,7 @@ from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.layout import StoreLayout
 from tqdm.auto import tqdm
 
-VERSION = 2  # bump when the cache's format or the tokenization recipe changes
+VERSION = 3  # 3: text grouped per 1,000 rows as run_clm's group_texts; bump when the cache's format or the tokenization recipe changes
 
 log = logging.getLogger("ncanalyze")
 _DIGESTS: dict[tuple, str] = {}  # (path, size, mtime, ctime, inode) -> sha256 of the content, for this process
@@ -64,9 +65,12 @@ def data_fingerprint(spec: str) -> list:
     return [spec]
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer) -> str | None:
     """A hash of what the tokenizer does: a fast tokenizer's full serialisation (model, normaliser, pre-tokeniser,
-    post-processor with any BOS/EOS template), else its class, vocabulary and special tokens."""
+    post-processor with any BOS/EOS template), else its class, vocabulary and special tokens; None without one. The
+    groups' attribute ``tokenizer_sha256``, the same for the same tokenizer wherever it was loaded from."""
+    if tokenizer is None:
+        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         text = backend.to_str()
@@ -152,5 +156,5 @@ def cached(store: Path, blocks: Blocks, key: str) -> Blocks:
     if not path.is_file():
         _write(blocks, path)
     arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    rows = lambda: (np.asarray(r, dtype=np.int64) for r in arr)  # noqa: E731
-    return Blocks(blocks.spec, blocks.block_size, None, arr.shape[0], rows)
+    at = lambda i: np.asarray(arr[i], dtype=np.int64)  # noqa: E731
+    return Blocks(blocks.spec, blocks.block_size, None, arr.shape[0], lambda: map(at, range(arr.shape[0])), at=at)

@@ -15,9 +15,11 @@ from typing import NamedTuple
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store import io
+from ncanalyze.store.data import tokens
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
+    cap_mode,
     Resolved,
     Status,
     checkpoint_status,
@@ -185,8 +187,10 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
         "val_tokens": int(main.val["val_count"].sum()),
         **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": run.block_size,
         "dataset": cfg.dataset, "split": run.split, "val_dataset": run.val_spec, "val_split": run.val_split,
-        "val_held_out": run.held_out, "tokenizer": loaded.tokenizer_name, "dtype": cfg.dtype, "device": str(run.device),
-        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": str(ckpt.path.resolve()),
+        "val_held_out": run.held_out, "tokenizer": loaded.tokenizer_name,
+        "tokenizer_sha256": tokens.tokenizer_fingerprint(loaded.tokenizer), "dtype": cfg.dtype, "device": str(run.device),
+        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
+        "source": str(ckpt.path.resolve()),
         "ncanalyze_version": io.version(), "config_hash": config_hash(record),
         "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
     }

@@ -4,6 +4,7 @@ under them (:func:`checkpoint_status`: skip, refuse, resume or start fresh).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -16,7 +17,16 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import tokens
-from ncanalyze.store.data.blocks import VAL_NAMES, Blocks, base_split, check_block_size, is_token_file, open_blocks
+from ncanalyze.store.data.blocks import (
+    CAP_MODES,
+    VAL_NAMES,
+    Blocks,
+    base_split,
+    check_block_size,
+    is_token_file,
+    open_blocks,
+    spread,
+)
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
@@ -54,11 +64,19 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     """
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
               and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
+    if cap_mode(cfg) != "spread":  # no cap, or the first blocks as before the setting existed: records as before
+        hashed.pop("cap_mode", None)
     record = {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
               "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
     if held_out is not None:
         record.update(split=f"{cfg.split}[{held_out}%:]", val_held_out=held_out)
     return record
+
+
+def cap_mode(cfg: ExtractConfig) -> str | None:
+    """How a token cap reads the data (``spread`` or ``prefix``; the group's attribute ``cap_mode``), None without a
+    cap. Only ``spread`` enters the configuration record: a prefix read is what a record without it always meant."""
+    return cfg.cap_mode if cfg.max_train_tokens is not None or cfg.max_val_tokens else None
 
 
 def config_hash(record: dict) -> str:
@@ -305,7 +323,8 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     cap, cap_flag
         The cap on tokens read, and its flag (named in errors).
     cfg
-        The configuration (text column, line breaks, token cache).
+        The configuration (text column, line breaks, token cache, and ``cap_mode`` with ``seed``: a cap reads blocks
+        spread over the whole split, from the cache of the whole split for text, or its first blocks).
     block_size
         Tokens per block.
     config
@@ -320,14 +339,20 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     Blocks
         The blocks.
     """
+    if cfg.cap_mode not in CAP_MODES:
+        raise UserError(f"cap_mode {cfg.cap_mode!r} is not one of {', '.join(CAP_MODES)}")
     tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
     blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag,
-                         keep_linebreaks=cfg.keep_linebreaks)
+                         keep_linebreaks=cfg.keep_linebreaks, cap_mode="prefix")  # the cap is applied below
     check_block_size(blocks.block_size, model_positions(config), blocks.spec, blocks.rows_from_file)
     if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
-        return blocks
-    return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
-                                                         cfg.keep_linebreaks))
+        return spread(blocks, cfg.seed) if cfg.cap_mode == "spread" else blocks
+    if cfg.cap_mode == "prefix":  # the cache holds the first blocks only
+        return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
+                                                             cfg.keep_linebreaks))
+    whole = tokens.cached(store, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
+        spec, split, cfg.text_column, tokenizer, block_size, None, cfg.keep_linebreaks))  # the whole split, once
+    return spread(dataclasses.replace(whole, max_blocks=blocks.max_blocks), cfg.seed)
 
 
 class Status(enum.Enum):

@@ -383,21 +383,26 @@ def announcement(archs: list[Arch], cfg: ExtractConfig, store: Path, device: tor
     largest architecture's widest pass)."""
     k = max(max(a.passes) for a in archs)
     state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
-    return (f"{estimate(archs, cfg.batch_size, cfg.samples_per_class, store)}; state ~{state / 1e6:,.0f} MB on "
-            f"{device} ({k} layer(s))")
+    return estimate(archs, cfg.batch_size, cfg.samples_per_class, store,
+                    f"; state ~{state / 1e6:,.0f} MB on {device} ({k} layer(s))")
+
+
+SNAPSHOT = ("a snapshot, timed on one batch: each pass's progress bar shows the measured rate and time left as the "
+            "work runs")
 
 
 def _duration(secs: float) -> str:
     return f"{secs:,.0f} s" if secs < 120 else f"{secs / 60:,.1f} min" if secs < 7200 else f"{secs / 3600:,.1f} h"
 
 
-def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: Path) -> str:
+def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: Path, state: str = "") -> str:
     """The estimate for the checkpoints to do, one line over every architecture in ``archs``: the count (and how
     many are partly done), tokens, the time in all, each architecture's parts per checkpoint (timed on its first
-    checkpoint) and the disk."""
+    checkpoint), the disk and ``state`` (the running state's size, appended as given); it says it is a snapshot of one timed batch, which the passes' progress bars (their
+    rate and time left, measured as the work runs) correct."""
     n = sum(len(a.at) for a in archs)
     disk = sum(len(a.at) * a.disk(samples_per_class) for a in archs)
-    where = f"~{disk / 1e6:,.0f} MB (before compression) in {store}"
+    where = f"~{disk / 1e6:,.0f} MB (before compression) in {store}{state}"
     if any(a.costs is None or a.train.total is None or (a.val is not None and a.val.total is None) for a in archs):
         return (f"{n} checkpoint(s) to do; the data's length is unknown (text without the token cache: drop "
                 f"--no-token-cache, or cap it with --max-train-tokens/--max-val-tokens, for a time); {where}")
@@ -408,8 +413,8 @@ def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: 
     common = f" x {tokens.pop()}" if len(tokens) == 1 else ""
     if len(archs) == 1:
         return (f"{n} checkpoint(s) to do{partly}{common}; ~{_duration(total)} in all. Per checkpoint: "
-                f"{archs[0].parts(batch_size, samples_per_class)} (timed on the first); {where}")
+                f"{archs[0].parts(batch_size, samples_per_class)} (timed on the first); {where}; {SNAPSHOT}")
     each = "; ".join(f"{a.name} ({len(a.at)}{'' if common else ', ' + a.tokens()}): "
                      f"{a.parts(batch_size, samples_per_class)}" for a in archs)
     return (f"{n} checkpoint(s) to do{partly} in {len(archs)} architectures{common}; ~{_duration(total)} in all. "
-            f"Per checkpoint, timed on the first of each architecture: {each}; {where}")
+            f"Per checkpoint, timed on the first of each architecture: {each}; {where}; {SNAPSHOT}")

@@ -156,9 +156,15 @@ class ExtractConfig:
     block_size: int | None = setting(hashed=True, section="Data", kind=int, minimum=2, help=(
         "Block length for 1-D streams and text [default: the model's context, at most 1024]."))
     max_train_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
-        "Cap on train tokens read (whole blocks)."))
+        "Cap on train tokens read: whole blocks, spread over the whole split (see --cap-mode)."))
     max_val_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
-        "Cap on validation tokens read; 0 skips NC4."))
+        "Cap on validation tokens read (as --max-train-tokens); 0 skips NC4."))
+    # recorded only where a cap is set (config_record, cap_mode)
+    cap_mode: str = setting("spread", hashed=True, section="Data", choices=("spread", "prefix"), help=(
+        "How a token cap reads a split: 'spread', whole blocks drawn over all of it (one from each of N equal "
+        "stretches, N the blocks the cap allows; drawn with --seed, the same for every checkpoint and across a resume; "
+        "text is tokenized whole into the token cache first); 'prefix', its first blocks. Recorded where a cap is set "
+        "(attribute cap_mode; spread also in the config hash)."))
     batch_size: int = setting(8, hashed=True, section="Statistics", minimum=1, help="Blocks per forward pass.")
     device: str = setting("auto", hashed=False, section="Model", help=(  # only its type is hashed, as device_type
         "auto (CUDA when present, else CPU), cpu, cuda, cuda:N."))
@@ -172,7 +178,7 @@ class ExtractConfig:
         "Classes with fewer train tokens are left out of NC4's decisions (fixed at extraction: measuring with "
         "another --min-count reports NC4 as nan)."))
     seed: int = setting(0, hashed=True, section="Statistics", minimum=0, maximum=2**63 - 1,
-                        help="Seed of the reservoir sample.")
+                        help="Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread).")
     allow_pickle: bool = setting(False, hashed=False, section="Model", help=(
         "Load pickle weights (pytorch_model.bin); only for trusted files."))
     trust_remote_code: bool = setting(False, hashed=False, section="Model", help=(

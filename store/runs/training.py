@@ -26,8 +26,10 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.data.tokens import tokenizer_fingerprint
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
+    cap_mode,
     config_hash,
     config_record,
     differences,
@@ -67,6 +69,7 @@ class _Setup:
     train: Blocks
     val: Blocks | None
     tokenizer: object | None
+    tokenizer_name: str | None  # where it came from (the group's attribute ``tokenizer``)
 
 
 @contextlib.contextmanager
@@ -143,7 +146,8 @@ class NeuralCollapseCallback(TrainerCallback):
     val_data
         The validation data (None: as ``--val-dataset``'s default, the validation split beside ``train_data``).
     max_train_tokens, max_val_tokens
-        Caps on the tokens read (the same fixed first blocks at every measurement).
+        Caps on the tokens read: whole blocks spread over the whole split (``cap_mode="prefix"``: its first blocks),
+        the same blocks at every measurement and as ``ncanalyze extract`` reads them with the same settings.
     layers
         ``last``, ``all`` or comma-separated indices, as ``--layers``.
     every
@@ -153,7 +157,7 @@ class NeuralCollapseCallback(TrainerCallback):
         W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
     **settings
         Any other field of :class:`~ncanalyze.store.extraction.settings.ExtractConfig` (``batch_size``, ``samples_per_class``,
-        ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ...).
+        ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ``cap_mode``, ...).
     """
 
     def __init__(self, store: str | Path | None = None, train_data: str | None = None, val_data: str | None = None,
@@ -184,12 +188,9 @@ class NeuralCollapseCallback(TrainerCallback):
     # --- the Trainer's events ---
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Where no logging is set up, the callback's lines (the time of each measurement, a refusal) go to stderr."""
-        if not logging.getLogger().handlers and not _handled(log):
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            log.addHandler(handler)
-            log.setLevel(logging.INFO)
+        """The callback's lines (the time of each measurement, a refusal) are shown under any logging set-up
+        (:func:`show_info`), run_clm's included."""
+        show_info(log)
 
     def on_step_end(self, args, state, control, **kwargs):
         """Every ``every`` steps: measure now, or at this step's evaluation if one comes (to record its loss)."""
@@ -344,9 +345,9 @@ class NeuralCollapseCallback(TrainerCallback):
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
         """The configuration for this model, its record, and the blocks; a store holding the run under other
         settings is refused."""
-        cfg = self.cfg
-        if cfg.tokenizer is None and tokenizer is not None:
-            cfg.tokenizer = getattr(tokenizer, "name_or_path", None) or None
+        cfg = self.cfg  # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
+        if cfg.tokenizer is not None:
+            tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
         cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         io.prepare(self.store, StoreLayout(self.store).partial)
         config = model.config
@@ -362,7 +363,8 @@ class NeuralCollapseCallback(TrainerCallback):
                           config, tokenizer, self.store)
         val = None if val_.spec is None else open_data(val_.spec, val_.split, cfg.max_val_tokens, "max_val_tokens",
                                                        cfg, block_size, config, tokenizer, self.store)
-        self.setup = _Setup(cfg, record, plan, train, val, tokenizer)
+        where = cfg.tokenizer or (tokenizer is not None and getattr(tokenizer, "name_or_path", None)) or None
+        self.setup = _Setup(cfg, record, plan, train, val, tokenizer, where)
         return self.setup
 
     def _check_run(self, run: str, record: dict, model: dict) -> None:
@@ -398,9 +400,10 @@ class NeuralCollapseCallback(TrainerCallback):
             "min_count": cfg.min_count, "block_size": setup.record["block_size"], "dataset": cfg.dataset,
             "split": setup.record.get("split", cfg.split), "val_held_out": setup.record.get("val_held_out"),
             "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
-            "tokenizer": cfg.tokenizer, "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
-            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "source": "training",
-            "output_dir": self.output_dir,
+            "tokenizer": setup.tokenizer_name, "tokenizer_sha256": tokenizer_fingerprint(setup.tokenizer),
+            "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
+            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
+            "source": "training", "output_dir": self.output_dir,
             "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),
             "config": json.dumps(setup.record, sort_keys=True),
         }
@@ -430,13 +433,64 @@ def describe(model: dict) -> str:
                                                             else ""))
 
 
-def _handled(logger: logging.Logger) -> bool:
-    """Whether a handler on ``logger`` or a parent it propagates to will show its lines."""
-    while logger is not None:
-        if logger.handlers:
+def _load_tokenizer(name: str, trust_remote_code: bool):
+    """The tokenizer given as the ``tokenizer`` setting (used instead of the Trainer's, as ``--tokenizer`` is)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load tokenizer {name!r} ({type(e).__name__}); pass tokenizer= a local folder or a "
+                        "Hub name, or leave it out to use the Trainer's") from None
+
+
+def show_info(logger: logging.Logger) -> None:
+    """Make ``logger``'s INFO lines shown, each once, whatever the logging set-up.
+
+    Its level becomes INFO unless a level was set on it or a parent below the root (run_clm's ``basicConfig`` leaves
+    the root at WARNING, which would drop them). Where no handler on its way to the root shows INFO (none at all, or
+    only handlers set above it), it gets a stderr handler of its own for just the records those handlers drop, so
+    no line is shown twice; set up again (a second Trainer), it adds nothing.
+
+    Parameters
+    ----------
+    logger
+        The callback's logger.
+    """
+    if not _level_set(logger):
+        logger.setLevel(logging.INFO)
+    floor = _handler_floor(logger)
+    if (floor is not None and floor <= logging.INFO) or any(isinstance(h, _OwnHandler) for h in logger.handlers):
+        return
+    logger.addHandler(_OwnHandler(floor))
+
+
+class _OwnHandler(logging.StreamHandler):
+    """stderr, the bare message, for the records below ``floor`` (those the handlers on the way up don't show)."""
+
+    def __init__(self, floor: int | None):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+        if floor is not None:
+            self.addFilter(lambda record: record.levelno < floor)
+
+
+def _level_set(logger: logging.Logger) -> bool:
+    """Whether a level was set on ``logger`` or a parent below the root (someone chose what it shows)."""
+    while logger is not None and logger is not logging.getLogger():
+        if logger.level != logging.NOTSET:
             return True
-        logger = logger.parent if logger.propagate else None
+        logger = logger.parent
     return False
+
+
+def _handler_floor(logger: logging.Logger) -> int | None:
+    """The lowest level a handler on ``logger``'s way to the root shows (None: no handler there)."""
+    levels = []
+    while logger is not None:
+        levels += [h.level for h in logger.handlers if not isinstance(h, _OwnHandler)]
+        logger = logger.parent if logger.propagate else None
+    return min(levels, default=None)
 
 
 def _metrics(ds, min_count: int, where: str):
