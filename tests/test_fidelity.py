@@ -284,7 +284,7 @@ def test_a_corrupt_within_covariance_is_a_checkpoint_error(bad, tmp_path):
     xr.Dataset({"within_covariance": broken["within_covariance"].copy(data=cov)}).to_zarr(
         store, group="a/checkpoint-2", mode="r+", consolidated=False, zarr_format=3)
     with pytest.warns(UserWarning, match="a/checkpoint-2: skipped: within_covariance holds 1 NaN or Inf"):
-        df = quiet_except_skips(measure_store, store)
+        df = quiet_except_skips(measure_store, store).table
     assert list(df.checkpoint) == ["checkpoint-1"]
 
 

@@ -56,7 +56,7 @@ def test_no_bare_numpy_warning_and_the_undefined_ci_is_a_note(two_run_store, rea
     out, output = real_report
     assert "RuntimeWarning" not in output and "divide by zero" not in output, output
     assert "rank-deficient" not in output and "UserWarning" not in output, output  # pingouin's, naming nothing
-    table = measure_store(two_run_store)
+    table = measure_store(two_run_store).table
     assert len(table) == 4 and table.run.nunique() == 2
     stats = pd.read_csv(out / "stats.csv")
     raw = stats[(stats.scale == "raw") & stats.partial_r.notna()]
@@ -165,7 +165,7 @@ def test_figures_within_2000_px_wrapped_with_readable_titles(real_report):
 def test_panel_legends_give_runs_and_the_whole_run_p(two_run_store, tmp_path):
     from ncanalyze.store.measure import measure_store
 
-    table = measure_store(two_run_store)
+    table = measure_store(two_run_store).table
     stats = correlations_by_tag(table, FIG1, "val_loss", n_perm=100)
     fig = scatter_figure(table, FIG1, "val_loss", stats, "t")
     for ax, m in zip(fig.axes, FIG1):
