@@ -7,9 +7,14 @@
    both splits tokenized once (examples/prepare_text.py)
 2. a GPT-Neo depth x width grid with checkpoints over training, and seed replicas of one architecture
    (examples/train_sweep.py), one run per core
-3. ncanalyze extract (train statistics capped at --train-tokens per checkpoint), measure, and three reports:
-   every checkpoint; the grid's final models; the seed replicas' final models
-4. examples/explore_store.py on the store
+3. ncanalyze extract (train statistics capped at --train-tokens per checkpoint, blocks spread over the whole split),
+   measure, and three reports against val_loss with whole-run permutations: every checkpoint; the grid's final
+   models; the seed replicas' final models (the paper's Table 1)
+4. every layer of the grid's final models (`--layers all`, a store of its own) and its report (the depth figure)
+5. one replica trained again with ncanalyze.training.NeuralCollapseCallback (its step-N groups measured during
+   training), its checkpoints extracted into the same store, and the two compared metric by metric
+6. examples/explore_store.py on the store; with --results, the reports copied there with a summary table
+   (summary.md) that the README's results section quotes
 
 Each step prints the equivalent shell command. Finished work is skipped when the command runs again (trained
 runs, extracted and measured checkpoints), so an interrupted recipe continues. Wall times are appended to
@@ -90,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--permutations", type=int, default=10_000, help="per permutation p-value")
     p.add_argument("--tokens", default=" the, LORD, God, and,:",
                    help="comma-separated tokens for the per-token table and the embedding plot")
+    p.add_argument("--results", type=Path, help="copy the reports, the comparison and a summary table here "
+                   "(examples/results for the committed study)")
     return p
 
 
@@ -131,10 +138,10 @@ def main(argv=None) -> int:
     lap("training")
 
     store = str(out / "store.zarr")
-    ncanalyze("extract", str(out / "runs"), "--store", store, "--dataset", str(data / "train.npy"),
-              "--val-dataset", str(data / "validation.npy"), "--block-size", str(args.block_size),
-              "--batch-size", "32", "--max-train-tokens", str(args.train_tokens),
-              "--max-val-tokens", str(args.val_tokens), "--device", "cpu")
+    extract_opts = ["--dataset", str(data / "train.npy"), "--val-dataset", str(data / "validation.npy"),
+                    "--block-size", str(args.block_size), "--batch-size", "32", "--max-train-tokens",
+                    str(args.train_tokens), "--max-val-tokens", str(args.val_tokens), "--device", "cpu"]
+    ncanalyze("extract", str(out / "runs"), "--store", store, *extract_opts)
     lap("extract")
     ncanalyze("measure", store)
     lap("measure")
@@ -151,6 +158,16 @@ def main(argv=None) -> int:
               "--where", f"n_layers == {depth} and hidden_size == {width} and global_step == {args.steps}")
     lap("report")
 
+    finals = [str(out / "runs" / train_sweep.run_name(d, w, 0, args.weight_decay) / f"checkpoint-{args.steps}")
+              for d in args.depths for w in args.widths]
+    depth_store = str(out / "depth.zarr")
+    ncanalyze("extract", *finals, "--store", depth_store, *extract_opts, "--layers", "all")
+    ncanalyze("report", depth_store, "--out", str(out / "report-depth"), *perms)
+    lap("depth")
+
+    compare = callback_run(args, out, data, extract_opts)
+    lap("callback")
+
     import explore_store
 
     cmd = [store, "--out", str(out / "explore"), "--tokens", *args.tokens.split(",")]
@@ -158,12 +175,97 @@ def main(argv=None) -> int:
     explore_store.main(cmd)
     lap("explore")
     times["total"] = round(time.time() - t_start, 1)
+    line = json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), **times}) + "\n"
     with open(out / "timings.jsonl", "a") as f:  # one line per invocation (a rerun skips finished work)
-        f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), **times}) + "\n")
+        f.write(line)
+    if args.results:
+        publish(out, args.results.resolve(), compare, line)
     print(f"done in {times['total'] / 60:.1f} min: reports in {out}/report-{{all,final,seeds}}, "
           f"store {store}, figures of the store in {out}/explore")
     return 0
 
+
+
+def callback_run(args, out: Path, data: Path, extract_opts: list[str]) -> Path:
+    """The replica architecture, seed 0, trained again with the callback measuring it at every evaluation into
+    callback.zarr; its checkpoints then extracted into the same store with the recipe's settings, and the callback's
+    stored metrics compared with extract's, step by step: compare.csv (the relative difference of each metric)."""
+    import numpy as np
+    import pandas as pd
+    import train_sweep
+    from ncanalyze.training import NeuralCollapseCallback
+
+    depth, width = map(int, args.replicas.lower().split("x"))
+    run = out / "callback" / train_sweep.run_name(depth, width, 0, args.weight_decay)
+    nc = out / "callback.zarr"
+    if not (run / "eval_results.json").is_file():
+        print(f"$ python examples/train_sweep.py ... with NeuralCollapseCallback({nc}) -> {run}", flush=True)
+        callback = NeuralCollapseCallback(str(nc), str(data / "train.npy"), str(data / "validation.npy"),
+                                          max_train_tokens=args.train_tokens, max_val_tokens=args.val_tokens,
+                                          block_size=args.block_size, batch_size=32, device="cpu")
+        train_sweep.train(None, None, data / "tokenizer", run, n_layer=depth, width=width, n_head=args.heads,
+                          block_size=args.block_size, batch_size=args.batch_size, max_steps=args.steps,
+                          learning_rate=args.lr, weight_decay=args.weight_decay, save_steps=args.save_steps, seed=0,
+                          data=train_sweep.token_datasets(data / "train.npy", data / "validation.npy",
+                                                          args.block_size),
+                          attention="global", lr_scheduler="cosine", warmup_steps=args.steps // 20,
+                          save_only_model=True, callbacks=[callback])
+    ncanalyze("extract", str(run), "--store", str(nc), *extract_opts)
+    ncanalyze("measure", str(nc))
+    import ncanalyze.store as ncstore
+
+    tree, rows = ncstore.open(str(nc)), []
+    for node in tree[run.name].children.values():
+        if not node.name.startswith("step-"):
+            continue
+        post = tree[f"{run.name}/checkpoint-{node.name.removeprefix('step-')}"].attrs["metrics"]
+        for metric, value in node.attrs["metrics"].items():
+            other = post.get(metric)
+            both = value is not None and other is not None
+            rows.append({"step": int(node.name.removeprefix("step-")), "metric": metric, "callback": value,
+                         "extract": other, "rel_diff": abs(value - other) / max(abs(other), 1e-300) if both
+                         else np.nan})
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "callback_compare.csv", index=False)
+    print(f"callback vs extract, {table.step.nunique()} steps x {table.metric.nunique()} metrics: largest relative "
+          f"difference {table.rel_diff.max():.3g}", flush=True)
+    return out / "callback_compare.csv"
+
+
+SUMMARY_COLUMNS = {"metric": "metric", "r": "r", "r2": "R²", "rho": "rho", "p_perm": "p (whole runs)",
+                   "p_holm": "p Holm", "partial_r": "partial r", "partial_p_perm": "p FL"}
+
+
+def summary(folder: Path, title: str) -> list[str]:
+    """A Markdown table of one report's raw-scale statistics (stats.csv, unchanged), with what its p rest on."""
+    import pandas as pd
+
+    s = pd.read_csv(folder / "stats.csv")
+    s = s[s.scale == "raw"]
+    unit = f"{int(s.n_units.iloc[0])} {s.perm_unit.iloc[0]}, {int(s.n_perm.iloc[0])} permutations" + \
+        (" (all, exact)" if bool(s.exact.iloc[0]) else "") + f", p >= {s.p_floor.iloc[0]:.3g}"
+    lines = [f"**{title}** ({int(s.n.max())} checkpoints; {unit}; families {', '.join(dict.fromkeys(s.family))})", "",
+             "| " + " | ".join(SUMMARY_COLUMNS.values()) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
+    for _, row in s.iterrows():
+        lines.append("| " + " | ".join(f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c])
+                                       for c in SUMMARY_COLUMNS) + " |")
+    return lines + [""]
+
+
+def publish(out: Path, results: Path, compare: Path, timing: str) -> None:
+    """The reports into ``results`` (all, final, seeds, depth, explore), the callback comparison, this run's timings,
+    and summary.md: the final models' and the seed replicas' statistics as the README quotes them."""
+    for name, src in (("all", "report-all"), ("final", "report-final"), ("seeds", "report-seeds"),
+                      ("depth", "report-depth"), ("explore", "explore")):
+        shutil.rmtree(results / name, ignore_errors=True)
+        shutil.copytree(out / src, results / name)
+    (results / "callback").mkdir(parents=True, exist_ok=True)
+    shutil.copy(compare, results / "callback" / "compare.csv")
+    (results / "timings.jsonl").write_text(timing)
+    text = ["<!-- generated by examples/recipe_cpu.py --results: do not edit -->", ""]
+    text += summary(results / "final", "The grid's final models") + summary(results / "seeds", "Seed replicas")
+    (results / "summary.md").write_text("\n".join(text))
+    print(f"results in {results}", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -134,11 +134,12 @@ def train(train_files, val_files, tokenizer_dir, out_dir, *, n_layer: int = 2, w
           learning_rate: float = 3e-3, weight_decay: float = 0.0, save_steps: int = 80, seed: int = 0,
           tie_word_embeddings: bool = True, data=None, vocab_size: int | None = None, attention: str = "global",
           lr_scheduler: str = "cosine", warmup_steps: int | None = None, save_only_model: bool = False,
-          max_eval_blocks: int | None = None, quiet: bool = True) -> Path:
+          max_eval_blocks: int | None = None, quiet: bool = True, callbacks: list | None = None) -> Path:
     """Train one GPT-Neo with ``transformers.Trainer``; returns its output folder.
 
     ``data`` (a DatasetDict with train/validation blocks) replaces the text files, so a sweep tokenizes once;
-    ``tokenizer_dir`` may then be None (token files), with ``vocab_size`` given.
+    ``tokenizer_dir`` may then be None (token files), with ``vocab_size`` given. ``callbacks``: more Trainer callbacks
+    (e.g. ``ncanalyze.training.NeuralCollapseCallback``).
     """
     from transformers import (
         AutoTokenizer,
@@ -174,7 +175,7 @@ def train(train_files, val_files, tokenizer_dir, out_dir, *, n_layer: int = 2, w
     # Blocks are full length and carry their labels, so the default collator suffices (the LM collator with
     # pad = eos would hide every end-of-text label from the loss).
     trainer = Trainer(model=model, args=args, train_dataset=data["train"], eval_dataset=eval_data,
-                      data_collator=default_data_collator)
+                      data_collator=default_data_collator, callbacks=callbacks)
     if quiet:  # no per-log prints or save progress bars; the losses are in trainer_state.json
         from transformers.trainer_callback import PrinterCallback
         from transformers.utils import logging as hf_logging

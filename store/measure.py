@@ -116,11 +116,16 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
             if unwritable:
                 attrs[g]["metrics"] = scalars
                 continue
-            with checkpoint_lock(layout.group_files(checkpoint_group(g)).lock, checkpoint_group(g), doing="measured"):
-                if _vanished(store, g):  # removed (ncanalyze rm) between the read and the write: nothing to write into
-                    skipped[g] = VANISHED
-                    continue
-                unwritable = _keep(store, g, attrs[g], scalars, per_class, min_count, unwritable)
+            try:
+                with checkpoint_lock(layout.group_files(checkpoint_group(g)).lock, checkpoint_group(g),
+                                     doing="measured"):
+                    if _vanished(store, g):  # removed (ncanalyze rm) between the read and the write: nothing to write
+                        skipped[g] = VANISHED
+                        continue
+                    unwritable = _keep(store, g, attrs[g], scalars, per_class, min_count, unwritable)
+            except OSError as e:  # the lock itself cannot be made (a full disk): measured, not stored
+                unwritable = _cannot_store(store, e)
+                attrs[g]["metrics"] = scalars
     prune(layout.partial)
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
@@ -154,11 +159,18 @@ def _keep(store, g: str, attrs: dict, scalars: dict, per_class, min_count: int, 
             attrs |= write_metrics(store, g, scalars, per_class, min_count, attrs.get("config_hash"))
             return None
         except OSError as e:
-            unwritable = e.strerror or type(e).__name__
-            warnings.warn(f"cannot store the metrics in {store} ({unwritable}): measuring the rest without storing "
-                          "the results", ReadOnlyStore, stacklevel=3)
+            unwritable = _cannot_store(store, e)
     attrs["metrics"] = scalars
     return unwritable
+
+
+def _cannot_store(store, e: OSError) -> str:
+    """Why the metrics cannot be stored (a full disk), said once in a warning; the checkpoints are measured all the
+    same and measured again next time."""
+    why = e.strerror or type(e).__name__
+    warnings.warn(f"cannot store the metrics in {store} ({why}): measuring the rest without storing the results",
+                  ReadOnlyStore, stacklevel=4)
+    return why
 
 
 def _vanished(store, g: str) -> bool:

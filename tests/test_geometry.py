@@ -235,11 +235,10 @@ def features(model_dir, train: np.ndarray) -> np.ndarray:
 
 
 def train_blocks(path, tokenizer, max_tokens: int, block: int = 32) -> np.ndarray:
-    """run_clm's recipe: tokenize each line, concatenate, cut into blocks of the fixture model's context."""
-    lines = open(path).read().splitlines(keepends=True)
-    ids = np.array([t for doc in tokenizer(lines)["input_ids"] for t in doc], dtype=np.int64)
-    n = min(len(ids) // block, max_tokens // block)
-    return ids[:n * block].reshape(n, block)
+    """The blocks extract reads (run_clm's grouping, the cap spread over the split): test_extract's reference."""
+    from test_extract import text_blocks
+
+    return text_blocks(path, tokenizer, max_tokens, block)
 
 
 def test_extraction_stores_unit_sum_and_anisotropy(extracted_store, trained_run, corpus, tmp_path):
@@ -267,12 +266,17 @@ def test_extraction_stores_unit_sum_and_anisotropy(extracted_store, trained_run,
     assert any("anisotropy is nan" in str(w.message) for w in caught)
 
 
-def test_a_group_measured_before_the_geometry_metrics_is_measured_again():
+def test_a_group_measured_under_other_definitions_is_measured_again():
+    """Whatever metrics a group's record holds, it is measured again unless measured under this version's
+    definitions (schema.METRICS_VERSION), with the same min_count and statistics."""
     from ncanalyze.analyzer import NC_METRICS
+    from ncanalyze.analyzer.schema import METRICS_VERSION
     from ncanalyze.store.measure import is_measured
 
-    attrs = {"metrics": {k: 1.0 for k in NC_METRICS}, "metrics_min_count": 1, "metrics_config_hash": "h",
-             "config_hash": "h"}
-    assert not is_measured(attrs, 1)
-    attrs["metrics"] |= {k: None for k in GEOMETRY_METRICS if k != "head_erank"}  # no classifier: no head_erank
-    assert is_measured(attrs, 1)
+    attrs = {"metrics": {k: 1.0 for k in NC_METRICS + GEOMETRY_METRICS}, "metrics_min_count": 1,
+             "metrics_config_hash": "h", "config_hash": "h"}
+    assert not is_measured(attrs, 1)  # no version: measured before definitions were versioned
+    assert not is_measured(attrs | {"metrics_version": METRICS_VERSION - 1}, 1)
+    assert is_measured(attrs | {"metrics_version": METRICS_VERSION}, 1)
+    assert not is_measured(attrs | {"metrics_version": METRICS_VERSION}, 2)  # another min_count
+    assert not is_measured(attrs | {"metrics_version": METRICS_VERSION, "config_hash": "other"}, 1)
