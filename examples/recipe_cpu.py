@@ -134,8 +134,10 @@ def main(argv=None) -> int:
              "--warmup-steps", str(args.steps // 20), "--weight-decay", str(args.weight_decay),
              "--heads", str(args.heads), "--attention", "global", "--jobs", str(args.jobs)]
     print("$ python examples/train_sweep.py " + shlex.join(sweep), flush=True)
+    before = len(list((out / "runs").glob("*/eval_results.json")))
     train_sweep.main(sweep)
     lap("training")
+    times["runs_trained_before"] = before  # trained by an earlier invocation: their time is not in this one's
 
     store = str(out / "store.zarr")
     extract_opts = ["--dataset", str(data / "train.npy"), "--val-dataset", str(data / "validation.npy"),

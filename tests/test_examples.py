@@ -28,8 +28,8 @@ def recipe(tmp_path_factory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("recipe")
     text = make_corpus(tmp / "corpus.txt", 3000, seed=3)
     out = tmp / "out"
-    proc = subprocess.run([sys.executable, str(RECIPE), "--text", str(text), "--out", str(out), *TINY],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(RECIPE), "--text", str(text), "--out", str(out), *TINY,
+                           "--results", str(out / "published")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -80,7 +80,9 @@ def test_reports_and_figures(recipe):
     assert (recipe / "explore" / "embeddings.png").is_file() and (recipe / "explore" / "cdnv_hist.png").is_file()
     times = [json.loads(line) for line in (recipe / "timings.jsonl").read_text().splitlines()]
     assert len(times) == 1
-    assert set(times[0]) == {"date", "corpus", "training", "extract", "measure", "report", "explore", "total"}
+    assert set(times[0]) == {"date", "corpus", "training", "runs_trained_before", "extract", "measure", "report",
+                             "depth", "callback", "explore", "total"}
+    assert times[0]["runs_trained_before"] == 0
     assert "$ ncanalyze extract " in stdout and "done in" in stdout
 
 
@@ -90,3 +92,42 @@ def test_recipe_explains_a_missing_text(tmp_path):
     assert proc.returncode != 0
     assert "missing.txt is not a non-empty file" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_every_layer_of_the_final_models_and_the_depth_figure(recipe):
+    recipe = recipe[0]
+    depth = pd.read_csv(recipe / "report-depth" / "metrics.csv")
+    assert len(depth.drop_duplicates(["run", "checkpoint"])) == 4  # the grid's four final models
+    assert set(depth.groupby("run").layer.nunique()) == {2, 3}  # depth 1: hidden states 0-1; depth 2: 0-2
+    assert any((recipe / "report-depth").glob("*depth*.png"))
+
+
+def test_the_callback_run_equals_its_post_hoc_extraction(recipe):
+    """The replica trained again with the callback: its step-N groups' metrics equal extract's of the checkpoints the
+    same training saved, metric by metric (the callback runs the extraction's own passes on the same blocks)."""
+    recipe, stdout = recipe
+    table = pd.read_csv(recipe / "callback_compare.csv")
+    assert sorted(table.step.unique()) == [5, 10] and table.metric.nunique() >= 20
+    finite = table.dropna(subset=["rel_diff"])
+    assert len(finite) >= 2 * 15 and finite.rel_diff.max() < 1e-9, finite.sort_values("rel_diff").tail()
+    assert "callback vs extract" in stdout
+
+
+def test_results_are_published_with_a_summary_from_stats(recipe):
+    out = recipe[0] / "published"
+    for name in ("all", "final", "seeds", "depth", "explore"):
+        assert (out / name).is_dir(), name
+    summary = (out / "summary.md").read_text()
+    stats = pd.read_csv(out / "final" / "stats.csv")
+    raw = stats[stats.scale == "raw"]
+    assert summary.count("| nc1_cdnv |") == 2 and f"{raw.r[raw.metric == 'nc1_cdnv'].iloc[0]:.3g}" in summary
+    assert "whole runs" in summary or "runs," in summary
+    assert (out / "callback" / "compare.csv").is_file() and len((out / "timings.jsonl").read_text().splitlines()) == 1
+
+
+def test_the_readme_quotes_the_committed_study_as_generated():
+    """The README's results table is the committed examples/results/summary.md, verbatim, so the two cannot drift."""
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- summary:start -->", "<!-- summary:end -->"
+    quoted = readme[readme.index(start) + len(start):readme.index(end)].strip()
+    assert quoted == (ROOT / "examples" / "results" / "summary.md").read_text().strip()
