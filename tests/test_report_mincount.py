@@ -93,6 +93,11 @@ def test_each_runs_latest_checkpoint_at_each_min_count_capped_and_nc4_kept_apart
                for n in notes)
     assert table.set_index("run").loc["r2"].value_20.isna().all()  # one class of 25 tokens: not measured
 
+    bare, notes = min_count_table(sel[sel.run == "r0"], lambda g: datasets[g].drop_vars("mean"))  # nothing to measure
+    assert bare.filter(like="value_").isna().all().all() and list(bare.n_kept_5) == [5] * len(HEADLINE)
+    assert notes == ["not measured: the group lacks mean (r0/checkpoint-100 at 2, r0/checkpoint-100 at 5, "
+                     "r0/checkpoint-100 at 20)"]
+
 
 @pytest.mark.slow
 def test_report_on_a_store_has_the_table_and_a_csv_report_does_not(extracted_store, kept_store, tmp_path):

@@ -1,6 +1,6 @@
 """report.md, section by section: the selection and target, per tag the correlation table with how to read it,
-the permutations behind its p-values, Holm's survivors, the notes and the figures; what the numbers rest on; how
-Figure 1's metrics move with min_count (with a store); the per-token tables; the files; the depth section."""
+the permutations behind its p-values, Holm's survivors, the notes and the figures; what the numbers rest on; the
+per-token tables; how Figure 1's metrics move with min_count (with a store); the files; the depth section."""
 from __future__ import annotations
 
 import pandas as pd
@@ -167,7 +167,7 @@ def _depth_section(r: ReportResult) -> list[str]:
 
 def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> str:
     """report.md: the selection, per tag the correlation table with how to read it, notes and figure links, what
-    the numbers rest on, how Figure 1's metrics move with min_count (with a store), the per-token tables, the
+    the numbers rest on, the per-token tables, how Figure 1's metrics move with min_count (with a store), the
     checkpoints skipped and the files; the depth section with a checkpoint of several layers.
 
     Parameters
@@ -187,8 +187,8 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
     md = header(result, options, tags)
     for tag, rows in tags:
         md += _correlation_section(result, options, tag, rows, len(tags) > 1)
-    md += _support_section(result, options)
+    md += _support_section(result, options) + _token_section(result)
     if result.min_count is not None:
         md += min_count_lines(result.min_count, result.min_count_notes)
-    md += _token_section(result) + _files_section(result, skipped)
+    md += _files_section(result, skipped)
     return "\n".join(md) + "\n" + "\n".join(_depth_section(result))

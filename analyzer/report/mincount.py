@@ -17,6 +17,7 @@ from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
 MIN_COUNTS = (2, 5, 20)  # the min_counts compared
 MAX_RUNS = 12  # at most this many runs (the first by name): one measure per (run's latest checkpoint, min_count)
 HEADLINE = FIGURES["fig1_nc_vs_loss"][1]  # Figure 1's metrics
+NEEDED = ("mean", "variance")  # what measure cannot do without (beside count)
 
 
 def relative_change(values: Sequence[float]) -> float:
@@ -34,12 +35,14 @@ def _measure_at(ds, m: int) -> tuple[dict[str, float], list[str]]:
     from ncanalyze.analyzer.geometry import kept_classes  # the compiled metrics load only when needed
     from ncanalyze.analyzer.metrics import measure
 
+    n, lacks = kept_classes(ds["count"].values, m).size, [v for v in NEEDED if v not in ds.variables]
+    if lacks:
+        return {**{k: math.nan for k in HEADLINE}, "n_kept": n}, [f"not measured: the group lacks {', '.join(lacks)}"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             got = measure(ds, min_count=m)
         except UserError as e:
-            n = kept_classes(ds["count"].values, m).size
             return {**{k: math.nan for k in HEADLINE}, "n_kept": n}, [f"not measured: {e}"]
     notes = [str(w.message) for w in caught if any(k in str(w.message) for k in HEADLINE)]
     return {**{k: got[k] for k in HEADLINE}, "n_kept": int(got["n_classes"])}, notes
