@@ -19,8 +19,9 @@ def _split(s: str | None) -> list[str]:
 @click.command(short_help="Tables, figures and statistics of the metrics against the validation loss.")
 @store_argument("report")
 @click.option("--out", type=click.Path(file_okay=False), default="ncanalyze-report", show_default=True,
-              help="Folder for report.md, report.html, metrics.csv, stats.csv, tables.tex and the figures "
-              "(PNG, PDF and SVG).")
+              help="Folder for report.md, report.html, metrics.csv, stats.csv, min_count.csv (from a store: "
+              "Figure 1's metrics of each run's latest checkpoint at min_count 2, 5 and 20), tables.tex and the "
+              "figures (PNG, PDF and SVG).")
 @click.option("--where", help="Condition over the table's columns selecting the checkpoints the report covers, in "
               "pandas query syntax, e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one "
               "architecture); "

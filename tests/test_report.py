@@ -391,7 +391,8 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     ds = xr.open_zarr(store, group=f"{last.run}/{last.checkpoint}", consolidated=False)
     assert list(tokens["count"][:4]) == [int(ds["count"][i]) for i in ids]
     assert tokens["mean CDNV"][0] == pytest.approx(float(ds.class_cdnv[ids[0]]))
-    assert len(tables) == 2 and tables[1][-1][0] == AVERAGE_TOKEN
+    assert len(tables) == 3 and tables[1][-1][0] == AVERAGE_TOKEN  # then the min_count table (test_report_mincount.py)
+    assert tables[2][0][3:6] == ["min_count 2 (kept)", "min_count 5 (kept)", "min_count 20 (kept)"]
 
     assert check_latex((out / "tables.tex").read_text()) == 3  # raw, log10 and the tokens
     compile_latex(out / "tables.tex", tmp_path)

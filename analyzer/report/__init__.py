@@ -7,7 +7,8 @@ PDF and SVG figures.
   section per tag;
 - :mod:`.support`: what the numbers rest on (kept classes, singletons, token counts; which way is more collapse);
 - :mod:`.figures`: Figures 1-4 and the depth figure; :mod:`.ticks`: their axes' limits, ticks and labels;
-- :mod:`.tokens`: the per-token table.
+- :mod:`.tokens`: the per-token table; :mod:`.mincount`: Figure 1's metrics of each run's latest checkpoint at min_count
+  2, 5 and 20.
 """
 from __future__ import annotations
 

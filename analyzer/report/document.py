@@ -1,12 +1,13 @@
 """report.md, section by section: the selection and target, per tag the correlation table with how to read it,
 the permutations behind its p-values, Holm's survivors, the notes and the figures; what the numbers rest on; the
-per-token tables; the files; the depth section."""
+per-token tables; how Figure 1's metrics move with min_count (with a store); the files; the depth section."""
 from __future__ import annotations
 
 import pandas as pd
 
 from ncanalyze.analyzer.depth import TITLE as DEPTH_TITLE
 from ncanalyze.analyzer.report.figures import TITLES, tag_suffix, title_target
+from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
 from ncanalyze.analyzer.report.tables import (code, controls_text, family_name, notes, summary, survivors,
@@ -142,6 +143,9 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]
                "(150 dpi), `.pdf` (fonts embedded) and `.svg`"]
     if r.tokens is not None:
         md += ["- `tokens.csv`: the per-token table"]
+    if r.min_count is not None:
+        md += ["- `min_count.csv`: Figure 1's metrics of each run's latest checkpoint at min_count 2, 5 and 20, with "
+               "the kept classes at each (`value_<m>`, `n_kept_<m>`) and the relative change (`rel_change`)"]
     return md
 
 
@@ -163,8 +167,8 @@ def _depth_section(r: ReportResult) -> list[str]:
 
 def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> str:
     """report.md: the selection, per tag the correlation table with how to read it, notes and figure links, what
-    the numbers rest on, the per-token tables, the checkpoints skipped and the files; the depth section with a
-    checkpoint of several layers.
+    the numbers rest on, the per-token tables, how Figure 1's metrics move with min_count (with a store), the
+    checkpoints skipped and the files; the depth section with a checkpoint of several layers.
 
     Parameters
     ----------
@@ -183,6 +187,8 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
     md = header(result, options, tags)
     for tag, rows in tags:
         md += _correlation_section(result, options, tag, rows, len(tags) > 1)
-    md += _support_section(result, options)
-    md += _token_section(result) + _files_section(result, skipped)
+    md += _support_section(result, options) + _token_section(result)
+    if result.min_count is not None:
+        md += min_count_lines(result.min_count, result.min_count_notes)
+    md += _files_section(result, skipped)
     return "\n".join(md) + "\n" + "\n".join(_depth_section(result))

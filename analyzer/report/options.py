@@ -80,8 +80,14 @@ class ReportResult:
         and SVG beside it).
     depth_notes
         The depth figure's undefined values (e.g. layer 0's infinite CDNV), said in report.md.
+    min_count
+        Figure 1's metrics of each run's latest checkpoint at min_count 2, 5 and 20 (min_count.csv;
+        :func:`~ncanalyze.analyzer.report.mincount.min_count_table`), or None without a store.
+    min_count_notes
+        Its notes: the cap on runs, and measure's warnings at those min_counts (NC4's kept set among them).
     files
-        Every file written by name: metrics, stats, [tokens], the figures, [depth, layers], report, tex, [html].
+        Every file written by name: metrics, stats, [tokens], [min_count], the figures, [depth, layers], report, tex,
+        [html].
     """
 
     metrics: pd.DataFrame
@@ -93,4 +99,6 @@ class ReportResult:
     notes: list[str] = field(default_factory=list)
     figures: dict[str, Path] = field(default_factory=dict)
     depth_notes: list[str] = field(default_factory=list)
+    min_count: pd.DataFrame | None = None
+    min_count_notes: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)

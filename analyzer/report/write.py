@@ -11,6 +11,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.figures import depth_files, draw_figures, tag_suffix
 from ncanalyze.analyzer.report.html import write_html
+from ncanalyze.analyzer.report.mincount import min_count_table
 from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import SUPPORT, with_support
 from ncanalyze.analyzer.report.tables import default_target, latex, select
@@ -71,7 +72,8 @@ def _folder(out: str | Path) -> Path:
 
 
 # files a report writes
-OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "tables.tex", "report.md", "report.html")
+OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex", "report.md",
+           "report.html")
 
 
 def _ours(report_md: Path) -> bool:
@@ -84,24 +86,30 @@ def _ours(report_md: Path) -> bool:
 
 
 def _write_tables(r: ReportResult, out: Path) -> None:
-    """metrics.csv, stats.csv and, with tokens, tokens.csv."""
+    """metrics.csv, stats.csv and, with tokens, tokens.csv; with a store, min_count.csv."""
     r.files |= {"metrics": out / "metrics.csv", "stats": out / "stats.csv"}
     r.metrics.to_csv(r.files["metrics"], index=False)
     r.stats.to_csv(r.files["stats"], index=False)
     if r.tokens is not None:
         r.files["tokens"] = out / "tokens.csv"
         r.tokens.to_csv(r.files["tokens"], index=False)
+    if r.min_count is not None:
+        r.files["min_count"] = out / "min_count.csv"
+        r.min_count.to_csv(r.files["min_count"], index=False)
 
 
 def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = ReportOptions(),
                  read_group: GroupReader | None = None, skipped: dict[str, str] | None = None) -> ReportResult:
     """Write metrics.csv, stats.csv, the figures, tokens.csv (with tokens), the depth figure and layers.csv (with
-    layers), report.md, tables.tex and (unless ``options.html`` is False) report.html into a folder.
+    layers), min_count.csv (with a store), report.md, tables.tex and (unless ``options.html`` is False) report.html
+    into a folder.
 
     The statistics, Figures 1-4 and the token table use each selected checkpoint's last layer. Tags (datasets) are
     never pooled: each tag's statistics (Holm within the tag) and figures are its own. Runs with several
     checkpoints are permuted whole (:func:`ncanalyze.analyzer.stats.correlations`). Tokens resolved other than as
-    written, given twice or not one token are logged as warnings now and said in report.md.
+    written, given twice or not one token are logged as warnings now and said in report.md. With a store, Figure
+    1's metrics of each run's latest checkpoint are measured again at min_count 2, 5 and 20 (at most 12 runs;
+    :mod:`~ncanalyze.analyzer.report.mincount`).
 
     Parameters
     ----------
@@ -112,8 +120,8 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     options
         What to report (:class:`ReportOptions`).
     read_group
-        Gives a checkpoint's dataset for the per-token table (:class:`GroupReader`); needed with
-        ``options.tokens``.
+        Gives a checkpoint's dataset for the per-token table (:class:`GroupReader`) and the min_count table; needed
+        with ``options.tokens``; None (a metrics CSV): neither.
     skipped
         The groups that could not be measured, with why (group: why): listed in report.md.
 
@@ -138,6 +146,8 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
         r.tokens, r.notes = per_token(read_group, groups, options.tokens)
     for note in r.notes:
         log.warning("note: %s", note)
+    if read_group is not None:
+        r.min_count, r.min_count_notes = min_count_table(sel, read_group)
     if has_depth(every_layer):
         r.depth, r.depth_notes = depth_table(every_layer), undefined(every_layer)
 
