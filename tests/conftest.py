@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALL = "*"
 SLOW: dict[str, str | set[str]] = {
     "test_accessor.py": {"test_one_row_per_checkpoint_and_layer", "test_tree_table_is_the_metrics_table"},
-    "test_classifier_once.py": {"test_an_old_and_a_mixed_store_read_and_measure_identically",
+    "test_classifier.py": {"test_an_old_and_a_mixed_store_read_and_measure_identically",
         "test_every_layer_measures_as_with_its_own_copy_of_the_head",
         "test_layer_groups_hold_no_classifier_and_the_checkpoint_group_one",
         "test_plain_xarray_reaches_the_head_from_a_layer_node",
@@ -44,7 +44,7 @@ SLOW: dict[str, str | set[str]] = {
     "test_examples.py": ALL,
     "test_extract.py": {"test_every_checkpoint_matches_brute_force",
         "test_every_data_form_gives_the_same_exact_statistics", "test_split_slices_of_one_text_file"},
-    "test_extract_reliability.py": {"test_kill_and_resume_is_bit_identical"},
+    "test_kill_resume.py": {"test_kill_and_resume_is_bit_identical"},
     "test_figures.py": {"test_colour_bar_labelled_across_its_range", "test_dynamics_figure_panels_and_lines",
         "test_every_figure_in_png_pdf_and_svg_with_embedded_fonts", "test_many_runs_share_a_marker_and_have_no_legend",
         "test_no_colour_bar_when_all_sizes_are_equal_but_a_legend",
@@ -55,7 +55,7 @@ SLOW: dict[str, str | set[str]] = {
         "test_online_without_network_skips_what_the_store_holds",
         "test_delete_downloads_keeps_a_snapshot_cached_under_another_ref", "test_empty_layers_is_named",
         "test_a_dangling_weights_symlink_fails_its_revision_alone"},
-    "test_frontier.py": {"test_a_pass_below_the_last_layer_stops_at_its_deepest_block",
+    "test_memory.py": {"test_a_pass_below_the_last_layer_stops_at_its_deepest_block",
         "test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit",
         "test_auto_resumes_with_the_passes_it_saved_under_another_memory",
         "test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass",

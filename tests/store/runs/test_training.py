@@ -294,7 +294,7 @@ def test_sharded_parameters_are_refused_in_one_line(corpus, tmp_path, caplog):
 
 DDP_SCRIPT = """
 import sys
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/../.."]  # this folder and tests/ (conftest)
 from conftest import train_sweep
 from test_training import OPTS, train
 from ncanalyze.training import NeuralCollapseCallback

@@ -13,7 +13,7 @@ from conftest import EXTRACT_OPTS, kill_when, run_cli
 from ncanalyze.analyzer import UserError, class_stats, measure
 from ncanalyze.store.io import read_group
 from test_extract import assert_matches, text_blocks
-from test_extract_reliability import _state
+from test_kill_resume import _state
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 CK = "checkpoint-40"
