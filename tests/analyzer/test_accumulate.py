@@ -243,3 +243,75 @@ def test_class_sums_at_the_real_vocabulary_with_zipf_labels_equal_brute_force_wi
     np.testing.assert_allclose(own.scatter.numpy(), dev.T @ dev, rtol=1e-12)
     np.testing.assert_allclose(own.unit_sum.numpy(), (X / np.linalg.norm(X, axis=1, keepdims=True)).sum(0),
                                rtol=1e-12)
+
+
+def _nc4_numpy(W, b, M, kept, H, Z, y):
+    """NC4's three counts by brute force in numpy float64: argmax over the kept classes of W z + b, and the nearest
+    kept class mean to h by squared distance."""
+    V = W.shape[0]
+    linear = kept[(Z @ W[kept].T + b[kept]).argmax(1)]
+    ncc = kept[((H[:, None] - M[kept][None]) ** 2).sum(-1).argmin(1)]
+    return {"val_count": np.bincount(y, minlength=V), "val_correct": np.bincount(y[linear == y], minlength=V),
+            "val_ncc_agree": np.bincount(y[linear == ncc], minlength=V)}
+
+
+def _nc4_previous(W, b, M, kept, H, Z, y):
+    """The previous path (before the tiles): the kept head rows and the kept means copied, one argmax over all."""
+    V = W.shape[0]
+    w, mu = W[kept], M[kept]
+    linear = kept[(Z @ w.T + b[kept]).argmax(1)]
+    ncc = kept[(H @ mu.T - 0.5 * (mu * mu).sum(1)).argmax(1)]
+    return {"val_count": torch.bincount(y, minlength=V), "val_correct": torch.bincount(y[linear == y], minlength=V),
+            "val_ncc_agree": torch.bincount(y[linear == ncc], minlength=V)}
+
+
+@pytest.mark.parametrize("budget", [1 << 25, 7 * 24, 24], ids=["one-tile", "tiles-of-7", "tiles-of-1"])
+def test_nc4_over_tiles_of_classes_equals_brute_force_and_the_previous_path(budget):
+    """NC4's counts with the classes scored a tile at a time (and through a lens) equal a numpy float64 brute force
+    and the previous path (the kept rows copied, one argmax), on well-separated and on near-collapsed classes."""
+    from ncanalyze.analyzer.accumulate import DecisionCounts
+
+    rng = np.random.default_rng(5)
+    V, d, n = 40, 24, 300
+    kept = torch.from_numpy(np.sort(rng.choice(V, 29, replace=False)))
+    lens = torch.nn.LayerNorm(d).double()
+    for spread in (1.0, 1e-3):
+        W = torch.from_numpy(rng.normal(size=(V, d)))
+        b = torch.from_numpy(rng.normal(size=V))
+        M = torch.from_numpy(rng.normal(size=(V, d)) * spread)
+        y = torch.from_numpy(rng.integers(0, V, n))
+        H = M[y] + torch.from_numpy(rng.normal(size=(n, d))) * spread
+        c = DecisionCounts(W, b, M, kept, budget=budget, lens=lens)
+        assert c.tile == max(1, budget // d) if budget < 1 << 25 else c.tile >= len(kept)
+        c.update(H, y)
+        with torch.no_grad():
+            Z = lens(H)
+        want = _nc4_numpy(W.numpy(), b.numpy(), M.numpy(), kept.numpy(), H.numpy(), Z.numpy(), y.numpy())
+        previous = _nc4_previous(W, b, M, kept, H, Z, y)
+        for name in DecisionCounts.NAMES:
+            np.testing.assert_array_equal(c.counts[name].numpy(), want[name], err_msg=f"{name} at spread {spread}")
+            assert torch.equal(c.counts[name], previous[name]), name
+        assert 0 < int(c.counts["val_ncc_agree"].sum()) and 0 < int(c.counts["val_correct"].sum())
+
+
+def test_chan_merge_of_parts_equals_one_pass():
+    rng = np.random.default_rng(0)
+    V, d, n = 40, 6, 3000
+    y = torch.as_tensor(rng.integers(0, V - 5, n))  # the last classes never occur
+    h = torch.as_tensor(rng.normal(3.0, 2.0, (n, d)))
+    one = ClassStats(V, d)
+    for s in range(0, n, 100):
+        one.update(h[s:s + 100], y[s:s + 100])
+    parts = []
+    for a, b in ((0, 700), (700, 1900), (1900, 3000)):
+        p = ClassStats(V, d)
+        for s in range(a, b, 100):
+            p.update(h[s:s + 100], y[s:s + 100])
+        parts.append(p)
+    merged = parts[0].merge(parts[1]).merge(parts[2])
+    assert torch.equal(merged.count, one.count)
+    for name in ("mean", "m2", "scatter"):
+        np.testing.assert_allclose(getattr(merged, name), getattr(one, name), rtol=1e-12, atol=1e-12, err_msg=name)
+    # an empty side is copied exactly
+    empty = ClassStats(V, d)
+    assert torch.equal(empty.merge(parts[0]).mean, parts[0].mean)

@@ -14,11 +14,8 @@ import time
 import ncanalyze.store
 import numpy as np
 import pytest
-import torch
 import xarray as xr
 from conftest import EXTRACT_OPTS, run_cli
-from ncanalyze.analyzer.accumulate import ClassStats
-from ncanalyze.store.extraction.reservoir import Reservoir
 
 CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 EXACT = ("count", "val_count", "val_correct", "val_ncc_agree", "samples", "n_samples", "sample_position",
@@ -50,46 +47,6 @@ def cluster():
             Client(lc) as client:
         client.run(lambda: __import__("ncanalyze.store.runs.local"))  # warm the workers' imports once
         yield lc.scheduler_address, client
-
-
-# --- the merge, exact --------------------------------------------------------------------------------------------
-
-def test_chan_merge_of_parts_equals_one_pass():
-    rng = np.random.default_rng(0)
-    V, d, n = 40, 6, 3000
-    y = torch.as_tensor(rng.integers(0, V - 5, n))  # the last classes never occur
-    h = torch.as_tensor(rng.normal(3.0, 2.0, (n, d)))
-    one = ClassStats(V, d)
-    for s in range(0, n, 100):
-        one.update(h[s:s + 100], y[s:s + 100])
-    parts = []
-    for a, b in ((0, 700), (700, 1900), (1900, 3000)):
-        p = ClassStats(V, d)
-        for s in range(a, b, 100):
-            p.update(h[s:s + 100], y[s:s + 100])
-        parts.append(p)
-    merged = parts[0].merge(parts[1]).merge(parts[2])
-    assert torch.equal(merged.count, one.count)
-    for name in ("mean", "m2", "scatter"):
-        np.testing.assert_allclose(getattr(merged, name), getattr(one, name), rtol=1e-12, atol=1e-12, err_msg=name)
-    # an empty side is copied exactly
-    empty = ClassStats(V, d)
-    assert torch.equal(empty.merge(parts[0]).mean, parts[0].mean)
-
-
-def test_reservoir_merge_is_the_one_pass_sample():
-    rng = np.random.default_rng(1)
-    V, K, d, n = 12, 3, 4, 900
-    y, h, pos = rng.integers(0, V, n), torch.randn(n, d), np.arange(n)
-    one = Reservoir(V, K, d, seed=3)
-    one.update(h, y, pos)
-    a, b = Reservoir(V, K, d, seed=3), Reservoir(V, K, d, seed=3)
-    a.update(h[:400], y[:400], pos[:400])
-    b.update(h[400:], y[400:], pos[400:])
-    a.merge(b)
-    one.canonical()
-    for x in ("key", "position", "samples"):
-        np.testing.assert_array_equal(getattr(a, x), getattr(one, x), err_msg=x)
 
 
 # --- racing writers ----------------------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ def test_measure_store_and_metrics_at_every_layer(layered_store):
 
 
 def test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
-    from test_extract_reliability import assert_same_group
+    from conftest import assert_same_group
 
     args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 4096,
             "--max-val-tokens", 4096, "--batch-size", 1, "--state-every", 0, "--layers", "all",

@@ -34,3 +34,18 @@ def test_keys_are_uniform():
     hist = np.histogram(u, bins=20, range=(0, 1))[0]
     expected = len(u) / 20
     assert ((hist - expected) ** 2 / expected).sum() < 43.8  # chi-square, 19 dof, p = 0.001
+
+
+def test_reservoir_merge_is_the_one_pass_sample():
+    rng = np.random.default_rng(1)
+    V, K, d, n = 12, 3, 4, 900
+    y, h, pos = rng.integers(0, V, n), torch.randn(n, d), np.arange(n)
+    one = Reservoir(V, K, d, seed=3)
+    one.update(h, y, pos)
+    a, b = Reservoir(V, K, d, seed=3), Reservoir(V, K, d, seed=3)
+    a.update(h[:400], y[:400], pos[:400])
+    b.update(h[400:], y[400:], pos[400:])
+    a.merge(b)
+    one.canonical()
+    for x in ("key", "position", "samples"):
+        np.testing.assert_array_equal(getattr(a, x), getattr(one, x), err_msg=x)
