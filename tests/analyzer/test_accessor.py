@@ -51,6 +51,7 @@ def test_dataset_accessor_is_the_analyzer(extracted_store):
     assert_same_metrics(ds.nc.measure(tile=7), measure(ds, tile=7))
 
 
+@pytest.mark.slow
 def test_tree_table_is_the_metrics_table(measured, tmp_path):
     store, df = measured
     tree = ncanalyze.store.open(store)
@@ -80,6 +81,7 @@ def test_an_unmeasured_or_unfinished_checkpoint_in_the_table(extracted_store, tm
     assert list(measure_store(store).checkpoint) == list(table.checkpoint)  # the same groups as the store's reader
 
 
+@pytest.mark.slow
 def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
     store = tmp_path / "layers.zarr"
     run_cli("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], "--store", store, "--layers",

@@ -69,6 +69,7 @@ def panel_axes(fig, k: int):
 RANGES = [(1e-4, 0.2), (0.95, 1.05), (3e-2, 4e-1), (0.5, 0.5), (-0.05, 0.03), (2e5, 3e7), (1e-7, 3e-7)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lo, hi", RANGES)
 def test_tick_labels_readable_at_any_range(lo, hi):
     df = table(lo, hi)
@@ -92,6 +93,7 @@ def test_single_value_target_still_has_labelled_y_ticks():
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_no_colour_bar_when_all_sizes_are_equal_but_a_legend():
     df = table(0.1, 1, sizes=(3e5,))
     fig = scatter_figure(df, FIG1, "eval_loss", correlations(df, FIG1, n_perm=0), "t")
@@ -102,6 +104,7 @@ def test_no_colour_bar_when_all_sizes_are_equal_but_a_legend():
     plt.close(fig)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", [(1e5, 8e5), (22e3, 94e4), (1e6, 1.3e6), (1e5, 3e5, 1e9)])
 def test_colour_bar_labelled_across_its_range(sizes):
     df = table(0.1, 1, n_runs=len(sizes), sizes=sizes)
@@ -117,6 +120,7 @@ def test_colour_bar_labelled_across_its_range(sizes):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_runs_joined_in_step_order_and_told_apart():
     df = table(0.1, 1, n_runs=3, per_run=5).sample(frac=1, random_state=0)  # rows out of order
     fig = scatter_figure(df, FIG1, "eval_loss", correlations(df, FIG1, n_perm=0), "t")
@@ -133,6 +137,7 @@ def test_runs_joined_in_step_order_and_told_apart():
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_many_runs_share_a_marker_and_have_no_legend():
     df = table(0.1, 1, n_runs=15, per_run=2, sizes=(1e5, 2e5, 4e5))
     fig = scatter_figure(df, FIG1, "eval_loss", correlations(df, FIG1, n_perm=0), "t")
@@ -141,6 +146,7 @@ def test_many_runs_share_a_marker_and_have_no_legend():
     plt.close(fig)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_step0", [True, False])
 def test_dynamics_figure_panels_and_lines(with_step0):
     df = table(0.1, 1, n_runs=4, per_run=4, sizes=(1e5, 8e5))
@@ -164,6 +170,7 @@ def test_dynamics_figure_panels_and_lines(with_step0):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
     df = study(n_runs=4, per_run=4, seed=1)
     files = write_report(df, tmp_path, ReportOptions(n_perm=0)).files
@@ -184,6 +191,7 @@ def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
     assert "![Training dynamics" in files["report"].read_text()
 
 
+@pytest.mark.slow
 def test_no_dynamics_figure_without_steps_or_with_one_step(tmp_path):
     df = study(n_runs=3, per_run=3)
     files = write_report(df.drop(columns="global_step"), tmp_path / "a",

@@ -335,6 +335,7 @@ print(json.dumps({{"growth": peak - before, "metrics": got}}))
 """
 
 
+@pytest.mark.slow
 def test_twenty_thousand_classes_in_bounded_memory():
     """K = 20,000, d = 64, in a fresh process: the growth of its resident memory (peak RSS, so BLAS and dask
     included) stays far below the 3.2 GB of one K x K float64 matrix."""

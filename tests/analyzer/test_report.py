@@ -121,6 +121,7 @@ def synthetic_report(tmp_path_factory):
     return df, write_report(df, out, ReportOptions(n_perm=500, seed=3)).files
 
 
+@pytest.mark.slow
 def test_csv_files(synthetic_report):
     df, files = synthetic_report
     metrics = pd.read_csv(files["metrics"])
@@ -135,6 +136,7 @@ def test_csv_files(synthetic_report):
     assert (tested.perm_scheme == "whole runs").all() and (tested.n_units == 5).all()
 
 
+@pytest.mark.slow
 def test_markdown_tables_and_links(synthetic_report):
     df, files = synthetic_report
     text = files["report"].read_text()
@@ -150,6 +152,7 @@ def test_markdown_tables_and_links(synthetic_report):
     assert "no log scale: nc2_cos_mean (log)" in text
 
 
+@pytest.mark.slow
 def test_latex_tables(synthetic_report, tmp_path):
     _, files = synthetic_report
     tex = files["tex"].read_text()
@@ -158,6 +161,7 @@ def test_latex_tables(synthetic_report, tmp_path):
     compile_latex(files["tex"], tmp_path)
 
 
+@pytest.mark.slow
 def test_figures_have_their_panels(synthetic_report):
     _, files = synthetic_report
     for stem, (_, metrics) in FIGURES.items():
@@ -174,6 +178,7 @@ def test_unknown_metric_and_bad_query_are_user_errors(tmp_path):
         write_report(df, tmp_path, ReportOptions(where="n_params < 0", n_perm=0))
 
 
+@pytest.mark.slow
 def test_cli_on_a_metrics_csv_with_where_and_target(tmp_path):
     df = study(n_runs=4, per_run=5, seed=2)
     csv = tmp_path / "m.csv"
@@ -272,6 +277,7 @@ def test_tokens_resolved_with_the_checkpoints_tokenizer(tmp_path, corpus):
     assert table.id[0] == the and len(table) == 2  # the report goes on without it (and the average token)
 
 
+@pytest.mark.slow
 def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     store = tmp_path / "s.zarr"
     write_store(store)
@@ -291,6 +297,7 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     compile_latex(files["tex"], tmp_path)
 
 
+@pytest.mark.slow
 def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_path):
     store = tmp_path / "s.zarr"
     write_store(store)
@@ -321,6 +328,7 @@ def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_p
 
 # ---------------------------------------------------------------- the whole command on a real extracted store
 
+@pytest.mark.slow
 def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     from ncanalyze.store.measure import measure_store
     from transformers import AutoTokenizer
@@ -375,6 +383,7 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
         check_png(out / f"{stem}.png", len(fig_metrics), colour_bar=False)  # one run, one size
 
 
+@pytest.mark.slow
 def test_a_metric_without_values_keeps_its_panel_and_is_explained(tmp_path):
     df = study(n_runs=3, per_run=4).assign(nc4_agreement=np.nan)  # extracted without validation tokens
     files = write_report(df, tmp_path, ReportOptions(n_perm=0)).files
@@ -382,6 +391,7 @@ def test_a_metric_without_values_keeps_its_panel_and_is_explained(tmp_path):
     assert "no values (not measurable here): nc4_agreement" in files["report"].read_text()
 
 
+@pytest.mark.slow
 def test_tokens_of_chosen_checkpoints(tmp_path):
     store = tmp_path / "s.zarr"
     groups = write_store(store)
@@ -401,6 +411,7 @@ def test_tokens_of_chosen_checkpoints(tmp_path):
 
 # ---------------------------------------------------------------- Holm in report.md; text without controls
 
+@pytest.mark.slow
 def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
     _, files = synthetic_report
     text = files["report"].read_text()
@@ -416,6 +427,7 @@ def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
         assert f"r, {scale} scale: {(s.p_holm < 0.05).sum()} of {len(s)} metric(s) survive at 0.05" in text
 
 
+@pytest.mark.slow
 def test_no_controls_reads_well(tmp_path):
     df = study(n_runs=3, per_run=4)
     files = write_report(df, tmp_path, ReportOptions(controls=[], metrics=["nc1_cdnv"], n_perm=50)).files
@@ -428,6 +440,7 @@ def test_no_controls_reads_well(tmp_path):
     assert "Traceback" not in res.output
 
 
+@pytest.mark.slow
 def test_where_with_a_backticked_column_stays_inline_code(tmp_path):
     df = study(n_runs=3, per_run=4).rename(columns={"n_params": "n params"})
     options = ReportOptions(where="`n params` > 0", metrics=["nc1_cdnv"], controls=[], n_perm=0)

@@ -47,6 +47,7 @@ def rejection_rate(runs: str | None, n_sim: int, seed: int = 0, partial: bool = 
     return {c: h / n_sim for c, h in hits.items()}
 
 
+@pytest.mark.slow
 def test_whole_run_permutations_hold_alpha_under_a_null_where_rows_do_not():
     n_sim = 300  # binomial sd of a 0.05 rate: 0.0126
     blocks = rejection_rate("run", n_sim)
@@ -94,6 +95,7 @@ def tagged_report(tmp_path_factory):
     return df, out, write_report(df, out, options)
 
 
+@pytest.mark.slow
 def test_stats_per_tag_exact_whole_run_p_and_rho(tagged_report):
     df, out, r = tagged_report
     stats = pd.read_csv(out / "stats.csv", keep_default_na=False, na_values=[""])
@@ -117,6 +119,7 @@ def test_stats_per_tag_exact_whole_run_p_and_rho(tagged_report):
     assert (untagged.n == 3).all() and (untagged.perm_scheme == "rows").all()  # one checkpoint per run: rows
 
 
+@pytest.mark.slow
 def test_report_md_has_a_section_per_tag_with_its_permutations_and_figures(tagged_report):
     df, out, r = tagged_report
     text = (out / "report.md").read_text()
@@ -132,6 +135,7 @@ def test_report_md_has_a_section_per_tag_with_its_permutations_and_figures(tagge
     assert "tag a:" in tex and "tag b:" in tex and "tag (untagged):" in tex
 
 
+@pytest.mark.slow
 def test_tag_is_a_plain_column_for_where_and_per_run_last_keeps_one_row_per_run(tmp_path):
     df = two_tags(np.random.default_rng(4))
     csv = tmp_path / "m.csv"
@@ -176,6 +180,7 @@ def depth_rows(layers_of: dict[str, list[int]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@pytest.mark.slow
 def test_depth_only_where_a_checkpoint_has_several_layers_with_gaps_said(tmp_path):
     options = ReportOptions(metrics=["nc1_cdnv", "nc4_agreement"], target="eval_loss", n_perm=0)
     lasts = depth_rows({"neo-1x32": [1], "neo-2x32": [2]})  # 1- and 2-block models, last layers only
@@ -208,6 +213,7 @@ def measured_store(path, counts: list[np.ndarray], min_count: int = 1) -> pd.Dat
     return pd.DataFrame(rows)
 
 
+@pytest.mark.slow
 def test_metrics_csv_says_what_the_numbers_rest_on_and_warns_on_thin_classes(tmp_path):
     rng = np.random.default_rng(1)
     thin = [rng.integers(0, 5, 200) for _ in range(3)]  # most kept classes under 5 tokens
@@ -282,6 +288,7 @@ def one_block(trained_run, dest):
     return dest
 
 
+@pytest.mark.slow
 def test_a_store_of_1_and_2_block_models_without_layers_draws_no_depth(trained_run, corpus, tmp_path):
     store = tmp_path / "depths.zarr"
     two = lone_model(trained_run, tmp_path / "neo-2")

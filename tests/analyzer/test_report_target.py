@@ -13,6 +13,8 @@ from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.store.measure import measure_store
 from test_stats import study
 
+pytestmark = pytest.mark.slow  # every test here takes over ~2 s with its fixtures
+
 
 def _with_val_loss(seed: int = 3) -> pd.DataFrame:
     df = study(n_runs=3, per_run=5, seed=seed)

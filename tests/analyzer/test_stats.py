@@ -155,6 +155,7 @@ def test_freedman_lane_p_agrees_with_scipy_on_permuted_residuals():
         assert abs(res["partial_p_perm"][j] - ref) < _mc_tol(ref, b), (j, res["partial_p_perm"][j], ref)
 
 
+@pytest.mark.slow
 def test_p_values_are_reproducible_for_a_seed():
     df = study(seed=5)
     a, b = correlations(df, n_perm=2000, seed=7), correlations(df, n_perm=2000, seed=7)
@@ -214,6 +215,7 @@ def test_too_few_checkpoints_give_a_note_not_a_number():
     assert out[out.scale == "raw"].note.str.contains("n=2 < 3 checkpoints: too few for a correlation").all()
 
 
+@pytest.mark.slow
 def test_partial_r_needs_more_points_than_controls():
     df = study(n_runs=2, per_run=2)  # 4 points, 2 varying controls: r yes, partial r no (needs 5)
     out = correlations(df, metrics=["nc1_cdnv"], n_perm=100)
@@ -222,6 +224,7 @@ def test_partial_r_needs_more_points_than_controls():
     assert "too few for a partial r with 2 control(s)" in raw.note
 
 
+@pytest.mark.slow
 def test_constant_control_is_dropped_and_said_so():
     df = study(n_runs=1, per_run=12)  # one run: n_params constant
     out = correlations(df, metrics=["nc1_cdnv"], n_perm=100)
@@ -237,6 +240,7 @@ def test_constant_metric_says_so():
     assert out.r.isna().all() and out.note.str.contains("metric constant").all()
 
 
+@pytest.mark.slow
 def test_a_metric_without_values_is_a_note():
     df = study().assign(nc4_agreement=np.nan)  # e.g. extracted without validation tokens
     out = correlations(df, metrics=["nc1_cdnv", "nc4_agreement"], n_perm=100).set_index(["metric", "scale"])
@@ -256,6 +260,7 @@ def test_bad_input_is_a_user_error(kw, match):
         correlations(study(), n_perm=10, **kw)
 
 
+@pytest.mark.slow
 def test_a_control_nobody_recorded_is_not_used_and_said_so():
     df = study().astype({"global_step": object})
     df["global_step"] = None  # e.g. model folders without trainer_state.json
@@ -269,6 +274,7 @@ def test_a_control_nobody_recorded_is_not_used_and_said_so():
 
 # ---------------------------------------------------------------- Holm across the metrics
 
+@pytest.mark.slow
 def test_holm_columns_equal_statsmodels_per_scale():
     from statsmodels.stats.multitest import multipletests
 

@@ -29,6 +29,7 @@ def measured(extracted_store, tmp_path):
     return store
 
 
+@pytest.mark.slow
 def test_every_store_command_takes_store_as_option_or_positional(measured, tmp_path, monkeypatch):
     for args in (["--store", measured], [measured]):
         assert "already measured" in run_cli("measure", *args).output
@@ -91,6 +92,7 @@ def test_help_and_version_import_no_heavy_library():
     assert all(f"Usage: ncanalyze {c} [OPTIONS]" in r.stdout for c in ("extract", "measure", "report"))
 
 
+@pytest.mark.slow
 def test_the_check_sees_a_heavy_import():
     """The same probe, once a command's module pulls xarray in, reports it (the check above can fail)."""
     code = ("import sys, ncanalyze.cli.main, ncanalyze.store.io\n"

@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pandas as pd
+import pytest
 from conftest import run_cli
 from test_stats import study
 
@@ -53,6 +54,7 @@ def test_a_users_own_metrics_csv_in_out_is_never_overwritten(tmp_path):
     run_cli("report", csv, "--out", tmp_path / "ours", "--permutations", 0)  # our own report is replaced
 
 
+@pytest.mark.slow
 def test_weights_of_another_shape_than_the_config_say_so(trained_run, corpus, tmp_path):
     ckpt = tmp_path / "run" / "checkpoint-20"
     shutil.copytree(trained_run / "checkpoint-20", ckpt)

@@ -62,6 +62,7 @@ def _writer(store: str, me: int, barrier, runs: int) -> None:
         io.write_checkpoint(store, f"run-{r}/ck-{me}", ds.copy(), files)
 
 
+@pytest.mark.slow
 def test_concurrent_writers_keep_the_root_and_every_group(tmp_path):
     from ncanalyze.store import io
     n, runs = 6, 6
@@ -86,6 +87,7 @@ def test_concurrent_writers_keep_the_root_and_every_group(tmp_path):
 
 # --- on the cluster ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_checkpoints_as_tasks_equal_the_local_run(cluster, trained_run, corpus, extracted_store, tmp_path):
     address, _ = cluster
     store = tmp_path / "cluster.zarr"
@@ -100,6 +102,7 @@ def test_checkpoints_as_tasks_equal_the_local_run(cluster, trained_run, corpus, 
     assert f"0 extracted, 0 resumed, {n} already in" in r.output, r.output
 
 
+@pytest.mark.slow
 def test_shards_merge_exactly(cluster, trained_run, corpus, extracted_store, tmp_path):
     address, _ = cluster
     ck, g = trained_run / "checkpoint-40", f"{trained_run.name}/checkpoint-40"
@@ -120,6 +123,7 @@ def test_shards_merge_exactly(cluster, trained_run, corpus, extracted_store, tmp
     assert_same_store(sharded, local)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_checkpoint_changes_nothing(cluster, trained_run, corpus, tmp_path):
     address, client = cluster
     ck = trained_run / "checkpoint-20"
@@ -153,6 +157,7 @@ def test_a_worker_killed_mid_checkpoint_changes_nothing(cluster, trained_run, co
     client.wait_for_workers(2, timeout=60)  # the nanny brought it back
 
 
+@pytest.mark.slow
 def test_a_bad_checkpoint_fails_alone_and_is_named(cluster, trained_run, corpus, extracted_store, tmp_path):
     address, _ = cluster
     run = tmp_path / trained_run.name
@@ -171,6 +176,7 @@ def test_a_bad_checkpoint_fails_alone_and_is_named(cluster, trained_run, corpus,
             np.testing.assert_array_equal(ga[g][v].values, gb[g][v].values, err_msg=f"{g} {v}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address", ["not an address", "http://host:8786", "host", "tcp://host:99999"])
 def test_a_bad_scheduler_address_is_one_line(address, trained_run, corpus, extracted_store, tmp_path):
     for cmd in (["extract", trained_run, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr"],

@@ -12,6 +12,8 @@ import pytest
 import xarray as xr
 from conftest import ROOT, make_corpus
 
+pytestmark = pytest.mark.slow  # every test here takes over ~2 s with its fixtures
+
 TINY = [  # a 2 x 2 grid and 3 seed replicas of one of its architectures, 10 steps each, checkpoints at 5 and 10
     "--vocab", "300", "--block-size", "32", "--batch-size", "8", "--steps", "10", "--save-steps", "5",
     "--heads", "2", "--depths", "1", "2", "--widths", "16", "32", "--replicas", "1x16", "--replica-seeds", "0", "1",

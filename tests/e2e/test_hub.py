@@ -56,6 +56,7 @@ def cli(*args, cache: Path, home: Path):
     return subprocess.run(CLI + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_revisions_from_the_cache_equal_the_local_checkpoints(hub_cache, extracted_store, corpus, tmp_path):
     store = tmp_path / "hub.zarr"
     before = sorted(p.name for p in hub_cache.rglob("*"))
@@ -106,6 +107,7 @@ def test_revisions_from_the_cache_equal_the_local_checkpoints(hub_cache, extract
         shutil.copytree(tmp_path / "backup", root / "snapshots" / commit, symlinks=True)
 
 
+@pytest.mark.slow
 def test_a_pickle_only_revision_is_refused_unless_allowed(trained_run, corpus, tmp_path):
     import torch
     from safetensors.torch import load_file
@@ -150,6 +152,7 @@ def test_revision_lists_and_steps(tmp_path):
         [1000, 1000, 500, None, None, None]
 
 
+@pytest.mark.slow
 def test_a_missing_relative_path_that_is_no_hub_model_says_so(corpus, tmp_path):
     r = cli("extract", "no-such-run", "--dataset", corpus["train"], "--store", tmp_path / "s.zarr",
             cache=tmp_path / "hub", home=tmp_path / "home")

@@ -14,6 +14,7 @@ def _state(store):
     return store.with_name(store.name + ".partial")
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
     ck = trained_run / "checkpoint-40"
     args = ["extract", ck, "--dataset", corpus["train"], "--max-train-tokens", 4096, "--max-val-tokens", 4096,

@@ -74,6 +74,7 @@ def put_state(store: Path, model: Path, data: bytes) -> Path:
     return state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "bit-flipped"])
 def test_a_corrupt_resume_state_is_one_line_and_restart_discards_it(damage, model, corpus, reference, saved_state,
                                                                      tmp_path):
@@ -89,6 +90,7 @@ def test_a_corrupt_resume_state_is_one_line_and_restart_discards_it(damage, mode
     assert_same_group(reference, store, group(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit", ["phase 7", "negative batches", "huge batches", "counts do not add up",
                                   "wrong shape"])
 def test_an_inconsistent_resume_state_is_refused(edit, model, corpus, saved_state, tmp_path):
@@ -112,6 +114,7 @@ def test_an_inconsistent_resume_state_is_refused(edit, model, corpus, saved_stat
     assert not (store / model.parent.name / model.name).exists()
 
 
+@pytest.mark.slow
 def test_a_resume_on_changed_data_is_refused(model, corpus, reference, tmp_path):
     train = tmp_path / "train.txt"
     shutil.copy(corpus["train"], train)
@@ -132,6 +135,7 @@ def test_a_resume_on_changed_data_is_refused(model, corpus, reference, tmp_path)
 
 # ---------------------------------------------------------------- two writers, swaps, Ctrl-C
 
+@pytest.mark.slow
 def test_two_writers_on_one_checkpoint_end_with_one_writers_store(model, corpus, reference, tmp_path):
     store = tmp_path / "s.zarr"
     cmd = CLI + [str(a) for a in extract_args(model, corpus, store, "--state-every", 0)]
@@ -157,6 +161,7 @@ def test_overwrite_on_a_full_disk_keeps_the_old_group(model, corpus, tmp_path):
         assert after.identical(before) and after.attrs["complete"] is True
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_state_and_the_resume_is_bit_identical(model, corpus, reference, tmp_path):
     store = tmp_path / "s.zarr"
     cmd = CLI + [str(a) for a in extract_args(model, corpus, store, "--state-every", 1000)]
@@ -176,6 +181,7 @@ def test_ctrl_c_saves_the_state_and_the_resume_is_bit_identical(model, corpus, r
 
 # ---------------------------------------------------------------- one bad checkpoint never stops the study
 
+@pytest.mark.slow
 def test_report_goes_on_past_a_corrupt_and_a_degenerate_checkpoint(extracted_store, trained_run, tmp_path):
     store = tmp_path / "s.zarr"
     shutil.copytree(extracted_store, store)
@@ -266,6 +272,7 @@ def test_bad_stores_and_options_are_one_line_and_change_nothing(model, corpus, e
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine" and afile.read_text() == "x"
 
 
+@pytest.mark.slow
 def test_corrupt_metadata_is_one_line(model, corpus, tmp_path):
     store = tmp_path / "s.zarr"
     run_cli(*extract_args(model, corpus, store))
@@ -286,6 +293,7 @@ def test_a_read_only_store_is_refused_before_any_work(model, corpus, tmp_path):
         assert "read-only" in line and time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_a_broken_checkpoint_is_one_line_without_the_load_report(trained_run, corpus, tmp_path):
     """transformers prints a table of missing tensors; only our one line may reach the user (a real process, since
     transformers' log handler holds the stderr it was imported with)."""

@@ -84,6 +84,7 @@ def test_ranges_are_lazy_bounded_and_keep_zero_padding(tmp_path):
         parse_revisions([], [f"@{tmp_path / 'bin.txt'}"])
 
 
+@pytest.mark.slow
 def test_revisions_sharing_a_group_are_refused_naming_both(trained_run, corpus, tmp_path):
     cache, store, home = tmp_path / "hub", tmp_path / "s.zarr", tmp_path / "home"
     add_revision(cache, REPO, "feature/x", files(trained_run, 20))
@@ -109,6 +110,7 @@ def test_revisions_sharing_a_group_are_refused_naming_both(trained_run, corpus, 
     assert ncanalyze.store.open(store)["neo-2x32@dash/feature-x"].to_dataset().attrs["hub_revision"] == "feature-x"
 
 
+@pytest.mark.slow
 def test_a_dangling_weights_symlink_fails_its_revision_alone(trained_run, extracted_store, corpus, tmp_path):
     cache, store = tmp_path / "hub", tmp_path / "s.zarr"
     snaps = {s: add_revision(cache, REPO, f"step{s}", files(trained_run, s)) for s in (20, 40, 60)}
@@ -124,6 +126,7 @@ def test_a_dangling_weights_symlink_fails_its_revision_alone(trained_run, extrac
     np.testing.assert_array_equal(hub["neo-2x32/step60"]["mean"].values, local["neo-2x32/checkpoint-60"]["mean"].values)
 
 
+@pytest.mark.slow
 def test_online_without_network_skips_what_the_store_holds(trained_run, corpus, tmp_path):
     cache, store, home = tmp_path / "hub", tmp_path / "s.zarr", tmp_path / "home"
     add_revision(cache, REPO, "step20", files(trained_run, 20))
@@ -150,6 +153,7 @@ def test_deleting_a_snapshot_that_is_gone_says_nothing_was_deleted(trained_run, 
     assert (keep / "model.safetensors").read_bytes() == weights.read_bytes()
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_shards_stops_at_a_batch_boundary(trained_run, corpus, tmp_path):
     store = tmp_path / "s.zarr"
     args = [trained_run, "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store", store,
@@ -184,6 +188,7 @@ def test_an_empty_snapshot_is_not_called_pickle_only(trained_run, corpus, tmp_pa
     assert "pickle" not in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_empty_layers_is_named(trained_run, corpus, tmp_path):
     for spec in ("", ","):
         r = cli("extract", trained_run, "--layers", spec, *data_args(corpus, tmp_path / "s.zarr"), cache=tmp_path,
@@ -220,6 +225,7 @@ class _Hub(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_delete_downloads_keeps_a_snapshot_cached_under_another_ref(trained_run, corpus, tmp_path):
     """A new ref (v1) resolving to the commit main has in the cache: the snapshot was not this run's download, so
     --delete-downloads leaves it, with main's ref."""

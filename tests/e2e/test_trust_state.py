@@ -116,6 +116,7 @@ PLAIN_DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", PLAIN_DAMAGE)
 def test_an_altered_state_is_refused_and_restart_equals_an_uninterrupted_run(damage, plain, tmp_path):
     store = tmp_path / "s.zarr"
@@ -138,6 +139,7 @@ def test_an_altered_state_is_refused_and_restart_equals_an_uninterrupted_run(dam
     assert_same_group(plain["ref"], store, f"neo-2x32/{CK}")
 
 
+@pytest.mark.slow
 def test_the_untouched_state_still_resumes_bit_identical(plain, tmp_path):
     store = tmp_path / "s.zarr"
     state_of(store).parent.mkdir(parents=True)
@@ -218,6 +220,7 @@ def _file(store: Path, which: str) -> Path:
     return layers_of(store) / (f"{which}.npz" if which.startswith("layer-") else f"{which}.npy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", LAYERED_DAMAGE)
 def test_a_damaged_layered_resume_is_one_line_and_restart_or_overwrite_discards_it(damage, layered, tmp_path):
     store = tmp_path / "s.zarr"
@@ -237,6 +240,7 @@ def test_a_damaged_layered_resume_is_one_line_and_restart_or_overwrite_discards_
     assert not partial(store).exists() or not any(partial(store).rglob("*.np[yz]"))
 
 
+@pytest.mark.slow
 def test_the_untouched_layered_state_resumes_bit_identical(layered, tmp_path):
     store = tmp_path / "s.zarr"
     shutil.copytree(layered["partial"], partial(store))
@@ -247,6 +251,7 @@ def test_the_untouched_layered_state_resumes_bit_identical(layered, tmp_path):
 
 # ---------------------------------------------------------------- --block-size and 2-D token arrays
 
+@pytest.mark.slow
 def test_two_d_token_arrays_record_their_width_and_refuse_another_block_size(trained_run, corpus, tmp_path):
     from transformers import AutoTokenizer
 
@@ -270,6 +275,7 @@ def test_two_d_token_arrays_record_their_width_and_refuse_another_block_size(tra
 
 # ---------------------------------------------------------------- --save-embeddings: a full disk, N beyond the data
 
+@pytest.mark.slow
 def test_save_embeddings_on_a_full_disk_is_the_full_disk_line_and_releases_the_lock(trained_run, corpus, tmp_path):
     with tmpfs(tmp_path / "disk", "size=6m") as disk:
         store = disk / "s.zarr"
@@ -291,6 +297,7 @@ def test_save_embeddings_on_a_full_disk_is_the_full_disk_line_and_releases_the_l
         assert ds.sizes["position"] == POSITIONS and np.isfinite(ds["embeddings"].values).all()
 
 
+@pytest.mark.slow
 def test_save_embeddings_beyond_the_train_positions_stages_what_there_is(trained_run, corpus, tmp_path):
     args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 2048,
             "--max-val-tokens", 512, "--samples-per-class", 1, "--save-embeddings"]

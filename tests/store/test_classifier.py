@@ -77,6 +77,7 @@ def assert_same_metrics(a: dict, b: dict) -> None:
             assert a[k] == pytest.approx(b[k], abs=1e-12, rel=0, nan_ok=True), k
 
 
+@pytest.mark.slow
 def test_layer_groups_hold_no_classifier_and_the_checkpoint_group_one(stores):
     new, ckpt, W = stores["new"], stores["ckpt"], stores["W"]
     g = zarr.open_group(new, path=ckpt, mode="r", zarr_format=3)
@@ -90,6 +91,7 @@ def test_layer_groups_hold_no_classifier_and_the_checkpoint_group_one(stores):
     assert all("classifier" in a for a in in_old)  # the hand-written old layout has the copies
 
 
+@pytest.mark.slow
 def test_the_store_shrinks_by_the_copies_of_the_head(stores):
     new, old, ckpt, W = stores["new"], stores["old"], stores["ckpt"], stores["W"]
     head = disk_bytes(new / ckpt / "classifier")
@@ -101,6 +103,7 @@ def test_the_store_shrinks_by_the_copies_of_the_head(stores):
     assert len(LAYERS) * head <= saved <= len(LAYERS) * head + 4096  # (layers - 1) x the head, give or take metadata
 
 
+@pytest.mark.slow
 def test_every_layer_measures_as_with_its_own_copy_of_the_head(stores):
     """Each group's stored metrics equal those of its statistics in memory with the model's head attached as a data
     variable (as every group held it before), and two metrics of the head against brute force in float64."""
@@ -122,6 +125,7 @@ def test_every_layer_measures_as_with_its_own_copy_of_the_head(stores):
     assert len({stored_metrics(new, f"{ckpt}/layers/{l}")["nc3_cos_mean"] for l in LAYERS}) == len(LAYERS)
 
 
+@pytest.mark.slow
 def test_an_old_and_a_mixed_store_read_and_measure_identically(stores):
     new, old, mixed, ckpt, W = stores["new"], stores["old"], stores["mixed"], stores["ckpt"], stores["W"]
     run = ckpt.split("/")[0]
@@ -138,6 +142,7 @@ def test_an_old_and_a_mixed_store_read_and_measure_identically(stores):
     assert len(table) == 2 * (len(LAYERS) + 1) and table["nc1_cdnv"].notna().all()
 
 
+@pytest.mark.slow
 def test_plain_xarray_reaches_the_head_from_a_layer_node(stores):
     new, ckpt, W = stores["new"], stores["ckpt"], stores["W"]
     tree = xr.open_datatree(new, engine="zarr", consolidated=False)
@@ -146,6 +151,7 @@ def test_plain_xarray_reaches_the_head_from_a_layer_node(stores):
     np.testing.assert_array_equal(node.to_dataset(inherit="all_coords")["classifier"].values, W)
 
 
+@pytest.mark.slow
 def test_store_open_gives_every_layer_node_the_checkpoints_head_lazily(stores):
     new, ckpt, W = stores["new"], stores["ckpt"], stores["W"]
     tree = ncanalyze.store.open(new)
@@ -206,6 +212,7 @@ def test_every_layers_dataset_in_memory_shares_one_float32_head():
     assert all(np.shares_memory(ds["classifier"].values, lds["classifier"].values) for lds in layers)
 
 
+@pytest.mark.slow
 def test_the_training_callbacks_layer_groups_refer_to_the_checkpoints_head(corpus, tmp_path):
     """The callback measures each layer's dataset in memory (the head attached) before writing it without the head:
     its stored metrics equal `measure` of the store as written (the head inherited), and the head is the model's at

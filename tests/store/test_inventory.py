@@ -234,6 +234,7 @@ def test_rm_a_tag_or_a_run(store, tmp_path):
     assert ls(store)["checkpoints"] == []
 
 
+@pytest.mark.slow
 def test_rm_removes_a_resume_state_and_finishes_an_interrupted_removal(store, trained_run, corpus):
     ck = "neo-2x32/checkpoint-40"
     # an extraction killed midway (a new tag, so it does not find the checkpoint done): its resume state

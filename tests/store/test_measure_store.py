@@ -79,6 +79,7 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
         np.testing.assert_array_equal(stored["mean"].values, ds["mean"].values)  # the statistics are untouched
 
 
+@pytest.mark.slow
 def test_recomputes_only_when_statistics_or_min_count_change(small_store):
     store, data = small_store
     first = measure_store(store)
@@ -121,6 +122,7 @@ def test_bad_stores(tmp_path):
         measure_store(tmp_path / "s.zarr")
 
 
+@pytest.mark.slow
 def test_distributed_cluster_equals_local(small_store, tmp_path):
     distributed = pytest.importorskip("distributed")
     store, _ = small_store

@@ -5,6 +5,7 @@ import json
 
 import ncanalyze.store
 import numpy as np
+import pytest
 from conftest import lone_model, run_cli
 from ncanalyze.store.extraction.config import ExtractConfig, config_hash, config_record
 from transformers import AutoTokenizer
@@ -19,6 +20,7 @@ def blocks(path, tokenizer, keep: bool, max_tokens: int) -> np.ndarray:
     return ids[:n * BLOCK].reshape(n, BLOCK)
 
 
+@pytest.mark.slow
 def test_linebreaks_kept_by_default_and_stripped_on_request(trained_run, corpus, tmp_path):
     ck = lone_model(trained_run, tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(str(ck))

@@ -18,6 +18,7 @@ from test_extract import text_blocks
 from transformers import AutoTokenizer
 
 
+@pytest.mark.slow
 def test_one_cache_per_text_source_shared_by_every_checkpoint(extracted_store, trained_run, corpus, tmp_path):
     files = sorted(tokens.cache_dir(extracted_store).glob("*.npy"))
     assert len(files) == 2  # train and validation, for the run's three checkpoints
@@ -43,6 +44,7 @@ def test_one_cache_per_text_source_shared_by_every_checkpoint(extracted_store, t
     assert a.attrs["config_hash"] == b.attrs["config_hash"] and a.attrs["val_loss"] == b.attrs["val_loss"]
 
 
+@pytest.mark.slow
 def test_the_key_follows_what_determines_the_blocks(trained_run, corpus, tmp_path):
     ck = lone_model(trained_run, tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(str(ck))

@@ -115,6 +115,7 @@ def test_disk_size_is_a_real_groups_size(extracted_store):
     assert size == pytest.approx(ds.nbytes, rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_run_estimates_only_the_checkpoints_left(extracted_store, trained_run, corpus, tmp_path):
     store = tmp_path / "s.zarr"
     shutil.copytree(extracted_store, store)
@@ -219,6 +220,7 @@ def test_the_timing_is_bounded_at_a_gpt2_vocabulary():
     assert min(forward, train, decide, loss) > 0 and decide + loss > took  # the parts timed cost more than the timing
 
 
+@pytest.mark.slow
 def test_one_line_over_two_runs_of_different_widths(trained_run, corpus, tmp_path):
     narrow = train_sweep.train([corpus["train"]], [corpus["val"]], corpus["tokenizer"], tmp_path / "neo-2x16",
                                n_layer=2, width=16, n_head=4, block_size=32, batch_size=8, max_steps=4,

@@ -77,6 +77,7 @@ def streams(corpus, tokenizer):
     return text_blocks(corpus["train"], tokenizer, 2048), text_blocks(corpus["val"], tokenizer, 1024)
 
 
+@pytest.mark.slow
 def test_every_checkpoint_matches_brute_force(extracted_store, trained_run, corpus, tokenizer):
     tree = ncanalyze.store.open(extracted_store)
     groups = sorted(tree["neo-2x32"].children)
@@ -146,6 +147,7 @@ def _write_forms(tmp_path, corpus, streams) -> dict[str, tuple[str, str]]:
     }
 
 
+@pytest.mark.slow
 def test_every_data_form_gives_the_same_exact_statistics(trained_run, corpus, streams, tmp_path):
     ck = lone_model(trained_run, tmp_path / "model")
     ref = brute_force(ck, *streams)
@@ -162,6 +164,7 @@ def test_every_data_form_gives_the_same_exact_statistics(trained_run, corpus, st
         assert_matches(ds, ref)
 
 
+@pytest.mark.slow
 def test_split_slices_of_one_text_file(trained_run, corpus, tokenizer, tmp_path):
     """--split 'train[:50%]' with --val-split 'train[50%:]' of the same file: the README's recipe for one file."""
     ck = lone_model(trained_run, tmp_path / "model")

@@ -74,6 +74,7 @@ def reference(trained_run, corpus):
             "W": model.get_output_embeddings().weight.detach().double().numpy()}
 
 
+@pytest.mark.slow
 def test_every_layer_matches_brute_force(layered_store, reference):
     tree = ncanalyze.store.open(layered_store)
     g = f"neo-2x32/{CK}"
@@ -116,6 +117,7 @@ def test_the_last_layer_group_is_unchanged_by_layers_all(layered_store, extracte
     assert a.attrs | {"complete": True} == b.attrs | {"complete": True}
 
 
+@pytest.mark.slow
 def test_saved_embeddings_through_xarray_and_flox(layered_store, reference):
     y = reference["train"][:, 1:].ravel()[:N_EMB]
     stream = reference["train"].ravel()
@@ -162,6 +164,7 @@ def test_measure_store_and_metrics_at_every_layer(layered_store):
         assert np.isfinite(row.nc4_agreement) and np.isfinite(row.unc3_cos_cv)
 
 
+@pytest.mark.slow
 def test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
     from conftest import assert_same_group
 
@@ -238,6 +241,7 @@ def test_memory_check_names_the_layers_per_pass_that_fit():
         check_memory(sizes, 1, torch.device("cuda"), available=shared)
 
 
+@pytest.mark.slow
 def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_path):
     """A table with rows at three layers: stats.csv equals the report of its last-layer rows alone (the numbers of a
     store without --layers), metrics.csv keeps every row, and the depth figure and table appear only with layers."""

@@ -43,6 +43,7 @@ def test_state_memory_sizes():
             parse_size(bad)
 
 
+@pytest.mark.slow
 def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run, corpus, tmp_path):
     from conftest import EXTRACT_OPTS, assert_same_group, run_cli
     from ncanalyze.store.extraction.memory import state_bytes
@@ -61,6 +62,7 @@ def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run
     assert "0 extracted, 0 resumed, 1 already in" in r.output
 
 
+@pytest.mark.slow
 def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run, corpus, tmp_path):
     """Killed in its second pass of three, then resumed where one pass would fit: the saved groups are kept (the
     finished layer is not thrown away), and the result is one pass's bit for bit."""
@@ -84,6 +86,7 @@ def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run,
         assert_same_group(one, store, g)
 
 
+@pytest.mark.slow
 def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp_path):
     """A Llama-shaped model at V = 128,256 (width 16, 4 blocks), random-initialised from its config, ``--layers all``
     under a ``--state-memory`` of two layers: three passes, every layer's group one pass's bit for bit."""

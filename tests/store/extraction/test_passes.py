@@ -57,12 +57,14 @@ def check_cut(model, n: int, ids: torch.Tensor) -> None:
     assert blocks == list(range(n))
 
 
+@pytest.mark.slow
 def test_a_pass_below_the_last_layer_stops_at_its_deepest_block(trained_run):
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
     ids = torch.arange(3 * 20).reshape(3, 20) * 7 % model.config.vocab_size
     check_cut(model, 2, ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     LlamaConfig(vocab_size=128_256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False),

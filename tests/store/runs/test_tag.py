@@ -4,7 +4,10 @@ from __future__ import annotations
 import ncanalyze.store
 import numpy as np
 import pandas as pd
+import pytest
 from conftest import lone_model, make_corpus, run_cli
+
+pytestmark = pytest.mark.slow  # every test here takes over ~2 s with its fixtures
 
 OPTS = ("--max-train-tokens", 2048, "--max-val-tokens", 1024, "--samples-per-class", 2)
 

@@ -79,6 +79,7 @@ def measured(corpus, tmp_path_factory):
     return {"dir": d, "live": d / "live.zarr", "ckpt": d / "ckpt.zarr", "trainer": trainer, "cb": cb}
 
 
+@pytest.mark.slow
 def test_each_evaluation_equals_extract_of_the_checkpoint_saved_then(measured):
     import ncanalyze.store
 
@@ -98,6 +99,7 @@ def test_each_evaluation_equals_extract_of_the_checkpoint_saved_then(measured):
         assert a["count"].values.sum() == 2048 - 2048 // 32  # every position but each block's last
 
 
+@pytest.mark.slow
 def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measured):
     import ncanalyze.store
     from ncanalyze.analyzer.metrics import measure
@@ -124,6 +126,7 @@ def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measu
     assert sorted(table["checkpoint"]) == ["step-10", "step-20"] and table["nc1_cdnv"].notna().all()
 
 
+@pytest.mark.slow
 def test_a_measurement_leaves_the_model_and_every_generator_as_it_was(measured, corpus, tmp_path):
     """Planted: train mode, dropout on, every RNG advanced to a known state; after a measurement all are the same."""
     from ncanalyze.training import NeuralCollapseCallback
@@ -150,6 +153,7 @@ def test_a_measurement_leaves_the_model_and_every_generator_as_it_was(measured, 
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
+@pytest.mark.slow
 def test_training_with_the_callback_is_bit_identical(measured, corpus, tmp_path):
     """The final weights with the callback (the fixture's run) equal those of the same training without it."""
     plain = train(corpus, tmp_path / "neo")
@@ -159,6 +163,7 @@ def test_training_with_the_callback_is_bit_identical(measured, corpus, tmp_path)
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_vocabulary_mismatch_is_one_line_and_training_goes_on(corpus, tmp_path, caplog):
     from ncanalyze.training import NeuralCollapseCallback
 
@@ -171,6 +176,7 @@ def test_vocabulary_mismatch_is_one_line_and_training_goes_on(corpus, tmp_path, 
     assert len(lines) == 1 and "outside the model's vocabulary" in lines[0] and "training goes on" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_a_run_under_other_settings_is_refused_and_kept(measured, corpus, tmp_path, caplog):
     """The store holds run ``neo`` at max_train_tokens 2048; the same run name at 1024 is refused and the store's
     groups stay as they were."""
@@ -212,6 +218,7 @@ class Recorder:
         return _Recorder()
 
 
+@pytest.mark.slow
 def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp_path, caplog):
     """``every=5`` with evaluations every 10: groups at 5, 10, 15, 20, the ones at evaluations with their eval_loss;
     ``layers="all"``: the layers below the last equal extract --layers all of the saved checkpoint; with the Trainer
@@ -247,6 +254,7 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     assert len(timed) == 4 and all(" s" in line for line in timed), lines
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_training_goes_on_and_the_store_is_kept(corpus, tmp_path, caplog):
     import os
 
@@ -304,6 +312,7 @@ train(corpus, sys.argv[5], [cb], ddp_backend="gloo")
 """
 
 
+@pytest.mark.slow
 def test_ddp_ranks_share_the_blocks_and_equal_one_process(corpus, tmp_path):
     """torchrun, 2 processes on CPU (gloo): the groups written equal ``ncanalyze extract`` (one process) of the
     checkpoints the DDP run saved at the same steps, to 1e-12 (batch size 3: the ranks' shares are uneven)."""
