@@ -96,6 +96,7 @@ def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
         assert_same_metrics({k: getattr(row, k) for k in SCALARS}, measure(tree[g].to_dataset()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", [
     "import ncanalyze, xarray",  # the accessor registers the moment xarray loads
     "import xarray, ncanalyze",  # or at once when it is already loaded

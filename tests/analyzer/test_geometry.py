@@ -226,6 +226,7 @@ def train_blocks(path, tokenizer, max_tokens: int, block: int = 32) -> np.ndarra
     return ids[:n * block].reshape(n, block)
 
 
+@pytest.mark.slow
 def test_extraction_stores_unit_sum_and_anisotropy(extracted_store, trained_run, corpus, tmp_path):
     ds = ncanalyze.store.open(extracted_store)["neo-2x32/checkpoint-60"].to_dataset()
     train = train_blocks(corpus["train"], AutoTokenizer.from_pretrained(str(trained_run)), EXTRACT_OPTS[1])

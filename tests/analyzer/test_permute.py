@@ -47,6 +47,7 @@ def p_values(df: pd.DataFrame, seed: int, scheme: Scheme) -> np.ndarray:
     return np.array([res["p_perm"][0], res["rho_p"][0], res["partial_p_perm"][0]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", SIZES.values(), ids=SIZES.keys())
 def test_false_positive_rate_stays_near_alpha_when_runs_are_permuted_whole(sizes):
     whole, rows = [], []

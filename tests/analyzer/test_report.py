@@ -453,6 +453,7 @@ def test_where_with_a_backticked_column_stays_inline_code(tmp_path):
 
 # ---------------------------------------------------------------- the result: the tables it computed, the files
 
+@pytest.mark.slow
 def test_the_result_holds_the_tables_it_wrote(tmp_path):
     """What write_report returns is what it wrote (the CLI reads no file back): every layer's rows in metrics.csv,
     the last layer's statistics in stats.csv, the per-layer table in layers.csv, each file once."""

@@ -49,6 +49,7 @@ def residual(a: np.ndarray, Z: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- r, R², partial r
 
+@pytest.mark.slow
 def test_r_r2_and_partial_r_equal_numpy_and_pingouin():
     df = study()
     df.loc[[3, 17], "nc1_trace"] = np.nan  # missing values: that metric uses the complete rows only
@@ -398,6 +399,7 @@ def test_one_checkpoint_per_run_is_the_row_permutation_test():
     assert (no_run_column.perm_scheme == "rows").all()
 
 
+@pytest.mark.slow
 def test_spearman_rho_and_its_row_permutation_p_equal_scipy():
     rng = np.random.default_rng(7)
     y = rng.normal(size=7)
@@ -447,6 +449,7 @@ def test_permutation_text_for_rows_and_drawn_permutations():
 
 # ---------------------------------------------------------------- tags never pooled, one row per run
 
+@pytest.mark.slow
 def test_tags_are_never_pooled_and_holm_stays_within_a_tag():
     a, b, c = study(n_runs=4, per_run=4, seed=1), study(n_runs=4, per_run=4, seed=2), study(n_runs=3, per_run=4)
     df = pd.concat([a.assign(tag="heldout"), b.assign(tag=None), c.assign(tag="")], ignore_index=True)

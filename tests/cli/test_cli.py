@@ -77,6 +77,7 @@ def test_quiet_and_verbose(extracted_store, trained_run, corpus, tmp_path):
 HEAVY = ("zarr", "xarray", "torch", "transformers")
 
 
+@pytest.mark.slow
 def test_help_and_version_import_no_heavy_library():
     """``ncanalyze --help``, each command's ``--help`` and ``--version`` in a fresh interpreter: none of them loads
     zarr, xarray, torch or transformers (the version comes from the package's metadata)."""

@@ -25,6 +25,7 @@ def layered_csv(tmp_path):
     return csv
 
 
+@pytest.mark.slow
 def test_a_selection_of_intermediate_layers_says_the_correlations_use_last_layers(tmp_path):
     line = one_line(run_cli("report", layered_csv(tmp_path), "--out", tmp_path / "r", "--where", "layer == 0",
                             "--permutations", 0, ok=False))
@@ -41,6 +42,7 @@ def test_a_text_control_is_refused_not_printed_as_controlled_for(tmp_path):
     assert not (tmp_path / "r" / "report.md").exists()
 
 
+@pytest.mark.slow
 def test_a_users_own_metrics_csv_in_out_is_never_overwritten(tmp_path):
     csv = tmp_path / "m.csv"
     study(n_runs=4, per_run=3, seed=7).to_csv(csv, index=False)

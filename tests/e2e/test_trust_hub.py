@@ -50,6 +50,7 @@ def test_revision_strings_that_lead_through_the_cache_are_refused(bad):
     assert check_revision("feature/x") == "feature/x"  # a real branch name with a slash is fine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["", ".", "..", "../step20"])
 def test_a_bad_revision_is_one_line_and_the_cache_is_untouched(trained_run, corpus, tmp_path, bad):
     cache = tmp_path / "hub"
@@ -178,6 +179,7 @@ def test_ctrl_c_under_shards_stops_at_a_batch_boundary(trained_run, corpus, tmp_
     assert r.returncode == 0 and f"{len(done)} already in" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_an_empty_snapshot_is_not_called_pickle_only(trained_run, corpus, tmp_path):
     cache = tmp_path / "hub"
     add_revision(cache, REPO, "step20", {f: trained_run / f for f in TOKENIZER}

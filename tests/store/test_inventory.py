@@ -110,6 +110,7 @@ def test_group_order_key():
         "r/checkpoint-20/layers/10", "r/checkpoint-100", "r/final", "r/checkpoint-x"]
 
 
+@pytest.mark.slow
 def test_checkpoints_in_step_order_everywhere(study, tmp_path):
     """checkpoint-100 sorts before checkpoint-20 as a string; layers/10 before layers/9."""
     store = tmp_path / "order.zarr"
@@ -209,6 +210,7 @@ def test_rm_refuses_unknown_names_and_unconfirmed_removals_in_one_line(store):
     assert files(store) == before
 
 
+@pytest.mark.slow
 def test_rm_a_checkpoint_leaves_the_rest_bit_identical_and_measure_report_work(store, tmp_path):
     before = files(store)
     g = "neo-2x32/checkpoint-40"
@@ -273,6 +275,7 @@ def test_rm_removes_a_resume_state_and_finishes_an_interrupted_removal(store, tr
     assert [c["group"] for c in ls(store)["checkpoints"]] == ["neo-2x32/checkpoint-20", OTHER]
 
 
+@pytest.mark.slow
 def test_rm_waits_for_the_extraction_lock(store):
     g = "neo-2x32/checkpoint-20"
     held, release = threading.Event(), threading.Event()
@@ -301,6 +304,7 @@ def test_rm_waits_for_the_extraction_lock(store):
     assert not (store / g).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer", ["n", "y"])
 def test_rm_asks_on_a_terminal(store, answer):
     g = "neo-2x32/checkpoint-60"

@@ -206,6 +206,7 @@ def _measure_cli(*args, env=None) -> tuple[int, str, float]:
     return r.exit_code, r.output, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_a_scheduler_without_workers_is_one_line_after_a_bounded_wait(small_store, monkeypatch):
     distributed = pytest.importorskip("distributed")
     store, _ = small_store
@@ -241,6 +242,7 @@ class _Stranger(socketserver.ThreadingTCPServer):
         return f"tcp://127.0.0.1:{self.server_address[1]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer, said", [(True, "answered, but not as a dask scheduler (MemoryError)"),
                                           (False, "no dask scheduler answered at tcp://127.0.0.1:")])
 def test_an_address_that_is_not_a_dask_scheduler_is_one_line(small_store, monkeypatch, answer, said):
@@ -298,6 +300,7 @@ def test_measure_on_a_read_only_store_measures_without_writing_and_says_so(read_
         assert_metrics(row._asdict(), brute_force(data[f"{row.run}/{row.checkpoint}"], 1)[0])
 
 
+@pytest.mark.slow
 def test_report_on_a_read_only_store_writes_its_report_elsewhere(read_only_store, tmp_path):
     store, _ = read_only_store
     out_dir = tmp_path / "report"
