@@ -17,7 +17,7 @@ def _state(store):
 @pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
     ck = trained_run / "checkpoint-40"
-    args = ["extract", ck, "--dataset", corpus["train"], "--max-train-tokens", 4096, "--max-val-tokens", 4096,
+    args = ["extract", ck, "--dataset", corpus["train"], "--max-train-tokens", 2048, "--max-val-tokens", 2048,
             "--batch-size", 1, "--state-every", 0]
     ref = tmp_path / "ref.zarr"
     run_cli(*args, "--store", ref)

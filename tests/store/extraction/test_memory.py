@@ -72,8 +72,8 @@ def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run,
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
     per_layer, shared = state_bytes(*model.get_output_embeddings().weight.shape, 8, torch.device("cpu"))
-    args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 4096,
-            "--max-val-tokens", 2048, "--batch-size", 1, "--state-every", 0, "--layers", "all"]
+    args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 2048,
+            "--max-val-tokens", 1024, "--batch-size", 1, "--state-every", 0, "--layers", "all"]
     one, store = tmp_path / "one.zarr", tmp_path / "killed.zarr"
     run_cli(*args, "--store", one)
     state = _state(store) / "neo-2x32" / f"{CK}.npz"
