@@ -18,7 +18,7 @@ class Accumulator(Protocol):
     its arrays by name (flat names; nested summaries are flattened once, by ``ncanalyze.store.resume.flatten``).
 
     Merging the parts of a split stream, in any order, equals one pass over it (float64 sums to rounding, counts and
-    samples exactly): ``tests/test_accumulators.py`` holds every implementation to it."""
+    samples exactly): ``tests/analyzer/test_accumulate.py`` holds every implementation to it."""
 
     def update(self, *batch: Any) -> None:
         """Fold in one batch."""

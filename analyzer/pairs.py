@@ -187,7 +187,7 @@ def _hits(G: np.ndarray, ri: np.ndarray, rj: np.ndarray, diag: bool,
 
 # ---------------------------------------------------------------- the fused pass (numba)
 #
-# Invariants of the pass; change none of them without re-running tests/test_pairs.py and benchmarks/metrics.py.
+# Invariants of the pass; change none of them without re-running tests/analyzer/test_pairs.py and benchmarks/metrics.py.
 # - fastmath is {"reassoc", "contract", "nsz"}: reassoc lets LLVM reorder the running sums so the loop vectorises;
 #   contract allows fused multiply-adds; nsz ignores the sign of zero. "nnan" and "ninf" are excluded on purpose: a
 #   coincident pair makes T ~ 0 and D = 0, and the resulting inf/nan must reach the sums, where the caller's

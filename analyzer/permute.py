@@ -5,7 +5,7 @@ the permutations it draws (Winkler et al. 2014, "Permutation inference for the g
 NeuroImage 92). Checkpoints of one training run are not independent units: they share the run's seed, size,
 data order and schedule, so a run's metric and its loss each carry a run-level offset and a run's own trend. Row
 permutations then break the rows of a run apart and compare the observed r with a null far narrower than the
-truth (in tests/test_null.py, 7 runs of 3-4 checkpoints, they call an unrelated metric significant 25-40%
+truth (in tests/analyzer/test_permute.py, 7 runs of 3-4 checkpoints, they call an unrelated metric significant 25-40%
 of the time at alpha = 0.05). The rows of one run are therefore an exchangeability block, and a :class:`Scheme`
 permutes whole blocks: the target's values of run A (or, for Freedman-Lane, its residuals on the controls) move as one
 unit onto the rows of run B, position by position in step order. This is a valid test of "metric and target
@@ -23,7 +23,7 @@ Why not the alternatives. Shuffling checkpoints within each run (within-block pe
 within-run association and assumes a run's checkpoints exchangeable, which any trend in step breaks; correlating
 one summary per run throws away the checkpoints and the step control (``--per-run last`` is that choice, made
 explicitly). Whole-run permutation keeps every row and is exact for r and rho; for the partial r it permutes
-Freedman-Lane residuals, exact only asymptotically, as everywhere (Winkler et al. 2014; tests/test_null.py
+Freedman-Lane residuals, exact only asymptotically, as everywhere (Winkler et al. 2014; tests/analyzer/test_permute.py
 measures its rate).
 
 A selection with one checkpoint per run (or no run labels) is the plain case: every row is its own block and

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> tuple[int, int]:
     """(bytes per layer, bytes shared by the layers) of an extraction's running state on ``device``, as the passes
-    hold it (``tests/test_frontier.py`` measures it). Per layer: the float64 means (vocab x d), the d x d scatter, the
+    hold it (``tests/store/extraction/test_memory.py`` measures it). Per layer: the float64 means (vocab x d), the d x d scatter, the
     per-class vectors (count, M2, 3 validation counts, and in the validation pass the kept means' half squared
     norms; the means themselves are read in place) and the unit-vector sum; on the CPU also the reservoir (float32
     samples, their keys and positions), which lives on the CPU whatever the device. Shared: the head's float64 copy

@@ -1,0 +1,51 @@
+"""--keep-linebreaks (default, as run_clm) / --no-keep-linebreaks on plain text; hashed only when not the default."""
+from __future__ import annotations
+
+import json
+
+import ncanalyze.store
+import numpy as np
+import pytest
+from conftest import lone_model, run_cli
+from ncanalyze.store.extraction.config import config_hash, config_record
+from ncanalyze.store.extraction.settings import ExtractConfig
+from transformers import AutoTokenizer
+
+BLOCK = 32
+
+
+def blocks(path, tokenizer, keep: bool, max_tokens: int) -> np.ndarray:
+    lines = open(path).read().splitlines(keepends=keep)
+    ids = np.array([t for doc in tokenizer(lines)["input_ids"] for t in doc], dtype=np.int64)
+    n = min(len(ids), max_tokens) // BLOCK
+    return ids[:n * BLOCK].reshape(n, BLOCK)
+
+
+@pytest.mark.slow
+def test_linebreaks_kept_by_default_and_stripped_on_request(trained_run, corpus, tmp_path):
+    ck = lone_model(trained_run, tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(str(ck))
+    opts = ("--max-train-tokens", 2048, "--max-val-tokens", 512, "--samples-per-class", 0)
+    configs = {}
+    for flag, keep in (("--keep-linebreaks", True), ("--no-keep-linebreaks", False)):
+        store = tmp_path / f"{keep}.zarr"
+        run_cli("extract", ck, "--dataset", corpus["train"], "--store", store, flag, *opts)
+        ds = ncanalyze.store.open(store)["model/final"].to_dataset()
+        want = blocks(corpus["train"], tok, keep, 2048)[:, 1:].ravel()
+        np.testing.assert_array_equal(ds["count"].values, np.bincount(want, minlength=ds.sizes["vocab"]))
+        configs[keep] = json.loads(ds.attrs["config"])
+    assert "keep_linebreaks" not in configs[True] and configs[False]["keep_linebreaks"] is False
+    assert not np.array_equal(blocks(corpus["train"], tok, True, 2048), blocks(corpus["train"], tok, False, 2048))
+
+
+def test_the_default_leaves_the_config_hash_as_before(trained_run, tmp_path):
+    """A store made before the option existed keeps its hash: the default adds nothing to the record."""
+    import torch
+    from ncanalyze.store.sources.discover import discover
+
+    ck = discover(trained_run)[0]
+    rec = config_record(ck, ExtractConfig(dataset="x.txt"), torch.device("cpu"), 32, "v.txt", "validation")
+    off = config_record(ck, ExtractConfig(dataset="x.txt", keep_linebreaks=False), torch.device("cpu"), 32, "v.txt",
+                        "validation")
+    assert "keep_linebreaks" not in rec and {k: v for k, v in off.items() if k != "keep_linebreaks"} == rec
+    assert config_hash(rec) != config_hash(off)

@@ -1,0 +1,153 @@
+"""The passes' forward (store/extraction/passes.py, issue 24): a pass below the last layer runs the model only up to
+its deepest layer, bit for bit the hidden states ``output_hidden_states`` gives, on a real Trainer checkpoint
+(GPT-Neo) and on random-initialised Llama (at V = 128,256), GPT-NeoX, OPT, Gemma-2, Qwen2, OLMo, Falcon, Phi and BLOOM shapes; the loss and
+NC4 share the head's float64 logits."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from ncanalyze.store.sources.anatomy import blocks_of, hidden_forward
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    Gemma2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    OlmoConfig,
+    OPTConfig,
+    PhiConfig,
+    Qwen2Config,
+)
+
+
+
+CK = "checkpoint-40"
+
+
+def ran(model) -> tuple[list[int], list[str]]:
+    """Hooks that record the blocks that run (their index) and whether the final norm or the head runs."""
+    blocks, other = [], []
+    for j, b in enumerate(blocks_of(model)):
+        b.register_forward_hook(lambda m, a, o, j=j: blocks.append(j))
+    model.get_output_embeddings().register_forward_hook(lambda m, a, o: other.append("head"))
+    return blocks, other
+
+
+def check_cut(model, n: int, ids: torch.Tensor) -> None:
+    """Every plan of layers below the last: bit for bit ``hidden_states``, and the blocks up to the deepest alone."""
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states
+    for layers in [(0,), (1,), (0, 1), (1, n - 1), tuple(range(n))]:
+        h = hidden_forward(model, layers, n)(ids)
+        for i, l in enumerate(layers):
+            np.testing.assert_array_equal(h[i].numpy(), want[l][:, :-1].numpy(), err_msg=f"layers {layers}")
+    blocks, other = ran(model)
+    for layers in [(0,), (1,), (0, n - 1), (n - 1,)]:
+        f = hidden_forward(model, layers, n)
+        f(ids)  # checked against the whole forward on its first call
+        blocks.clear(), other.clear()
+        f(ids)
+        assert blocks == list(range(layers[-1])) and other == [], (layers, blocks, other)
+    blocks.clear()
+    hidden_forward(model, (n,), n)(ids)  # the last layer runs every block
+    assert blocks == list(range(n))
+
+
+@pytest.mark.slow
+def test_a_pass_below_the_last_layer_stops_at_its_deepest_block(trained_run):
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    ids = torch.arange(3 * 20).reshape(3, 20) * 7 % model.config.vocab_size
+    check_cut(model, 2, ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    LlamaConfig(vocab_size=128_256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False),
+    GPTNeoXConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                  max_position_embeddings=64),
+    OPTConfig(vocab_size=512, hidden_size=16, ffn_dim=32, num_hidden_layers=4, num_attention_heads=2,
+              max_position_embeddings=64, word_embed_proj_dim=16),
+    Gemma2Config(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8, max_position_embeddings=64),
+    Qwen2Config(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64),
+    OlmoConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+               max_position_embeddings=64),
+    FalconConfig(vocab_size=512, hidden_size=16, num_hidden_layers=4, num_attention_heads=2),
+    PhiConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+              max_position_embeddings=64),
+    BloomConfig(vocab_size=512, hidden_size=16, n_layer=4, n_head=2),
+], ids=["llama-128k", "gpt-neox", "opt", "gemma2", "qwen2", "olmo", "falcon", "phi", "bloom"])
+def test_the_cut_is_bit_identical_on_modern_architectures(config):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    check_cut(model, 4, ids)
+
+
+def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_run):
+    """The last layer's NC4 decisions read the kept columns of the float64 logits the loss forms: the counts equal
+    those of the decisions' own scores and of a numpy brute force, the loss is bit for bit the loss alone."""
+    from ncanalyze.analyzer.accumulate import DecisionCounts
+    from ncanalyze.store.extraction.loss import NextTokenLoss
+    from ncanalyze.store.sources.anatomy import LogitTransform
+    from ncanalyze.store.sources.anatomy import features
+    from ncanalyze.store.sources.anatomy import head
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    W, b = head(model)
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, W.shape[0], (6, 32)))
+    h, y = features(model, ids).reshape(-1, W.shape[1]), ids[:, 1:].reshape(-1)
+    V = W.shape[0]
+    mean = torch.zeros(V, W.shape[1], dtype=torch.float64).index_add_(0, y, h.double())
+    count = torch.bincount(y, minlength=V)
+    mean[count > 0] /= count[count > 0, None]
+    kept = torch.nonzero(count > 0).squeeze(1)
+    own, shared = DecisionCounts(W, b, mean, kept), DecisionCounts(W, b, mean, kept)
+    alone, both = (NextTokenLoss(W, b, LogitTransform.of(model.config), budget=V * 50) for _ in range(2))
+    own.update(h, y)
+    alone.update(h, y)
+    both.update(h, y, lambda hc, yc, logits: shared.count(hc, yc, shared.decide(logits)))
+    for n in DecisionCounts.NAMES:
+        assert torch.equal(own.counts[n], shared.counts[n]), n
+    for n in NextTokenLoss.NAMES:
+        assert torch.equal(alone.state[n], both.state[n]), n
+    H, Wn, M = h.double().numpy(), W.double().numpy(), mean.numpy()
+    bn = np.zeros(V) if b is None else b.double().numpy()
+    k, yn = kept.numpy(), y.numpy()
+    linear = k[(H @ Wn[k].T + bn[k]).argmax(1)]
+    ncc = k[((H[:, None] - M[k][None]) ** 2).sum(-1).argmin(1)]
+    assert shared.counts["val_count"].sum() == len(yn)
+    np.testing.assert_array_equal(shared.counts["val_correct"].numpy(), np.bincount(yn[linear == yn], minlength=V))
+    np.testing.assert_array_equal(shared.counts["val_ncc_agree"].numpy(), np.bincount(yn[linear == ncc], minlength=V))
+
+
+def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_run, caplog):
+    """A steering hook that changes block 1's input inside the block call (so ``hidden_states[1]`` is not block 1's
+    input as it runs): the first batch's check finds the cut differs, and the pass runs the whole forward."""
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    blocks_of(model)[1].register_forward_pre_hook(lambda m, args: (args[0] * 2, *args[1:]))
+    ids = torch.arange(2 * 16).reshape(2, 16) % model.config.vocab_size
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states
+    blocks, other = ran(model)
+    logger = logging.getLogger("ncanalyze.store.extraction.passes")  # the CLI's logging setup may stop propagation to root
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="ncanalyze.store.extraction.passes"):
+            h = hidden_forward(model, (1,), 2)(ids)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "cannot be cut" in caplog.text
+    np.testing.assert_array_equal(h[0].numpy(), want[1][:, :-1].numpy())
+    blocks.clear()
+    f = hidden_forward(model, (0,), 2)
+    f(ids)
+    blocks.clear()
+    f(ids)  # block 0's input is untouched by the hook: that cut holds
+    assert blocks == []
