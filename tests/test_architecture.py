@@ -207,9 +207,19 @@ def test_slow_is_marked_on_the_tests_themselves():
 MAX_FUNCTION_LINES = 80  # lines of code: docstrings, comments and blank lines are prose, not counted
 
 
-def code_lines(source: str, node: ast.AST) -> int:
-    """The lines of ``node`` (a function) that hold code: not its docstrings' (nor those of what it defines), not
-    comments, not blank."""
+def code_line_numbers(source: str) -> set[int]:
+    """The lines of ``source`` that hold a token of code (not a comment, not blank), tokenized once per file."""
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    code = set()
+    for t in tokenize.generate_tokens(io.StringIO(source).readline):
+        if t.type not in skip:
+            code.update(range(t.start[0], t.end[0] + 1))
+    return code
+
+
+def code_lines(code: set[int], node: ast.AST) -> int:
+    """The lines of ``node`` (a function) that hold code (``code``: :func:`code_line_numbers` of its file): not its
+    docstrings' (nor those of what it defines), not comments, not blank."""
     prose = set()
     for n in ast.walk(node):
         body = getattr(n, "body", None)
@@ -217,12 +227,7 @@ def code_lines(source: str, node: ast.AST) -> int:
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             prose.update(range(body[0].lineno, body[0].end_lineno + 1))
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
-    code = set()
-    for t in tokenize.generate_tokens(io.StringIO(source).readline):
-        if t.type not in skip:
-            code.update(range(max(t.start[0], node.lineno), min(t.end[0], node.end_lineno) + 1))
-    return len(code - prose)
+    return len({line for line in code if node.lineno <= line <= node.end_lineno} - prose)
 
 
 def concern_breaches(root: Path) -> list[str]:
@@ -232,13 +237,13 @@ def concern_breaches(root: Path) -> list[str]:
     for pkg in (*LAYERS, "ncanalyze"):
         for f in sorted((root / pkg).rglob("*.py")):
             source = f.read_text()
-            tree = ast.parse(source)
+            tree, code = ast.parse(source), code_line_numbers(source)
             doc = ast.get_docstring(tree) or ""
             if not doc.strip() or not doc.strip().splitlines()[0].strip():
                 found.append(f"{f.relative_to(root)}: no first docstring line naming its concern")
             for n in ast.walk(tree):
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    lines = code_lines(source, n)
+                    lines = code_lines(code, n)
                     if lines > MAX_FUNCTION_LINES:
                         found.append(f"{f.relative_to(root)}:{n.lineno} {n.name}: {lines} lines of code")
     return found

@@ -134,6 +134,7 @@ def test_a_group_removed_while_measure_runs_is_skipped_in_one_line(store):
     assert not Path(f"{store}.partial").exists()
 
 
+@pytest.mark.slow
 def test_rm_waits_for_a_measure_storing_metrics_and_says_so(store):
     """The lock ``measure`` takes to store a group's metrics is the one rm takes: rm waits, saying what it waits for."""
     run = run_of(store)

@@ -45,6 +45,7 @@ def read(blocks) -> np.ndarray:
     return np.concatenate(list(blocks.batches(7)))
 
 
+@pytest.mark.slow
 def test_every_data_form_reads_the_same_spread_blocks(text, tmp_path):
     data, tok = text
     whole = text_blocks(data, tok, None)

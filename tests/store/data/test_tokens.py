@@ -116,6 +116,7 @@ def _edit_keeping_size_and_mtime(path, old: str, new: str) -> None:
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
 
+@pytest.mark.slow
 def test_an_edit_of_the_same_size_with_the_mtime_restored_is_tokenized_again(trained_run, corpus, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(trained_run))
     folder = tmp_path / "texts"
@@ -157,6 +158,7 @@ def _damage(path, how: str) -> None:
         side.write_bytes(b"\xff\xfe" + os.urandom(30))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["altered id", "truncated", "header only", "no checksum", "garbage checksum"])
 def test_a_damaged_cache_is_said_in_one_line_and_tokenized_again(trained_run, corpus, tmp_path, caplog, how):
     tok = AutoTokenizer.from_pretrained(str(trained_run))
@@ -187,6 +189,7 @@ def test_a_damaged_cache_is_said_in_one_line_and_tokenized_again(trained_run, co
     assert sorted(p.name for p in path.parent.iterdir()) == ["k.npy", "k.npy.sha256"]
 
 
+@pytest.mark.slow
 def test_extract_over_a_truncated_cache_rebuilds_it_and_gets_the_same_numbers(trained_run, corpus, tmp_path):
     """The CLI end to end: a truncated cache file (a full disk, a bad copy) is one line and the same statistics."""
     ck = lone_model(trained_run, tmp_path / "model")
