@@ -22,7 +22,6 @@ from ncanalyze.store.extraction.config import (
     cap_mode,
     Resolved,
     Status,
-    checkpoint_status,
     config_hash,
     differences,
     open_data,
@@ -38,8 +37,7 @@ from ncanalyze.store.extraction.memory import (
 )
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.layout import CheckpointFiles, StoreLayout
-from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.layout import CheckpointFiles
 from ncanalyze.store.resume import (
     DeferredInterrupt,
     Phase,
@@ -54,6 +52,7 @@ from ncanalyze.store.sources.discover import (
     training_metadata,
 )
 from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class Loaded(NamedTuple):
     plan: layers.Plan             # the run's plan, its passes fitted to the memory under --layers-per-pass auto
 
 
-def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+def extract_checkpoint(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, overwrite: bool = False,
                        restart: bool = False, announce: Callable[..., None] | None = None,
                        interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> Outcome:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``.
@@ -109,11 +108,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     Outcome
         DONE, SKIPPED or RESUMED.
     """
-    store = Path(store)
     run = resolve(ckpt, cfg)
-    files = StoreLayout(store).checkpoint(ckpt)
-    with checkpoint_lock(files.lock, ckpt.group):
-        if _settle(ckpt, store, cfg, run.record, files, overwrite) is Status.SKIP:
+    files = store.files(ckpt)
+    with store.lock(ckpt.group):
+        if _settle(ckpt, store, cfg, run.record, overwrite) is Status.SKIP:
             return Outcome.SKIPPED
         loaded = load_checkpoint(ckpt, cfg, run)
         run = run._replace(plan=loaded.plan)
@@ -126,19 +124,18 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         return outcome
 
 
-def _settle(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, record: dict, files: CheckpointFiles,
-            overwrite: bool) -> Status:
+def _settle(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, record: dict, overwrite: bool) -> Status:
     """The checkpoint's status, after putting back a group an overwrite left aside; a skipped one's leftovers (a
     state or a staged copy left by a run killed after its write) are removed, a refused one raises."""
-    io.recover_swap(store, ckpt.group, files)
-    existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
-    status = checkpoint_status(existing, record, files.state, overwrite)
+    files = store.files(ckpt)
+    store.recover(ckpt.group)
+    status = store.status(ckpt.group, config_hash(record), overwrite)
     if status is Status.SKIP:
         drop_state(files.state)
         for stale in (files.staging, files.old):
             shutil.rmtree(stale, ignore_errors=True)
     if status is Status.REFUSE:
-        raise refusal(ckpt.group, store, existing, record, cfg.tag)
+        raise refusal(ckpt.group, store, store.attrs(ckpt.group), record, cfg.tag)
     return status
 
 
@@ -155,7 +152,7 @@ def load_checkpoint(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Load
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
 
 
-def open_inputs(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
+def open_inputs(store: Store | None, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
     """The train and validation blocks (none without validation data)."""
     train = open_data(cfg.dataset, run.split, cfg.max_train_tokens, "--max-train-tokens", cfg, run.block_size,
                       run.config, tokenizer, store)
@@ -165,7 +162,7 @@ def open_inputs(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tu
     return train, val
 
 
-def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Resolved, files: CheckpointFiles,
+def _passes_and_write(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, run: Resolved, files: CheckpointFiles,
                       loaded: Loaded, train: Blocks, val: Blocks | None, overwrite: bool, restart: bool,
                       interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> Outcome:
     """The running state (resumed where saved), the train and validation passes, the group's attributes and its write;
@@ -176,7 +173,7 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
                     run.device, files.layers)
     outcome = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
-    io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none
+    store.ensure()  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
     main = ex.main()
     attrs = {
@@ -196,7 +193,7 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
     }
     norm = final_norm(model)
     ds, others = ex.datasets(classifier, bias, decoded_tokens(loaded.tokenizer, classifier.shape[0]), attrs, norm and norm[0])
-    io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
+    store.write_checkpoint(ckpt.group, ds, layers=others)
     ex.cleanup()
     return outcome
 

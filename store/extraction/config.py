@@ -5,7 +5,6 @@ under them (:func:`checkpoint_status`: skip, refuse, resume or start fresh).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import logging
@@ -32,6 +31,7 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config, resolve_device, weights_fingerprint
+from ncanalyze.store.store import Status, Store, decide  # noqa: F401 (Status: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
 
 
 def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractConfig, block_size: int, config,
-              tokenizer, store: Path | None = None) -> Blocks:
+              tokenizer, store: Store | None = None) -> Blocks:
     """The data as blocks, no longer than the model's positions; text through the token cache beside ``store``.
 
     Parameters
@@ -348,24 +348,17 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
         return spread(blocks, cfg.seed) if cfg.cap_mode == "spread" else blocks
     if cfg.cap_mode == "prefix":  # the cache holds the first blocks only
-        return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
-                                                             cfg.keep_linebreaks))
-    whole = tokens.cached(store, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
+        return tokens.cached(store.layout.tokens, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer,
+                                                                          block_size, cap, cfg.keep_linebreaks))
+    whole = tokens.cached(store.layout.tokens, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
         spec, split, cfg.text_column, tokenizer, block_size, None, cfg.keep_linebreaks))  # the whole split, once
     return spread(dataclasses.replace(whole, max_blocks=blocks.max_blocks), cfg.seed)
 
 
-class Status(enum.Enum):
-    """What to do with a checkpoint, given what is on disk (:func:`checkpoint_status`)."""
-    SKIP = "skip"        # in the store, complete, under the same configuration
-    REFUSE = "refuse"    # in the store, complete, under another configuration (refusal() says so)
-    RESUME = "resume"    # not in the store; a resume state is there
-    FRESH = "fresh"      # neither
-
-
 def checkpoint_status(existing: dict | None, record: dict, state: Path, overwrite: bool = False,
                       restart: bool = False) -> Status:
-    """The one decision of what to do with a checkpoint.
+    """The one decision of what to do with a checkpoint (store.decide, on ``record``'s hash; a running extraction
+    asks its ``Store.status``).
 
     Parameters
     ----------
@@ -375,22 +368,18 @@ def checkpoint_status(existing: dict | None, record: dict, state: Path, overwrit
         The configuration record it would be extracted under.
     state
         Its resume state's path.
-    overwrite
-        A complete group is to be replaced (never skipped or refused).
-    restart
-        A resume state is to be discarded (never resumed).
+    overwrite, restart
+        As for store.decide.
 
     Returns
     -------
     Status
         SKIP, REFUSE, RESUME or FRESH.
     """
-    if existing and existing.get("complete") and not overwrite:
-        return Status.SKIP if existing.get("config_hash") == config_hash(record) else Status.REFUSE
-    return Status.RESUME if state.exists() and not restart else Status.FRESH
+    return decide(existing, config_hash(record), state, overwrite, restart)
 
 
-def refusal(group: str, store: Path, existing: dict, record: dict, tag: str | None) -> UserError:
+def refusal(group: str, store: Store, existing: dict, record: dict, tag: str | None) -> UserError:
     """The error for a checkpoint that :func:`checkpoint_status` refuses, naming the settings that differ.
 
     Parameters

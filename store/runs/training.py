@@ -42,10 +42,10 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.layout import CheckpointFiles, StoreLayout, default_store
 from ncanalyze.store.runs import training_ddp as ddp
 from ncanalyze.store.sources.anatomy import default_block_size, final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
+from ncanalyze.store.store import Store
 from transformers import TrainerCallback
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class NeuralCollapseCallback(TrainerCallback):
                             f"the settings are {', '.join(sorted(known))}")
         if every is not None and (not isinstance(every, int) or every < 1):
             raise UserError(f"every={every!r}: pass a number of steps (1 or more), or None to measure at evaluations")
-        self.store = Path(store if store is not None else default_store())
+        self.store = Store.at(store)  # resolved once: the default store when none
         self.cfg = ExtractConfig(dataset=str(train_data), val_dataset=None if val_data is None else str(val_data),
                                  max_train_tokens=max_train_tokens, max_val_tokens=max_val_tokens, layers=layers,
                                  **settings)
@@ -222,18 +222,18 @@ class NeuralCollapseCallback(TrainerCallback):
             return
         group = f"{run_name(args)}/step-{step}"
         self.output_dir = str(Path(args.output_dir).resolve())
-        files = StoreLayout(self.store).group_files(group)
+        files = self.store.group_files(group)
         started = time.perf_counter()
         if not self._ready(kwargs["model"], self._tokenizer(kwargs), group):
             return
         try:
-            scalars = self.write(kwargs["model"], group, files,
+            scalars = self.write(kwargs["model"], group,
                                  {"global_step": step, "epoch": state.epoch, "eval_loss": eval_loss})
         except UserError as e:
             self._stop(str(e))
             return
         except OSError as e:  # a full disk: this step is lost, the store is whole; the next one tries again
-            io.recover_swap(self.store, group, files)
+            self.store.recover(group)
             log.warning("ncanalyze: cannot write %s into %s (%s): free space on its disk or pass another store; "
                         "training goes on", group, self.store, e.strerror or e)
             return
@@ -278,15 +278,15 @@ class NeuralCollapseCallback(TrainerCallback):
         tok = kwargs.get("processing_class") or kwargs.get("tokenizer")
         return getattr(tok, "tokenizer", tok)  # a processor holds its tokenizer
 
-    def write(self, model, group: str, files: CheckpointFiles, when: dict) -> dict[str, float] | None:
+    def write(self, model, group: str, when: dict) -> dict[str, float] | None:
         """Run the passes through ``model`` and write ``group`` (after :meth:`_ready`).
 
         Parameters
         ----------
         model
             The live model (a transformers causal LM).
-        group, files
-            The group ``<run>/step-<N>`` and its files beside the store.
+        group
+            The group ``<run>/step-<N>``.
         when
             ``global_step``, ``epoch`` and ``eval_loss``.
 
@@ -296,7 +296,7 @@ class NeuralCollapseCallback(TrainerCallback):
             The scalar metrics, ``nc/<metric>`` for the last layer and ``nc/layer_<l>/<metric>`` for the others; None
             on a rank other than the first under DDP.
         """
-        setup, scalars = self.setup, {}
+        setup, scalars, files = self.setup, {}, self.store.group_files(group)
         cfg = setup.cfg
         rank, world = ddp.rank_world()
         with untouched(model):
@@ -322,11 +322,11 @@ class NeuralCollapseCallback(TrainerCallback):
                     where = f"{group}/layers/{l}"
                     done.append((f"nc/layer_{l}/", where, _metrics(lds, cfg.min_count, where)))
                     yield l, lds
-            io.write_checkpoint(self.store, group, ds, files, layers=measured())
+            self.store.write_checkpoint(group, ds, layers=measured())
             ex.cleanup()
         for prefix, where, result in done:  # stored as `ncanalyze measure` stores them, once the group is in place
             if result is not None:
-                io.write_metrics(self.store, where, *result, cfg.min_count, attrs["config_hash"])
+                self.store.write_metrics(where, *result, cfg.min_count, attrs["config_hash"])
                 scalars.update(_named(result[0], prefix))
         for k in ("val_loss", "val_accuracy"):
             if attrs.get(k) is not None:
@@ -349,7 +349,7 @@ class NeuralCollapseCallback(TrainerCallback):
         if cfg.tokenizer is not None:
             tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
         cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        io.prepare(self.store, StoreLayout(self.store).partial)
+        self.store.prepare()
         config = model.config
         block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
         val_ = val_data(cfg)
@@ -371,11 +371,11 @@ class NeuralCollapseCallback(TrainerCallback):
         """A UserError if the store holds ``run`` measured under other settings (its steps would not compare), or from
         another model (another training's output folder, architecture or parameter count: its groups would be replaced
         step by step); a group recorded before ``output_dir`` is compared on what it records."""
-        groups, _ = io.checkpoint_groups(self.store)
+        groups, _ = self.store.checkpoint_groups()
         for g in groups:
             if g.count("/") != 1 or not g.startswith(f"{run}/"):
                 continue
-            attrs = io.group_attrs(self.store, g) or {}
+            attrs = self.store.attrs(g) or {}
             if attrs.get("config_hash") != config_hash(record):
                 old = json.loads(attrs.get("config", "{}"))
                 raise UserError(f"{self.store} already holds run {run} under other settings "
