@@ -286,15 +286,23 @@ def rows_width(cfg: ExtractConfig) -> int | None:
     return int(shape[1])
 
 
-def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
-    """What ``cfg`` means for ``ckpt`` here, without loading its weights.
+def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, device: torch.device | None = None,
+            weights: str | None = None) -> Resolved:
+    """What ``cfg`` means for ``ckpt`` here, without loading its weights; or, for the model a Trainer is training
+    (the callback: no checkpoint folder), for its live ``model_config``, ``device`` and ``weights``.
 
     Parameters
     ----------
     ckpt
-        The checkpoint.
+        The checkpoint (None for a live model).
     cfg
         The configuration.
+    model_config
+        The model's transformers config [default: read from ``ckpt``].
+    device
+        Where it runs [default: ``cfg.device`` resolved].
+    weights
+        The record's ``weights`` [default: the fingerprint of ``ckpt``'s weight files].
 
     Returns
     -------
@@ -302,11 +310,11 @@ def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
         Device, model config, block size, train split, validation spec and split, the percentage held out,
         configuration record and layer plan.
     """
-    device = resolve_device(cfg.device)
-    config = load_config(ckpt, cfg.trust_remote_code)
+    device = device if device is not None else resolve_device(cfg.device)
+    config = model_config if model_config is not None else load_config(ckpt, cfg.trust_remote_code)
     block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
     val = val_data(cfg)
-    record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, held_out=val.held_out)
+    record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, weights=weights, held_out=val.held_out)
     plan = layer_plan(cfg, config)
     layers.record_layers(record, plan)
     return Resolved(device, config, block_size, val.train_split, val.spec, val.split, val.held_out, record, plan)
@@ -353,6 +361,38 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     whole = tokens.cached(store.layout.tokens, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
         spec, split, cfg.text_column, tokenizer, block_size, None, cfg.keep_linebreaks))  # the whole split, once
     return spread(dataclasses.replace(whole, max_blocks=blocks.max_blocks), cfg.seed)
+
+
+def open_inputs(store: Store | None, cfg: ExtractConfig, run: Resolved, tokenizer,
+                flags: tuple[str, str] = ("--max-train-tokens", "--max-val-tokens"),
+                validation: bool = True) -> tuple[Blocks, Blocks | None]:
+    """The train and validation blocks of a resolved configuration (none without validation data), text through the
+    token cache beside ``store``: the one opening of an extraction's inputs (a checkpoint, its estimate, its shards,
+    the Trainer callback).
+
+    Parameters
+    ----------
+    store
+        The store (None: no token cache).
+    cfg, run
+        The configuration and what it resolved to (:func:`resolve`).
+    tokenizer
+        The tokenizer for text (None: token ids only).
+    flags
+        The caps' names in errors (the command's flags, or the callback's arguments).
+    validation
+        Open the validation data too (a shard reads the train data only).
+
+    Returns
+    -------
+    tuple
+        (train, validation or None).
+    """
+    train = open_data(cfg.dataset, run.split, cfg.max_train_tokens, flags[0], cfg, run.block_size, run.config,
+                      tokenizer, store)
+    val = None if run.val_spec is None or not validation else open_data(
+        run.val_spec, run.val_split, cfg.max_val_tokens, flags[1], cfg, run.block_size, run.config, tokenizer, store)
+    return train, val
 
 
 def checkpoint_status(existing: dict | None, record: dict, state: Path, overwrite: bool = False,

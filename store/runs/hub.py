@@ -27,7 +27,7 @@ from ncanalyze.store.extraction.config import (
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.resume import DeferredInterrupt
-from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, todo
+from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, each_checkpoint, todo
 from ncanalyze.store.sources.discover import Checkpoint, looks_local, tagged
 from ncanalyze.store.sources.load import quiet_loading, resolve_device
 from ncanalyze.store.sources.revisions import (  # noqa: F401
@@ -38,7 +38,6 @@ from ncanalyze.store.sources.revisions import (  # noqa: F401
     step_of,
 )
 from ncanalyze.store.store import Store
-from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -359,22 +358,14 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path | Store, cfg:
              for r in revisions}
     check_groups(repo, revisions, {r: c.group for r, c in ckpts.items()}, store)
     announce = announcer(todo(store, list(ckpts.values()), overwrite), cfg, store, restart)
-    try:
-        with DeferredInterrupt() as interrupt:
-            for i, rev in enumerate(tqdm(revisions, desc="revisions", unit="rev", disable=len(revisions) < 2), 1):
-                group = ckpts[rev].group
-                if not overwrite and done_before(store, ckpts[rev], repo, rev, cfg):
-                    result.statuses[group] = Outcome.SKIPPED
-                    log.info("%s: skipped, already in the store (%d/%d)", group, i, len(revisions))
-                    continue
-                outcome = _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce,
-                                    interrupt, result.errors)
-                if outcome is not None:
-                    result.statuses[group] = outcome
-                    log.info("%s: %s (%d/%d)", group, outcome, i, len(revisions))
-    finally:
-        store.prune()
-    return result
+
+    def one(rev: str, interrupt: DeferredInterrupt) -> Outcome | None:
+        if not overwrite and done_before(store, ckpts[rev], repo, rev, cfg):
+            return Outcome.SKIPPED  # already in the store: nothing fetched
+        return _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce, interrupt,
+                         result.errors)
+
+    return each_checkpoint(store, result, [(ckpts[r].group, r) for r in revisions], one, "revisions", "rev")
 
 
 def _revision(repo: str, rev: str, name: str, store: Store, cfg: ExtractConfig, overwrite: bool,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,10 +13,11 @@ import numpy as np
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
-from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint, open_inputs
+from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint
 from ncanalyze.store.extraction.config import (
     Status,
     held_out_line,
+    open_inputs,
     resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
@@ -40,6 +42,7 @@ from ncanalyze.store.store import Store
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,12 +68,12 @@ class ExtractResult:
     errors: list[str] = field(default_factory=list)
     why: dict[str, str] = field(default_factory=dict)
 
-    def add(self, group: str, outcome: Outcome, why: str | None = None) -> None:
-        """Record a group's outcome (with why, for a failure), and log it."""
+    def add(self, group: str, outcome: Outcome, why: str | None = None, at: str = "") -> None:
+        """Record a group's outcome (with why, for a failure), and log it (``at``: where in the run, ``(2/5)``)."""
         self.statuses[group] = outcome
         if why is not None:
             self.why[group] = why
-        log.info("%s: %s", group, outcome if why is None else f"{outcome}: {why}")
+        log.info("%s: %s%s", group, outcome if why is None else f"{outcome}: {why}", at and f" {at}")
 
     def count(self, outcome: Outcome) -> int:
         """How many groups have ``outcome``."""
@@ -226,15 +229,51 @@ def extract(path: str | Path, store: str | Path | Store, cfg: ExtractConfig, ove
     ckpts = tagged(discover(path), cfg.tag)
     check_settings(cfg, store, shards)
     announce = announce or announcer(todo(store, ckpts, overwrite), cfg, store, restart, local=True)
+    return each_checkpoint(store, result, [(c.group, c) for c in ckpts],
+                           lambda ckpt, interrupt: _one(ckpt, store, cfg, overwrite, restart, announce, interrupt,
+                                                        shards))
+
+
+def each_checkpoint(store: Store, result: ExtractResult, todo: list[tuple[str, T]],
+                    one: Callable[[T, DeferredInterrupt], Outcome | None], desc: str = "checkpoints",
+                    unit: str = "ckpt") -> ExtractResult:
+    """The per-checkpoint loop of a run in this process (local folders, Hub revisions): each ``one(item, interrupt)``
+    in turn under one Ctrl-C guard (a pending Ctrl-C is taken at a batch boundary), with a progress bar, each outcome
+    recorded and logged with where it is in the run; the folders of work in progress pruned at the end, however it
+    ends.
+
+    A checkpoint bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
+    ``Outcome.FAILED`` with why, when it is one of several; any other error stops the run.
+
+    Parameters
+    ----------
+    store, result
+        The store and the run's result (filled in).
+    todo
+        (group, item) for each checkpoint.
+    one
+        Does one item: its outcome, or None where nothing is to be recorded (it said why in ``result.errors``).
+    desc, unit
+        The progress bar's label and unit.
+
+    Returns
+    -------
+    ExtractResult
+        ``result``.
+    """
     try:
         with DeferredInterrupt() as interrupt:
-            for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
+            for i, (group, item) in enumerate(tqdm(todo, desc=desc, unit=unit, disable=len(todo) < 2), 1):
+                at = f"({i}/{len(todo)})"
                 try:
-                    result.add(ckpt.group, _one(ckpt, store, cfg, overwrite, restart, announce, interrupt, shards))
+                    outcome = one(item, interrupt)
                 except CheckpointError as e:  # bad in itself: it fails alone when it is one of several
-                    if len(ckpts) == 1:
+                    if len(todo) == 1:
                         raise
-                    result.add(ckpt.group, Outcome.FAILED, str(e))
+                    result.add(group, Outcome.FAILED, str(e), at)
+                    continue
+                if outcome is not None:
+                    result.add(group, outcome, at=at)
     finally:
         store.prune()
     return result

@@ -29,7 +29,7 @@ from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
     Status,
     config_hash,
-    open_data,
+    open_inputs,
     resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
@@ -76,8 +76,7 @@ def ranges(n_batches: int, shards: int) -> list[tuple[int, int]]:
 def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
     run = resolve(ckpt, cfg)
     tokenizer, _ = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
-    return run.device, open_data(cfg.dataset, run.split, cfg.max_train_tokens, "--max-train-tokens", cfg,
-                                 run.block_size, run.config, tokenizer)
+    return run.device, open_inputs(None, cfg, run, tokenizer, validation=False)[0]  # train only, uncached
 
 
 def plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,

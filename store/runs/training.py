@@ -24,26 +24,20 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.data.tokens import tokenizer_fingerprint
-from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import (
-    cap_mode,
+    Resolved,
     config_hash,
-    config_record,
     differences,
-    layer_plan,
-    open_data,
-    rows_width,
-    val_data,
+    open_inputs,
+    resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
-from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.runs import training_ddp as ddp
-from ncanalyze.store.sources.anatomy import default_block_size, final_norm, finite_head, head, n_layers
+from ncanalyze.store.sources.anatomy import final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
 from ncanalyze.store.store import Store
 from transformers import TrainerCallback
@@ -62,10 +56,10 @@ class _NoSaver:
 
 @dataclass
 class _Setup:
-    """What the first measurement resolves once: the configuration, its record, the layers and the blocks."""
+    """What the first measurement resolves once: the configuration, what it resolved to (its record and layer plan)
+    and the blocks."""
     cfg: ExtractConfig
-    record: dict
-    plan: layers.Plan
+    run: Resolved
     train: Blocks
     val: Blocks | None
     tokenizer: object | None
@@ -303,7 +297,7 @@ class NeuralCollapseCallback(TrainerCallback):
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
             device = classifier.device
-            ex = Extraction(setup.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
+            ex = Extraction(setup.run.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
                             files.layers if rank == 0 else None)
             if rank == 0:
                 ex.start()
@@ -311,7 +305,9 @@ class NeuralCollapseCallback(TrainerCallback):
                 return None
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
                        group)
-            attrs = self._attrs(model, ex, classifier, setup, group, when, device)
+            attrs = group_attributes(group, when, model, ex, classifier, cfg, setup.run, setup.tokenizer,
+                                     setup.tokenizer_name, dtype=str(classifier.dtype).removeprefix("torch."),
+                                     device=device, source="training", extra={"output_dir": self.output_dir})
             norm = final_norm(model)
             ds, others = ex.datasets(classifier, bias, decoded_tokens(setup.tokenizer, classifier.shape[0]), attrs,
                                      norm and norm[0])
@@ -336,35 +332,25 @@ class NeuralCollapseCallback(TrainerCallback):
     def _shared(self, model, setup: _Setup, ex: Extraction, rank: int, group: str) -> bool:
         """Under DDP: this rank's share of the train pass, merged into rank 0's ``ex`` (the default plan; a plan of
         several layers is run by rank 0 alone). Whether this rank goes on to the validation pass and the write."""
-        if not setup.plan.default:
+        if not setup.run.plan.default:
             return rank == 0
         if self.n_train is None:  # the ranks' data checked equal once (a content hash), then shared out
             self.n_train = ddp.agreed_batches(setup.train, setup.cfg.batch_size)
         return ddp.share_train(model, setup.train, ex, setup.cfg.batch_size, self.n_train, group)
 
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
-        """The configuration for this model, its record, and the blocks; a store holding the run under other
-        settings is refused."""
+        """The configuration for this model (config.resolve with the live model's config, device and weights), its
+        record, and the blocks (config.open_inputs); a store holding the run under other settings is refused."""
         cfg = self.cfg  # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
         if cfg.tokenizer is not None:
             tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
         cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.store.prepare()
-        config = model.config
-        block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
-        val_ = val_data(cfg)
-        device = next(model.parameters()).device
-        record = config_record(None, cfg, device, block_size, val_.spec, val_.split, weights=LIVE,
-                               held_out=val_.held_out)
-        plan = layer_plan(cfg, config)
-        layers.record_layers(record, plan)
-        self._check_run(group.split("/")[0], record, identity(model, self.output_dir))
-        train = open_data(cfg.dataset, val_.train_split, cfg.max_train_tokens, "max_train_tokens", cfg, block_size,
-                          config, tokenizer, self.store)
-        val = None if val_.spec is None else open_data(val_.spec, val_.split, cfg.max_val_tokens, "max_val_tokens",
-                                                       cfg, block_size, config, tokenizer, self.store)
+        run = resolve(None, cfg, model.config, next(model.parameters()).device, weights=LIVE)
+        self._check_run(group.split("/")[0], run.record, identity(model, self.output_dir))
+        train, val = open_inputs(self.store, cfg, run, tokenizer, flags=("max_train_tokens", "max_val_tokens"))
         where = cfg.tokenizer or (tokenizer is not None and getattr(tokenizer, "name_or_path", None)) or None
-        self.setup = _Setup(cfg, record, plan, train, val, tokenizer, where)
+        self.setup = _Setup(cfg, run, train, val, tokenizer, where)
         return self.setup
 
     def _check_run(self, run: str, record: dict, model: dict) -> None:
@@ -386,27 +372,6 @@ class NeuralCollapseCallback(TrainerCallback):
                 raise UserError(f"{self.store} already holds run {run} of another model ({describe(theirs)}; this "
                                 f"training: {describe(model)}): set TrainingArguments(run_name=...) to another name, "
                                 f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")
-
-    def _attrs(self, model, ex: Extraction, classifier: torch.Tensor, setup: _Setup, group: str, when: dict,
-               device: torch.device) -> dict:
-        """The group's attributes, as ``ncanalyze extract`` writes them, the weights being the live model's."""
-        cfg, main, run, name = setup.cfg, ex.main(), *group.split("/")
-        return {
-            "run": run, "tag": None, "checkpoint": name, **when,
-            "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
-            "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
-            "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
-            "val_tokens": int(main.val["val_count"].sum()), **loss_attrs(main.lm, ex.transform),
-            "min_count": cfg.min_count, "block_size": setup.record["block_size"], "dataset": cfg.dataset,
-            "split": setup.record.get("split", cfg.split), "val_held_out": setup.record.get("val_held_out"),
-            "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
-            "tokenizer": setup.tokenizer_name, "tokenizer_sha256": tokenizer_fingerprint(setup.tokenizer),
-            "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
-            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
-            "source": "training", "output_dir": self.output_dir,
-            "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),
-            "config": json.dumps(setup.record, sort_keys=True),
-        }
 
     def _log(self, state, step: int, scalars: dict[str, float]) -> None:
         """The scalars into the Trainer's logs: through ``trainer.log`` (every integration sees them) when the
