@@ -313,7 +313,7 @@ def done_before(store: Store, ckpt: Checkpoint, repo: str, revision: str, cfg: E
     -------
     bool
         Its group is complete, from this repository and revision (and its commit, where that can be known without
-        downloading), under the same settings (:func:`~ncanalyze.store.extraction.config.checkpoint_status` says skip).
+        downloading), under the same settings (:meth:`Store.status` says skip).
     """
     attrs = store.attrs(ckpt.group) or {}
     if not (attrs.get("complete") and attrs.get("hub_repo") == repo and attrs.get("hub_revision") == revision):
