@@ -134,7 +134,7 @@ class NeuralCollapseCallback(TrainerCallback):
     Parameters
     ----------
     store
-        The store [default: ``$NCANALYZE_STORE``, else ``./ncanalyze.zarr``].
+        The store, its path or a ``Store`` [default: ``$NCANALYZE_STORE``, else ``./ncanalyze.zarr``].
     train_data
         The train data, any form ``--dataset`` takes (text needs the Trainer's tokenizer, its ``processing_class``).
     val_data
@@ -154,7 +154,7 @@ class NeuralCollapseCallback(TrainerCallback):
         ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ``cap_mode``, ...).
     """
 
-    def __init__(self, store: str | Path | None = None, train_data: str | None = None, val_data: str | None = None,
+    def __init__(self, store: str | Path | Store | None = None, train_data: str | None = None, val_data: str | None = None,
                  max_train_tokens: int | None = None, layers: str = "last", every: int | None = None, *,
                  max_val_tokens: int | None = None, trainer=None, **settings):
         if train_data is None:
