@@ -144,7 +144,7 @@ def inventory(store: str | Path | Store) -> dict:
     good, bad = store.checkpoint_groups()
     entries = [_checkpoint(store, g, set(good), bad) for gs in known(store).values() for g in gs]
     listed = {e.group.split("/")[0] for e in entries}
-    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store.path / run))  # a run with nothing below
+    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store.path / run))  # nothing below it
                 for run, why in bad.items() if "/" not in run and run not in listed]
     configs = [_config(e.attrs) for e in entries if e.attrs]
     keys = sorted({k for c in configs for k in c} - PER_CHECKPOINT - {"dataset"})

@@ -154,8 +154,9 @@ class NeuralCollapseCallback(TrainerCallback):
         ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ``cap_mode``, ...).
     """
 
-    def __init__(self, store: str | Path | Store | None = None, train_data: str | None = None, val_data: str | None = None,
-                 max_train_tokens: int | None = None, layers: str = "last", every: int | None = None, *,
+    def __init__(self, store: str | Path | Store | None = None, train_data: str | None = None,
+                 val_data: str | None = None, max_train_tokens: int | None = None, layers: str = "last",
+                 every: int | None = None, *,
                  max_val_tokens: int | None = None, trainer=None, **settings):
         if train_data is None:
             raise UserError("NeuralCollapseCallback needs train_data (any form --dataset takes)")
