@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import click
 import cloup
-from ncanalyze.cli.common import default_store
+from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option
 from ncanalyze.store.extraction.settings import SECTIONS, ExtractConfig, flag_of
 
@@ -121,7 +121,7 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
     from ncanalyze.store.runs.local import announcer_over
     from ncanalyze.store.runs.local import extract as extract_local
 
-    store = store or default_store()
+    store = open_store(None, store)  # resolved once, passed down
     hub = [p for p in paths if is_hub_id(p)]
     local = [p for p in paths if p not in hub]
     if (revisions or revision_ranges) and not hub:

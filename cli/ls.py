@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import click
-from ncanalyze.cli.common import resolve_store
+from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import store_argument
 
 
@@ -80,7 +80,7 @@ def ls(store_positional, store, as_json):
     """
     from ncanalyze.store.inventory import inventory
 
-    inv = inventory(resolve_store(store_positional, store))
+    inv = inventory(open_store(store_positional, store))
     if as_json:
         click.echo(json.dumps({"store": inv["store"], "bytes": inv["bytes"], "token_cache_bytes":
                                inv["token_cache_bytes"], "runs": inv["runs"], "tags": inv["tags"],

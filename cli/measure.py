@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import click
-from ncanalyze.cli.common import resolve_store
+from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option, store_argument
 
 SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
@@ -29,7 +29,7 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     from ncanalyze.analyzer.schema import SCALARS
     from ncanalyze.store.measure import measure_store
 
-    store = resolve_store(store_positional, store)
+    store = open_store(store_positional, store)
     result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device)
     every, failed = [*result.measured, *result.skipped, *result.failed], result.failed
     left_out = f", {len(failed)} group(s) left out (see above)" if failed else ""

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import click
 from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N, NoteKind, has_note
@@ -68,7 +67,7 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     permutation unit and count, thin classes, tags kept apart).
     """
     from ncanalyze.analyzer.report import ReportOptions, write_report
-    from ncanalyze.store.io import read_group
+    from ncanalyze.store.store import Store
     from ncanalyze.store.measure import load_table
 
     df, store_path, failed = load_table(resolve_store(store_positional, store), min_count, scheduler)
@@ -76,7 +75,7 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     options = ReportOptions(metrics=metrics, target=target, controls=_split(controls), where=where,
                             n_perm=permutations, seed=seed, store=store_path, tokens=_split(tokens),
                             checkpoints=checkpoints, per_run=per_run, html=html)
-    result = write_report(df, out, options, read_group=store_path and partial(read_group, store_path), skipped=failed)
+    result = write_report(df, out, options, read_group=store_path and Store.at(store_path).read, skipped=failed)
     n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)

@@ -3,20 +3,24 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.cli.common import resolve_store
+from ncanalyze.cli.common import open_store
 from ncanalyze.cli.ls import human
 from ncanalyze.cli.options import option
 
+if TYPE_CHECKING:
+    from ncanalyze.store.store import Store
 
-def split_store(names: tuple[str, ...], store: str | None) -> tuple[str, list[str]]:
+
+def split_store(names: tuple[str, ...], store: str | None) -> tuple[Store, list[str]]:
     """The store and the groups from ``[STORE] GROUP...``: without --store, a first name that is a store (a folder
     holding zarr.json) is the store."""
     if not store and names and (Path(names[0]) / "zarr.json").is_file():
-        return resolve_store(names[0], None), list(names[1:])
-    return resolve_store(None, store), list(names)
+        return open_store(names[0], None), list(names[1:])
+    return open_store(None, store), list(names)
 
 
 @click.command(short_help="Remove checkpoints, runs or a tag from the store, safely.")

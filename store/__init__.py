@@ -3,11 +3,12 @@ measure, the Dask client); the extraction pipeline climbs above it: sources -> d
 
 Each floor imports only the floors below it (``tests/test_architecture.py``); between packages imports go
 ``ncanalyze.cli`` -> ``ncanalyze.store`` -> ``ncanalyze.analyzer``. Importing this package is
-light: :func:`open` (the SPEC's ``ncanalyze.store.open(path)``, io.open_tree) loads zarr and xarray when first used.
+light: :func:`open` (the SPEC's ``ncanalyze.store.open(path)``, io.open_tree) and ``Store`` (store.py, the store as one
+object: its path, layout and operations) load zarr and xarray when first used.
 """
 from __future__ import annotations
 
-__all__ = ["open"]
+__all__ = ["Store", "open"]
 
 
 def __getattr__(name: str):
@@ -15,4 +16,8 @@ def __getattr__(name: str):
         from ncanalyze.store.io import open_tree  # zarr and xarray, on first use only
 
         return open_tree
+    if name == "Store":
+        from ncanalyze.store.store import Store  # the store as one object (store.py)
+
+        return Store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,18 +19,19 @@ from pathlib import Path
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import LAYER
 from ncanalyze.store import io
-from ncanalyze.store.layout import CheckpointFiles, StoreLayout, group_order, probe_writable
-from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.resume import drop_state, prune
+from ncanalyze.store.layout import CheckpointFiles, group_order, probe_writable
+from ncanalyze.store.resume import drop_state
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
 PER_CHECKPOINT = {"weights"}  # config keys that differ between checkpoints by nature: not a setting of the study
 
 
-def files_of(store: Path, group: str) -> CheckpointFiles:
-    """The files beside the store of checkpoint ``group`` (``run/checkpoint``), where extraction keeps them."""
-    return StoreLayout(store).group_files(group)
+def files_of(store: str | Path | Store, group: str) -> CheckpointFiles:
+    """The files beside the store of checkpoint ``group`` (``run/checkpoint``), where extraction keeps them (a thin
+    function of a path, for the tests; the commands ask their :class:`Store`)."""
+    return Store.at(store).group_files(group)
 
 
 def disk_bytes(path: Path) -> int:
@@ -40,21 +41,21 @@ def disk_bytes(path: Path) -> int:
     return sum((Path(d) / f).lstat().st_size for d, _, files in os.walk(path) for f in files)
 
 
-def _leftovers(store: Path, group: str) -> list[Path]:
+def _leftovers(store: Store, group: str) -> list[Path]:
     """What beside the store belongs to checkpoint ``group``: resume state, staged layers, staged or old copy, and
     what a removal cut short left."""
-    return [p for p in files_of(store, group).all if p.exists()]
+    return [p for p in store.group_files(group).all if p.exists()]
 
 
-def known(store: Path) -> dict[str, list[str]]:
+def known(store: Store) -> dict[str, list[str]]:
     """Every run of ``store`` -> its checkpoint groups (``run/checkpoint``): those in the store, and those that exist
     only beside it (a resume state, or an old copy left by a write or removal cut short), in study order."""
     runs: dict[str, set[str]] = {}
-    for run in (d for d in store.iterdir() if (d / "zarr.json").is_file() and not d.name.startswith(".")):
+    for run in (d for d in store.path.iterdir() if (d / "zarr.json").is_file() and not d.name.startswith(".")):
         runs[run.name] = {f"{run.name}/{c.name}" for c in run.iterdir() if (c / "zarr.json").is_file()}
-    for group in StoreLayout(store).groups_beside():
+    for group in store.layout.groups_beside():
         runs.setdefault(group.split("/")[0], set()).add(group)
-    steps = {g: (io.group_attrs(store, g, corrupt_ok=True) or {}).get("global_step")
+    steps = {g: (store.attrs(g, corrupt_ok=True) or {}).get("global_step")
              for gs in runs.values() for g in gs}
     return {r: sorted(gs, key=lambda g: group_order(g, steps)) for r, gs in sorted(runs.items())}
 
@@ -102,12 +103,12 @@ def _measured(attrs: list[dict]) -> str:
     return "no" if not has else "stale" if not current else "partly"
 
 
-def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) -> Entry:
+def _checkpoint(store: Store, group: str, good: set[str], bad: dict[str, str]) -> Entry:
     """The entry of checkpoint ``group``: its status, layers, measurement and size (its leftovers included)."""
-    entry = Entry(group, bytes=disk_bytes(store / group) + sum(disk_bytes(p) for p in _leftovers(store, group)))
+    entry = Entry(group, bytes=disk_bytes(store.path / group) + sum(disk_bytes(p) for p in _leftovers(store, group)))
     run = group.split("/")[0]
-    if not (store / group).is_dir():
-        removing = files_of(store, group).removing.exists()
+    if not (store.path / group).is_dir():
+        removing = store.group_files(group).removing.exists()
         entry.status = ("interrupted removal (rm it again to finish)" if removing else
                         "interrupted extraction: a resume state or old copy only (extract again to finish, or rm it)")
         return entry
@@ -117,7 +118,7 @@ def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) ->
     if group not in good:
         entry.status = "incomplete: an interrupted write (extract again to finish, or rm it)"
         return entry
-    entry.attrs = io.group_attrs(store, group)
+    entry.attrs = store.attrs(group)
     subs = sorted((g for g in [*good, *bad] if g.startswith(f"{group}/layers/")), key=lambda g: group_order(g, {}))
     own = entry.attrs.get(LAYER, entry.attrs.get("n_layers"))
     entry.layers = sorted({int(g.rsplit("/", 1)[1]) for g in subs if g.rsplit("/", 1)[1].isdigit()}
@@ -125,32 +126,31 @@ def _checkpoint(store: Path, group: str, good: set[str], bad: dict[str, str]) ->
     problems = [f"{g.removeprefix(group + '/')} corrupt ({bad[g]})" for g in subs if g in bad]
     for g in (g for g in [group, *subs] if g in good):
         try:
-            problems += [f"{g.removeprefix(group).strip('/') or 'it'} {p}" for p in io.damage(store, g)]
+            problems += [f"{g.removeprefix(group).strip('/') or 'it'} {p}" for p in store.damage(g)]
         except io.CORRUPT as e:
             problems.append(f"an array's metadata is corrupt ({e})")
     if problems:
         entry.status = "corrupt: " + "; ".join(problems) + f": {io.FIX}"
-    entry.measured = _measured([entry.attrs, *(io.group_attrs(store, g) for g in subs if g in good)])
+    entry.measured = _measured([entry.attrs, *(store.attrs(g) for g in subs if g in good)])
     return entry
 
 
-def inventory(store: str | Path) -> dict:
+def inventory(store: str | Path | Store) -> dict:
     """What ``store`` holds, from metadata only: ``entries`` (an :class:`Entry` per checkpoint, in study order),
     ``settings`` (the configuration keys whose values differ between the store's checkpoints; ``dataset`` is always
     shown), ``runs``, ``tags``, ``bytes`` (the store, its resume folder and its token cache) and ``store``."""
-    store = Path(store)
-    if not (store / "zarr.json").is_file():
-        io.open_tree(store)  # the one-line error for a path that is not a store
-    good, bad = io.checkpoint_groups(store)
+    store = Store.at(store)
+    store.require()  # the one-line error for a path that is not a store
+    good, bad = store.checkpoint_groups()
     entries = [_checkpoint(store, g, set(good), bad) for gs in known(store).values() for g in gs]
     listed = {e.group.split("/")[0] for e in entries}
-    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store / run))  # a run with nothing below
+    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store.path / run))  # nothing below it
                 for run, why in bad.items() if "/" not in run and run not in listed]
     configs = [_config(e.attrs) for e in entries if e.attrs]
     keys = sorted({k for c in configs for k in c} - PER_CHECKPOINT - {"dataset"})
     settings = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
-    layout = StoreLayout(store)
-    total = sum(disk_bytes(p) for p in (store, layout.partial, layout.tokens))
+    layout = store.layout
+    total = sum(disk_bytes(p) for p in (store.path, layout.partial, layout.tokens))
     return {"store": str(store), "entries": entries, "settings": settings, "bytes": total,
             "runs": sorted({e.group.split("/")[0] for e in entries}),
             "tags": sorted({e.row([])["tag"] for e in entries} - {None}),
@@ -163,23 +163,22 @@ def inventory(store: str | Path) -> dict:
 class Removal:
     """What ``rm`` removes: checkpoint groups (``run/checkpoint``, with their layers and what lies beside the store
     for them) and whole runs (every checkpoint, then the run's own group)."""
-    store: Path
+    store: Store
     groups: list[str]
     runs: list[str]
 
     @property
     def bytes(self) -> int:
-        return sum(disk_bytes(self.store / g) + sum(disk_bytes(p) for p in _leftovers(self.store, g))
+        return sum(disk_bytes(self.store.path / g) + sum(disk_bytes(p) for p in _leftovers(self.store, g))
                    for g in self.groups)
 
 
-def plan_removal(store: str | Path, names: list[str], tags: list[str] = ()) -> Removal:
+def plan_removal(store: str | Path | Store, names: list[str], tags: list[str] = ()) -> Removal:
     """Resolve ``names`` (``run/checkpoint`` or ``run``) and ``tags`` (every ``<run>@<tag>`` run) against ``store``;
     a UserError, in one line, for the names that match nothing, with the close matches."""
-    store = Path(store)
-    if not (store / "zarr.json").is_file():
-        io.open_tree(store)  # the one-line error for a path that is not a store
-    io.check_format(store)  # a store of another format: extract again, nothing removed
+    store = Store.at(store)
+    store.require()  # the one-line error for a path that is not a store
+    store.check_format()  # a store of another format: extract again, nothing removed
     runs_ = known(store)
     groups = [g for gs in runs_.values() for g in gs]
     runs, picked, unknown = [], [], []
@@ -207,18 +206,18 @@ def plan_removal(store: str | Path, names: list[str], tags: list[str] = ()) -> R
     return Removal(store, picked + [g for r in runs for g in runs_[r]], runs)
 
 
-def remove_checkpoint(store: Path, group: str) -> None:
+def remove_checkpoint(store: Store, group: str) -> None:
     """Remove checkpoint ``group`` under its extraction lock: the group leaves the store in one rename (to a folder
     beside it that nothing restores), then its resume state, staged files and the moved group are deleted. A kill
     leaves the store with the whole group or without it; what is left beside it, ``ls`` names and ``rm`` run again
     removes."""
-    files = files_of(store, group)
-    with checkpoint_lock(files.lock, group, doing="removed"):
-        io.recover_swap(store, group, files)  # a write cut short: its old group is the one
-        if (store / group).exists():
+    files = store.group_files(group)
+    with store.lock(group, doing="removed"):
+        store.recover(group)  # a write cut short: its old group is the one
+        if (store.path / group).exists():
             shutil.rmtree(files.removing, ignore_errors=True)
             files.removing.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(store / group, files.removing)
+            os.rename(store.path / group, files.removing)
         drop_state(files.state)
         for path in (files.layers, files.staging, files.old, files.removing):
             shutil.rmtree(path, ignore_errors=True)
@@ -229,7 +228,7 @@ def remove(removal: Removal) -> list[str]:
     """Carry out ``removal``: each checkpoint (:func:`remove_checkpoint`), then each whole run's own group once
     nothing else is left in it. Returns what was left behind, with why (a run holding other folders)."""
     store, left = removal.store, []
-    for folder in {store, *(store / g.split("/")[0] for g in removal.groups)}:
+    for folder in {store.path, *(store.path / g.split("/")[0] for g in removal.groups)}:
         try:
             probe_writable(folder)
         except OSError as e:
@@ -240,7 +239,7 @@ def remove(removal: Removal) -> list[str]:
             remove_checkpoint(store, group)
             log.debug("removed %s", group)
         for run in removal.runs:
-            folder = store / run
+            folder = store.path / run
             others = [p.name for p in folder.iterdir() if p.name != "zarr.json"] if folder.is_dir() else []
             if others:
                 left.append(f"{run} (it also holds {', '.join(sorted(others)[:3])})")
@@ -250,5 +249,5 @@ def remove(removal: Removal) -> list[str]:
                 folder.rmdir()
     finally:
         with contextlib.suppress(OSError):
-            prune(StoreLayout(store).partial)
+            store.prune()
     return left

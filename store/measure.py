@@ -16,17 +16,8 @@ from ncanalyze.analyzer.schema import HEAD, METRICS_VERSION
 from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
-from ncanalyze.store.io import (
-    CHUNK_ERRORS,
-    checkpoint_groups,
-    group_attrs,
-    open_tree,
-    read_statistics,
-    write_metrics,
-)
-from ncanalyze.store.layout import StoreLayout
-from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.resume import prune
+from ncanalyze.store.io import CHUNK_ERRORS
+from ncanalyze.store.store import Store
 from tqdm.auto import tqdm
 
 WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
@@ -61,7 +52,7 @@ class MeasureResult:
         return list(dict.fromkeys(checkpoint_group(g) for g in groups))
 
 
-def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
+def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
                   force: bool = False, device: str = "auto") -> MeasureResult:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
     store the results in its group, and return them with the table of one row per checkpoint and stored layer: run,
@@ -80,26 +71,25 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
     """
-    if not (Path(store) / "zarr.json").is_file():
-        open_tree(store)  # the one-line error for a path that is not a store
+    store = Store.at(store)
+    store.require()  # the one-line error for a path that is not a store
     on = engine_device(device)  # a device that is not there: one line, before any work
-    groups, skipped = checkpoint_groups(store)
-    attrs = {g: group_attrs(store, g) for g in groups}
+    groups, skipped = store.checkpoint_groups()
+    attrs = {g: store.attrs(g) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
-    unwritable = _unwritable(Path(store)) if todo else None
+    unwritable = _unwritable(store.path) if todo else None
     if unwritable:
         warnings.warn(f"{store} is not writable ({unwritable}): measuring {len(todo)} checkpoint(s) without storing "
                       "the results, so they are measured again next time; measure a writable copy to keep them",
                       ReadOnlyStore, stacklevel=2)
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
-    layout = StoreLayout(store)
     with client(scheduler, workers=WORKER_WAIT_S if todo else None):
         for g in tqdm(todo, desc="measuring", unit="group", disable=None):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    ds = read_statistics(store, g, heads.get(checkpoint_group(g)))
+                    ds = store.statistics(g, heads.get(checkpoint_group(g)))
                     if checkpoint_group(g) == g:
                         heads = {g: ds[[h for h in HEAD if h in ds.variables]]}
                     scalars, per_class = measure_all(ds, min_count, tile, on or "cpu", "torch" if on else "numba")
@@ -117,8 +107,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
                 attrs[g]["metrics"] = scalars
                 continue
             try:
-                with checkpoint_lock(layout.group_files(checkpoint_group(g)).lock, checkpoint_group(g),
-                                     doing="measured"):
+                with store.lock(checkpoint_group(g), doing="measured"):
                     if _vanished(store, g):  # removed (ncanalyze rm) between the read and the write: nothing to write
                         skipped[g] = VANISHED
                         continue
@@ -126,7 +115,7 @@ def measure_store(store: str | Path, min_count: int = 1, scheduler: str | None =
             except OSError as e:  # the lock itself cannot be made (a full disk): measured, not stored
                 unwritable = _cannot_store(store, e)
                 attrs[g]["metrics"] = scalars
-    prune(layout.partial)
+    store.prune()
     for (category, message), where in raised.items():  # once each, naming the checkpoints, in its own category
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
     twins = same_model_and_step({g: attrs[g] for g in groups if g not in skipped})
@@ -150,13 +139,13 @@ class ReadOnlyStore(UserWarning):
     """Checkpoints measured without storing the results: the store cannot be written."""
 
 
-def _keep(store, g: str, attrs: dict, scalars: dict, per_class, min_count: int, unwritable: str | None) -> str | None:
+def _keep(store: Store, g: str, attrs: dict, scalars: dict, per_class, min_count: int, unwritable: str | None) -> str | None:
     """Store ``g``'s metrics and put them into ``attrs``; only into ``attrs`` when the store is ``unwritable`` (why),
     or when writing fails (a full disk, said once: the record is written last, so ``g`` is measured again). Returns
     why the store is unwritable, or None."""
     if not unwritable:
         try:
-            attrs |= write_metrics(store, g, scalars, per_class, min_count, attrs.get("config_hash"))
+            attrs |= store.write_metrics(g, scalars, per_class, min_count, attrs.get("config_hash"))
             return None
         except OSError as e:
             unwritable = _cannot_store(store, e)
@@ -173,10 +162,10 @@ def _cannot_store(store, e: OSError) -> str:
     return why
 
 
-def _vanished(store, g: str) -> bool:
+def _vanished(store: Store, g: str) -> bool:
     """Whether group ``g`` (or its checkpoint) is no longer in ``store``: what ``rm`` leaves, which measure and report
     skip with one line (rm moves a checkpoint out in one rename, under the lock measure takes to write)."""
-    return not (Path(store) / g / "zarr.json").is_file()
+    return not (store.path / g / "zarr.json").is_file()
 
 
 def _unwritable(store: Path) -> str | None:

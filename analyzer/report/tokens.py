@@ -19,7 +19,7 @@ AVERAGE_TOKEN = "(average token)"
 
 class GroupReader(Protocol):
     """Gives a checkpoint's dataset (its per-class variables, lazily) by group name ``run/checkpoint``, or raises
-    a :class:`UserError` naming the group; on a store, ``functools.partial(ncanalyze.store.io.read_group, path)``."""
+    a :class:`UserError` naming the group; on a store, its ``Store.read`` (``ncanalyze.store.Store.at(path).read``)."""
 
     def __call__(self, group: str) -> xr.Dataset: ...
 

@@ -34,7 +34,8 @@ _DIGESTS: dict[tuple, str] = {}  # (path, size, mtime, ctime, inode) -> sha256 o
 
 
 def cache_dir(store: Path) -> Path:
-    """The token cache's folder beside ``store`` (layout.py)."""
+    """The token cache's folder beside the store at the path ``store`` (layout.py; a running extraction has its
+    ``Store``'s ``layout.tokens``)."""
     return StoreLayout(store).tokens
 
 
@@ -143,10 +144,10 @@ def _intact(path: Path) -> str | None:
     return None if file_digest(path) == want else "its content does not match its sha256 (altered or truncated)"
 
 
-def cached(store: Path, blocks: Blocks, key: str) -> Blocks:
-    """``blocks`` (tokenized text) from the cache, writing it first if it is not there yet: the same blocks, with
-    their number known."""
-    path = cache_dir(store) / f"{key}.npy"
+def cached(folder: Path, blocks: Blocks, key: str) -> Blocks:
+    """``blocks`` (tokenized text) from the cache in ``folder`` (a store's ``layout.tokens``), writing it first if it
+    is not there yet: the same blocks, with their number known."""
+    path = Path(folder) / f"{key}.npy"
     if path.is_dir() or _checksum_path(path).is_dir():
         raise UserError(f"{path} or its .sha256 is a folder where the token cache keeps a file: move it away, or pass "
                         "--no-token-cache")

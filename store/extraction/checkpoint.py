@@ -4,7 +4,6 @@ passes and write)."""
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import shutil
 import time
@@ -14,23 +13,19 @@ from typing import NamedTuple
 
 import torch
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store import io
-from ncanalyze.store.data import tokens
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import (
-    cap_mode,
     Resolved,
     Status,
-    checkpoint_status,
     config_hash,
     differences,
-    open_data,
+    open_inputs,
     refusal,
     resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
-from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.memory import (
     check_memory,
     fit_plan,
@@ -38,8 +33,7 @@ from ncanalyze.store.extraction.memory import (
 )
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.layout import CheckpointFiles, StoreLayout
-from ncanalyze.store.lock import checkpoint_lock
+from ncanalyze.store.layout import CheckpointFiles
 from ncanalyze.store.resume import (
     DeferredInterrupt,
     Phase,
@@ -48,12 +42,13 @@ from ncanalyze.store.resume import (
     load_state,
     record_of,
 )
-from ncanalyze.store.sources.anatomy import final_norm, finite_head, head, n_layers
+from ncanalyze.store.sources.anatomy import final_norm, finite_head, head
 from ncanalyze.store.sources.discover import (
     Checkpoint,
     training_metadata,
 )
 from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +75,7 @@ class Loaded(NamedTuple):
     plan: layers.Plan             # the run's plan, its passes fitted to the memory under --layers-per-pass auto
 
 
-def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+def extract_checkpoint(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, overwrite: bool = False,
                        restart: bool = False, announce: Callable[..., None] | None = None,
                        interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> Outcome:
     """Extract one checkpoint into ``<store>/<run>/<checkpoint>``.
@@ -109,11 +104,10 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
     Outcome
         DONE, SKIPPED or RESUMED.
     """
-    store = Path(store)
     run = resolve(ckpt, cfg)
-    files = StoreLayout(store).checkpoint(ckpt)
-    with checkpoint_lock(files.lock, ckpt.group):
-        if _settle(ckpt, store, cfg, run.record, files, overwrite) is Status.SKIP:
+    files = store.files(ckpt)
+    with store.lock(ckpt.group):
+        if _settle(ckpt, store, cfg, run.record, overwrite) is Status.SKIP:
             return Outcome.SKIPPED
         loaded = load_checkpoint(ckpt, cfg, run)
         run = run._replace(plan=loaded.plan)
@@ -126,19 +120,18 @@ def extract_checkpoint(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwr
         return outcome
 
 
-def _settle(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, record: dict, files: CheckpointFiles,
-            overwrite: bool) -> Status:
+def _settle(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, record: dict, overwrite: bool) -> Status:
     """The checkpoint's status, after putting back a group an overwrite left aside; a skipped one's leftovers (a
     state or a staged copy left by a run killed after its write) are removed, a refused one raises."""
-    io.recover_swap(store, ckpt.group, files)
-    existing = io.group_attrs(store, ckpt.group, corrupt_ok=overwrite)
-    status = checkpoint_status(existing, record, files.state, overwrite)
+    files = store.files(ckpt)
+    store.recover(ckpt.group)
+    status = store.status(ckpt.group, config_hash(record), overwrite)
     if status is Status.SKIP:
         drop_state(files.state)
         for stale in (files.staging, files.old):
             shutil.rmtree(stale, ignore_errors=True)
     if status is Status.REFUSE:
-        raise refusal(ckpt.group, store, existing, record, cfg.tag)
+        raise refusal(ckpt.group, store, store.attrs(ckpt.group), record, cfg.tag)
     return status
 
 
@@ -155,17 +148,7 @@ def load_checkpoint(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Load
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
 
 
-def open_inputs(store: Path, cfg: ExtractConfig, run: Resolved, tokenizer) -> tuple[Blocks, Blocks | None]:
-    """The train and validation blocks (none without validation data)."""
-    train = open_data(cfg.dataset, run.split, cfg.max_train_tokens, "--max-train-tokens", cfg, run.block_size,
-                      run.config, tokenizer, store)
-    val = None if run.val_spec is None else open_data(run.val_spec, run.val_split, cfg.max_val_tokens,
-                                                      "--max-val-tokens", cfg, run.block_size, run.config, tokenizer,
-                                                      store)
-    return train, val
-
-
-def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Resolved, files: CheckpointFiles,
+def _passes_and_write(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, run: Resolved, files: CheckpointFiles,
                       loaded: Loaded, train: Blocks, val: Blocks | None, overwrite: bool, restart: bool,
                       interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> Outcome:
     """The running state (resumed where saved), the train and validation passes, the group's attributes and its write;
@@ -176,27 +159,14 @@ def _passes_and_write(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, run: Re
                     run.device, files.layers)
     outcome = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
-    io.ensure_group(store)  # the store appears now, its inputs all opened: a command that fails before leaves none
+    store.ensure()  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
-    main = ex.main()
-    attrs = {
-        "run": ckpt.run, "tag": cfg.tag, "checkpoint": ckpt.name, **training_metadata(ckpt),
-        "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
-        "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
-        "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
-        "val_tokens": int(main.val["val_count"].sum()),
-        **loss_attrs(main.lm, ex.transform), "min_count": cfg.min_count, "block_size": run.block_size,
-        "dataset": cfg.dataset, "split": run.split, "val_dataset": run.val_spec, "val_split": run.val_split,
-        "val_held_out": run.held_out, "tokenizer": loaded.tokenizer_name,
-        "tokenizer_sha256": tokens.tokenizer_fingerprint(loaded.tokenizer), "dtype": cfg.dtype, "device": str(run.device),
-        "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
-        "source": str(ckpt.path.resolve()),
-        "ncanalyze_version": io.version(), "config_hash": config_hash(record),
-        "config": json.dumps(record, sort_keys=True), **(extra_attrs or {}),
-    }
+    attrs = group_attributes(ckpt.group, training_metadata(ckpt), model, ex, classifier, cfg, run, loaded.tokenizer,
+                             loaded.tokenizer_name, dtype=cfg.dtype, device=run.device, source=str(ckpt.path.resolve()),
+                             extra=extra_attrs)
     norm = final_norm(model)
     ds, others = ex.datasets(classifier, bias, decoded_tokens(loaded.tokenizer, classifier.shape[0]), attrs, norm and norm[0])
-    io.write_checkpoint(store, ckpt.group, ds, files, layers=others)
+    store.write_checkpoint(ckpt.group, ds, layers=others)
     ex.cleanup()
     return outcome
 

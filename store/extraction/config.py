@@ -5,7 +5,6 @@ under them (:func:`checkpoint_status`: skip, refuse, resume or start fresh).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import logging
@@ -32,6 +31,7 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config, resolve_device, weights_fingerprint
+from ncanalyze.store.store import Status, Store, decide  # noqa: F401 (Status: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -286,15 +286,23 @@ def rows_width(cfg: ExtractConfig) -> int | None:
     return int(shape[1])
 
 
-def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
-    """What ``cfg`` means for ``ckpt`` here, without loading its weights.
+def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, device: torch.device | None = None,
+            weights: str | None = None) -> Resolved:
+    """What ``cfg`` means for ``ckpt`` here, without loading its weights; or, for the model a Trainer is training
+    (the callback: no checkpoint folder), for its live ``model_config``, ``device`` and ``weights``.
 
     Parameters
     ----------
     ckpt
-        The checkpoint.
+        The checkpoint (None for a live model).
     cfg
         The configuration.
+    model_config
+        The model's transformers config [default: read from ``ckpt``].
+    device
+        Where it runs [default: ``cfg.device`` resolved].
+    weights
+        The record's ``weights`` [default: the fingerprint of ``ckpt``'s weight files].
 
     Returns
     -------
@@ -302,18 +310,18 @@ def resolve(ckpt: Checkpoint, cfg: ExtractConfig) -> Resolved:
         Device, model config, block size, train split, validation spec and split, the percentage held out,
         configuration record and layer plan.
     """
-    device = resolve_device(cfg.device)
-    config = load_config(ckpt, cfg.trust_remote_code)
+    device = device if device is not None else resolve_device(cfg.device)
+    config = model_config if model_config is not None else load_config(ckpt, cfg.trust_remote_code)
     block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
     val = val_data(cfg)
-    record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, held_out=val.held_out)
+    record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, weights=weights, held_out=val.held_out)
     plan = layer_plan(cfg, config)
     layers.record_layers(record, plan)
     return Resolved(device, config, block_size, val.train_split, val.spec, val.split, val.held_out, record, plan)
 
 
 def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractConfig, block_size: int, config,
-              tokenizer, store: Path | None = None) -> Blocks:
+              tokenizer, store: Store | None = None) -> Blocks:
     """The data as blocks, no longer than the model's positions; text through the token cache beside ``store``.
 
     Parameters
@@ -348,24 +356,49 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
         return spread(blocks, cfg.seed) if cfg.cap_mode == "spread" else blocks
     if cfg.cap_mode == "prefix":  # the cache holds the first blocks only
-        return tokens.cached(store, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer, block_size, cap,
-                                                             cfg.keep_linebreaks))
-    whole = tokens.cached(store, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
+        return tokens.cached(store.layout.tokens, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer,
+                                                                          block_size, cap, cfg.keep_linebreaks))
+    whole = tokens.cached(store.layout.tokens, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
         spec, split, cfg.text_column, tokenizer, block_size, None, cfg.keep_linebreaks))  # the whole split, once
     return spread(dataclasses.replace(whole, max_blocks=blocks.max_blocks), cfg.seed)
 
 
-class Status(enum.Enum):
-    """What to do with a checkpoint, given what is on disk (:func:`checkpoint_status`)."""
-    SKIP = "skip"        # in the store, complete, under the same configuration
-    REFUSE = "refuse"    # in the store, complete, under another configuration (refusal() says so)
-    RESUME = "resume"    # not in the store; a resume state is there
-    FRESH = "fresh"      # neither
+def open_inputs(store: Store | None, cfg: ExtractConfig, run: Resolved, tokenizer,
+                flags: tuple[str, str] = ("--max-train-tokens", "--max-val-tokens"),
+                validation: bool = True) -> tuple[Blocks, Blocks | None]:
+    """The train and validation blocks of a resolved configuration (none without validation data), text through the
+    token cache beside ``store``: the one opening of an extraction's inputs (a checkpoint, its estimate, its shards,
+    the Trainer callback).
+
+    Parameters
+    ----------
+    store
+        The store (None: no token cache).
+    cfg, run
+        The configuration and what it resolved to (:func:`resolve`).
+    tokenizer
+        The tokenizer for text (None: token ids only).
+    flags
+        The caps' names in errors (the command's flags, or the callback's arguments).
+    validation
+        Open the validation data too (a shard reads the train data only).
+
+    Returns
+    -------
+    tuple
+        (train, validation or None).
+    """
+    train = open_data(cfg.dataset, run.split, cfg.max_train_tokens, flags[0], cfg, run.block_size, run.config,
+                      tokenizer, store)
+    val = None if run.val_spec is None or not validation else open_data(
+        run.val_spec, run.val_split, cfg.max_val_tokens, flags[1], cfg, run.block_size, run.config, tokenizer, store)
+    return train, val
 
 
 def checkpoint_status(existing: dict | None, record: dict, state: Path, overwrite: bool = False,
                       restart: bool = False) -> Status:
-    """The one decision of what to do with a checkpoint.
+    """The one decision of what to do with a checkpoint (store.decide, on ``record``'s hash; a running extraction
+    asks its ``Store.status``).
 
     Parameters
     ----------
@@ -375,22 +408,18 @@ def checkpoint_status(existing: dict | None, record: dict, state: Path, overwrit
         The configuration record it would be extracted under.
     state
         Its resume state's path.
-    overwrite
-        A complete group is to be replaced (never skipped or refused).
-    restart
-        A resume state is to be discarded (never resumed).
+    overwrite, restart
+        As for store.decide.
 
     Returns
     -------
     Status
         SKIP, REFUSE, RESUME or FRESH.
     """
-    if existing and existing.get("complete") and not overwrite:
-        return Status.SKIP if existing.get("config_hash") == config_hash(record) else Status.REFUSE
-    return Status.RESUME if state.exists() and not restart else Status.FRESH
+    return decide(existing, config_hash(record), state, overwrite, restart)
 
 
-def refusal(group: str, store: Path, existing: dict, record: dict, tag: str | None) -> UserError:
+def refusal(group: str, store: Store, existing: dict, record: dict, tag: str | None) -> UserError:
     """The error for a checkpoint that :func:`checkpoint_status` refuses, naming the settings that differ.
 
     Parameters

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head
 from ncanalyze.analyzer.errors import CheckpointError
-from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.layers import Plan
@@ -42,6 +41,7 @@ from ncanalyze.store.resume import UNREADABLE, Phase
 from ncanalyze.store.sources.anatomy import LogitTransform, default_block_size, features, head, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -193,10 +193,10 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int,
 
 
 def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch_size: int, samples_per_class: int,
-                  min_count: int, seed: int, partial: Path) -> Costs | None:
+                  min_count: int, seed: int, store: Store) -> Costs | None:
     """The :class:`Costs` of a checkpoint like ``model`` (loaded in ``loaded`` seconds), timed on the first train
     batch (None without one: the train pass then says the data is empty); the write rate is timed in a scratch
-    folder under ``partial``."""
+    folder beside ``store`` (:meth:`Store.write_rate`)."""
     weight, _ = head(model)
     batch = next(train.batches(batch_size), None)
     if batch is None:
@@ -206,7 +206,7 @@ def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch
     ids = torch.from_numpy(batch).to(weight.device)
     timed = batch_seconds(model, ids, samples_per_class, n_kept, seed, validation=val is not None)
     sample = weight[: max(1, (4 << 20) // weight.shape[1])].float().cpu().numpy()
-    return Costs(loaded, *timed, io.write_rate(sample, partial))
+    return Costs(loaded, *timed, store.write_rate(sample))
 
 
 def architecture(config, dtype: str, block_size: int | None = None) -> tuple:
@@ -351,7 +351,7 @@ def per_architecture(todo: list, first: tuple, key_of: Callable[[object], tuple 
 
 
 def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Plan, cfg: ExtractConfig,
-               partial: Path) -> Arch:
+               store: Store) -> Arch:
     """The :class:`Arch` of a loaded checkpoint (``model``, loaded in ``loaded`` seconds), its costs timed
     (:func:`measure_costs`, only where the data's length is known), its checkpoints still to be added.
 
@@ -363,8 +363,8 @@ def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Pl
         Its data and layer plan.
     cfg
         The configuration.
-    partial
-        The folder of work in progress beside the store (the write is timed there).
+    store
+        The store (the write is timed beside it).
 
     Returns
     -------
@@ -373,12 +373,12 @@ def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Pl
     """
     known = train.total is not None and (val is None or val.total is not None)
     costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count, cfg.seed,
-                          partial) if known else None
+                          store) if known else None
     return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes], plan.save_embeddings,
                 plan.embeddings_dtype, depths=depths(plan))
 
 
-def announcement(archs: list[Arch], cfg: ExtractConfig, store: Path, device: torch.device) -> str:
+def announcement(archs: list[Arch], cfg: ExtractConfig, store: Store | Path, device: torch.device) -> str:
     """The line after ``estimate:`` (:func:`estimate`), with the running state's size on ``device`` (that of the
     largest architecture's widest pass)."""
     k = max(max(a.passes) for a in archs)
@@ -395,7 +395,7 @@ def _duration(secs: float) -> str:
     return f"{secs:,.0f} s" if secs < 120 else f"{secs / 60:,.1f} min" if secs < 7200 else f"{secs / 3600:,.1f} h"
 
 
-def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: Path, state: str = "") -> str:
+def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: Store | Path, state: str = "") -> str:
     """The estimate for the checkpoints to do, one line over every architecture in ``archs``: the count (and how
     many are partly done), tokens, the time in all, each architecture's parts per checkpoint (timed on its first
     checkpoint), the disk and ``state`` (the running state's size, appended as given); it says it is a snapshot of one timed batch, which the passes' progress bars (their

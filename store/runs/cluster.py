@@ -15,9 +15,7 @@ from pathlib import Path
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.client import ENV, check_address, client
-from ncanalyze.store.layout import StoreLayout
-from ncanalyze.store.lock import checkpoint_lock
-from ncanalyze.store.resume import drop_state, prune
+from ncanalyze.store.store import Store
 from ncanalyze.store.sources.discover import discover, tagged
 from tqdm.auto import tqdm
 
@@ -42,7 +40,7 @@ def _why(e: BaseException) -> str:
     return str(e)
 
 
-def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address: str | None,
+def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, cfg, address: str | None,
                        overwrite: bool = False, restart: bool = False, shards: int = 1):
     """Extract every checkpoint under ``paths`` into ``store`` on a cluster: one task per checkpoint (``shards`` > 1:
     a plan task, the shards, a merge tree and a final task). Progress is shown as checkpoints complete.
@@ -76,21 +74,22 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path, cfg, address:
         raise UserError(f"no dask scheduler given: pass --scheduler ADDRESS or set ${ENV}")
     check_address(address)  # before anything is created
     result = ex.ExtractResult(", ".join(map(str, paths)), str(store))
-    store = Path(store).absolute()
+    store = Store.at(store).absolute()
     ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
     ex.check_settings(cfg, store, shards)
     if restart:  # here, once: a task run again after its worker died must resume, not restart
+        from ncanalyze.store.resume import drop_state  # torch: see below
+
         for ckpt in ckpts:
-            files = StoreLayout(store).checkpoint(ckpt)
-            with checkpoint_lock(files.lock, ckpt.group):
-                drop_state(files.state)
+            with store.lock(ckpt.group):
+                drop_state(store.files(ckpt).state)
     with client(address) as c:
         tasks = _Tasks(c, store, cfg, overwrite)
         log.info("%d checkpoint(s) as tasks on %s (%d workers%s)%s", len(ckpts), c.scheduler.address,
                  len(c.scheduler_info()["workers"]), ", one GPU each" if tasks.opts["resources"] else "",
                  f", {shards} shards each" if shards > 1 else "")
         tasks.run(ckpts, shards, result)
-    prune(StoreLayout(store).partial)
+    store.prune()
     return result
 
 
@@ -98,7 +97,7 @@ class _Tasks:
     """The tasks of an extraction on the cluster ``c``: submitted, followed as they complete, and the next stage of a
     sharded checkpoint submitted when its plan is known."""
 
-    def __init__(self, c, store: Path, cfg, overwrite: bool):
+    def __init__(self, c, store: Store, cfg, overwrite: bool):
         from ncanalyze.store.extraction import (
             checkpoint,  # torch: see extract_on_cluster
         )

@@ -18,18 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store import io
 from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint
 from ncanalyze.store.extraction.config import (
     Status,
-    checkpoint_status,
+    config_hash,
     config_record,
     val_data,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
-from ncanalyze.store.layout import StoreLayout
-from ncanalyze.store.resume import DeferredInterrupt, prune
-from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, todo
+from ncanalyze.store.resume import DeferredInterrupt
+from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, each_checkpoint, todo
 from ncanalyze.store.sources.discover import Checkpoint, looks_local, tagged
 from ncanalyze.store.sources.load import quiet_loading, resolve_device
 from ncanalyze.store.sources.revisions import (  # noqa: F401
@@ -39,7 +37,7 @@ from ncanalyze.store.sources.revisions import (  # noqa: F401
     parse_revisions,
     step_of,
 )
-from tqdm.auto import tqdm
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ def is_hub_id(path: str) -> bool:
     return not Path(path).exists() and not looks_local(path) and bool(_HUB_ID.match(path))
 
 
-def check_groups(repo: str, revisions: list[str], groups: dict[str, str], store: Path) -> None:
+def check_groups(repo: str, revisions: list[str], groups: dict[str, str], store: Store) -> None:
     """Refuse revisions that would share one group (``feature/x`` and ``feature-x``), among themselves or with a
     group in the store holding another revision or repository; never by replacing the other.
 
@@ -84,7 +82,7 @@ def check_groups(repo: str, revisions: list[str], groups: dict[str, str], store:
         if other != rev:
             raise UserError(f"revisions {other!r} and {rev!r} would both be stored as {groups[rev]} ('/' becomes "
                             "'-'): extract one of them in another run with --tag NAME")
-        attrs = io.group_attrs(store, groups[rev], corrupt_ok=True) or {}
+        attrs = store.attrs(groups[rev], corrupt_ok=True) or {}
         had = (attrs.get("hub_repo"), attrs.get("hub_revision"))
         if had[1] is not None and had != (repo, rev):
             raise UserError(f"{repo}@{rev} would be stored as {groups[rev]}, which holds {had[0]}@{had[1]} in "
@@ -299,7 +297,7 @@ def resolved_commit(repo: str, revision: str) -> str | None:
     return ref.read_text().strip() if ref.is_file() else None
 
 
-def done_before(store: Path, ckpt: Checkpoint, repo: str, revision: str, cfg: ExtractConfig) -> bool:
+def done_before(store: Store, ckpt: Checkpoint, repo: str, revision: str, cfg: ExtractConfig) -> bool:
     """Whether a revision can be skipped without fetching its snapshot.
 
     Parameters
@@ -315,9 +313,9 @@ def done_before(store: Path, ckpt: Checkpoint, repo: str, revision: str, cfg: Ex
     -------
     bool
         Its group is complete, from this repository and revision (and its commit, where that can be known without
-        downloading), under the same settings (:func:`~ncanalyze.store.extraction.config.checkpoint_status` says skip).
+        downloading), under the same settings (:meth:`Store.status` says skip).
     """
-    attrs = io.group_attrs(store, ckpt.group) or {}
+    attrs = store.attrs(ckpt.group) or {}
     if not (attrs.get("complete") and attrs.get("hub_repo") == repo and attrs.get("hub_revision") == revision):
         return False
     commit = resolved_commit(repo, revision)
@@ -327,10 +325,10 @@ def done_before(store: Path, ckpt: Checkpoint, repo: str, revision: str, cfg: Ex
     val = val_data(cfg)
     want = config_record(None, cfg, resolve_device(cfg.device), cfg.block_size or old.get("block_size"), val.spec,
                          val.split, weights=old.get("weights"), held_out=val.held_out)
-    return checkpoint_status(attrs, want, StoreLayout(store).checkpoint(ckpt).state) is Status.SKIP
+    return store.status(ckpt.group, config_hash(want)) is Status.SKIP
 
 
-def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
+def extract_hub(repo: str, revisions: list[str], store: str | Path | Store, cfg: ExtractConfig, overwrite: bool = False,
                 delete_downloads: bool = False, restart: bool = False) -> ExtractResult:
     """Extract ``repo`` at each of ``revisions``, one at a time, into ``store``.
 
@@ -352,33 +350,25 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path, cfg: Extract
     ExtractResult
         Labelled with ``repo``; a revision that could not be had or extracted is one of its errors.
     """
+    store = Store.at(store)
     result = ExtractResult(repo, str(store))
-    store = Path(store)
     check_settings(cfg, store)
     name = repo.split("/")[-1]
     ckpts = {r: tagged([Snapshot(repo, check_revision(r), Path("."), False).checkpoint(name)], cfg.tag)[0]
              for r in revisions}
     check_groups(repo, revisions, {r: c.group for r, c in ckpts.items()}, store)
     announce = announcer(todo(store, list(ckpts.values()), overwrite), cfg, store, restart)
-    try:
-        with DeferredInterrupt() as interrupt:
-            for i, rev in enumerate(tqdm(revisions, desc="revisions", unit="rev", disable=len(revisions) < 2), 1):
-                group = ckpts[rev].group
-                if not overwrite and done_before(store, ckpts[rev], repo, rev, cfg):
-                    result.statuses[group] = Outcome.SKIPPED
-                    log.info("%s: skipped, already in the store (%d/%d)", group, i, len(revisions))
-                    continue
-                outcome = _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce,
-                                    interrupt, result.errors)
-                if outcome is not None:
-                    result.statuses[group] = outcome
-                    log.info("%s: %s (%d/%d)", group, outcome, i, len(revisions))
-    finally:
-        prune(StoreLayout(store).partial)
-    return result
+
+    def one(rev: str, interrupt: DeferredInterrupt) -> Outcome | None:
+        if not overwrite and done_before(store, ckpts[rev], repo, rev, cfg):
+            return Outcome.SKIPPED  # already in the store: nothing fetched
+        return _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce, interrupt,
+                         result.errors)
+
+    return each_checkpoint(store, result, [(ckpts[r].group, r) for r in revisions], one, "revisions", "rev")
 
 
-def _revision(repo: str, rev: str, name: str, store: Path, cfg: ExtractConfig, overwrite: bool,
+def _revision(repo: str, rev: str, name: str, store: Store, cfg: ExtractConfig, overwrite: bool,
               delete_downloads: bool, restart: bool, announce, interrupt: DeferredInterrupt,
               errors: list[str]) -> Outcome | None:
     """One revision fetched and extracted: its outcome, or None with a line added to ``errors``."""

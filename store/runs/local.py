@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
-from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint, open_inputs
+from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint
 from ncanalyze.store.extraction.config import (
     Status,
     held_out_line,
+    open_inputs,
     resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
@@ -30,20 +31,18 @@ from ncanalyze.store.extraction.estimate import (
     progress,
     timed_arch,
 )
-from ncanalyze.store.layout import StoreLayout
-from ncanalyze.store.resume import (
-    DeferredInterrupt,
-    prune,
-)
+from ncanalyze.store.resume import DeferredInterrupt
 from ncanalyze.store.runs import shards as sh
 from ncanalyze.store.sources.discover import (
     Checkpoint,
     discover,
     tagged,
 )
+from ncanalyze.store.store import Store
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -69,12 +68,12 @@ class ExtractResult:
     errors: list[str] = field(default_factory=list)
     why: dict[str, str] = field(default_factory=dict)
 
-    def add(self, group: str, outcome: Outcome, why: str | None = None) -> None:
-        """Record a group's outcome (with why, for a failure), and log it."""
+    def add(self, group: str, outcome: Outcome, why: str | None = None, at: str = "") -> None:
+        """Record a group's outcome (with why, for a failure), and log it (``at``: where in the run, ``(2/5)``)."""
         self.statuses[group] = outcome
         if why is not None:
             self.why[group] = why
-        log.info("%s: %s", group, outcome if why is None else f"{outcome}: {why}")
+        log.info("%s: %s%s", group, outcome if why is None else f"{outcome}: {why}", at and f" {at}")
 
     def count(self, outcome: Outcome) -> int:
         """How many groups have ``outcome``."""
@@ -93,7 +92,7 @@ class ExtractResult:
                 f"{self.count(Outcome.SKIPPED)} already in {self.store}" + (f", {failed} failed" if failed else ""))
 
 
-def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: bool = False,
+def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Store, restart: bool = False,
               local: bool = False) -> Callable[..., None]:
     """The estimate, logged once, at the first checkpoint that does work: each architecture among ``todo`` is timed
     once, on its first checkpoint (the one at hand; the others loaded for it), and one line gives the total.
@@ -115,13 +114,12 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
         ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`.
     """
     announced = False
-    where = StoreLayout(store)
 
     def time_first(ckpt: Checkpoint) -> Arch | None:  # another architecture's first checkpoint, loaded to be timed
         try:
             other = load_checkpoint(ckpt, cfg, run := resolve(ckpt, cfg))
             return timed_arch(other.model, other.seconds, *open_inputs(store, cfg, run, other.tokenizer), run.plan, cfg,
-                              where.partial)
+                              store)
         except CheckpointError:
             return None
 
@@ -132,14 +130,14 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Path, restart: 
         announced = True
         archs = per_architecture(todo, architecture(model.config, cfg.dtype, cfg.block_size),
                                  lambda c: checkpoint_architecture(c, cfg) if local else None,
-                                 timed_arch(model, loaded, train, val, plan, cfg, where.partial), time_first,
-                                 lambda c: START if restart else progress(where.checkpoint(c).state))
+                                 timed_arch(model, loaded, train, val, plan, cfg, store), time_first,
+                                 lambda c: START if restart else progress(store.files(c).state))
         log.info("estimate: %s", announcement(archs, cfg, store, next(model.parameters()).device))
 
     return announce
 
 
-def announcer_over(paths: list, store: Path, cfg: ExtractConfig, overwrite: bool = False,
+def announcer_over(paths: list, store: Store, cfg: ExtractConfig, overwrite: bool = False,
                    restart: bool = False) -> Callable[..., None]:
     """:func:`announcer` over the checkpoints to do under every one of ``paths`` (a command's PATHS), for
     :func:`extract`'s ``announce``: one estimate line, one total.
@@ -157,10 +155,10 @@ def announcer_over(paths: list, store: Path, cfg: ExtractConfig, overwrite: bool
         As :func:`announcer`'s.
     """
     ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
-    return announcer(todo(Path(store), ckpts, overwrite), cfg, Path(store), restart, local=True)
+    return announcer(todo(store, ckpts, overwrite), cfg, store, restart, local=True)
 
 
-def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
+def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
     """Refuse, before any work, settings that can't go together and a store that can't be written.
 
     Parameters
@@ -176,12 +174,12 @@ def check_settings(cfg: ExtractConfig, store: Path, shards: int = 1) -> None:
     if shards > 1 and (cfg.layers != "last" or cfg.save_embeddings):
         raise UserError("--shards splits the last layer's statistics only: drop --layers/--save-embeddings, or "
                         "--shards")
-    io.prepare(Path(store), StoreLayout(Path(store)).partial)
+    store.prepare()
     if line := held_out_line(cfg):  # the validation data is resolved here, so its refusals come before any work
         log.info("%s", line)
 
 
-def todo(store: Path, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoint]:
+def todo(store: Store, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoint]:
     """The checkpoints left to do.
 
     Parameters
@@ -197,10 +195,10 @@ def todo(store: Path, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoi
         Those not yet complete in ``store`` (all of them with ``overwrite``).
     """
     return [c for c in ckpts
-            if overwrite or not (io.group_attrs(store, c.group, corrupt_ok=True) or {}).get("complete")]
+            if overwrite or not (store.attrs(c.group, corrupt_ok=True) or {}).get("complete")]
 
 
-def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: bool = False,
+def extract(path: str | Path, store: str | Path | Store, cfg: ExtractConfig, overwrite: bool = False,
             restart: bool = False, shards: int = 1, announce: Callable[..., None] | None = None) -> ExtractResult:
     """Extract every checkpoint under ``path`` into ``store`` (each status logged as it goes).
 
@@ -212,7 +210,7 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     path
         A Trainer output folder, a model folder, or a folder of runs.
     store, cfg
-        The store and the configuration.
+        The store (resolved once: a :class:`Store`, or its path) and the configuration.
     overwrite, restart
         As for :func:`extract_checkpoint`.
     shards
@@ -226,26 +224,62 @@ def extract(path: str | Path, store: str | Path, cfg: ExtractConfig, overwrite: 
     ExtractResult
         Labelled with ``path``.
     """
+    store = Store.at(store)
     result = ExtractResult(str(path), str(store))
-    store = Path(store)
     ckpts = tagged(discover(path), cfg.tag)
     check_settings(cfg, store, shards)
     announce = announce or announcer(todo(store, ckpts, overwrite), cfg, store, restart, local=True)
+    return each_checkpoint(store, result, [(c.group, c) for c in ckpts],
+                           lambda ckpt, interrupt: _one(ckpt, store, cfg, overwrite, restart, announce, interrupt,
+                                                        shards))
+
+
+def each_checkpoint(store: Store, result: ExtractResult, todo: list[tuple[str, T]],
+                    one: Callable[[T, DeferredInterrupt], Outcome | None], desc: str = "checkpoints",
+                    unit: str = "ckpt") -> ExtractResult:
+    """The per-checkpoint loop of a run in this process (local folders, Hub revisions): each ``one(item, interrupt)``
+    in turn under one Ctrl-C guard (a pending Ctrl-C is taken at a batch boundary), with a progress bar, each outcome
+    recorded and logged with where it is in the run; the folders of work in progress pruned at the end, however it
+    ends.
+
+    A checkpoint bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
+    ``Outcome.FAILED`` with why, when it is one of several; any other error stops the run.
+
+    Parameters
+    ----------
+    store, result
+        The store and the run's result (filled in).
+    todo
+        (group, item) for each checkpoint.
+    one
+        Does one item: its outcome, or None where nothing is to be recorded (it said why in ``result.errors``).
+    desc, unit
+        The progress bar's label and unit.
+
+    Returns
+    -------
+    ExtractResult
+        ``result``.
+    """
     try:
         with DeferredInterrupt() as interrupt:
-            for ckpt in tqdm(ckpts, desc="checkpoints", unit="ckpt", disable=len(ckpts) < 2):
+            for i, (group, item) in enumerate(tqdm(todo, desc=desc, unit=unit, disable=len(todo) < 2), 1):
+                at = f"({i}/{len(todo)})"
                 try:
-                    result.add(ckpt.group, _one(ckpt, store, cfg, overwrite, restart, announce, interrupt, shards))
+                    outcome = one(item, interrupt)
                 except CheckpointError as e:  # bad in itself: it fails alone when it is one of several
-                    if len(ckpts) == 1:
+                    if len(todo) == 1:
                         raise
-                    result.add(ckpt.group, Outcome.FAILED, str(e))
+                    result.add(group, Outcome.FAILED, str(e), at)
+                    continue
+                if outcome is not None:
+                    result.add(group, outcome, at=at)
     finally:
-        prune(StoreLayout(store).partial)
+        store.prune()
     return result
 
 
-def _one(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool, restart: bool, announce,
+def _one(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, overwrite: bool, restart: bool, announce,
          interrupt: DeferredInterrupt, shards: int = 1) -> Outcome:
     """One checkpoint's outcome, in shards or whole."""
     if shards > 1:
@@ -253,7 +287,7 @@ def _one(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, overwrite: bool, res
     return extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce, interrupt)
 
 
-def finish_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
+def finish_sharded(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict[str, np.ndarray],
                    overwrite: bool = False, interrupt: DeferredInterrupt | None = None) -> Outcome:
     """The merged train state saved as the checkpoint's resume state (:func:`~ncanalyze.store.runs.shards.save_merged`),
     then :func:`extract_checkpoint` resumes from it: the validation pass and the write.
@@ -280,7 +314,7 @@ def finish_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: di
     return Outcome.DONE if outcome is Outcome.RESUMED and saved is Status.FRESH else outcome
 
 
-def extract_sharded(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
+def extract_sharded(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
                     restart: bool = False, interrupt: DeferredInterrupt | None = None) -> Outcome:
     """The sharded extraction of one checkpoint in this process: the shards one after another, the same merge tree
     as on a cluster, then the validation pass.

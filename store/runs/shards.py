@@ -25,12 +25,11 @@ from typing import NamedTuple
 import numpy as np
 from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store import io
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
     Status,
-    checkpoint_status,
-    open_data,
+    config_hash,
+    open_inputs,
     resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
@@ -38,8 +37,6 @@ from ncanalyze.store.extraction.memory import check_memory, state_bytes
 from ncanalyze.store.extraction.passes import train_pass
 from ncanalyze.store.extraction.reservoir import Reservoir
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.layout import StoreLayout
-from ncanalyze.store.lock import checkpoint_lock
 from ncanalyze.store.resume import (
     DeferredInterrupt,
     Interrupted,
@@ -52,6 +49,7 @@ from ncanalyze.store.resume import (
 )
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import find_tokenizer, load_model
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +76,10 @@ def ranges(n_batches: int, shards: int) -> list[tuple[int, int]]:
 def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
     run = resolve(ckpt, cfg)
     tokenizer, _ = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
-    return run.device, open_data(cfg.dataset, run.split, cfg.max_train_tokens, "--max-train-tokens", cfg,
-                                 run.block_size, run.config, tokenizer)
+    return run.device, open_inputs(None, cfg, run, tokenizer, validation=False)[0]  # train only, uncached
 
 
-def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwrite: bool = False,
+def plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
          restart: bool = False) -> Plan:
     """SKIP (already in the store under this configuration), WHOLE (run it as one task: a saved resume state to
     continue, or a group under another configuration for extract_checkpoint to refuse), else SHARDS with the shards'
@@ -103,11 +100,10 @@ def plan(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, shards: int, overwri
         The route, and the [start, stop) batch ranges under SHARDS.
     """
     record = resolve(ckpt, cfg).record
-    files = StoreLayout(store).checkpoint(ckpt)
-    with checkpoint_lock(files.lock, ckpt.group):
-        io.recover_swap(store, ckpt.group, files)
-        status = checkpoint_status(io.group_attrs(store, ckpt.group, corrupt_ok=overwrite), record, files.state,
-                                   overwrite, restart)
+    files = store.files(ckpt)
+    with store.lock(ckpt.group):
+        store.recover(ckpt.group)
+        status = store.status(ckpt.group, config_hash(record), overwrite, restart)
         if status is Status.SKIP:
             return Plan(Route.SKIP)
         if status is not Status.FRESH:  # REFUSE: extract_checkpoint says why; RESUME: it continues the state
@@ -188,7 +184,7 @@ def merge_order(n: int) -> list[list[tuple[int, int]]]:
     return levels
 
 
-def save_merged(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[str, np.ndarray],
+def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict[str, np.ndarray],
                 overwrite: bool = False) -> Status:
     """Save the merged train state as the checkpoint's resume state at the start of the validation pass, for
     ``extract_checkpoint`` to resume (:func:`~ncanalyze.store.runs.local.finish_sharded`).
@@ -215,10 +211,9 @@ def save_merged(ckpt: Checkpoint, store: Path, cfg: ExtractConfig, merged: dict[
     if not (count >= cfg.min_count).any():
         raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most is "
                         f"{int(count.max())}): lower --min-count")
-    files = StoreLayout(store).checkpoint(ckpt)
-    with checkpoint_lock(files.lock, ckpt.group):
-        status = checkpoint_status(io.group_attrs(store, ckpt.group, corrupt_ok=overwrite), record, files.state,
-                                   overwrite)
+    files = store.files(ckpt)
+    with store.lock(ckpt.group):
+        status = store.status(ckpt.group, config_hash(record), overwrite)
         if status is Status.FRESH:
             ex = Extraction(layers.plan(), *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
             ex.main().stats, ex.main().reservoir = stats, reservoir

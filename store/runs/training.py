@@ -24,28 +24,22 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.store import io
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.data.tokens import tokenizer_fingerprint
-from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import (
-    cap_mode,
+    Resolved,
     config_hash,
-    config_record,
     differences,
-    layer_plan,
-    open_data,
-    rows_width,
-    val_data,
+    open_inputs,
+    resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
-from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.layout import CheckpointFiles, StoreLayout, default_store
 from ncanalyze.store.runs import training_ddp as ddp
-from ncanalyze.store.sources.anatomy import default_block_size, final_norm, finite_head, head, n_layers
+from ncanalyze.store.sources.anatomy import final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
+from ncanalyze.store.store import Store
 from transformers import TrainerCallback
 
 log = logging.getLogger(__name__)
@@ -62,10 +56,10 @@ class _NoSaver:
 
 @dataclass
 class _Setup:
-    """What the first measurement resolves once: the configuration, its record, the layers and the blocks."""
+    """What the first measurement resolves once: the configuration, what it resolved to (its record and layer plan)
+    and the blocks."""
     cfg: ExtractConfig
-    record: dict
-    plan: layers.Plan
+    run: Resolved
     train: Blocks
     val: Blocks | None
     tokenizer: object | None
@@ -140,7 +134,7 @@ class NeuralCollapseCallback(TrainerCallback):
     Parameters
     ----------
     store
-        The store [default: ``$NCANALYZE_STORE``, else ``./ncanalyze.zarr``].
+        The store, its path or a ``Store`` [default: ``$NCANALYZE_STORE``, else ``./ncanalyze.zarr``].
     train_data
         The train data, any form ``--dataset`` takes (text needs the Trainer's tokenizer, its ``processing_class``).
     val_data
@@ -160,8 +154,9 @@ class NeuralCollapseCallback(TrainerCallback):
         ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ``cap_mode``, ...).
     """
 
-    def __init__(self, store: str | Path | None = None, train_data: str | None = None, val_data: str | None = None,
-                 max_train_tokens: int | None = None, layers: str = "last", every: int | None = None, *,
+    def __init__(self, store: str | Path | Store | None = None, train_data: str | None = None,
+                 val_data: str | None = None, max_train_tokens: int | None = None, layers: str = "last",
+                 every: int | None = None, *,
                  max_val_tokens: int | None = None, trainer=None, **settings):
         if train_data is None:
             raise UserError("NeuralCollapseCallback needs train_data (any form --dataset takes)")
@@ -172,7 +167,7 @@ class NeuralCollapseCallback(TrainerCallback):
                             f"the settings are {', '.join(sorted(known))}")
         if every is not None and (not isinstance(every, int) or every < 1):
             raise UserError(f"every={every!r}: pass a number of steps (1 or more), or None to measure at evaluations")
-        self.store = Path(store if store is not None else default_store())
+        self.store = Store.at(store)  # resolved once: the default store when none
         self.cfg = ExtractConfig(dataset=str(train_data), val_dataset=None if val_data is None else str(val_data),
                                  max_train_tokens=max_train_tokens, max_val_tokens=max_val_tokens, layers=layers,
                                  **settings)
@@ -222,18 +217,18 @@ class NeuralCollapseCallback(TrainerCallback):
             return
         group = f"{run_name(args)}/step-{step}"
         self.output_dir = str(Path(args.output_dir).resolve())
-        files = StoreLayout(self.store).group_files(group)
+        files = self.store.group_files(group)
         started = time.perf_counter()
         if not self._ready(kwargs["model"], self._tokenizer(kwargs), group):
             return
         try:
-            scalars = self.write(kwargs["model"], group, files,
+            scalars = self.write(kwargs["model"], group,
                                  {"global_step": step, "epoch": state.epoch, "eval_loss": eval_loss})
         except UserError as e:
             self._stop(str(e))
             return
         except OSError as e:  # a full disk: this step is lost, the store is whole; the next one tries again
-            io.recover_swap(self.store, group, files)
+            self.store.recover(group)
             log.warning("ncanalyze: cannot write %s into %s (%s): free space on its disk or pass another store; "
                         "training goes on", group, self.store, e.strerror or e)
             return
@@ -278,15 +273,15 @@ class NeuralCollapseCallback(TrainerCallback):
         tok = kwargs.get("processing_class") or kwargs.get("tokenizer")
         return getattr(tok, "tokenizer", tok)  # a processor holds its tokenizer
 
-    def write(self, model, group: str, files: CheckpointFiles, when: dict) -> dict[str, float] | None:
+    def write(self, model, group: str, when: dict) -> dict[str, float] | None:
         """Run the passes through ``model`` and write ``group`` (after :meth:`_ready`).
 
         Parameters
         ----------
         model
             The live model (a transformers causal LM).
-        group, files
-            The group ``<run>/step-<N>`` and its files beside the store.
+        group
+            The group ``<run>/step-<N>``.
         when
             ``global_step``, ``epoch`` and ``eval_loss``.
 
@@ -296,14 +291,14 @@ class NeuralCollapseCallback(TrainerCallback):
             The scalar metrics, ``nc/<metric>`` for the last layer and ``nc/layer_<l>/<metric>`` for the others; None
             on a rank other than the first under DDP.
         """
-        setup, scalars = self.setup, {}
+        setup, scalars, files = self.setup, {}, self.store.group_files(group)
         cfg = setup.cfg
         rank, world = ddp.rank_world()
         with untouched(model):
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
             device = classifier.device
-            ex = Extraction(setup.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
+            ex = Extraction(setup.run.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
                             files.layers if rank == 0 else None)
             if rank == 0:
                 ex.start()
@@ -311,7 +306,9 @@ class NeuralCollapseCallback(TrainerCallback):
                 return None
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
                        group)
-            attrs = self._attrs(model, ex, classifier, setup, group, when, device)
+            attrs = group_attributes(group, when, model, ex, classifier, cfg, setup.run, setup.tokenizer,
+                                     setup.tokenizer_name, dtype=str(classifier.dtype).removeprefix("torch."),
+                                     device=device, source="training", extra={"output_dir": self.output_dir})
             norm = final_norm(model)
             ds, others = ex.datasets(classifier, bias, decoded_tokens(setup.tokenizer, classifier.shape[0]), attrs,
                                      norm and norm[0])
@@ -322,11 +319,11 @@ class NeuralCollapseCallback(TrainerCallback):
                     where = f"{group}/layers/{l}"
                     done.append((f"nc/layer_{l}/", where, _metrics(lds, cfg.min_count, where)))
                     yield l, lds
-            io.write_checkpoint(self.store, group, ds, files, layers=measured())
+            self.store.write_checkpoint(group, ds, layers=measured())
             ex.cleanup()
         for prefix, where, result in done:  # stored as `ncanalyze measure` stores them, once the group is in place
             if result is not None:
-                io.write_metrics(self.store, where, *result, cfg.min_count, attrs["config_hash"])
+                self.store.write_metrics(where, *result, cfg.min_count, attrs["config_hash"])
                 scalars.update(_named(result[0], prefix))
         for k in ("val_loss", "val_accuracy"):
             if attrs.get(k) is not None:
@@ -336,46 +333,36 @@ class NeuralCollapseCallback(TrainerCallback):
     def _shared(self, model, setup: _Setup, ex: Extraction, rank: int, group: str) -> bool:
         """Under DDP: this rank's share of the train pass, merged into rank 0's ``ex`` (the default plan; a plan of
         several layers is run by rank 0 alone). Whether this rank goes on to the validation pass and the write."""
-        if not setup.plan.default:
+        if not setup.run.plan.default:
             return rank == 0
         if self.n_train is None:  # the ranks' data checked equal once (a content hash), then shared out
             self.n_train = ddp.agreed_batches(setup.train, setup.cfg.batch_size)
         return ddp.share_train(model, setup.train, ex, setup.cfg.batch_size, self.n_train, group)
 
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
-        """The configuration for this model, its record, and the blocks; a store holding the run under other
-        settings is refused."""
+        """The configuration for this model (config.resolve with the live model's config, device and weights), its
+        record, and the blocks (config.open_inputs); a store holding the run under other settings is refused."""
         cfg = self.cfg  # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
         if cfg.tokenizer is not None:
             tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
         cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        io.prepare(self.store, StoreLayout(self.store).partial)
-        config = model.config
-        block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
-        val_ = val_data(cfg)
-        device = next(model.parameters()).device
-        record = config_record(None, cfg, device, block_size, val_.spec, val_.split, weights=LIVE,
-                               held_out=val_.held_out)
-        plan = layer_plan(cfg, config)
-        layers.record_layers(record, plan)
-        self._check_run(group.split("/")[0], record, identity(model, self.output_dir))
-        train = open_data(cfg.dataset, val_.train_split, cfg.max_train_tokens, "max_train_tokens", cfg, block_size,
-                          config, tokenizer, self.store)
-        val = None if val_.spec is None else open_data(val_.spec, val_.split, cfg.max_val_tokens, "max_val_tokens",
-                                                       cfg, block_size, config, tokenizer, self.store)
+        self.store.prepare()
+        run = resolve(None, cfg, model.config, next(model.parameters()).device, weights=LIVE)
+        self._check_run(group.split("/")[0], run.record, identity(model, self.output_dir))
+        train, val = open_inputs(self.store, cfg, run, tokenizer, flags=("max_train_tokens", "max_val_tokens"))
         where = cfg.tokenizer or (tokenizer is not None and getattr(tokenizer, "name_or_path", None)) or None
-        self.setup = _Setup(cfg, record, plan, train, val, tokenizer, where)
+        self.setup = _Setup(cfg, run, train, val, tokenizer, where)
         return self.setup
 
     def _check_run(self, run: str, record: dict, model: dict) -> None:
         """A UserError if the store holds ``run`` measured under other settings (its steps would not compare), or from
         another model (another training's output folder, architecture or parameter count: its groups would be replaced
         step by step); a group recorded before ``output_dir`` is compared on what it records."""
-        groups, _ = io.checkpoint_groups(self.store)
+        groups, _ = self.store.checkpoint_groups()
         for g in groups:
             if g.count("/") != 1 or not g.startswith(f"{run}/"):
                 continue
-            attrs = io.group_attrs(self.store, g) or {}
+            attrs = self.store.attrs(g) or {}
             if attrs.get("config_hash") != config_hash(record):
                 old = json.loads(attrs.get("config", "{}"))
                 raise UserError(f"{self.store} already holds run {run} under other settings "
@@ -386,27 +373,6 @@ class NeuralCollapseCallback(TrainerCallback):
                 raise UserError(f"{self.store} already holds run {run} of another model ({describe(theirs)}; this "
                                 f"training: {describe(model)}): set TrainingArguments(run_name=...) to another name, "
                                 f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")
-
-    def _attrs(self, model, ex: Extraction, classifier: torch.Tensor, setup: _Setup, group: str, when: dict,
-               device: torch.device) -> dict:
-        """The group's attributes, as ``ncanalyze extract`` writes them, the weights being the live model's."""
-        cfg, main, run, name = setup.cfg, ex.main(), *group.split("/")
-        return {
-            "run": run, "tag": None, "checkpoint": name, **when,
-            "n_params": sum(p.numel() for p in model.parameters()), "n_layers": n_layers(model.config),
-            "hidden_size": int(classifier.shape[1]), "vocab_size": int(classifier.shape[0]),
-            "model_type": model.config.model_type, "train_tokens": int(main.stats.count.sum()),
-            "val_tokens": int(main.val["val_count"].sum()), **loss_attrs(main.lm, ex.transform),
-            "min_count": cfg.min_count, "block_size": setup.record["block_size"], "dataset": cfg.dataset,
-            "split": setup.record.get("split", cfg.split), "val_held_out": setup.record.get("val_held_out"),
-            "val_dataset": setup.record["val_dataset"], "val_split": setup.record["val_split"],
-            "tokenizer": setup.tokenizer_name, "tokenizer_sha256": tokenizer_fingerprint(setup.tokenizer),
-            "dtype": str(classifier.dtype).removeprefix("torch."), "device": str(device),
-            "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
-            "source": "training", "output_dir": self.output_dir,
-            "ncanalyze_version": io.version(), "config_hash": config_hash(setup.record),
-            "config": json.dumps(setup.record, sort_keys=True),
-        }
 
     def _log(self, state, step: int, scalars: dict[str, float]) -> None:
         """The scalars into the Trainer's logs: through ``trainer.log`` (every integration sees them) when the

@@ -12,6 +12,7 @@ import pytest
 from conftest import lone_model, run_cli
 from ncanalyze.store.data.blocks import open_blocks, spread_picks
 from ncanalyze.store.extraction.config import ExtractConfig, open_data
+from ncanalyze.store.store import Store
 from test_extract import text_blocks
 from transformers import AutoTokenizer
 
@@ -70,16 +71,16 @@ def test_every_data_form_reads_the_same_spread_blocks(text, tmp_path):
     # text through the token cache: the whole split tokenized once, the cap's blocks drawn from it
     cfg = ExtractConfig(dataset=str(data), max_train_tokens=2048)
     config = SimpleNamespace(n_positions=32)
-    cached = open_data(str(data), "train", 2048, "--max-train-tokens", cfg, 32, config, tok, tmp_path / "s.zarr")
+    cached = open_data(str(data), "train", 2048, "--max-train-tokens", cfg, 32, config, tok, Store.at(tmp_path / "s.zarr"))
     np.testing.assert_array_equal(read(cached), want)
     (cache,) = (tmp_path / "s.zarr.tokens").glob("*.npy")
     np.testing.assert_array_equal(np.load(cache), whole)
     cfg.cap_mode = "prefix"
-    prefix = open_data(str(data), "train", 2048, "--max-train-tokens", cfg, 32, config, tok, tmp_path / "s.zarr")
+    prefix = open_data(str(data), "train", 2048, "--max-train-tokens", cfg, 32, config, tok, Store.at(tmp_path / "s.zarr"))
     np.testing.assert_array_equal(read(prefix), whole[:64])
     cfg.cap_mode = "first"
     with pytest.raises(Exception, match="cap_mode 'first' is not one of spread, prefix"):
-        open_data(str(data), "train", 2048, "--max-train-tokens", cfg, 32, config, tok, tmp_path / "s.zarr")
+        open_data(str(data), "train", 2048, "--max-train-tokens", cfg, 32, config, tok, Store.at(tmp_path / "s.zarr"))
 
 
 @pytest.mark.slow

@@ -140,11 +140,8 @@ def test_a_measurement_leaves_the_model_and_every_generator_as_it_was(measured, 
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
     modes = [m.training for m in model.modules()]
     grads = [p.grad for p in model.parameters()]
-    from ncanalyze.store.layout import StoreLayout
-
     assert cb._ready(model, trainer.processing_class, "planted/step-1")
-    cb.write(model, "planted/step-1", StoreLayout(tmp_path / "p.zarr").group_files("planted/step-1"),
-             {"global_step": 1, "epoch": 0.0, "eval_loss": None})
+    cb.write(model, "planted/step-1", {"global_step": 1, "epoch": 0.0, "eval_loss": None})
     assert [m.training for m in model.modules()] == modes
     assert random.getstate() == before[0]
     np.testing.assert_array_equal(np.random.get_state()[1], before[1])
