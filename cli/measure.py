@@ -32,7 +32,7 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     store = open_store(store_positional, store)
     result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device)
     every, failed = [*result.measured, *result.skipped, *result.failed], result.failed
-    left_out = f", {len(failed)} group(s) left out (see above)" if failed else ""
+    left_out = f", {len(result.checkpoints(failed))} left out (see above)" if failed else ""
     if not result.measured:
         click.echo(f"all {_count(result, result.skipped)} in {store} already measured (min_count={min_count})"
                    f"{left_out}; --force measures them again")

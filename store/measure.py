@@ -48,8 +48,8 @@ class MeasureResult:
 
     @staticmethod
     def checkpoints(groups) -> list[str]:
-        """The checkpoints of ``groups``, each once, in order."""
-        return list(dict.fromkeys(checkpoint_group(g) for g in groups))
+        """The checkpoints of ``groups``, each once, in order (a damaged array's path counts as its checkpoint)."""
+        return list(dict.fromkeys("/".join(checkpoint_group(g).split("/")[:2]) for g in groups))
 
 
 def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,

@@ -71,7 +71,7 @@ def test_each_damaged_group_is_named_with_its_fix_and_the_others_go_on(store, tm
                    (80, "global_step")]:
         line = next((line for line in r.output.splitlines() if f"{g[s]}: skipped" in line), "")
         assert why in line and "--overwrite" in line, (s, r.output)
-    assert "measured 1 of 1" in r.output, r.output
+    assert "measured 1 of 6 checkpoints" in r.output and "5 left out" in r.output, r.output
     out = tmp_path / "report"
     run_cli("report", store, "--out", out, "--permutations", 0)
     assert list(pd.read_csv(out / "metrics.csv").checkpoint) == ["checkpoint-100"]
@@ -89,7 +89,7 @@ def test_a_deleted_head_is_named_by_ls_and_measure(store):
     r = run_cli("measure", store)
     assert f"{g}: skipped: lacks the array (classifier)" in r.output and "--overwrite" in r.output, r.output
     assert "metrics" not in zarr.open_group(store, path=g, mode="r").attrs  # never stored without nc3_*/head_erank
-    assert "measured 4 of 4" in r.output
+    assert "measured 4 of 5 checkpoints" in r.output
 
 
 # ---------------------------------------------------------------- 7: rm while measure runs
@@ -127,7 +127,7 @@ def test_a_group_removed_while_measure_runs_is_skipped_in_one_line(store):
     assert proc.returncode == 0 and "Traceback" not in out and "GroupNotFound" not in out, out
     said = [line for line in out.splitlines() if gone in line]
     assert len(said) == 1 and "removed while being measured" in said[0], out
-    assert "measured 4 of 4" in out, out
+    assert "measured 4 of 5 checkpoints" in out, out
     for s in (20, 60, 80, 100):
         assert "metrics" in zarr.open_group(store, path=f"{run}/checkpoint-{s}", mode="r").attrs, s
     assert not (store / gone).exists()  # nothing of it recreated by the write of its metrics
