@@ -82,7 +82,7 @@ def test_concurrent_writers_keep_the_root_and_every_group(tmp_path):
             assert sorted(tree[f"run-{r}"].children) == [f"ck-{i}" for i in range(n)]
             for i in range(n):
                 assert tree[f"run-{r}/ck-{i}"].attrs["writer"] == i and tree[f"run-{r}/ck-{i}"].attrs["complete"]
-        assert io.group_attrs(store, "") == {}
+        assert io.group_attrs(store, "") == {io.FORMAT_KEY: io.FORMAT}  # the root: its format, nothing else
 
 
 # --- on the cluster ----------------------------------------------------------------------------------------------

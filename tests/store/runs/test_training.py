@@ -22,16 +22,17 @@ CLI_OPTS = ("--max-train-tokens", 2048, "--max-val-tokens", 1024, "--batch-size"
 
 @contextlib.contextmanager
 def said(caplog):
-    """The callback's log lines (the CLI's handler may have stopped the ``ncanalyze`` logger propagating)."""
+    """The callback's log lines within the block (the CLI's handler may have stopped the ``ncanalyze`` logger propagating)."""
     logger = logging.getLogger("ncanalyze")
     logger.addHandler(caplog.handler)
     lines: list[str] = []
+    start = len(caplog.records)  # the lines of this block only
     try:
         with caplog.at_level(logging.INFO, logger="ncanalyze"):
             yield lines
     finally:
         logger.removeHandler(caplog.handler)
-        once = {id(r): r for r in caplog.records}.values()  # a record reaches the handler twice where it propagates
+        once = {id(r): r for r in caplog.records[start:]}.values()  # a record reaches the handler twice where it propagates
         lines += [r.getMessage() for r in once if r.name == "ncanalyze.store.runs.training"]
 
 
