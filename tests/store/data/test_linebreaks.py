@@ -15,17 +15,19 @@ BLOCK = 32
 
 
 def blocks(path, tokenizer, keep: bool, max_tokens: int) -> np.ndarray:
-    lines = open(path).read().splitlines(keepends=keep)
-    ids = np.array([t for doc in tokenizer(lines)["input_ids"] for t in doc], dtype=np.int64)
-    n = min(len(ids), max_tokens) // BLOCK
-    return ids[:n * BLOCK].reshape(n, BLOCK)
+    """run_clm's blocks (each batch of 1,000 lines grouped alone, its remainder dropped), the first that fit the cap."""
+    lines, out = open(path).read().splitlines(keepends=keep), []
+    for s in range(0, len(lines), 1000):
+        ids = [t for doc in tokenizer(lines[s:s + 1000])["input_ids"] for t in doc]
+        out += [ids[i:i + BLOCK] for i in range(0, len(ids) // BLOCK * BLOCK, BLOCK)]
+    return np.array(out[:max_tokens // BLOCK], dtype=np.int64).reshape(-1, BLOCK)
 
 
 @pytest.mark.slow
 def test_linebreaks_kept_by_default_and_stripped_on_request(trained_run, corpus, tmp_path):
     ck = lone_model(trained_run, tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(str(ck))
-    opts = ("--max-train-tokens", 2048, "--max-val-tokens", 512, "--samples-per-class", 0)
+    opts = ("--max-train-tokens", 2048, "--max-val-tokens", 512, "--samples-per-class", 0, "--cap-mode", "prefix")
     configs = {}
     for flag, keep in (("--keep-linebreaks", True), ("--no-keep-linebreaks", False)):
         store = tmp_path / f"{keep}.zarr"
