@@ -12,7 +12,7 @@ geometry beyond NC"): each departure measured on a planted dataset, ours against
 4. The eranks' weights: sqrt(lambda) (Roy & Vetterli, RankMe) against LiDAR's lambda, on power-law spectra i^-alpha
    at d = 256 and on the dataset of 2's total covariance.
 
-tests/test_fidelity.py runs these functions and checks the departures' brute forces against ``measure``.
+tests/analyzer/test_fidelity.py runs these functions and checks the departures' brute forces against ``measure``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 tasks (and, with shards, the parts of one checkpoint's train pass as tasks merged on the workers).
 
 Every task writes into the same store, which must be a path every worker sees (a shared file system). Concurrent
-writers are safe: each checkpoint has its lock and its staged swap (extract.py, io.py), and creating the root and run
+writers are safe: each checkpoint has its lock and its staged swap (extraction/checkpoint.py, io.py), and creating the root and run
 groups tolerates racing writers (``io.ensure_group``). A task whose worker dies is run again by dask and resumes from
 the checkpoint's saved state (the lock dies with the process that held it).
 """

@@ -1,6 +1,6 @@
 """A transformers causal LM's anatomy, in one place: its layers and positions, its blocks and how to cut the forward at
 one, its final norm (the logit lens), its head and the logit transform after it. Supporting a new architecture means
-touching this module (and ``tests/test_anatomy.py``, which runs every supported architecture through it).
+touching this module (and ``tests/store/sources/test_anatomy.py``, which runs every supported architecture through it).
 
 The transforms after the head: Cohere's ``logit_scale`` (multiply), Granite's and MiniCPM3's ``logits_scaling``
 (divide), Gemma2/3's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``).
