@@ -10,33 +10,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import run_cli, train_sweep
+from conftest import run_cli
 from test_training import CLI_OPTS, EVERY, OPTS, said, train
 
 
 def train_width(corpus, out: Path, callbacks, width: int):
-    """test_training's run (EVERY steps, evaluated and saved then) of a GPT-Neo of another width."""
-    from transformers import (
-        AutoTokenizer,
-        GPTNeoForCausalLM,
-        Trainer,
-        TrainingArguments,
-        default_data_collator,
-        set_seed,
-    )
-
-    set_seed(0)
-    tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
-    data = train_sweep.lm_datasets([corpus["train"]], [corpus["val"]], tok, 32)
-    model = GPTNeoForCausalLM(train_sweep.neo_config(len(tok), 2, width, 4, 32))
-    targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=8, max_steps=EVERY,
-                              learning_rate=3e-3, eval_strategy="steps", eval_steps=EVERY, save_strategy="no",
-                              seed=0, report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=targs, train_dataset=data["train"],
-                      eval_dataset=data["validation"].select(range(16)), data_collator=default_data_collator,
-                      processing_class=tok, callbacks=list(callbacks))
-    trainer.train()
-    return trainer
+    """test_training's run (EVERY steps, evaluated then, nothing saved) of a GPT-Neo of another width."""
+    return train(corpus, out, callbacks, steps=EVERY, width=width, save_strategy="no")
 
 
 # ---------------------------------------------------------------- 5: two trainings under one folder name

@@ -36,9 +36,10 @@ def said(caplog):
         lines += [r.getMessage() for r in once if r.name == "ncanalyze.store.runs.training"]
 
 
-def train(corpus, out: Path, callbacks=(), steps: int = STEPS, give_trainer: bool = False, **args):
-    """A tiny GPT-Neo trained by the stock Trainer as tests/conftest.py's run is, evaluated and saved every
-    ``EVERY`` steps, with the tokenizer as its processing class; returns the trainer."""
+def train(corpus, out: Path, callbacks=(), steps: int = STEPS, give_trainer: bool = False, width: int = 32, **args):
+    """A tiny GPT-Neo (2 layers of ``width``) trained by the stock Trainer as tests/conftest.py's run is, evaluated and
+    saved every ``EVERY`` steps (``args`` override the TrainingArguments), with the tokenizer as its processing class;
+    returns the trainer."""
     from transformers import (
         AutoTokenizer,
         GPTNeoForCausalLM,
@@ -51,11 +52,11 @@ def train(corpus, out: Path, callbacks=(), steps: int = STEPS, give_trainer: boo
     set_seed(0)
     tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
     data = train_sweep.lm_datasets([corpus["train"]], [corpus["val"]], tok, 32)
-    model = GPTNeoForCausalLM(train_sweep.neo_config(len(tok), 2, 32, 4, 32))
-    targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=8, per_device_eval_batch_size=8,
-                              max_steps=steps, learning_rate=3e-3, eval_strategy="steps", eval_steps=EVERY,
-                              save_strategy="steps", save_steps=EVERY, logging_steps=EVERY, seed=0, report_to=[],
-                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, **args)
+    model = GPTNeoForCausalLM(train_sweep.neo_config(len(tok), 2, width, 4, 32))
+    targs = TrainingArguments(**{**dict(
+        output_dir=str(out), per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=steps,
+        learning_rate=3e-3, eval_strategy="steps", eval_steps=EVERY, save_strategy="steps", save_steps=EVERY,
+        logging_steps=EVERY, seed=0, report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True), **args})
     trainer = Trainer(model=model, args=targs, train_dataset=data["train"],
                       eval_dataset=data["validation"].select(range(16)), data_collator=default_data_collator,
                       processing_class=tok)
