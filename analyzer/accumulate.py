@@ -161,11 +161,9 @@ class ClassStats(Accumulator):
         return s
 
     def load_state_dict(self, state: dict) -> None:
-        """A state from before ``unit_sum`` existed leaves it nan: its anisotropy is unknown, never wrong."""
-        if "unit_sum" not in state:
-            self.unit_sum.fill_(float("nan"))
-        for k, v in state.items():
-            getattr(self, k).copy_(torch.as_tensor(v))
+        """Take the arrays of a :meth:`state_dict` (copied in place; a missing one is a KeyError)."""
+        for k in self.state_dict():
+            getattr(self, k).copy_(torch.as_tensor(state[k]))
 
 
 def float64_head(classifier: torch.Tensor, bias: torch.Tensor | None,

@@ -23,7 +23,7 @@ TITLE = "NC properties across depth (layer 0: embedding output; the last: after 
 
 def last_layer(df: pd.DataFrame) -> pd.DataFrame:
     """The rows of each checkpoint's last layer (its checkpoint group): the rows the correlations use. A table without
-    a layer column (an older metrics.csv) is all last-layer rows."""
+    a layer column (one of the user's own) is all last-layer rows."""
     if LAYER not in df.columns:
         return df
     layer, n = pd.to_numeric(df[LAYER], errors="coerce"), pd.to_numeric(df.get("n_layers"), errors="coerce")

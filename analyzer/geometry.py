@@ -228,15 +228,15 @@ def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:
 
 
 def _unit_sum(g: Geometry, ds: xr.Dataset) -> None:
-    """The train pass's sum of unit features, or why anisotropy is not measurable (a store written before it)."""
+    """The train pass's sum of unit features, or why anisotropy is not measurable (a dataset without it, made by
+    hand, or not finite)."""
     if "unit_sum" not in ds:
-        g.anisotropy_nan_because = ("the statistics were written before ncanalyze stored unit_sum (the sum of unit "
-                                    "train features); extract again (--overwrite) to measure it")
+        g.anisotropy_nan_because = ("the dataset holds no unit_sum (the sum of the unit train features, which "
+                                    "ncanalyze extract stores)")
         return
     g.unit_sum = np.asarray(ds["unit_sum"].values, dtype=np.float64)
     if not np.isfinite(g.unit_sum).all():
-        g.anisotropy_nan_because = ("unit_sum is NaN: the extraction resumed from a state written before unit_sum "
-                                    "existed; extract again with --restart to measure it")
+        g.anisotropy_nan_because = "the dataset's unit_sum is not finite"
 
 
 def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: np.ndarray | None,

@@ -108,8 +108,8 @@ def eigen_entropy_rank(lam: np.ndarray) -> float:
 
 def anisotropy(g: Geometry) -> float:
     """Mean cosine over ordered pairs of distinct train tokens, (||sum_i h_i/||h_i|| ||^2 - N) / (N (N - 1))
-    (Ethayarajh 2019): 0 for isotropic features, 1 when all point one way. nan, with a warning, for statistics
-    written before ``unit_sum`` existed."""
+    (Ethayarajh 2019): 0 for isotropic features, 1 when all point one way. nan, with a warning, for a dataset
+    without a finite ``unit_sum``."""
     if g.anisotropy_nan_because or g.n_tokens < 2:
         return math.nan
     N = g.n_tokens

@@ -9,7 +9,6 @@ and ``classifier_bias`` (vocab) are coordinates of the checkpoint group ``<run>/
   ``read_statistics`` takes it from :func:`checkpoint_group` for a layer group. Plain xarray reaches it with
   ``tree[layer].to_dataset(inherit="all_coords")`` on the tree of ``xr.open_datatree`` (xarray inherits only indexed
   coordinates by default).
-- Stores written before hold the head in every group as a data variable: a group that has its own is read as it is.
 """
 from __future__ import annotations
 
@@ -69,8 +68,8 @@ def without_head(ds: xr.Dataset) -> xr.Dataset:
 
 
 def with_head(ds: xr.Dataset, checkpoint: xr.Dataset) -> xr.Dataset:
-    """``ds`` (a layer group's, without a head of its own) with the head of its ``checkpoint``'s dataset as
-    coordinates: the same arrays, lazy where they are.
+    """``ds`` (a layer group's) with the head of its ``checkpoint``'s dataset as coordinates: the same arrays, lazy
+    where they are.
 
     Parameters
     ----------
@@ -82,16 +81,13 @@ def with_head(ds: xr.Dataset, checkpoint: xr.Dataset) -> xr.Dataset:
     Returns
     -------
     xarray.Dataset
-        ``ds`` with the head (``ds`` unchanged where it has one, or the checkpoint has none).
+        ``ds`` with the head.
     """
-    if HEAD[0] in ds.variables:
-        return ds
     return ds.assign_coords({h: checkpoint.variables[h] for h in HEAD if h in checkpoint.variables})
 
 
 def attach(tree: xr.DataTree) -> xr.DataTree:
-    """Give every layer node of a store's ``tree`` that has no head of its own its checkpoint's (:func:`with_head`),
-    in place.
+    """Give every layer node of a store's ``tree`` its checkpoint's head (:func:`with_head`), in place.
 
     Parameters
     ----------
@@ -106,6 +102,6 @@ def attach(tree: xr.DataTree) -> xr.DataTree:
     for node in list(tree.subtree):
         path, own = node.path.strip("/"), node.to_dataset(inherit=False)
         owner = checkpoint_group(path)
-        if owner != path and "mean" in own.data_vars and HEAD[0] not in own.variables:
+        if owner != path and "mean" in own.data_vars:
             node.dataset = with_head(own, tree[owner].to_dataset(inherit=False))
     return tree

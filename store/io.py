@@ -40,7 +40,9 @@ ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)
 # what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
-FORMAT_KEY, FORMAT = "ncanalyze_format", 1  # the store's format, a root attribute written when the root is created
+# the store's format, a root attribute written when the root is created. 2: every group records its layer and lens,
+# the configuration record every hashed setting, a resume state every layer under its name (1: stop 27's stores)
+FORMAT_KEY, FORMAT = "ncanalyze_format", 2
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
@@ -156,7 +158,7 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
             continue
         checkpoint = "mean" in dirs or "count" in dirs or g.attrs.get("complete") is not None
         if checkpoint and g.attrs.get("complete") is not True:
-            dirs[:] = []  # an unfinished checkpoint (an older store's interrupted write): nor its layer groups
+            dirs[:] = []  # not finished (ncanalyze moves a group in whole; this one is not its): nor its layer groups
         elif checkpoint and _bad_attrs(g.attrs):
             bad[rel] = f"{_bad_attrs(g.attrs)}: {FIX}"
             dirs[:] = []
@@ -194,7 +196,7 @@ def read_group(path: str | Path, group: str, **kwargs) -> xr.Dataset:
     try:
         ds = xr.open_zarr(Path(path), group=group, **XR, **kwargs)
         owner = classifier.checkpoint_group(group)
-        if owner != group and HEAD[0] not in ds.variables:
+        if owner != group:
             ds = classifier.with_head(ds, xr.open_zarr(Path(path), group=owner, **XR, **kwargs))
         return ds
     except MISSING_GROUP:
@@ -223,7 +225,7 @@ def read_statistics(path: str | Path, group: str, head: xr.Dataset | None = None
     fix = f"extract it again (ncanalyze extract ... --overwrite) or remove {Path(path) / owner}"  # the checkpoint
     try:
         problems = damage(path, group)
-        shared = owner != group and HEAD[0] not in open_group(path, group)  # the head stored once
+        shared = owner != group  # a layer group: the head is its checkpoint's, stored once
         if shared and head is None and not problems:
             problems = [p.replace("(", f"({owner}'s ", 1) for p in damage(path, owner, HEAD)]
     except CORRUPT as e:
@@ -234,8 +236,7 @@ def read_statistics(path: str | Path, group: str, head: xr.Dataset | None = None
         raise UserError(f"{group} {'; '.join(problems)}: {fix}")
     ds = read_group(path, group, chunks=None)  # read straight into one array each (through dask: twice the memory)
     if shared and head is not None:
-        ds = ds.drop_vars([h for h in HEAD if h in ds.variables]).assign_coords(
-            {h: head[h].variable for h in HEAD if h in head.variables})
+        ds = ds.assign_coords({h: head[h].variable for h in HEAD if h in head.variables})
     try:
         return ds[[v for v in MEASURED if v in ds]].load()
     except CHUNK_ERRORS as e:
@@ -384,13 +385,13 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
     """
     dest, staging, old = Path(path) / group, files.staging, files.old
     shutil.rmtree(staging, ignore_errors=True)
-    ds.attrs |= {"complete": False, "all_chunks": True}
+    ds.attrs |= {"complete": False}
     with zarr.config.set({"array.write_empty_chunks": True}):
         ds = classifier.on_checkpoint(ds)  # the head once, as coordinates the layer groups inherit
         ds.to_zarr(staging, mode="w", encoding=_encoding(ds), **XR)
         for layer, lds in layers:
             lds = classifier.without_head(lds)
-            lds.attrs |= {"complete": True, "all_chunks": True}
+            lds.attrs |= {"complete": True}
             lds.to_zarr(staging, group=f"{classifier.LAYERS}/{layer}", mode="w", encoding=_encoding(lds), **XR)
     zarr.open_group(staging, mode="r+", **ZARR).attrs["complete"] = True
     parent = group.rsplit("/", 1)[0] if "/" in group else ""
@@ -488,7 +489,7 @@ def damage(path: str | Path, group: str, only: Iterable[str] | None = None) -> l
 
 
 def missing_chunks(path: str | Path, group: str, only: Iterable[str] | None = None) -> list[str]:
-    """The arrays of a group written with every chunk (``all_chunks``) that lack some (none for older groups).
+    """The arrays of a group that lack chunks (ncanalyze writes every chunk, even one of fill values only).
 
     Parameters
     ----------
@@ -501,8 +502,6 @@ def missing_chunks(path: str | Path, group: str, only: Iterable[str] | None = No
         ``name (missing of all chunks)`` for each array that lacks chunks.
     """
     g = open_group(path, group)
-    if not g.attrs.get("all_chunks"):
-        return []
     return [f"{name} ({a.nchunks - a.nchunks_initialized} of {a.nchunks} chunks)" for name, a in g.arrays()
             if (only is None or name in only) and a.nchunks_initialized < a.nchunks]
 

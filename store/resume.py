@@ -153,12 +153,9 @@ def load_state(path: Path, needs: tuple[str, ...] = ("config", "phase", "batches
     except UNREADABLE as e:
         raise CheckpointError(f"the resume state {path} is unreadable ({type(e).__name__}: {e}); {RESTART}") from None
     saved = arrays.pop(DIGEST, None)
-    if saved is None:
-        raise CheckpointError(f"the resume state {path} has no integrity digest (written before ncanalyze checked "
-                              f"them, or not by ncanalyze); {RESTART}")
-    if saved.shape != () or str(saved) != digest(arrays):
+    if saved is None or saved.shape != () or str(saved) != digest(arrays):
         raise CheckpointError(f"the resume state {path} fails its integrity check (its arrays are not the ones "
-                              f"saved: damaged or altered); {RESTART}")
+                              f"saved: damaged, altered, or not written by ncanalyze); {RESTART}")
     bad = [k for k in needs if k not in arrays or arrays[k].shape != ()]
     if bad:
         raise CheckpointError(f"the resume state {path} lacks {', '.join(bad)} (or holds them with a shape); "

@@ -146,20 +146,26 @@ def test_every_extraction_setting_says_whether_it_is_hashed():
         assert isinstance(f.metadata.get("hashed"), bool), f"ExtractConfig.{f.name} must declare hashed=True/False"
 
 
-def test_a_default_configuration_hashes_as_before(trained_run):
-    """Stores written before a change must not look foreign: the record of a default configuration keeps exactly
-    these keys (a new hashed setting may enter the record only when it is not at its default)."""
+def test_the_record_holds_every_hashed_setting_and_its_keys_move_with_the_format():
+    """The configuration record is every hashed setting plus what they resolve to, none left out at its default.
+    Its keys are pinned with the store format: a new key makes every stored group's hash foreign to a resume, so it
+    cannot land without a new io.FORMAT, which refuses the old stores in one line saying to extract again."""
     import torch
-    from ncanalyze.store.extraction.config import config_record
+    from ncanalyze.store import io as store_io
+    from ncanalyze.store.extraction.config import config_record, layer_plan
     from ncanalyze.store.extraction.settings import ExtractConfig
-    from ncanalyze.store.sources.discover import discover
 
-    ckpt = discover(trained_run)[0]
-    record = config_record(ckpt, ExtractConfig(dataset="d.txt"), torch.device("cpu"), 32, "v.txt", "validation")
-    assert sorted(record) == sorted([
-        "dataset", "val_dataset", "split", "val_split", "text_column", "block_size", "max_train_tokens",
-        "max_val_tokens", "batch_size", "dtype", "samples_per_class", "tokenizer", "min_count", "seed", "device_type",
-        "weights"])
+    cfg = ExtractConfig(dataset="d.txt")
+    record = config_record(None, cfg, torch.device("cpu"), 32, "v.txt", "validation", layer_plan(cfg, 2),
+                           weights="w")
+    hashed = {f.name for f in dataclasses.fields(ExtractConfig) if f.metadata["hashed"]}
+    assert set(record) == hashed | {"val_held_out", "block_size", "device_type", "weights"}
+    assert (record["layers"], record["cap_mode"], record["val_held_out"]) == ([2], None, None)  # resolved
+    assert (store_io.FORMAT, sorted(record)) == (2, [
+        "batch_size", "block_size", "cap_mode", "dataset", "device_type", "dtype", "embeddings_dtype",
+        "keep_linebreaks", "layers", "layers_per_pass", "max_train_tokens", "max_val_tokens", "min_count",
+        "samples_per_class", "save_embeddings", "seed", "split", "text_column", "tokenizer", "val_dataset",
+        "val_held_out", "val_split", "weights"])
 
 
 def slow_marks(tree: ast.Module) -> tuple[bool, dict[str, bool]]:

@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 
 
 def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.device, block_size: int,
-                  val_spec: str | None, val_split: str | None, weights: str | None = None,
+                  val_spec: str | None, val_split: str | None, plan: layers.Plan, weights: str | None = None,
                   held_out: int | None = None) -> dict:
-    """The settings that determine a checkpoint's numbers, resolved; their hash guards resumes and re-runs.
+    """The settings that determine a checkpoint's numbers, every hashed one, resolved; their hash guards resumes and
+    re-runs.
 
     Parameters
     ----------
@@ -51,31 +52,31 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
         The device it runs on (only its type is recorded).
     block_size, val_spec, val_split
         The block size and the validation data, resolved.
+    plan
+        The layer plan: ``layers`` is recorded as its indices (``--layers -1`` as the last layer's).
     weights
         The weights' fingerprint when already known.
     held_out
         The percentage of the train data held out as validation (:func:`validation_of`): then ``split`` is the
-        train slice left and ``val_held_out`` is recorded; None (nothing held out) keeps the record as before.
+        train slice left; ``val_held_out`` is recorded either way.
 
     Returns
     -------
     dict
         The record (JSON-serialisable).
     """
-    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]
-              and not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
-    if cap_mode(cfg) != "spread":  # no cap, or the first blocks as before the setting existed: records as before
-        hashed.pop("cap_mode", None)
-    record = {**hashed, "val_dataset": val_spec, "val_split": val_split, "block_size": block_size,
-              "device_type": device.type, "weights": weights or weights_fingerprint(ckpt.path)}
+    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]}
+    record = {**hashed, "layers": list(plan.layers), "cap_mode": cap_mode(cfg), "val_dataset": val_spec,
+              "val_split": val_split, "val_held_out": held_out, "block_size": block_size, "device_type": device.type,
+              "weights": weights or weights_fingerprint(ckpt.path)}
     if held_out is not None:
-        record.update(split=f"{cfg.split}[{held_out}%:]", val_held_out=held_out)
+        record["split"] = f"{cfg.split}[{held_out}%:]"
     return record
 
 
 def cap_mode(cfg: ExtractConfig) -> str | None:
     """How a token cap reads the data (``spread`` or ``prefix``; the group's attribute ``cap_mode``), None without a
-    cap. Only ``spread`` enters the configuration record: a prefix read is what a record without it always meant."""
+    cap (so the mode of a read without a cap is no difference between two records)."""
     return cfg.cap_mode if cfg.max_train_tokens is not None or cfg.max_val_tokens else None
 
 
@@ -131,7 +132,7 @@ def validation_of(spec: str, split: str, val_split: str, percentage: int) -> Val
         ``--dataset``, ``--split`` and ``--val-split``.
     percentage
         ``--val-split-percentage`` (0: nothing held out; a token file without a sibling is then refused, and
-        other data is read at ``val_split`` as before).
+        other data is validated at ``val_split``).
 
     Returns
     -------
@@ -226,22 +227,22 @@ def held_out_line(cfg: ExtractConfig) -> str | None:
             "disjoint; --val-dataset, --val-split or --val-split-percentage change this")
 
 
-def layer_plan(cfg: ExtractConfig, config) -> layers.Plan | None:
+def layer_plan(cfg: ExtractConfig, n: int | None) -> layers.Plan:
     """The layers to extract and how.
 
     Parameters
     ----------
     cfg
         The configuration (``layers``, ``layers_per_pass``, ``save_embeddings``, ``embeddings_dtype``).
-    config
-        The model's transformers config (its number of layers).
+    n
+        The model's number of blocks (None: not known).
 
     Returns
     -------
-    layers.Plan or None
-        The plan (None: the last layer only, the default).
+    layers.Plan
+        The plan.
     """
-    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n_layers(config))
+    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n)
 
 
 class Resolved(NamedTuple):
@@ -253,8 +254,8 @@ class Resolved(NamedTuple):
     val_spec: str | None
     val_split: str | None
     held_out: int | None      # the percentage held out as validation, or None
-    record: dict              # config_record, with the layers resolved
-    plan: layers.Plan | None  # layer_plan
+    record: dict              # config_record
+    plan: layers.Plan         # layer_plan
 
 
 def rows_width(cfg: ExtractConfig) -> int | None:
@@ -314,9 +315,9 @@ def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, devi
     config = model_config if model_config is not None else load_config(ckpt, cfg.trust_remote_code)
     block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
     val = val_data(cfg)
-    record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, weights=weights, held_out=val.held_out)
-    plan = layer_plan(cfg, config)
-    layers.record_layers(record, plan)
+    plan = layer_plan(cfg, n_layers(config))
+    record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, plan, weights=weights,
+                           held_out=val.held_out)
     return Resolved(device, config, block_size, val.train_split, val.spec, val.split, val.held_out, record, plan)
 
 

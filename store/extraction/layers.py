@@ -80,7 +80,7 @@ def resolve_layers(spec: str, n: int | None) -> list[int]:
 class Plan:
     """What an extraction stores: ``layers`` (sorted, the last one always, as the checkpoint group), run in
     ``passes`` of at most ``per_pass`` layers; the first ``save_embeddings`` positions' features. The default
-    extraction is the plan of the last layer alone without embeddings (:attr:`default`). ``auto``
+    extraction is the plan of the last layer alone without embeddings (:attr:`single`). ``auto``
     (``--layers-per-pass auto``): the passes are ``groups``, once :func:`auto_groups` has fitted them to the memory
     (one pass until then)."""
     layers: tuple[int, ...]
@@ -103,9 +103,8 @@ class Plan:
         return max(len(p) for p in self.passes)
 
     @property
-    def default(self) -> bool:
-        """The default extraction: the last layer alone, no embeddings. Its resume state and group keep the names
-        they had before ``--layers`` (no ``layer<l>.`` prefix, no ``layer``/``lens`` attributes)."""
+    def single(self) -> bool:
+        """The last layer alone, no embeddings (the default): one pass that the ranks of a DDP training share."""
         return self.layers == (self.last,) and not self.save_embeddings
 
 
@@ -125,7 +124,7 @@ def plan(layers: str = "last", layers_per_pass: int | str | None = None, save_em
 
     Returns
     -------
-    Plan : the default plan (:attr:`Plan.default`) for the last layer alone without embeddings.
+    Plan : the plan (:attr:`Plan.single` for the last layer alone without embeddings, the default).
     """
     chosen = resolve_layers(layers, n)
     last = n if n is not None else -1
@@ -308,18 +307,3 @@ def _check_staged(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         ok, why = False, f"{type(e).__name__}: {e}"
     if not ok:
         raise CheckpointError(f"the staged embeddings {path} are not the ones saved ({why}); {RESTART}")
-
-
-def record_layers(record: dict, plan_: Plan | None) -> None:
-    """The configuration record names the layers resolved (indices), and not at all for the last layer alone, so
-    ``--layers -1`` hashes as the default and ``all`` as its indices.
-
-    Parameters
-    ----------
-    record : the configuration record (changed in place).
-    plan_ : the extraction's plan.
-    """
-    if plan_ is None or plan_.layers == (plan_.last,):
-        record.pop("layers", None)
-    else:
-        record["layers"] = list(plan_.layers)

@@ -3,10 +3,9 @@ resume state (names, checks, restore).
 
 One :class:`~ncanalyze.store.extraction.layers.Plan` drives it, the default's (the last layer alone) as ``--layers``'s. A layer's
 accumulators (:class:`LayerState`) are the float64 class statistics, the reservoir, NC4's decision counts and the
-model's loss sums; their states nest under their names (``stats``, ``reservoir``, ``val``, ``lm``), under
-``layer<l>`` for a layered plan and at the top for the default, and are flattened into the saved state's names by
-:func:`~ncanalyze.store.resume.flatten` alone: ``stats.mean``, ``layer3.stats.mean``, the names states have always
-had. A finished pass's layers wait in the staging folder (``layer-<l>.npz``), off the device.
+model's loss sums; their states nest under their names (``stats``, ``reservoir``, ``val``, ``lm``) under
+``layer<l>``, and are flattened into the saved state's names by :func:`~ncanalyze.store.resume.flatten` alone:
+``layer3.stats.mean``. A finished pass's layers wait in the staging folder (``layer-<l>.npz``), off the device.
 """
 from __future__ import annotations
 
@@ -39,8 +38,6 @@ from ncanalyze.store.sources.anatomy import LogitTransform
 
 log = logging.getLogger(__name__)
 
-OPTIONAL = ("stream", "pass", "lm", "passes")  # names written since the first states: a state from before lacks them
-
 
 class LayerState:
     """One layer's accumulators: ``stats`` (:class:`ClassStats`), ``reservoir`` (:class:`Reservoir`), ``val`` (the
@@ -58,18 +55,13 @@ class LayerState:
         return {"stats": self.stats.state_dict(), "reservoir": self.reservoir.state_dict(), "val": self.val,
                 "lm": self.lm}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> bool:
-        """Take a nested state; returns whether it held the loss sums (a state from before ``val_loss`` does not)."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a nested state."""
         self.stats.load_state_dict(state["stats"])
         self.reservoir.load_state_dict(state["reservoir"])
-        for k, v in self.val.items():
-            v.copy_(torch.as_tensor(state["val"][k]))
-        lm = state.get("lm", {})
-        if not all(k in lm for k in self.lm):
-            return False
-        for k, v in self.lm.items():
-            v.copy_(torch.as_tensor(lm[k]))
-        return True
+        for name, counts in (("val", self.val), ("lm", self.lm)):
+            for k, v in counts.items():
+                v.copy_(torch.as_tensor(state[name][k]))
 
     def dataset(self, classifier: np.ndarray, bias: np.ndarray | None, tokens: list[str] | None,
                 attrs: dict, **embeddings) -> xr.Dataset:
@@ -121,8 +113,6 @@ class Extraction:
         self.layers = self._fresh()
 
     def _nested(self) -> dict[str, Any]:
-        if self.plan.default:
-            return self.main().state_dict()
         return {f"layer{l}": s.state_dict() for l, s in self.layers.items()}
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
@@ -131,7 +121,7 @@ class Extraction:
         if self.embeddings is not None:
             self.embeddings.flush()
             emb = {"embeddings": self.embeddings.state_dict()}
-        if self.plan.auto and not self.plan.default:  # the groups auto fitted to this machine's memory
+        if self.plan.auto:  # the groups auto fitted to this machine's memory
             emb["passes"] = json.dumps(self.plan.passes)
         return flatten(self._nested() | emb | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
                                          "stream": self.stream, "config": json.dumps(record, sort_keys=True)})
@@ -214,17 +204,12 @@ class Extraction:
         """Take a saved state's arrays as they are (:meth:`load` checks them first); ``arrays`` maps names to arrays
         and lists them in ``files`` (an npz file) or by iteration (a dict)."""
         nested = unflatten(arrays)
-        self.pass_index = int(nested.get("pass", 0))
+        self.pass_index = int(nested["pass"])
         self.phase, self.batches = Phase(int(nested["phase"])), int(nested["batches"])
-        self.stream = str(nested.get("stream", ""))
+        self.stream = str(nested["stream"])
         self.layers = self._fresh()
-        with_loss = [s.load_state_dict(nested if self.plan.default else nested[f"layer{l}"])
-                     for l, s in self.layers.items()]
-        if not all(with_loss) and self.phase == Phase.VALIDATION:  # from before val_loss: the pass starts again
-            for s in self.layers.values():
-                for v in (*s.val.values(), *s.lm.values()):
-                    v.zero_()
-            self.next_phase(Phase.VALIDATION)
+        for l, s in self.layers.items():
+            s.load_state_dict(nested[f"layer{l}"])
 
     def _open_embeddings(self, resume: bool, saved: dict | None = None) -> None:
         if self.plan.save_embeddings:
@@ -254,8 +239,7 @@ class Extraction:
 
         def make(l: int, s: LayerState) -> xr.Dataset:
             emb = {} if self.embeddings is None else self.embeddings.variables(l, written)
-            where = {} if self.plan.default else {"layer": l,
-                                                  "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))"}
+            where = {"layer": l, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))"}
             return s.dataset(classifier, bias, tokens, {**attrs, **where}, **emb)
 
         others = ((l, make(l, s)) for l, s in self.finished() if l != self.plan.last)
@@ -268,8 +252,7 @@ class Extraction:
 
 
 def _misfits(arrays: Mapping[str, np.ndarray], fresh: Mapping[str, np.ndarray]) -> list[str]:
-    """The names where a saved state differs from a fresh one in shape or kind, or lacks it (names new since the
-    first states, :data:`OPTIONAL`, may be absent)."""
+    """The names where a saved state differs from a fresh one in shape or kind, or lacks it."""
     bad = [k for k, v in fresh.items() if k != "stream" and k in arrays
            and (arrays[k].shape != v.shape or arrays[k].dtype.kind != v.dtype.kind)]
-    return bad + [f"{k} (missing)" for k in fresh if k not in arrays and not set(k.split(".")) & set(OPTIONAL)]
+    return bad + [f"{k} (missing)" for k in fresh if k not in arrays]

@@ -22,7 +22,7 @@ SIZE_RULE = ("a number of bytes, or a number and a unit: kB, MB, GB, TB (powers 
 def setting(default: Any = None, *, required: bool = False, hashed: bool, section: str, help: str, kind: type | None = None,
             flag: str | None = None, metavar: str | None = None, minimum: float | None = None,
             maximum: float | None = None, choices: tuple[str, ...] | None = None,
-            check: Callable[[Any], Any] | None = None, omit_default: bool = False):
+            check: Callable[[Any], Any] | None = None):
     """A configuration field and everything said about it once.
 
     Parameters
@@ -47,9 +47,6 @@ def setting(default: Any = None, *, required: bool = False, hashed: bool, sectio
         The values it accepts (None: any of its type).
     check
         ``check(value) -> value``: converts a value or raises ``ValueError("must be ...")``, after the checks above.
-    omit_default
-        A hashed field left out of the record (and so of the hash) while it has its default value, so that adding it
-        kept the hash of every store made before it existed; any other value is recorded.
 
     Returns
     -------
@@ -59,7 +56,7 @@ def setting(default: Any = None, *, required: bool = False, hashed: bool, sectio
     assert section in SECTIONS, section
     kind = kind or (type(default) if default is not None else str)
     return field(default=MISSING if required else default, metadata={
-        "hashed": hashed, "omit_default": omit_default, "section": section, "help": help, "kind": kind, "flag": flag,
+        "hashed": hashed, "section": section, "help": help, "kind": kind, "flag": flag,
         "metavar": metavar, "minimum": minimum, "maximum": maximum, "choices": choices, "check": check})
 
 
@@ -150,7 +147,7 @@ class ExtractConfig:
     val_split_percentage: int = setting(5, hashed=False, section="Data", metavar="P", minimum=0, maximum=99, help=(
         "With no validation data given or found, hold out the first P% of the train data as validation and train on "
         "the rest, as run_clm's validation_split_percentage: splits 'train[:P%]' and 'train[P%:]' (text, datasets), "
-        "or the first P% of the blocks (.npy/.bin). 0: validate on --val-split of --dataset as before (a token file "
+        "or the first P% of the blocks (.npy/.bin). 0: validate on --val-split of --dataset (a token file "
         "without a sibling is then refused)."))
     text_column: str = setting("text", hashed=True, section="Data", help="Column holding the text.")
     block_size: int | None = setting(hashed=True, section="Data", kind=int, minimum=2, help=(
@@ -159,7 +156,7 @@ class ExtractConfig:
         "Cap on train tokens read: whole blocks, spread over the whole split (see --cap-mode)."))
     max_val_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
         "Cap on validation tokens read (as --max-train-tokens); 0 skips NC4."))
-    # recorded only where a cap is set (config_record, cap_mode)
+    # recorded resolved: None without a cap (config_record, cap_mode)
     cap_mode: str = setting("spread", hashed=True, section="Data", choices=("spread", "prefix"), help=(
         "How a token cap reads a split: 'spread', whole blocks drawn over all of it (one from each of N equal "
         "stretches, N the blocks the cap allows; drawn with --seed, the same for every checkpoint and across a resume; "
@@ -185,7 +182,7 @@ class ExtractConfig:
         "Allow custom model or tokenizer code from the checkpoint."))
     state_every: float = setting(120.0, hashed=False, section="Run control", minimum=0, help=(
         "Seconds between saves of the resume state (a killed run continues from the last save)."))
-    keep_linebreaks: bool = setting(True, hashed=True, omit_default=True, section="Data", help=(
+    keep_linebreaks: bool = setting(True, hashed=True, section="Data", help=(
         "Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
         "--no-keep-linebreaks strips them."))
     tag: str | None = setting(hashed=False, section="Run control", metavar="NAME", help=(  # where, not what
@@ -194,22 +191,22 @@ class ExtractConfig:
     token_cache: bool = setting(True, hashed=False, section="Data", help=(
         "Tokenize text once into <store>.tokens/ (keyed by data, tokenizer, block size, cap and line breaks) and "
         "reuse it for every checkpoint; progress bars and the estimate then know the totals."))
-    layers: str = setting("last", hashed=True, omit_default=True, section="Layers", metavar="last|all|I,J,...",
-                          check=_layers, help=(  # recorded resolved (indices), see layers.py
+    layers: str = setting("last", hashed=True, section="Layers", metavar="last|all|I,J,...",
+                          check=_layers, help=(  # recorded resolved (indices)
         "Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after the final "
         "norm, the checkpoint group itself), negative from the end. Others are stored at "
         "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm)."))
-    layers_per_pass: int | str | None = setting(AUTO, hashed=True, omit_default=True, section="Layers", kind=str,
-                                                metavar="auto|K", check=_per_pass, help=(  # auto: never recorded
+    layers_per_pass: int | str | None = setting(AUTO, hashed=True, section="Layers", kind=str,
+                                                metavar="auto|K", check=_per_pass, help=(
         "At most K layers' state at a time: several passes over the data (exact either way); auto: as many as "
         "--state-memory holds, the deepest layers together."))
     state_memory: str | None = setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
         f"Memory the float64 state may take under --layers-per-pass auto: {SIZE_RULE} [default: the device's free "
         "memory after the model, less a tenth (at least 1 GiB)]."))
-    save_embeddings: int = setting(0, hashed=True, omit_default=True, section="Layers", metavar="N", minimum=0, help=(
+    save_embeddings: int = setting(0, hashed=True, section="Layers", metavar="N", minimum=0, help=(
         "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "
         "(position, hidden) with label (position)."))
-    embeddings_dtype: str = setting("float32", hashed=True, omit_default=True, section="Layers",
+    embeddings_dtype: str = setting("float32", hashed=True, section="Layers",
                                     choices=("float32", "float16", "float64"), help="dtype of --save-embeddings.")
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from ncanalyze.store.extraction.config import (
     Status,
     config_hash,
     config_record,
+    layer_plan,
     val_data,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
@@ -324,7 +325,8 @@ def done_before(store: Store, ckpt: Checkpoint, repo: str, revision: str, cfg: E
     old = json.loads(attrs.get("config", "{}"))  # the commit fixes the weights and the model's context
     val = val_data(cfg)
     want = config_record(None, cfg, resolve_device(cfg.device), cfg.block_size or old.get("block_size"), val.spec,
-                         val.split, weights=old.get("weights"), held_out=val.held_out)
+                         val.split, layer_plan(cfg, attrs.get("n_layers")), weights=old.get("weights"),
+                         held_out=val.held_out)
     return store.status(ckpt.group, config_hash(want)) is Status.SKIP
 
 

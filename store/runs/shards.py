@@ -205,7 +205,7 @@ def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict
         saved in the validation pass by a run whose worker died (plan() left no other), to be resumed rather than
         started again; REFUSE: nothing saved (extract_checkpoint refuses it).
     """
-    record = resolve(ckpt, cfg).record
+    run = resolve(ckpt, cfg)
     stats, reservoir = _objects(merged, cfg.samples_per_class, cfg.seed)
     count = stats.count
     if not (count >= cfg.min_count).any():
@@ -213,10 +213,10 @@ def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict
                         f"{int(count.max())}): lower --min-count")
     files = store.files(ckpt)
     with store.lock(ckpt.group):
-        status = store.status(ckpt.group, config_hash(record), overwrite)
+        status = store.status(ckpt.group, config_hash(run.record), overwrite)
         if status is Status.FRESH:
-            ex = Extraction(layers.plan(), *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
+            ex = Extraction(run.plan, *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
             ex.main().stats, ex.main().reservoir = stats, reservoir
             ex.next_phase(Phase.VALIDATION)
-            save_state(files.state, ex.state(record))
+            save_state(files.state, ex.state(run.record))
     return status

@@ -333,7 +333,7 @@ class NeuralCollapseCallback(TrainerCallback):
     def _shared(self, model, setup: _Setup, ex: Extraction, rank: int, group: str) -> bool:
         """Under DDP: this rank's share of the train pass, merged into rank 0's ``ex`` (the default plan; a plan of
         several layers is run by rank 0 alone). Whether this rank goes on to the validation pass and the write."""
-        if not setup.run.plan.default:
+        if not setup.run.plan.single:
             return rank == 0
         if self.n_train is None:  # the ranks' data checked equal once (a content hash), then shared out
             self.n_train = ddp.agreed_batches(setup.train, setup.cfg.batch_size)
@@ -357,7 +357,7 @@ class NeuralCollapseCallback(TrainerCallback):
     def _check_run(self, run: str, record: dict, model: dict) -> None:
         """A UserError if the store holds ``run`` measured under other settings (its steps would not compare), or from
         another model (another training's output folder, architecture or parameter count: its groups would be replaced
-        step by step); a group recorded before ``output_dir`` is compared on what it records."""
+        step by step)."""
         groups, _ = self.store.checkpoint_groups()
         for g in groups:
             if g.count("/") != 1 or not g.startswith(f"{run}/"):
@@ -368,8 +368,8 @@ class NeuralCollapseCallback(TrainerCallback):
                 raise UserError(f"{self.store} already holds run {run} under other settings "
                                 f"({differences(old, record)}): set TrainingArguments(run_name=...) to another name, "
                                 f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")
-            theirs = {k: attrs.get(k) for k in model if k in attrs}
-            if attrs.get("source") == "training" and theirs != {k: model[k] for k in theirs}:
+            theirs = {k: attrs.get(k) for k in model}
+            if attrs.get("source") == "training" and theirs != model:
                 raise UserError(f"{self.store} already holds run {run} of another model ({describe(theirs)}; this "
                                 f"training: {describe(model)}): set TrainingArguments(run_name=...) to another name, "
                                 f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")

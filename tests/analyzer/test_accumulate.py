@@ -5,7 +5,6 @@ to 1e-12; and one pass equals brute force. Then the one flatten/unflatten of nes
 names today's and earlier code wrote."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -154,54 +153,47 @@ def test_flatten_and_unflatten_are_inverse_with_the_names_of_saved_states():
     assert flatten(back).keys() == flat.keys()
 
 
-def legacy_state(V: int, d: int, k: int, ex: LayerState, phase: int, batches: int, record: dict,
-                 lm: bool = True) -> dict[str, np.ndarray]:
-    """A default extraction's resume state with the names the code before this change wrote, by hand."""
-    arrays = {f"stats.{n}": v.numpy() for n, v in ex.stats.state_dict().items()}
-    arrays |= {f"reservoir.{n}": v for n, v in ex.reservoir.state_dict().items()}
-    arrays |= {f"val.{n}": v.numpy() for n, v in ex.val.items()}
-    if lm:
-        arrays |= {f"lm.{n}": v.numpy() for n, v in ex.lm.items()}
-    return arrays | {"phase": np.array(phase), "batches": np.array(batches), "stream": np.array("abc"),
-                     "config": np.array(json.dumps(record, sort_keys=True))}
+def layer_state(ex: LayerState, l: int, phase: int, batches: int, at: int = 0) -> dict[str, np.ndarray]:
+    """A resume state of a plan whose pass ``at`` holds layer ``l`` alone, built by hand from ``ex``'s arrays."""
+    arrays = flatten({f"layer{l}": ex.state_dict()})
+    return arrays | {"pass": np.array(at), "phase": np.array(phase), "batches": np.array(batches),
+                     "stream": np.array("abc"), "passes": np.array("[]"), "config": np.array("{}")}
 
 
-def test_resume_states_in_earlier_names_load_or_are_refused(tmp_path):
+def test_resume_states_load_under_layer_names_or_are_refused(tmp_path):
+    """Every layer's arrays are saved under ``layer<l>.`` (the default plan's last layer too); a state is loaded as
+    saved, and one that lacks a name, misfits or does not add up is refused with the --restart line."""
     V, d, k = 6, 3, 2
     src = LayerState(V, d, k, 0, "cpu")
     h, y = torch.randn(10, d), torch.tensor([0, 1, 2, 2, 3, 3, 3, 5, 5, 0])
     src.stats.update(h, y)
     src.reservoir.update(h, y.numpy(), np.arange(10))
-    # the default: top-level names, no "pass"
-    ex = Extraction(plan(), V, d, k, 0, "cpu")
-    ex.load(legacy_state(V, d, k, src, int(Phase.TRAIN), 2, {}), tokens_per_batch=5, where="s.npz")
+    ex = Extraction(plan(n=2), V, d, k, 0, "cpu")
+    ex.load(layer_state(src, 2, int(Phase.TRAIN), 2), tokens_per_batch=5, where="s.npz")
     assert (ex.pass_index, ex.phase, ex.batches, ex.stream) == (0, Phase.TRAIN, 2, "abc")
     for n, v in src.stats.state_dict().items():
         np.testing.assert_array_equal(ex.main().stats.state_dict()[n].numpy(), v.numpy())
     np.testing.assert_array_equal(ex.main().reservoir.samples, src.reservoir.samples)
-    assert ex.state({}).keys() - {"pass"} == legacy_state(V, d, k, src, 0, 2, {}).keys()
-    # a state from before val_loss, in the validation pass: that pass starts again
-    src.val["val_count"][0] += 3
-    ex.load(legacy_state(V, d, k, src, int(Phase.VALIDATION), 1, {}, lm=False), tokens_per_batch=5, where="s.npz")
-    assert (ex.phase, ex.batches, int(ex.main().val["val_count"].sum())) == (Phase.VALIDATION, 0, 0)
+    assert ex.state({}).keys() == layer_state(src, 2, 0, 2).keys()
+    for name in ("layer2.lm.loss_sum", "stream", "layer2.stats.unit_sum"):  # every name a state is written with
+        lacking = {n: v for n, v in layer_state(src, 2, int(Phase.VALIDATION), 1).items() if n != name}
+        with pytest.raises(CheckpointError, match=f"{name} \\(missing\\).*pass --restart"):
+            ex.load(lacking, tokens_per_batch=5, where="s.npz")
     # inconsistent (10 tokens counted, at most 5 in one batch) or misshapen: refused with the --restart line
     with pytest.raises(CheckpointError, match="inconsistent.*pass --restart"):
-        ex.load(legacy_state(V, d, k, src, int(Phase.TRAIN), 1, {}), tokens_per_batch=5, where="s.npz")
+        ex.load(layer_state(src, 2, int(Phase.TRAIN), 1), tokens_per_batch=5, where="s.npz")
     with pytest.raises(CheckpointError, match="does not fit.*pass --restart"):
-        Extraction(plan(), V + 1, d, k, 0, "cpu").load(legacy_state(V, d, k, src, 0, 2, {}), 5, "s.npz")
-    # a layered state: names under layer<l>., its pass
+        Extraction(plan(n=2), V + 1, d, k, 0, "cpu").load(layer_state(src, 2, 0, 2), 5, "s.npz")
+    # a layered plan in its second pass: the first pass's layers wait, finished, in its folder
     layered = plan("all", 2, 0, "float32", 2)
-    old = {"pass": np.array(1), "phase": np.array(0), "batches": np.array(2), "stream": np.array(""),
-           "config": np.array("{}")}
-    old |= {f"layer2.{n}": v for n, v in legacy_state(V, d, k, src, 0, 2, {}).items()
-            if n.split(".")[0] in ("stats", "reservoir", "val", "lm")}
-    for l in (0, 1):  # the first pass's layers, finished, as a layered run leaves them in its folder
+    for l in (0, 1):
         save_state(tmp_path / f"layer-{l}.npz", flatten(src.state_dict()))
     ex = Extraction(layered, V, d, k, 0, "cpu", tmp_path)
-    ex.load(old, tokens_per_batch=5, where="s.npz")
+    saved = {n: v for n, v in layer_state(src, 2, 0, 2, at=1).items() if n != "passes"}  # K given: no auto passes
+    ex.load(saved, tokens_per_batch=5, where="s.npz")
     assert (ex.pass_index, list(ex.layers)) == (1, [2])
     np.testing.assert_array_equal(ex.main().stats.mean.numpy(), src.stats.mean.numpy())
-    assert ex.state({}).keys() == old.keys()
+    assert ex.state({}).keys() == saved.keys()
 
 
 def test_class_sums_at_the_real_vocabulary_with_zipf_labels_equal_brute_force_with_one_grouping_shared():

@@ -205,22 +205,21 @@ def test_unit_sum_merges_and_resumes_like_one_stream():
     resumed.load_state_dict(whole.state_dict())
     torch.testing.assert_close(resumed.unit_sum, whole.unit_sum, rtol=0, atol=0)  # the saved state, bit for bit
     torch.testing.assert_close(resumed.unit_sum, want, rtol=1e-12, atol=1e-12)
-    old = {k: v for k, v in whole.state_dict().items() if k != "unit_sum"}   # a state from before unit_sum
-    resumed.load_state_dict(old)
-    assert torch.isnan(resumed.unit_sum).all()
+    with pytest.raises(KeyError, match="unit_sum"):  # a state without it is not one ClassStats wrote
+        resumed.load_state_dict({k: v for k, v in whole.state_dict().items() if k != "unit_sum"})
 
 
 def test_statistics_without_unit_sum_give_nan_anisotropy_with_a_warning():
     h, y, W = study(seed=2)
     ds = class_stats(h, y, len(W), classifier=W)
     full = measure(ds)
-    with pytest.warns(UserWarning, match="anisotropy is nan: .*before ncanalyze stored unit_sum"):
-        old = measure(ds.drop_vars("unit_sum"))
+    with pytest.warns(UserWarning, match="anisotropy is nan: the dataset holds no unit_sum"):
+        old = measure(ds.drop_vars("unit_sum"))  # a dataset made by hand
     assert math.isnan(old["anisotropy"])
     rest = [k for k in full if k != "anisotropy"]  # nc4_agreement is nan in both (no validation counts)
     np.testing.assert_array_equal([old[k] for k in rest], [full[k] for k in rest])
-    ds["unit_sum"] = ds["unit_sum"] * np.nan                          # resumed from a state from before it
-    with pytest.warns(UserWarning, match="anisotropy is nan: unit_sum is NaN"):
+    ds["unit_sum"] = ds["unit_sum"] * np.nan
+    with pytest.warns(UserWarning, match="anisotropy is nan: the dataset's unit_sum is not finite"):
         assert math.isnan(measure(ds)["anisotropy"])
 
 
@@ -256,7 +255,7 @@ def test_extraction_stores_unit_sum_and_anisotropy(extracted_store, trained_run,
     assert got["anisotropy"] == pytest.approx(off_diagonal / (N * (N - 1)), rel=1e-9)
     assert 0 < got["anisotropy"] < 1 and all(math.isfinite(got[k]) for k in GEOMETRY_METRICS)
 
-    old = tmp_path / "old.zarr"                                       # the same store, written before unit_sum
+    old = tmp_path / "old.zarr"                                       # the same store, its unit_sum removed
     shutil.copytree(extracted_store, old)
     for group in ("checkpoint-20", "checkpoint-40", "checkpoint-60"):
         shutil.rmtree(old / "neo-2x32" / group / "unit_sum")

@@ -105,9 +105,9 @@ def test_an_inconsistent_resume_state_is_refused(edit, model, corpus, saved_stat
     elif edit == "huge batches":
         arrays["batches"] = np.array(10**9)
     elif edit == "counts do not add up":
-        arrays["stats.count"] = arrays["stats.count"] * 2
+        arrays["layer2.stats.count"] = arrays["layer2.stats.count"] * 2  # the 2-block model's last layer
     else:
-        arrays["stats.mean"] = arrays["stats.mean"][:, :-1]
+        arrays["layer2.stats.mean"] = arrays["layer2.stats.mean"][:, :-1]
     save_state(state, arrays)  # with a valid digest: the consistency checks behind it are what is tested here
     line = one_line_error(run_cli(*extract_args(model, corpus, store), ok=False))
     assert str(state) in line and "--restart" in line

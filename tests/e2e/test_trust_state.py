@@ -101,16 +101,17 @@ def plain(trained_run, corpus, tmp_path_factory) -> dict:
 
 
 def _forge_counts(a):  # two classes' counts swapped: the total still adds up to the batches done
-    c = a["stats.count"]
+    c = a[COUNT]
     i, j = np.flatnonzero(c != c.max())[0], int(np.argmax(c))
     c[[i, j]] = c[[j, i]]
 
 
+MEAN, COUNT = "layer2.stats.mean", "layer2.stats.count"  # the 2-block model's last layer
 PLAIN_DAMAGE = {
-    "a mean changed by one ulp": (lambda a: a["stats.mean"].flat.__setitem__(7, np.nextafter(a["stats.mean"].flat[7],
-                                                                                               1)), "integrity check"),
+    "a mean changed by one ulp": (lambda a: a[MEAN].flat.__setitem__(7, np.nextafter(a[MEAN].flat[7], 1)),
+                                  "integrity check"),
     "counts that still add up": (_forge_counts, "integrity check"),
-    "a state from before the digest": (lambda a: a.pop(DIGEST), "no integrity digest"),
+    "a state without its digest": (lambda a: a.pop(DIGEST), "integrity check"),
     # forged with the digest recomputed (the digest is no signature): the plausibility checks still stand behind it
     "counts doubled, digest recomputed": ("forge", "inconsistent"),
 }
@@ -127,7 +128,7 @@ def test_an_altered_state_is_refused_and_restart_equals_an_uninterrupted_run(dam
     edit, words = PLAIN_DAMAGE[damage]
     if edit == "forge":
         arrays.pop(DIGEST)
-        arrays["stats.count"] = arrays["stats.count"] * 2
+        arrays[COUNT] = arrays[COUNT] * 2
         save_state(state, arrays)
     else:
         edit(arrays)

@@ -1,6 +1,6 @@
 """The classifier stored once per checkpoint (SPEC 2, issue 24): a ``--layers all`` store holds the head in the
-checkpoint group alone, as coordinates its layer groups inherit; every layer still reads and measures with it, as
-before; stores written the old way (a copy in every group, as a data variable) read and measure identically."""
+checkpoint group alone, as coordinates its layer groups inherit; every layer reads and measures with it as it would
+with its own copy."""
 from __future__ import annotations
 
 import shutil
@@ -16,7 +16,6 @@ from ncanalyze.analyzer import class_stats, measure
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import HEAD
 from ncanalyze.store import io
-from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.inventory import disk_bytes
@@ -32,36 +31,14 @@ def model_head(path) -> np.ndarray:
     return GPTNeoForCausalLM.from_pretrained(path).lm_head.weight.detach().numpy()
 
 
-def old_layout(new, old) -> None:
-    """``new`` rewritten as stores were before: every group (checkpoint and layers) with its own copy of the head, as
-    a data variable, written with the same encoding."""
-    groups, _ = io.checkpoint_groups(new)
-    for g in groups:  # a checkpoint group comes before its layers (study order)
-        ds = xr.open_zarr(new, group=g, zarr_format=3, consolidated=False).load()
-        if g == checkpoint_group(g):
-            ds, head = ds.reset_coords([h for h in HEAD if h in ds.coords]), ds
-            io.ensure_group(old, g.rsplit("/", 1)[0])
-        else:
-            ds = ds.assign({h: head[h].variable for h in HEAD if h in head.variables})
-        assert "classifier" in ds.data_vars
-        ds.to_zarr(old, group=g, mode="w", encoding=io._encoding(ds), zarr_format=3, consolidated=False)
-
-
 @pytest.fixture(scope="module")
 def stores(trained_run, corpus, tmp_path_factory):
-    """``--layers all`` of checkpoint-60 (``new``), the same rewritten the old way (``old``), and a store holding
-    both layouts (``mixed``: new's run, and old's under ``old-run``), all measured; the model's own head ``W``."""
-    d = tmp_path_factory.mktemp("head")
-    new, old, mixed = d / "new.zarr", d / "old.zarr", d / "mixed.zarr"
+    """``--layers all`` of checkpoint-60 (``new``), measured, and the model's own head ``W``."""
+    new = tmp_path_factory.mktemp("head") / "new.zarr"
     run_cli("extract", trained_run / "checkpoint-60", "--dataset", corpus["train"], "--store", new, "--layers", "all",
             *EXTRACT_OPTS)
-    old_layout(new, old)
-    shutil.copytree(new, mixed)
-    ckpt = io.checkpoint_groups(new)[0][0]
-    shutil.copytree(old / ckpt.split("/")[0], mixed / "old-run")
-    metrics = {s: measure_store(s).table for s in (new, old, mixed)}
-    return {"new": new, "old": old, "mixed": mixed, "ckpt": ckpt, "W": model_head(trained_run / "checkpoint-60"),
-            "metrics": metrics}
+    measure_store(new)
+    return {"new": new, "ckpt": io.checkpoint_groups(new)[0][0], "W": model_head(trained_run / "checkpoint-60")}
 
 
 def stored_metrics(store, group) -> dict:
@@ -87,20 +64,10 @@ def test_layer_groups_hold_no_classifier_and_the_checkpoint_group_one(stores):
     for l in LAYERS:
         arrays = dict(zarr.open_group(new, path=f"{ckpt}/layers/{l}", mode="r", zarr_format=3).arrays())
         assert "mean" in arrays and not set(HEAD) & set(arrays), l
-    in_old = [dict(zarr.open_group(stores["old"], path=f"{ckpt}/layers/{l}", mode="r").arrays()) for l in LAYERS]
-    assert all("classifier" in a for a in in_old)  # the hand-written old layout has the copies
-
-
-@pytest.mark.slow
-def test_the_store_shrinks_by_the_copies_of_the_head(stores):
-    new, old, ckpt, W = stores["new"], stores["old"], stores["ckpt"], stores["W"]
-    head = disk_bytes(new / ckpt / "classifier")
-    assert head > W.nbytes // 2  # zstd at level 0 barely compresses float32 weights
-    for l in LAYERS:  # each old copy holds the same chunks as the one kept (its zarr.json differs by a few bytes)
-        copy = old / ckpt / "layers" / str(l) / "classifier"
-        assert disk_bytes(copy / "c") == disk_bytes(new / ckpt / "classifier" / "c")
-    saved = disk_bytes(old) - disk_bytes(new)
-    assert len(LAYERS) * head <= saved <= len(LAYERS) * head + 4096  # (layers - 1) x the head, give or take metadata
+    held = disk_bytes(new / ckpt / "classifier")
+    assert held > W.nbytes // 2  # zstd at level 0 barely compresses float32 weights
+    heads = [p for p in new.rglob("zarr.json") if p.parent.name in HEAD]
+    assert [p.parent for p in heads] == [new / ckpt / "classifier"]  # one copy in the whole store
 
 
 @pytest.mark.slow
@@ -123,23 +90,6 @@ def test_every_layer_measures_as_with_its_own_copy_of_the_head(stores):
         p = s[s > 0] / s.sum()
         assert ours["head_erank"] == pytest.approx(np.exp(-(p * np.log(p)).sum()), abs=1e-10)
     assert len({stored_metrics(new, f"{ckpt}/layers/{l}")["nc3_cos_mean"] for l in LAYERS}) == len(LAYERS)
-
-
-@pytest.mark.slow
-def test_an_old_and_a_mixed_store_read_and_measure_identically(stores):
-    new, old, mixed, ckpt, W = stores["new"], stores["old"], stores["mixed"], stores["ckpt"], stores["W"]
-    run = ckpt.split("/")[0]
-    for g in [ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)]:
-        ref = stored_metrics(new, g)
-        assert_same_metrics(stored_metrics(old, g), ref)
-        assert_same_metrics(stored_metrics(mixed, g), ref)
-        assert_same_metrics(stored_metrics(mixed, g.replace(run, "old-run", 1)), ref)
-        for store, where in ((old, g), (mixed, g.replace(run, "old-run", 1)), (mixed, g)):
-            np.testing.assert_array_equal(io.read_statistics(store, where)["classifier"].values, W)
-            np.testing.assert_array_equal(ncanalyze.store.open(store)[where].to_dataset()["classifier"].values, W)
-    assert "classifier" in ncanalyze.store.open(old)[f"{ckpt}/layers/0"].to_dataset().data_vars  # its own, as written
-    table = stores["metrics"][mixed]
-    assert len(table) == 2 * (len(LAYERS) + 1) and table["nc1_cdnv"].notna().all()
 
 
 @pytest.mark.slow
@@ -258,10 +208,11 @@ def test_the_estimate_counts_the_head_once(stores):
 def test_a_corrupt_head_skips_its_checkpoint_with_every_layer_and_names_the_fix(stores, tmp_path):
     """A flipped bit in the one stored head (zstd's checksum catches it): `measure` leaves out the checkpoint group
     and every layer group that refers to it, each naming the checkpoint to extract again or remove, never the layer
-    group alone (removing it would not mend the head); the old-layout run beside it is measured as before."""
-    store = tmp_path / "s.zarr"
-    shutil.copytree(stores["mixed"], store)
-    ckpt = stores["ckpt"]
+    group alone (removing it would not mend the head); a copy of the run beside it is measured as before."""
+    store, ckpt = tmp_path / "s.zarr", stores["ckpt"]
+    run = ckpt.split("/")[0]
+    shutil.copytree(stores["new"], store)
+    shutil.copytree(store / run, store / "other-run")
     chunk = next(p for p in sorted((store / ckpt / "classifier").rglob("*")) if p.is_file() and p.name != "zarr.json")
     raw = bytearray(chunk.read_bytes())
     raw[len(raw) // 2] ^= 0x10
@@ -272,11 +223,10 @@ def test_a_corrupt_head_skips_its_checkpoint_with_every_layer_and_names_the_fix(
     assert set(skipped) == {ckpt, *(f"{ckpt}/layers/{l}" for l in LAYERS)}
     for g, why in skipped.items():
         assert "corrupt data" in why and why.endswith(f"or remove {store / ckpt}"), why
-    old = [g for g in result.measured if g.startswith("old-run/")]
-    assert len(old) == 1 + len(LAYERS)
-    run = ckpt.split("/")[0]
-    for g in old:  # the other run, untouched, measures as it did in the old store (old-run/<ckpt> is <run>/<ckpt>)
-        assert_same_metrics(stored_metrics(store, g), stored_metrics(stores["old"], f"{run}/{g.split('/', 1)[1]}"))
+    other = [g for g in result.measured if g.startswith("other-run/")]
+    assert len(other) == 1 + len(LAYERS)
+    for g in other:  # the other run, untouched, measures as the original (other-run/<ckpt> is <run>/<ckpt>)
+        assert_same_metrics(stored_metrics(store, g), stored_metrics(stores["new"], f"{run}/{g.split('/', 1)[1]}"))
     assert any("skipped" in str(w.message) for w in caught)
 
 

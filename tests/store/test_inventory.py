@@ -160,7 +160,7 @@ def test_ls_lists_runs_checkpoints_tags_layers_settings_measured_and_sizes(study
     differ = sorted(k for k in set().union(*configs) - {"weights", "dataset"}
                     if len({json.dumps(c.get(k)) for c in configs}) > 1)
     assert inv["settings"] == differ and {"layers", "save_embeddings", "val_dataset"} <= set(differ)
-    assert rows[OTHER]["settings"]["save_embeddings"] == N_EMB and rows[groups[0]]["settings"]["layers"] is None
+    assert rows[OTHER]["settings"]["save_embeddings"] == N_EMB and rows[groups[0]]["settings"]["layers"] == [2]
     assert all(rows[g]["measured"] == "no" and rows[g]["status"] == "ok" for g in groups)
     for g in groups:
         assert rows[g]["bytes"] == sum(f.stat().st_size for f in (store / g).rglob("*") if f.is_file()) > 0

@@ -98,8 +98,8 @@ def test_extract_records_the_cap_mode_and_reads_the_same_blocks_in_shards(text, 
     whole = text_blocks(data, tok, None)  # --max-val-tokens 0: nothing held out, the train split is all of it
     assert a.attrs["cap_mode"] == "spread" and a.attrs["seed"] == 0 and c.attrs["cap_mode"] == "prefix"
     assert json.loads(a.attrs["config"])["cap_mode"] == "spread" and d.attrs["cap_mode"] is None
-    for g in (c, d):  # the first blocks, or no cap: not recorded, the hash as before the setting existed
-        assert "cap_mode" not in json.loads(g.attrs["config"])
+    assert json.loads(c.attrs["config"])["cap_mode"] == "prefix"
+    assert json.loads(d.attrs["config"])["cap_mode"] is None  # no cap: the mode reads nothing, so it is not a setting
     assert a.attrs["config_hash"] != c.attrs["config_hash"]
     vocab = a.sizes["vocab"]
     np.testing.assert_array_equal(a["count"].values, np.bincount(text_blocks(data, tok, 2048)[:, 1:].ravel(),
@@ -109,4 +109,4 @@ def test_extract_records_the_cap_mode_and_reads_the_same_blocks_in_shards(text, 
     np.testing.assert_allclose(a["mean"].values, b["mean"].values, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(a["sample_position"].values, b["sample_position"].values)
     r = run_cli("extract", ck, "--store", tmp_path / "a.zarr", *opts[:-4], "--cap-mode", "prefix", ok=False)
-    assert "cap_mode: 'spread' -> None" in r.output
+    assert "cap_mode: 'spread' -> 'prefix'" in r.output

@@ -152,7 +152,7 @@ def test_validation_found_is_used_and_nothing_is_held_out(model, corpus, tokeniz
     assert_read(ds, text_blocks(rows[:300], tokenizer), text_blocks(rows[300:], tokenizer))
     assert ds.attrs["val_held_out"] is None and ds.attrs["split"] == "train"
     assert ds.attrs["val_dataset"] == str(d / "validation.txt") and "held out" not in out
-    assert "val_held_out" not in json.loads(ds.attrs["config"])
+    assert json.loads(ds.attrs["config"])["val_held_out"] is None
 
 
 def test_percentage_zero_keeps_the_old_behaviour_and_a_changed_default_is_refused(model, corpus, tmp_path):
@@ -182,10 +182,11 @@ def test_a_slice_without_validation_is_refused_with_the_fix(model, corpus, tmp_p
     assert "--val-split" in r.output and "slice" in r.output and not (tmp_path / "s.zarr").exists()
 
 
-def test_the_record_gains_the_held_out_part_only_when_one_is_held_out(trained_run):
+def test_the_record_names_the_held_out_part(trained_run):
     from ncanalyze.store.extraction.config import (
         config_hash,
         config_record,
+        layer_plan,
     )
     from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.sources.discover import discover
@@ -193,13 +194,14 @@ def test_the_record_gains_the_held_out_part_only_when_one_is_held_out(trained_ru
     ck = discover(trained_run)[0]
     cfg = ExtractConfig(dataset="d.txt")
     cpu = torch.device("cpu")
-    plain = config_record(ck, cfg, cpu, 32, "v.txt", "validation")
-    held = config_record(ck, cfg, cpu, 32, "d.txt", "train[:5%]", held_out=5)
-    assert "val_held_out" not in plain and plain["split"] == "train"
+    plan = layer_plan(cfg, 2)
+    plain = config_record(ck, cfg, cpu, 32, "v.txt", "validation", plan)
+    held = config_record(ck, cfg, cpu, 32, "d.txt", "train[:5%]", plan, held_out=5)
+    assert plain["val_held_out"] is None and plain["split"] == "train"
     assert held["val_held_out"] == 5 and held["split"] == "train[5%:]" and held["val_split"] == "train[:5%]"
     assert config_hash(plain) != config_hash(held)
     assert config_hash(plain) == config_hash(config_record(ck, ExtractConfig(dataset="d.txt", val_split_percentage=0),
-                                                           cpu, 32, "v.txt", "validation"))
+                                                           cpu, 32, "v.txt", "validation", plan))
 
 
 def test_slices_of_token_blocks_follow_datasets_rounding(tmp_path):

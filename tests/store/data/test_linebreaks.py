@@ -36,18 +36,24 @@ def test_linebreaks_kept_by_default_and_stripped_on_request(trained_run, corpus,
         want = blocks(corpus["train"], tok, keep, 2048)[:, 1:].ravel()
         np.testing.assert_array_equal(ds["count"].values, np.bincount(want, minlength=ds.sizes["vocab"]))
         configs[keep] = json.loads(ds.attrs["config"])
-    assert "keep_linebreaks" not in configs[True] and configs[False]["keep_linebreaks"] is False
+    assert configs[True]["keep_linebreaks"] is True and configs[False]["keep_linebreaks"] is False
     assert not np.array_equal(blocks(corpus["train"], tok, True, 2048), blocks(corpus["train"], tok, False, 2048))
 
 
-def test_the_default_leaves_the_config_hash_as_before(trained_run, tmp_path):
-    """A store made before the option existed keeps its hash: the default adds nothing to the record."""
+def test_line_breaks_enter_the_config_hash(trained_run, tmp_path):
+    """The record holds the setting either way; only it differs between the two, and so do the hashes."""
     import torch
+    from ncanalyze.store.extraction.config import layer_plan
     from ncanalyze.store.sources.discover import discover
 
     ck = discover(trained_run)[0]
-    rec = config_record(ck, ExtractConfig(dataset="x.txt"), torch.device("cpu"), 32, "v.txt", "validation")
-    off = config_record(ck, ExtractConfig(dataset="x.txt", keep_linebreaks=False), torch.device("cpu"), 32, "v.txt",
-                        "validation")
-    assert "keep_linebreaks" not in rec and {k: v for k, v in off.items() if k != "keep_linebreaks"} == rec
+
+    def record(**kw):
+        cfg = ExtractConfig(dataset="x.txt", **kw)
+        return config_record(ck, cfg, torch.device("cpu"), 32, "v.txt", "validation", layer_plan(cfg, 2))
+
+    rec, off = record(), record(keep_linebreaks=False)
+    assert rec["keep_linebreaks"] is True and off["keep_linebreaks"] is False
+    assert {k: v for k, v in off.items() if k != "keep_linebreaks"} == {k: v for k, v in rec.items()
+                                                                        if k != "keep_linebreaks"}
     assert config_hash(rec) != config_hash(off)

@@ -111,8 +111,8 @@ def test_the_last_layer_group_is_unchanged_by_layers_all(layered_store, extracte
     assert set(b.data_vars) - set(a.data_vars) == {"embeddings", "label"}
     for name in a.data_vars:
         np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)  # bit for bit
-    assert "layer" not in a.attrs and b.attrs["layer"] == 2
-    for k in ("config", "config_hash", "layer", "lens"):
+    assert a.attrs["layer"] == b.attrs["layer"] == 2 and a.attrs["lens"] == b.attrs["lens"] == "head(h)"
+    for k in ("config", "config_hash"):
         a.attrs.pop(k, None), b.attrs.pop(k, None)
     assert a.attrs | {"complete": True} == b.attrs | {"complete": True}
 
@@ -196,24 +196,18 @@ def test_layers_per_pass_equals_one_pass_and_kill_and_resume_is_bit_identical(tr
     assert not _state(store).exists()
 
 
-def test_config_hash_of_a_default_run_is_unchanged(trained_run):
-    from ncanalyze.store.extraction.config import config_record
+def test_the_record_names_the_layers_resolved(trained_run):
+    from ncanalyze.store.extraction.config import config_record, layer_plan
     from ncanalyze.store.extraction.settings import ExtractConfig
-    from ncanalyze.store.extraction.layers import plan, record_layers
     from ncanalyze.store.sources.discover import discover
 
     ck = discover(trained_run / CK)[0]
 
     def record(**kw):
         cfg = ExtractConfig(dataset="d", **kw)
-        rec = config_record(ck, cfg, torch.device("cpu"), 32, "v", "validation")
-        record_layers(rec, plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, 2))
-        return rec
+        return config_record(ck, cfg, torch.device("cpu"), 32, "v", "validation", layer_plan(cfg, 2))
 
-    before = {"dataset", "val_dataset", "split", "val_split", "text_column", "block_size", "max_train_tokens",
-              "max_val_tokens", "batch_size", "dtype", "samples_per_class", "tokenizer", "min_count", "seed",
-              "device_type", "weights"}  # the record before --layers existed
-    assert set(record()) == before
+    assert record()["layers"] == [2]
     assert record(layers="-1") == record() == record(layers="2")  # the last layer alone is the default
     assert record(layers="all")["layers"] == [0, 1, 2] == record(layers="0,1,-1")["layers"]
     assert record(layers="1")["layers"] == [1, 2]  # the last layer is always stored
@@ -279,7 +273,7 @@ def test_the_default_plan_forms_no_hidden_states(trained_run):
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
     default = plan("last", None, 0, "float32", 2)
-    assert default.default and default.passes == [(2,)] and not plan("last", None, 5, "float32", 2).default
+    assert default.single and default.passes == [(2,)] and not plan("last", None, 5, "float32", 2).single
     asked = []
     model.base_model.register_forward_pre_hook(lambda m, args, kwargs: asked.append(kwargs.get(
         "output_hidden_states")), with_kwargs=True)
