@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.client import ENV, check_address, client
 from ncanalyze.store.store import Store
 from ncanalyze.store.sources.discover import discover, tagged
-from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,6 @@ def _resources(c) -> dict | None:
         c.wait_for_workers(1)
     workers = c.scheduler_info()["workers"].values()
     return {"GPU": 1} if any("GPU" in (w.get("resources") or {}) for w in workers) else None
-
-
-def _why(e: BaseException) -> str:
-    from distributed import KilledWorker
-
-    if isinstance(e, KilledWorker):
-        return ("its worker died every time it ran it (out of memory? see the worker logs); run the same command "
-                "again to resume it")
-    return str(e)
 
 
 def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, cfg, address: str | None,
@@ -88,9 +79,11 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, cfg, 
         log.info("%d checkpoint(s) as tasks on %s (%d workers%s)%s", len(ckpts), c.scheduler.address,
                  len(c.scheduler_info()["workers"]), ", one GPU each" if tasks.opts["resources"] else "",
                  f", {shards} shards each" if shards > 1 else "")
-        tasks.run(ckpts, shards, result)
-    store.prune()
-    return result
+        try:
+            return ex.each_checkpoint(store, result, tasks.completed(ckpts, shards), tasks.outcome, total=len(ckpts),
+                                      defer=False)
+        finally:
+            tasks.cancel()
 
 
 class _Tasks:
@@ -131,8 +124,9 @@ class _Tasks:
                       for n, (i, j) in enumerate(level)]
         return self.submit("finish", ckpt, self.local.finish_sharded, ckpt, self.store, cfg, states[0], self.overwrite)
 
-    def run(self, ckpts: list, shards: int, result) -> None:
-        """Every checkpoint's outcome into ``result`` (in the order of ``ckpts``), as its last task completes."""
+    def completed(self, ckpts: list, shards: int) -> Iterator[tuple[str, object]]:
+        """Every checkpoint's tasks submitted, then (group, its last future) as each completes: a plan's shards and
+        merge are submitted when it completes, and a plan that skips its checkpoint (or fails) is its last."""
         from distributed import as_completed
 
         for ckpt in ckpts:
@@ -140,41 +134,28 @@ class _Tasks:
                 self.submit("plan", ckpt, self.sh.plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
             else:
                 self.whole(ckpt)
-        done, outcomes = as_completed(list(self.what)), {}
-        bar = tqdm(total=len(ckpts), desc="checkpoints", unit="ckpt", disable=None)
+        done = as_completed(list(self.what))
+        for f in done:
+            ckpt, stage = self.what.pop(f)
+            plan = f.result() if stage == "plan" and f.status == "finished" else None
+            if plan is not None and plan.route is not self.sh.Route.SKIP:  # on to its tasks
+                done.add(self.whole(ckpt) if plan.route is self.sh.Route.WHOLE else self.sharded(ckpt, plan.ranges))
+            else:
+                yield ckpt.group, f
+
+    def outcome(self, f, interrupt=None):
+        """A completed task's Outcome (a plan's: SKIPPED); a checkpoint's own failure (a CheckpointError, a worker
+        that kept dying) raised as a CheckpointError, which ``each_checkpoint`` records as FAILED with why."""
+        from distributed import KilledWorker
+
         try:
-            for f in done:
-                ckpt, stage = self.what.pop(f)
-                out, why = _outcome(f, self.one.Outcome)
-                if stage == "plan" and why is None:  # a Plan: on to its tasks, or skipped
-                    if out.route is not self.sh.Route.SKIP:
-                        done.add(self.whole(ckpt) if out.route is self.sh.Route.WHOLE
-                                 else self.sharded(ckpt, out.ranges))
-                        continue
-                    out = self.one.Outcome.SKIPPED
-                outcomes[ckpt.group] = out, why
-                bar.update()
-                log.info("%s: %s", ckpt.group, outcomes[ckpt.group][0] if why is None else f"failed: {why}")
-        finally:
-            bar.close()
-            for f in self.what:
-                f.cancel()
-        for ckpt in ckpts:
-            if ckpt.group in outcomes:
-                result.statuses[ckpt.group], why = outcomes[ckpt.group]
-                if why is not None:
-                    result.why[ckpt.group] = why
+            out = f.result()
+        except KilledWorker:
+            raise CheckpointError("its worker died every time it ran it (out of memory? see the worker logs); run "
+                                  "the same command again to resume it") from None
+        return self.one.Outcome.SKIPPED if isinstance(out, self.sh.Plan) else out
 
-
-def _outcome(f, outcome):
-    """A task's result, and None; a checkpoint's own failure (CheckpointError, a worker that kept dying) as
-    (``Outcome.FAILED``, why)."""
-    from distributed import KilledWorker
-
-    try:
-        return f.result(), None
-    except CheckpointError as e:
-        return outcome.FAILED, str(e)
-    except KilledWorker as e:
-        return outcome.FAILED, _why(e)
-
+    def cancel(self) -> None:
+        """Cancel the tasks not yet completed (an error, or Ctrl-C)."""
+        for f in self.what:
+            f.cancel()

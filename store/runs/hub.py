@@ -367,7 +367,7 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path | Store, cfg:
         return _revision(repo, rev, name, store, cfg, overwrite, delete_downloads, restart, announce, interrupt,
                          result.errors)
 
-    return each_checkpoint(store, result, [(ckpts[r].group, r) for r in revisions], one, "revisions", "rev")
+    return each_checkpoint(store, result, [(ckpts[r].group, r) for r in revisions], one, desc="revisions", unit="rev")
 
 
 def _revision(repo: str, rev: str, name: str, store: Store, cfg: ExtractConfig, overwrite: bool,

@@ -3,10 +3,11 @@ by :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`), one check
 (:func:`extract_sharded`), and :class:`ExtractResult`, what an extraction did (local, Hub or cluster)."""
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from pathlib import Path
 
 import numpy as np
@@ -234,13 +235,12 @@ def extract(path: str | Path, store: str | Path | Store, cfg: ExtractConfig, ove
                                                         shards))
 
 
-def each_checkpoint(store: Store, result: ExtractResult, todo: list[tuple[str, T]],
-                    one: Callable[[T, DeferredInterrupt], Outcome | None], desc: str = "checkpoints",
-                    unit: str = "ckpt") -> ExtractResult:
-    """The per-checkpoint loop of a run in this process (local folders, Hub revisions): each ``one(item, interrupt)``
-    in turn under one Ctrl-C guard (a pending Ctrl-C is taken at a batch boundary), with a progress bar, each outcome
-    recorded and logged with where it is in the run; the folders of work in progress pruned at the end, however it
-    ends.
+def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[str, T]],
+                    one: Callable[[T, DeferredInterrupt | None], Outcome | None], *, total: int | None = None,
+                    desc: str = "checkpoints", unit: str = "ckpt", defer: bool = True) -> ExtractResult:
+    """The per-checkpoint loop of every run (local folders, Hub revisions, a cluster's tasks as they complete): each
+    ``one(item, interrupt)`` in turn, with a progress bar, each outcome recorded and logged with where it is in the
+    run; the folders of work in progress pruned at the end, however it ends.
 
     A checkpoint bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
     ``Outcome.FAILED`` with why, when it is one of several; any other error stops the run.
@@ -250,25 +250,31 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: list[tuple[str, T
     store, result
         The store and the run's result (filled in).
     todo
-        (group, item) for each checkpoint.
+        (group, item) for each checkpoint (a list, or an iterator of ``total`` items).
     one
         Does one item: its outcome, or None where nothing is to be recorded (it said why in ``result.errors``).
+    total
+        The number of items [default: ``len(todo)``].
     desc, unit
         The progress bar's label and unit.
+    defer
+        Run under one Ctrl-C guard whose pending Ctrl-C ``one`` takes at a batch boundary (this process's work);
+        False: Ctrl-C stops the loop at once (a cluster's tasks, waited for here).
 
     Returns
     -------
     ExtractResult
         ``result``.
     """
+    total = len(todo) if total is None else total
     try:
-        with DeferredInterrupt() as interrupt:
-            for i, (group, item) in enumerate(tqdm(todo, desc=desc, unit=unit, disable=len(todo) < 2), 1):
-                at = f"({i}/{len(todo)})"
+        with DeferredInterrupt() if defer else contextlib.nullcontext() as interrupt:
+            for i, (group, item) in enumerate(tqdm(todo, total=total, desc=desc, unit=unit, disable=total < 2), 1):
+                at = f"({i}/{total})"
                 try:
                     outcome = one(item, interrupt)
                 except CheckpointError as e:  # bad in itself: it fails alone when it is one of several
-                    if len(todo) == 1:
+                    if total == 1:
                         raise
                     result.add(group, Outcome.FAILED, str(e), at)
                     continue
