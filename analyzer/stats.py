@@ -50,10 +50,9 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test, permutation_chunks  # noqa: F401
-from ncanalyze.analyzer.schema import GEOMETRY_METRICS, NC_METRICS, SCALARS
+from ncanalyze.analyzer.schema import CONTROLS, GEOMETRY_METRICS, NC_METRICS, SCALARS  # noqa: F401 (CONTROLS)
 
 METRICS = SCALARS  # the metrics tested by default: all of them
-CONTROLS = ("log(n_params)", "log1p(global_step)")
 ALPHA = 0.05  # the level report.md speaks of
 NC, GEOMETRY = "NC", "geometry"  # the two Holm families (stats.csv's ``family``)
 LOSSES = ("val_loss", "eval_loss")  # the targets the report is for

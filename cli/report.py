@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 import click
-from ncanalyze.analyzer.stats import CONTROLS, METRICS, MIN_N, NoteKind, has_note
+from ncanalyze.analyzer.schema import CONTROLS
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import option, store_argument
 
@@ -67,8 +67,9 @@ def report(store_positional, store, out, where, metrics_, target, controls, perm
     permutation unit and count, thin classes, tags kept apart).
     """
     from ncanalyze.analyzer.report import ReportOptions, write_report
-    from ncanalyze.store.store import Store
+    from ncanalyze.analyzer.stats import METRICS, MIN_N, NoteKind, has_note
     from ncanalyze.store.measure import load_table
+    from ncanalyze.store.store import Store
 
     df, store_path, failed = load_table(resolve_store(store_positional, store), min_count, scheduler)
     metrics = _split(metrics_) or [m for m in METRICS if m in df.columns] or list(METRICS)

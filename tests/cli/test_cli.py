@@ -78,7 +78,7 @@ def test_quiet_and_verbose(extracted_store, trained_run, corpus, tmp_path):
     assert "checkpoint-20" in quiet and "skipped" not in quiet  # the summary line stays, the log lines go
 
 
-HEAVY = ("zarr", "xarray", "torch", "transformers", "plotly", "matplotlib")
+HEAVY = ("zarr", "xarray", "torch", "transformers", "plotly", "matplotlib", "pandas", "scipy")
 
 
 @pytest.mark.slow
