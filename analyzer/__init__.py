@@ -9,8 +9,8 @@ from ncanalyze.analyzer.errors import UserError
 
 _LAZY = {
     "ClassStats": "accumulate",
-    "class_stats": "metrics", "measure": "metrics", "class_metrics": "metrics", "measure_all": "metrics",
-    "kept_classes": "metrics", "SCALARS": "schema", "NC_METRICS": "schema", "GEOMETRY_METRICS": "schema",
+    "class_stats": "arrays", "measure": "metrics", "class_metrics": "metrics", "measure_all": "metrics",
+    "kept_classes": "geometry", "SCALARS": "schema", "NC_METRICS": "schema", "GEOMETRY_METRICS": "schema",
     "CLASS_COUNTS": "schema",
     "PER_CLASS": "schema", "INFO": "schema",
     "stats_dataset": "schema",

@@ -19,9 +19,8 @@ import numpy as np
 import xarray as xr
 
 from ncanalyze.analyzer import spectral
-from ncanalyze.analyzer.arrays import class_stats  # noqa: F401  (exported here too)
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, auto_tile, geometry, kept_classes, needs  # noqa: F401
+from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
 from ncanalyze.analyzer.schema import CLASS_COUNTS, PER_CLASS, SCALARS
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)

@@ -49,8 +49,8 @@ import pandas as pd
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
-from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test, permutation_chunks  # noqa: F401
-from ncanalyze.analyzer.schema import CONTROLS, GEOMETRY_METRICS, NC_METRICS, SCALARS  # noqa: F401 (CONTROLS)
+from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
+from ncanalyze.analyzer.schema import CONTROLS, GEOMETRY_METRICS, NC_METRICS, SCALARS
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of

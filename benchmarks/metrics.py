@@ -38,7 +38,8 @@ import numpy as np
 import psutil
 import threadpoolctl
 import xarray as xr
-from ncanalyze.analyzer.metrics import auto_tile, measure
+from ncanalyze.analyzer.geometry import auto_tile
+from ncanalyze.analyzer.metrics import measure
 from ncanalyze.analyzer.moments import lidar_spectrum
 from ncanalyze.analyzer.pairs import torch_pair_sums
 from ncanalyze.analyzer.schema import NC_METRICS, SCALARS

@@ -30,7 +30,9 @@ import numpy as np
 import pandas as pd
 from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.analyzer.report.html import write_html
-from ncanalyze.analyzer.stats import CONTROLS, METRICS, correlations, eval_controls, perm_test, scaled_metrics
+from ncanalyze.analyzer.permute import perm_test
+from ncanalyze.analyzer.schema import CONTROLS
+from ncanalyze.analyzer.stats import METRICS, correlations, eval_controls, scaled_metrics
 
 
 def study(n: int, seed: int = 0) -> pd.DataFrame:

@@ -117,7 +117,8 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
     check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
                                          for k in ("dataset", "val_dataset", "tokenizer")}})
     from ncanalyze.analyzer.errors import UserError
-    from ncanalyze.store.runs.hub import extract_hub, is_hub_id, parse_revisions
+    from ncanalyze.store.runs.hub import extract_hub, is_hub_id
+    from ncanalyze.store.sources.revisions import parse_revisions
     from ncanalyze.store.runs.local import announcer_over
     from ncanalyze.store.runs.local import extract as extract_local
 

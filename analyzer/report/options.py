@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ncanalyze.analyzer.stats import CONTROLS, METRICS
+from ncanalyze.analyzer.schema import CONTROLS
+from ncanalyze.analyzer.stats import METRICS
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import (
     Resolved,
-    Status,
     config_hash,
     differences,
     open_inputs,
@@ -48,7 +47,7 @@ from ncanalyze.store.sources.discover import (
     training_metadata,
 )
 from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model
-from ncanalyze.store.store import Store
+from ncanalyze.store.store import Status, Store
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config, resolve_device, weights_fingerprint
-from ncanalyze.store.store import Status, Store, decide  # noqa: F401 (Status: re-exported)
+from ncanalyze.store.store import Status, Store, decide
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint
 from ncanalyze.store.extraction.config import (
-    Status,
     config_hash,
     config_record,
     layer_plan,
@@ -31,14 +30,8 @@ from ncanalyze.store.resume import DeferredInterrupt
 from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, each_checkpoint, todo
 from ncanalyze.store.sources.discover import Checkpoint, looks_local, tagged
 from ncanalyze.store.sources.load import quiet_loading, resolve_device
-from ncanalyze.store.sources.revisions import (  # noqa: F401
-    COMMIT,
-    MAX_REVISIONS,
-    check_revision,
-    parse_revisions,
-    step_of,
-)
-from ncanalyze.store.store import Store
+from ncanalyze.store.sources.revisions import COMMIT, check_revision, step_of
+from ncanalyze.store.store import Status, Store
 
 log = logging.getLogger(__name__)
 

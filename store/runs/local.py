@@ -16,7 +16,6 @@ from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint
 from ncanalyze.store.extraction.config import (
-    Status,
     held_out_line,
     open_inputs,
     resolve,
@@ -39,7 +38,7 @@ from ncanalyze.store.sources.discover import (
     discover,
     tagged,
 )
-from ncanalyze.store.store import Store
+from ncanalyze.store.store import Status, Store
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.config import (
-    Status,
     config_hash,
     open_inputs,
     resolve,
@@ -49,7 +48,7 @@ from ncanalyze.store.resume import (
 )
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import find_tokenizer, load_model
-from ncanalyze.store.store import Store
+from ncanalyze.store.store import Status, Store
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from statsmodels.stats.multitest import multipletests
 
 from ncanalyze.analyzer.permute import Scheme
 from ncanalyze.analyzer.schema import GEOMETRY_METRICS, NC_METRICS
-from ncanalyze.analyzer.stats import (METRICS, correlations, correlations_by_tag, last_per_run, perm_test,
-                                      permutation_chunks, permutation_text, split_tags)
+from ncanalyze.analyzer.permute import perm_test, permutation_chunks
+from ncanalyze.analyzer.stats import (METRICS, correlations, correlations_by_tag, last_per_run, permutation_text,
+                                      split_tags)
 
 
 def study(n_runs: int = 6, per_run: int = 8, seed: int = 0) -> pd.DataFrame:

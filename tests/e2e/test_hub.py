@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.runs.hub import Snapshot, parse_revisions, step_of
+from ncanalyze.store.runs.hub import Snapshot
+from ncanalyze.store.sources.revisions import parse_revisions, step_of
 
 REPO = "test-org/neo-2x32"
 FILES = ("config.json", "generation_config.json", "model.safetensors")  # what a Hub repo of the model holds
