@@ -24,19 +24,12 @@ from pathlib import Path
 import numpy as np
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.layout import StoreLayout
 from tqdm.auto import tqdm
 
 VERSION = 3  # 3: text grouped per 1,000 rows as run_clm's group_texts; bump when the cache's format or the tokenization recipe changes
 
 log = logging.getLogger("ncanalyze")
 _DIGESTS: dict[tuple, str] = {}  # (path, size, mtime, ctime, inode) -> sha256 of the content, for this process
-
-
-def cache_dir(store: Path) -> Path:
-    """The token cache's folder beside the store at the path ``store`` (layout.py; a running extraction has its
-    ``Store``'s ``layout.tokens``)."""
-    return StoreLayout(store).tokens
 
 
 def file_digest(path: Path) -> str:
