@@ -16,7 +16,8 @@ COLUMNS = (*INFO, LAYER, *CLASS_COUNTS, *SCALARS)
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """One group's row: its descriptive attributes, its layer (a checkpoint group without ``layer`` is its last,
-    ``n_layers``), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
+    ``n_layers``), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
+    as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
 
     Parameters
     ----------

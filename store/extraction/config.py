@@ -76,7 +76,7 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
 
 def cap_mode(cfg: ExtractConfig) -> str | None:
     """How a token cap reads the data (``spread`` or ``prefix``; the group's attribute ``cap_mode``), None without a
-    cap (so the mode of a read without a cap is no difference between two records)."""
+    cap (where the mode reads nothing different, so two records without a cap never differ by it)."""
     return cfg.cap_mode if cfg.max_train_tokens is not None or cfg.max_val_tokens else None
 
 
