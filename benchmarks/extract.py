@@ -121,12 +121,15 @@ def main() -> None:
                 for n in (args.short, args.long):
                     best[k][n] = min(best[k][n], f(n))
     extra_tokens = (args.long - args.short) * args.batch_size * (args.block_size - 1)
-    rate = {k: extra_tokens / (t[args.long] - t[args.short]) for k, t in best.items()}
+    # a longer run no slower than the shorter one leaves no marginal to measure (noise on shared cores): nan, said
+    rate = {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")
+            for k, t in best.items()}
     print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
           f"{args.block_size}, {device}, {args.dtype}; marginal over {args.long} - {args.short} batches "
           f"({extra_tokens:,} tokens), minimum of {args.repeats}")
     for k, r in rate.items():
-        print(f"  {k:>20}: {r:>10,.0f} tokens/s")
+        print(f"  {k:>20}: " + (f"{r:>10,.0f} tokens/s" if r == r else "not measured: its longer run was not slower "
+                                "than its shorter one (noise); run again"))
     base = rate["base-model forward"]
     print(f"ratio extract / base-model forward: {rate['extract'] / base:.3f}  (target >= 0.9)")
     print(f"ratio extract, shard / base-model forward: {rate['extract, shard'] / base:.3f}  (target >= 0.9)")
