@@ -155,6 +155,33 @@ def lone_model(trained_run: Path, dest: Path) -> Path:
 CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 
 
+@contextlib.contextmanager
+def lock_held(store: Path, group: str, doing: str = "extracted", seconds: float = 120):
+    """``group``'s checkpoint lock held for the block by a thread of this process, as another process's extraction
+    (or measure, ``doing="measured"``) holds it; released when the block ends, or after ``seconds`` at the latest so
+    that a failing test never hangs the suite."""
+    import threading
+
+    from ncanalyze.store.inventory import files_of
+    from ncanalyze.store.lock import checkpoint_lock
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with checkpoint_lock(files_of(store, group).lock, group, doing=doing):
+            held.set()
+            release.wait(seconds)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(10), f"the test could not take the lock of {group}"
+        yield
+    finally:
+        release.set()
+        t.join()
+
+
 def kill_when(args, state: Path, batches: int = 5, at: dict[str, int] | None = None) -> None:
     """Run the CLI with ``args`` in a process and SIGKILL it once its resume state ``state`` holds ``batches`` batches
     and the values ``at`` (e.g. {"phase": 1}): a real crash at a known point."""

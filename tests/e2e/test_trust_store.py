@@ -7,16 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import zarr
-from conftest import CLI, run_cli
-from ncanalyze.store.inventory import files_of
-from ncanalyze.store.lock import checkpoint_lock
+from conftest import CLI, lock_held, run_cli
 
 
 def ls(store: Path) -> dict[str, str]:
@@ -101,28 +97,14 @@ def test_a_group_removed_while_measure_runs_is_skipped_in_one_line(store):
     removed in one line, and measures every later checkpoint."""
     run = run_of(store)
     first, gone = f"{run}/checkpoint-20", f"{run}/checkpoint-40"
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with checkpoint_lock(files_of(store, first).lock, first):
-            held.set()
-            release.wait(120)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    held.wait(10)
-    safety = threading.Timer(180, release.set)  # never hang the suite
-    safety.start()
-    proc = subprocess.Popen(CLI + ["measure", str(store)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    while not any("being extracted by another process" in line for line in lines):  # the test's lock says so
-        lines.append(proc.stdout.readline().decode())
-        assert lines[-1], "".join(lines)  # it ended without waiting
-    rm = run_cli("rm", store, gone, "--yes")
-    assert "removed 1 checkpoint group(s)" in rm.output and not (store / gone).exists()
-    release.set()
-    t.join()
-    safety.cancel()
+    with lock_held(store, first):
+        proc = subprocess.Popen(CLI + ["measure", str(store)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lines: list[str] = []
+        while not any("being extracted by another process" in line for line in lines):  # the test's lock says so
+            lines.append(proc.stdout.readline().decode())
+            assert lines[-1], "".join(lines)  # it ended without waiting
+        rm = run_cli("rm", store, gone, "--yes")
+        assert "removed 1 checkpoint group(s)" in rm.output and not (store / gone).exists()
     out = "".join(lines) + proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0 and "Traceback" not in out and "GroupNotFound" not in out, out
     said = [line for line in out.splitlines() if gone in line]
@@ -139,23 +121,13 @@ def test_rm_waits_for_a_measure_storing_metrics_and_says_so(store):
     """The lock ``measure`` takes to store a group's metrics is the one rm takes: rm waits, saying what it waits for."""
     run = run_of(store)
     g = f"{run}/checkpoint-20"
-    done = threading.Event()
-
-    def hold():
-        with checkpoint_lock(files_of(store, g).lock, g, doing="measured"):
-            done.wait(60)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    time.sleep(0.5)
-    proc = subprocess.Popen(CLI + ["rm", str(store), g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    while not any("by another process" in line for line in lines):
-        lines.append(proc.stdout.readline().decode())
-        assert lines[-1], "".join(lines)  # it ended without waiting
-    assert "is being measured by another process" in lines[-1] and proc.poll() is None, lines
-    done.set()
-    t.join()
+    with lock_held(store, g, doing="measured", seconds=60):
+        proc = subprocess.Popen(CLI + ["rm", str(store), g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lines: list[str] = []
+        while not any("by another process" in line for line in lines):
+            lines.append(proc.stdout.readline().decode())
+            assert lines[-1], "".join(lines)  # it ended without waiting
+        assert "is being measured by another process" in lines[-1] and proc.poll() is None, lines
     assert proc.wait(60) == 0 and not (store / g).exists()
 
 

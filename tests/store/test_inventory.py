@@ -8,7 +8,6 @@ import os
 import pty
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import dask.array as da
@@ -16,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import zarr
-from conftest import CLI, EXTRACT_OPTS, kill_when, make_corpus, run_cli
+from conftest import CLI, EXTRACT_OPTS, kill_when, lock_held, make_corpus, run_cli
 from test_metrics import assert_metrics, brute_force
 
 import ncanalyze.store
@@ -25,7 +24,6 @@ from ncanalyze.store import io
 from ncanalyze.store.layout import group_order
 from ncanalyze.store.inventory import disk_bytes, files_of
 from ncanalyze.store.measure import measure_store
-from ncanalyze.store.lock import checkpoint_lock
 
 N_EMB = 400
 OTHER = "neo-2x32@other/checkpoint-40"  # the tagged checkpoint of ``study``
@@ -285,27 +283,13 @@ def test_rm_removes_a_resume_state_and_finishes_an_interrupted_removal(store, tr
 @pytest.mark.slow
 def test_rm_waits_for_the_extraction_lock(store):
     g = "neo-2x32/checkpoint-20"
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with checkpoint_lock(files_of(store, g).lock, g):
-            held.set()
-            release.wait(60)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    held.wait(10)
-    proc = subprocess.Popen(CLI + ["rm", str(store), g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    safety = threading.Timer(120, release.set)  # never hang the suite
-    safety.start()
-    lines = []
-    while not any("being extracted by another process" in line for line in lines):
-        lines.append(proc.stdout.readline().decode())
-        assert lines[-1], "".join(lines)  # it ended without waiting
-    assert proc.poll() is None and (store / g / "zarr.json").is_file()  # waiting, nothing removed
-    release.set()
-    t.join()
-    safety.cancel()
+    with lock_held(store, g, seconds=60):
+        proc = subprocess.Popen(CLI + ["rm", str(store), g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lines = []
+        while not any("being extracted by another process" in line for line in lines):
+            lines.append(proc.stdout.readline().decode())
+            assert lines[-1], "".join(lines)  # it ended without waiting
+        assert proc.poll() is None and (store / g / "zarr.json").is_file()  # waiting, nothing removed
     out = proc.communicate(timeout=60)[0].decode()
     assert proc.returncode == 0 and "removed 1 checkpoint group(s)" in out, out
     assert not (store / g).exists()

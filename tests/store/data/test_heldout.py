@@ -78,6 +78,17 @@ def assert_held_out(out: str, ds, data, pct: int = 5) -> None:
     assert json.loads(ds.attrs["config"])["val_held_out"] == pct
 
 
+def assert_first_rows_held_out(out: str, ds, store, data, rows: list[str], tokenizer) -> None:
+    """The first 30 of the 600 text rows (5%) were validated on, the rest trained on, as run_clm splits them: the
+    blocks read, their statistics, disjoint, and said."""
+    train, val = cached_blocks(store)
+    np.testing.assert_array_equal(val, text_blocks(rows[:30], tokenizer))
+    np.testing.assert_array_equal(train, text_blocks(rows[30:], tokenizer))
+    assert_read(ds, train, val)
+    assert_disjoint(train, val)
+    assert_held_out(out, ds, data)
+
+
 @pytest.mark.parametrize("name", ["snippet.txt", "validation.txt"])
 def test_a_text_file_alone_holds_out_its_first_rows(name, model, corpus, tokenizer, tmp_path):
     """`--dataset data/snippet.txt` (and the issue's `--dataset data/validation.txt --tag heldout`) with nothing
@@ -89,12 +100,7 @@ def test_a_text_file_alone_holds_out_its_first_rows(name, model, corpus, tokeniz
     store = tmp_path / "s.zarr"
     extra = ("--tag", "heldout") if name == "validation.txt" else ()
     out, ds = extract(model, data, store, *extra, group="model@heldout/final" if extra else "model/final")
-    train, val = cached_blocks(store)
-    np.testing.assert_array_equal(val, text_blocks(rows[:30], tokenizer))
-    np.testing.assert_array_equal(train, text_blocks(rows[30:], tokenizer))
-    assert_read(ds, train, val)
-    assert_disjoint(train, val)
-    assert_held_out(out, ds, data)
+    assert_first_rows_held_out(out, ds, store, data, rows, tokenizer)
 
 
 def planted_blocks(vocab: int, n: int = 40, k: int = 2, seed: int = 0) -> np.ndarray:
@@ -132,12 +138,7 @@ def test_a_saved_dataset_without_a_validation_split_holds_out_its_first_rows(kin
     (datasets.DatasetDict({"train": saved}) if kind == "DatasetDict" else saved).save_to_disk(data)
     store = tmp_path / "s.zarr"
     out, ds = extract(model, data, store)
-    train, val = cached_blocks(store)
-    np.testing.assert_array_equal(val, text_blocks(rows[:30], tokenizer))
-    np.testing.assert_array_equal(train, text_blocks(rows[30:], tokenizer))
-    assert_read(ds, train, val)
-    assert_disjoint(train, val)
-    assert_held_out(out, ds, data)
+    assert_first_rows_held_out(out, ds, store, data, rows, tokenizer)
 
 
 def test_validation_found_is_used_and_nothing_is_held_out(model, corpus, tokenizer, tmp_path):
