@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import tokens
+from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.data.blocks import (
     CAP_MODES,
     VAL_NAMES,
@@ -71,6 +72,8 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
               "weights": weights or weights_fingerprint(ckpt.path)}
     if held_out is not None:
         record["split"] = f"{cfg.split}[{held_out}%:]"
+    record |= {"dataset": data_name(cfg.dataset), "val_dataset": data_name(val_spec),  # by content, not by path
+               "data_sha256": data_sha256(cfg.dataset, val_spec)}
     return record
 
 
