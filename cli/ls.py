@@ -54,7 +54,8 @@ def table(inv: dict) -> str:
     n = len(inv["entries"])
     ok = sum(e.status == "ok" for e in inv["entries"])
     summary = (f"{len(inv['runs'])} run(s), {n} checkpoint(s) ({n - ok} not ok), "
-               f"tags: {shown(', '.join(inv['tags'])) or 'none'}; {human(inv['bytes'])} on disk in {shown(inv['store'])} "
+               f"tags: {shown(', '.join(inv['tags'])) or 'none'}; {human(inv['bytes'])} on disk in "
+               f"{shown(inv['store'])} "
                f"(with its resume folder and {human(inv['token_cache_bytes'])} of token cache)")
     if inv["settings"]:
         summary += f"; settings that differ: {', '.join(inv['settings'])}"

@@ -139,9 +139,9 @@ class StoreLayout:
 
     @property
     def moves(self) -> Path:
-        """Where groups are staged, and moved aside or out, to be renamed: ``partial``, or ``<store>/.ncanalyze.partial``
-        where the store folder is its own mount point (a rename across mounts fails, even a bind mount of the same
-        file system)."""
+        """Where groups are staged, and moved aside or out, to be renamed: ``partial``, or
+        ``<store>/.ncanalyze.partial`` where the store folder is its own mount point (a rename across mounts fails,
+        even to a bind mount of the same file system)."""
         return self.store / ".ncanalyze.partial" if is_mount_point(self.store) else self.partial
 
     @property
