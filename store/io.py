@@ -119,6 +119,11 @@ def open_tree(path: str | Path | None = None) -> xr.DataTree:
     with warnings.catch_warnings():  # zarr names the folder of groups being moved in a store on its own mount point
         warnings.filterwarnings("ignore", message="Object at .ncanalyze.partial is not recognized")
         tree = xr.open_datatree(p, engine="zarr", chunks={}, **XR)  # dask arrays in the Zarr chunks: nothing read yet
+    for node in [n for n in tree.subtree if n is not tree and FORMAT_KEY in n.attrs]:  # a store nested in this one
+        warnings.warn(f"{node.path.strip('/')}: a store nested in {p}, not read as groups of it: {NESTED_FIX}",
+                      stacklevel=2)
+        if node.parent is not None:
+            node.parent.children = {k: v for k, v in node.parent.children.items() if v is not node}
     steps = {node.path.strip("/"): node.attrs.get("global_step") for node in tree.subtree}
     for node in [n for n in tree.subtree if len(n.children) > 1]:  # runs, checkpoints and layers in study order
         node.children = dict(sorted(node.children.items(), key=lambda kv: group_order(kv[1].path.strip("/"), steps)))

@@ -266,3 +266,13 @@ def test_a_store_on_a_bind_mount_is_written_and_removed(trained_run, corpus, tmp
         assert ls(store) == {}
     finally:
         subprocess.run(["umount", "-l", str(store)])
+
+
+def test_a_nested_store_is_not_read_as_groups_by_open(store, extracted_store):
+    """2: ``ncanalyze.store.open`` of a store holding another: the inner store's groups are not the outer's."""
+    import ncanalyze.store
+
+    shutil.copytree(extracted_store, store / "inner.zarr")
+    with pytest.warns(UserWarning, match="inner.zarr: a store nested in"):
+        tree = ncanalyze.store.open(store)
+    assert list(tree.children) == [RUN] and sum("mean" in n.data_vars for n in tree.subtree) == 3
