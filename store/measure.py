@@ -12,6 +12,7 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import measure_all
+from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.schema import HEAD, LAYER, METRICS_VERSION
 from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
@@ -120,13 +121,13 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
     twins = same_model_and_step({g: attrs[g] for g in groups if g not in skipped})
     for g, why in (skipped | twins).items():
-        warnings.warn(f"{g}: skipped: {why}", SkippedCheckpoint, stacklevel=2)
+        warnings.warn(f"{shown(g)}: skipped: {shown(why)}", SkippedCheckpoint, stacklevel=2)
     kept = [g for g in groups if g not in skipped and g not in twins]
     if not kept:
         raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
     for g, why in same_weights({g: attrs[g] for g in kept}).items():
-        warnings.warn(f"{g}: {why}", SameModel, stacklevel=2)
+        warnings.warn(f"{shown(g)}: {shown(why)}", SameModel, stacklevel=2)
     failed = skipped | twins
     measured = [g for g in todo if g not in failed]
     return MeasureResult(metrics_table(attrs[g] for g in kept), metrics_table(attrs[g] for g in measured), measured,
