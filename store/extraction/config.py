@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import tokens
-from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.data.blocks import (
     CAP_MODES,
     VAL_NAMES,
@@ -27,6 +26,7 @@ from ncanalyze.store.data.blocks import (
     open_blocks,
     spread,
 )
+from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
