@@ -43,7 +43,7 @@ def shown(name: object) -> str:
 def name_problem(name: str, controls: bool = True) -> str | None:
     """Why ``name`` cannot be one level of the store (a run's or a checkpoint's name), or None: empty, ``.`` or
     ``..``, starting with ``.`` (the store hides those), holding a path separator (``/`` or ``\\``) or a control
-    character.
+    or invisible formatting character (what :func:`shown` escapes: a terminal escape, a bidi override).
 
     Parameters
     ----------
@@ -66,8 +66,8 @@ def name_problem(name: str, controls: bool = True) -> str | None:
         return "starts with . (the store hides such names)"
     if "/" in name or "\\" in name:
         return "holds a path separator (/ or \\)"
-    if controls and any(unicodedata.category(c) == "Cc" for c in name):
-        return "holds a control character"
+    if controls and any(unicodedata.category(c) in _HIDDEN for c in name):
+        return "holds a control or invisible formatting character (a terminal escape, a bidi control)"
     return None
 
 
