@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import click
+from ncanalyze.analyzer.names import shown
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import store_argument
 
@@ -29,7 +30,7 @@ def _layers(layers: list[int]) -> str:
 
 
 def _short(value, width: int = 40) -> str:
-    text = "-" if value is None else value if isinstance(value, str) else json.dumps(value)
+    text = "-" if value is None else shown(value) if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
@@ -42,18 +43,19 @@ def table(inv: dict) -> str:
     tagged = bool(inv["tags"])
     for e in inv["entries"]:
         r = e.row(inv["settings"])
-        rows.append({"run": r["run"] if r["run"] != last_run else "", "checkpoint": r["checkpoint"],
+        rows.append({"run": shown(r["run"]) if r["run"] != last_run else "", "checkpoint": shown(r["checkpoint"]),
                      "step": "-" if r["global_step"] is None else r["global_step"],
-                     **({"tag": r["tag"] or "-"} if tagged else {}), "layers": _layers(r["layers"]) or "-",
+                     **({"tag": shown(r["tag"] or "-")} if tagged else {}), "layers": _layers(r["layers"]) or "-",
                      "dataset": _short(r["dataset"]),
                      **{k: _short(v, 24) for k, v in r["settings"].items() if k != "layers"},  # shown as stored
                      "measured": r["measured"] if r["status"] == "ok" else "-", "size": human(r["bytes"]),
-                     "status": r["status"]})
+                     "status": shown(r["status"])})
         last_run = r["run"]
     n = len(inv["entries"])
     ok = sum(e.status == "ok" for e in inv["entries"])
     summary = (f"{len(inv['runs'])} run(s), {n} checkpoint(s) ({n - ok} not ok), "
-               f"tags: {', '.join(inv['tags']) or 'none'}; {human(inv['bytes'])} on disk in {inv['store']} "
+               f"tags: {shown(', '.join(inv['tags'])) or 'none'}; {human(inv['bytes'])} on disk in "
+               f"{shown(inv['store'])} "
                f"(with its resume folder and {human(inv['token_cache_bytes'])} of token cache)")
     if inv["settings"]:
         summary += f"; settings that differ: {', '.join(inv['settings'])}"

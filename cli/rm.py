@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.names import shown
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.ls import human
 from ncanalyze.cli.options import option
@@ -50,17 +51,19 @@ def rm(names, store, tags, yes, dry_run):
     if not groups and not tags:
         raise click.UsageError("name what to remove: RUN/CHECKPOINT, RUN or --tag NAME (`ncanalyze ls` lists them)")
     plan = plan_removal(store, groups, tags)
-    what = (f"{len(plan.groups)} checkpoint group(s)" + (f" and run(s) {', '.join(plan.runs)}" if plan.runs else "")
-            + f", {human(plan.bytes)}, from {store}")
+    what = (f"{len(plan.groups)} checkpoint group(s)" + (f" and run(s) {', '.join(map(shown, plan.runs))}"
+                                                          if plan.runs else "")
+            + (f" and link(s) {', '.join(map(shown, plan.links))} (the links only)" if plan.links else "")
+            + f", {human(plan.bytes)}, from {shown(store)}")
     if not (yes or dry_run or sys.stdin.isatty()):
         raise UserError(f"not removing {what} without confirmation: pass --yes (stdin is not a terminal), or "
                         "--dry-run to list it")
-    for g in plan.groups:
-        click.echo(f"  {g}")
+    for g in [*plan.links, *plan.groups]:
+        click.echo(f"  {shown(g)}")
     if dry_run:
         click.echo(f"would remove {what} (dry run: nothing removed)")
         return
     if not yes:
         click.confirm(f"remove {what}?", abort=True)
     left = remove(plan)
-    click.echo(f"removed {what}" + (f"; left {', '.join(left)}" if left else ""))
+    click.echo(f"removed {what}" + (f"; left {shown(', '.join(left))}" if left else ""))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.schema import LAYER
 from ncanalyze.store import io
 from ncanalyze.store.layout import CheckpointFiles, group_order, probe_writable
@@ -47,12 +48,35 @@ def _leftovers(store: Store, group: str) -> list[Path]:
     return [p for p in store.group_files(group).all if p.exists()]
 
 
+def linked(store: Store) -> dict[str, str]:
+    """The runs and checkpoint groups of ``store`` that are symbolic links -> where they point: ncanalyze reads
+    nothing through them, ``ls`` shows them as links and ``rm`` removes the link only."""
+    found = {}
+    for d in (d for d in store.path.iterdir() if not d.name.startswith(".")):
+        if d.is_symlink():
+            found[d.name] = os.readlink(d)
+        elif d.is_dir():
+            found |= {f"{d.name}/{c.name}": os.readlink(c) for c in d.iterdir() if c.is_symlink()}
+    return found
+
+
+def _nested(folder: Path) -> bool:
+    """Whether ``folder`` is the root of a store (its own ``ncanalyze_format``): a store nested in another."""
+    try:
+        return io.FORMAT_KEY in (json.loads((folder / "zarr.json").read_bytes()).get("attributes") or {})
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def known(store: Store) -> dict[str, list[str]]:
     """Every run of ``store`` -> its checkpoint groups (``run/checkpoint``): those in the store, and those that exist
-    only beside it (a resume state, or an old copy left by a write or removal cut short), in study order."""
+    only beside it (a resume state, or an old copy left by a write or removal cut short), in study order. Links
+    (:func:`linked`) and stores nested in it are none of them."""
     runs: dict[str, set[str]] = {}
-    for run in (d for d in store.path.iterdir() if (d / "zarr.json").is_file() and not d.name.startswith(".")):
-        runs[run.name] = {f"{run.name}/{c.name}" for c in run.iterdir() if (c / "zarr.json").is_file()}
+    for run in (d for d in store.path.iterdir() if (d / "zarr.json").is_file() and not d.name.startswith(".")
+                and not d.is_symlink() and not _nested(d)):
+        runs[run.name] = {f"{run.name}/{c.name}" for c in run.iterdir()
+                          if (c / "zarr.json").is_file() and not c.is_symlink()}
     for group in store.layout.groups_beside():
         runs.setdefault(group.split("/")[0], set()).add(group)
     steps = {g: (store.attrs(g, corrupt_ok=True) or {}).get("global_step")
@@ -144,8 +168,11 @@ def inventory(store: str | Path | Store) -> dict:
     good, bad = store.checkpoint_groups()
     entries = [_checkpoint(store, g, set(good), bad) for gs in known(store).values() for g in gs]
     listed = {e.group.split("/")[0] for e in entries}
-    entries += [Entry(f"{run}/-", status=f"corrupt: {why}", bytes=disk_bytes(store.path / run))  # nothing below it
+    entries += [Entry(f"{run}/-", status=why if io.NESTED_FIX in why else f"corrupt: {why}",  # nothing below it
+                      bytes=disk_bytes(store.path / run))
                 for run, why in bad.items() if "/" not in run and run not in listed]
+    entries += [Entry(name if "/" in name else f"{name}/-", status=f"linked: a symbolic link to {target}, not read "
+                      "through (ncanalyze rm removes the link only)") for name, target in linked(store).items()]
     configs = [_config(e.attrs) for e in entries if e.attrs]
     keys = sorted({k for c in configs for k in c} - PER_CHECKPOINT - {"dataset"})
     settings = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
@@ -162,10 +189,12 @@ def inventory(store: str | Path | Store) -> dict:
 @dataclass
 class Removal:
     """What ``rm`` removes: checkpoint groups (``run/checkpoint``, with their layers and what lies beside the store
-    for them) and whole runs (every checkpoint, then the run's own group)."""
+    for them), whole runs (every checkpoint, then the run's own group) and links (runs or checkpoints that are
+    symbolic links: the link only, never what it points to)."""
     store: Store
     groups: list[str]
     runs: list[str]
+    links: list[str] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
@@ -179,11 +208,14 @@ def plan_removal(store: str | Path | Store, names: list[str], tags: list[str] = 
     store = Store.at(store)
     store.require()  # the one-line error for a path that is not a store
     store.check_format()  # a store of another format: extract again, nothing removed
-    runs_ = known(store)
+    runs_, links = known(store), linked(store)
     groups = [g for gs in runs_.values() for g in gs]
-    runs, picked, unknown = [], [], []
-    for name in dict.fromkeys(n.strip("/") for n in names):
-        if name in runs_:
+    runs, picked, unknown, unlink = [], [], [], []
+    for given in dict.fromkeys(names):
+        name = given.strip("/") if given.strip("/") else given  # a trailing / of a run's folder; '/' itself stays
+        if name in links:
+            unlink.append(name)
+        elif name in runs_:
             runs.append(name)
         elif name in groups:
             picked.append(name)
@@ -192,7 +224,7 @@ def plan_removal(store: str | Path | Store, names: list[str], tags: list[str] = 
                             "remove the whole checkpoint, or extract it again with other --layers --overwrite")
         else:
             close = difflib.get_close_matches(name, [*runs_, *groups], n=3, cutoff=0.6)
-            unknown.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+            unknown.append(shown(repr(given)) + (f" (did you mean {' or '.join(map(shown, close))}?)" if close else ""))
     for tag in tags:
         tagged = [r for r in runs_ if r.endswith(f"@{tag}")]
         if not tagged:
@@ -203,7 +235,7 @@ def plan_removal(store: str | Path | Store, names: list[str], tags: list[str] = 
         raise UserError(f"nothing in {store} named {'; '.join(unknown)}: `ncanalyze ls {store}` lists what it holds")
     runs = list(dict.fromkeys(runs))
     picked = [g for g in picked if g.split("/")[0] not in runs]
-    return Removal(store, picked + [g for r in runs for g in runs_[r]], runs)
+    return Removal(store, picked + [g for r in runs for g in runs_[r]], runs, unlink)
 
 
 def remove_checkpoint(store: Store, group: str) -> None:
@@ -235,6 +267,9 @@ def remove(removal: Removal) -> list[str]:
             raise UserError(f"cannot remove anything from {store}: {folder} is not writable ({e.strerror}); nothing "
                             "was removed: remount it read-write or fix its permissions") from None
     try:
+        for link in removal.links:  # the link itself, never what it points to
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(store.path / link)
         for group in removal.groups:
             remove_checkpoint(store, group)
             log.debug("removed %s", group)

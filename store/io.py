@@ -41,13 +41,15 @@ XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated me
 # what `measure` writes into a group's attributes; strict JSON, so a metric that is not finite is null in
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
 # the store's format, a root attribute written when the root is created. 2: every group records its layer and lens,
-# the configuration record every hashed setting, a resume state every layer under its name (1: stop 27's stores)
-FORMAT_KEY, FORMAT = "ncanalyze_format", 2
+# the configuration record every hashed setting, a resume state every layer under its name (1: stop 27's stores);
+# 3: the record identifies the data by content (data_sha256) and names local data by its file's name, not its path
+FORMAT_KEY, FORMAT = "ncanalyze_format", 3
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
 STATISTICS = ("count", "mean", "variance", "within_covariance")  # every checkpoint group holds them
 FROM_MODEL = (HEAD[0], *VAL_COUNTS)  # and one extracted from a model (it records vocab_size) these, its head's once
+NESTED_FIX = "move it out of the store (measure it as a store of its own), or remove it (ncanalyze rm)"
 FIX = "extract it again (ncanalyze extract ... --overwrite) or remove it (ncanalyze rm)"
 
 
@@ -117,6 +119,11 @@ def open_tree(path: str | Path | None = None) -> xr.DataTree:
     with warnings.catch_warnings():  # zarr names the folder of groups being moved in a store on its own mount point
         warnings.filterwarnings("ignore", message="Object at .ncanalyze.partial is not recognized")
         tree = xr.open_datatree(p, engine="zarr", chunks={}, **XR)  # dask arrays in the Zarr chunks: nothing read yet
+    for node in [n for n in tree.subtree if n is not tree and FORMAT_KEY in n.attrs]:  # a store nested in this one
+        warnings.warn(f"{node.path.strip('/')}: a store nested in {p}, not read as groups of it: {NESTED_FIX}",
+                      stacklevel=2)
+        if node.parent is not None:
+            node.parent.children = {k: v for k, v in node.parent.children.items() if v is not node}
     steps = {node.path.strip("/"): node.attrs.get("global_step") for node in tree.subtree}
     for node in [n for n in tree.subtree if len(n.children) > 1]:  # runs, checkpoints and layers in study order
         node.children = dict(sorted(node.children.items(), key=lambda kv: group_order(kv[1].path.strip("/"), steps)))
@@ -157,7 +164,13 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
             dirs[:] = []
             continue
         checkpoint = "mean" in dirs or "count" in dirs or g.attrs.get("complete") is not None
-        if checkpoint and g.attrs.get("complete") is not True:
+        if FORMAT_KEY in g.attrs:  # a store's root, nested in this one (copied in): never read as this store's groups
+            bad[rel] = f"a store nested in this store (its own {FORMAT_KEY}), not read as groups of it: {NESTED_FIX}"
+            dirs[:] = []
+        elif checkpoint and not _checkpoint_depth(rel):
+            bad[rel] = f"a checkpoint group at {rel}, not at <run>/<checkpoint>: {NESTED_FIX}"
+            dirs[:] = []
+        elif checkpoint and g.attrs.get("complete") is not True:
             dirs[:] = []  # not finished (ncanalyze moves a group in whole; this one is not its): nor its layer groups
         elif checkpoint and _bad_attrs(g.attrs):
             bad[rel] = f"{_bad_attrs(g.attrs)}: {FIX}"
@@ -166,6 +179,13 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
             good.append(rel)
             steps[rel] = g.attrs.get("global_step")
     return sorted(good, key=lambda rel: group_order(rel, steps)), bad
+
+
+def _checkpoint_depth(rel: str) -> bool:
+    """Whether a checkpoint group at ``rel`` is where a store keeps one: ``<run>/<checkpoint>`` or its layer
+    ``<run>/<checkpoint>/layers/<l>``."""
+    parts = rel.split("/")
+    return len(parts) == 2 or len(parts) == 4 and parts[2] == classifier.LAYERS
 
 
 def _bad_attrs(attrs) -> str | None:
@@ -328,6 +348,9 @@ def prepare(path: Path, partial: Path) -> None:
     partial
         The folder of work in progress beside it (``StoreLayout.partial``).
     """
+    if path.is_symlink() and not path.exists():  # dangling, or a loop: nothing could be written through it
+        raise UserError(f"--store {path} is a symbolic link to {os.readlink(path)}, which does not lead to a folder "
+                        "(dangling, or a loop): pass the store's real path, or a new one")
     if path.exists() and not path.is_dir():
         raise UserError(f"--store {path} is a file, not a store: pass a new path such as ncanalyze.zarr")
     if path.is_dir() and not (path / "zarr.json").exists() and any(path.iterdir()):

@@ -26,8 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.names import check_name, name_problem, shown
+
 DEFAULT_STORE = "ncanalyze.zarr"
 ENV = "NCANALYZE_STORE"
+NAME_FIX = "a group is <run>/<checkpoint>, each a plain folder name"
 
 
 def default_store() -> str:
@@ -135,13 +139,10 @@ class StoreLayout:
 
     @property
     def moves(self) -> Path:
-        """Where groups are staged, and moved aside or out, to be renamed: ``partial``, or ``<store>/.ncanalyze.partial``
-        where the store folder is its own mount point (a rename across file systems fails)."""
-        try:
-            own_mount = self.store.stat().st_dev != self.store.parent.stat().st_dev
-        except OSError:  # no store yet: it is not a mount point
-            own_mount = False
-        return self.store / ".ncanalyze.partial" if own_mount else self.partial
+        """Where groups are staged, and moved aside or out, to be renamed: ``partial``, or
+        ``<store>/.ncanalyze.partial`` where the store folder is its own mount point (a rename across mounts fails,
+        even to a bind mount of the same file system)."""
+        return self.store / ".ncanalyze.partial" if is_mount_point(self.store) else self.partial
 
     @property
     def tokens(self) -> Path:
@@ -169,9 +170,17 @@ class StoreLayout:
         return self._files(run, name)
 
     def _files(self, run: str, name: str) -> CheckpointFiles:
+        check_name(run, "the run", NAME_FIX, controls=False)  # a path beside the store: never out of its folder
+        check_name(name, "the checkpoint", NAME_FIX, controls=False)
         moves = self.moves
-        return CheckpointFiles(self.partial / run / f"{name}.npz",
-                               None if moves == self.partial else moves / run / f"{name}.npz")
+        files = CheckpointFiles(self.partial / run / f"{name}.npz",
+                                None if moves == self.partial else moves / run / f"{name}.npz")
+        no_links([self.partial, self.partial / run, moves, moves / run, files.lock, *files.all])
+        return files
+
+    def check_links(self) -> None:
+        """A one-line UserError where a work folder beside (or in) the store is a symbolic link (:func:`no_links`)."""
+        no_links([self.partial, self.moves])
 
     def groups_beside(self) -> list[str]:
         """The checkpoint groups ``<run>/<checkpoint>`` that have a resume state or a moved group beside the store."""
@@ -179,9 +188,48 @@ class StoreLayout:
         folders = {self.partial, self.moves}
         for f in (f for d in folders if d.is_dir() for f in d.glob("[!.]*/*")):
             ends = [s for s in _BESIDE if f.name.endswith(s)]
-            if ends and not f.name.endswith(".tmp.npz"):
-                found.append(f"{f.parent.name}/{f.name.removesuffix(ends[0])}")
+            run, name = f.parent.name, f.name.removesuffix(ends[0]) if ends else ""
+            if ends and not f.name.endswith(".tmp.npz") and not (name_problem(run, False) or name_problem(name, False)):
+                found.append(f"{run}/{name}")  # a stray '...npz' names no checkpoint: checked as the user's names
         return list(dict.fromkeys(found))
+
+
+def no_links(paths: list[Path]) -> None:
+    """A one-line UserError where one of ``paths`` (work folders and files beside the store) is a symbolic link:
+    ncanalyze never follows a link in its work folders (it would delete or write inside the link's target)."""
+    for p in dict.fromkeys(paths):
+        if p.is_symlink():
+            raise UserError(f"{shown(p)} is a symbolic link (to {shown(os.readlink(p))}), in a folder where ncanalyze "
+                            "keeps its work in progress and never follows links: remove the link (rm, not rm -r)")
+
+
+def _unescape(field: str) -> str:
+    """A path of the mount table, whose space, tab, newline and backslash are written as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def is_mount_point(path: Path) -> bool:
+    """Whether ``path`` is a mount point: on another device than its parent, or named in the mount table
+    (``/proc/self/mountinfo``: a bind mount is on the same device, yet a rename across it fails with EXDEV).
+
+    Parameters
+    ----------
+    path
+        A folder (absent: not a mount point).
+
+    Returns
+    -------
+    bool
+        It is one.
+    """
+    try:
+        if path.stat().st_dev != path.parent.stat().st_dev or os.path.ismount(path):
+            return True
+        real = os.path.realpath(path)
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            return any(_unescape(line.split(" ")[4]) == real for line in f if line.count(" ") >= 4)
+    except OSError:  # no store yet, or no mount table (not Linux): not a mount point we can see
+        return False
 
 
 def _natural(name: str) -> tuple:

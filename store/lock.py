@@ -51,7 +51,7 @@ def checkpoint_lock(path: Path, what: str, poll: float = 0.5, doing: str = "extr
     told = False
     while True:
         try:
-            f = open(path, "a+")
+            f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666), "a+")
         except FileNotFoundError:  # its folder was pruned by a run that just finished: make it again
             path.parent.mkdir(parents=True, exist_ok=True)
             continue

@@ -12,7 +12,8 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.analyzer.schema import HEAD, METRICS_VERSION
+from ncanalyze.analyzer.names import shown
+from ncanalyze.analyzer.schema import HEAD, LAYER, METRICS_VERSION
 from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
@@ -75,7 +76,7 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     store.require()  # the one-line error for a path that is not a store
     on = engine_device(device)  # a device that is not there: one line, before any work
     groups, skipped = store.checkpoint_groups()
-    attrs = {g: store.attrs(g) for g in groups}
+    attrs = {g: by_path(g, store.attrs(g)) for g in groups}
     todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
     unwritable = _unwritable(store.path) if todo else None
     if unwritable:
@@ -120,11 +121,13 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
         warnings.warn(f"{message} ({_some(where)})", category, stacklevel=2)
     twins = same_model_and_step({g: attrs[g] for g in groups if g not in skipped})
     for g, why in (skipped | twins).items():
-        warnings.warn(f"{g}: skipped: {why}", SkippedCheckpoint, stacklevel=2)
+        warnings.warn(f"{shown(g)}: skipped: {shown(why)}", SkippedCheckpoint, stacklevel=2)
     kept = [g for g in groups if g not in skipped and g not in twins]
     if not kept:
         raise UserError(f"no checkpoint in {store} can be measured ({len(skipped)} skipped, see above)" if skipped else
                         f"no complete checkpoint in {store}: run `ncanalyze extract CHECKPOINTS --store {store}` first")
+    for g, why in same_weights({g: attrs[g] for g in kept}).items():
+        warnings.warn(f"{shown(g)}: {shown(why)}", SameModel, stacklevel=2)
     failed = skipped | twins
     measured = [g for g in todo if g not in failed]
     return MeasureResult(metrics_table(attrs[g] for g in kept), metrics_table(attrs[g] for g in measured), measured,
@@ -133,6 +136,34 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
 
 class SkippedCheckpoint(UserWarning):
     """A checkpoint left out of a measurement or report, with why."""
+
+
+class SameModel(UserWarning):
+    """One model measured twice under two names (a run copied inside the store): both kept, said."""
+
+
+def by_path(group: str, attrs: dict) -> dict:
+    """A group's attributes with its run and checkpoint named by its path in the store (``<run>/<checkpoint>``), not
+    by the attributes written with it: a run copied inside the store is its own rows, never the original's twice."""
+    run, checkpoint = group.split("/")[:2]
+    return {**attrs, "run": run, "checkpoint": checkpoint}
+
+
+def same_weights(groups: dict[str, dict]) -> dict[str, str]:
+    """The groups that are another group's measurement under another name (the same configuration hash: the same
+    weights, data and settings; and the same layer), with why, naming the first."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for g, a in groups.items():
+        key = (a.get("config_hash"), a.get(LAYER, a.get("n_layers")))
+        if key[0] is None:
+            continue
+        if key in first:
+            out[g] = (f"the same model, data and settings as {first[key]}, measured twice under two names: both are "
+                      "kept; remove one (ncanalyze rm) unless you meant it")
+        else:
+            first[key] = g
+    return out
 
 
 class ReadOnlyStore(UserWarning):

@@ -123,7 +123,10 @@ def prune(partial: Path) -> None:
     """Remove the empty folders left in ``partial`` (and itself, once empty)."""
     if not partial.is_dir():
         return
-    for d in sorted((p for p in partial.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+    if partial.is_symlink():  # never followed (layout.no_links refuses it where work is done)
+        return
+    for d in sorted((p for p in partial.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: len(p.parts),
+                    reverse=True):
         if not any(d.iterdir()):
             d.rmdir()
     if not any(partial.iterdir()):

@@ -157,6 +157,7 @@ class Store:
     def prepare(self) -> None:
         """Check, before any work, that the store can be written, creating nothing (io.prepare)."""
         io.prepare(self.path, self.layout.partial)
+        self.layout.check_links()  # never work through a link in the work folders
 
     def ensure(self, group: str = "") -> None:
         """Make sure ``group`` and the root exist (io.ensure_group)."""

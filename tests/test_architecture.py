@@ -159,10 +159,10 @@ def test_the_record_holds_every_hashed_setting_and_its_keys_move_with_the_format
     record = config_record(None, cfg, torch.device("cpu"), 32, "v.txt", "validation", layer_plan(cfg, 2),
                            weights="w")
     hashed = {f.name for f in dataclasses.fields(ExtractConfig) if f.metadata["hashed"]}
-    assert set(record) == hashed | {"val_held_out", "block_size", "device_type", "weights"}
+    assert set(record) == hashed | {"val_held_out", "block_size", "device_type", "weights", "data_sha256"}
     assert (record["layers"], record["cap_mode"], record["val_held_out"]) == ([2], None, None)  # resolved
-    assert (store_io.FORMAT, sorted(record)) == (2, [
-        "batch_size", "block_size", "cap_mode", "dataset", "device_type", "dtype", "embeddings_dtype",
+    assert (store_io.FORMAT, sorted(record)) == (3, [
+        "batch_size", "block_size", "cap_mode", "data_sha256", "dataset", "device_type", "dtype", "embeddings_dtype",
         "keep_linebreaks", "layers", "layers_per_pass", "max_train_tokens", "max_val_tokens", "min_count",
         "samples_per_class", "save_embeddings", "seed", "split", "text_column", "tokenizer", "val_dataset",
         "val_held_out", "val_split", "weights"])

@@ -26,6 +26,7 @@ from ncanalyze.store.data.blocks import (
     open_blocks,
     spread,
 )
+from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
@@ -71,6 +72,8 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
               "weights": weights or weights_fingerprint(ckpt.path)}
     if held_out is not None:
         record["split"] = f"{cfg.split}[{held_out}%:]"
+    record |= {"dataset": data_name(cfg.dataset), "val_dataset": data_name(val_spec),  # by content, not by path
+               "data_sha256": data_sha256(cfg.dataset, val_spec)}
     return record
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
+from ncanalyze.analyzer.names import check_name
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import (
@@ -112,8 +113,10 @@ def run_name(args) -> str:
     """
     name = getattr(args, "run_name", None)
     if name and name != args.output_dir:
-        return str(name).replace("/", "-")  # one group level: <run>/step-<N>
-    return Path(args.output_dir).resolve().name
+        name = str(name).replace("/", "-")  # one group level: <run>/step-<N>
+    else:
+        name = Path(args.output_dir).resolve().name
+    return check_name(name, "the run name", "set TrainingArguments(run_name=...) to a plain name")
 
 
 def refuse_sharded(args) -> str | None:
@@ -215,7 +218,11 @@ class NeuralCollapseCallback(TrainerCallback):
             self._stop(f"{refused}: train with DDP (torchrun) or on one device to measure neural collapse while "
                        "training, or extract the saved checkpoints with `ncanalyze extract`")
             return
-        group = f"{run_name(args)}/step-{step}"
+        try:
+            group = f"{run_name(args)}/step-{step}"
+        except UserError as e:  # a run name that is not one plain folder name: never a path beside the store
+            self._stop(str(e))
+            return
         self.output_dir = str(Path(args.output_dir).resolve())
         files = self.store.group_files(group)
         started = time.perf_counter()

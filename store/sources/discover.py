@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.analyzer.names import check_name, shown
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -210,6 +211,8 @@ def discover(path: str | Path) -> list[Checkpoint]:
     if not found:
         raise UserError(f"no checkpoints found under {p}: expected config.json with model.safetensors, "
                         "checkpoint-N/ subfolders of a Trainer run, or a folder of such runs")
+    for c in found:  # each run's folder names its group: one plain name, never a path (before any work)
+        check_name(c.run, f"the run folder {shown(c.run_dir)}:", "rename the folder to a plain name")
     return found
 
 

@@ -157,7 +157,7 @@ def test_ls_lists_runs_checkpoints_tags_layers_settings_measured_and_sizes(study
     configs = [json.loads(zarr.open_group(store, path=g, mode="r").attrs["config"]) for g in groups]
     differ = sorted(k for k in set().union(*configs) - {"weights", "dataset"}
                     if len({json.dumps(c.get(k)) for c in configs}) > 1)
-    assert inv["settings"] == differ and {"layers", "save_embeddings", "val_dataset"} <= set(differ)
+    assert inv["settings"] == differ and {"layers", "save_embeddings", "data_sha256"} <= set(differ)
     assert rows[OTHER]["settings"]["save_embeddings"] == N_EMB and rows[groups[0]]["settings"]["layers"] == [2]
     assert all(rows[g]["measured"] == "no" and rows[g]["status"] == "ok" for g in groups)
     for g in groups:
