@@ -160,5 +160,5 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.files["report"].write_text(markdown(r, options, skipped=skipped))
     r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls))
     if options.html:
-        r.files["html"] = write_html(r, options, out, skipped=df.attrs.get("skipped"))
+        r.files["html"] = write_html(r, options, out, skipped=skipped)
     return r
