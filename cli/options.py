@@ -93,7 +93,7 @@ def setting_option(f: dataclasses.Field, command: str | None = None) -> Callable
             return click.option(flag, name, is_flag=True, default=False, help=text)
         return click.option(f"{flag}/--no-{flag[2:]}", name, default=True, show_default=True, help=text)
     if kind is tuple and meta["multiple"]:
-        return click.option(flag, name, multiple=True, metavar=meta["metavar"], help=text)
+        return click.option(flag, name, multiple=True, default=default, metavar=meta["metavar"], help=text)
     if kind is tuple:
         default = ",".join(default)
     choices = meta["choices"] and "[" + "|".join(meta["choices"]) + "]"
