@@ -106,7 +106,9 @@ _VAL_HELP = ("Validation data (NC4, val_loss), any form --dataset takes. Default
 @dataclass
 class ExtractConfig:
     """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run; every value is
-    checked when the configuration is made (:meth:`__post_init__`), by the library as by the CLI."""
+    checked as it is set (:meth:`__setattr__`: when the configuration is made, by the library, the training callback
+    and the CLI alike, and when changed later), and the settings that must go together when it is made
+    (:meth:`__post_init__`)."""
     dataset: str = setting(required=True, hashed=True, section="Data", metavar="SPEC", help=(
         "Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token ids in .npy "
         "(1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream)."))
@@ -181,8 +183,12 @@ class ExtractConfig:
     embeddings_dtype: str = setting("float32", hashed=True, section="Layers",
                                     choices=STORED_DTYPES, help="dtype of --save-embeddings.")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Each value is checked as it is set: when the configuration is made, and when it is changed later."""
+        f = self.__dataclass_fields__.get(name)
+        super().__setattr__(name, value if f is None else registry.checked(f, value))
+
     def __post_init__(self) -> None:
-        registry.check_fields(self)
         if self.max_train_tokens is not None and self.min_count > self.max_train_tokens:
             raise UserError(f"--min-count {self.min_count} is above --max-train-tokens {self.max_train_tokens}, so no "
                             "class could be kept: lower --min-count")
