@@ -36,8 +36,6 @@ def _check(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader | N
 def _selection(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader | None) -> pd.DataFrame:
     """The rows ``where`` selects (every layer; with ``per_run="last"`` each run's latest checkpoint), identity
     columns first, then what the numbers rest on (:data:`~ncanalyze.analyzer.report.support.SUPPORT`)."""
-    if options.per_run not in (None, "all", "last"):
-        raise UserError(f"--per-run {options.per_run!r}: not one of 'last' (each run's latest checkpoint) or 'all'")
     rows = select(df, options.where)
     if options.per_run == "last":
         rows = last_per_run(rows)

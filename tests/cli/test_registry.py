@@ -58,6 +58,17 @@ def test_extract_settings_are_refused_when_made(value, args, line, tmp_path):
     assert not (tmp_path / "s.zarr").exists()
 
 
+@pytest.mark.slow  # its first import of transformers
+@pytest.mark.parametrize("value, args, line", EXTRACT_REFUSED)
+def test_the_training_callback_refuses_as_it_is_made(value, args, line, tmp_path):
+    from ncanalyze.store.runs.training import NeuralCollapseCallback
+
+    with pytest.raises(UserError) as e:
+        NeuralCollapseCallback(tmp_path / "s.zarr", "d.txt", **value)
+    assert str(e.value) == line
+    assert not (tmp_path / "s.zarr").exists()
+
+
 def test_values_are_converted_once_and_the_library_matches_the_command():
     """A comma-separated string and a list make the same options; per_run None is the default, all; the
     command's defaults are the library's."""
