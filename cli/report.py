@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import click
 import cloup
+from click.core import ParameterSource
 from ncanalyze.analyzer.settings import REPORT_SECTIONS, MeasureSettings, ReportSettings, field_of
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import option, setting_groups, setting_option, settings_of, store_positional
@@ -55,16 +56,15 @@ def report(ctx, store_positional, store, out, scheduler, min_count, **values):
     options = settings_of(ReportOptions, values)  # a bad value: its one line, before any work
     MeasureSettings(min_count=min_count)
     df, store_path, failed = load_table(resolve_store(store_positional, store), min_count, scheduler)
-    if ctx.get_parameter_source("metrics") is click.core.ParameterSource.DEFAULT:  # from a store: those it has
+    if not options.metrics or ctx.get_parameter_source("metrics") is ParameterSource.DEFAULT:  # those it has
         options = replace(options, metrics=[m for m in METRICS if m in df.columns] or METRICS)
     options = replace(options, store=store_path)
-    metrics = options.metrics
     result = write_report(df, out, options, read_group=store_path and Store.at(store_path).read, skipped=failed)
     n = len(result.selected)  # checkpoints, not their layers
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)
     for line in sorted(set(result.stats.note[has_note(result.stats, NoteKind.TOO_FEW)].dropna()) - {""}):
         log.warning("note: %s", line)
-    click.echo(f"{n} checkpoints, {len(metrics)} metrics -> {result.files['report']}")
+    click.echo(f"{n} checkpoints, {len(options.metrics)} metrics -> {result.files['report']}")
     for f in result.files.values():
         click.echo(f"  {f}")
