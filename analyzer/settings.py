@@ -218,8 +218,8 @@ class ReportSettings:
     seed: int = shared("seed", section="Statistics", help="Seed of the permutations.")
     tokens: tuple[str, ...] = setting((), kind=tuple, section="Per-token table", help=(
         "Comma-separated tokens (strings as decoded, or ids) for the per-token table."))
-    checkpoints: tuple[str, ...] = setting((), kind=tuple, multiple=True, flag="--checkpoint", section="Per-token table",
-                                           metavar="RUN/CHECKPOINT", help=(
+    checkpoints: tuple[str, ...] = setting((), kind=tuple, multiple=True, flag="--checkpoint",
+                                           section="Per-token table", metavar="RUN/CHECKPOINT", help=(
         "Checkpoint(s) of the per-token table (default: each selected run's latest). Repeatable."))
     per_run: str = setting("all", section="Selection", check=_per_run, metavar="[all|last]", help=(
         "'last': each run's latest checkpoint only (one row per run, per tag)."))

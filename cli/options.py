@@ -97,8 +97,9 @@ def setting_option(f: dataclasses.Field, command: str | None = None) -> Callable
     if kind is tuple:
         default = ",".join(default)
     choices = meta["choices"] and "[" + "|".join(meta["choices"]) + "]"
-    return click.option(flag, name, cls=SettingOption, type={int: click.INT, float: click.FLOAT}.get(kind, click.STRING),
-                        default=default, show_default=meta["shown"] or default not in (None, ""),
+    typ = {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
+    return click.option(flag, name, cls=SettingOption, type=typ, default=default,
+                        show_default=meta["shown"] or default not in (None, ""),
                         required=f.default is dataclasses.MISSING, metavar=meta["metavar"] or choices, help=text,
                         bounds=_bounds(meta))
 

@@ -82,7 +82,8 @@ def _layers(value: str) -> str:
     if not isinstance(value, str) or not value.strip(" ,"):
         raise ValueError("names no layer: pass last, all, or indices like 0,-1")
     spec = value.strip().lower()
-    if spec not in ("last", "all") and not all(re.fullmatch(r"\s*[-+]?\d+\s*", x) for x in spec.split(",") if x.strip()):
+    indices = [x for x in spec.split(",") if x.strip()]
+    if spec not in ("last", "all") and not all(re.fullmatch(r"\s*[-+]?\d+\s*", x) for x in indices):
         raise ValueError("is not last, all or comma-separated integers like 0,6,12")
     return spec
 
@@ -148,8 +149,8 @@ class ExtractConfig:
     min_count: int = registry.shared("min_count", hashed=True, section="Statistics", help=(
         "Classes with fewer train tokens are left out of NC4's decisions (fixed at extraction: measuring with "
         "another --min-count reports NC4 as nan)."))
-    seed: int = registry.shared("seed", hashed=True, section="Statistics",
-                                help="Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread).")
+    seed: int = registry.shared("seed", hashed=True, section="Statistics", help=(
+        "Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread)."))
     allow_pickle: bool = setting(False, hashed=False, section="Model", help=(
         "Load pickle weights (pytorch_model.bin); only for trusted files."))
     trust_remote_code: bool = setting(False, hashed=False, section="Model", help=(

@@ -19,7 +19,8 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 REFUSED = [  # (command, the library's settings, a value as the library takes it, as the command line gives it, line)
     ("measure", MeasureSettings, dict(device="tpu"), ["--device", "tpu"],
      "device (--device) must be auto, cpu, cuda or cuda:N, got 'tpu'"),
-    ("measure", MeasureSettings, dict(min_count=0), ["--min-count", "0"], "min_count (--min-count) must be >= 1, got 0"),
+    ("measure", MeasureSettings, dict(min_count=0), ["--min-count", "0"],
+     "min_count (--min-count) must be >= 1, got 0"),
     ("measure", MeasureSettings, dict(tile=0), ["--tile", "0"], "tile (--tile) must be >= 1, got 0"),
     ("report", ReportOptions, dict(n_perm=-1), ["--permutations", "-1"],
      "n_perm (--permutations) must be >= 0, got -1"),
@@ -35,7 +36,8 @@ EXTRACT_REFUSED = [  # ExtractConfig, as the training callback makes it, and ``n
     (dict(device="tpu"), ["--device", "tpu"], "device (--device) must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (dict(min_count=5, max_train_tokens=3), ["--min-count", "5", "--max-train-tokens", "3"],
      "--min-count 5 is above --max-train-tokens 3, so no class could be kept: lower --min-count"),
-    (dict(cap_mode="middle"), ["--cap-mode", "middle"], "cap_mode (--cap-mode) must be one of spread, prefix, got 'middle'"),
+    (dict(cap_mode="middle"), ["--cap-mode", "middle"],
+     "cap_mode (--cap-mode) must be one of spread, prefix, got 'middle'"),
 ]
 
 
@@ -83,7 +85,8 @@ def test_values_are_converted_once_and_the_library_matches_the_command():
         for f in (f for cls in registries for f in dataclasses.fields(cls)):
             p, default = params[f.name], f.default
             assert p.opts[0] == flag_of(f), f.name
-            assert p.default == (",".join(default) if isinstance(default, tuple) and not p.multiple else default), f.name
+            joined = ",".join(default) if isinstance(default, tuple) and not p.multiple else default
+            assert p.default == joined, f.name
             assert p.help == f.metadata["help"], f.name
 
 
