@@ -1,13 +1,12 @@
 """``ncanalyze extract``: exact per-class statistics of every checkpoint into the store."""
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import click
 import cloup
 from ncanalyze.cli.common import open_store
-from ncanalyze.cli.options import option, setting_option
+from ncanalyze.cli.options import option, setting_groups
 from ncanalyze.store.extraction.settings import SECTIONS, ExtractConfig
 
 
@@ -41,10 +40,7 @@ HAND_WRITTEN = {  # the options that are not settings of the extraction: where i
 def sections(f: Callable) -> Callable:
     """Every option of ``extract`` in its ``--help`` section (:data:`SECTIONS`): the settings' generated from
     :class:`ExtractConfig`, then the hand-written ones."""
-    for title in reversed(SECTIONS):
-        settings = [setting_option(fl) for fl in dataclasses.fields(ExtractConfig) if fl.metadata["section"] == title]
-        f = cloup.option_group(title, *settings, *HAND_WRITTEN.get(title, []))(f)
-    return f
+    return setting_groups(SECTIONS, "extract", ExtractConfig, more=HAND_WRITTEN)(f)
 
 
 @cloup.command(short_help="Exact per-class statistics of every checkpoint into the store.", align_option_groups=False)
