@@ -203,8 +203,8 @@ class ReportSettings:
     :class:`~ncanalyze.analyzer.report.options.ReportOptions`'s, which documents them): every value checked when
     made."""
 
-    metrics: tuple[str, ...] = setting(SCALARS, kind=tuple, section="Selection", shown="all of them", help=(
-        "Comma-separated metric columns (from a store: those of its table)."))
+    metrics: tuple[str, ...] = setting(SCALARS, kind=tuple, section="Selection", shown="all the table has",
+                                           help="Comma-separated metric columns.")
     target: str | None = setting(section="Selection", help=(
         "Column to correlate the metrics with [default: val_loss where every selected checkpoint has it, else "
         "eval_loss]."))
