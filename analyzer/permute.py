@@ -41,6 +41,8 @@ import pandas as pd
 from scipy.linalg import orth
 from scipy.stats import rankdata
 
+from ncanalyze.analyzer.settings import N_PERM
+
 MIN_N = 3  # fewest points for which a correlation means anything
 _TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)
 _CHUNK_ELEMS = 2 ** 20  # permutations per chunk x n: bounds memory at a few (chunk x n) float arrays
@@ -133,7 +135,7 @@ def _p(hits: np.ndarray, stat: np.ndarray, total: int, exact: bool) -> np.ndarra
     return np.where(np.isfinite(stat), (hits + add) / (total + add), np.nan)
 
 
-def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = 10_000,
+def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = N_PERM,
               seed: int | None = 0, scheme: Scheme | None = None) -> dict:
     """Pearson r, Spearman rho and partial r (given controls ``C``, n x k) of ``y`` (n) with each column of
     ``X`` (n x m), with two-sided permutation p-values under ``scheme`` (default: rows): r and rho permute y,

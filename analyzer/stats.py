@@ -51,6 +51,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.schema import CONTROLS, GEOMETRY_METRICS, NC_METRICS, SCALARS
+from ncanalyze.analyzer.settings import N_PERM
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of
@@ -215,7 +216,7 @@ def refuse_correlated_controls(df: pd.DataFrame, C: pd.DataFrame, target: str, m
 
 
 def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
-                 controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0, *,
+                 controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = 0, *,
                  runs: str | None = None, step: str = "global_step") -> pd.DataFrame:
     """Statistics of each metric against ``target``, one row per (metric, scale in raw|log).
 
@@ -416,7 +417,7 @@ def split_tags(df: pd.DataFrame, column: str = "tag") -> list[tuple[str | None, 
 
 
 def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
-                        controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0, *,
+                        controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = 0, *,
                         runs: str | None = "run", step: str = "global_step", tag: str = "tag") -> pd.DataFrame:
     """:func:`correlations` of each tag's rows apart (:func:`split_tags`; never pooled), concatenated with a
     ``tag`` column first (None: untagged). Holm's families are per tag and scale. Runs are exchangeability blocks

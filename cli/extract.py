@@ -1,54 +1,13 @@
 """``ncanalyze extract``: exact per-class statistics of every checkpoint into the store."""
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import click
 import cloup
 from ncanalyze.cli.common import open_store
-from ncanalyze.cli.options import option
-from ncanalyze.store.extraction.settings import SECTIONS, ExtractConfig, flag_of
-
-
-def setting_option(f: dataclasses.Field) -> Callable[[Callable], Callable]:
-    """The click option of one :class:`ExtractConfig` setting, made from its field: flag, help, default and metavar.
-    Its value is checked by ``ExtractConfig`` itself (so the command and the library refuse alike, in one line);
-    ``--help`` shows its range or choices."""
-    meta, name = f.metadata, f.name
-    flag, kind = flag_of(name), meta["kind"]
-    default = None if f.default is dataclasses.MISSING else f.default
-    if kind is bool:
-        if default is False:
-            return click.option(flag, name, is_flag=True, default=False, help=meta["help"])
-        return click.option(f"{flag}/--no-{flag[2:]}", name, default=True, show_default=True, help=meta["help"])
-    choices = meta["choices"] and "[" + "|".join(meta["choices"]) + "]"
-    return click.option(flag, name, cls=SettingOption, type={int: click.INT, float: click.FLOAT}.get(kind, click.STRING),
-                        default=default, show_default=default is not None,
-                        required=f.default is dataclasses.MISSING, metavar=meta["metavar"] or choices, help=meta["help"],
-                        bounds=_bounds(meta))
-
-
-def _bounds(meta: dict) -> str | None:
-    """A setting's range as ``--help`` shows it (``x>=1``, ``0<=x<=99``), or None."""
-    low, high = meta["minimum"], meta["maximum"]
-    if low is None:
-        return None
-    return f"x>={low}" if high is None or high > 2**32 else f"{low}<=x<={high}"
-
-
-class SettingOption(click.Option):
-    """A setting's option: ``--help`` shows its range beside its default, as click's own ranges do."""
-
-    def __init__(self, *args, bounds: str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.bounds = bounds
-
-    def get_help_extra(self, ctx: click.Context) -> dict:
-        extra = super().get_help_extra(ctx)
-        if self.bounds:
-            extra["range"] = self.bounds
-        return extra
+from ncanalyze.cli.options import option, setting_groups
+from ncanalyze.store.extraction.settings import SECTIONS, ExtractConfig
 
 
 HAND_WRITTEN = {  # the options that are not settings of the extraction: where it goes, what it starts from
@@ -81,10 +40,7 @@ HAND_WRITTEN = {  # the options that are not settings of the extraction: where i
 def sections(f: Callable) -> Callable:
     """Every option of ``extract`` in its ``--help`` section (:data:`SECTIONS`): the settings' generated from
     :class:`ExtractConfig`, then the hand-written ones."""
-    for title in reversed(SECTIONS):
-        settings = [setting_option(fl) for fl in dataclasses.fields(ExtractConfig) if fl.metadata["section"] == title]
-        f = cloup.option_group(title, *settings, *HAND_WRITTEN.get(title, []))(f)
-    return f
+    return setting_groups(SECTIONS, "extract", ExtractConfig, more=HAND_WRITTEN)(f)
 
 
 @cloup.command(short_help="Exact per-class statistics of every checkpoint into the store.", align_option_groups=False)

@@ -2,20 +2,26 @@
 from __future__ import annotations
 
 import click
+import cloup
+from ncanalyze.analyzer.settings import MEASURE_SECTIONS, MeasureSettings
 from ncanalyze.cli.common import open_store
-from ncanalyze.cli.options import option, store_argument
+from ncanalyze.cli.options import option, setting_groups, settings_of, store_positional
 
 SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
 
 
-@click.command(short_help="NC metrics of every checkpoint not yet measured, into the store.")
-@store_argument("measure")
-@option("min_count", "measure")
-@option("scheduler", "measure")
-@option("tile", "measure")
-@option("device", "measure")
-@click.option("--force", is_flag=True, help="Measure again checkpoints already measured.")
-def measure(store_positional, store, min_count, scheduler, tile, device, force):
+RUN_CONTROL = [  # where it works and whether it starts again: the command's own, not settings of the measuring
+    option("store", "measure"),
+    option("scheduler", "measure"),
+    click.option("--force", is_flag=True, help="Measure again checkpoints already measured."),
+]
+
+
+@cloup.command(short_help="NC metrics of every checkpoint not yet measured, into the store.",
+               align_option_groups=False)
+@store_positional
+@setting_groups(MEASURE_SECTIONS, "measure", MeasureSettings, more={"Run control": RUN_CONTROL})
+def measure(store_positional, store, scheduler, force, **values):
     """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
 
     \b
@@ -29,8 +35,11 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     from ncanalyze.analyzer.schema import SCALARS
     from ncanalyze.store.measure import measure_store
 
+    settings = settings_of(MeasureSettings, values)  # a bad value: its one line, before the store is opened
+    min_count = settings.min_count
     store = open_store(store_positional, store)
-    result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device)
+    result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=settings.tile, force=force,
+                           device=settings.device)
     every, failed = [*result.measured, *result.skipped, *result.failed], result.failed
     left_out = f", {len(result.checkpoints(failed))} left out (see above)" if failed else ""
     if not result.measured:

@@ -1,16 +1,21 @@
-"""The options several commands share, each defined once and applied by name: ``@option("min_count", "measure")``.
+"""The commands' options: those generated from a settings registry (:func:`setting_option`, :func:`setting_groups`;
+the settings themselves: ncanalyze.analyzer.settings, ncanalyze.store.extraction.settings), and the few that say
+where a command works rather than what it computes, shared by name: ``@option("store", "measure")``.
 
-An option's flag, type and default live here only; where it means something slightly different to a command, the
-registry holds that command's help text beside the common one (``Shared.helps``). Light on purpose: importing this
-module (as ``ncanalyze --help`` does) imports click and nothing of the store or the analyzer.
+An option's flag, type and default live in one place; where it means something slightly different to a command, the
+registry holds that command's help text beside the common one (``helps``). Light on purpose: importing this module
+(as ``ncanalyze --help`` does) imports click, cloup and the registry's light module, nothing of the store.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
+import cloup
+from ncanalyze.analyzer.settings import flag_of
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 
@@ -42,23 +47,6 @@ OPTIONS: dict[str, Shared] = {
               "CUDA_VISIBLE_DEVICES gives.",
             "report": "Measure what is new on " + _SCHEDULER.format(default="local threads", paths="the store"),
         }),
-    "min_count": Shared(
-        ("--min-count",), "Keep only classes with at least this many train tokens.",
-        dict(type=click.IntRange(1), default=1, show_default=True),
-        helps={
-            "report": "Keep only classes with at least this many train tokens (when measuring what is new).",
-        }),
-    "device": Shared(
-        ("--device",), "auto (CUDA when present, else CPU), cpu, cuda, cuda:N.",
-        dict(default="auto", show_default=True),
-        helps={"measure": "Where the pairwise sums and the d x d work run: auto (torch float64 on CUDA when present, "
-                          "else the numba pass on the CPU), cpu, cuda, cuda:N."}),
-    "tile": Shared(
-        ("--tile",), "Classes per tile of the pairwise sums [default: from the available memory, at most 2048].",
-        dict(type=click.IntRange(1))),
-    "seed": Shared(
-        ("--seed",), "Random seed.", dict(type=click.IntRange(0, 2**63 - 1), default=0, show_default=True),
-        helps={"report": "Seed of the permutations."}),
 }
 
 
@@ -68,7 +56,7 @@ def option(name: str, command: str | None = None) -> Callable[[Callable], Callab
     Parameters
     ----------
     name
-        A key of :data:`OPTIONS` (the parameter's name, e.g. ``"min_count"``).
+        A key of :data:`OPTIONS` (the parameter's name, e.g. ``"scheduler"``).
     command
         The command it decorates (``"extract"``, ``"measure"``, ``"report"``), for its own help text.
 
@@ -81,10 +69,78 @@ def option(name: str, command: str | None = None) -> Callable[[Callable], Callab
     return click.option(*shared.decls, name, help=shared.helps.get(command, shared.help), **shared.settings)
 
 
+store_positional = click.argument("store_positional", required=False, metavar="[STORE]")  # or --store (OPTIONS)
+
+
 def store_argument(command: str) -> Callable[[Callable], Callable]:
     """The store as a positional ``[STORE]`` (passed as ``store_positional``) or ``--store PATH``; the command
     reconciles the two with :func:`ncanalyze.cli.common.resolve_store`."""
     def decorate(f: Callable) -> Callable:
-        return click.argument("store_positional", required=False, metavar="[STORE]")(option("store", command)(f))
+        return store_positional(option("store", command)(f))
 
     return decorate
+
+
+def setting_option(f: dataclasses.Field, command: str | None = None) -> Callable[[Callable], Callable]:
+    """The click option of one setting, made from its field: flag, help (``command``'s own where it has one), default
+    and metavar. Its value is checked by the settings class itself (so the command and the library refuse alike, in
+    one line); ``--help`` shows its range or choices."""
+    meta, name = f.metadata, f.name
+    flag, kind, text = flag_of(f), meta["kind"], meta["helps"].get(command, meta["help"])
+    default = None if f.default is dataclasses.MISSING else f.default
+    if kind is bool:
+        if default is False:
+            return click.option(flag, name, is_flag=True, default=False, help=text)
+        return click.option(f"{flag}/--no-{flag[2:]}", name, default=True, show_default=True, help=text)
+    if kind is tuple and meta["multiple"]:
+        return click.option(flag, name, multiple=True, default=default, metavar=meta["metavar"], help=text)
+    if kind is tuple:
+        default = ",".join(default)
+    choices = meta["choices"] and "[" + "|".join(meta["choices"]) + "]"
+    typ = {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
+    return click.option(flag, name, cls=SettingOption, type=typ, default=default,
+                        show_default=meta["shown"] or default not in (None, ""),
+                        required=f.default is dataclasses.MISSING, metavar=meta["metavar"] or choices, help=text,
+                        bounds=_bounds(meta))
+
+
+def _bounds(meta: dict) -> str | None:
+    """A setting's range as ``--help`` shows it (``x>=1``, ``0<=x<=99``), or None."""
+    low, high = meta["minimum"], meta["maximum"]
+    if low is None:
+        return None
+    return f"x>={low}" if high is None or high > 2**32 else f"{low}<=x<={high}"
+
+
+class SettingOption(click.Option):
+    """A setting's option: ``--help`` shows its range beside its default, as click's own ranges do."""
+
+    def __init__(self, *args, bounds: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bounds = bounds
+
+    def get_help_extra(self, ctx: click.Context) -> dict:
+        extra = super().get_help_extra(ctx)
+        if self.bounds:
+            extra["range"] = self.bounds
+        return extra
+
+
+def setting_groups(titles: Iterable[str], command: str, *registries: type,
+                   more: dict[str, list[Callable]] | None = None) -> Callable[[Callable], Callable]:
+    """Every option of ``command`` in its ``--help`` section, in the order of ``titles``: the settings' generated
+    from the registries' fields (each field's ``section``), then ``more`` (the command's own options by section)."""
+    settings = [f for cls in registries for f in dataclasses.fields(cls) if "section" in f.metadata]
+
+    def decorate(func: Callable) -> Callable:
+        for title in reversed(list(titles)):
+            group = [setting_option(f, command) for f in settings if f.metadata["section"] == title]
+            func = cloup.option_group(title, *group, *(more or {}).get(title, []))(func)
+        return func
+
+    return decorate
+
+
+def settings_of(cls: type, values: dict[str, Any]) -> Any:
+    """``cls`` made from a command's parameters: those that are its settings (the others stay with the command)."""
+    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})

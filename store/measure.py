@@ -14,6 +14,7 @@ from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.schema import HEAD, LAYER, METRICS_VERSION
+from ncanalyze.analyzer.settings import MeasureSettings
 from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
@@ -72,6 +73,7 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
     """
+    MeasureSettings(min_count=min_count, tile=tile, device=device)  # a bad value: the command's one line
     store = Store.at(store)
     store.require()  # the one-line error for a path that is not a store
     on = engine_device(device)  # a device that is not there: one line, before any work

@@ -1,24 +1,24 @@
 """What a report is asked for (:class:`ReportOptions`) and what it computed and wrote (:class:`ReportResult`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import CONTROLS
-from ncanalyze.analyzer.stats import METRICS
+from ncanalyze.analyzer.settings import ReportSettings
 
 
 @dataclass(frozen=True)
-class ReportOptions:
-    """The choices of a report (the flags of ``ncanalyze report``).
+class ReportOptions(ReportSettings):
+    """The choices of a report: the flags of ``ncanalyze report`` (:class:`~ncanalyze.analyzer.settings.ReportSettings`,
+    where each is defined once, its default and rule with it; a bad value is refused when the options are made, in the
+    command's line), and the store.
 
     Parameters
     ----------
     metrics
-        The metric columns tested and drawn (``--metrics``).
+        The metric columns tested and drawn (``--metrics``; a comma-separated string or a sequence, kept as a tuple).
     target
         The column they are correlated with (``--target``); None: ``val_loss`` where every selected checkpoint has
         it, else ``eval_loss``.
@@ -38,22 +38,12 @@ class ReportOptions:
         ``run/checkpoint`` groups of the per-token table (``--checkpoint``); empty: each selected run's latest.
     per_run
         ``"last"``: keep each run's latest checkpoint only (``--per-run last``; one row per run, so runs are the
-        units and nothing need be permuted in blocks); None: every selected checkpoint.
+        units and nothing need be permuted in blocks); ``"all"`` (None too): every selected checkpoint.
     html
         Also write report.html, the interactive page (:mod:`~ncanalyze.analyzer.report.html`; ``--no-html``: not).
     """
 
-    metrics: Sequence[str] = METRICS
-    target: str | None = None
-    controls: Sequence[str] = CONTROLS
-    where: str | None = None
-    n_perm: int = 10_000
-    seed: int | None = 0
     store: str | Path | None = None
-    tokens: Sequence[str] = ()
-    checkpoints: Sequence[str] = ()
-    per_run: str | None = None
-    html: bool = True
 
 
 @dataclass

@@ -36,8 +36,6 @@ def _check(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader | N
 def _selection(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader | None) -> pd.DataFrame:
     """The rows ``where`` selects (every layer; with ``per_run="last"`` each run's latest checkpoint), identity
     columns first, then what the numbers rest on (:data:`~ncanalyze.analyzer.report.support.SUPPORT`)."""
-    if options.per_run not in (None, "all", "last"):
-        raise UserError(f"--per-run {options.per_run!r}: not one of 'last' (each run's latest checkpoint) or 'all'")
     rows = select(df, options.where)
     if options.per_run == "last":
         rows = last_per_run(rows)
@@ -160,5 +158,5 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.files["report"].write_text(markdown(r, options, skipped=skipped))
     r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls))
     if options.html:
-        r.files["html"] = write_html(r, options, out, skipped=df.attrs.get("skipped"))
+        r.files["html"] = write_html(r, options, out, skipped=skipped)
     return r

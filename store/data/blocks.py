@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.settings import CAP_MODES
 from ncanalyze.store.sources.discover import looks_local
 
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
                  ".csv": "csv"}
 TOKEN_SUFFIXES = (".npy", ".bin")
 VAL_NAMES = ("validation", "valid", "val", "test")
-CAP_MODES = ("spread", "prefix")
 GROUP_ROWS = 1000  # run_clm groups each batch of this many rows of text (datasets.map's default batch_size) apart
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ import torch
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data import tokens
 from ncanalyze.store.data.blocks import (
-    CAP_MODES,
     VAL_NAMES,
     Blocks,
     base_split,
@@ -351,8 +350,6 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     Blocks
         The blocks.
     """
-    if cfg.cap_mode not in CAP_MODES:
-        raise UserError(f"cap_mode {cfg.cap_mode!r} is not one of {', '.join(CAP_MODES)}")
     tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
     blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag,
                          keep_linebreaks=cfg.keep_linebreaks, cap_mode="prefix")  # the cap is applied below

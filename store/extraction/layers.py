@@ -42,7 +42,6 @@ from ncanalyze.store.resume import RESTART
 log = logging.getLogger(__name__)
 
 # where models keep their final norm, on the base model (GPT-2/GPT-Neo, Llama/Mistral/Gemma, OPT, GPT-NeoX, Falcon)
-EMBEDDING_DTYPES = ("float32", "float16", "float64")
 
 
 def resolve_layers(spec: str, n: int | None) -> list[int]:

@@ -5,70 +5,36 @@ from these fields, and the library, the CLI and the training callback refuse a b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+import re
+from dataclasses import dataclass
 from typing import Any
 
+from ncanalyze.analyzer import settings as registry
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.settings import CAP_MODES, DTYPES, STORED_DTYPES
 
 SECTIONS = ("Data", "Model", "Statistics", "Layers", "Hub", "Run control", "Cluster")  # ``extract --help``, in order
 AUTO = "auto"  # --layers-per-pass auto
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 PREFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 SIZE_RULE = ("a number of bytes, or a number and a unit: kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
              "of 1024), in any case but a lowercase b (bits: 3Mb is refused), e.g. 40GB, 512MiB, 1e9")
 
 
-def setting(default: Any = None, *, required: bool = False, hashed: bool, section: str, help: str, kind: type | None = None,
-            flag: str | None = None, metavar: str | None = None, minimum: float | None = None,
-            maximum: float | None = None, choices: tuple[str, ...] | None = None,
-            check: Callable[[Any], Any] | None = None):
-    """A configuration field and everything said about it once.
-
-    Parameters
-    ----------
-    default
-        Its default value.
-    required
-        It has no default (the train data).
-    hashed
-        It determines the numbers, so it goes into the config hash (every field must say).
-    section
-        Its section of ``ncanalyze extract --help`` (one of :data:`SECTIONS`).
-    help
-        Its help text.
-    kind
-        Its type (``int``, ``float``, ``str``, ``bool``) [default: the default's type, else ``str``].
-    flag
-        Its command-line flag [default: ``--`` and the name with dashes].
-    metavar
-        The value's name in ``--help``.
-    minimum, maximum, choices
-        The values it accepts (None: any of its type).
-    check
-        ``check(value) -> value``: converts a value or raises ``ValueError("must be ...")``, after the checks above.
-
-    Returns
-    -------
-    dataclasses.Field
-        The field, all of the above in its metadata.
-    """
+def setting(default: Any = None, *, hashed: bool, section: str, **how: Any):
+    """An extraction setting (:func:`ncanalyze.analyzer.settings.setting`), which must say whether it is ``hashed``:
+    whether it determines the numbers, so goes into the config hash; its ``section`` is one of :data:`SECTIONS`."""
     assert section in SECTIONS, section
-    kind = kind or (type(default) if default is not None else str)
-    return field(default=MISSING if required else default, metadata={
-        "hashed": hashed, "section": section, "help": help, "kind": kind, "flag": flag,
-        "metavar": metavar, "minimum": minimum, "maximum": maximum, "choices": choices, "check": check})
+    return registry.setting(default, section=section, hashed=hashed, **how)
 
 
 def flag_of(name: str) -> str:
     """The command-line flag of the setting ``name``."""
-    meta = next(f.metadata for f in fields(ExtractConfig) if f.name == name)
-    return meta["flag"] or "--" + name.replace("_", "-")
+    return registry.flag_of(registry.field_of(ExtractConfig, name))
 
 
 def refused(name: str, reason: str, value: Any) -> UserError:
     """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be >= 1, got 0``."""
-    return UserError(f"{name} ({flag_of(name)}) {reason}, got {value!r}")
+    return registry.refused(registry.field_of(ExtractConfig, name), reason, value)
 
 
 def parse_size(size: str | None) -> int | None:
@@ -111,9 +77,15 @@ def _size(value: str) -> str:
 
 
 def _layers(value: str) -> str:
+    """``last``, ``all`` (any case) or comma-separated integers; which indices the model has is asked at
+    resolution, where its depth is known."""
     if not isinstance(value, str) or not value.strip(" ,"):
         raise ValueError("names no layer: pass last, all, or indices like 0,-1")
-    return value
+    spec = value.strip().lower()
+    indices = [x for x in spec.split(",") if x.strip()]
+    if spec not in ("last", "all") and not all(re.fullmatch(r"\s*[-+]?\d+\s*", x) for x in indices):
+        raise ValueError("is not last, all or comma-separated integers like 0,6,12")
+    return spec
 
 
 def _per_pass(value: int | str | None) -> int | str:
@@ -135,7 +107,9 @@ _VAL_HELP = ("Validation data (NC4, val_loss), any form --dataset takes. Default
 @dataclass
 class ExtractConfig:
     """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run; every value is
-    checked when the configuration is made (:meth:`__post_init__`), by the library as by the CLI."""
+    checked as it is set (:meth:`__setattr__`: when the configuration is made, by the library, the training callback
+    and the CLI alike, and when changed later), and the settings that must go together when it is made
+    (:meth:`__post_init__`)."""
     dataset: str = setting(required=True, hashed=True, section="Data", metavar="SPEC", help=(
         "Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token ids in .npy "
         "(1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream)."))
@@ -157,13 +131,14 @@ class ExtractConfig:
     max_val_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
         "Cap on validation tokens read (as --max-train-tokens); 0 skips NC4."))
     # recorded resolved: None without a cap (config_record, cap_mode)
-    cap_mode: str = setting("spread", hashed=True, section="Data", choices=("spread", "prefix"), help=(
+    cap_mode: str = setting("spread", hashed=True, section="Data", choices=CAP_MODES, help=(
         "How a token cap reads a split: 'spread', whole blocks drawn over all of it (one from each of N equal "
         "stretches, N the blocks the cap allows; drawn with --seed, the same for every checkpoint and across a resume; "
         "text is tokenized whole into the token cache first); 'prefix', its first blocks. Recorded where a cap is set "
         "(attribute cap_mode; spread also in the config hash)."))
     batch_size: int = setting(8, hashed=True, section="Statistics", minimum=1, help="Blocks per forward pass.")
-    device: str = setting("auto", hashed=False, section="Model", help=(  # only its type is hashed, as device_type
+    # only its type is hashed, as device_type
+    device: str = registry.shared("device", hashed=False, section="Model", help=(
         "auto (CUDA when present, else CPU), cpu, cuda, cuda:N."))
     dtype: str = setting("float32", hashed=True, section="Model", choices=DTYPES, help=(
         "Model dtype; statistics are always accumulated in float64."))
@@ -171,11 +146,11 @@ class ExtractConfig:
         "Raw features kept per class (uniform reservoir sample)."))
     tokenizer: str | None = setting(hashed=True, section="Data", metavar="PATH_OR_NAME", help=(
         "Tokenizer for text data [default: the checkpoint's, else its run folder's]."))
-    min_count: int = setting(1, hashed=True, section="Statistics", minimum=1, help=(
+    min_count: int = registry.shared("min_count", hashed=True, section="Statistics", help=(
         "Classes with fewer train tokens are left out of NC4's decisions (fixed at extraction: measuring with "
         "another --min-count reports NC4 as nan)."))
-    seed: int = setting(0, hashed=True, section="Statistics", minimum=0, maximum=2**63 - 1,
-                        help="Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread).")
+    seed: int = registry.shared("seed", hashed=True, section="Statistics", help=(
+        "Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread)."))
     allow_pickle: bool = setting(False, hashed=False, section="Model", help=(
         "Load pickle weights (pytorch_model.bin); only for trusted files."))
     trust_remote_code: bool = setting(False, hashed=False, section="Model", help=(
@@ -207,31 +182,14 @@ class ExtractConfig:
         "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "
         "(position, hidden) with label (position)."))
     embeddings_dtype: str = setting("float32", hashed=True, section="Layers",
-                                    choices=("float32", "float16", "float64"), help="dtype of --save-embeddings.")
+                                    choices=STORED_DTYPES, help="dtype of --save-embeddings.")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Each value is checked as it is set: when the configuration is made, and when it is changed later."""
+        f = self.__dataclass_fields__.get(name)
+        super().__setattr__(name, value if f is None else registry.checked(f, value))
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, checked(f.name, f.metadata, f.default, getattr(self, f.name)))
-
-
-def checked(name: str, meta: dict, default: Any, value: Any) -> Any:
-    """A setting's value as checked and converted by its metadata; a bad one is :func:`refused` in one line."""
-    kind, check = meta["kind"], meta["check"]
-    if value is None and default is None:
-        return None
-    if check is not None and kind is str:  # a value of its own syntax (a size, auto|K, layers)
-        try:
-            return check(value)
-        except ValueError as e:
-            raise refused(name, str(e), value) from None
-    ok = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
-    if not isinstance(value, ok) or (kind is not bool and isinstance(value, bool)):
-        raise refused(name, f"must be {'a' if kind is not int else 'an'} {kind.__name__}", value)
-    low, high, choices = meta["minimum"], meta["maximum"], meta["choices"]
-    if low is not None and high is not None and not low <= value <= high:
-        raise refused(name, f"must be between {low} and {high}", value)
-    if low is not None and value < low:
-        raise refused(name, f"must be >= {low}", value)
-    if choices is not None and value not in choices:
-        raise refused(name, f"must be one of {', '.join(choices)}", value)
-    return float(value) if kind is float else value
+        if self.max_train_tokens is not None and self.min_count > self.max_train_tokens:
+            raise UserError(f"--min-count {self.min_count} is above --max-train-tokens {self.max_train_tokens}, so no "
+                            "class could be kept: lower --min-count")

@@ -168,9 +168,6 @@ def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
     shards
         Shards per checkpoint.
     """
-    if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
-        raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
-                        "could be kept: lower --min-count")
     if shards > 1 and (cfg.layers != "last" or cfg.save_embeddings):
         raise UserError("--shards splits the last layer's statistics only: drop --layers/--save-embeddings, or "
                         "--shards")

@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from ncanalyze.analyzer import settings
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights
 from safetensors import SafetensorError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in settings.DTYPES}  # the one list: ncanalyze.analyzer.settings
 # what loading a broken checkpoint raises: missing or unreadable files (OSError), malformed JSON or an unknown
 # architecture (ValueError, KeyError), a corrupt or truncated safetensors file (SafetensorError), tensors of the
 # wrong shape (RuntimeError from load_state_dict)

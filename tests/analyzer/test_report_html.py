@@ -355,3 +355,18 @@ def test_a_legend_click_shows_one_run_alone(layered, browser):
 def test_report_mds_markdown_becomes_html():
     assert md_inline("a `b<c>` **d** & `` x `y` z ``") == "a <code>b&lt;c&gt;</code> <strong>d</strong> &amp; " \
                                                          "<code>x `y` z</code>"
+
+
+@pytest.mark.slow
+def test_the_page_lists_the_skipped_checkpoints_as_report_md_does(tmp_path):
+    """The checkpoints the store could not measure are named, with why, in report.html as in report.md (the page
+    once read a table attribute nothing set, and listed none)."""
+    skipped = {"run-z/checkpoint-9": "its class_sum has NaN: extract it again", "run-y/checkpoint-3": "no shards"}
+    df = study(n_runs=3, per_run=3, seed=4)
+    files = write_report(df, tmp_path, ReportOptions(metrics=["nc1_cdnv"], n_perm=0), skipped=skipped).files
+    page, md = files["html"].read_text(encoding="utf-8"), files["report"].read_text(encoding="utf-8")
+    for group, why in skipped.items():
+        assert f"`{group}`: {why}" in md
+        assert f"Skipped <code>{group}</code>: {why}" in page
+    assert "Skipped <code>" not in write_report(df, tmp_path / "none", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)
+                                                ).files["html"].read_text(encoding="utf-8")

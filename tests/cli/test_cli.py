@@ -107,22 +107,30 @@ def test_the_check_sees_a_heavy_import():
 
 
 def test_shared_options_are_defined_once_with_each_commands_help():
-    for flag in ("--store", "--scheduler", "--min-count", "--device", "--tile", "--seed"):
+    """--store and --scheduler are the commands' own, in OPTIONS; --min-count, --device, --seed and --tile are
+    settings, generated from a registry whose shared fields say flag, default and rule once (SHARED)."""
+    from ncanalyze.analyzer.settings import SHARED
+
+    for flag in ("--store", "--scheduler", "--min-count", "--device", "--tile", "--seed", "--permutations"):
         where = [f.name for f in (ROOT / "cli").rglob("*.py") if re.search(rf'option\(\s*"{flag}"', f.read_text())]
-        assert not where and f'("{flag}",)' in (ROOT / "cli" / "options.py").read_text(), (flag, where)
+        assert not where, (flag, where)
+    assert all(f'("{flag}",)' in (ROOT / "cli" / "options.py").read_text() for flag in ("--store", "--scheduler"))
     seen = set()
     for name, command in main.commands.items():
         for p in command.params:
-            if p.name in OPTIONS and not (name == "extract" and p.name in SETTINGS):  # extract's: its settings
+            if p.name in OPTIONS:
                 shared = OPTIONS[p.name]
                 assert p.opts == list(shared.decls) and p.help == shared.helps.get(name, shared.help)
                 seen.add((name, p.name))
-    assert {("extract", n) for n in ("store", "scheduler")} <= seen
+            if p.name in SHARED:
+                assert p.opts == ["--" + p.name.replace("_", "-")] and p.default == SHARED[p.name]["default"]
+                seen.add((name, p.name))
+    assert {("extract", n) for n in ("store", "scheduler", "min_count", "device", "seed")} <= seen
+    assert {("measure", n) for n in ("store", "scheduler", "min_count", "device")} <= seen
+    assert {("report", n) for n in ("store", "scheduler", "min_count", "seed")} <= seen
     for n in ("min_count", "device", "seed"):  # extract's are settings, generated from ExtractConfig's fields
         p = next(p for p in main.commands["extract"].params if p.name == n)
-        assert p.opts == list(OPTIONS[n].decls) and p.help == SETTINGS[n].metadata["help"], n
-    assert {("measure", n) for n in ("store", "scheduler", "min_count", "tile")} <= seen
-    assert {("report", n) for n in ("store", "scheduler", "min_count", "seed")} <= seen
+        assert p.help == SETTINGS[n].metadata["help"], n
     helps = {c: p.help for c in main.commands for p in main.commands[c].params if p.name == "min_count"}
     assert set(helps) == {"extract", "measure", "report"}
     assert "NC4" in helps["extract"] and len(set(helps.values())) == 3  # one flag, each command's meaning

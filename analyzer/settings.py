@@ -1,0 +1,230 @@
+"""The settings registry of every command: a setting is a dataclass field that says, once, its default, its
+validation, its flag, its help and its ``--help`` section. The commands generate their click options from the
+fields (ncanalyze.cli.options.setting_option); the library checks every value when the settings are made
+(:func:`check_fields`), so the library, the training callback and the CLI refuse a bad value with the same line:
+``batch_size (--batch-size) must be >= 1, got 0``.
+
+Here too: the settings several commands share (:data:`SHARED`: ``min_count``, ``seed``, ``device``, each default
+written once), :class:`MeasureSettings` (``ncanalyze measure``, and report's measuring), :class:`ReportSettings`
+(``ncanalyze report``; :class:`ncanalyze.analyzer.report.options.ReportOptions` is made of them) and the defaults
+the statistics share (:data:`N_PERM`). Extraction's settings: ncanalyze.store.extraction.settings. Light on purpose
+(the schema's names, no pandas): ``--help`` imports it.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.schema import CONTROLS, SCALARS
+
+N_PERM = 10_000  # permutations per p-value (report --permutations, the statistics' default)
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # model dtypes (extract --dtype)
+STORED_DTYPES = tuple(d for d in DTYPES if d != "bfloat16")  # what numpy and Zarr store (--embeddings-dtype)
+CAP_MODES = ("spread", "prefix")  # how a token cap reads a split (extract --cap-mode)
+DEVICE_RULE = "auto, cpu, cuda or cuda:N"
+MEASURE_SECTIONS = ("Measuring", "Run control")  # ``measure --help``, in order
+REPORT_SECTIONS = ("Selection", "Statistics", "Per-token table", "Output", "Measuring")  # ``report --help``
+PER_RUN = ("all", "last")
+
+
+def setting(default: Any = None, *, required: bool = False, section: str, help: str, kind: type | None = None,
+            flag: str | None = None, metavar: str | None = None, minimum: float | None = None,
+            maximum: float | None = None, choices: Sequence[str] | None = None,
+            check: Callable[[Any], Any] | None = None, multiple: bool = False, shown: str | None = None,
+            helps: dict[str, str] | None = None, **more: Any):
+    """A setting: a dataclass field and everything said about it once.
+
+    Parameters
+    ----------
+    default
+        Its default value.
+    required
+        It has no default.
+    section
+        Its section of the command's ``--help``.
+    help
+        Its help text.
+    kind
+        Its type: ``int``, ``float``, ``str``, ``bool`` or ``tuple`` (strings; comma-separated on the command line)
+        [default: the default's type, else ``str``].
+    flag
+        Its command-line flag [default: ``--`` and the name with dashes].
+    metavar
+        The value's name in ``--help``.
+    minimum, maximum, choices
+        The values it accepts (None: any of its type).
+    check
+        ``check(value) -> value``: converts a value or raises ``ValueError("must be ...")``; for a ``str`` setting
+        it replaces the checks above (a value of its own syntax), else it runs after them.
+    multiple
+        A ``tuple`` setting given by repeating its flag (``--checkpoint A --checkpoint B``), not by commas.
+    shown
+        How ``--help`` says the default, where not the value itself (``all of them``).
+    helps
+        Another command's help text, by command, where the setting means something slightly different there.
+    more
+        More metadata (extraction's ``hashed``).
+
+    Returns
+    -------
+    dataclasses.Field
+        The field, all of the above in its metadata.
+    """
+    kind = kind or (type(default) if default is not None else str)
+    return field(default=MISSING if required else default, metadata={
+        "section": section, "help": help, "kind": kind, "flag": flag, "metavar": metavar, "minimum": minimum,
+        "maximum": maximum, "choices": None if choices is None else tuple(choices), "check": check,
+        "multiple": multiple, "shown": shown, "helps": helps or {}, **more})
+
+
+def _device(value: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (whether it is there is asked where it is used)."""
+    if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value.strip().lower()):
+        raise ValueError(f"must be {DEVICE_RULE}")
+    return value.strip().lower()
+
+
+SHARED: dict[str, dict[str, Any]] = {  # the settings of several commands: flag, default and rule, once
+    "min_count": dict(default=1, minimum=1),
+    "seed": dict(default=0, minimum=0, maximum=2**63 - 1),
+    "device": dict(default="auto", check=_device),
+}
+
+
+def shared(name: str, **how: Any):
+    """The field of the shared setting ``name`` (:data:`SHARED`) in one command's registry: its section and help."""
+    return setting(**SHARED[name], **how)
+
+
+def flag_of(f) -> str:
+    """The command-line flag of the setting ``f`` (a dataclass field)."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def refused(f, reason: str, value: Any) -> UserError:
+    """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be >= 1, got 0``."""
+    return UserError(f"{f.name} ({flag_of(f)}) {reason}, got {value!r}")
+
+
+def field_of(cls: type, name: str):
+    """The field ``name`` of the settings class ``cls``."""
+    return next(f for f in fields(cls) if f.name == name)
+
+
+def check_fields(settings: Any) -> None:
+    """Check and convert every setting of a settings dataclass in place (frozen ones too): the one place a value is
+    refused, in one line, whoever made the settings."""
+    for f in fields(settings):
+        if "section" in f.metadata:
+            object.__setattr__(settings, f.name, checked(f, getattr(settings, f.name)))
+
+
+def _items(f, value: Any) -> tuple[str, ...]:
+    """A ``tuple`` setting's strings: a comma-separated string (empty items dropped) or a sequence of strings."""
+    if isinstance(value, str) and not f.metadata["multiple"]:
+        return tuple(x for x in value.split(",") if x.strip())
+    if isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(x, str) for x in value):
+        return tuple(value)
+    raise refused(f, "must be strings (comma-separated on the command line)", value)
+
+
+def checked(f, value: Any) -> Any:
+    """A setting's value as checked and converted by its field's metadata; a bad one is :func:`refused` in one
+    line."""
+    meta = f.metadata
+    kind, check = meta["kind"], meta["check"]
+    if value is None and f.default is None:
+        return None
+    if kind is tuple:
+        value = _items(f, value)
+    elif check is not None and kind is str:  # a value of its own syntax (a size, auto|K, layers, a device)
+        try:
+            return check(value)
+        except ValueError as e:
+            raise refused(f, str(e), value) from None
+    else:
+        ok = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
+        if not isinstance(value, ok) or (kind is not bool and isinstance(value, bool)):
+            raise refused(f, f"must be {'a' if kind is not int else 'an'} {kind.__name__}", value)
+    low, high, choices = meta["minimum"], meta["maximum"], meta["choices"]
+    if low is not None and high is not None and not low <= value <= high:
+        raise refused(f, f"must be between {low} and {high}", value)
+    if low is not None and value < low:
+        raise refused(f, f"must be >= {low}", value)
+    if choices is not None and value not in choices:
+        raise refused(f, f"must be one of {', '.join(choices)}", value)
+    if check is not None:
+        try:
+            value = check(value)
+        except ValueError as e:
+            raise refused(f, str(e), value) from None
+    return float(value) if kind is float else value
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How ``ncanalyze measure`` (and ``report``, measuring what is new) measures: every value checked when made."""
+
+    min_count: int = shared("min_count", section="Measuring", help=(
+        "Keep only classes with at least this many train tokens."), helps={
+        "report": "Keep only classes with at least this many train tokens (when measuring what is new)."})
+    tile: int | None = setting(section="Measuring", kind=int, minimum=1, help=(
+        "Classes per tile of the pairwise sums [default: from the available memory, at most 2048]."))
+    device: str = shared("device", section="Measuring", help=(
+        "Where the pairwise sums and the d x d work run: auto (torch float64 on CUDA when present, else the numba "
+        "pass on the CPU), cpu, cuda, cuda:N."))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def _per_run(value: str | None) -> str:
+    """``all`` (None too, as the library once said it) or ``last``."""
+    if value is None or value == "all":
+        return "all"
+    if value == "last":
+        return value
+    raise ValueError(f"must be one of {', '.join(PER_RUN)}")
+
+
+_WHERE = ("Condition over the table's columns selecting the checkpoints the report covers, in pandas query syntax, "
+          "e.g. \"n_layers == 4 and hidden_size == 256\" (the seed replicas of one architecture); columns, literals, "
+          "comparisons, and/or/not, in [...], log/log10/log1p/exp/sqrt/abs, .str.contains/startswith/endswith and "
+          ".isna()/.notna() only: never run as code. One tag: \"tag == 'NAME'\"; the untagged checkpoints: "
+          "\"tag.isna()\" or \"tag == ''\".")
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What ``ncanalyze report`` is asked for, each flag once (its fields are
+    :class:`~ncanalyze.analyzer.report.options.ReportOptions`'s, which documents them): every value checked when
+    made."""
+
+    metrics: tuple[str, ...] = setting(SCALARS, kind=tuple, section="Selection", shown="all the table has",
+                                           help="Comma-separated metric columns.")
+    target: str | None = setting(section="Selection", help=(
+        "Column to correlate the metrics with [default: val_loss where every selected checkpoint has it, else "
+        "eval_loss]."))
+    controls: tuple[str, ...] = setting(CONTROLS, kind=tuple, section="Statistics", help=(
+        "Comma-separated expressions over the columns held fixed by the partial correlation (the same allowed syntax "
+        "as --where; \"\" for none)."))
+    where: str | None = setting(section="Selection", help=_WHERE)
+    n_perm: int = setting(N_PERM, section="Statistics", flag="--permutations", minimum=0, help=(
+        "Permutations per p-value (0: none). Runs with several checkpoints are permuted whole; all permutations, and "
+        "an exact p, where there are no more than this."))
+    seed: int = shared("seed", section="Statistics", help="Seed of the permutations.")
+    tokens: tuple[str, ...] = setting((), kind=tuple, section="Per-token table", help=(
+        "Comma-separated tokens (strings as decoded, or ids) for the per-token table."))
+    checkpoints: tuple[str, ...] = setting((), kind=tuple, multiple=True, flag="--checkpoint",
+                                           section="Per-token table", metavar="RUN/CHECKPOINT", help=(
+        "Checkpoint(s) of the per-token table (default: each selected run's latest). Repeatable."))
+    per_run: str = setting("all", section="Selection", check=_per_run, metavar="[all|last]", help=(
+        "'last': each run's latest checkpoint only (one row per run, per tag)."))
+    html: bool = setting(True, section="Output", help=(
+        "Also write report.html, one self-contained interactive page (see above); --no-html: not."))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
