@@ -100,14 +100,13 @@ def apply(base: torch.nn.Module, path: Path, dtype: torch.dtype, allow_pickle: b
         raise CheckpointError(f"{path} has only pickle adapter weights ({ADAPTER_WEIGHTS[1]}), which can run "
                               "arbitrary code when loaded; save the adapter with safetensors or pass --allow-pickle "
                               "if you trust the file")
-    config = peft.PeftConfig.from_pretrained(str(path))
-    if config.is_prompt_learning:
-        raise CheckpointError(f"{path} is a {config.peft_type} adapter (prompt learning), which changes the input "
-                              "rather than the model's layers; extract a LoRA-type adapter, or merge it and save "
-                              "the model")
     try:
+        config = peft.PeftConfig.from_pretrained(str(path))
+        if config.is_prompt_learning:
+            raise CheckpointError(f"{path} is a {config.peft_type} adapter (prompt learning), which changes the input "
+                                  "rather than the model's layers; extract a LoRA-type adapter")
         model = peft.PeftModel.from_pretrained(base, str(path), is_trainable=False)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"cannot apply the adapter in {path} to its base model: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__} "
                               "(is it the base the adapter was trained on?)") from None
@@ -182,7 +181,7 @@ def identity(model: torch.nn.Module, source: str) -> dict:
     if not base:
         return {}
     folder = Path(source)
-    adapter = adapter_fingerprint(folder) if source != "training" and folder.is_dir() else LIVE
+    adapter = LIVE if source == "training" else adapter_fingerprint(folder) if folder.is_dir() else None
     return {**base, "adapter_names": ",".join(unwrap(model).peft_config), "adapter_weights": adapter,
             "n_trainable_params": trainable_params(model)}
 

@@ -81,6 +81,7 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
     if kind == "adapter":
         from ncanalyze.store.sources import adapters
 
+        adapters.require_peft()  # before the base model loads
         base = load_model(adapters.base_checkpoint(ckpt), dtype, device, allow_pickle, trust_remote_code)
         with quiet_loading():
             return adapters.apply(base, ckpt.path, DTYPES[dtype], allow_pickle).to(device)

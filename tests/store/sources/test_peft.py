@@ -224,3 +224,22 @@ def test_a_hub_base_is_read_from_the_local_cache(adapter, base, corpus, tmp_path
         np.testing.assert_array_equal(a[name].values, h[name].values, err_msg=name)
     assert h.attrs["base_model"] == "test-org/base" and h.attrs["base_revision"] == snap.name
     assert h.attrs["base_weights"] == a.attrs["base_weights"]
+
+
+def test_a_prompt_learning_adapter_is_refused_in_one_line(base, corpus, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), config).save_pretrained(str(tmp_path / "pt"))
+    r = run_cli("extract", tmp_path / "pt", "--dataset", corpus["train"], "--store", tmp_path / "s.zarr",
+                "--tokenizer", base, ok=False)
+    assert "prompt learning" in r.output and "PROMPT_TUNING" in r.output, r.output
+    assert not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("config", ["not json", "[]", '{"peft_type": "LORA"}', '{"base_model_name_or_path": 3}'])
+def test_an_adapter_config_without_its_base_is_one_line(adapter, corpus, tmp_path, config):
+    bad = shutil.copytree(adapter, tmp_path / "bad")
+    (bad / "adapter_config.json").write_text(config)
+    r = run_cli("extract", bad, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr", ok=False)
+    assert "base_model_name_or_path" in r.output, r.output
