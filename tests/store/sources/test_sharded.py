@@ -142,3 +142,50 @@ def test_zero_shards_are_one_line_naming_the_command_and_the_flag(trained_run, c
                 *(["--allow-pickle"] if opt_in else []), ok=False)
     assert all(w in r.output for w in words), r.output
     assert "Traceback" not in r.output and not (tmp_path / "s.zarr").exists()
+
+
+# what the Trainer does under DeepSpeed ZeRO-3 without gathering: engine.save_checkpoint(checkpoint folder) beside
+# config.json; here one DeepSpeed step of lr 0 (the weights stay the checkpoint's) on one CPU rank over gloo
+ZERO_WRITER = textwrap.dedent("""
+    import os, sys, torch, deepspeed
+    from transformers import AutoModelForCausalLM
+    src, dest, port = sys.argv[1], sys.argv[2], sys.argv[3]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    ids = torch.arange(8)[None]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(dest)
+""")
+
+
+@pytest.mark.slow
+def test_zero_shards_consolidate_with_deepspeeds_own_function(trained_run, tmp_path):
+    pytest.importorskip("deepspeed")
+    import socket
+
+    from ncanalyze.store.sources.discover import discover, layout
+    from ncanalyze.store.sources.load import load_model
+
+    src, ckpt = trained_run / "checkpoint-60", tmp_path / "run" / "checkpoint-60"
+    ckpt.mkdir(parents=True)
+    for f in SIDE_FILES:
+        shutil.copy(src / f, ckpt / f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", ZERO_WRITER, str(src), str(ckpt), str(port)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert layout(ckpt) == "zero" and (ckpt / "zero_to_fp32.py").is_file()
+    [c] = discover(ckpt)
+    a = load_model(c, "float32", torch.device("cpu"), allow_pickle=True).state_dict()
+    b = load_model(next(x for x in discover(trained_run) if x.name == "checkpoint-60"), "float32",
+                   torch.device("cpu")).state_dict()
+    assert a.keys() == b.keys()
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
