@@ -243,3 +243,33 @@ def test_an_adapter_config_without_its_base_is_one_line(adapter, corpus, tmp_pat
     (bad / "adapter_config.json").write_text(config)
     r = run_cli("extract", bad, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr", ok=False)
     assert "base_model_name_or_path" in r.output, r.output
+
+
+@pytest.mark.parametrize("how", ["lora", "modules_to_save"])
+def test_the_head_is_the_one_the_forward_uses(base, how):
+    """The classifier of an adapted model: applied to the identity, the output layer's own forward gives it back
+    (an adapter on lm_head, or lm_head trained whole as a module to save), and the base model is left unmerged."""
+    from ncanalyze.store.sources.adapters import unwrap
+    from ncanalyze.store.sources.anatomy import head
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64)
+    if how == "lora":
+        config = peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)
+    else:
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(model, config)
+    if how == "modules_to_save":
+        with torch.no_grad():
+            adapted.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
+    inner = unwrap(adapted).eval()
+    before = {k: v.clone() for k, v in inner.state_dict().items()}
+    classifier, bias = head(inner)
+    width = classifier.shape[1]
+    with torch.no_grad():
+        forward = inner.lm_head(torch.eye(width, dtype=torch.float64)).T  # row v: the logit of token v per unit
+    np.testing.assert_allclose(classifier.numpy(), forward.numpy(), rtol=0, atol=1e-12)
+    assert bias is None and not np.allclose(classifier.numpy(), group_head(str(base)), atol=1e-3)
+    after = inner.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing merged into the model itself
