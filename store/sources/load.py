@@ -142,12 +142,17 @@ def _load_whole(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle
 
 
 def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code: bool = False):
-    """(tokenizer, where it came from): ``name`` (--tokenizer), else the checkpoint's, else its run's; (None, None)
-    if there is none."""
+    """(tokenizer, where it came from): ``name`` (--tokenizer), else the checkpoint's, else its run's, else (an
+    adapter's) its base model's; (None, None) if there is none."""
     from transformers import AutoTokenizer
 
     files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    where = name or next((str(p) for p in (ckpt.path, ckpt.run_dir) if any((p / f).is_file() for f in files)), None)
+    places = (ckpt.path, ckpt.run_dir)
+    if name is None and layout(ckpt.path) == "adapter":
+        from ncanalyze.store.sources import adapters
+
+        places += (adapters.base_of(ckpt.path)[0],)
+    where = name or next((str(p) for p in places if any((p / f).is_file() for f in files)), None)
     if where is None:
         return None, None
     try:

@@ -273,3 +273,16 @@ def test_the_head_is_the_one_the_forward_uses(base, how):
     assert bias is None and not np.allclose(classifier.numpy(), group_head(str(base)), atol=1e-3)
     after = inner.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing merged into the model itself
+
+
+def test_an_adapter_without_a_tokenizer_uses_its_bases(adapter, base, tmp_path):
+    from ncanalyze.store.sources.discover import discover
+    from ncanalyze.store.sources.load import find_tokenizer
+
+    bare = shutil.copytree(adapter, tmp_path / "run" / "checkpoint-5",
+                           ignore=shutil.ignore_patterns("tokenizer*"))
+    [ckpt] = discover(bare.parent)
+    tokenizer, where = find_tokenizer(ckpt)
+    assert where == str(base) and len(tokenizer) == len(find_tokenizer(discover(base)[0])[0]) > 0
+    with_own = find_tokenizer(discover(adapter)[0])[1]
+    assert with_own == str(adapter)  # the adapter's own comes first
