@@ -13,7 +13,7 @@ import ncanalyze.store
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_group, run_cli, train_sweep
+from conftest import run_cli, train_sweep
 
 peft = pytest.importorskip("peft")
 

@@ -5,7 +5,6 @@ saved whole; DeepSpeed ZeRO's ``global_stepN/`` shards, laid out as the Trainer 
 naming the command that consolidates them and the flag."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
