@@ -38,6 +38,7 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.runs import training_ddp as ddp
+from ncanalyze.store.sources import adapters
 from ncanalyze.store.sources.anatomy import final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
 from ncanalyze.store.store import Store
@@ -299,7 +300,7 @@ class NeuralCollapseCallback(TrainerCallback):
             on a rank other than the first under DDP.
         """
         setup, scalars, files = self.setup, {}, self.store.group_files(group)
-        cfg = setup.cfg
+        cfg, model = setup.cfg, adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
         rank, world = ddp.rank_world()
         with untouched(model):
             classifier, bias = head(model)
@@ -350,6 +351,7 @@ class NeuralCollapseCallback(TrainerCallback):
         """The configuration for this model (config.resolve with the live model's config, device and weights), its
         record, and the blocks (config.open_inputs); a store holding the run under other settings is refused."""
         cfg = self.cfg  # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
+        model = adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
         if cfg.tokenizer is not None:
             tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
         cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -392,11 +394,12 @@ class NeuralCollapseCallback(TrainerCallback):
 
 def identity(model, output_dir: str | None) -> dict:
     """What tells one trained model from another in the store's attributes: its architecture, parameter count and the
-    training's output folder (resolved)."""
+    training's output folder (resolved); an adapted model's base and adapter type."""
+    model = adapters.unwrap(model)
     config = model.config
     return {"model_type": config.model_type, "n_params": sum(p.numel() for p in model.parameters()),
             "n_layers": n_layers(config), "hidden_size": int(model.get_output_embeddings().weight.shape[1]),
-            "output_dir": output_dir}
+            "output_dir": output_dir, **adapters.base_identity(model)}
 
 
 def describe(model: dict) -> str:

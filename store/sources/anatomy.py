@@ -7,6 +7,7 @@ The transforms after the head: Cohere's ``logit_scale`` (multiply), Granite's an
 """
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +45,15 @@ def default_block_size(config) -> int:
 
 
 def head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The output layer's weight (vocab x hidden) and bias (None where it has none), detached."""
+    """The output layer's weight (vocab x hidden) and bias (None where it has none), detached, as the forward uses
+    them: where a PEFT adapter wraps the output layer (LoRA on ``lm_head``), those of a copy of it with the adapter
+    merged in by peft (``merge()``), the model itself untouched."""
     out = model.get_output_embeddings()
+    if callable(getattr(out, "get_base_layer", None)) and callable(getattr(out, "merge", None)) \
+            and not getattr(out, "merged", True):
+        out = copy.deepcopy(out)
+        out.merge()
+        out = out.get_base_layer()
     bias = getattr(out, "bias", None)
     return out.weight.detach(), None if bias is None else bias.detach()
 

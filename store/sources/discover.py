@@ -17,6 +17,11 @@ _CKPT = re.compile(r"^checkpoint-(\d+)$")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _SAFE_SUFFIXES = (".safetensors", ".safetensors.index.json")
+ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter (LoRA ...): its base model is named there
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+FSDP_PREFIX = "pytorch_model_fsdp_"     # FSDP's sharded state dict (torch.distributed.checkpoint), through accelerate
+_ZERO_STEP = re.compile(r"^global_step\d+$")  # DeepSpeed ZeRO's shards, as the Trainer saves them
+LAYOUTS = ("model", "adapter", "fsdp", "zero")
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ def check_local(named: dict[str, list[str | None]]) -> None:
 
 
 def is_model_dir(p: Path) -> bool:
-    """Whether ``p`` holds a model: a config.json and weights (safetensors or pickle).
+    """Whether ``p`` holds a model in one of the :data:`LAYOUTS` (:func:`layout`).
 
     Parameters
     ----------
@@ -83,7 +88,45 @@ def is_model_dir(p: Path) -> bool:
     bool
         It does.
     """
-    return (p / "config.json").is_file() and any((p / w).is_file() for w in WEIGHTS + PICKLE_WEIGHTS)
+    return layout(p) is not None
+
+
+def layout(p: Path) -> str | None:
+    """How the folder ``p`` holds its model: ``model`` (config.json and whole weights, safetensors or pickle),
+    ``adapter`` (a PEFT adapter: adapter_config.json and adapter_model.*), ``fsdp`` (config.json and FSDP's sharded
+    ``pytorch_model_fsdp_*/``), ``zero`` (config.json and DeepSpeed ZeRO's ``global_step*/`` shards); None: no model.
+
+    Parameters
+    ----------
+    p
+        A folder.
+
+    Returns
+    -------
+    str or None
+        One of :data:`LAYOUTS`, or None.
+    """
+    config = (p / "config.json").is_file()
+    if (p / ADAPTER_CONFIG).is_file() and any((p / w).is_file() for w in ADAPTER_WEIGHTS):
+        return "adapter"
+    if config and any((p / w).is_file() for w in WEIGHTS + PICKLE_WEIGHTS):
+        return "model"
+    if config and fsdp_dirs(p):
+        return "fsdp"
+    if config and zero_dirs(p):
+        return "zero"
+    return None
+
+
+def fsdp_dirs(p: Path) -> list[Path]:
+    """The FSDP sharded state dicts in ``p`` (``pytorch_model_fsdp_<i>/`` holding a ``.metadata``), in order."""
+    return sorted(d for d in p.glob(f"{FSDP_PREFIX}*") if d.is_dir() and not d.is_symlink()
+                  and (d / ".metadata").is_file())
+
+
+def zero_dirs(p: Path) -> list[Path]:
+    """DeepSpeed ZeRO's ``global_step<N>/`` shard folders in ``p``."""
+    return sorted(d for d in p.glob("global_step*") if _ZERO_STEP.match(d.name) and d.is_dir() and not d.is_symlink())
 
 
 def check_safe_weights(path: str | Path, allow_pickle: bool) -> bool:
@@ -174,7 +217,7 @@ def _run_checkpoints(run_dir: Path) -> list[Checkpoint]:
 
 
 def _same_weights(a: Path, b: Path) -> bool:
-    for w in WEIGHTS[:1] + PICKLE_WEIGHTS[:1]:
+    for w in WEIGHTS[:1] + PICKLE_WEIGHTS[:1] + ADAPTER_WEIGHTS:
         if (a / w).is_file() and (b / w).is_file():
             return filecmp.cmp(a / w, b / w, shallow=False)
     return False
@@ -209,7 +252,8 @@ def discover(path: str | Path) -> list[Checkpoint]:
         for sub in sorted(d for d in p.iterdir() if d.is_dir()):
             found += _run_checkpoints(sub)
     if not found:
-        raise UserError(f"no checkpoints found under {p}: expected config.json with model.safetensors, "
+        raise UserError(f"no checkpoints found under {p}: expected config.json with model.safetensors (or "
+                        "pytorch_model_fsdp_0/ or global_stepN/ shards), a PEFT adapter (adapter_config.json), "
                         "checkpoint-N/ subfolders of a Trainer run, or a folder of such runs")
     for c in found:  # each run's folder names its group: one plain name, never a path (before any work)
         check_name(c.run, f"the run folder {shown(c.run_dir)}:", "rename the folder to a plain name")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from ncanalyze.analyzer import settings
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights
+from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights, fsdp_dirs, layout, zero_dirs
 from safetensors import SafetensorError
 
 DTYPES = {name: getattr(torch, name) for name in settings.DTYPES}  # the one list: ncanalyze.analyzer.settings
@@ -58,9 +58,13 @@ def _first_line(e: Exception) -> str:
 
 
 def load_config(ckpt: Checkpoint, trust_remote_code: bool = False):
-    """The checkpoint's model config, read without its weights."""
+    """The checkpoint's model config, read without its weights (an adapter's: its base model's)."""
     from transformers import AutoConfig
 
+    if layout(ckpt.path) == "adapter":
+        from ncanalyze.store.sources import adapters
+
+        return load_config(adapters.base_checkpoint(ckpt), trust_remote_code)
     try:
         with quiet_loading():
             return AutoConfig.from_pretrained(str(ckpt.path), trust_remote_code=trust_remote_code)
@@ -71,7 +75,49 @@ def load_config(ckpt: Checkpoint, trust_remote_code: bool = False):
 
 def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle: bool = False,
                trust_remote_code: bool = False):
-    """The causal LM in eval mode on ``device``: from safetensors only, unless ``allow_pickle``."""
+    """The causal LM in eval mode on ``device``, in any layout :func:`~discover.layout` names: from safetensors only,
+    unless ``allow_pickle``; a PEFT adapter applied to its base model by peft (adapters.py), FSDP's and DeepSpeed's
+    shards read by their own libraries (sharded.py, pickles: only with ``allow_pickle``)."""
+    kind = layout(ckpt.path)
+    if kind == "adapter":
+        from ncanalyze.store.sources import adapters
+
+        adapters.require_peft()  # before the base model loads
+        base = load_model(adapters.base_checkpoint(ckpt), dtype, device, allow_pickle, trust_remote_code)
+        with quiet_loading():
+            return adapters.apply(base, ckpt.path, DTYPES[dtype], allow_pickle).to(device)
+    if kind in ("fsdp", "zero"):
+        from ncanalyze.store.sources import sharded
+
+        read = sharded.fsdp_state_dict if kind == "fsdp" else sharded.zero_state_dict
+        return _from_state_dict(ckpt, read(ckpt.path, allow_pickle), dtype, trust_remote_code).to(device).eval()
+    return _load_whole(ckpt, dtype, device, allow_pickle, trust_remote_code)
+
+
+def _from_state_dict(ckpt: Checkpoint, state: dict[str, torch.Tensor], dtype: str, trust_remote_code: bool):
+    """The model of ``ckpt``'s config.json with the weights of ``state`` (a consolidated sharded checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(ckpt, trust_remote_code)
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"cannot load the model in {ckpt.path}: {_first_line(e)} (a config.json of another "
+                              "model size?)") from None
+    tied = {k for k in missing if "lm_head" in k and model.config.tie_word_embeddings}
+    if set(missing) - tied or unexpected:
+        bad = sorted(set(missing) - tied) or sorted(unexpected)
+        raise CheckpointError(f"{ckpt.path}: the sharded weights do not match config.json ({len(bad)} tensors "
+                              f"{'missing' if set(missing) - tied else 'unexpected'}, e.g. {bad[0]}); they are "
+                              "incomplete or from another architecture")
+    model.tie_weights()
+    return model
+
+
+def _load_whole(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle: bool, trust_remote_code: bool):
+    """A model saved whole (``from_pretrained``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -97,12 +143,17 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
 
 
 def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code: bool = False):
-    """(tokenizer, where it came from): ``name`` (--tokenizer), else the checkpoint's, else its run's; (None, None)
-    if there is none."""
+    """(tokenizer, where it came from): ``name`` (--tokenizer), else the checkpoint's, else its run's, else (an
+    adapter's) its base model's; (None, None) if there is none."""
     from transformers import AutoTokenizer
 
     files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    where = name or next((str(p) for p in (ckpt.path, ckpt.run_dir) if any((p / f).is_file() for f in files)), None)
+    places = (ckpt.path, ckpt.run_dir)
+    if name is None and layout(ckpt.path) == "adapter":
+        from ncanalyze.store.sources import adapters
+
+        places += (adapters.base_of(ckpt.path)[0],)
+    where = name or next((str(p) for p in places if any((p / f).is_file() for f in files)), None)
     if where is None:
         return None, None
     try:
@@ -122,9 +173,23 @@ def decoded_tokens(tokenizer, vocab: int) -> list[str] | None:
 
 
 def weights_fingerprint(path: Path) -> str:
-    """Size plus the first and last MiB of each weight file: cheap, and different for every checkpoint."""
+    """Size plus the first and last MiB of each weight file: cheap, and different for every checkpoint. An adapter's
+    is its own files' with its base model's; sharded checkpoints' are their shards'."""
+    kind = layout(path)
+    if kind == "adapter":
+        from ncanalyze.store.sources import adapters
+
+        return f"{adapters.adapter_fingerprint(path)}+{weights_fingerprint(adapters.base_of(path)[0])}"
+    files = [p for p in path.iterdir() if p.name.endswith((".safetensors", ".bin"))]
+    for shards in fsdp_dirs(path) + zero_dirs(path) if kind in ("fsdp", "zero") else []:
+        files += [p for p in shards.iterdir() if p.is_file() and not p.is_symlink()]
+    return files_fingerprint(files)
+
+
+def files_fingerprint(files: list[Path]) -> str:
+    """:func:`weights_fingerprint` of ``files``."""
     h = hashlib.sha256()
-    for w in sorted(p for p in path.iterdir() if p.name.endswith((".safetensors", ".bin"))):
+    for w in sorted(files):
         size = w.stat().st_size
         h.update(f"{w.name}:{size}".encode())
         with open(w, "rb") as f:

@@ -247,3 +247,76 @@ def test_an_infinite_eval_loss_is_stored_as_none_through_the_cli(trained_run, co
             json.loads((store / tmp_path.name / "checkpoint-60" / f).read_text(),
                        parse_constant=lambda c: pytest.fail(f"{f} holds {c}"))
     np.testing.assert_equal(attrs["train_tokens"], 8 * 31)
+
+
+# ---------------------------------------------------------------- issue 40: every layout a training run saves
+
+from ncanalyze.store.sources.discover import LAYOUTS, layout  # noqa: E402
+
+
+def adapter(d, weights: bytes = b"a", name: str = "adapter_model.safetensors"):
+    """A PEFT adapter as peft saves it (no config.json: its base model is named in adapter_config.json)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/base", "peft_type": "LORA"}))
+    (d / name).write_bytes(weights)
+    return d
+
+
+def fsdp(d):
+    """accelerate's FSDP SHARDED_STATE_DICT: config.json and pytorch_model_fsdp_0/ (torch.distributed.checkpoint)."""
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "pytorch_model_fsdp_0").mkdir()
+    for f in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (d / "pytorch_model_fsdp_0" / f).write_bytes(b"x")
+    return d
+
+
+def zero(d, step: int):
+    """The Trainer under DeepSpeed ZeRO-3 without gathering: config.json, latest, zero_to_fp32.py, global_stepN/."""
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "latest").write_text(f"global_step{step}")
+    (d / "zero_to_fp32.py").write_text("#")
+    (d / f"global_step{step}").mkdir()
+    (d / f"global_step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    return d
+
+
+def test_a_run_mixing_every_layout_is_one_run_in_step_order(tmp_path):
+    run = tmp_path / "mixed"
+    model(run / "checkpoint-10", state=state(5))
+    model(run / "checkpoint-20", weights=b"p").joinpath("model.safetensors").rename(
+        run / "checkpoint-20" / "pytorch_model.bin")
+    adapter(run / "checkpoint-30")
+    adapter(run / "checkpoint-40", name="adapter_model.bin")
+    fsdp(run / "checkpoint-50")
+    zero(run / "checkpoint-60", 60)
+    (run / "checkpoint-70").mkdir()  # nothing in it: not a checkpoint
+    fsdp(run / "checkpoint-80").joinpath("pytorch_model_fsdp_0", ".metadata").unlink()  # no metadata: incomplete
+    (run / "checkpoint-90").mkdir()
+    (run / "checkpoint-90" / "adapter_config.json").write_text("{}")  # an adapter config without its weights
+    adapter(run, weights=b"final")  # the adapter saved at the end, unlike the last checkpoint's
+    found = discover(run)
+    assert [c.name for c in found] == [f"checkpoint-{s}" for s in (10, 20, 30, 40, 50, 60)] + ["final"]
+    assert {c.run for c in found} == {"mixed"}
+    assert [layout(c.path) for c in found] == ["model", "model", "adapter", "adapter", "fsdp", "zero", "adapter"]
+    assert set(LAYOUTS) == {layout(c.path) for c in found}
+
+
+def test_a_final_adapter_equal_to_the_last_checkpoints_is_not_repeated(tmp_path):
+    run = tmp_path / "lora"
+    adapter(run / "checkpoint-10", weights=b"same")
+    adapter(run, weights=b"same")
+    assert [c.name for c in discover(run)] == ["checkpoint-10"]
+
+
+def test_a_folder_of_runs_of_every_layout(tmp_path):
+    adapter(tmp_path / "a-lora" / "checkpoint-5")
+    fsdp(tmp_path / "b-fsdp" / "checkpoint-5")
+    zero(tmp_path / "c-zero" / "checkpoint-5", 5)
+    model(tmp_path / "d-model")
+    adapter(tmp_path / "e-adapter")
+    assert [c.group for c in discover(tmp_path)] == [
+        "a-lora/checkpoint-5", "b-fsdp/checkpoint-5", "c-zero/checkpoint-5", "d-model/final", "e-adapter/final"]
+    assert [(c.run, c.name) for c in discover(tmp_path / "c-zero" / "checkpoint-5")] == [("c-zero", "checkpoint-5")]
