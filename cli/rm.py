@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import click
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.common import open_store
-from ncanalyze.cli.ls import human
 from ncanalyze.cli.options import option
+from ncanalyze.store.sizes import bytes_text
 
 if TYPE_CHECKING:
     from ncanalyze.store.store import Store
@@ -51,7 +51,7 @@ def rm(names, store, tags, yes, dry_run):
         raise click.UsageError("name what to remove: RUN/CHECKPOINT, RUN or --tag NAME (`ncanalyze ls` lists them)")
     plan = plan_removal(store, groups, tags)
     what = (f"{len(plan.groups)} checkpoint group(s)" + (f" and run(s) {', '.join(plan.runs)}" if plan.runs else "")
-            + f", {human(plan.bytes)}, from {store}")
+            + f", {bytes_text(plan.bytes)}, from {store}")
     if not (yes or dry_run or sys.stdin.isatty()):
         raise UserError(f"not removing {what} without confirmation: pass --yes (stdin is not a terminal), or "
                         "--dry-run to list it")

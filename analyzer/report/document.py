@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ncanalyze.analyzer.depth import TITLE as DEPTH_TITLE
+from ncanalyze.analyzer.report.depth import TITLE as DEPTH_TITLE
 from ncanalyze.analyzer.report.figures import TITLES, tag_suffix, title_target
 from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.options import ReportOptions, ReportResult

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ncanalyze.analyzer.depth import depth_table, has_depth, last_layer, undefined
+from ncanalyze.analyzer.report.depth import depth_table, has_depth, last_layer, undefined
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.figures import depth_files, draw_figures, tag_suffix

@@ -34,6 +34,7 @@ from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.memory import group_bytes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, save_state
+from ncanalyze.store.sizes import bytes_text
 from ncanalyze.store.sources.discover import Checkpoint
 
 # planted: forward 1 s, a layer's statistics 2 s, a layer's decisions 3 s, the loss 5 s, load 7 s, 1 byte/s
@@ -184,7 +185,7 @@ def test_each_architecture_timed_once_and_one_total_of_planted_costs(tmp_path):
                            "tokens; ~4.8 min in all. Per checkpoint, timed on the first of each architecture: ")
     assert "V50 h4 float32 block 16 (3): load 7.0 s, train pass 30.0 s, validation 36.0 s, write 4.0 s; " in line
     assert "ff16 float32 block 16 (3): load 1.0 s, train pass 15.0 s, validation 14.0 s, write 2.0 s; " in line
-    assert f"~{3 * (group_bytes(50, 8, 2) + group_bytes(60, 4, 2)) / 1e6:,.0f} MB (before compression)" in line
+    assert f"~{bytes_text(3 * (group_bytes(50, 8, 2) + group_bytes(60, 4, 2)))} (before compression)" in line
 
 
 def test_a_step_is_timed_on_a_slice_and_scaled():
