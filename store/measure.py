@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.schema import HEAD, METRICS_VERSION
 from ncanalyze.analyzer.table import metrics_table, same_model_and_step
