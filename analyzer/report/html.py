@@ -18,7 +18,7 @@ from matplotlib.colors import LogNorm, Normalize, to_hex
 from ncanalyze.analyzer.report.depth import has_depth, last_layer
 from ncanalyze.analyzer.report.document import header, tag_stats
 from ncanalyze.analyzer.report.figures import FIGURES, RUN_COLOURS, label
-from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
+from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
 from ncanalyze.analyzer.report.tables import fmt, fmt_p, notes, survivors
 from ncanalyze.analyzer.report.ticks import count_text

@@ -118,7 +118,7 @@ def progress(state: Path) -> tuple[int, Phase, int]:
         return START
 
 
-def kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
+def count_kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
     """How many classes the train pass will keep for NC4 (``count >= min_count``), counted from the labels."""
     counts = np.zeros(vocab, dtype=np.int64)
     for batch in train.batches(4096):
@@ -202,7 +202,7 @@ def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch
     batch = next(train.batches(batch_size), None)
     if batch is None:
         return None
-    n_kept = kept_classes(train, weight.shape[0], min_count)
+    n_kept = count_kept_classes(train, weight.shape[0], min_count)
     check_ids(batch, weight.shape[0], train.spec)
     ids = torch.from_numpy(batch).to(weight.device)
     timed = batch_seconds(model, ids, samples_per_class, n_kept, seed, validation=val is not None)

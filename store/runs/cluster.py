@@ -131,7 +131,7 @@ class _Tasks:
 
         for ckpt in ckpts:
             if shards > 1:
-                self.submit("plan", ckpt, self.sh.plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
+                self.submit("plan", ckpt, self.sh.shard_plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
             else:
                 self.whole(ckpt)
         done = as_completed(list(self.what))

@@ -78,7 +78,7 @@ def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
     return run.device, open_inputs(None, cfg, run, tokenizer, validation=False)[0]  # train only, uncached
 
 
-def plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
+def shard_plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
          restart: bool = False) -> ShardPlan:
     """SKIP (already in the store under this configuration), WHOLE (run it as one task: a saved resume state to
     continue, or a group under another configuration for extract_checkpoint to refuse), else SHARDS with the shards'
@@ -201,7 +201,7 @@ def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict
     -------
     Status
         FRESH: saved; SKIP: another writer finished it meanwhile; RESUME: a state is there already, this task's own,
-        saved in the validation pass by a run whose worker died (plan() left no other), to be resumed rather than
+        saved in the validation pass by a run whose worker died (shard_plan() left no other), to be resumed rather than
         started again; REFUSE: nothing saved (extract_checkpoint refuses it).
     """
     run = resolve(ckpt, cfg)

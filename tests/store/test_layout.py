@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, ROOT, run_cli
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.cli.common import default_store
 from ncanalyze.store.extraction.config import (
     checkpoint_status,
     config_hash,
     refusal,
 )
-from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout
+from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout, default_store
 from ncanalyze.store.store import Status
 from ncanalyze.store.resume import Phase, save_state
 from ncanalyze.store.extraction.checkpoint import Outcome

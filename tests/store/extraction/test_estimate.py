@@ -24,9 +24,9 @@ from ncanalyze.store.extraction.estimate import (
     Arch,
     Costs,
     batch_seconds,
+    count_kept_classes,
     depths,
     estimate,
-    kept_classes,
     per_architecture,
     progress,
 )
@@ -106,7 +106,7 @@ def test_kept_classes_against_counting_by_hand(tmp_path, min_count):
     for b in range(4000 // 32):
         labels.update(tokens[b * 32 + 1:(b + 1) * 32].tolist())  # every position of a block but the first
     want = sum(c >= min_count for c in labels.values())
-    assert kept_classes(blocks, 200, min_count) == want > 0
+    assert count_kept_classes(blocks, 200, min_count) == want > 0
 
 
 def test_disk_size_is_a_real_groups_size(extracted_store):
