@@ -5,8 +5,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import io
+import subprocess
 import sys
 import tokenize
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -362,3 +364,20 @@ def test_the_concern_rule_can_fail(tmp_path):
     (tmp_path / "store" / "bare.py").write_text("x = 1\n")
     assert concern_breaches(tmp_path) == ["store/bare.py: no first docstring line naming its concern",
                                           f"store/long.py:4 g: {MAX_FUNCTION_LINES + 1} lines of code"]
+
+
+def test_a_clone_named_ncanalyze_does_not_shadow_the_package(tmp_path):
+    """From the folder above a clone named ``ncanalyze`` (the obvious name), Python finds the clone as a namespace
+    package ``ncanalyze`` that would half-work (no accessor, no version): importing any of its subpackages (the
+    Quickstart's ``import ncanalyze.store, ncanalyze.analyzer``, the CLI) is one line saying where to run from. From
+    the clone itself the package is found."""
+    (tmp_path / "ncanalyze").symlink_to(ROOT, target_is_directory=True)
+    for code in ("import ncanalyze.store, ncanalyze.analyzer", "from ncanalyze.cli.main import main"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+            f"ImportError: 'import ncanalyze' found the source folder {tmp_path / 'ncanalyze'} (a clone named "
+            "ncanalyze), not the package, because Python runs from the folder above it: run Python from another "
+            "folder (the clone itself, or anywhere else)"), r.stderr
+    ok = subprocess.run([sys.executable, "-c", "import ncanalyze.analyzer, ncanalyze; print(ncanalyze.__version__)"],
+                        capture_output=True, text=True, cwd=tmp_path / "ncanalyze")
+    assert ok.returncode == 0 and ok.stdout.strip() == version("ncanalyze"), ok.stderr

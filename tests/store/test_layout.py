@@ -99,7 +99,7 @@ def test_the_cycle_check_sees_a_cycle(tmp_path):
     assert "ncanalyze.store.io" in graph["ncanalyze.store.store"]       # from ncanalyze.store import io
 
 
-def test_importing_the_package_is_light():
+def test_importing_the_package_is_light(tmp_path):
     """``import ncanalyze.store`` (and the CLI's default store) load no zarr, xarray, torch or transformers;
     ``ncanalyze.store.open`` is resolved on first use."""
     code = ("import sys, ncanalyze.store, ncanalyze.store.layout\n"
@@ -107,7 +107,7 @@ def test_importing_the_package_is_light():
             "assert not heavy, heavy\n"
             "ncanalyze.store.open\n"
             "assert 'xarray' in sys.modules\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
 
 
