@@ -1,7 +1,8 @@
-"""The host engine (numpy and numba) of the pairwise sums: one Gram block per tile pair (one BLAS call), then one
-fused numba pass over it (a log, a reciprocal and a few multiply-adds per pair), so the whole costs about one tiled
-Gram; the tiles are the tasks of one dask graph (:func:`pair_sums`). The sums are pairs.py's; the d x d spectra on
-the host are numpy.linalg's (moments.py, ``la=numpy.linalg``). engines.py chooses this engine or engine_torch.py.
+"""The host engine (numpy and numba) of the pairwise and spectral sums: the kept rows, the d x d moments and
+numpy.linalg's spectra (moments.py, ``la=numpy.linalg``) and the pairwise sums in one dask compute. The pairwise sums
+go one Gram block per tile pair (one BLAS call), then one fused numba pass over it (a log, a reciprocal and a few
+multiply-adds per pair), so the whole costs about one tiled Gram; the tiles are the tasks of one dask graph
+(:func:`pair_sums`), the sums pairs.py's. engines.py chooses this engine or engine_torch.py.
 
 The tests hold :func:`tile_sums` to pairs.reference_tile_sums tile by tile, and the metrics of this engine to the
 torch engine's to 1e-12 (tests/analyzer/test_engine_numba.py, test_engine_torch.py).
