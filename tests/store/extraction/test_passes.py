@@ -136,10 +136,10 @@ def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_r
     with torch.no_grad():
         want = model(ids, output_hidden_states=True).hidden_states
     blocks, other = ran(model)
-    logger = logging.getLogger("ncanalyze.store.extraction.passes")  # the CLI's logging setup may stop propagation to root
+    logger = logging.getLogger("ncanalyze.store.sources.anatomy")  # the CLI's logging setup may stop propagation to root
     logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level("INFO", logger="ncanalyze.store.extraction.passes"):
+        with caplog.at_level("INFO", logger="ncanalyze.store.sources.anatomy"):
             h = hidden_forward(model, (1,), 2)(ids)
     finally:
         logger.removeHandler(caplog.handler)
