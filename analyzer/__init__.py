@@ -5,7 +5,9 @@ Exports load on first use, so that importing the package (the CLI, dask workers)
 """
 from importlib import import_module
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.errors import UserError, refuse_a_shadowing_clone
+
+refuse_a_shadowing_clone()
 
 _LAZY = {
     "ClassStats": "accumulate",

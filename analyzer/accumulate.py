@@ -295,7 +295,7 @@ class DecisionCounts(Sums):
         self.counts["val_correct"] += torch.bincount(y[linear == y], minlength=vocab)
         self.counts["val_ncc_agree"] += torch.bincount(y[linear == ncc], minlength=vocab)
 
-    def decide(self, logits: torch.Tensor) -> torch.Tensor:
+    def linear_decisions(self, logits: torch.Tensor) -> torch.Tensor:
         """The linear decisions from a chunk's head logits over the whole vocabulary (n x vocab): the kept class of
         each row's largest logit among the kept (ties: the first kept)."""
         return self.kept[logits[:, self.kept].argmax(1)]

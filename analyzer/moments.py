@@ -1,6 +1,7 @@
-"""The d x d end of the geometry, shared by the host path (geometry.py) and the device path (device.py): the
-eigen-decomposition of M^T M and the spectra of the representation geometry (numpy.linalg, or torch.linalg on a
-device through :class:`TorchLinalg`), and the checks and sums both paths make of the centred means."""
+"""The d x d end of the geometry, shared by both engines (engine_numba.py, engine_torch.py): the eigen-decomposition
+of M^T M and the spectra of the representation geometry, written once over the engine's linear algebra ``la``
+(numpy.linalg, or engine_torch.TorchLinalg on a device), and the checks and sums both engines make of the centred
+means."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,9 +75,9 @@ def check_centred(r: np.ndarray, var: np.ndarray, K: np.ndarray, scale: float) -
 
 
 def finish_moments(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta: np.ndarray, mu: np.ndarray,
-                   n: int, device: str | None = None) -> dict[str, np.ndarray]:
-    """The moments with the eigen-decomposition of M^T M (``lam``, ``V``) and the ``spectra``: numpy.linalg, or
-    torch.linalg on ``device`` (:class:`TorchLinalg`).
+                   n: int, la=np.linalg) -> dict[str, np.ndarray]:
+    """The moments with the eigen-decomposition of M^T M (``lam``, ``V``) and the ``spectra``, by the engine's
+    linear algebra ``la`` (numpy.linalg on the host; engine_torch.TorchLinalg, torch.linalg on a device).
 
     Parameters
     ----------
@@ -85,24 +86,21 @@ def finish_moments(out: dict[str, np.ndarray], sigma_w: np.ndarray | None, delta
     sigma_w
         The within-class covariance, or None.
     delta, mu, n
-        sum_c f_c a_c (see geometry._moments), the token-weighted mean of all train features mu = mu_G + delta,
+        sum_c f_c a_c (see engine_numba._moments), the token-weighted mean of all train features mu = mu_G + delta,
         and the number of kept classes.
-    device
-        A torch device, or None for numpy.
+    la
+        numpy.linalg's eigh, eigvalsh and cholesky (numpy.linalg itself, or an engine's object with them, and with
+        ``quad`` and ``solve_lower`` where it has its own).
 
     Returns
     -------
     dict
         ``out`` with ``lam``, ``V``, ``vsv`` (with sigma_w) and ``spectra``.
     """
-    if device:
-
-        la = TorchLinalg(device)
-    else:
-        la = np.linalg
     out["lam"], out["V"] = la.eigh(out["MtM"])
     if sigma_w is not None:                                       # v_i^T Sigma_W v_i (nc1_trace): O(d^3) too
-        out["vsv"] = la.quad(sigma_w, out["V"]) if device else np.sum(out["V"] * (sigma_w @ out["V"]), 0)
+        quad = getattr(la, "quad", None) or (lambda S, V: np.sum(V * (S @ V), 0))
+        out["vsv"] = quad(sigma_w, out["V"])
     out["spectra"] = _spectra(out, sigma_w, delta, mu, n, la)
     return out
 
@@ -129,7 +127,7 @@ def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray, la=np.linalg, eps: 
     """The eigenvalues of (Sigma_W + eps I)^(-1/2) Sigma_B (Sigma_W + eps I)^(-1/2), eps = 1e-4 tr(Sigma_W) / d
     (or the given ``eps``: the published code's absolute 1e-4 or 1e-6, for comparison), as those of the similar
     matrix L^-1 Sigma_B L^-T (L L^T = Sigma_W + eps I, Cholesky): one factorisation, two triangular solves and one
-    eigvalsh (``la``: numpy's and scipy's, or device.TorchLinalg). nan where Sigma_W is zero (no within-class noise)
+    eigvalsh (``la``: numpy's and scipy's, or engine_torch.TorchLinalg). nan where Sigma_W is zero (no within-class noise)
     or not positive semi-definite (corrupt statistics)."""
     eps = 1e-4 * np.trace(sigma_w) / len(sigma_w) if eps is None else eps
     try:
@@ -141,37 +139,3 @@ def lidar_spectrum(sigma_w: np.ndarray, sigma_b: np.ndarray, la=np.linalg, eps: 
     solve = getattr(la, "solve_lower", None) or (lambda L, B: solve_triangular(L, B, lower=True))
     X = solve(L, sigma_b)                                         # L^-1 Sigma_B
     return la.eigvalsh(solve(L, X.T))
-
-
-class TorchLinalg:
-    """numpy.linalg's eigh, eigvalsh and cholesky (and a lower-triangular solve) in torch float64 on a device:
-    numpy in, numpy out."""
-
-    def __init__(self, device: str):
-        import torch
-
-        self.torch, self.device = torch, torch.device(device)
-
-    def _on(self, a: np.ndarray) :
-        return self.torch.as_tensor(np.asarray(a, dtype=np.float64), device=self.device)
-
-    def eigh(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lam, V = self.torch.linalg.eigh(self._on(a))
-        return lam.cpu().numpy(), V.cpu().numpy()
-
-    def eigvalsh(self, a: np.ndarray) -> np.ndarray:
-        return self.torch.linalg.eigvalsh(self._on(a)).cpu().numpy()
-
-    def cholesky(self, a: np.ndarray) -> np.ndarray:
-        L, info = self.torch.linalg.cholesky_ex(self._on(a))
-        if int(info):
-            raise np.linalg.LinAlgError("not positive definite")
-        return L.cpu().numpy()
-
-    def quad(self, S: np.ndarray, V: np.ndarray) -> np.ndarray:
-        """v_i^T S v_i for the columns v_i of V."""
-        V = self._on(V)
-        return (V * (self._on(S) @ V)).sum(0).cpu().numpy()
-
-    def solve_lower(self, L: np.ndarray, B: np.ndarray) -> np.ndarray:
-        return self.torch.linalg.solve_triangular(self._on(L), self._on(B), upper=False).cpu().numpy()

@@ -6,7 +6,7 @@ fields (ncanalyze.cli.options.setting_option); the library checks every value wh
 
 Here too: the settings several commands share (:data:`SHARED`: ``min_count``, ``seed``, ``device``, each default
 written once), :class:`MeasureSettings` (``ncanalyze measure``, and report's measuring), :class:`ReportSettings`
-(``ncanalyze report``; :class:`ncanalyze.analyzer.report.options.ReportOptions` is made of them) and the defaults
+(``ncanalyze report``; :class:`ncanalyze.analyzer.report.report_options.ReportOptions` is made of them) and the defaults
 the statistics share (:data:`N_PERM`). Extraction's settings: ncanalyze.store.extraction.settings. Light on purpose
 (the schema's names, no pandas): ``--help`` imports it.
 """
@@ -200,7 +200,7 @@ _WHERE = ("Condition over the table's columns selecting the checkpoints the repo
 @dataclass(frozen=True)
 class ReportSettings:
     """What ``ncanalyze report`` is asked for, each flag once (its fields are
-    :class:`~ncanalyze.analyzer.report.options.ReportOptions`'s, which documents them): every value checked when
+    :class:`~ncanalyze.analyzer.report.report_options.ReportOptions`'s, which documents them): every value checked when
     made."""
 
     metrics: tuple[str, ...] = setting(SCALARS, kind=tuple, section="Selection", shown="all the table has",

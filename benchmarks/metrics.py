@@ -18,7 +18,7 @@ part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (
 buffers are not seen) and set against |K|^2 x 8 bytes.
 
 With ``--cuda`` (or ``--engine torch``: the same code on the CPU) `measure` runs in torch float64 on the device
-(``device="cuda"``, analyzer/device.py) and is set against one float64 Gram M M^T of the centred means on that device
+(``device="cuda"``, analyzer/engine_torch.py) and is set against one float64 Gram M M^T of the centred means on that device
 (all K^2 cells, in row panels into one buffer: 2 K^2 d flops, then a synchronise), with the peak device memory. The
 metrics' time is `measure`'s from the host dataset to the host floats (which waits for the device): moving the means
 and the classifier to the device, the 14 NC metrics of the target and the 10 geometry metrics beside them (their four
@@ -38,10 +38,10 @@ import numpy as np
 import psutil
 import threadpoolctl
 import xarray as xr
-from ncanalyze.analyzer.geometry import auto_tile
+from ncanalyze.analyzer.engine_numba import auto_tile
 from ncanalyze.analyzer.metrics import measure
 from ncanalyze.analyzer.moments import lidar_spectrum
-from ncanalyze.analyzer.pairs import torch_pair_sums
+from ncanalyze.analyzer.engine_torch import torch_pair_sums
 from ncanalyze.analyzer.schema import NC_METRICS, SCALARS
 
 

@@ -7,15 +7,7 @@ import click
 from ncanalyze.analyzer.names import shown
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import store_argument
-
-
-def human(n: float) -> str:
-    """Bytes as '312 B', '92.8 kB', '1.2 GB'."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 999.5:
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:,.0f} TB"
+from ncanalyze.store.sizes import bytes_text
 
 
 def _layers(layers: list[int]) -> str:
@@ -48,15 +40,15 @@ def table(inv: dict) -> str:
                      **({"tag": shown(r["tag"] or "-")} if tagged else {}), "layers": _layers(r["layers"]) or "-",
                      "dataset": _short(r["dataset"]),
                      **{k: _short(v, 24) for k, v in r["settings"].items() if k != "layers"},  # shown as stored
-                     "measured": r["measured"] if r["status"] == "ok" else "-", "size": human(r["bytes"]),
+                     "measured": r["measured"] if r["status"] == "ok" else "-", "size": bytes_text(r["bytes"]),
                      "status": shown(r["status"])})
         last_run = r["run"]
     n = len(inv["entries"])
     ok = sum(e.status == "ok" for e in inv["entries"])
     summary = (f"{len(inv['runs'])} run(s), {n} checkpoint(s) ({n - ok} not ok), "
-               f"tags: {shown(', '.join(inv['tags'])) or 'none'}; {human(inv['bytes'])} on disk in "
+               f"tags: {shown(', '.join(inv['tags'])) or 'none'}; {bytes_text(inv['bytes'])} on disk in "
                f"{shown(inv['store'])} "
-               f"(with its resume folder and {human(inv['token_cache_bytes'])} of token cache)")
+               f"(with its resume folder and {bytes_text(inv['token_cache_bytes'])} of token cache)")
     if inv["settings"]:
         summary += f"; settings that differ: {', '.join(inv['settings'])}"
     return (tabulate(rows, headers="keys", disable_numparse=True) + "\n" if rows else "") + summary

@@ -9,8 +9,8 @@ import click
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.names import shown
 from ncanalyze.cli.common import open_store
-from ncanalyze.cli.ls import human
 from ncanalyze.cli.options import option
+from ncanalyze.store.sizes import bytes_text
 
 if TYPE_CHECKING:
     from ncanalyze.store.store import Store
@@ -54,7 +54,7 @@ def rm(names, store, tags, yes, dry_run):
     what = (f"{len(plan.groups)} checkpoint group(s)" + (f" and run(s) {', '.join(map(shown, plan.runs))}"
                                                           if plan.runs else "")
             + (f" and link(s) {', '.join(map(shown, plan.links))} (the links only)" if plan.links else "")
-            + f", {human(plan.bytes)}, from {shown(store)}")
+            + f", {bytes_text(plan.bytes)}, from {shown(store)}")
     if not (yes or dry_run or sys.stdin.isatty()):
         raise UserError(f"not removing {what} without confirmation: pass --yes (stdin is not a terminal), or "
                         "--dry-run to list it")

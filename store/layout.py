@@ -7,7 +7,7 @@ A store ``<store>`` (a Zarr v3 group, read and written by io.py) has two folders
   ``<checkpoint>.zarr`` renamed into place when whole and the old group ``<checkpoint>.zarr.old`` moved aside meanwhile
   (io.write_checkpoint), and ``<checkpoint>.layers/``, the finished layers and staged embeddings of a ``--layers``
   extraction (layers.py). Scratch folders of the estimate's write timing live at its top.
-- ``<store>.tokens/``: text tokenized once, ``<key>.npy`` per source (tokens.py).
+- ``<store>.tokens/``: text tokenized once, ``<key>.npy`` per source (token_cache.py).
 
 A group moves into and out of the store by renames, which work within one file system only: where the store folder
 is its own mount point (on another file system than the folder it sits in), the staged, old and removed groups live

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.schema import HEAD, LAYER, METRICS_VERSION

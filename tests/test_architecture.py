@@ -5,8 +5,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import io
+import subprocess
 import sys
 import tokenize
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -210,6 +212,96 @@ def test_slow_is_marked_on_the_tests_themselves():
     assert any(line.startswith("slow:") for line in cfg["tool:pytest"]["markers"].strip().splitlines())
 
 
+def house_modules(root: Path) -> list[Path]:
+    """Every module of the three layers (analyzer/, store/, cli/), their subpackages too, but not the __init__ files."""
+    return sorted(f for pkg in LAYERS for f in (root / pkg).rglob("*.py") if f.name != "__init__.py")
+
+
+def is_command(f: Path, name: str) -> bool:
+    """``name`` (a module's stem or a function's name) is a click command in its own module, named as the command
+    (``cli/ls.py``'s ``ls``): the commands' convention, the one place a module or function may share its name with
+    one in store/ or analyzer/."""
+    return (f.parent.name == "cli" and name == f.stem
+            and any(d.name == f.stem and any("command" in ast.unparse(x) for x in d.decorator_list)
+                    for d in ast.parse(f.read_text()).body if isinstance(d, ast.FunctionDef)))
+
+
+def name_collisions(root: Path) -> list[str]:
+    """Modules that share a basename, and public top-level functions or classes that share a name, across the
+    house (a click command in cli/<command>.py excepted): two ``tokens.py``, two ``Plan``, two ``decide``."""
+    modules, names = {}, {}
+    for f in house_modules(root):
+        if not is_command(f, f.stem):
+            modules.setdefault(f.name, []).append(f.relative_to(root).as_posix())
+        for n in ast.parse(f.read_text()).body:
+            if (isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")
+                    and not is_command(f, n.name)):
+                names.setdefault(n.name, []).append(f.relative_to(root).as_posix())
+    return ([f"modules {' and '.join(v)} share a name" for v in modules.values() if len(v) > 1]
+            + [f"{k} is defined in {' and '.join(v)}" for k, v in names.items() if len(v) > 1])
+
+
+def test_names_do_not_collide():
+    """One name, one thing: no two modules of the house share a basename, no two public functions or classes share
+    a name (the byte formatter is store/sizes.bytes_text, the only one)."""
+    assert not name_collisions(ROOT), name_collisions(ROOT)
+
+
+ENGINES = {"numba": "analyzer/engine_numba.py", "torch": "analyzer/engine_torch.py"}
+CHOOSER = "analyzer/engines.py"
+TORCH_OUTSIDE_THE_SUMS = {"analyzer/accumulate.py", "analyzer/arrays.py", CHOOSER}  # extraction, tensor input, devices
+
+
+def engine_breaches(root: Path) -> list[str]:
+    """The engines' rooms, broken: an engine module imported by any module but the chooser (engines.py), or, in
+    analyzer/, numba imported outside its engine, or torch outside its engine and the modules that are not the sums
+    (the extraction's accumulators, tensor input, the chooser's look at the devices)."""
+    found = []
+    for f in house_modules(root) + sorted((root / "ncanalyze").rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                top, module = name.split(".")[0], name.removeprefix("ncanalyze.analyzer.").split(".")[0]
+                if name.startswith("ncanalyze.analyzer.engine_") and rel != CHOOSER:
+                    found.append(f"{rel} imports {name}: engines are reached through {CHOOSER}")
+                elif rel.startswith("analyzer/") and top in ENGINES and rel != ENGINES[top] and not (
+                        top == "torch" and rel in TORCH_OUTSIDE_THE_SUMS):
+                    found.append(f"{rel} imports {top}: only {ENGINES[top]} does")
+    return sorted(set(found))
+
+
+def test_engines_live_in_their_rooms():
+    """One module per engine of the pairwise and spectral sums (engine_numba.py, engine_torch.py) and one chooser
+    (engines.py), as flox has: nothing else imports an engine or its library."""
+    assert (ROOT / CHOOSER).exists() and all((ROOT / e).exists() for e in ENGINES.values())
+    assert not engine_breaches(ROOT), engine_breaches(ROOT)
+
+
+def test_the_room_rules_fail_on_the_old_layout(tmp_path):
+    """The old layout, planted: two tokens.py, two Plan classes, numba beside the definitions (pairs.py), torch
+    in the d x d end (moments.py), the device path imported by geometry.py. The commands' modules named as their
+    command (cli/measure.py beside store/measure.py) are not collisions."""
+    files = {"analyzer/report/tokens.py": "", "store/data/tokens.py": "",
+             "store/extraction/layers.py": "class Plan:\n    pass\n", "store/runs/shards.py": "class Plan:\n    pass\n",
+             "analyzer/pairs.py": "import numba\n", "analyzer/moments.py": "def f():\n    import torch\n",
+             "analyzer/geometry.py": "from ncanalyze.analyzer.engine_torch import device_parts\n",
+             "analyzer/engines.py": "from ncanalyze.analyzer.engine_numba import host_parts\n",
+             "analyzer/accumulate.py": "import torch\n", "store/measure.py": "def measure_store():\n    pass\n",
+             "cli/measure.py": "import click\n\n\n@click.command()\ndef measure():\n    pass\n",
+             "analyzer/metrics.py": "def measure():\n    pass\n", "ncanalyze/__init__.py": ""}
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    assert name_collisions(tmp_path) == ["modules analyzer/report/tokens.py and store/data/tokens.py share a name",
+                                         "Plan is defined in store/extraction/layers.py and store/runs/shards.py"]
+    assert engine_breaches(tmp_path) == [
+        "analyzer/geometry.py imports ncanalyze.analyzer.engine_torch: engines are reached through analyzer/engines.py",
+        "analyzer/moments.py imports torch: only analyzer/engine_torch.py does",
+        "analyzer/pairs.py imports numba: only analyzer/engine_numba.py does"]
+
+
 MAX_FUNCTION_LINES = 80  # lines of code: docstrings, comments and blank lines are prose, not counted
 
 
@@ -272,3 +364,20 @@ def test_the_concern_rule_can_fail(tmp_path):
     (tmp_path / "store" / "bare.py").write_text("x = 1\n")
     assert concern_breaches(tmp_path) == ["store/bare.py: no first docstring line naming its concern",
                                           f"store/long.py:4 g: {MAX_FUNCTION_LINES + 1} lines of code"]
+
+
+def test_a_clone_named_ncanalyze_does_not_shadow_the_package(tmp_path):
+    """From the folder above a clone named ``ncanalyze`` (the obvious name), Python finds the clone as a namespace
+    package ``ncanalyze`` that would half-work (no accessor, no version): importing any of its subpackages (the
+    Quickstart's ``import ncanalyze.store, ncanalyze.analyzer``, the CLI) is one line saying where to run from. From
+    the clone itself the package is found."""
+    (tmp_path / "ncanalyze").symlink_to(ROOT, target_is_directory=True)
+    for code in ("import ncanalyze.store, ncanalyze.analyzer", "from ncanalyze.cli.main import main"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+            f"ImportError: 'import ncanalyze' found the source folder {tmp_path / 'ncanalyze'} (a clone named "
+            "ncanalyze), not the package, because Python runs from the folder above it: run Python from another "
+            "folder (the clone itself, or anywhere else)"), r.stderr
+    ok = subprocess.run([sys.executable, "-c", "import ncanalyze.analyzer, ncanalyze; print(ncanalyze.__version__)"],
+                        capture_output=True, text=True, cwd=tmp_path / "ncanalyze")
+    assert ok.returncode == 0 and ok.stdout.strip() == version("ncanalyze"), ok.stderr

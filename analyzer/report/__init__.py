@@ -1,7 +1,7 @@
 """Tables and figures of a study from its metrics table (one row per checkpoint): CSV, Markdown, LaTeX, and PNG,
 PDF and SVG figures.
 
-- :mod:`.options`: what a report is asked for (``ReportOptions``) and what it gives back (``ReportResult``);
+- :mod:`.report_options`: what a report is asked for (``ReportOptions``) and what it gives back (``ReportResult``);
 - :mod:`.write`: ``write_report``, the whole report;
 - :mod:`.tables`: the selection, the statistics' display and tables.tex; :mod:`.document`: report.md, one
   section per tag;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ncanalyze.analyzer.report.figures import (DYNAMICS, FIGURES, FORMATS, LABELS, dynamics_figure, label,
                                                save_figure, scatter_figure)
-from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
+from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.tables import default_target, select, summary
 from ncanalyze.analyzer.report.tokens import AVERAGE_TOKEN, GroupReader, TokenNote, resolve_token, token_table
 from ncanalyze.analyzer.report.write import ID_COLUMNS, write_report

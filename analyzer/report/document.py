@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ncanalyze.analyzer.depth import TITLE as DEPTH_TITLE
+from ncanalyze.analyzer.report.depth import TITLE as DEPTH_TITLE
 from ncanalyze.analyzer.report.figures import TITLES, tag_suffix, title_target
 from ncanalyze.analyzer.report.mincount import min_count_lines
-from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
+from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
 from ncanalyze.analyzer.report.tables import (code, controls_text, family_name, notes, summary, survivors,
                                                target_note, unreachable_lines)

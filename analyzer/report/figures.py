@@ -20,9 +20,9 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from ncanalyze.analyzer.depth import depth_figure  # noqa: E402
+from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
 from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
-from ncanalyze.analyzer.report.ticks import declutter, human, limits, set_ticks  # noqa: E402
+from ncanalyze.analyzer.report.ticks import count_text, declutter, limits, set_ticks  # noqa: E402
 
 LABELS = {  # panel titles
     "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV, squared distances",
@@ -117,7 +117,7 @@ class _Style:
         sizes = _numeric(df, "n_params")
         sizes = sizes[sizes > 0]
         self.norm = LogNorm(sizes.min(), sizes.max()) if sizes.nunique() > 1 else None
-        self.size_note = f"all {human(sizes.iloc[0])} parameters" if sizes.nunique() == 1 else None
+        self.size_note = f"all {count_text(sizes.iloc[0])} parameters" if sizes.nunique() == 1 else None
         self.marked = len(self.runs) <= MAX_MARKED_RUNS
         self.cmap = plt.get_cmap("viridis")
 
@@ -154,7 +154,7 @@ class _Style:
                                 1 - (margins["bottom"] + margins["top"]) / h))
             cb = fig.colorbar(plt.cm.ScalarMappable(self.norm, self.cmap), cax=cax)
             cb.set_label("parameters (log scale)")
-            set_ticks(cb.ax.yaxis, self.norm.vmin, self.norm.vmax, True, human)
+            set_ticks(cb.ax.yaxis, self.norm.vmin, self.norm.vmax, True, count_text)
             out.append(cb.ax.yaxis)
         if self.marked:
             neutral = self.norm is not None
@@ -453,7 +453,7 @@ def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict
     df
         The selected rows of every layer.
     table
-        Their :func:`ncanalyze.analyzer.depth.depth_table`, or None without layers.
+        Their :func:`ncanalyze.analyzer.report.depth.depth_table`, or None without layers.
     out
         The folder.
 

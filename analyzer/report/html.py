@@ -15,13 +15,13 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.colors import LogNorm, Normalize, to_hex
 
-from ncanalyze.analyzer.depth import has_depth, last_layer
+from ncanalyze.analyzer.report.depth import has_depth, last_layer
 from ncanalyze.analyzer.report.document import header, tag_stats
 from ncanalyze.analyzer.report.figures import FIGURES, RUN_COLOURS, label
-from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
+from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
 from ncanalyze.analyzer.report.tables import fmt, fmt_p, notes, survivors
-from ncanalyze.analyzer.report.ticks import human
+from ncanalyze.analyzer.report.ticks import count_text
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.schema import GEOMETRY_METRICS, LAYER, NC_METRICS
 from ncanalyze.analyzer.stats import permutation_text, split_tags
@@ -90,10 +90,10 @@ def _colours(df: pd.DataFrame, run: pd.Series) -> dict:
         ticks = np.unique(np.r_[positive.min(), 10.0 ** np.arange(np.ceil(np.log10(positive.min())),
                                                                    np.log10(positive.max()) + 1e-9), positive.max()])
         out["size_scale"] = {"cmin": float(np.log10(positive.min())), "cmax": float(np.log10(positive.max())),
-                             "tickvals": [float(np.log10(t)) for t in ticks], "ticktext": [human(t) for t in ticks]}
+                             "tickvals": [float(np.log10(t)) for t in ticks], "ticktext": [count_text(t) for t in ticks]}
     else:
         out["run"] = {r: to_hex(RUN_COLOURS[i % len(RUN_COLOURS)]) for i, r in enumerate(runs)}
-        out["size_note"] = f"all {human(positive.iloc[0])} parameters" if len(positive) else None
+        out["size_note"] = f"all {count_text(positive.iloc[0])} parameters" if len(positive) else None
     step = pd.to_numeric(df.get("global_step", pd.Series(np.nan, index=df.index)), errors="coerce")
     lo, hi = (step.min(), step.max()) if step.notna().any() else (0, 1)
     norm = Normalize(lo, hi if hi > lo else lo + 1)

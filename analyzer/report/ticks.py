@@ -95,7 +95,7 @@ def tick_labels(ticks: Sequence[float], even: bool) -> list[str]:
     return [f"{v:.{decimals}f}" for v in ticks]
 
 
-def human(v: float) -> str:
+def count_text(v: float) -> str:
     """A parameter count as 22K, 1.2M, 7B.
 
     Parameters

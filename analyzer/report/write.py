@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from ncanalyze.analyzer.depth import depth_table, has_depth, last_layer, undefined
+from ncanalyze.analyzer.report.depth import depth_table, has_depth, last_layer, undefined
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.figures import depth_files, draw_figures, tag_suffix
 from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.mincount import min_count_table
-from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
+from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import SUPPORT, with_support
 from ncanalyze.analyzer.report.tables import default_target, latex, select
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints, per_token

@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ncanalyze.store.data.tokens import data_fingerprint
+from ncanalyze.store.data.token_cache import data_fingerprint
 
 
 def data_name(spec: str | None) -> str | None:

@@ -6,7 +6,7 @@ import json
 
 import torch
 from ncanalyze.store import io
-from ncanalyze.store.data.tokens import tokenizer_fingerprint
+from ncanalyze.store.data.token_cache import tokenizer_fingerprint
 from ncanalyze.store.extraction.config import Resolved, cap_mode, config_hash
 from ncanalyze.store.extraction.loss import loss_attrs
 from ncanalyze.store.extraction.running import Extraction

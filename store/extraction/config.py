@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data import tokens
+from ncanalyze.store.data import token_cache as tokens
 from ncanalyze.store.data.blocks import (
     VAL_NAMES,
     Blocks,

@@ -38,6 +38,7 @@ from ncanalyze.store.extraction.memory import group_bytes, state_bytes
 from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.running import LayerState
 from ncanalyze.store.resume import UNREADABLE, Phase
+from ncanalyze.store.sizes import bytes_text
 from ncanalyze.store.sources.anatomy import LogitTransform, default_block_size, features, head, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config
@@ -117,7 +118,7 @@ def progress(state: Path) -> tuple[int, Phase, int]:
         return START
 
 
-def kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
+def count_kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
     """How many classes the train pass will keep for NC4 (``count >= min_count``), counted from the labels."""
     counts = np.zeros(vocab, dtype=np.int64)
     for batch in train.batches(4096):
@@ -201,7 +202,7 @@ def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch
     batch = next(train.batches(batch_size), None)
     if batch is None:
         return None
-    n_kept = kept_classes(train, weight.shape[0], min_count)
+    n_kept = count_kept_classes(train, weight.shape[0], min_count)
     check_ids(batch, weight.shape[0], train.spec)
     ids = torch.from_numpy(batch).to(weight.device)
     timed = batch_seconds(model, ids, samples_per_class, n_kept, seed, validation=val is not None)
@@ -384,7 +385,7 @@ def announcement(archs: list[Arch], cfg: ExtractConfig, store: Store | Path, dev
     k = max(max(a.passes) for a in archs)
     state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
     return estimate(archs, cfg.batch_size, cfg.samples_per_class, store,
-                    f"; state ~{state / 1e6:,.0f} MB on {device} ({k} layer(s))")
+                    f"; state ~{bytes_text(state)} on {device} ({k} layer(s))")
 
 
 SNAPSHOT = ("a snapshot, timed on one batch: each pass's progress bar shows the measured rate and time left as the "
@@ -402,7 +403,7 @@ def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: 
     rate and time left, measured as the work runs) correct."""
     n = sum(len(a.at) for a in archs)
     disk = sum(len(a.at) * a.disk(samples_per_class) for a in archs)
-    where = f"~{disk / 1e6:,.0f} MB (before compression) in {store}{state}"
+    where = f"~{bytes_text(disk)} (before compression) in {store}{state}"
     if any(a.costs is None or a.train.total is None or (a.val is not None and a.val.total is None) for a in archs):
         return (f"{n} checkpoint(s) to do; the data's length is unknown (text without the token cache: drop "
                 f"--no-token-cache, or cap it with --max-train-tokens/--max-val-tokens, for a time); {where}")

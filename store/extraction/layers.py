@@ -38,6 +38,7 @@ import torch
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.chunks import position_chunk
 from ncanalyze.store.resume import RESTART
+from ncanalyze.store.sizes import bytes_text
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +136,6 @@ def plan(layers: str = "last", layers_per_pass: int | str | None = None, save_em
 
 
 AUTO = "auto"  # --layers-per-pass auto
-
-
-def bytes_text(n: float) -> str:
-    """A size in the largest binary unit it reaches, to three significant figures: '512 B', '1.23 MiB', '40 GiB'."""
-    if abs(n) < 1023.5:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if abs(n) < 1023.5:
-            return f"{n:.3g} {unit}"
-    return f"{n / 1024:,.3g} TiB"
 
 
 def auto_groups(plan_: Plan, per_layer: int, shared: int, budget: int) -> Plan:

@@ -10,7 +10,8 @@ import logging
 import psutil
 import torch
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.extraction.layers import Plan, auto_groups, bytes_text
+from ncanalyze.store.extraction.layers import Plan, auto_groups
+from ncanalyze.store.sizes import bytes_text
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,9 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
                             "--samples-per-class")
         by_host = auto_groups(plan, host, 0, budget)
         if by_host.widest_pass < fitted.widest_pass:
-            log.info("--layers-per-pass auto: the host memory holds the reservoirs of %d layers a pass (%.1f GiB "
+            log.info("--layers-per-pass auto: the host memory holds the reservoirs of %d layers a pass (%s "
                      "each at --samples-per-class %d; fewer samples, more layers a pass)", by_host.widest_pass,
-                     host / 2**30, samples_per_class)
+                     bytes_text(host), samples_per_class)
             fitted = by_host
     if len(fitted.passes) > 1:
         log.info("--layers-per-pass auto: %d passes of at most %d layers (%s)", len(fitted.passes),

@@ -204,15 +204,15 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     if last is not None:
         transform, loss = model_loss(model, blocks, head, classifier.dtype, ex.main().lm, desc)
 
-    def decide(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
+    def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
         # the last layer's decisions read the kept columns of the logits the loss forms: formed once
-        counts[last].count(hc, yc, counts[last].decide(logits))
+        counts[last].count(hc, yc, counts[last].linear_decisions(logits))
     for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
         for i, (c, hl) in enumerate(zip(counts, h)):
             if not (loss and i == last):
                 c.update(hl, y)
         if loss:
-            loss.update(h[last], y, decide)
+            loss.update(h[last], y, count_decisions)
     return transform
 
 

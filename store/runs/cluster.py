@@ -131,7 +131,7 @@ class _Tasks:
 
         for ckpt in ckpts:
             if shards > 1:
-                self.submit("plan", ckpt, self.sh.plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
+                self.submit("plan", ckpt, self.sh.shard_plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
             else:
                 self.whole(ckpt)
         done = as_completed(list(self.what))
@@ -153,7 +153,7 @@ class _Tasks:
         except KilledWorker:
             raise CheckpointError("its worker died every time it ran it (out of memory? see the worker logs); run "
                                   "the same command again to resume it") from None
-        return self.one.Outcome.SKIPPED if isinstance(out, self.sh.Plan) else out
+        return self.one.Outcome.SKIPPED if isinstance(out, self.sh.ShardPlan) else out
 
     def cancel(self) -> None:
         """Cancel the tasks not yet completed (an error, or Ctrl-C)."""

@@ -336,7 +336,7 @@ def extract_sharded(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: 
     Outcome
         DONE, SKIPPED or RESUMED.
     """
-    plan = sh.plan(ckpt, store, cfg, shards, overwrite, restart)
+    plan = sh.shard_plan(ckpt, store, cfg, shards, overwrite, restart)
     if plan.route is sh.Route.SKIP:
         return Outcome.SKIPPED
     if plan.route is sh.Route.WHOLE:

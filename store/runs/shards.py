@@ -5,7 +5,7 @@ The steps are plain functions of picklable arguments, so that a cluster runs the
 run calls them one after another (extract.extract_sharded); both merge in the same order and so give the same bits.
 
 - :func:`plan`: skip a finished checkpoint, hand a saved resume state back to the one-task path, else the ranges
-  (a :class:`Plan`);
+  (a :class:`ShardPlan`);
 - :func:`train_shard`: the train pass over one range, with global stream positions (so reservoir keys agree);
 - :func:`merge_states`: two shards' states into one (Chan for the statistics, bottom-k for the reservoir);
 - :func:`save_merged`: the merged state saved as the checkpoint's resume state at the start of the validation pass,
@@ -59,7 +59,7 @@ class Route(enum.Enum):
     SHARDS = "shards"  # its train pass in ranges of batches
 
 
-class Plan(NamedTuple):
+class ShardPlan(NamedTuple):
     """:func:`plan`'s answer: the route, and the shards' [start, stop) batch ranges under SHARDS."""
     route: Route
     ranges: tuple[tuple[int, int], ...] = ()
@@ -78,8 +78,8 @@ def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
     return run.device, open_inputs(None, cfg, run, tokenizer, validation=False)[0]  # train only, uncached
 
 
-def plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
-         restart: bool = False) -> Plan:
+def shard_plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
+         restart: bool = False) -> ShardPlan:
     """SKIP (already in the store under this configuration), WHOLE (run it as one task: a saved resume state to
     continue, or a group under another configuration for extract_checkpoint to refuse), else SHARDS with the shards'
     batch ranges. Loads no weights; counts the train batches by reading the data once when its length is unknown.
@@ -95,7 +95,7 @@ def plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwr
 
     Returns
     -------
-    Plan
+    ShardPlan
         The route, and the [start, stop) batch ranges under SHARDS.
     """
     record = resolve(ckpt, cfg).record
@@ -104,9 +104,9 @@ def plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwr
         store.recover(ckpt.group)
         status = store.status(ckpt.group, config_hash(record), overwrite, restart)
         if status is Status.SKIP:
-            return Plan(Route.SKIP)
+            return ShardPlan(Route.SKIP)
         if status is not Status.FRESH:  # REFUSE: extract_checkpoint says why; RESUME: it continues the state
-            return Plan(Route.WHOLE)
+            return ShardPlan(Route.WHOLE)
         if restart:
             drop_state(files.state)
     _, blocks = _train_blocks(ckpt, cfg)
@@ -118,7 +118,7 @@ def plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwr
     if n_batches == 0:
         raise UserError(f"{blocks.spec} holds no full block of {blocks.block_size} tokens: the dataset is empty or "
                         "shorter than --block-size")
-    return Plan(Route.SHARDS, tuple(ranges(n_batches, shards)))
+    return ShardPlan(Route.SHARDS, tuple(ranges(n_batches, shards)))
 
 
 class _ShardSaver(Saver):
@@ -201,7 +201,7 @@ def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict
     -------
     Status
         FRESH: saved; SKIP: another writer finished it meanwhile; RESUME: a state is there already, this task's own,
-        saved in the validation pass by a run whose worker died (plan() left no other), to be resumed rather than
+        saved in the validation pass by a run whose worker died (shard_plan() left no other), to be resumed rather than
         started again; REFUSE: nothing saved (extract_checkpoint refuses it).
     """
     run = resolve(ckpt, cfg)

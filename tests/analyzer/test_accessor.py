@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 import zarr
-from conftest import ROOT, run_cli
+from conftest import run_cli
 from ncanalyze.analyzer import class_metrics, measure
 from ncanalyze.analyzer.schema import CLASS_COUNTS, INFO, LAYER, SCALARS
 from ncanalyze.store.io import checkpoint_groups
@@ -102,8 +102,8 @@ def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
     "import xarray, ncanalyze",  # or at once when it is already loaded
     "import ncanalyze.analyzer, xarray",  # a subpackage imports the package, which registers it
 ])
-def test_importing_ncanalyze_registers_the_accessor(code):
+def test_importing_ncanalyze_registers_the_accessor(code, tmp_path):
     check = (f"{code}; import sys; assert hasattr(xarray.Dataset, 'nc') and hasattr(xarray.DataTree, 'nc'); "
              "assert xarray.Dataset.nc is sys.modules['ncanalyze.analyzer.accessor'].DatasetAccessor")
-    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT.parent)
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr

@@ -82,7 +82,7 @@ HEAVY = ("zarr", "xarray", "torch", "transformers", "plotly", "matplotlib", "pan
 
 
 @pytest.mark.slow
-def test_help_and_version_import_no_heavy_library():
+def test_help_and_version_import_no_heavy_library(tmp_path):
     """``ncanalyze --help``, each command's ``--help`` and ``--version`` in a fresh interpreter: none of them loads
     zarr, xarray, torch, transformers, plotly or matplotlib (the version comes from the package's metadata)."""
     code = ("import sys\nfrom ncanalyze.cli.main import main\n"
@@ -90,7 +90,7 @@ def test_help_and_version_import_no_heavy_library():
             "    try:\n        main(args, prog_name='ncanalyze')\n"
             "    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"
             f"print('loaded:', sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "loaded: []" in r.stdout, r.stdout.splitlines()[-1]
     assert f"ncanalyze, version {version('ncanalyze')}" in r.stdout and version("ncanalyze") == ncanalyze.__version__
@@ -98,11 +98,11 @@ def test_help_and_version_import_no_heavy_library():
 
 
 @pytest.mark.slow
-def test_the_check_sees_a_heavy_import():
+def test_the_check_sees_a_heavy_import(tmp_path):
     """The same probe, once a command's module pulls xarray in, reports it (the check above can fail)."""
     code = ("import sys, ncanalyze.cli.main, ncanalyze.store.io\n"
             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert "'xarray'" in r.stdout and "'zarr'" in r.stdout, r.stderr
 
 

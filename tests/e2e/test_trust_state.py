@@ -19,6 +19,7 @@ from conftest import CLI, assert_same_group, kill_when, run_cli, tmpfs
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.estimate import START, Arch, estimate
 from ncanalyze.store.resume import DIGEST, digest, save_state
+from ncanalyze.store.sizes import bytes_text
 
 CK = "checkpoint-20"
 SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 2, "--batch-size", 2)
@@ -321,6 +322,6 @@ def test_the_estimate_counts_only_the_embeddings_staged(tmp_path):
 
     for n in (10**12, POSITIONS, POSITIONS + 1):
         est = line(n)
-        assert f"~{staged / 1e6:,.0f} MB (before compression)" in est, est
+        assert f"~{bytes_text(staged)} (before compression)" in est, est
     fewer = line(POSITIONS // 2)
-    assert f"~{staged / 1e6:,.0f} MB" not in fewer
+    assert f"~{bytes_text(staged)}" not in fewer

@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, ROOT, run_cli
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.cli.common import default_store
 from ncanalyze.store.extraction.config import (
     checkpoint_status,
     config_hash,
     refusal,
 )
-from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout
+from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout, default_store
 from ncanalyze.store.store import Status
 from ncanalyze.store.resume import Phase, save_state
 from ncanalyze.store.extraction.checkpoint import Outcome
@@ -100,7 +99,7 @@ def test_the_cycle_check_sees_a_cycle(tmp_path):
     assert "ncanalyze.store.io" in graph["ncanalyze.store.store"]       # from ncanalyze.store import io
 
 
-def test_importing_the_package_is_light():
+def test_importing_the_package_is_light(tmp_path):
     """``import ncanalyze.store`` (and the CLI's default store) load no zarr, xarray, torch or transformers;
     ``ncanalyze.store.open`` is resolved on first use."""
     code = ("import sys, ncanalyze.store, ncanalyze.store.layout\n"
@@ -108,7 +107,7 @@ def test_importing_the_package_is_light():
             "assert not heavy, heavy\n"
             "ncanalyze.store.open\n"
             "assert 'xarray' in sys.modules\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
 
 

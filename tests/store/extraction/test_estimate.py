@@ -24,9 +24,9 @@ from ncanalyze.store.extraction.estimate import (
     Arch,
     Costs,
     batch_seconds,
+    count_kept_classes,
     depths,
     estimate,
-    kept_classes,
     per_architecture,
     progress,
 )
@@ -34,6 +34,7 @@ from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.memory import group_bytes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, save_state
+from ncanalyze.store.sizes import bytes_text
 from ncanalyze.store.sources.discover import Checkpoint
 
 # planted: forward 1 s, a layer's statistics 2 s, a layer's decisions 3 s, the loss 5 s, load 7 s, 1 byte/s
@@ -105,7 +106,7 @@ def test_kept_classes_against_counting_by_hand(tmp_path, min_count):
     for b in range(4000 // 32):
         labels.update(tokens[b * 32 + 1:(b + 1) * 32].tolist())  # every position of a block but the first
     want = sum(c >= min_count for c in labels.values())
-    assert kept_classes(blocks, 200, min_count) == want > 0
+    assert count_kept_classes(blocks, 200, min_count) == want > 0
 
 
 def test_disk_size_is_a_real_groups_size(extracted_store):
@@ -184,7 +185,7 @@ def test_each_architecture_timed_once_and_one_total_of_planted_costs(tmp_path):
                            "tokens; ~4.8 min in all. Per checkpoint, timed on the first of each architecture: ")
     assert "V50 h4 float32 block 16 (3): load 7.0 s, train pass 30.0 s, validation 36.0 s, write 4.0 s; " in line
     assert "ff16 float32 block 16 (3): load 1.0 s, train pass 15.0 s, validation 14.0 s, write 2.0 s; " in line
-    assert f"~{3 * (group_bytes(50, 8, 2) + group_bytes(60, 4, 2)) / 1e6:,.0f} MB (before compression)" in line
+    assert f"~{bytes_text(3 * (group_bytes(50, 8, 2) + group_bytes(60, 4, 2)))} (before compression)" in line
 
 
 def test_a_step_is_timed_on_a_slice_and_scaled():

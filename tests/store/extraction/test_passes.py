@@ -112,7 +112,7 @@ def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_ru
     alone, both = (NextTokenLoss(W, b, LogitTransform.of(model.config), budget=V * 50) for _ in range(2))
     own.update(h, y)
     alone.update(h, y)
-    both.update(h, y, lambda hc, yc, logits: shared.count(hc, yc, shared.decide(logits)))
+    both.update(h, y, lambda hc, yc, logits: shared.count(hc, yc, shared.linear_decisions(logits)))
     for n in DecisionCounts.NAMES:
         assert torch.equal(own.counts[n], shared.counts[n]), n
     for n in NextTokenLoss.NAMES:
@@ -136,10 +136,10 @@ def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_r
     with torch.no_grad():
         want = model(ids, output_hidden_states=True).hidden_states
     blocks, other = ran(model)
-    logger = logging.getLogger("ncanalyze.store.extraction.passes")  # the CLI's logging setup may stop propagation to root
+    logger = logging.getLogger("ncanalyze.store.sources.anatomy")  # the CLI's logging setup may stop propagation to root
     logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level("INFO", logger="ncanalyze.store.extraction.passes"):
+        with caplog.at_level("INFO", logger="ncanalyze.store.sources.anatomy"):
             h = hidden_forward(model, (1,), 2)(ids)
     finally:
         logger.removeHandler(caplog.handler)

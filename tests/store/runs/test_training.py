@@ -196,10 +196,10 @@ def test_a_run_under_other_settings_is_refused_and_kept(measured, corpus, tmp_pa
         assert node.identical(after[g]), g
 
 
-def test_importing_the_module_is_light():
+def test_importing_the_module_is_light(tmp_path):
     code = ("import sys, ncanalyze.training; heavy = {'torch', 'transformers', 'xarray', 'zarr'} & set(sys.modules); "
             "assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
 
 
 class Recorder:

@@ -1,8 +1,10 @@
-"""The fused pass over Gram blocks (analyzer/pairs.py) against brute force, panel by panel."""
+"""The host engine's fused pass over Gram blocks (analyzer/engine_numba.py) against brute force and
+pairs.reference_tile_sums, panel by panel."""
 import numpy as np
 import pytest
 
-from ncanalyze.analyzer.pairs import COINCIDENT, SUMS, blocks, reference_tile_sums, side_of, tile_sums, vlog
+from ncanalyze.analyzer.engine_numba import tile_sums, vlog
+from ncanalyze.analyzer.pairs import COINCIDENT, SUMS, blocks, reference_tile_sums, side_of
 
 
 def test_log_is_within_one_ulp_of_numpy():

@@ -1,5 +1,4 @@
-"""The metrics' torch path (the GPU's code, run here on the CPU: analyzer/device.py and pairs.torch_pair_sums)
-against the numba path, brute force and the reference tile sums: classes counted but not kept, classifier rows
+"""The torch engine (the GPU's code, run here on the CPU: analyzer/engine_torch.py) against the numba engine, brute force and the reference tile sums: classes counted but not kept, classifier rows
 outside K, stored float32, a lazy dataset read once, no classifier or within_covariance, corrupt input; where it
 runs (``engine_device``); and coincident classes in bounded memory."""
 from __future__ import annotations
@@ -18,8 +17,10 @@ from test_geometry import study as geometry_study
 from test_metrics import assert_degenerate_like_brute_force, assert_metrics, brute_force, random_study, stats_dataset
 
 from ncanalyze.analyzer import CLASS_COUNTS, SCALARS, UserError, class_stats, measure_all
-from ncanalyze.analyzer.geometry import engine_device, geometry
-from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, _torch_block, reference_tile_sums, side_of
+from ncanalyze.analyzer.engine_torch import _torch_block
+from ncanalyze.analyzer.engines import engine_device
+from ncanalyze.analyzer.geometry import geometry
+from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, reference_tile_sums, side_of
 
 TORCH = {"device": "cpu", "engine": "torch"}
 SAME = 1e-12  # the torch path equals the CPU's to this (relative; values 0 in exact arithmetic to 1e-14 absolute)

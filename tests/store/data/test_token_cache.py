@@ -13,7 +13,7 @@ import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, lone_model, run_cli
-from ncanalyze.store.data import tokens
+from ncanalyze.store.data import token_cache
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.store import Store
 from test_extract import text_blocks
@@ -59,22 +59,22 @@ def test_the_key_follows_what_determines_the_blocks(trained_run, corpus, tmp_pat
     data.write_text(corpus["train"].read_text())
     base = dict(spec=str(data), split="train", text_column="text", tokenizer=tok, block_size=32, max_tokens=2048,
                 keep_linebreaks=True)
-    key = tokens.cache_key(**base)
-    assert tokens.cache_key(**base) == key
+    key = token_cache.cache_key(**base)
+    assert token_cache.cache_key(**base) == key
     for change in ({"block_size": 16}, {"max_tokens": 4096}, {"keep_linebreaks": False}, {"split": "train[:50%]"}):
-        assert tokens.cache_key(**base | change) != key, change
+        assert token_cache.cache_key(**base | change) != key, change
     other = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
     other.add_tokens(["<extra>"])
-    assert tokens.cache_key(**base | {"tokenizer": other}) != key
+    assert token_cache.cache_key(**base | {"tokenizer": other}) != key
     os.utime(data, ns=(0, 0))  # only the times changed: the content, and so the tokens, are the same
-    assert tokens.cache_key(**base) == key
+    assert token_cache.cache_key(**base) == key
 
     blocks = open_blocks(str(data), "train", 32, 2048, "text", lambda t: tok(t)["input_ids"])
-    assert blocks.total == 64 and tokens.cached(cache_of(tmp_path / "s.zarr"), blocks, key).total == 64
-    c = tokens.cached(cache_of(tmp_path / "s.zarr"), blocks, key)  # from the file
+    assert blocks.total == 64 and token_cache.cached(cache_of(tmp_path / "s.zarr"), blocks, key).total == 64
+    c = token_cache.cached(cache_of(tmp_path / "s.zarr"), blocks, key)  # from the file
     assert c.total == 64 and np.array_equal(np.concatenate(list(c.batches(10))), text_blocks(data, tok, 2048))
     no_total = open_blocks(str(data), "train", 32, None, "text", lambda t: tok(t)["input_ids"])
-    assert no_total.total is None and tokens.cached(cache_of(tmp_path / "s.zarr"), no_total, "uncapped").total == \
+    assert no_total.total is None and token_cache.cached(cache_of(tmp_path / "s.zarr"), no_total, "uncapped").total == \
         len(text_blocks(data, tok, None))
     assert not list(cache_of(tmp_path / "s.zarr").glob(".*"))  # no temporary files left
 
@@ -133,15 +133,15 @@ def test_an_edit_of_the_same_size_with_the_mtime_restored_is_tokenized_again(tra
     for spec in (data, folder):  # a file, and a folder of files
         opts = dict(split="train", text_column="text", tokenizer=tok, block_size=32, max_tokens=2048,
                     keep_linebreaks=True)
-        key = tokens.cache_key(str(spec), **opts)
-        first = tokens.cached(cache_of(tmp_path / "s.zarr"), open_blocks(str(spec), "train", 32, 2048, "text",
+        key = token_cache.cache_key(str(spec), **opts)
+        first = token_cache.cached(cache_of(tmp_path / "s.zarr"), open_blocks(str(spec), "train", 32, 2048, "text",
                                                                lambda t: tok(t)["input_ids"]), key)
         np.testing.assert_array_equal(np.concatenate(list(first.batches(64))), text_blocks(data, tok, 2048))
         word = next(w for w in data.read_text().split() if len(w) > 3 and w.isalpha())
         _edit_keeping_size_and_mtime(data, word, word[::-1] if word[::-1] != word else word.upper())
-        new_key = tokens.cache_key(str(spec), **opts)
+        new_key = token_cache.cache_key(str(spec), **opts)
         assert new_key != key
-        again = tokens.cached(cache_of(tmp_path / "s.zarr"), open_blocks(str(spec), "train", 32, 2048, "text",
+        again = token_cache.cached(cache_of(tmp_path / "s.zarr"), open_blocks(str(spec), "train", 32, 2048, "text",
                                                                lambda t: tok(t)["input_ids"]), new_key)
         got = np.concatenate(list(again.batches(64)))
         np.testing.assert_array_equal(got, text_blocks(data, tok, 2048))
@@ -175,7 +175,7 @@ def test_a_damaged_cache_is_said_in_one_line_and_tokenized_again(trained_run, co
 
     def read():
         blocks = open_blocks(str(data), "train", 32, 2048, "text", lambda t: tok(t)["input_ids"])
-        return np.concatenate(list(tokens.cached(cache_of(tmp_path / "s.zarr"), blocks, "k").batches(64)))
+        return np.concatenate(list(token_cache.cached(cache_of(tmp_path / "s.zarr"), blocks, "k").batches(64)))
 
     np.testing.assert_array_equal(read(), want)
     path = cache_of(tmp_path / "s.zarr") / "k.npy"
@@ -240,6 +240,6 @@ def test_a_folder_where_the_cache_file_belongs_is_one_line(trained_run, corpus, 
         folder.mkdir(parents=True)
         (folder / "mine.txt").write_text("someone's file")
         with pytest.raises(UserError, match="is a folder where the token cache keeps a file") as e:
-            tokens.cached(cache_of(tmp_path / "s.zarr"), blocks, "k")
+            token_cache.cached(cache_of(tmp_path / "s.zarr"), blocks, "k")
         assert "\n" not in str(e.value) and (folder / "mine.txt").read_text() == "someone's file"
         shutil.rmtree(folder)
