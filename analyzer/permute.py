@@ -41,7 +41,7 @@ import pandas as pd
 from scipy.linalg import orth
 from scipy.stats import rankdata
 
-from ncanalyze.analyzer.settings import N_PERM
+from ncanalyze.analyzer.registry import N_PERM
 
 MIN_N = 3  # fewest points for which a correlation means anything
 _TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)

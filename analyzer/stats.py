@@ -51,7 +51,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.schema import CONTROLS, GEOMETRY_METRICS, NC_METRICS, SCALARS
-from ncanalyze.analyzer.settings import N_PERM
+from ncanalyze.analyzer.registry import N_PERM
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of

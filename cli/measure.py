@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 import cloup
-from ncanalyze.analyzer.settings import MEASURE_SECTIONS, MeasureSettings
+from ncanalyze.analyzer.registry import MEASURE_SECTIONS, MeasureSettings
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option, setting_groups, settings_of, store_positional
 

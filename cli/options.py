@@ -1,5 +1,5 @@
 """The commands' options: those generated from a settings registry (:func:`setting_option`, :func:`setting_groups`;
-the settings themselves: ncanalyze.analyzer.settings, ncanalyze.store.extraction.settings), and the few that say
+the settings themselves: ncanalyze.analyzer.registry, ncanalyze.store.extraction.settings), and the few that say
 where a command works rather than what it computes, shared by name: ``@option("store", "measure")``.
 
 An option's flag, type and default live in one place; where it means something slightly different to a command, the
@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 import cloup
-from ncanalyze.analyzer.settings import flag_of
+from ncanalyze.analyzer.registry import flag_of
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import click
 import cloup
 from click.core import ParameterSource
-from ncanalyze.analyzer.settings import REPORT_SECTIONS, MeasureSettings, ReportSettings, field_of
+from ncanalyze.analyzer.registry import REPORT_SECTIONS, MeasureSettings, ReportSettings, field_of
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import option, setting_groups, setting_option, settings_of, store_positional
 

@@ -14,7 +14,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.schema import HEAD, LAYER, METRICS_VERSION
-from ncanalyze.analyzer.settings import MeasureSettings
+from ncanalyze.analyzer.registry import MeasureSettings
 from ncanalyze.analyzer.table import metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client

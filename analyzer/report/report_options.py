@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from ncanalyze.analyzer.settings import ReportSettings
+from ncanalyze.analyzer.registry import ReportSettings
 
 
 @dataclass(frozen=True)
 class ReportOptions(ReportSettings):
-    """The choices of a report: the flags of ``ncanalyze report`` (:class:`~ncanalyze.analyzer.settings.ReportSettings`,
+    """The choices of a report: the flags of ``ncanalyze report`` (:class:`~ncanalyze.analyzer.registry.ReportSettings`,
     where each is defined once, its default and rule with it; a bad value is refused when the options are made, in the
     command's line), and the store.
 

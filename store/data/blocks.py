@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.settings import CAP_MODES
+from ncanalyze.analyzer.registry import CAP_MODES
 from ncanalyze.store.sources.discover import looks_local
 
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",

@@ -38,7 +38,7 @@ def group_attributes(group: str, when: dict, model: torch.nn.Module, ex: Extract
         Where the weights came from: the checkpoint's folder, ``hf://...`` or ``training``.
     extra
         Last, replacing any key before (a Hub revision's origin and step; the callback's ``output_dir``).
-        An adapted model (PEFT) adds its base's and adapter's identity (adapters.identity).
+        An adapted model (PEFT) adds its base's and adapter's identity (adapters.adapter_identity).
 
     Returns
     -------
@@ -59,5 +59,5 @@ def group_attributes(group: str, when: dict, model: torch.nn.Module, ex: Extract
         "samples_per_class": cfg.samples_per_class, "seed": cfg.seed, "cap_mode": cap_mode(cfg),
         "source": source,
         "ncanalyze_version": io.version(), "config_hash": config_hash(run.record),
-        "config": json.dumps(run.record, sort_keys=True), **adapters.identity(model, source), **(extra or {}),
+        "config": json.dumps(run.record, sort_keys=True), **adapters.adapter_identity(model, source), **(extra or {}),
     }

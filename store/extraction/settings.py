@@ -9,9 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ncanalyze.analyzer import settings as registry
+from ncanalyze.analyzer import registry
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.settings import CAP_MODES, DTYPES, STORED_DTYPES
+from ncanalyze.analyzer.registry import CAP_MODES, DTYPES, STORED_DTYPES
 
 SECTIONS = ("Data", "Model", "Statistics", "Layers", "Hub", "Run control", "Cluster")  # ``extract --help``, in order
 AUTO = "auto"  # --layers-per-pass auto
@@ -20,19 +20,19 @@ SIZE_RULE = ("a number of bytes, or a number and a unit: kB, MB, GB, TB (powers 
              "of 1024), in any case but a lowercase b (bits: 3Mb is refused), e.g. 40GB, 512MiB, 1e9")
 
 
-def setting(default: Any = None, *, hashed: bool, section: str, **how: Any):
-    """An extraction setting (:func:`ncanalyze.analyzer.settings.setting`), which must say whether it is ``hashed``:
+def extract_setting(default: Any = None, *, hashed: bool, section: str, **how: Any):
+    """An extraction setting (:func:`ncanalyze.analyzer.registry.setting`), which must say whether it is ``hashed``:
     whether it determines the numbers, so goes into the config hash; its ``section`` is one of :data:`SECTIONS`."""
     assert section in SECTIONS, section
     return registry.setting(default, section=section, hashed=hashed, **how)
 
 
-def flag_of(name: str) -> str:
+def extract_flag(name: str) -> str:
     """The command-line flag of the setting ``name``."""
     return registry.flag_of(registry.field_of(ExtractConfig, name))
 
 
-def refused(name: str, reason: str, value: Any) -> UserError:
+def extract_refusal(name: str, reason: str, value: Any) -> UserError:
     """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be >= 1, got 0``."""
     return registry.refused(registry.field_of(ExtractConfig, name), reason, value)
 
@@ -58,16 +58,16 @@ def parse_size(size: str | None) -> int | None:
     number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = text[len(number):]
     if unit.endswith("b"):
-        raise refused("state_memory", f"ends in a lowercase b, and a lowercase b is bits; write {number}{unit[:-1]}B for bytes", size)
+        raise extract_refusal("state_memory", f"ends in a lowercase b, and a lowercase b is bits; write {number}{unit[:-1]}B for bytes", size)
     prefix = unit.removesuffix("B").lower()
     try:
         value = float(number)
     except ValueError:
         value = math.nan
     if prefix not in PREFIXES or not math.isfinite(value) or value * PREFIXES[prefix] > 2**62:
-        raise refused("state_memory", f"is not a size: pass {SIZE_RULE}", size)
+        raise extract_refusal("state_memory", f"is not a size: pass {SIZE_RULE}", size)
     if not int(value * PREFIXES[prefix]) > 0:
-        raise refused("state_memory", "is not above 0 bytes: pass a size such as 40GB", size)
+        raise extract_refusal("state_memory", "is not above 0 bytes: pass a size such as 40GB", size)
     return int(value * PREFIXES[prefix])
 
 
@@ -110,78 +110,78 @@ class ExtractConfig:
     checked as it is set (:meth:`__setattr__`: when the configuration is made, by the library, the training callback
     and the CLI alike, and when changed later), and the settings that must go together when it is made
     (:meth:`__post_init__`)."""
-    dataset: str = setting(required=True, hashed=True, section="Data", metavar="SPEC", help=(
+    dataset: str = extract_setting(required=True, hashed=True, section="Data", metavar="SPEC", help=(
         "Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token ids in .npy "
         "(1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream)."))
-    val_dataset: str | None = setting(hashed=True, section="Data", metavar="SPEC", help=_VAL_HELP)
-    split: str = setting("train", hashed=True, section="Data", help=(
+    val_dataset: str | None = extract_setting(hashed=True, section="Data", metavar="SPEC", help=_VAL_HELP)
+    split: str = extract_setting("train", hashed=True, section="Data", help=(
         "Split of --dataset (slices like 'train[:95%]' work for local data)."))
-    val_split: str = setting("validation", hashed=True, section="Data", help="Split of the validation data.")
+    val_split: str = extract_setting("validation", hashed=True, section="Data", help="Split of the validation data.")
     # held out of the train data when no validation is given or found; recorded resolved, as val_held_out
-    val_split_percentage: int = setting(5, hashed=False, section="Data", metavar="P", minimum=0, maximum=99, help=(
+    val_split_percentage: int = extract_setting(5, hashed=False, section="Data", metavar="P", minimum=0, maximum=99, help=(
         "With no validation data given or found, hold out the first P% of the train data as validation and train on "
         "the rest, as run_clm's validation_split_percentage: splits 'train[:P%]' and 'train[P%:]' (text, datasets), "
         "or the first P% of the blocks (.npy/.bin). 0: validate on --val-split of --dataset (a token file "
         "without a sibling is then refused)."))
-    text_column: str = setting("text", hashed=True, section="Data", help="Column holding the text.")
-    block_size: int | None = setting(hashed=True, section="Data", kind=int, minimum=2, help=(
+    text_column: str = extract_setting("text", hashed=True, section="Data", help="Column holding the text.")
+    block_size: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=2, help=(
         "Block length for 1-D streams and text [default: the model's context, at most 1024]."))
-    max_train_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
+    max_train_tokens: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=0, help=(
         "Cap on train tokens read: whole blocks, spread over the whole split (see --cap-mode)."))
-    max_val_tokens: int | None = setting(hashed=True, section="Data", kind=int, minimum=0, help=(
+    max_val_tokens: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=0, help=(
         "Cap on validation tokens read (as --max-train-tokens); 0 skips NC4."))
     # recorded resolved: None without a cap (config_record, cap_mode)
-    cap_mode: str = setting("spread", hashed=True, section="Data", choices=CAP_MODES, help=(
+    cap_mode: str = extract_setting("spread", hashed=True, section="Data", choices=CAP_MODES, help=(
         "How a token cap reads a split: 'spread', whole blocks drawn over all of it (one from each of N equal "
         "stretches, N the blocks the cap allows; drawn with --seed, the same for every checkpoint and across a resume; "
         "text is tokenized whole into the token cache first); 'prefix', its first blocks. Recorded where a cap is set "
         "(attribute cap_mode; spread also in the config hash)."))
-    batch_size: int = setting(8, hashed=True, section="Statistics", minimum=1, help="Blocks per forward pass.")
+    batch_size: int = extract_setting(8, hashed=True, section="Statistics", minimum=1, help="Blocks per forward pass.")
     # only its type is hashed, as device_type
     device: str = registry.shared("device", hashed=False, section="Model", help=(
         "auto (CUDA when present, else CPU), cpu, cuda, cuda:N."))
-    dtype: str = setting("float32", hashed=True, section="Model", choices=DTYPES, help=(
+    dtype: str = extract_setting("float32", hashed=True, section="Model", choices=DTYPES, help=(
         "Model dtype; statistics are always accumulated in float64."))
-    samples_per_class: int = setting(8, hashed=True, section="Statistics", minimum=0, help=(
+    samples_per_class: int = extract_setting(8, hashed=True, section="Statistics", minimum=0, help=(
         "Raw features kept per class (uniform reservoir sample)."))
-    tokenizer: str | None = setting(hashed=True, section="Data", metavar="PATH_OR_NAME", help=(
+    tokenizer: str | None = extract_setting(hashed=True, section="Data", metavar="PATH_OR_NAME", help=(
         "Tokenizer for text data [default: the checkpoint's, else its run folder's]."))
     min_count: int = registry.shared("min_count", hashed=True, section="Statistics", help=(
         "Classes with fewer train tokens are left out of NC4's decisions (fixed at extraction: measuring with "
         "another --min-count reports NC4 as nan)."))
     seed: int = registry.shared("seed", hashed=True, section="Statistics", help=(
         "Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread)."))
-    allow_pickle: bool = setting(False, hashed=False, section="Model", help=(
+    allow_pickle: bool = extract_setting(False, hashed=False, section="Model", help=(
         "Load pickle weights (pytorch_model.bin); only for trusted files."))
-    trust_remote_code: bool = setting(False, hashed=False, section="Model", help=(
+    trust_remote_code: bool = extract_setting(False, hashed=False, section="Model", help=(
         "Allow custom model or tokenizer code from the checkpoint."))
-    state_every: float = setting(120.0, hashed=False, section="Run control", minimum=0, help=(
+    state_every: float = extract_setting(120.0, hashed=False, section="Run control", minimum=0, help=(
         "Seconds between saves of the resume state (a killed run continues from the last save)."))
-    keep_linebreaks: bool = setting(True, hashed=True, section="Data", help=(
+    keep_linebreaks: bool = extract_setting(True, hashed=True, section="Data", help=(
         "Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
         "--no-keep-linebreaks strips them."))
-    tag: str | None = setting(hashed=False, section="Run control", metavar="NAME", help=(  # where, not what
+    tag: str | None = extract_setting(hashed=False, section="Run control", metavar="NAME", help=(  # where, not what
         "Store these checkpoints under <run>@NAME/<checkpoint> (attribute and metrics.csv column `tag`): the same "
         "checkpoints measured on several datasets in one store."))
-    token_cache: bool = setting(True, hashed=False, section="Data", help=(
+    token_cache: bool = extract_setting(True, hashed=False, section="Data", help=(
         "Tokenize text once into <store>.tokens/ (keyed by data, tokenizer, block size, cap and line breaks) and "
         "reuse it for every checkpoint; progress bars and the estimate then know the totals."))
-    layers: str = setting("last", hashed=True, section="Layers", metavar="last|all|I,J,...",
+    layers: str = extract_setting("last", hashed=True, section="Layers", metavar="last|all|I,J,...",
                           check=_layers, help=(  # recorded resolved (indices)
         "Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after the final "
         "norm, the checkpoint group itself), negative from the end. Others are stored at "
         "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm)."))
-    layers_per_pass: int | str | None = setting(AUTO, hashed=True, section="Layers", kind=str,
+    layers_per_pass: int | str | None = extract_setting(AUTO, hashed=True, section="Layers", kind=str,
                                                 metavar="auto|K", check=_per_pass, help=(
         "At most K layers' state at a time: several passes over the data (exact either way); auto: as many as "
         "--state-memory holds, the deepest layers together."))
-    state_memory: str | None = setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
+    state_memory: str | None = extract_setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
         f"Memory the float64 state may take under --layers-per-pass auto: {SIZE_RULE} [default: the device's free "
         "memory after the model, less a tenth (at least 1 GiB)]."))
-    save_embeddings: int = setting(0, hashed=True, section="Layers", metavar="N", minimum=0, help=(
+    save_embeddings: int = extract_setting(0, hashed=True, section="Layers", metavar="N", minimum=0, help=(
         "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "
         "(position, hidden) with label (position)."))
-    embeddings_dtype: str = setting("float32", hashed=True, section="Layers",
+    embeddings_dtype: str = extract_setting("float32", hashed=True, section="Layers",
                                     choices=STORED_DTYPES, help="dtype of --save-embeddings.")
 
     def __setattr__(self, name: str, value: Any) -> None:

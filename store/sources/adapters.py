@@ -161,7 +161,7 @@ def base_identity(model: torch.nn.Module) -> dict:
             "base_revision": revision, "base_weights": weights}
 
 
-def identity(model: torch.nn.Module, source: str) -> dict:
+def adapter_identity(model: torch.nn.Module, source: str) -> dict:
     """The group attributes of an adapted model (empty for a plain one): :func:`base_identity`, the adapter's names
     and the fingerprint of its weight files (``live`` while it trains), and ``n_trainable_params``.
 

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from ncanalyze.analyzer import settings
+from ncanalyze.analyzer import registry
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights, fsdp_dirs, layout, zero_dirs
 from safetensors import SafetensorError
 
-DTYPES = {name: getattr(torch, name) for name in settings.DTYPES}  # the one list: ncanalyze.analyzer.settings
+DTYPES = {name: getattr(torch, name) for name in registry.DTYPES}  # the one list: ncanalyze.analyzer.registry
 # what loading a broken checkpoint raises: missing or unreadable files (OSError), malformed JSON or an unknown
 # architecture (ValueError, KeyError), a corrupt or truncated safetensors file (SafetensorError), tensors of the
 # wrong shape (RuntimeError from load_state_dict)

@@ -109,7 +109,7 @@ def test_the_check_sees_a_heavy_import(tmp_path):
 def test_shared_options_are_defined_once_with_each_commands_help():
     """--store and --scheduler are the commands' own, in OPTIONS; --min-count, --device, --seed and --tile are
     settings, generated from a registry whose shared fields say flag, default and rule once (SHARED)."""
-    from ncanalyze.analyzer.settings import SHARED
+    from ncanalyze.analyzer.registry import SHARED
 
     for flag in ("--store", "--scheduler", "--min-count", "--device", "--tile", "--seed", "--permutations"):
         where = [f.name for f in (ROOT / "cli").rglob("*.py") if re.search(rf'option\(\s*"{flag}"', f.read_text())]

@@ -1,4 +1,4 @@
-"""One settings registry for every command (ncanalyze.analyzer.settings): measure's and report's options and their
+"""One settings registry for every command (ncanalyze.analyzer.registry): measure's and report's options and their
 ``--help`` sections are generated from it, a bad value is refused when the settings are made (the library, the
 training callback and the command alike, in the same line), and each default is written once."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from conftest import ROOT, run_cli
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report import ReportOptions
-from ncanalyze.analyzer.settings import (MEASURE_SECTIONS, N_PERM, REPORT_SECTIONS, MeasureSettings, ReportSettings,
+from ncanalyze.analyzer.registry import (MEASURE_SECTIONS, N_PERM, REPORT_SECTIONS, MeasureSettings, ReportSettings,
                                          flag_of)
 from ncanalyze.cli.main import main
 from ncanalyze.store.extraction.settings import ExtractConfig
@@ -116,7 +116,7 @@ def test_each_default_is_written_once():
     """The permutation count is written in the registry only (the statistics' defaults read N_PERM)."""
     written = {f.relative_to(ROOT).as_posix(): n for pkg in ("analyzer", "store", "cli")
                for f in (ROOT / pkg).rglob("*.py") if (n := len(re.findall(r"\b10_?000\b", f.read_text())))}
-    assert written == {"analyzer/settings.py": 1} and N_PERM == 10_000, written
+    assert written == {"analyzer/registry.py": 1} and N_PERM == 10_000, written
     assert ReportOptions().n_perm == N_PERM
     from ncanalyze.analyzer.permute import perm_test
     from ncanalyze.analyzer.stats import correlations, correlations_by_tag
@@ -125,4 +125,4 @@ def test_each_default_is_written_once():
         assert inspect.signature(f).parameters["n_perm"].default == N_PERM, f.__name__
     lists = {f.relative_to(ROOT).as_posix() for pkg in ("analyzer", "store", "cli") for f in (ROOT / pkg).rglob("*.py")
              if re.search(r'"float16",\s*"float64"', f.read_text())}
-    assert lists == {"analyzer/settings.py"}, lists  # one list of dtypes (the store's a part of it, load's mapped)
+    assert lists == {"analyzer/registry.py"}, lists  # one list of dtypes (the store's a part of it, load's mapped)
