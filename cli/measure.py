@@ -3,12 +3,22 @@ from __future__ import annotations
 
 import click
 from ncanalyze.cli.common import open_store
+from ncanalyze.analyzer.schema import SCALARS
 from ncanalyze.cli.options import option, store_argument
 
 SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
 
 
-@click.command(short_help="NC metrics of every checkpoint not yet measured, into the store.")
+@click.command(short_help="NC metrics of every checkpoint not yet measured, into the store.", help=f"""\
+Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
+
+    \b
+    STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The {len(SCALARS)} scalar metrics go into
+    each checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
+    class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
+    when its statistics or --min-count change. --device auto runs the pairwise sums and the d x d work in torch
+    float64 on CUDA where torch sees a GPU (equal to the CPU's numba path to 1e-12), else on the CPU.
+    """)
 @store_argument("measure")
 @option("min_count", "measure")
 @option("scheduler", "measure")
@@ -16,17 +26,9 @@ SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_er
 @option("device", "measure")
 @click.option("--force", is_flag=True, help="Measure again checkpoints already measured.")
 def measure(store_positional, store, min_count, scheduler, tile, device, force):
-    """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
-
-    \b
-    STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The 23 scalar metrics go into each
-    checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
-    class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
-    when its statistics or --min-count change. --device auto runs the pairwise sums and the d x d work in torch
-    float64 on CUDA where torch sees a GPU (equal to the CPU's numba path to 1e-12), else on the CPU.
-    """
+    """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured (the help: its count of
+    metrics is SCALARS')."""
     import pandas as pd
-    from ncanalyze.analyzer.schema import SCALARS
     from ncanalyze.store.measure import measure_store
 
     store = open_store(store_positional, store)
