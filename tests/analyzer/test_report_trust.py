@@ -194,3 +194,29 @@ def test_measure_help_counts_the_metrics_it_writes():
 
     text = CliRunner().invoke(main, ["measure", "--help"]).output
     assert re.search(r"The (\d+) scalar metrics", text).group(1) == str(len(SCALARS)) == "24"
+
+
+# ---------------------------------------------------------------- class 17: a step of 1e308 on the axes
+
+@pytest.mark.parametrize("values", [[100, 1e308], [-1e308, 1.7e308], [1e-320, 1e308], [1.7e308], [-1.79e308]])
+@pytest.mark.parametrize("log", [False, True])
+def test_axis_limits_and_ticks_stay_finite_up_to_the_largest_float(values, log):
+    from ncanalyze.analyzer.report.ticks import MIN_TICK_LABELS, limits, tick_labels, tick_values
+
+    if log and min(values) <= 0:
+        return
+    lo, hi = limits(pd.Series(values), log)
+    assert np.isfinite([lo, hi]).all() and lo <= min(values) and max(values) <= hi and (lo > 0 or not log)
+    ticks, even = tick_values(lo, hi, log)
+    assert len(ticks) >= MIN_TICK_LABELS and np.isfinite(ticks).all() and all(lo <= t <= hi for t in ticks)
+    assert len(tick_labels(ticks, even)) == len(ticks)
+
+
+@pytest.mark.slow
+def test_one_group_at_step_1e308_does_not_crash_the_report(tmp_path):
+    df = study(n_runs=3, per_run=3, seed=1)
+    df["global_step"] = df.global_step.astype(float)
+    df.loc[df.run == "r1", "global_step"] = [100, 200, 1e308]
+    r = write_report(df, tmp_path / "r", FAST)
+    assert {"fig1_nc_vs_loss", "fig4_dynamics", "html"} <= set(r.files) and r.files["fig4_dynamics"].stat().st_size
+    assert pd.read_csv(r.files["metrics"]).global_step.max() == 1e308
