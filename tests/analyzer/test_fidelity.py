@@ -5,6 +5,7 @@ that have a variance; each against a brute force written here or a planted answe
 from __future__ import annotations
 
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -321,6 +322,29 @@ def test_unc3_cos_cv_is_nan_where_the_mean_duality_is_not_clearly_positive(kind)
             got = measure(ds, **kw)
         assert math.isnan(got["unc3_cos_cv"]) and got["nc3_cos_mean"] == pytest.approx(cos.mean(), abs=1e-12)
         assert math.isfinite(got["nc2_norm_cv"])
+
+
+def test_unc3_cos_cv_of_20_random_heads_is_nan():
+    """A random classifier's duality cosines average 0 up to their sampling noise: "clearly positive" is more than 3
+    standard errors (std/sqrt(n)) above 0, so every one of 20 random heads gives nan (the old rule, mean > 1e-3 std,
+    gave most of them a finite CV), with the warning; the brute-force cosines say the same."""
+    rng = np.random.default_rng(37)
+    V, d, old_rule, cvs, said = 64, 32, 0, [], 0
+    for _ in range(20):
+        means, W = rng.standard_normal((V, d)), rng.standard_normal((V, d))
+        m = means - means.mean(0)
+        cos = np.sum(W * m, 1) / (np.linalg.norm(W, axis=1) * np.linalg.norm(m, axis=1))  # float64 brute force
+        old_rule += cos.mean() > 0 and cos.mean() > 1e-3 * cos.std()
+        assert cos.mean() <= 3 * cos.std() / np.sqrt(V)  # noise: within 3 standard errors of 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = measure(stats_dataset(means, classifier=W), device="cpu")
+        said += any(re.search(r"unc3_cos_cv is nan: .* not more than 3 standard errors", str(w.message))
+                    for w in caught)
+        cvs.append(got["unc3_cos_cv"])
+        assert got["nc3_cos_mean"] == pytest.approx(cos.mean(), abs=1e-12)
+    assert [c for c in cvs if not math.isnan(c)] == [] and said == 20
+    assert old_rule >= 6  # the test can fail: the old rule gave these heads a number
 
 
 def test_unc3_cos_cv_where_the_mean_is_positive():
