@@ -236,6 +236,28 @@ def test_identical_class_means_are_refused(noise, engine):
     assert math.isfinite(quiet(measure, stats_dataset(means), device="cpu", engine=engine)["nc2_cos_mean"])
 
 
+@pytest.mark.parametrize("engine", ["numba", "torch"])
+def test_classes_centred_on_one_point_are_refused_not_measured_from_rounding(engine):
+    """Every class's features centred on 0 (its mean 0 up to rounding, its spread ~1): the centred means are rounding
+    noise of the within-class spread, though not of the means' own (equally tiny) norm. One line saying so, not
+    nc1_cdnv ~1e32 from noise; classes apart by 1e-4 of the spread are measured, their CDNV as the brute force."""
+    rng = np.random.default_rng(37)
+    V, d, n = 8, 6, 50
+    y = np.repeat(np.arange(V), n)
+    h = rng.standard_normal((V * n, d))
+    h -= np.repeat(h.reshape(V, n, d).mean(1), n, axis=0)  # each class centred on 0
+    ds = class_stats(h, y, V, classifier=rng.standard_normal((V, d)))
+    assert 0 < np.abs(ds["mean"].values).max() < 1e-15  # the means: rounding
+    with pytest.raises(CheckpointError, match=r"one and the same mean .*e-1\d of the within-class spread"):
+        quiet(measure, ds, device="cpu", engine=engine)
+    apart = h + 1e-4 * np.repeat(rng.standard_normal((V, d)), n, axis=0)
+    got = quiet(measure, class_stats(apart, y, V), device="cpu", engine=engine)
+    mu = np.stack([apart[y == c].mean(0) for c in range(V)])  # float64 brute force of nc1_cdnv
+    var = np.array([((apart[y == c] - mu[c]) ** 2).sum(1).mean() for c in range(V)])
+    pairs = [(var[a] + var[b]) / (2 * np.sum((mu[a] - mu[b]) ** 2)) for a in range(V) for b in range(a + 1, V)]
+    assert got["nc1_cdnv"] == pytest.approx(np.mean(pairs), rel=1e-9)
+
+
 # ---------------------------------------------------------------- B8: a NaN row in the output layer
 
 def test_a_nan_head_row_makes_head_erank_nan_and_leaves_the_rest():
