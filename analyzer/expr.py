@@ -24,7 +24,8 @@ the functions take numbers only, as fixed-width numpy values (:func:`_number`): 
 of ``.str`` is refused (``run * 300000000`` would repeat every name 300 million times), a column of Python objects
 is read as float64 and every number is float64 in arithmetic (integers too: int64 wraps, ``6.9e9 ** 2 < 0``; a
 result beyond float64 is inf; a negative literal to a fractional power, a complex number, is refused), so no
-intermediate result is larger than a column of the table and no element costs more than a machine operation; ``.str`` methods keep or shrink the text. Regular expressions (``contains``, ``match``,
+intermediate result is larger than a column of the table and no element costs more than a machine operation;
+``.str`` methods keep or shrink the text. Regular expressions (``contains``, ``match``,
 ``fullmatch``) run on RE2 (Arrow's ``match_substring_regex``), which takes time linear in the text and has no
 backreferences or lookaround: a pattern RE2 does not accept is refused, never handed to Python's backtracking ``re``.
 ``flags=`` takes ``re.IGNORECASE`` (2), ``re.MULTILINE`` (8), ``re.DOTALL`` (16) or their sum, given to RE2 as

@@ -271,7 +271,8 @@ def test_integer_columns_never_wrap_in_arithmetic(df):
                                                                                           True] * 3
 
 
-@pytest.mark.parametrize("expr", ["10.0 ** 400", "9 ** 999", "10 ** 308 * 10", "-(9 ** 999)", "2.0 ** 1000 * 2.0 ** 24"])
+@pytest.mark.parametrize("expr", ["10.0 ** 400", "9 ** 999", "10 ** 308 * 10", "-(9 ** 999)",
+                                  "2.0 ** 1000 * 2.0 ** 24"])
 def test_overflow_of_literals_is_inf_as_promised(df, expr):
     got = evaluate(expr, df)
     assert np.isinf(got) and np.sign(got) == (-1 if expr.startswith("-") else 1)

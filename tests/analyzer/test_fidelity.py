@@ -275,8 +275,9 @@ def test_a_nan_head_row_makes_head_erank_nan_and_leaves_the_rest():
         with pytest.warns(UserWarning, match=why):
             got = measure(ds, **kw)
         assert math.isnan(got["head_erank"]) and math.isfinite(want["head_erank"])
-        rest = [k for k in SCALARS if k not in ("head_erank", "nc4_agreement")]
+        rest = [k for k in SCALARS if k not in ("head_erank", "nc4_agreement", "unc3_cos_cv")]
         assert_close(got, want, rest, 1e-12)
+        assert math.isnan(got["unc3_cos_cv"]) and math.isnan(want["unc3_cos_cv"])  # a random head: no CV
 
 
 # ---------------------------------------------------------------- B14: a corrupt within_covariance

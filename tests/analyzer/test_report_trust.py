@@ -220,3 +220,29 @@ def test_one_group_at_step_1e308_does_not_crash_the_report(tmp_path):
     r = write_report(df, tmp_path / "r", FAST)
     assert {"fig1_nc_vs_loss", "fig4_dynamics", "html"} <= set(r.files) and r.files["fig4_dynamics"].stat().st_size
     assert pd.read_csv(r.files["metrics"]).global_step.max() == 1e308
+
+
+# ---------------------------------------------------------------- class 3: a checkpoint without a step
+
+def test_a_checkpoint_without_a_step_is_in_r_and_left_out_of_the_partial_r_with_a_note():
+    import pingouin as pg
+
+    from ncanalyze.analyzer.stats import correlations
+    from ncanalyze.analyzer.table import metrics_table
+
+    df = study(n_runs=8, per_run=1, seed=4)
+    df["global_step"] = 100.0 * np.arange(1, 9)
+    df.loc[[0, 1, 2], "global_step"] = [np.nan, np.inf, -5.0]  # none, non-finite, negative
+    controls = ["log(n_params)", "log1p(global_step)"]
+    s = correlations(df, ["nc1_cdnv"], "eval_loss", controls, n_perm=0, seed=0, runs="run").set_index("scale")
+    r_all = np.corrcoef(df.nc1_cdnv, df.eval_loss)[0, 1]  # float64 brute force over all 8 checkpoints
+    assert s.loc["raw", "n"] == 8 and s.loc["raw", "r"] == pytest.approx(r_all, abs=1e-12)
+    kept = df.iloc[3:].assign(ln=np.log(df.n_params[3:]), ls=np.log1p(df.global_step[3:]))
+    want = pg.partial_corr(kept, "nc1_cdnv", "eval_loss", covar=["ln", "ls"]).r.iloc[0]
+    assert s.loc["raw", "partial_r"] == pytest.approx(want, abs=1e-10)  # over the 5 with a step
+    assert "left_out" in s.loc["raw", "note_kinds"].split(",")
+    assert "partial r leaves out 3 checkpoint(s) where log1p(global_step) has no value" in s.loc["raw", "note"]
+    assert all(f"r{i}/checkpoint-100" in s.loc["raw", "note"] for i in range(3))
+    groups = [{"run": f"r{i}", "checkpoint": "c", "global_step": v, "metrics": {}} for i, v in
+              enumerate([None, float("inf"), -5, float("nan"), True, "7", 40])]
+    assert metrics_table(groups).global_step.isna().tolist() == [True] * 6 + [False]  # only r6's 40 is a step
