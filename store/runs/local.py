@@ -169,8 +169,11 @@ def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
         Shards per checkpoint.
     """
     if cfg.max_train_tokens is not None and cfg.min_count > cfg.max_train_tokens:
+        fix = (f"raise --max-train-tokens to at least {cfg.min_count} (--min-count), or leave it out to read all"
+               if cfg.max_train_tokens < 1 or cfg.min_count == 1 else
+               f"lower --min-count to at most {cfg.max_train_tokens}, or raise --max-train-tokens")
         raise UserError(f"--min-count {cfg.min_count} is above --max-train-tokens {cfg.max_train_tokens}, so no class "
-                        "could be kept: lower --min-count")
+                        f"could be kept: {fix}")
     if shards > 1 and (cfg.layers != "last" or cfg.save_embeddings):
         raise UserError("--shards splits the last layer's statistics only: drop --layers/--save-embeddings, or "
                         "--shards")
