@@ -123,11 +123,15 @@ FORMULAS = ["=1+1", '=HYPERLINK("https://evil.example","click")', "+1+cmd|' /C c
             "\t=1+1", "\r=1+1"]
 
 
-@pytest.mark.slow
 def test_csv_cells_a_spreadsheet_reads_as_formulas_are_guarded_and_numbers_stay(tmp_path):
+    from ncanalyze.analyzer.report.options import ReportResult
+    from ncanalyze.analyzer.report.write import _write_tables
+
     df = hostile_study(FORMULAS)
     df["tag"] = "-0.5"  # a text cell that is a number: left as it is
-    r = write_report(df, tmp_path / "r", NO_HTML)
+    r = ReportResult(metrics=df, selected=df, target="eval_loss", stats=pd.DataFrame({"metric": ["=1+1"]}))
+    _write_tables(r, tmp_path)  # as write_report writes them
+    assert pd.read_csv(r.files["stats"]).metric.tolist() == ["'=1+1"]
     with open(r.files["metrics"], newline="", encoding="utf-8") as f:
         cells = list(csv.DictReader(f))
     assert {c["run"] for c in cells} == {"'" + n for n in FORMULAS}
