@@ -22,8 +22,10 @@ Budget, part of the language: an expression is at most :data:`MAX_LENGTH` charac
 the power of two literals has an exponent of at most 1000. Arithmetic (``+ - * / // % **``, unary ``- +``) and
 the functions take numbers only, as fixed-width numpy values (:func:`_number`): text, a text column or a result
 of ``.str`` is refused (``run * 300000000`` would repeat every name 300 million times), a column of Python objects
-is read as float64 and an integer literal beyond int64 as a float, so no intermediate result is larger than a
-column of the table and no element costs more than a machine operation; ``.str`` methods keep or shrink the text. Regular expressions (``contains``, ``match``,
+is read as float64 and every number is float64 in arithmetic (integers too: int64 wraps, ``6.9e9 ** 2 < 0``; a
+result beyond float64 is inf; a negative literal to a fractional power, a complex number, is refused), so no
+intermediate result is larger than a column of the table and no element costs more than a machine operation;
+``.str`` methods keep or shrink the text. Regular expressions (``contains``, ``match``,
 ``fullmatch``) run on RE2 (Arrow's ``match_substring_regex``), which takes time linear in the text and has no
 backreferences or lookaround: a pattern RE2 does not accept is refused, never handed to Python's backtracking ``re``.
 ``flags=`` takes ``re.IGNORECASE`` (2), ``re.MULTILINE`` (8), ``re.DOTALL`` (16) or their sum, given to RE2 as
@@ -61,6 +63,8 @@ _REGEX_METHODS = {"contains", "match", "fullmatch"}
 _RE2_FLAGS = {2: "i", 8: "m", 16: "s"}  # re.IGNORECASE, re.MULTILINE, re.DOTALL as RE2's inline flags
 _MAX_LITERAL_POW = 1000  # |exponent| of a power of two literals: 10**10**10 would hang the parser's user
 _BACKTICK = re.compile(r"`([^`]*)`")
+# a string literal (kept as it is: a backtick in it is text) or a backticked column name
+_STRING_OR_BACKTICK = re.compile(r"""('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")|`([^`]*)`""")
 _NAMES = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
           ast.BitAnd: "&", ast.BitOr: "|", ast.MatMult: "@", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>",
           ast.Is: "is", ast.IsNot: "is not"}
@@ -146,7 +150,8 @@ class _Evaluator:
         if op is operator.pow and not isinstance(a, pd.Series) and not isinstance(b, pd.Series):
             if abs(b) > _MAX_LITERAL_POW:
                 raise _Refused(f"exponent {b} of two literals too large")
-            a = float(a)  # a float power overflows at once; Python's integer power of powers runs for ever
+            if a < 0 and not float(b).is_integer():
+                raise _Refused(f"({a:g}) ** {b:g} is not a real number (a negative base to a fractional power)")
         with np.errstate(all="ignore"):
             return op(a, b)
 
@@ -221,16 +226,19 @@ class _Evaluator:
 
 
 def _number(v, op: str):
-    """``v`` as an operand of arithmetic: a bool, an int within int64, a float, or a Series of fixed-width numbers
-    (a column of Python objects holding numbers read as float64); a :class:`_Refused` for text (``'a' * 9``, ``run
-    * 300000000``: repetition) or anything else, so that every result is at most a column of 8-byte numbers."""
-    if isinstance(v, bool | float | np.bool_ | np.floating):
+    """``v`` as an operand of arithmetic: a bool, or float64 (a number, a numeric column, a column of Python objects
+    holding numbers): integers never wrap (int64 does) and overflow gives inf, as numpy's floats do; a
+    :class:`_Refused` for text (``'a' * 9``, ``run * 300000000``: repetition) or anything else, so that every result
+    is at most a column of 8-byte numbers."""
+    if isinstance(v, bool | np.bool_):
         return v
-    if isinstance(v, int | np.integer):
-        return int(v) if -2 ** 63 <= v < 2 ** 63 else float(v)  # a float overflows at once; a Python int grows
+    if isinstance(v, int | float | np.integer | np.floating):
+        return np.float64(v)  # int64 wraps (6.9e9 ** 2 < 0); a Python int grows; a Python float raises on overflow
     if isinstance(v, pd.Series):
-        if pd.api.types.is_bool_dtype(v.dtype) or (pd.api.types.is_numeric_dtype(v.dtype) and v.dtype != object):
+        if pd.api.types.is_bool_dtype(v.dtype):
             return v
+        if pd.api.types.is_numeric_dtype(v.dtype) and v.dtype != object:
+            return v.astype(np.float64)  # integer columns too: their products wrap on int64
         numbers = pd.to_numeric(v, errors="coerce")
         if not _text(v) or v.dropna().map(lambda x: isinstance(x, int | float | np.number)).all():
             if numbers.notna().sum() == v.notna().sum():
@@ -311,16 +319,16 @@ def _parse(expr: str, columns) -> tuple[ast.AST, dict[str, str]]:
         name = f"BACKTICKED_{len(aliases)}_"
         while name in columns:
             name += "_"
-        aliases[name] = m.group(1)
-        if m.group(1) not in columns:
-            raise _Refused(f"unknown column `{m.group(1)}`")
+        aliases[name] = m.group(2)
+        if m.group(2) not in columns:
+            raise _Refused(f"unknown column `{m.group(2)}`")
         return name
 
     if len(expr) > MAX_LENGTH:
         raise _Refused(f"{len(expr)} characters, over the limit of {MAX_LENGTH}: shorten it")
     if "@" in _BACKTICK.sub("", re.sub(r"'[^']*'|\"[^\"]*\"", "", expr)):
         raise _Refused("'@' (local variables) not allowed")
-    text = _BACKTICK.sub(alias, expr)
+    text = _STRING_OR_BACKTICK.sub(lambda m: m.group(0) if m.group(1) else alias(m), expr)
     try:
         tree = ast.parse(_boolean_precedence(text.strip()), mode="eval")
     except (SyntaxError, tokenize.TokenError) as e:

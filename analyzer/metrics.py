@@ -153,20 +153,24 @@ def class_nc4(g: Geometry) -> np.ndarray:
         return np.where(g.val_count > 0, g.val_agree / g.val_count, np.nan)
 
 
-CV_MIN_MEAN = 1e-3  # a coefficient of variation needs a mean above this many standard deviations (and above 0)
+CV_MIN_SE = 3  # a coefficient of variation needs a mean above this many standard errors, std / sqrt(n) (SPEC 4)
 
 
 def coefficient_of_variation(x: np.ndarray, name: str, what: str) -> float:
     """std / mean of ``x`` (population std), or nan with a warning naming ``name`` where the mean is not clearly
-    positive (mean <= CV_MIN_MEAN std, or <= 0): a ratio to a mean near 0 or below is no measure of spread. Scale-free:
-    ``x`` is divided by its largest magnitude first (std's squares neither overflow nor underflow)."""
+    positive: not more than CV_MIN_SE standard errors (std / sqrt(n), the mean's own sampling noise) above 0. A
+    random classifier's duality cosines average 0 up to that noise, and a ratio to such a mean is no measure of
+    spread. Scale-free: ``x`` is divided by its largest magnitude first (std's squares neither overflow nor
+    underflow)."""
     x = np.asarray(x, dtype=np.float64)
     top = np.abs(x).max()
     x = x / top if top > 0 else x
     mean, std = float(x.mean()), float(x.std())
-    if not (mean > 0 and mean > CV_MIN_MEAN * std):
-        warnings.warn(f"{name} is nan: the mean of {what} over the kept classes is {mean * top:.3g} (std "
-                      f"{std * top:.3g}), not clearly positive, so std/mean measures nothing", stacklevel=4)
+    se = std / math.sqrt(x.size)
+    if not (mean > 0 and mean > CV_MIN_SE * se):
+        warnings.warn(f"{name} is nan: the mean of {what} over the kept classes is {mean * top:.3g}, not more than "
+                      f"{CV_MIN_SE} standard errors ({CV_MIN_SE} x {se * top:.3g}, std/sqrt({x.size})) above 0, "
+                      "so std/mean measures nothing", stacklevel=4)
         return math.nan
     return std / mean
 

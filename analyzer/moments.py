@@ -10,6 +10,7 @@ from scipy.linalg import solve_triangular
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 
 SAME_MEANS = 1e-10  # centred means below this fraction of the means' own norm: rounding noise, not classes
+SAME_SPREAD = 1e-6  # nor below this fraction of the features' within-class spread (each class centred on 0)
 
 
 def pair_mean(s: np.ndarray, n: int) -> float:
@@ -48,8 +49,9 @@ def check_covariance(sigma_w: np.ndarray | None) -> None:
 
 def check_centred(r: np.ndarray, var: np.ndarray, K: np.ndarray, scale: float) -> None:
     """A CheckpointError where the norms r_c of the centred means or the variances are not finite, where every
-    centred mean is zero or rounding noise (max r_c <= SAME_MEANS x ``scale``: the classes share one mean), or
-    where an r_c is zero.
+    centred mean is zero or rounding noise (max r_c <= SAME_MEANS x ``scale``, or <= SAME_SPREAD x the within-class
+    spread, the root of the mean variance: the classes share one mean, up to rounding of the features' own scale,
+    even where that mean is 0), or where an r_c is zero.
 
     Parameters
     ----------
@@ -61,8 +63,11 @@ def check_centred(r: np.ndarray, var: np.ndarray, K: np.ndarray, scale: float) -
         The means' own scale, max_c ||mu_c|| over K.
     """
     check_finite(np.r_[r, var], "class means or variances")
-    if not r.max() > SAME_MEANS * scale:
-        size = "all zero" if scale == 0 else f"{r.max() / scale:.1e} of the means' own norm, rounding noise"
+    spread = float(np.sqrt(var.mean()))
+    if not (r.max() > SAME_MEANS * scale and r.max() > SAME_SPREAD * spread):
+        size = "all zero" if r.max() == 0 else (
+            f"{r.max() / spread:.1e} of the within-class spread" if r.max() <= SAME_SPREAD * spread
+            else f"{r.max() / scale:.1e} of the means' own norm") + ", rounding noise"
         raise CheckpointError(
             f"the {K.size} kept classes have one and the same mean (the centred means are {size}): the features do "
             "not depend on the class (as after a final norm with gain 0), so the metrics are undefined; measure "

@@ -16,9 +16,11 @@ if TYPE_CHECKING:  # xarray loads in stats_dataset: the CLI's --help reads these
 
 # the neural-collapse metrics, in SPEC order (section 4, first table); each is a function of the same name in metrics.py
 # The metrics' definitions' version: bumped whenever a definition of SPEC section 4 changes (2: erank's rounding cut,
-# rankme, alpha-ReQ's weighted fit, CDNV over classes with a variance, coefficients of variation only where defined).
-# A group measured under another version is measured again by `ncanalyze measure` and `report`.
-METRICS_VERSION = 2
+# rankme, alpha-ReQ's weighted fit, CDNV over classes with a variance, coefficients of variation only where defined;
+# 3: a coefficient of variation only where its mean is 3 standard errors above 0, classes whose means differ by less
+# than rounding of the within-class spread refused). A group measured under another version is measured again by
+# `ncanalyze measure` and `report`.
+METRICS_VERSION = 3
 NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
               "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
               "nc4_agreement")

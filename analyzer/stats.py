@@ -248,8 +248,11 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     y = y.where(np.isfinite(y))  # an infinite loss (a diverged run) would make every r nan: such rows are left out
     C = eval_controls(df, controls)
     refuse_correlated_controls(df, C, target, metrics)
+    C = C.where(np.isfinite(C))  # log1p of an infinite or negative step: no value
     empty = [c for c in C.columns if C.loc[y.notna(), c].isna().all()]  # e.g. a step no checkpoint recorded
     C = C.drop(columns=empty)
+    if (lacking := y.notna() & C.isna().any(axis=1)).any():  # a checkpoint without a step: in r, not in partial r
+        return _partial_apart(df, lacking, C, metrics, target, controls, n_perm, seed, runs, step)
     ok = y.notna() & C.notna().all(axis=1)
     y, C = y[ok], C[ok]
     X, notes = scaled_metrics(df[ok], metrics)
@@ -276,6 +279,35 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     out["p_holm"], out["rho_p_holm"], out["partial_p_holm"] = (holm(out, c) for c in ("p_perm", "rho_p",
                                                                                       "partial_p_perm"))
     out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed, runs=runs)
+    return out
+
+
+def _partial_apart(df: pd.DataFrame, lacking: pd.Series, C: pd.DataFrame, metrics: Sequence[str], target: str,
+                   controls: Sequence[str], n_perm: int, seed: int | None, runs: str | None, step: str) -> pd.DataFrame:
+    """:func:`correlations` where some rows lack a control's value (a checkpoint without a finite, non-negative
+    global_step: a plain model folder, a Hub revision): r, rho and their p-values over every row, the partial r
+    over the rows with every control, with a ``left_out`` note naming the rows it leaves out."""
+    plain = correlations(df, metrics, target, (), n_perm, seed, runs=runs, step=step)
+    partial = correlations(df[~lacking], metrics, target, controls, n_perm, seed, runs=runs, step=step)
+    named = (df.loc[lacking, "run"].astype(str) + "/" + df.loc[lacking, "checkpoint"].astype(str)
+             if {"run", "checkpoint"} <= set(df.columns) else df.index[lacking].astype(str))
+    missing = [c for c in C.columns if C.loc[lacking, c].isna().any()]
+    left = Note(NoteKind.LEFT_OUT, f"partial r leaves out {int(lacking.sum())} checkpoint(s) where "
+                f"{', '.join(missing)} has no value (no global_step recorded, or a non-finite or negative one): {', '.join(named[:5])}"
+                + (f" and {len(named) - 5} more" if len(named) > 5 else ""))
+    own = [c for c in partial.columns if c.startswith("partial_")] + ["controls"]
+    out = plain.drop(columns=own).merge(partial[["metric", "scale", "note", "note_kinds", *own]],
+                                        on=["metric", "scale"], how="left", suffixes=("", "_partial"))
+    for i, row in out.iterrows():
+        extra = [t for t in str(row.pop("note_partial") or "").split("; ") if "partial" in t] + [left.text]
+        kinds = [k for k in str(row.pop("note_kinds_partial") or "").split(",") if k in ("controls", "too_few")
+                 and len(extra) > 1] + [NoteKind.LEFT_OUT.value]
+        out.loc[i, "note"] = "; ".join([t for t in [str(row.note or "")] if t] + extra)
+        out.loc[i, "note_kinds"] = ",".join(dict.fromkeys([k for k in str(row.note_kinds or "").split(",") if k]
+                                                          + kinds))
+    out = out.drop(columns=["note_partial", "note_kinds_partial"])[list(partial.columns)]
+    out["partial_p_holm"] = holm(out, "partial_p_perm")
+    out.attrs.update(plain.attrs | {"controls": list(controls)})
     return out
 
 

@@ -32,7 +32,19 @@ def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
     metrics, nonfinite = attrs.get("metrics") or {}, attrs.get("metrics_nonfinite") or {}
     floats = {k: float(nonfinite.get(k, "nan")) if metrics.get(k) is None else float(metrics[k])
               for k in (*CLASS_COUNTS, *SCALARS)}
-    return {**{k: attrs.get(k) for k in INFO}, LAYER: attrs.get(LAYER, attrs.get("n_layers")), **floats}
+    info = {k: attrs.get(k) for k in INFO}
+    info["global_step"] = _step(info.get("global_step"))
+    return {**info, LAYER: attrs.get(LAYER, attrs.get("n_layers")), **floats}
+
+
+def _step(value: Any) -> Any:
+    """A checkpoint's global_step, or nan where it has none (a plain model folder, a Hub revision) or it is not a
+    finite number >= 0: the statistics that need the step leave such a row out, saying so; the others use it."""
+    try:
+        ok = value is not None and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    except TypeError:
+        ok = False
+    return value if ok else math.nan
 
 
 def metrics_table(groups: Iterable[Mapping[str, Any]]) -> pd.DataFrame:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 import cloup
 from ncanalyze.analyzer.registry import MEASURE_SECTIONS, MeasureSettings
+from ncanalyze.analyzer.schema import SCALARS
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option, setting_groups, settings_of, store_positional
 
@@ -18,21 +19,22 @@ RUN_CONTROL = [  # where it works and whether it starts again: the command's own
 
 
 @cloup.command(short_help="NC metrics of every checkpoint not yet measured, into the store.",
-               align_option_groups=False)
-@store_positional
-@setting_groups(MEASURE_SECTIONS, "measure", MeasureSettings, more={"Run control": RUN_CONTROL})
-def measure(store_positional, store, scheduler, force, **values):
-    """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
+               align_option_groups=False, help=f"""\
+Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
 
     \b
-    STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The 23 scalar metrics go into each
-    checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
+    STORE (or --store) defaults to $NCANALYZE_STORE, else ./ncanalyze.zarr. The {len(SCALARS)} scalar metrics go into
+    each checkpoint group's attributes (`metrics`), the per-class views into variables class_norm,
     class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
     when its statistics or --min-count change. --device auto runs the pairwise sums and the d x d work in torch
     float64 on CUDA where torch sees a GPU (equal to the CPU's numba path to 1e-12), else on the CPU.
-    """
+    """)
+@store_positional
+@setting_groups(MEASURE_SECTIONS, "measure", MeasureSettings, more={"Run control": RUN_CONTROL})
+def measure(store_positional, store, scheduler, force, **values):
+    """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured (the help: its count of
+    metrics is SCALARS')."""
     import pandas as pd
-    from ncanalyze.analyzer.schema import SCALARS
     from ncanalyze.store.measure import measure_store
 
     settings = settings_of(MeasureSettings, values)  # a bad value: its one line, before the store is opened

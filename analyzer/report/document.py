@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ncanalyze.analyzer.report.depth import TITLE as DEPTH_TITLE
+from ncanalyze.analyzer.report.escape import md_name, md_names, md_text
 from ncanalyze.analyzer.report.figures import TITLES, tag_suffix, title_target
 from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
@@ -18,7 +19,7 @@ from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_tex
 
 def tag_name(tag: str | None) -> str:
     """A tag as report.md names it."""
-    return "(untagged)" if tag is None else f"`{tag}`"
+    return "(untagged)" if tag is None else md_name(tag)
 
 
 def tags_text(tags: list) -> str:
@@ -34,7 +35,7 @@ def header(r: ReportResult, o: ReportOptions, tags: list) -> list[str]:
     n_runs = sel["run"].nunique() if "run" in sel else 1
     md = [f"# ncanalyze report: NC metrics against {target}", "",
           f"{len(sel)} checkpoints from {n_runs} run(s)" + (f" ({code(o.where)})" if o.where else "")
-          + (f" in `{o.store}`" if o.store else "") + ".", ""]
+          + (f" in {md_name(o.store)}" if o.store else "") + ".", ""]
     md += unreachable_lines(r.stats)
     if o.per_run == "last":
         md += ["`--per-run last`: each run's latest checkpoint only (one row per run).", ""]
@@ -86,7 +87,7 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
         md += ["Multiple comparisons (Holm, family-wise error 0.05):", ""] + [f"- {s}" for s in survivors(stats)]
         md += [""]
     if notes(stats):
-        md += ["Notes:", ""] + [f"- {n}" for n in notes(stats)] + [""]
+        md += ["Notes:", ""] + [f"- {md_text(n)}" for n in notes(stats)] + [""]
     suffix = tag_suffix(tag) if several else ""
     figures = {k: f for k, f in r.figures.items() if (k.endswith(suffix) if suffix else "__" not in k)}
     md += ["### Figures" if several else "## Figures", "", "Each figure is also in PDF and SVG beside its PNG.", ""]
@@ -110,20 +111,20 @@ def _support_section(r: ReportResult, o: ReportOptions) -> list[str]:
                "store to see them.", ""]
     warning = thin_warning(sel)
     if warning:
-        md += [f"**Warning:** {warning}", ""]
+        md += [f"**Warning:** {md_text(warning)}", ""]
     return md + ["Which way is more collapse:", ""] + direction_lines(list(o.metrics)) + [""]
 
 
 def _token_section(r: ReportResult) -> list[str]:
     """The per-token tables, one per checkpoint, after the notes on the tokens."""
     if r.tokens is None:
-        return [f"**Note:** {n}.\n" for n in r.notes]
+        return [f"**Note:** {md_text(n)}.\n" for n in r.notes]
     md = ["## Per-token statistics", "", "Mean CDNV and mean interference are to the other kept classes; "
           "the average token is the mean over the kept classes.", ""]
-    md += [f"**Note:** {n}.\n" for n in r.notes]
+    md += [f"**Note:** {md_text(n)}.\n" for n in r.notes]
     for g, t in r.tokens.groupby("checkpoint", sort=False):
-        rows = token_rows(t, lambda x: repr(x).replace("|", r"\|"))
-        md += [f"### {g}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
+        rows = token_rows(t, lambda x: md_text(repr(x)).replace("|", r"\|"))
+        md += [f"### {md_name(g)}", "", rows.to_markdown(index=False, floatfmt=".4g"), ""]
     return md
 
 
@@ -132,7 +133,7 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]
     md = []
     if skipped:
         md += ["## Skipped checkpoints", "", f"{len(skipped)} checkpoint(s) could not be measured and are left out:",
-               ""] + [f"- `{g}`: {why}" for g, why in skipped.items()] + [""]
+               ""] + [f"- {md_name(g)}: {md_text(why)}" for g, why in skipped.items()] + [""]
     md += ["## Files", "", "- `metrics.csv`: one row per checkpoint",
            "- `stats.csv`: every statistic, with its Holm `family`, the unit permuted (`perm_unit`) and the floor of "
            "the permutation p (`p_floor`); columns ending in `_iid` assume independent rows",
@@ -160,8 +161,8 @@ def _depth_section(r: ReportResult) -> list[str]:
     if r.depth_notes:
         md += ["Gaps in the figure (values not defined there, e.g. at layer 0 two tokens can share one input "
                "embedding, so a distance between class means is 0 and CDNV and GNC2 are infinite):", ""]
-        md += [f"- {n}" for n in r.depth_notes] + [""]
-    return md + [r.depth.to_markdown(index=False, floatfmt=".4g"), "",
+        md += [f"- {md_text(n)}" for n in r.depth_notes] + [""]
+    return md + [md_names(r.depth).to_markdown(index=False, floatfmt=".4g"), "",
                  "- `layers.csv`: the per-layer table; `depth.png`, `.pdf`, `.svg`: the figure", ""]
 
 
@@ -189,6 +190,6 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
         md += _correlation_section(result, options, tag, rows, len(tags) > 1)
     md += _support_section(result, options) + _token_section(result)
     if result.min_count is not None:
-        md += min_count_lines(result.min_count, result.min_count_notes)
+        md += min_count_lines(md_names(result.min_count), [md_text(n) for n in result.min_count_notes])
     md += _files_section(result, skipped)
     return "\n".join(md) + "\n" + "\n".join(_depth_section(result))

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
+from ncanalyze.analyzer.report.escape import write_csv  # noqa: E402
 from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
 from ncanalyze.analyzer.report.ticks import count_text, declutter, limits, set_ticks  # noqa: E402
 
@@ -465,5 +466,5 @@ def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict
     if table is None:
         return {}
     files = {"depth": save_figure(depth_figure(df, labels=LABELS), out, "depth"), "layers": out / "layers.csv"}
-    table.to_csv(files["layers"], index=False)
+    write_csv(table, files["layers"])
     return files

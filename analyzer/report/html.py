@@ -17,6 +17,7 @@ from matplotlib.colors import LogNorm, Normalize, to_hex
 
 from ncanalyze.analyzer.report.depth import has_depth, last_layer
 from ncanalyze.analyzer.report.document import header, tag_stats
+from ncanalyze.analyzer.report.escape import plotly_text
 from ncanalyze.analyzer.report.figures import FIGURES, RUN_COLOURS, label
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
@@ -142,6 +143,9 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     rows = {c: _values(df[c]) for c in dict.fromkeys(cols)}
     run = df["run"].astype(str) if "run" in df else pd.Series("(all)", index=df.index)  # a table without runs
     rows["run"] = list(run)
+    for c in ("run", "checkpoint", "tag"):  # as plotly draws them: text, not its label markup
+        if c in rows:
+            rows["_shown_" + c] = [None if v is None else plotly_text(v) for v in rows[c]]
     rows["_last"] = [bool(x) for x in df.index.isin(last_layer(df).index)]
     rows["_tag"] = _tag_keys(df)
     colours = _colours(df, run)
@@ -247,8 +251,10 @@ def _table(name: str, head: list[str], body: list[str]) -> str:
 
 
 def _json(value: dict) -> str:
-    """JSON safe inside a <script> element (no '</')."""
-    return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
+    """JSON safe inside a <script> element: no ``<`` at all (``\\u003c``, as ``>`` and ``&``), so no ``</script>`` and
+    no ``<!--`` (which makes the parser look for ``-->`` past the element's end and blanks the page) in any string."""
+    text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def write_html(r: ReportResult, options: ReportOptions, out: Path, skipped: dict[str, str] | None = None) -> Path:

@@ -35,10 +35,12 @@ function byRun(rows) {
   return runs;
 }
 
-// What a hover shows of a row: run, checkpoint, step, tag, parameters, kept classes, layer, the target.
+// What a hover shows of a row: run, checkpoint, step, tag, parameters, kept classes, layer, the target. Names are
+// the _shown_ columns: entities for & < >, so plotly draws them as text, never as its label markup (<a href>).
 function custom(i) {
-  return [R.run[i], text(R.checkpoint && R.checkpoint[i]), count(R.global_step ? R.global_step[i] : null),
-          text(R.tag ? R.tag[i] : null), count(R.n_params ? R.n_params[i] : null),
+  return [R._shown_run[i], text(R.checkpoint && R._shown_checkpoint[i]),
+          count(R.global_step ? R.global_step[i] : null), text(R.tag ? R._shown_tag[i] : null),
+          count(R.n_params ? R.n_params[i] : null),
           count(R.n_kept ? R.n_kept[i] : null), R.layer ? text(R.layer[i]) : "", R[D.target][i]];
 }
 
@@ -63,7 +65,8 @@ function runTraces(rows, x, y, lines, axes, legend) {
   const traces = [];
   let first = true;
   for (const [run, g] of byRun(rows)) {
-    traces.push({type: "scatter", mode: "lines+markers", name: run, legendgroup: run, showlegend: legend,
+    traces.push({type: "scatter", mode: "lines+markers", name: R._shown_run[g[0]], legendgroup: run,
+                 showlegend: legend,
                  x: g.map(get(x)), y: g.map(get(y)), customdata: g.map(custom), hovertemplate: hover(lines),
                  xaxis: axes[0], yaxis: axes[1], line: {color: C.run[run], width: 1}, marker: marker(g, first)});
     first = false;

@@ -10,6 +10,7 @@ import pandas as pd
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition
+from ncanalyze.analyzer.report.escape import visible
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, NC, split_tags, unreachable
 
@@ -224,6 +225,7 @@ def code(text: str) -> str:
     -------
     str
     """
+    text = visible(text)  # a newline would end the line: a heading or raw HTML after it
     return f"`` {text} ``" if "`" in text else f"`{text}`"
 
 

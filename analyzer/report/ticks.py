@@ -3,6 +3,7 @@ compact labels, and blanking every other label where rendered labels would overl
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 
 import pandas as pd
@@ -11,12 +12,16 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, MaxNLocator, NullFormatter, NullLocator
 
 MIN_TICK_LABELS = 3
+_MAX = sys.float_info.max  # axis limits stay finite: a step of 1e308 padded by 5% would be inf
+_MAX_EXP = math.floor(math.log10(_MAX))
 
 
 def _nice_linear(lo: float, hi: float, nbins: int = 5) -> list[float]:
-    ticks = MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
-    eps = 1e-9 * (hi - lo or abs(hi) or 1)
-    return [float(t) for t in ticks if lo - eps <= t <= hi + eps]
+    big = max(abs(lo), abs(hi))
+    f = 10.0 ** math.floor(math.log10(big)) if big > 1e300 else 1.0  # matplotlib's locator overflows near 1e308
+    ticks = MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo / f, hi / f)
+    eps = 1e-9 * (hi / f - lo / f or abs(hi / f) or 1)
+    return [float(t) * f for t in ticks if lo / f - eps <= t <= hi / f + eps and math.isfinite(float(t) * f)]
 
 
 def tick_values(lo: float, hi: float, log: bool) -> tuple[list[float], bool]:
@@ -38,7 +43,7 @@ def tick_values(lo: float, hi: float, log: bool) -> tuple[list[float], bool]:
         The tick values and whether they are evenly spaced.
     """
     if log and lo > 0:
-        e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+        e0, e1 = math.floor(math.log10(lo)), min(math.ceil(math.log10(hi)), _MAX_EXP)  # 10.0 ** 309 raises
         inside = lambda vs: [v for v in vs if lo <= v <= hi]  # noqa: E731
         decades = inside([10.0 ** e for e in range(e0, e1 + 1)])
         if len(decades) > 7:
@@ -157,10 +162,10 @@ def limits(values: pd.Series, log: bool) -> tuple[float, float]:
     lo, hi = float(values.min()), float(values.max())
     if log:
         pad = max((hi / lo) ** 0.05, 1.02) if hi > lo else 1.1
-        return lo / pad, hi * pad
-    span = hi - lo if hi > lo else (abs(hi) * 0.2 or 1.0)
-    pad = 0.05 * span if hi > lo else span / 2
-    return lo - pad, hi + pad
+        return (lo / pad if lo / pad > 0 else lo), min(hi * pad, _MAX)
+    span = hi / 2 - lo / 2 if hi > lo else (abs(hi) * 0.2 or 1.0)  # halves: hi - lo may overflow
+    pad = 0.1 * span if hi > lo else span / 2
+    return max(lo - pad, -_MAX), min(hi + pad, _MAX)
 
 
 def overlapping_labels(axis: Axis, renderer) -> bool:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -9,7 +11,8 @@ import pandas as pd
 from ncanalyze.analyzer.report.depth import depth_table, has_depth, last_layer, undefined
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
-from ncanalyze.analyzer.report.figures import depth_files, draw_figures, tag_suffix
+from ncanalyze.analyzer.report.escape import write_csv
+from ncanalyze.analyzer.report.figures import DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures, tag_suffix
 from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.mincount import min_count_table
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
@@ -62,16 +65,32 @@ def _folder(out: str | Path) -> Path:
     except (FileExistsError, NotADirectoryError) as e:
         raise UserError(f"--out (write_report's out) {out}: cannot make the folder ({e.strerror}: {e.filename}); "
                         "pass a folder path that is not under a file") from None
-    theirs = [f for f in OUTPUTS if (out / f).is_file()]
+    clash = sorted((e for e in os.scandir(out) if _written_by_report(e.name)), key=lambda e: e.name)
+    links = [e.name for e in clash if e.is_symlink() or not e.is_file(follow_symlinks=False)]
+    if links:
+        raise UserError(f"--out {out} holds {', '.join(map(repr, links[:5]))}, a link or not a plain file where the "
+                        "report writes a file: a report never writes through a link; pass another --out, or remove "
+                        "them")
+    theirs = [e.name for e in clash]
     if theirs and not _ours(out / "report.md"):
-        raise UserError(f"--out {out} holds {', '.join(theirs)} that no ncanalyze report wrote (no report.md of ours "
-                        "beside them), which the report would overwrite; pass another --out, or move them")
+        raise UserError(f"--out {out} holds {', '.join(map(repr, theirs[:5]))}"
+                        f"{f' and {len(theirs) - 5} more' if len(theirs) > 5 else ''} that no ncanalyze report wrote "
+                        "(no report.md of ours beside them), which the report would overwrite; pass another --out, "
+                        "or move them")
     return out
 
 
-# files a report writes
+# files a report writes: these, and the figures (FIGURES' stems, fig4_dynamics and depth; per tag with __<tag>) as
+# PNG, PDF and SVG
 OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex", "report.md",
            "report.html")
+_FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, (*FIGURES, DYNAMICS[0], 'depth')))})(__[A-Za-z0-9._-]+)?"
+                          rf"\.({'|'.join(FORMATS)})")
+
+
+def _written_by_report(name: str) -> bool:
+    """Whether a report writes a file of this name (it would overwrite one there)."""
+    return name in OUTPUTS or bool(_FIGURE_FILE.fullmatch(name))
 
 
 def _ours(report_md: Path) -> bool:
@@ -84,16 +103,17 @@ def _ours(report_md: Path) -> bool:
 
 
 def _write_tables(r: ReportResult, out: Path) -> None:
-    """metrics.csv, stats.csv and, with tokens, tokens.csv; with a store, min_count.csv."""
+    """metrics.csv, stats.csv and, with tokens, tokens.csv; with a store, min_count.csv; text cells a spreadsheet
+    would read as formulas guarded (:func:`~ncanalyze.analyzer.report.escape.write_csv`)."""
     r.files |= {"metrics": out / "metrics.csv", "stats": out / "stats.csv"}
-    r.metrics.to_csv(r.files["metrics"], index=False)
-    r.stats.to_csv(r.files["stats"], index=False)
+    write_csv(r.metrics, r.files["metrics"])
+    write_csv(r.stats, r.files["stats"])
     if r.tokens is not None:
         r.files["tokens"] = out / "tokens.csv"
-        r.tokens.to_csv(r.files["tokens"], index=False)
+        write_csv(r.tokens, r.files["tokens"])
     if r.min_count is not None:
         r.files["min_count"] = out / "min_count.csv"
-        r.min_count.to_csv(r.files["min_count"], index=False)
+        write_csv(r.min_count, r.files["min_count"])
 
 
 def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = ReportOptions(),

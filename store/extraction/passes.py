@@ -242,7 +242,9 @@ def run_passes(model, train: Blocks, val: Blocks | None, ex: Extraction, classif
             count = ex.first().stats.count
             if not (count >= min_count).any():
                 raise UserError(f"no class has --min-count {min_count} train tokens in {desc} (the most is "
-                                f"{int(count.max())}): lower --min-count")
+                                f"{int(count.max())}): " + ("lower --min-count" if min_count > 1 and count.max() else
+                                                             "no train token was read: check --dataset and "
+                                                             "--max-train-tokens"))
             ex.next_phase(Phase.VALIDATION)
             saver.maybe(force=True)
         if ex.phase == Phase.VALIDATION:

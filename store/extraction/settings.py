@@ -191,5 +191,8 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         if self.max_train_tokens is not None and self.min_count > self.max_train_tokens:
+            fix = (f"raise --max-train-tokens to at least {self.min_count} (--min-count), or leave it out to read all"
+                   if self.max_train_tokens < 1 or self.min_count == 1 else
+                   f"lower --min-count to at most {self.max_train_tokens}, or raise --max-train-tokens")
             raise UserError(f"--min-count {self.min_count} is above --max-train-tokens {self.max_train_tokens}, so no "
-                            "class could be kept: lower --min-count")
+                            f"class could be kept: {fix}")

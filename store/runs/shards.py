@@ -209,7 +209,8 @@ def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict
     count = stats.count
     if not (count >= cfg.min_count).any():
         raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most is "
-                        f"{int(count.max())}): lower --min-count")
+                        f"{int(count.max())}): " + ("lower --min-count" if cfg.min_count > 1 and count.max() else
+                                                     "no train token was read: check --dataset and --max-train-tokens"))
     files = store.files(ckpt)
     with store.lock(ckpt.group):
         status = store.status(ckpt.group, config_hash(run.record), overwrite)

@@ -5,6 +5,7 @@ that have a variance; each against a brute force written here or a planted answe
 from __future__ import annotations
 
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -235,6 +236,28 @@ def test_identical_class_means_are_refused(noise, engine):
     assert math.isfinite(quiet(measure, stats_dataset(means), device="cpu", engine=engine)["nc2_cos_mean"])
 
 
+@pytest.mark.parametrize("engine", ["numba", "torch"])
+def test_classes_centred_on_one_point_are_refused_not_measured_from_rounding(engine):
+    """Every class's features centred on 0 (its mean 0 up to rounding, its spread ~1): the centred means are rounding
+    noise of the within-class spread, though not of the means' own (equally tiny) norm. One line saying so, not
+    nc1_cdnv ~1e32 from noise; classes apart by 1e-4 of the spread are measured, their CDNV as the brute force."""
+    rng = np.random.default_rng(37)
+    V, d, n = 8, 6, 50
+    y = np.repeat(np.arange(V), n)
+    h = rng.standard_normal((V * n, d))
+    h -= np.repeat(h.reshape(V, n, d).mean(1), n, axis=0)  # each class centred on 0
+    ds = class_stats(h, y, V, classifier=rng.standard_normal((V, d)))
+    assert 0 < np.abs(ds["mean"].values).max() < 1e-15  # the means: rounding
+    with pytest.raises(CheckpointError, match=r"one and the same mean .*e-1\d of the within-class spread"):
+        quiet(measure, ds, device="cpu", engine=engine)
+    apart = h + 1e-4 * np.repeat(rng.standard_normal((V, d)), n, axis=0)
+    got = quiet(measure, class_stats(apart, y, V), device="cpu", engine=engine)
+    mu = np.stack([apart[y == c].mean(0) for c in range(V)])  # float64 brute force of nc1_cdnv
+    var = np.array([((apart[y == c] - mu[c]) ** 2).sum(1).mean() for c in range(V)])
+    pairs = [(var[a] + var[b]) / (2 * np.sum((mu[a] - mu[b]) ** 2)) for a in range(V) for b in range(a + 1, V)]
+    assert got["nc1_cdnv"] == pytest.approx(np.mean(pairs), rel=1e-9)
+
+
 # ---------------------------------------------------------------- B8: a NaN row in the output layer
 
 def test_a_nan_head_row_makes_head_erank_nan_and_leaves_the_rest():
@@ -252,8 +275,9 @@ def test_a_nan_head_row_makes_head_erank_nan_and_leaves_the_rest():
         with pytest.warns(UserWarning, match=why):
             got = measure(ds, **kw)
         assert math.isnan(got["head_erank"]) and math.isfinite(want["head_erank"])
-        rest = [k for k in SCALARS if k not in ("head_erank", "nc4_agreement")]
+        rest = [k for k in SCALARS if k not in ("head_erank", "nc4_agreement", "unc3_cos_cv")]
         assert_close(got, want, rest, 1e-12)
+        assert math.isnan(got["unc3_cos_cv"]) and math.isnan(want["unc3_cos_cv"])  # a random head: no CV
 
 
 # ---------------------------------------------------------------- B14: a corrupt within_covariance
@@ -321,6 +345,29 @@ def test_unc3_cos_cv_is_nan_where_the_mean_duality_is_not_clearly_positive(kind)
             got = measure(ds, **kw)
         assert math.isnan(got["unc3_cos_cv"]) and got["nc3_cos_mean"] == pytest.approx(cos.mean(), abs=1e-12)
         assert math.isfinite(got["nc2_norm_cv"])
+
+
+def test_unc3_cos_cv_of_20_random_heads_is_nan():
+    """A random classifier's duality cosines average 0 up to their sampling noise: "clearly positive" is more than 3
+    standard errors (std/sqrt(n)) above 0, so every one of 20 random heads gives nan (the old rule, mean > 1e-3 std,
+    gave most of them a finite CV), with the warning; the brute-force cosines say the same."""
+    rng = np.random.default_rng(37)
+    V, d, old_rule, cvs, said = 64, 32, 0, [], 0
+    for _ in range(20):
+        means, W = rng.standard_normal((V, d)), rng.standard_normal((V, d))
+        m = means - means.mean(0)
+        cos = np.sum(W * m, 1) / (np.linalg.norm(W, axis=1) * np.linalg.norm(m, axis=1))  # float64 brute force
+        old_rule += cos.mean() > 0 and cos.mean() > 1e-3 * cos.std()
+        assert cos.mean() <= 3 * cos.std() / np.sqrt(V)  # noise: within 3 standard errors of 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = measure(stats_dataset(means, classifier=W), device="cpu")
+        said += any(re.search(r"unc3_cos_cv is nan: .* not more than 3 standard errors", str(w.message))
+                    for w in caught)
+        cvs.append(got["unc3_cos_cv"])
+        assert got["nc3_cos_mean"] == pytest.approx(cos.mean(), abs=1e-12)
+    assert [c for c in cvs if not math.isnan(c)] == [] and said == 20
+    assert old_rule >= 6  # the test can fail: the old rule gave these heads a number
 
 
 def test_unc3_cos_cv_where_the_mean_is_positive():

@@ -22,8 +22,8 @@ RTOL = 1e-9
 # ---------------------------------------------------------------- brute force, written from SPEC section 4
 
 def cv(x: np.ndarray) -> float:
-    """std/mean, nan where the mean is not clearly positive (<= 1e-3 std, or <= 0): SPEC section 4."""
-    return x.std() / x.mean() if x.mean() > 0 and x.mean() > 1e-3 * x.std() else math.nan
+    """std/mean, nan where the mean is not clearly positive (not more than 3 std/sqrt(n) above 0): SPEC section 4."""
+    return x.std() / x.mean() if x.mean() > 3 * x.std() / math.sqrt(x.size) else math.nan
 
 
 def brute_force(ds: xr.Dataset, min_count: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:

@@ -64,3 +64,19 @@ def test_a_nan_row_of_the_output_layer_is_named_with_its_token_ids(trained_run, 
     assert "Traceback" not in r.output and "under none" not in r.output and "logits are not" not in r.output, r.output
     said = [line for line in r.output.splitlines() if "output layer has NaN/Inf" in line]
     assert len(said) == 1 and f"token ids {vocab - 3}, {vocab - 1} (2 of {vocab} rows)" in said[0], r.output
+
+
+@pytest.mark.slow
+def test_a_token_cap_below_min_count_names_the_fix_that_applies(trained_run, corpus, tmp_path):
+    """Issue 37 class 22: `--max-train-tokens 0` (or below --min-count 1) is fixed by raising the cap, not by lowering
+    --min-count, already at its minimum; with --min-count 5 over a cap of 3 either fix applies, said with its value."""
+    args = ("extract", trained_run / "checkpoint-40", "--dataset", corpus["train"], "--store", tmp_path / "s.zarr")
+    for extra, said in [(("--max-train-tokens", 0), "raise --max-train-tokens to at least 1 (--min-count)"),
+                        (("--max-train-tokens", 0, "--min-count", 5), "raise --max-train-tokens to at least 5"),
+                        (("--max-train-tokens", 3, "--min-count", 5),
+                         "lower --min-count to at most 3, or raise --max-train-tokens")]:
+        out = run_cli(*args, *extra, ok=False).output
+        error = [line for line in out.splitlines() if "Error:" in line]
+        assert len(error) == 1 and said in error[0], out
+        assert extra[-1] != 0 or "lower --min-count" not in error[0]
+    assert not (tmp_path / "s.zarr").exists()
