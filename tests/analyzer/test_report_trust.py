@@ -124,7 +124,7 @@ FORMULAS = ["=1+1", '=HYPERLINK("https://evil.example","click")', "+1+cmd|' /C c
 
 
 def test_csv_cells_a_spreadsheet_reads_as_formulas_are_guarded_and_numbers_stay(tmp_path):
-    from ncanalyze.analyzer.report.options import ReportResult
+    from ncanalyze.analyzer.report.report_options import ReportResult
     from ncanalyze.analyzer.report.write import _write_tables
 
     df = hostile_study(FORMULAS)
@@ -147,7 +147,7 @@ def test_csv_cells_a_spreadsheet_reads_as_formulas_are_guarded_and_numbers_stay(
 
 
 def test_min_count_csv_is_guarded(tmp_path):
-    from ncanalyze.analyzer.report.options import ReportResult
+    from ncanalyze.analyzer.report.report_options import ReportResult
     from ncanalyze.analyzer.report.write import _write_tables
 
     r = ReportResult(metrics=pd.DataFrame({"run": ["=1+1"]}), selected=pd.DataFrame(), target="eval_loss",

@@ -35,7 +35,7 @@ EXTRACT_REFUSED = [  # ExtractConfig, as the training callback makes it, and ``n
      "layers (--layers) is not last, all or comma-separated integers like 0,6,12, got 'foo'"),
     (dict(device="tpu"), ["--device", "tpu"], "device (--device) must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (dict(min_count=5, max_train_tokens=3), ["--min-count", "5", "--max-train-tokens", "3"],
-     "--min-count 5 is above --max-train-tokens 3, so no class could be kept: lower --min-count"),
+     "--min-count 5 is above --max-train-tokens 3, so no class could be kept: lower --min-count to at most 3, or raise --max-train-tokens"),
     (dict(cap_mode="middle"), ["--cap-mode", "middle"],
      "cap_mode (--cap-mode) must be one of spread, prefix, got 'middle'"),
 ]
