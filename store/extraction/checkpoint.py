@@ -112,7 +112,7 @@ def _settle(job: Job, store: Store) -> Status:
     state or a staged copy left by a run killed after its write) are removed, a refused one raises."""
     files = store.files(job.ckpt)
     store.recover(job.group)
-    status = job.status(store, restart=False)  # a state to discard is the resume's to drop (_resume)
+    status = job.resuming().status(store)  # a state to discard is the resume's to drop (_resume)
     if status is Status.SKIP:
         drop_state(files.state)
         for stale in (files.staging, files.old):

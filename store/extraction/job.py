@@ -57,12 +57,10 @@ class Job:
         """The layer plan."""
         return self.run.plan
 
-    def status(self, store: Store, group: str | None = None, restart: bool | None = None) -> Status:
+    def status(self, store: Store, group: str | None = None) -> Status:
         """What to do with the group already in ``store`` (SKIP, REFUSE, RESUME or FRESH: :func:`store.decide` on
-        this job's hash, ``overwrite`` and ``restart``); ``group`` [default: the checkpoint's], ``restart``
-        [default: the job's]."""
-        return store.status(group or self.group, self.hash, self.overwrite,
-                            self.restart if restart is None else restart)
+        this job's hash, ``overwrite`` and ``restart``); ``group`` [default: the checkpoint's]."""
+        return store.status(group or self.group, self.hash, self.overwrite, self.restart)
 
     def with_plan(self, plan: layers.Plan) -> Job:
         """This job with its layer plan fitted to the memory (its record unchanged)."""

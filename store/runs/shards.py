@@ -200,7 +200,7 @@ def save_merged(job: Job, store: Store, merged: dict[str, np.ndarray]) -> Status
                         f"{int(count.max())}): lower --min-count")
     files = store.files(ckpt)
     with store.lock(ckpt.group):
-        status = job.status(store, restart=False)
+        status = job.status(store)  # the job resuming (finish_sharded): restart was spent by plan()
         if status is Status.FRESH:
             ex = Extraction(run.plan, *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
             ex.main().stats, ex.main().reservoir = stats, reservoir
