@@ -290,7 +290,8 @@ def rows_width(cfg: ExtractConfig) -> int | None:
 def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, device: torch.device | None = None,
             weights: str | None = None, known: tuple[int | None, int | None] | None = None) -> Resolved:
     """What ``cfg`` means for ``ckpt`` here, without loading its weights; or, for the model a Trainer is training
-    (the callback: no checkpoint folder), for its live ``model_config``, ``device`` and ``weights``.
+    (the callback: no checkpoint folder), for its live ``model_config``, ``device`` and ``weights``. Called once per
+    checkpoint, by :func:`~ncanalyze.store.extraction.job.make_job` alone: everything downstream is given its Job.
 
     Parameters
     ----------
