@@ -73,37 +73,12 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
     check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
                                          for k in ("dataset", "val_dataset", "tokenizer")}})
     from ncanalyze.analyzer.errors import UserError
-    from ncanalyze.store.runs.hub import extract_hub, is_hub_id
-    from ncanalyze.store.sources.revisions import parse_revisions
-    from ncanalyze.store.runs.local import announcer_over
-    from ncanalyze.store.runs.local import extract as extract_local
+    from ncanalyze.store.runs.dispatch import extract_paths
 
     store = open_store(None, store)  # resolved once, passed down
-    hub = [p for p in paths if is_hub_id(p)]
-    local = [p for p in paths if p not in hub]
-    if (revisions or revision_ranges) and not hub:
-        raise click.UsageError("--revision/--revisions apply to Hub model ids; none of PATHS is one "
-                               "(local folders are extracted with their checkpoints)")
-    if hub and (scheduler or shards > 1):
-        raise click.UsageError("Hub revisions are extracted in this process: pass --scheduler/--shards only with "
-                               "local checkpoint folders (or fetch the revisions first)")
-    revs = parse_revisions(revisions, revision_ranges) if hub else []
-    results = []  # each printed as it comes (a later one may raise)
-    for path in hub:
-        results.append(extract_hub(path, revs, store, cfg, overwrite=overwrite, delete_downloads=delete_downloads,
-                                   restart=restart))
-        click.echo(results[-1].summary())
-    if scheduler and local:
-        from ncanalyze.store.runs.cluster import extract_on_cluster
-
-        results.append(extract_on_cluster(local, store, cfg, scheduler, overwrite, restart, shards))
-        click.echo(results[-1].summary())
-    elif local:
-        announce = announcer_over(local, store, cfg, overwrite, restart)  # one estimate over every PATH
-        for path in local:
-            results.append(extract_local(path, store, cfg, overwrite=overwrite, restart=restart, shards=shards,
-                                         announce=announce))
-            click.echo(results[-1].summary())
+    results = extract_paths(paths, store, cfg, overwrite=overwrite, restart=restart, revisions=revisions,
+                            revision_ranges=revision_ranges, delete_downloads=delete_downloads, scheduler=scheduler,
+                            shards=shards, done=lambda r: click.echo(r.summary()))  # each printed as it comes
     failed = [line for r in results for line in r.failures]
     if failed:
         more = "; ..." if len(failed) > 3 else ""

@@ -16,15 +16,9 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.attributes import group_attributes
-from ncanalyze.store.extraction.config import (
-    Resolved,
-    config_hash,
-    differences,
-    open_inputs,
-    refusal,
-    resolve,
-)
-from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
+from ncanalyze.store.extraction.config import differences, refusal
+from ncanalyze.store.extraction.job import Job
+from ncanalyze.store.extraction.settings import parse_size
 from ncanalyze.store.extraction.memory import (
     check_memory,
     fit_plan,
@@ -42,10 +36,7 @@ from ncanalyze.store.resume import (
     record_of,
 )
 from ncanalyze.store.sources.anatomy import final_norm, finite_head, head
-from ncanalyze.store.sources.discover import (
-    Checkpoint,
-    training_metadata,
-)
+from ncanalyze.store.sources.discover import training_metadata
 from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model
 from ncanalyze.store.store import Status, Store
 
@@ -74,22 +65,21 @@ class Loaded(NamedTuple):
     plan: layers.Plan             # the run's plan, its passes fitted to the memory under --layers-per-pass auto
 
 
-def extract_checkpoint(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, overwrite: bool = False,
-                       restart: bool = False, announce: Callable[..., None] | None = None,
+def extract_checkpoint(job: Job, store: Store, announce: Callable[..., None] | None = None,
                        interrupt: DeferredInterrupt | None = None, extra_attrs: dict | None = None) -> Outcome:
-    """Extract one checkpoint into ``<store>/<run>/<checkpoint>``.
+    """Extract one checkpoint, resolved into ``job`` (:func:`~ncanalyze.store.extraction.job.make_job`), into
+    ``<store>/<run>/<checkpoint>``.
 
     One writer at a time per checkpoint (a lock beside the store; a second one waits, then finds it done). A
     finished checkpoint is skipped without loading its weights.
 
     Parameters
     ----------
-    ckpt, store, cfg
-        The checkpoint, the store and the configuration.
-    overwrite
-        Replace a group extracted under another configuration.
-    restart
-        Discard a saved resume state.
+    job
+        The checkpoint, its settings resolved, and the run control (``overwrite``: replace a group extracted under
+        another configuration; ``restart``: discard a saved resume state).
+    store
+        The store.
     announce
         ``announce(model, seconds_to_load, train, val, plan)``, called before the passes start (the estimate is
         logged there, :func:`announcer`).
@@ -103,39 +93,38 @@ def extract_checkpoint(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, overw
     Outcome
         DONE, SKIPPED or RESUMED.
     """
-    run = resolve(ckpt, cfg)
-    files = store.files(ckpt)
-    with store.lock(ckpt.group):
-        if _settle(ckpt, store, cfg, run.record, overwrite) is Status.SKIP:
+    files = store.files(job.ckpt)
+    with store.lock(job.group):
+        if _settle(job, store) is Status.SKIP:
             return Outcome.SKIPPED
-        loaded = load_checkpoint(ckpt, cfg, run)
-        run = run._replace(plan=loaded.plan)
-        train, val = open_inputs(store, cfg, run, loaded.tokenizer)
+        loaded = load_checkpoint(job)
+        job = job.with_plan(loaded.plan)
+        train, val = job.inputs(store, loaded.tokenizer)
         if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
-            announce(loaded.model, loaded.seconds, train, val, run.plan)
-        outcome = _passes_and_write(ckpt, store, cfg, run, files, loaded, train, val, overwrite, restart, interrupt,
-                                    extra_attrs)
+            announce(loaded.model, loaded.seconds, train, val, job.plan)
+        outcome = _passes_and_write(job, store, files, loaded, train, val, interrupt, extra_attrs)
         drop_state(files.state)
         return outcome
 
 
-def _settle(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, record: dict, overwrite: bool) -> Status:
+def _settle(job: Job, store: Store) -> Status:
     """The checkpoint's status, after putting back a group an overwrite left aside; a skipped one's leftovers (a
     state or a staged copy left by a run killed after its write) are removed, a refused one raises."""
-    files = store.files(ckpt)
-    store.recover(ckpt.group)
-    status = store.status(ckpt.group, config_hash(record), overwrite)
+    files = store.files(job.ckpt)
+    store.recover(job.group)
+    status = job.resuming().status(store)  # a state to discard is the resume's to drop (_resume)
     if status is Status.SKIP:
         drop_state(files.state)
         for stale in (files.staging, files.old):
             shutil.rmtree(stale, ignore_errors=True)
     if status is Status.REFUSE:
-        raise refusal(ckpt.group, store, store.attrs(ckpt.group), record, cfg.tag)
+        raise refusal(job.group, store, store.attrs(job.group), job.record, job.cfg.tag)
     return status
 
 
-def load_checkpoint(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Loaded:
+def load_checkpoint(job: Job) -> Loaded:
     """The model and tokenizer, timed, and the head; the running state checked against the free memory."""
+    ckpt, cfg, run = job.ckpt, job.cfg, job.run
     started = time.perf_counter()
     model = load_model(ckpt, cfg.dtype, run.device, cfg.allow_pickle, cfg.trust_remote_code)
     tokenizer, tok_name = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
@@ -147,16 +136,16 @@ def load_checkpoint(ckpt: Checkpoint, cfg: ExtractConfig, run: Resolved) -> Load
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
 
 
-def _passes_and_write(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, run: Resolved, files: CheckpointFiles,
-                      loaded: Loaded, train: Blocks, val: Blocks | None, overwrite: bool, restart: bool,
-                      interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> Outcome:
+def _passes_and_write(job: Job, store: Store, files: CheckpointFiles, loaded: Loaded, train: Blocks,
+                      val: Blocks | None, interrupt: DeferredInterrupt | None, extra_attrs: dict | None) -> Outcome:
     """The running state (resumed where saved), the train and validation passes, the group's attributes and its write;
     DONE or RESUMED."""
+    ckpt, cfg, run = job.ckpt, job.cfg, job.run
     model, classifier, bias, record = loaded.model, loaded.classifier, loaded.bias, run.record
     positions = None if train.total is None else train.total * (train.block_size - 1)
     ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
                     run.device, files.layers)
-    outcome = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
+    outcome = _resume(ex, files.state, job, train, val)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     store.ensure()  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
@@ -170,12 +159,12 @@ def _passes_and_write(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, run: R
     return outcome
 
 
-def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart: bool, batch_size: int,
-            train: Blocks, val: Blocks | None, group: str) -> Outcome:
+def _resume(ex: Extraction, spath: Path, job: Job, train: Blocks, val: Blocks | None) -> Outcome:
     """Load the saved state into ``ex`` if there is one for this configuration: RESUMED, else DONE (a fresh
-    start). A state under another configuration, or unreadable, or inconsistent, is refused unless ``overwrite``
-    (or ``restart``) discards it."""
-    if restart or not spath.exists():
+    start). A state under another configuration, or unreadable, or inconsistent, is refused unless the job's
+    ``overwrite`` (or ``restart``) discards it."""
+    record, batch_size, group = job.record, job.cfg.batch_size, job.group
+    if job.restart or not spath.exists():
         drop_state(spath)
         ex.start()
         return Outcome.DONE
@@ -189,7 +178,7 @@ def _resume(ex: Extraction, spath: Path, record: dict, overwrite: bool, restart:
         blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
         ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
     except UserError as e:
-        if not overwrite:
+        if not job.overwrite:
             raise
         log.info("%s: discarding its resume state (%s)", group, e)
         drop_state(spath)

@@ -290,9 +290,10 @@ def rows_width(cfg: ExtractConfig) -> int | None:
 
 
 def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, device: torch.device | None = None,
-            weights: str | None = None) -> Resolved:
+            weights: str | None = None, known: tuple[int | None, int | None] | None = None) -> Resolved:
     """What ``cfg`` means for ``ckpt`` here, without loading its weights; or, for the model a Trainer is training
-    (the callback: no checkpoint folder), for its live ``model_config``, ``device`` and ``weights``.
+    (the callback: no checkpoint folder), for its live ``model_config``, ``device`` and ``weights``. Called once per
+    checkpoint, by :func:`~ncanalyze.store.extraction.job.make_job` alone: everything downstream is given its Job.
 
     Parameters
     ----------
@@ -306,6 +307,9 @@ def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, devi
         Where it runs [default: ``cfg.device`` resolved].
     weights
         The record's ``weights`` [default: the fingerprint of ``ckpt``'s weight files].
+    known
+        (blocks, block size) of a model known without its files (a Hub revision in the store, not fetched): no
+        config is read (``Resolved.config`` is None).
 
     Returns
     -------
@@ -314,10 +318,14 @@ def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, devi
         configuration record and layer plan.
     """
     device = device if device is not None else resolve_device(cfg.device)
-    config = model_config if model_config is not None else load_config(ckpt, cfg.trust_remote_code)
-    block_size = rows_width(cfg) or cfg.block_size or default_block_size(config)
+    if known is not None:
+        config, (depth, default) = model_config, known
+    else:
+        config = model_config if model_config is not None else load_config(ckpt, cfg.trust_remote_code)
+        depth, default = n_layers(config), None
+    block_size = rows_width(cfg) or cfg.block_size or (default if known is not None else default_block_size(config))
     val = val_data(cfg)
-    plan = layer_plan(cfg, n_layers(config))
+    plan = layer_plan(cfg, depth)
     record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, plan, weights=weights,
                            held_out=val.held_out)
     return Resolved(device, config, block_size, val.train_split, val.spec, val.split, val.held_out, record, plan)

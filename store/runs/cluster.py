@@ -31,10 +31,11 @@ def _resources(c) -> dict | None:
     return {"GPU": 1} if any("GPU" in (w.get("resources") or {}) for w in workers) else None
 
 
-def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, cfg, address: str | None,
-                       overwrite: bool = False, restart: bool = False, shards: int = 1):
-    """Extract every checkpoint under ``paths`` into ``store`` on a cluster: one task per checkpoint (``shards`` > 1:
-    a plan task, the shards, a merge tree and a final task). Progress is shown as checkpoints complete.
+def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, settings, address: str | None,
+                       shards: int = 1):
+    """Extract every checkpoint under ``paths`` into ``store`` on a cluster: per checkpoint a task that resolves its
+    job (on a worker: its device is the workers'), then one task that extracts it (``shards`` > 1: a plan task, the
+    shards, a merge tree and a final task), each given that job. Progress is shown as checkpoints complete.
 
     A checkpoint bad in itself (CheckpointError) fails alone; any other error cancels the rest and is raised.
 
@@ -44,12 +45,11 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, cfg, 
         Trainer output folders, model folders or folders of runs (seen by the workers at the same paths).
     store
         The store (made absolute: the workers may run elsewhere).
-    cfg
-        The :class:`~ncanalyze.store.extraction.settings.ExtractConfig`.
+    settings
+        The :class:`~ncanalyze.store.extraction.settings.ExtractConfig`, or the run's
+        :class:`~ncanalyze.store.extraction.job.Jobs` (with ``overwrite`` and ``restart``).
     address
         The scheduler (else ``$DASK_SCHEDULER_ADDRESS``).
-    overwrite, restart
-        As for :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`.
     shards
         Parts of each checkpoint's train pass, run as tasks and merged exactly.
 
@@ -59,23 +59,25 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, cfg, 
         Labelled with the paths; each group's Outcome (a failure with why).
     """
     # here, not at the top: `ncanalyze extract --help` and the CLI's import stay light (no torch)
+    from ncanalyze.store.extraction.job import Jobs
     from ncanalyze.store.runs import local as ex
+    jobs = Jobs.of(settings)
     address = address or os.environ.get(ENV)
     if not address:
         raise UserError(f"no dask scheduler given: pass --scheduler ADDRESS or set ${ENV}")
     check_address(address)  # before anything is created
     result = ex.ExtractResult(", ".join(map(str, paths)), str(store))
     store = Store.at(store).absolute()
-    ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
-    ex.check_settings(cfg, store, shards)
-    if restart:  # here, once: a task run again after its worker died must resume, not restart
+    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag)]
+    ex.check_settings(jobs.cfg, store, shards)
+    if jobs.restart:  # here, once: a task run again after its worker died must resume, not restart
         from ncanalyze.store.resume import drop_state  # torch: see below
 
         for ckpt in ckpts:
             with store.lock(ckpt.group):
                 drop_state(store.files(ckpt).state)
     with client(address) as c:
-        tasks = _Tasks(c, store, cfg, overwrite)
+        tasks = _Tasks(c, store, jobs)
         log.info("%d checkpoint(s) as tasks on %s (%d workers%s)%s", len(ckpts), c.scheduler.address,
                  len(c.scheduler_info()["workers"]), ", one GPU each" if tasks.opts["resources"] else "",
                  f", {shards} shards each" if shards > 1 else "")
@@ -90,17 +92,27 @@ class _Tasks:
     """The tasks of an extraction on the cluster ``c``: submitted, followed as they complete, and the next stage of a
     sharded checkpoint submitted when its plan is known."""
 
-    def __init__(self, c, store: Store, cfg, overwrite: bool):
+    def __init__(self, c, store: Store, jobs):
         from ncanalyze.store.extraction import (
             checkpoint,  # torch: see extract_on_cluster
+            job,
         )
         from ncanalyze.store.runs import local, shards
 
-        self.c, self.store, self.cfg, self.overwrite = c, store, cfg, overwrite
-        self.one, self.local, self.sh = checkpoint, local, shards
+        self.c, self.store, self.cfg, self.overwrite = c, store, jobs.cfg, jobs.overwrite
+        self.one, self.local, self.sh, self.make_job = checkpoint, local, shards, job.make_job
         self.tag = uuid.uuid4().hex[:8]
         self.opts = dict(pure=False, resources=_resources(c))
         self.what: dict = {}  # future -> (checkpoint, stage)
+        self.jobs: dict = {}  # group -> the future of its job, resolved once on a worker
+
+    def job(self, ckpt):
+        """The future of the checkpoint's job, resolved once on a worker (restart is done: extract_on_cluster dropped
+        the states, and a task run again after its worker died resumes)."""
+        if ckpt.group not in self.jobs:
+            self.jobs[ckpt.group] = self.c.submit(self.make_job, ckpt, self.cfg, self.overwrite, False,
+                                                  key=f"job {ckpt.group} {self.tag}", **self.opts)
+        return self.jobs[ckpt.group]
 
     def submit(self, stage: str, ckpt, f, *args):
         future = self.c.submit(f, *args, key=f"{stage} {ckpt.group} {self.tag}", **self.opts)
@@ -108,21 +120,20 @@ class _Tasks:
         return future
 
     def whole(self, ckpt):
-        return self.submit("extract", ckpt, self.one.extract_checkpoint, ckpt, self.store, self.cfg, self.overwrite,
-                           False)
+        return self.submit("extract", ckpt, self.one.extract_checkpoint, self.job(ckpt), self.store)
 
     def sharded(self, ckpt, parts: list[tuple[int, int]]):
         """The shards of one checkpoint, their merge tree (on any worker: no GPU needed) and the final task, whose
         future is returned (a shard's error reaches it)."""
-        c, sh, cfg, opts = self.c, self.sh, self.cfg, self.opts
-        states = [c.submit(sh.train_shard, ckpt, cfg, a, b, key=f"shard {ckpt.group} [{a}:{b}] {self.tag}", **opts)
+        c, sh, cfg, opts, job = self.c, self.sh, self.cfg, self.opts, self.job(ckpt)
+        states = [c.submit(sh.train_shard, job, a, b, key=f"shard {ckpt.group} [{a}:{b}] {self.tag}", **opts)
                   for a, b in parts]
         for depth, level in enumerate(sh.merge_order(len(states))):
             states = [states[i] if j < 0 else
                       c.submit(sh.merge_states, states[i], states[j], cfg.samples_per_class, cfg.seed, pure=False,
                                key=f"merge {ckpt.group} {depth}.{n} {self.tag}")
                       for n, (i, j) in enumerate(level)]
-        return self.submit("finish", ckpt, self.local.finish_sharded, ckpt, self.store, cfg, states[0], self.overwrite)
+        return self.submit("finish", ckpt, self.local.finish_sharded, job, self.store, states[0])
 
     def completed(self, ckpts: list, shards: int) -> Iterator[tuple[str, object]]:
         """Every checkpoint's tasks submitted, then (group, its last future) as each completes: a plan's shards and
@@ -131,7 +142,7 @@ class _Tasks:
 
         for ckpt in ckpts:
             if shards > 1:
-                self.submit("plan", ckpt, self.sh.shard_plan, ckpt, self.store, self.cfg, shards, self.overwrite, False)
+                self.submit("plan", ckpt, self.sh.shard_plan, self.job(ckpt), self.store, shards)
             else:
                 self.whole(ckpt)
         done = as_completed(list(self.what))
@@ -157,5 +168,5 @@ class _Tasks:
 
     def cancel(self) -> None:
         """Cancel the tasks not yet completed (an error, or Ctrl-C)."""
-        for f in self.what:
+        for f in [*self.what, *self.jobs.values()]:
             f.cancel()

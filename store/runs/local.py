@@ -15,11 +15,8 @@ from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint
-from ncanalyze.store.extraction.config import (
-    held_out_line,
-    open_inputs,
-    resolve,
-)
+from ncanalyze.store.extraction.config import held_out_line
+from ncanalyze.store.extraction.job import Job, Jobs
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.estimate import (
     START,
@@ -92,19 +89,20 @@ class ExtractResult:
                 f"{self.count(Outcome.SKIPPED)} already in {self.store}" + (f", {failed} failed" if failed else ""))
 
 
-def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Store, restart: bool = False,
-              local: bool = False) -> Callable[..., None]:
+def announcer(todo: list[Checkpoint], jobs: Jobs, store: Store, local: bool = False) -> Callable[..., None]:
     """The estimate, logged once, at the first checkpoint that does work: each architecture among ``todo`` is timed
-    once, on its first checkpoint (the one at hand; the others loaded for it), and one line gives the total.
+    once, on its first checkpoint (the one at hand; the others loaded for it, their jobs kept for their turn), and one
+    line gives the total.
 
     Parameters
     ----------
     todo
         The checkpoints to do (those of every PATH of a command: :func:`announcer_over`).
-    cfg, store
-        The configuration and the store.
-    restart
-        Resume states are to be discarded (else what they hold is left out of the estimate).
+    jobs
+        The run's jobs (its settings; ``restart``: resume states are to be discarded, else what they hold is left out
+        of the estimate).
+    store
+        The store.
     local
         ``todo`` are local folders, whose configs tell their architectures (Hub revisions: all the first's).
 
@@ -113,13 +111,12 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Store, restart:
     callable
         ``announce(model, loaded, train, val, plan)`` for :func:`extract_checkpoint`.
     """
-    announced = False
+    announced, cfg = False, jobs.cfg
 
     def time_first(ckpt: Checkpoint) -> Arch | None:  # another architecture's first checkpoint, loaded to be timed
         try:
-            other = load_checkpoint(ckpt, cfg, run := resolve(ckpt, cfg))
-            return timed_arch(other.model, other.seconds, *open_inputs(store, cfg, run, other.tokenizer), run.plan, cfg,
-                              store)
+            other = load_checkpoint(job := jobs(ckpt))
+            return timed_arch(other.model, other.seconds, *job.inputs(store, other.tokenizer), job.plan, cfg, store)
         except CheckpointError:
             return None
 
@@ -131,14 +128,13 @@ def announcer(todo: list[Checkpoint], cfg: ExtractConfig, store: Store, restart:
         archs = per_architecture(todo, architecture(model.config, cfg.dtype, cfg.block_size),
                                  lambda c: checkpoint_architecture(c, cfg) if local else None,
                                  timed_arch(model, loaded, train, val, plan, cfg, store), time_first,
-                                 lambda c: START if restart else progress(store.files(c).state))
+                                 lambda c: START if jobs.restart else progress(store.files(c).state))
         log.info("estimate: %s", announcement(archs, cfg, store, next(model.parameters()).device))
 
     return announce
 
 
-def announcer_over(paths: list, store: Store, cfg: ExtractConfig, overwrite: bool = False,
-                   restart: bool = False) -> Callable[..., None]:
+def announcer_over(paths: list, store: Store, jobs: Jobs) -> Callable[..., None]:
     """:func:`announcer` over the checkpoints to do under every one of ``paths`` (a command's PATHS), for
     :func:`extract`'s ``announce``: one estimate line, one total.
 
@@ -146,7 +142,7 @@ def announcer_over(paths: list, store: Store, cfg: ExtractConfig, overwrite: boo
     ----------
     paths
         The PATHS (local).
-    store, cfg, overwrite, restart
+    store, jobs
         As for :func:`extract`.
 
     Returns
@@ -154,8 +150,8 @@ def announcer_over(paths: list, store: Store, cfg: ExtractConfig, overwrite: boo
     callable
         As :func:`announcer`'s.
     """
-    ckpts = [c for p in paths for c in tagged(discover(p), cfg.tag)]
-    return announcer(todo(store, ckpts, overwrite), cfg, store, restart, local=True)
+    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag)]
+    return announcer(todo(store, ckpts, jobs), jobs, store, local=True)
 
 
 def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
@@ -168,7 +164,7 @@ def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
     shards
         Shards per checkpoint.
     """
-    if shards > 1 and (cfg.layers != "last" or cfg.save_embeddings):
+    if shards > 1 and (not last_only(cfg.layers) or cfg.save_embeddings):
         raise UserError("--shards splits the last layer's statistics only: drop --layers/--save-embeddings, or "
                         "--shards")
     store.prepare()
@@ -176,15 +172,24 @@ def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
         log.info("%s", line)
 
 
-def todo(store: Store, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpoint]:
+def last_only(spec: str) -> bool:
+    """Whether ``--layers`` names the last layer alone whatever the model's depth (``last``, ``LAST``, ``-1``), as its
+    layer plan reads it: at two depths, the last layer alone at both."""
+    try:
+        return all(layers.resolve_layers(spec, n) == [n] for n in (1, 2))
+    except UserError:  # not a layer spec: ExtractConfig or the plan says why
+        return False
+
+
+def todo(store: Store, ckpts: list[Checkpoint], jobs: Jobs) -> list[Checkpoint]:
     """The checkpoints left to do.
 
     Parameters
     ----------
     store, ckpts
         The store and the checkpoints.
-    overwrite
-        All are to be done again.
+    jobs
+        The run's jobs (with ``overwrite``: all are to be done again).
 
     Returns
     -------
@@ -192,12 +197,13 @@ def todo(store: Store, ckpts: list[Checkpoint], overwrite: bool) -> list[Checkpo
         Those not yet complete in ``store`` (all of them with ``overwrite``).
     """
     return [c for c in ckpts
-            if overwrite or not (store.attrs(c.group, corrupt_ok=True) or {}).get("complete")]
+            if jobs.overwrite or not (store.attrs(c.group, corrupt_ok=True) or {}).get("complete")]
 
 
-def extract(path: str | Path, store: str | Path | Store, cfg: ExtractConfig, overwrite: bool = False,
-            restart: bool = False, shards: int = 1, announce: Callable[..., None] | None = None) -> ExtractResult:
-    """Extract every checkpoint under ``path`` into ``store`` (each status logged as it goes).
+def extract(path: str | Path, store: str | Path | Store, settings: ExtractConfig | Jobs, shards: int = 1,
+            announce: Callable[..., None] | None = None) -> ExtractResult:
+    """Extract every checkpoint under ``path`` into ``store`` (each status logged as it goes), each resolved once
+    into its :class:`~ncanalyze.store.extraction.job.Job`.
 
     A checkpoint that is bad in itself (a CheckpointError: corrupt weights, NaN features) fails alone, as
     ``Outcome.FAILED`` with why, and the others go on; any other error stops the run.
@@ -206,10 +212,11 @@ def extract(path: str | Path, store: str | Path | Store, cfg: ExtractConfig, ove
     ----------
     path
         A Trainer output folder, a model folder, or a folder of runs.
-    store, cfg
-        The store (resolved once: a :class:`Store`, or its path) and the configuration.
-    overwrite, restart
-        As for :func:`extract_checkpoint`.
+    store
+        The store (resolved once: a :class:`Store`, or its path).
+    settings
+        The configuration, or the run's :class:`~ncanalyze.store.extraction.job.Jobs` (its settings with
+        ``overwrite`` and ``restart``).
     shards
         > 1: each checkpoint's train stream cut into that many parts, run one after another and merged exactly
         (:func:`extract_sharded`; the same computation a cluster runs in parallel).
@@ -221,14 +228,13 @@ def extract(path: str | Path, store: str | Path | Store, cfg: ExtractConfig, ove
     ExtractResult
         Labelled with ``path``.
     """
-    store = Store.at(store)
+    store, jobs = Store.at(store), Jobs.of(settings)
     result = ExtractResult(str(path), str(store))
-    ckpts = tagged(discover(path), cfg.tag)
-    check_settings(cfg, store, shards)
-    announce = announce or announcer(todo(store, ckpts, overwrite), cfg, store, restart, local=True)
+    ckpts = tagged(discover(path), jobs.cfg.tag)
+    check_settings(jobs.cfg, store, shards)
+    announce = announce or announcer(todo(store, ckpts, jobs), jobs, store, local=True)
     return each_checkpoint(store, result, [(c.group, c) for c in ckpts],
-                           lambda ckpt, interrupt: _one(ckpt, store, cfg, overwrite, restart, announce, interrupt,
-                                                        shards))
+                           lambda ckpt, interrupt: _one(jobs(ckpt), store, announce, interrupt, shards))
 
 
 def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[str, T]],
@@ -281,26 +287,27 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
     return result
 
 
-def _one(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, overwrite: bool, restart: bool, announce,
-         interrupt: DeferredInterrupt, shards: int = 1) -> Outcome:
+def _one(job: Job, store: Store, announce, interrupt: DeferredInterrupt, shards: int = 1) -> Outcome:
     """One checkpoint's outcome, in shards or whole."""
     if shards > 1:
-        return extract_sharded(ckpt, store, cfg, shards, overwrite, restart, interrupt)
-    return extract_checkpoint(ckpt, store, cfg, overwrite, restart, announce, interrupt)
+        return extract_sharded(job, store, shards, interrupt)
+    return extract_checkpoint(job, store, announce, interrupt)
 
 
-def finish_sharded(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict[str, np.ndarray],
-                   overwrite: bool = False, interrupt: DeferredInterrupt | None = None) -> Outcome:
+def finish_sharded(job: Job, store: Store, merged: dict[str, np.ndarray],
+                   interrupt: DeferredInterrupt | None = None) -> Outcome:
     """The merged train state saved as the checkpoint's resume state (:func:`~ncanalyze.store.runs.shards.save_merged`),
     then :func:`extract_checkpoint` resumes from it: the validation pass and the write.
 
     Parameters
     ----------
-    ckpt, store, cfg
-        The checkpoint, the store and the configuration.
+    job
+        The checkpoint's job (its ``restart`` is not applied here: the state saved is this run's own).
+    store
+        The store.
     merged
         The shards' states, merged.
-    overwrite, interrupt
+    interrupt
         As for :func:`extract_checkpoint`.
 
     Returns
@@ -309,25 +316,25 @@ def finish_sharded(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: d
         DONE (RESUMED when run again after its worker died in the validation pass, SKIPPED if another writer
         finished it meanwhile).
     """
-    saved = sh.save_merged(ckpt, store, cfg, merged, overwrite)
+    job = job.resuming()
+    saved = sh.save_merged(job, store, merged)
     if saved is Status.SKIP:
         return Outcome.SKIPPED
-    outcome = extract_checkpoint(ckpt, store, cfg, overwrite, restart=False, interrupt=interrupt)
+    outcome = extract_checkpoint(job, store, interrupt=interrupt)
     return Outcome.DONE if outcome is Outcome.RESUMED and saved is Status.FRESH else outcome
 
 
-def extract_sharded(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
-                    restart: bool = False, interrupt: DeferredInterrupt | None = None) -> Outcome:
+def extract_sharded(job: Job, store: Store, shards: int, interrupt: DeferredInterrupt | None = None) -> Outcome:
     """The sharded extraction of one checkpoint in this process: the shards one after another, the same merge tree
     as on a cluster, then the validation pass.
 
     Parameters
     ----------
-    ckpt, store, cfg
-        The checkpoint, the store and the configuration.
+    job, store
+        The checkpoint's job and the store.
     shards
         How many parts to cut the train stream into.
-    overwrite, restart, interrupt
+    interrupt
         As for :func:`extract_checkpoint`; a Ctrl-C stops a shard at its next batch boundary (its work is not
         kept), the validation pass with its state saved.
 
@@ -336,13 +343,14 @@ def extract_sharded(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: 
     Outcome
         DONE, SKIPPED or RESUMED.
     """
-    plan = sh.shard_plan(ckpt, store, cfg, shards, overwrite, restart)
+    plan = sh.shard_plan(job, store, shards)
     if plan.route is sh.Route.SKIP:
         return Outcome.SKIPPED
     if plan.route is sh.Route.WHOLE:
-        return extract_checkpoint(ckpt, store, cfg, overwrite, restart=False, interrupt=interrupt)
-    states = [sh.train_shard(ckpt, cfg, a, b, interrupt) for a, b in plan.ranges]
+        return extract_checkpoint(job.resuming(), store, interrupt=interrupt)
+    states = [sh.train_shard(job, a, b, interrupt) for a, b in plan.ranges]
     for level in sh.merge_order(len(states)):
-        states = [states[i] if j < 0 else sh.merge_states(states[i], states[j], cfg.samples_per_class, cfg.seed)
+        states = [states[i] if j < 0 else sh.merge_states(states[i], states[j], job.cfg.samples_per_class,
+                                                          job.cfg.seed)
                   for i, j in level]
-    return finish_sharded(ckpt, store, cfg, states[0], overwrite, interrupt)
+    return finish_sharded(job, store, states[0], interrupt)

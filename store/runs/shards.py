@@ -26,12 +26,7 @@ import numpy as np
 from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.extraction import layers
-from ncanalyze.store.extraction.config import (
-    config_hash,
-    open_inputs,
-    resolve,
-)
-from ncanalyze.store.extraction.settings import ExtractConfig
+from ncanalyze.store.extraction.job import Job
 from ncanalyze.store.extraction.memory import check_memory, state_bytes
 from ncanalyze.store.extraction.passes import train_pass
 from ncanalyze.store.extraction.reservoir import Reservoir
@@ -46,7 +41,6 @@ from ncanalyze.store.resume import (
     save_state,
     unflatten,
 )
-from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import find_tokenizer, load_model
 from ncanalyze.store.store import Status, Store
 
@@ -72,44 +66,39 @@ def ranges(n_batches: int, shards: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:])]
 
 
-def _train_blocks(ckpt: Checkpoint, cfg: ExtractConfig):
-    run = resolve(ckpt, cfg)
-    tokenizer, _ = find_tokenizer(ckpt, cfg.tokenizer, cfg.trust_remote_code)
-    return run.device, open_inputs(None, cfg, run, tokenizer, validation=False)[0]  # train only, uncached
+def _train_blocks(job: Job):
+    tokenizer, _ = find_tokenizer(job.ckpt, job.cfg.tokenizer, job.cfg.trust_remote_code)
+    return job.inputs(None, tokenizer, validation=False)[0]  # train only, uncached
 
 
-def shard_plan(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, shards: int, overwrite: bool = False,
-         restart: bool = False) -> ShardPlan:
+def shard_plan(job: Job, store: Store, shards: int) -> ShardPlan:
     """SKIP (already in the store under this configuration), WHOLE (run it as one task: a saved resume state to
     continue, or a group under another configuration for extract_checkpoint to refuse), else SHARDS with the shards'
     batch ranges. Loads no weights; counts the train batches by reading the data once when its length is unknown.
 
     Parameters
     ----------
-    ckpt, store, cfg
-        The checkpoint, the store and the configuration.
+    job, store
+        The checkpoint's job (its ``overwrite`` and ``restart`` apply) and the store.
     shards
         How many ranges to cut the train batches into (fewer when there are fewer batches).
-    overwrite, restart
-        As for :func:`~ncanalyze.store.extraction.checkpoint.extract_checkpoint`.
 
     Returns
     -------
     ShardPlan
         The route, and the [start, stop) batch ranges under SHARDS.
     """
-    record = resolve(ckpt, cfg).record
-    files = store.files(ckpt)
-    with store.lock(ckpt.group):
-        store.recover(ckpt.group)
-        status = store.status(ckpt.group, config_hash(record), overwrite, restart)
+    cfg, files = job.cfg, store.files(job.ckpt)
+    with store.lock(job.group):
+        store.recover(job.group)
+        status = job.status(store)
         if status is Status.SKIP:
             return ShardPlan(Route.SKIP)
         if status is not Status.FRESH:  # REFUSE: extract_checkpoint says why; RESUME: it continues the state
             return ShardPlan(Route.WHOLE)
-        if restart:
+        if job.restart:
             drop_state(files.state)
-    _, blocks = _train_blocks(ckpt, cfg)
+    blocks = _train_blocks(job)
     if blocks.n_blocks is not None:
         n_blocks = blocks.total
     else:  # text: its length is known only once tokenized
@@ -136,11 +125,12 @@ class _ShardSaver(Saver):
                               "go on")
 
 
-def train_shard(ckpt: Checkpoint, cfg: ExtractConfig, start: int, stop: int,
+def train_shard(job: Job, start: int, stop: int,
                 interrupt: DeferredInterrupt | None = None) -> dict[str, np.ndarray]:
-    """The train pass over batches [start, stop) of the stream: statistics and reservoir state, on the CPU; a
+    """The train pass over batches [start, stop) of the job's stream: statistics and reservoir state, on the CPU; a
     pending Ctrl-C in ``interrupt`` (this process's) stops it at its next batch boundary (:class:`Interrupted`)."""
-    device, blocks = _train_blocks(ckpt, cfg)
+    ckpt, cfg, device = job.ckpt, job.cfg, job.run.device
+    blocks = _train_blocks(job)
     model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
     vocab, dim = model.get_output_embeddings().weight.shape
     check_memory(state_bytes(vocab, dim, cfg.samples_per_class, device), None, device)
@@ -183,19 +173,17 @@ def merge_order(n: int) -> list[list[tuple[int, int]]]:
     return levels
 
 
-def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict[str, np.ndarray],
-                overwrite: bool = False) -> Status:
+def save_merged(job: Job, store: Store, merged: dict[str, np.ndarray]) -> Status:
     """Save the merged train state as the checkpoint's resume state at the start of the validation pass, for
     ``extract_checkpoint`` to resume (:func:`~ncanalyze.store.runs.local.finish_sharded`).
 
     Parameters
     ----------
-    ckpt, store, cfg
-        The checkpoint, the store and the configuration.
+    job, store
+        The checkpoint's job (with ``overwrite``, a complete group under any configuration is to be replaced) and
+        the store.
     merged
         The state of all the shards, merged (:func:`merge_states`).
-    overwrite
-        A complete group under any configuration is to be replaced.
 
     Returns
     -------
@@ -204,7 +192,7 @@ def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict
         saved in the validation pass by a run whose worker died (shard_plan() left no other), to be resumed rather than
         started again; REFUSE: nothing saved (extract_checkpoint refuses it).
     """
-    run = resolve(ckpt, cfg)
+    ckpt, cfg, run = job.ckpt, job.cfg, job.run
     stats, reservoir = _objects(merged, cfg.samples_per_class, cfg.seed)
     count = stats.count
     if not (count >= cfg.min_count).any():
@@ -213,7 +201,7 @@ def save_merged(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, merged: dict
                                                      "no train token was read: check --dataset and --max-train-tokens"))
     files = store.files(ckpt)
     with store.lock(ckpt.group):
-        status = store.status(ckpt.group, config_hash(run.record), overwrite)
+        status = job.status(store)  # the job resuming (finish_sharded): restart was spent by plan()
         if status is Status.FRESH:
             ex = Extraction(run.plan, *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
             ex.main().stats, ex.main().reservoir = stats, reservoir

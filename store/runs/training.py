@@ -27,13 +27,8 @@ from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import check_name
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.attributes import group_attributes
-from ncanalyze.store.extraction.config import (
-    Resolved,
-    config_hash,
-    differences,
-    open_inputs,
-    resolve,
-)
+from ncanalyze.store.extraction.config import differences
+from ncanalyze.store.extraction.job import Job, make_job
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
@@ -58,10 +53,9 @@ class _NoSaver:
 
 @dataclass
 class _Setup:
-    """What the first measurement resolves once: the configuration, what it resolved to (its record and layer plan)
-    and the blocks."""
-    cfg: ExtractConfig
-    run: Resolved
+    """What the first measurement resolves once: the job (the configuration, what it resolved to: its record and
+    layer plan) and the blocks."""
+    job: Job
     train: Blocks
     val: Blocks | None
     tokenizer: object | None
@@ -300,13 +294,13 @@ class NeuralCollapseCallback(TrainerCallback):
             on a rank other than the first under DDP.
         """
         setup, scalars, files = self.setup, {}, self.store.group_files(group)
-        cfg, model = setup.cfg, adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
+        cfg, model = setup.job.cfg, adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
         rank, world = ddp.rank_world()
         with untouched(model):
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
             device = classifier.device
-            ex = Extraction(setup.run.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
+            ex = Extraction(setup.job.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
                             files.layers if rank == 0 else None)
             if rank == 0:
                 ex.start()
@@ -314,7 +308,7 @@ class NeuralCollapseCallback(TrainerCallback):
                 return None
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
                        group)
-            attrs = group_attributes(group, when, model, ex, classifier, cfg, setup.run, setup.tokenizer,
+            attrs = group_attributes(group, when, model, ex, classifier, cfg, setup.job.run, setup.tokenizer,
                                      setup.tokenizer_name, dtype=str(classifier.dtype).removeprefix("torch."),
                                      device=device, source="training", extra={"output_dir": self.output_dir})
             norm = final_norm(model)
@@ -341,29 +335,29 @@ class NeuralCollapseCallback(TrainerCallback):
     def _shared(self, model, setup: _Setup, ex: Extraction, rank: int, group: str) -> bool:
         """Under DDP: this rank's share of the train pass, merged into rank 0's ``ex`` (the default plan; a plan of
         several layers is run by rank 0 alone). Whether this rank goes on to the validation pass and the write."""
-        if not setup.run.plan.single:
+        if not setup.job.plan.single:
             return rank == 0
         if self.n_train is None:  # the ranks' data checked equal once (a content hash), then shared out
-            self.n_train = ddp.agreed_batches(setup.train, setup.cfg.batch_size)
-        return ddp.share_train(model, setup.train, ex, setup.cfg.batch_size, self.n_train, group)
+            self.n_train = ddp.agreed_batches(setup.train, setup.job.cfg.batch_size)
+        return ddp.share_train(model, setup.train, ex, setup.job.cfg.batch_size, self.n_train, group)
 
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
-        """The configuration for this model (config.resolve with the live model's config, device and weights), its
-        record, and the blocks (config.open_inputs); a store holding the run under other settings is refused."""
+        """The job of this model (make_job with the live model's config, device and weights: its record and plan),
+        and the blocks; a store holding the run under other settings is refused."""
         cfg = self.cfg  # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
         model = adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
         if cfg.tokenizer is not None:
             tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
         cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.store.prepare()
-        run = resolve(None, cfg, model.config, next(model.parameters()).device, weights=LIVE)
-        self._check_run(group.split("/")[0], run.record, identity(model, self.output_dir))
-        train, val = open_inputs(self.store, cfg, run, tokenizer, flags=("max_train_tokens", "max_val_tokens"))
+        job = make_job(None, cfg, model_config=model.config, device=next(model.parameters()).device, weights=LIVE)
+        self._check_run(group.split("/")[0], job, identity(model, self.output_dir))
+        train, val = job.inputs(self.store, tokenizer, flags=("max_train_tokens", "max_val_tokens"))
         where = cfg.tokenizer or (tokenizer is not None and getattr(tokenizer, "name_or_path", None)) or None
-        self.setup = _Setup(cfg, run, train, val, tokenizer, where)
+        self.setup = _Setup(job, train, val, tokenizer, where)
         return self.setup
 
-    def _check_run(self, run: str, record: dict, model: dict) -> None:
+    def _check_run(self, run: str, job: Job, model: dict) -> None:
         """A UserError if the store holds ``run`` measured under other settings (its steps would not compare), or from
         another model (another training's output folder, architecture or parameter count: its groups would be replaced
         step by step)."""
@@ -372,10 +366,10 @@ class NeuralCollapseCallback(TrainerCallback):
             if g.count("/") != 1 or not g.startswith(f"{run}/"):
                 continue
             attrs = self.store.attrs(g) or {}
-            if attrs.get("config_hash") != config_hash(record):
+            if attrs.get("config_hash") != job.hash:
                 old = json.loads(attrs.get("config", "{}"))
                 raise UserError(f"{self.store} already holds run {run} under other settings "
-                                f"({differences(old, record)}): set TrainingArguments(run_name=...) to another name, "
+                                f"({differences(old, job.record)}): set TrainingArguments(run_name=...) to another name, "
                                 f"pass another store, or remove it with `ncanalyze rm {run} --store {self.store}`")
             theirs = {k: attrs.get(k) for k in model}
             if attrs.get("source") == "training" and theirs != model:
