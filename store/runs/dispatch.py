@@ -11,7 +11,7 @@ from ncanalyze.store.extraction.job import Jobs
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.runs.hub import extract_hub
 from ncanalyze.store.runs.local import ExtractResult, announcer_over, extract
-from ncanalyze.store.sources.hub import is_hub_id
+from ncanalyze.store.sources.hub_fetch import is_hub_id
 from ncanalyze.store.sources.revisions import parse_revisions
 from ncanalyze.store.store import Store
 

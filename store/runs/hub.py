@@ -1,6 +1,6 @@
 """Public checkpoint suites on the Hugging Face Hub, by revision (SPEC section 2): ``ORG/NAME --revision step1000``.
 
-Each revision is fetched (store/sources/hub.py) and extracted as a local model folder: one checkpoint at
+Each revision is fetched (store/sources/hub_fetch.py) and extracted as a local model folder: one checkpoint at
 ``<NAME>/<revision>``, ``global_step`` from the number in the revision's name, the tokenizer from the same repository
 and revision. Revisions are done one at a time; with ``delete_downloads`` a snapshot this run downloaded is removed
 after its extraction. A revision that cannot be had (or whose cached snapshot lacks a blob) is named in one line and
@@ -21,7 +21,7 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.resume import DeferredInterrupt
 from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, each_checkpoint, todo
 from ncanalyze.store.sources.discover import Checkpoint, tagged
-from ncanalyze.store.sources.hub import Snapshot, explain, fetch, hub_errors, is_hub_id, resolved_commit
+from ncanalyze.store.sources.hub_fetch import Snapshot, explain, fetch, hub_errors, is_hub_id, resolved_commit
 from ncanalyze.store.sources.revisions import check_revision
 from ncanalyze.store.store import Status, Store
 

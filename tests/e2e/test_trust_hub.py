@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.sources.hub import Snapshot
+from ncanalyze.store.sources.hub_fetch import Snapshot
 from ncanalyze.store.sources.revisions import (
     MAX_REVISIONS,
     check_revision,
