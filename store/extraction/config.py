@@ -111,7 +111,10 @@ def differences(a: dict, b: dict) -> str:
     str
         ``key: old -> new`` for every key where they differ, comma-separated.
     """
-    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    data = ", ".join(str(b[k]) for k in ("dataset", "val_dataset") if b.get(k))
+    said = {"data_sha256": f" (the content of the data changed: {data})"}
+    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}{said.get(k, '')}" for k in sorted(set(a) | set(b))
+                     if a.get(k) != b.get(k))
 
 
 class Validation(NamedTuple):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.sources.discover import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Checkpoint, layout
+from ncanalyze.store.sources.fingerprint import files_fingerprint, plain_fingerprint
 
 EXTRA = "pip install 'ncanalyze[peft]'"
 LIVE = "live"  # an adapter being trained: its weights are no file
@@ -145,8 +146,6 @@ def base_identity(model: torch.nn.Module) -> dict:
     """The adapted model's base and adapter type (empty for a plain model): ``adapter_type``, ``base_model``,
     ``base_revision`` and ``base_weights`` (the fingerprint of the base's weight files; None where the base is no
     longer found)."""
-    from ncanalyze.store.sources.load import weights_fingerprint
-
     configs = getattr(unwrap(model), "peft_config", None) or {}
     if not configs:
         return {}
@@ -154,7 +153,7 @@ def base_identity(model: torch.nn.Module) -> dict:
     name = config.base_model_name_or_path
     try:
         folder, _, revision = locate_base(name, config.revision, "being measured")
-        weights = weights_fingerprint(folder)
+        weights = plain_fingerprint(folder)
     except CheckpointError:
         revision, weights = config.revision, None
     return {"adapter_type": str(getattr(config.peft_type, "value", config.peft_type)), "base_model": name,
@@ -187,7 +186,5 @@ def adapter_identity(model: torch.nn.Module, source: str) -> dict:
 
 
 def adapter_fingerprint(path: Path) -> str:
-    """The fingerprint of the adapter's weight files in ``path`` (as :func:`~load.weights_fingerprint`)."""
-    from ncanalyze.store.sources.load import files_fingerprint
-
+    """The fingerprint of the adapter's weight files in ``path`` (as :func:`~fingerprint.files_fingerprint`)."""
     return files_fingerprint([path / w for w in ADAPTER_WEIGHTS if (path / w).is_file()])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +9,8 @@ from pathlib import Path
 import torch
 from ncanalyze.analyzer import registry
 from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights, fsdp_dirs, layout, zero_dirs
+from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights, layout
+from ncanalyze.store.sources.fingerprint import plain_fingerprint
 from safetensors import SafetensorError
 
 DTYPES = {name: getattr(torch, name) for name in registry.DTYPES}  # the one list: ncanalyze.analyzer.registry
@@ -173,27 +173,10 @@ def decoded_tokens(tokenizer, vocab: int) -> list[str] | None:
 
 
 def weights_fingerprint(path: Path) -> str:
-    """Size plus the first and last MiB of each weight file: cheap, and different for every checkpoint. An adapter's
-    is its own files' with its base model's; sharded checkpoints' are their shards'."""
-    kind = layout(path)
-    if kind == "adapter":
+    """Size plus the first and last MiB of each weight file (fingerprint.py): cheap, and different for every
+    checkpoint. An adapter's is its own files' with its base model's; sharded checkpoints' are their shards'."""
+    if layout(path) == "adapter":
         from ncanalyze.store.sources import adapters
 
-        return f"{adapters.adapter_fingerprint(path)}+{weights_fingerprint(adapters.base_of(path)[0])}"
-    files = [p for p in path.iterdir() if p.name.endswith((".safetensors", ".bin"))]
-    for shards in fsdp_dirs(path) + zero_dirs(path) if kind in ("fsdp", "zero") else []:
-        files += [p for p in shards.iterdir() if p.is_file() and not p.is_symlink()]
-    return files_fingerprint(files)
-
-
-def files_fingerprint(files: list[Path]) -> str:
-    """:func:`weights_fingerprint` of ``files``."""
-    h = hashlib.sha256()
-    for w in sorted(files):
-        size = w.stat().st_size
-        h.update(f"{w.name}:{size}".encode())
-        with open(w, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read())
-    return h.hexdigest()[:16]
+        return f"{adapters.adapter_fingerprint(path)}+{plain_fingerprint(adapters.base_of(path)[0])}"
+    return plain_fingerprint(path)

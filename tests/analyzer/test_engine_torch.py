@@ -267,7 +267,7 @@ def test_measure_cli_takes_device(tmp_path):
     assert r.exit_code == 0, r.output
     from ncanalyze.analyzer.table import metrics_row
     assert_same(metrics_row(group_attrs(store, "a/checkpoint-10")), measure_all(ds, **TORCH)[0])  # a null is nan
-    bad = [("tpu", "--device must be auto, cpu, cuda or cuda:N")]
+    bad = [("tpu", "device (--device) must be auto, cpu, cuda or cuda:N, got 'tpu'")]
     if not torch.cuda.is_available():
         bad.append(("cuda", "torch sees no CUDA device"))
     for device, said in bad:

@@ -6,6 +6,7 @@ A screenshot of each page is kept under the test's tmp path and, where the envir
 NCANALYZE_ARTIFACTS names a folder, copied there (``report_html_<name>.png``)."""
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -258,7 +259,7 @@ def test_tokens_and_caveats_are_report_mds(real, browser):
 
     md = (real / "report.md").read_text()
     said = [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#caveats li")]
-    plain = lambda s: re.sub(r"`|\*\*", "", s).strip()  # noqa: E731
+    plain = lambda s: html.unescape(re.sub(r"`|\*\*", "", s)).strip()  # noqa: E731  (report.md writes & < > as entities)
     permutations = next(line for line in md.splitlines() if line.startswith("Permutations ("))
     assert plain(permutations) in said  # report.md's sentence: the unit permuted and the count
     assert "whole runs" in permutations or "rows (" in permutations

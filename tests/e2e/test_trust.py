@@ -125,7 +125,7 @@ def test_a_resume_on_changed_data_is_refused(model, corpus, reference, tmp_path)
     lines = train.read_text().splitlines(keepends=True)
     train.write_text("".join(lines[:3] + ["the big dog sees the red fox .\n"] + lines[4:]))  # one line changed
     line = one_line_error(run_cli(*args, "--state-every", 0, ok=False))
-    assert str(train) in line and "not the data the interrupted extraction" in line
+    assert "the content of the data changed: train.txt" in line and "interrupted extraction" in line
     train.write_text("".join(lines))  # restored: the resume goes on, and equals an uninterrupted run
     assert "1 resumed" in run_cli(*args, "--state-every", 0).output
     ref = tmp_path / "ref.zarr"
