@@ -50,10 +50,12 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
-from ncanalyze.analyzer.schema import CONTROLS, GEOMETRY_METRICS, NC_METRICS, SCALARS
+from ncanalyze.analyzer.questions import STEP_COLUMNS, claims, sign_notes
+from ncanalyze.analyzer.schema import CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of
+N_BOOT = 2000  # resamples of the bootstrap over runs
 NC, GEOMETRY = "NC", "geometry"  # the two Holm families (stats.csv's ``family``)
 LOSSES = ("val_loss", "eval_loss")  # the targets the report is for
 
@@ -109,6 +111,8 @@ class NoteKind(enum.Enum):
     CONSTANT = "constant"            # metric or target constant
     CONTROLS = "controls"            # a control dropped, unused, or determining the metric
     LEFT_OUT = "left_out"            # rows left out (an infinite target)
+    SIGN_FLIP = "sign_flip"          # between models, within training and pooled disagree in sign
+    FRAGILE = "fragile"              # a Holm verdict changes when one run is left out
 
 
 class Note(NamedTuple):
@@ -156,12 +160,28 @@ def _numbers(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def expand_design(df: pd.DataFrame, controls: Sequence[str]) -> list[str]:
+    """``controls`` with :data:`~ncanalyze.analyzer.schema.DESIGN` replaced by the design factors
+    (``DESIGN_FACTORS``: depth, width, parameters) whose column varies among the rows of ``df`` (none: nothing)."""
+    out: list[str] = []
+    for c in controls:
+        if c.strip() != DESIGN:
+            out.append(c)
+            continue
+        for expr, col in zip(DESIGN_FACTORS, ("n_layers", "hidden_size", "n_params")):
+            v = pd.to_numeric(df[col], errors="coerce") if col in df.columns else pd.Series(dtype=float)
+            if v[v > 0].nunique() > 1:
+                out.append(expr)
+    return list(dict.fromkeys(out))
+
+
 def eval_controls(df: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
     """Evaluate each control expression (over the table's columns and an allow-list of functions, by
-    :mod:`ncanalyze.analyzer.expr`; never as code) to a column named by the expression."""
+    :mod:`ncanalyze.analyzer.expr`; never as code) to a column named by the expression; ``design`` first stands for
+    the design factors that vary (:func:`expand_design`)."""
     out = {}
     df = _numbers(df)
-    for expr in controls:
+    for expr in expand_design(df, controls):
         v = evaluate(expr, df, "control")
         if not isinstance(v, pd.Series):
             raise UserError(f"control {expr!r} uses no column of the metrics table (it is the constant {v!r}); "
@@ -216,8 +236,10 @@ def refuse_correlated_controls(df: pd.DataFrame, C: pd.DataFrame, target: str, m
 
 def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                  controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0, *,
-                 runs: str | None = None, step: str = "global_step") -> pd.DataFrame:
-    """Statistics of each metric against ``target``, one row per (metric, scale in raw|log).
+                 runs: str | None = None, step: str = "global_step", n_boot: int = N_BOOT) -> pd.DataFrame:
+    """Statistics of each metric against ``target``, one row per (metric, scale in raw|log): the pooled r with its
+    permutation p and null centre, the bootstrap intervals over runs, the two questions apart (between models at
+    each step, within training; :mod:`ncanalyze.analyzer.questions`) and leave-one-run-out (:func:`leave_one_out`).
 
     Parameters
     ----------
@@ -228,6 +250,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         checkpoints are exchangeability blocks, permuted whole (:class:`ncanalyze.analyzer.permute.Scheme`);
         None (default) or absent: every row is an exchangeable unit.
     step : the column that orders a run's rows, to match runs position by position.
+    n_boot : resamples of the bootstrap over runs (0: no intervals); seeded by ``seed``.
 
     Returns
     -------
@@ -238,15 +261,48 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         "checkpoints"), n_units (runs or rows permuted), n_distinct_perms, n_perm (permutations counted), exact
         (all enumerated), p_floor (the smallest p the permutations can give), note (why a statistic is missing,
         or what bounds it) with note_kinds (:class:`NoteKind` values, comma-separated), and p_holm / rho_p_holm /
-        partial_p_holm (Holm within the family, per scale). Rows
+        partial_p_holm (Holm within the family, per scale); r_null, rho_null, partial_r_null (the permutation
+        null's mean); {r,r2,rho,partial}_ci_low/high (percentile bootstrap over whole runs, ``n_boot``,
+        ``boot_unit``, ``boot_method``); within_r with within_ci_low/high and within_n_runs (the mean within-run
+        r); between_steps, between_r_min/max, between_step_last, between_r_last, between_p_last (r across runs
+        per step); loo_r_min/max, robust, loo_flips (leave one run out). Rows
         with a missing or infinite target, or a missing metric or control, are left out of that metric's
         statistics (an infinite target is said in the notes).
     """
+    y, X, C, notes, labels, order, unused = _prepare(df, metrics, target, controls, runs, step)
+    groups = _column_groups(X)
+    rows, extra = [], []
+    for keys, mask in groups:
+        scheme = (Scheme.rows(int(mask.sum())) if labels is None else
+                  Scheme.whole_blocks(labels[mask], None if order is None else order[mask]))
+        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed, scheme)
+        if mask.sum() >= MIN_N:
+            ctrl = independent_controls(C[mask])
+            extra.append(claims(y[mask], X.loc[mask, keys], C.loc[mask, ctrl], None if labels is None else
+                                labels[mask], None if order is None else order[mask], n_perm, n_boot, seed))
+    out = pd.DataFrame(rows)
+    out.insert(1, "family", out.metric.map(family))
+    rank = {m: i for i, m in enumerate(metrics)}
+    out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
+    out = out.reset_index(drop=True)
+    out["p_holm"], out["rho_p_holm"], out["partial_p_holm"] = (holm(out, c) for c in ("p_perm", "rho_p",
+                                                                                      "partial_p_perm"))
+    out = _with_claims(out, extra)
+    out = leave_one_out(out, y, X, C, labels, order, groups, n_perm, seed)
+    out.attrs.update(target=target, controls=list(C.columns), n_perm=int(n_perm), seed=seed, runs=runs,
+                     n_boot=int(n_boot))
+    return out
+
+
+def _prepare(df: pd.DataFrame, metrics: Sequence[str], target: str, controls: Sequence[str], runs: str | None,
+             step: str) -> tuple:
+    """The target, metric columns (raw and log), controls, notes, run labels and steps of the usable rows, and the
+    notes said of every column."""
     y = _target(df, target, metrics)
     infinite = int(np.isinf(y).sum())
     y = y.where(np.isfinite(y))  # an infinite loss (a diverged run) would make every r nan: such rows are left out
-    C = eval_controls(df, controls)
-    refuse_correlated_controls(df, C, target, metrics)
+    C = eval_controls(df.loc[y.notna()], controls).reindex(df.index)
+    refuse_correlated_controls(df, eval_controls(df, list(C.columns)), target, metrics)
     empty = [c for c in C.columns if C.loc[y.notna(), c].isna().all()]  # e.g. a step no checkpoint recorded
     C = C.drop(columns=empty)
     ok = y.notna() & C.notna().all(axis=1)
@@ -257,25 +313,117 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     unused = [Note(NoteKind.CONTROLS, f"control {c} has no values: not used") for c in empty]
     if infinite:
         unused.append(Note(NoteKind.LEFT_OUT, f"{infinite} checkpoint(s) with an infinite {target} left out"))
-    # columns with the same rows present share one permutation run, all of them in one matrix product
+    return y, X, C, notes, labels, order, unused
+
+
+def _column_groups(X: pd.DataFrame) -> list[tuple[list, pd.Series]]:
+    """Columns with the same rows present, with those rows: each group shares one permutation run, all of its
+    columns in one matrix product."""
     groups: dict[bytes, list] = {}
     for key in X.columns:
         groups.setdefault(X[key].notna().to_numpy().tobytes(), []).append(key)
-    rows = []
-    for keys in groups.values():
-        mask = X[keys[0]].notna()
-        scheme = (Scheme.rows(int(mask.sum())) if labels is None else
-                  Scheme.whole_blocks(labels[mask], None if order is None else order[mask]))
-        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed, scheme)
-    out = pd.DataFrame(rows)
-    out.insert(1, "family", out.metric.map(family))
-    rank = {m: i for i, m in enumerate(metrics)}
-    out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
-    out = out.reset_index(drop=True)
-    out["p_holm"], out["rho_p_holm"], out["partial_p_holm"] = (holm(out, c) for c in ("p_perm", "rho_p",
-                                                                                      "partial_p_perm"))
-    out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed, runs=runs)
+    return [(keys, X[keys[0]].notna()) for keys in groups.values()]
+
+
+def _with_claims(out: pd.DataFrame, extra: list[tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataFrame:
+    """The statistics with the claims' columns (:func:`ncanalyze.analyzer.questions.claims`) joined by (metric,
+    scale), and a note where the two questions and the pooled r disagree in sign."""
+    if not extra:
+        return out
+    cl = pd.concat([e for e, _ in extra])
+    steps = pd.concat([s for _, s in extra if len(s)] or [pd.DataFrame(columns=STEP_COLUMNS)])
+    keys = pd.MultiIndex.from_frame(out[["metric", "scale"]])
+    joined = cl.reindex(keys).reset_index(drop=True)
+    out = pd.concat([out, joined], axis=1)
+    for i, row in out.iterrows():
+        mine = steps[(steps.metric == row.metric) & (steps.scale == row.scale)]
+        extra_notes = [Note(NoteKind.SIGN_FLIP, t) for t in sign_notes(row.r, mine, row.within_r, (row.within_ci_low, row.within_ci_high), ALPHA)]
+        if extra_notes:
+            _add_notes(out, i, extra_notes)
     return out
+
+
+def _add_notes(out: pd.DataFrame, i: int, extra: list[Note]) -> None:
+    """Append notes to row i's ``note`` and ``note_kinds``."""
+    text = "; ".join(n.text for n in extra)
+    old = out.at[i, "note"]
+    out.at[i, "note"] = text if not isinstance(old, str) or not old else f"{old}; {text}"
+    kinds = [k for k in str(out.at[i, "note_kinds"] or "").split(",") if k] + [n.kind.value for n in extra]
+    out.at[i, "note_kinds"] = ",".join(dict.fromkeys(kinds))
+
+
+def by_step(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
+            n_perm: int = 10_000, seed: int | None = 0, *, runs: str = "run", step: str = "global_step",
+            tag: str = "tag") -> pd.DataFrame:
+    """Between models, step by step: per tag, :func:`ncanalyze.analyzer.questions.per_step` of each metric (raw and
+    log) over the rows :func:`correlations` uses (by_step.csv; the report's per-step figure)."""
+    from ncanalyze.analyzer.questions import per_step
+    parts = []
+    for t, rows in split_tags(df, tag):
+        if runs not in rows.columns or step not in rows.columns:
+            continue
+        y, X, _, _, labels, order, _ = _prepare(rows, metrics, target, (), runs, step)
+        for keys, mask in _column_groups(X):
+            parts.append(per_step(y[mask], X.loc[mask, keys], labels[mask], order[mask], n_perm, seed).assign(tag=t))
+    out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*STEP_COLUMNS, "tag"])
+    return out[["tag", *STEP_COLUMNS]]
+
+
+def leave_one_out(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, labels: pd.Series | None,
+                  order: pd.Series | None, groups: list, n_perm: int, seed: int | None) -> pd.DataFrame:
+    """Fragility: with each run left out in turn, the range of r (``loo_r_min``, ``loo_r_max``) and whether every
+    Holm verdict (r and partial r at ALPHA, within the family) stays as it is (``robust``); ``loo_flips`` names the
+    runs whose removal changes one, also said in a note. Without runs: nan."""
+    out = out.assign(loo_r_min=np.nan, loo_r_max=np.nan, robust=np.nan, loo_flips="")
+    names = None if labels is None else pd.unique(labels.dropna())
+    if names is None or len(names) <= MIN_N:
+        return out
+    key = pd.MultiIndex.from_frame(out[["metric", "scale"]])
+    verdict = {c: out[c].astype(float) < ALPHA for c in ("p_holm", "partial_p_holm")}
+    tested = {c: out[c].notna() for c in verdict}
+    rs, flips = [], pd.Series([[] for _ in range(len(out))], index=out.index)
+    for name in names:
+        drop = _dropped(out, key, y, X, C, labels, order, groups, labels != name, n_perm, seed)
+        rs.append(drop.r.to_numpy(float))
+        for c in verdict:
+            changed = tested[c] & drop[c].notna() & ((drop[c].astype(float) < ALPHA) != verdict[c])
+            for i in out.index[changed.to_numpy()]:
+                flips[i] = flips[i] + [str(name)]
+    rs = np.array(rs)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out["loo_r_min"], out["loo_r_max"] = np.nanmin(rs, 0), np.nanmax(rs, 0)
+    any_test = (tested["p_holm"] | tested["partial_p_holm"]) & (out.n_perm > 0)
+    out["robust"] = np.where(any_test, flips.map(len) == 0, np.nan)
+    out["loo_flips"] = flips.map(lambda f: ", ".join(dict.fromkeys(f)))
+    for i in out.index[out.loo_flips != ""]:
+        _add_notes(out, i, [Note(NoteKind.FRAGILE, "a Holm verdict changes when run " + " or run ".join(
+            f"'{f}'" for f in out.at[i, "loo_flips"].split(", ")) + " is left out")])
+    return out
+
+
+def _dropped(out: pd.DataFrame, key: pd.MultiIndex, y: pd.Series, X: pd.DataFrame, C: pd.DataFrame,
+             labels: pd.Series, order: pd.Series | None, groups: list, keep: pd.Series, n_perm: int,
+             seed: int | None) -> pd.DataFrame:
+    """r and the Holm-adjusted p of r and the partial r of every column without the rows ``keep`` excludes, in
+    the order of ``out``'s rows (nan where too few rows are left)."""
+    rows = []
+    for keys, mask in groups:
+        m = mask & keep
+        if m.sum() < MIN_N:
+            continue
+        ctrl = independent_controls(C[m])
+        scheme = Scheme.whole_blocks(labels[m], None if order is None else order[m])
+        res = perm_test(y[m].to_numpy(), X.loc[m, keys].to_numpy(), C.loc[m, ctrl].to_numpy(), n_perm, seed, scheme)
+        rows += [dict(metric=k[0], scale=k[1], r=res["r"][j], p_perm=res["p_perm"][j],
+                      partial_p_perm=res["partial_p_perm"][j]) for j, k in enumerate(keys)]
+    d = pd.DataFrame(rows, columns=["metric", "scale", "r", "p_perm", "partial_p_perm"])
+    d = d.set_index(["metric", "scale"]).reindex(key).reset_index()
+    d["family"] = d.metric.map(family)
+    for c in ("p_perm", "partial_p_perm"):
+        d[c] = d[c].where(out[c].notna().to_numpy())  # the metrics tested in the full study: the same Holm family
+    d["p_holm"], d["partial_p_holm"] = holm(d, "p_perm"), holm(d, "partial_p_perm")
+    return d
 
 
 def holm_families(stats: pd.DataFrame) -> list[str]:
@@ -315,7 +463,8 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     for j, (metric, scale) in enumerate(X.columns):
         row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, rho=np.nan, p_perm=np.nan, rho_p=np.nan,
                    p_param_iid=np.nan, partial_r=np.nan, partial_p_perm=np.nan, partial_p_param_iid=np.nan,
-                   partial_ci_low_iid=np.nan, partial_ci_high_iid=np.nan, controls=", ".join(ctrl),
+                   partial_ci_low_iid=np.nan, partial_ci_high_iid=np.nan, r_null=np.nan, rho_null=np.nan,
+                   partial_r_null=np.nan, controls=", ".join(ctrl),
                    perm_scheme=scheme.name, perm_unit=_unit_name(scheme), n_units=scheme.n_units,
                    n_distinct_perms=_as_float(n_distinct), n_perm=0, exact=False, p_floor=np.nan)
         with warnings.catch_warnings(record=True) as caught:
@@ -350,6 +499,7 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
         return [Note(NoteKind.CONSTANT, ("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints")]
     r = float(res["r"][j])
     row.update(r=r, r2=r * r, rho=float(res["rho"][j]), p_perm=res["p_perm"][j], rho_p=res["rho_p"][j],
+               r_null=res["r_null"][j], rho_null=res["rho_null"][j],
                n_perm=res["n_perm"], exact=res["exact"], p_param_iid=float(pearsonr(x, y).pvalue),
                p_floor=p_floor(res["n_distinct"], res["n_perm"], res["exact"]) if res["n_perm"] else np.nan)
     note = [Note(NoteKind.CONTROLS, f"partial r ignores {', '.join(dropped)} (constant or collinear here)")] \
@@ -373,6 +523,7 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
         lo = hi = np.nan
         note.append(Note(NoteKind.TOO_FEW, f"n={n} too few for the partial r's 95% CI with {k} control(s) (needs >= {k + 4})"))
     row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
+               partial_r_null=res["partial_r_null"][j],
                partial_p_param_iid=float(part["p_val"].iloc[0]), partial_ci_low_iid=lo, partial_ci_high_iid=hi)
     return note
 
@@ -417,7 +568,8 @@ def split_tags(df: pd.DataFrame, column: str = "tag") -> list[tuple[str | None, 
 
 def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                         controls: Sequence[str] = CONTROLS, n_perm: int = 10_000, seed: int | None = 0, *,
-                        runs: str | None = "run", step: str = "global_step", tag: str = "tag") -> pd.DataFrame:
+                        runs: str | None = "run", step: str = "global_step", tag: str = "tag",
+                        n_boot: int = N_BOOT) -> pd.DataFrame:
     """:func:`correlations` of each tag's rows apart (:func:`split_tags`; never pooled), concatenated with a
     ``tag`` column first (None: untagged). Holm's families are per tag and scale. Runs are exchangeability blocks
     by default (``runs="run"``, where the table has that column), as the report wants them.
@@ -434,7 +586,8 @@ def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, targ
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", StatisticsWarning)
-                stats = correlations(rows, metrics, target, controls, n_perm, seed, runs=runs, step=step)
+                stats = correlations(rows, metrics, target, controls, n_perm, seed, runs=runs, step=step,
+                                     n_boot=n_boot)
         except UserError as e:
             if len(groups) == 1:
                 raise
