@@ -137,11 +137,12 @@ def _p(low: np.ndarray, high: np.ndarray, stat: np.ndarray, total: int, exact: b
 
 
 def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = 10_000,
-              seed: int | None = 0, scheme: Scheme | None = None) -> dict:
+              seed: int | None = 0, scheme: Scheme | None = None, rho: bool = True) -> dict:
     """Pearson r, Spearman rho and partial r (given controls ``C``, n x k) of ``y`` (n) with each column of
     ``X`` (n x m), with two-sided permutation p-values under ``scheme`` (default: rows): r and rho permute y,
     the partial r permutes y's residuals on [1, C] (Freedman & Lane 1983: y* = yhat_C + P e_C). All inputs finite.
 
+    ``rho=False`` skips Spearman's rho (nan), e.g. where only r and the partial r are wanted (leave-one-out).
     The two-sided p is equal-tailed (:func:`_p`); ``*_null`` is the mean of the statistic over the permutations
     counted, the null's centre (what the design alone yields: a trend shared by all runs keeps it off 0).
 
@@ -159,13 +160,14 @@ def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm:
     Q = orth(np.column_stack([np.ones(n), C]))  # orthonormal basis of span{1, controls}
     resid = lambda a: a - Q @ (Q.T @ a)  # noqa: E731  residual maker R = I - QQ^T
     zy, zx = _unit(y), _unit(X)
-    ry, rx = _unit(rankdata(y)), _unit(rankdata(X, axis=0))
+    ry, rx = (_unit(rankdata(y)), _unit(rankdata(X, axis=0))) if rho else (np.zeros(n), np.zeros(X.shape))
     ey, ex = resid(y), resid(X)
     ey = ey * (np.linalg.norm(ey) > _DEGENERATE * np.linalg.norm(y - y.mean()))  # determined by C: zero, so nan
     ex = ex * (np.linalg.norm(ex, axis=0) > _DEGENERATE * np.linalg.norm(X - X.mean(axis=0), axis=0))
     with np.errstate(invalid="ignore", divide="ignore"):
         ex = ex / np.linalg.norm(ex, axis=0)
-        stat = {"r": zy @ zx, "rho": ry @ rx, "partial_r": ey @ ex / np.linalg.norm(ey)}
+        stat = {"r": zy @ zx, "rho": ry @ rx if rho else np.full(X.shape[1], np.nan),
+                "partial_r": ey @ ex / np.linalg.norm(ey)}
     out = stat | {k: np.full_like(stat["r"], np.nan) for k in ("p_perm", "rho_p", "partial_p_perm", "r_null",
                                                               "rho_null", "partial_r_null")}
     out |= dict(n_perm=0, exact=False, n_distinct=scheme.n_distinct, scheme=scheme.name, n_units=scheme.n_units)
@@ -177,7 +179,7 @@ def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm:
     for idx in chunks:
         E = ey[idx]  # permuted residuals, one permutation per row; R(P e) has norm^2 = |e|^2 - |Q^T P e|^2
         with np.errstate(invalid="ignore", divide="ignore"):
-            null = {"r": zy[idx] @ zx, "rho": ry[idx] @ rx,
+            null = {"r": zy[idx] @ zx, "rho": ry[idx] @ rx if rho else np.zeros((len(idx), X.shape[1])),
                     "partial_r": (E @ ex) / np.sqrt(ey @ ey - ((E @ Q) ** 2).sum(1))[:, None]}
         for k in stat:
             tol = np.abs(stat[k]) * _TIE

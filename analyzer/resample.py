@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy.stats import rankdata
 
 METHOD = "percentile"  # the bootstrap interval (stats.csv's boot_method)
 LEVEL = 0.95
@@ -130,6 +131,10 @@ def run_bootstrap(y: np.ndarray, X: np.ndarray, C: np.ndarray, codes: np.ndarray
     r = weighted_partial(W, X, y)
     out = {"r": percentile_interval(r), "r2": percentile_interval(r * r), "partial": percentile_interval(
         weighted_partial(W, X, y, C))}
+    keys = [rankdata(X[:, j]).tobytes() for j in range(X.shape[1])]  # raw and log10 share their ranks: once
+    first = {k: j for j, k in reversed(list(enumerate(keys)))}
+    cols = sorted(set(first.values()))
     step = max(1, _CHUNK_ELEMS // max(1, len(y) * 4))
-    rho = np.concatenate([weighted_rho(W[i:i + step], X, y) for i in range(0, len(W), step)])
+    rho = np.concatenate([weighted_rho(W[i:i + step], X[:, cols], y) for i in range(0, len(W), step)])
+    rho = rho[:, [cols.index(first[k]) for k in keys]]
     return out | {"rho": percentile_interval(rho)}

@@ -388,7 +388,7 @@ def leave_one_out(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, C: pd.DataFr
         for c in verdict:
             changed = tested[c] & drop[c].notna() & ((drop[c].astype(float) < ALPHA) != verdict[c])
             for i in out.index[changed.to_numpy()]:
-                flips[i] = flips[i] + [str(name)]
+                flips[i] = flips[i] + [f"{name} ({'r' if c == 'p_holm' else 'partial r'})"]
     rs = np.array(rs)
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -397,8 +397,8 @@ def leave_one_out(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, C: pd.DataFr
     out["robust"] = np.where(any_test, flips.map(len) == 0, np.nan)
     out["loo_flips"] = flips.map(lambda f: ", ".join(dict.fromkeys(f)))
     for i in out.index[out.loo_flips != ""]:
-        _add_notes(out, i, [Note(NoteKind.FRAGILE, "a Holm verdict changes when run " + " or run ".join(
-            f"'{f}'" for f in out.at[i, "loo_flips"].split(", ")) + " is left out")])
+        _add_notes(out, i, [Note(NoteKind.FRAGILE, "a Holm verdict changes with one run left out: "
+                                 + out.at[i, "loo_flips"])])
     return out
 
 
@@ -414,7 +414,8 @@ def _dropped(out: pd.DataFrame, key: pd.MultiIndex, y: pd.Series, X: pd.DataFram
             continue
         ctrl = independent_controls(C[m])
         scheme = Scheme.whole_blocks(labels[m], None if order is None else order[m])
-        res = perm_test(y[m].to_numpy(), X.loc[m, keys].to_numpy(), C.loc[m, ctrl].to_numpy(), n_perm, seed, scheme)
+        res = perm_test(y[m].to_numpy(), X.loc[m, keys].to_numpy(), C.loc[m, ctrl].to_numpy(), n_perm, seed, scheme,
+                        rho=False)
         rows += [dict(metric=k[0], scale=k[1], r=res["r"][j], p_perm=res["p_perm"][j],
                       partial_p_perm=res["partial_p_perm"][j]) for j, k in enumerate(keys)]
     d = pd.DataFrame(rows, columns=["metric", "scale", "r", "p_perm", "partial_p_perm"])

@@ -41,6 +41,8 @@ class ReportOptions:
         units and nothing need be permuted in blocks); None: every selected checkpoint.
     html
         Also write report.html, the interactive page (:mod:`~ncanalyze.analyzer.report.html`; ``--no-html``: not).
+    n_boot
+        Resamples of the bootstrap over whole runs behind the 95% intervals (seeded by ``seed``; 0: none).
     """
 
     metrics: Sequence[str] = METRICS
@@ -54,6 +56,7 @@ class ReportOptions:
     checkpoints: Sequence[str] = ()
     per_run: str | None = None
     html: bool = True
+    n_boot: int = 2000
 
 
 @dataclass
@@ -86,6 +89,8 @@ class ReportResult:
         :func:`~ncanalyze.analyzer.report.mincount.min_count_table`), or None without a store.
     min_count_notes
         Its notes: the cap on runs, and measure's warnings at those min_counts (NC4's kept set among them).
+    by_step
+        Between models, step by step (by_step.csv; :func:`ncanalyze.analyzer.stats.by_step`), or None.
     files
         Every file written by name: metrics, stats, [tokens], [min_count], the figures, [depth, layers], report, tex,
         [html].
@@ -103,3 +108,4 @@ class ReportResult:
     min_count: pd.DataFrame | None = None
     min_count_notes: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
+    by_step: pd.DataFrame | None = None
