@@ -127,7 +127,7 @@ def claims(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, labels: pd.Series | N
     cols: dict[str, np.ndarray | float | str] = {"n_boot": 0, "boot_unit": "runs" if labels is not None else
                                                  "checkpoints", "boot_method": METHOD}
     nan = np.full(X.shape[1], np.nan)
-    for name in ("r", "r2", "rho", "partial"):
+    for name in ("r", "r2", "rho", "partial_r"):
         cols[f"{name}_ci_low"], cols[f"{name}_ci_high"] = nan, nan
     if units >= MIN_BOOT_UNITS and n_boot > 0 and len(y) >= MIN_N:
         boot = run_bootstrap(yv, Xv, C.to_numpy(float), codes, n_boot, seed)
@@ -171,7 +171,7 @@ def control_table(df: pd.DataFrame, metrics: Sequence[str], target: str, scale_c
     rows = []
     for metric, scale in X.columns:
         x = X[metric, scale]
-        ok = x.notna() & np.isfinite(y) & progress.notna().all(1)
+        ok = x.notna() & np.isfinite(y) & progress.notna().all(axis=1)
         if ok.sum() < MIN_N or not x[ok].notna().any():
             continue
         row = {"metric": metric, "scale": scale, "n": int(ok.sum()), "none": float(np.corrcoef(x[ok], y[ok])[0, 1])}

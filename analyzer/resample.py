@@ -15,6 +15,8 @@ transformation-respecting, and what stats.csv's ``boot_method`` says. Resamples 
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 from scipy.stats import rankdata
@@ -115,8 +117,8 @@ def percentile_interval(samples: np.ndarray, level: float = LEVEL) -> tuple[np.n
     B were finite; nan where fewer than half were."""
     finite = np.isfinite(samples)
     q = (1 - level) / 2
-    with np.errstate(invalid="ignore"), np.testing.suppress_warnings() as sup:
-        sup.filter(RuntimeWarning)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-nan column: its interval is nan
         lo, hi = np.nanquantile(samples, [q, 1 - q], axis=0)
     used = finite.sum(0)
     bad = used < len(samples) / 2
@@ -129,7 +131,7 @@ def run_bootstrap(y: np.ndarray, X: np.ndarray, C: np.ndarray, codes: np.ndarray
     {name: (low, high, finite resamples)}; one weight matrix for all of them."""
     W = bootstrap_weights(codes, n_boot, seed)
     r = weighted_partial(W, X, y)
-    out = {"r": percentile_interval(r), "r2": percentile_interval(r * r), "partial": percentile_interval(
+    out = {"r": percentile_interval(r), "r2": percentile_interval(r * r), "partial_r": percentile_interval(
         weighted_partial(W, X, y, C))}
     keys = [rankdata(X[:, j]).tobytes() for j in range(X.shape[1])]  # raw and log10 share their ranks: once
     first = {k: j for j, k in reversed(list(enumerate(keys)))}

@@ -262,7 +262,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         (all enumerated), p_floor (the smallest p the permutations can give), note (why a statistic is missing,
         or what bounds it) with note_kinds (:class:`NoteKind` values, comma-separated), and p_holm / rho_p_holm /
         partial_p_holm (Holm within the family, per scale); r_null, rho_null, partial_r_null (the permutation
-        null's mean); {r,r2,rho,partial}_ci_low/high (percentile bootstrap over whole runs, ``n_boot``,
+        null's mean); {r,r2,rho,partial_r}_ci_low/high (percentile bootstrap over whole runs, ``n_boot``,
         ``boot_unit``, ``boot_method``); within_r with within_ci_low/high and within_n_runs (the mean within-run
         r); between_steps, between_r_min/max, between_step_last, between_r_last, between_p_last (r across runs
         per step); loo_r_min/max, robust, loo_flips (leave one run out). Rows
@@ -372,59 +372,70 @@ def by_step(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "e
 def leave_one_out(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, labels: pd.Series | None,
                   order: pd.Series | None, groups: list, n_perm: int, seed: int | None) -> pd.DataFrame:
     """Fragility: with each run left out in turn, the range of r (``loo_r_min``, ``loo_r_max``) and whether every
-    Holm verdict (r and partial r at ALPHA, within the family) stays as it is (``robust``); ``loo_flips`` names the
-    runs whose removal changes one, also said in a note. Without runs: nan."""
+    Holm verdict (r and partial r at ALPHA, within the family as in ``out``) stays as it is (``robust``);
+    ``loo_flips`` names the runs whose removal changes one ('run (r)', 'run (partial r)'), also said in a note.
+    Without runs: nan."""
     out = out.assign(loo_r_min=np.nan, loo_r_max=np.nan, robust=np.nan, loo_flips="")
     names = None if labels is None else pd.unique(labels.dropna())
     if names is None or len(names) <= MIN_N:
         return out
-    key = pd.MultiIndex.from_frame(out[["metric", "scale"]])
-    verdict = {c: out[c].astype(float) < ALPHA for c in ("p_holm", "partial_p_holm")}
-    tested = {c: out[c].notna() for c in verdict}
-    rs, flips = [], pd.Series([[] for _ in range(len(out))], index=out.index)
-    for name in names:
-        drop = _dropped(out, key, y, X, C, labels, order, groups, labels != name, n_perm, seed)
-        rs.append(drop.r.to_numpy(float))
-        for c in verdict:
-            changed = tested[c] & drop[c].notna() & ((drop[c].astype(float) < ALPHA) != verdict[c])
-            for i in out.index[changed.to_numpy()]:
-                flips[i] = flips[i] + [f"{name} ({'r' if c == 'p_holm' else 'partial r'})"]
-    rs = np.array(rs)
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    pos = {k: i for i, k in enumerate(zip(out.metric, out.scale))}
+    fams = [np.asarray(g) for g in out.groupby(holm_families(out), dropna=False, sort=False).indices.values()]
+    full = {c: out[c].to_numpy(float) for c in ("p_holm", "partial_p_holm")}
+    raw = {c: out[c].to_numpy(float) for c in ("p_perm", "partial_p_perm")}
+    lab, yv, Cv = labels.to_numpy(), y.to_numpy(float), C.to_numpy(float)
+    step = None if order is None else order.to_numpy()
+    cols = [([pos[k] for k in keys], X[keys].to_numpy(float), mask.to_numpy()) for keys, mask in groups]
+    rs, flips = np.full((len(names), len(out)), np.nan), [[] for _ in range(len(out))]
+    for d, name in enumerate(names):
+        p = {c: np.full(len(out), np.nan) for c in raw}
+        for at, Xg, mask in cols:
+            m = mask & (lab != name)
+            if m.sum() < MIN_N:
+                continue
+            Cm = Cv[m][:, _independent(Cv[m])]
+            res = perm_test(yv[m], Xg[m], Cm, n_perm, seed, Scheme.whole_blocks(lab[m], None if step is None else
+                                                                                 step[m]), rho=False)
+            rs[d, at], p["p_perm"][at], p["partial_p_perm"][at] = res["r"], res["p_perm"], res["partial_p_perm"]
+        for (c, full_p), what in zip(full.items(), ("r", "partial r")):
+            tested_full = np.isfinite(raw[_raw_of(c)])  # the metrics tested in the full study: the same family
+            dropped = _holm_array(np.where(tested_full, p[_raw_of(c)], np.nan), fams)
+            changed = np.isfinite(full_p) & np.isfinite(dropped) & ((dropped < ALPHA) != (full_p < ALPHA))
+            for i in np.flatnonzero(changed):
+                flips[i].append(f"{name} ({what})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a metric without r in every drop
         out["loo_r_min"], out["loo_r_max"] = np.nanmin(rs, 0), np.nanmax(rs, 0)
-    any_test = (tested["p_holm"] | tested["partial_p_holm"]) & (out.n_perm > 0)
-    out["robust"] = np.where(any_test, flips.map(len) == 0, np.nan)
-    out["loo_flips"] = flips.map(lambda f: ", ".join(dict.fromkeys(f)))
+    tested = (np.isfinite(full["p_holm"]) | np.isfinite(full["partial_p_holm"])) & (out.n_perm > 0).to_numpy()
+    out["robust"] = np.where(tested, [not f for f in flips], np.nan)
+    out["loo_flips"] = [", ".join(f) for f in flips]
     for i in out.index[out.loo_flips != ""]:
         _add_notes(out, i, [Note(NoteKind.FRAGILE, "a Holm verdict changes with one run left out: "
                                  + out.at[i, "loo_flips"])])
     return out
 
 
-def _dropped(out: pd.DataFrame, key: pd.MultiIndex, y: pd.Series, X: pd.DataFrame, C: pd.DataFrame,
-             labels: pd.Series, order: pd.Series | None, groups: list, keep: pd.Series, n_perm: int,
-             seed: int | None) -> pd.DataFrame:
-    """r and the Holm-adjusted p of r and the partial r of every column without the rows ``keep`` excludes, in
-    the order of ``out``'s rows (nan where too few rows are left)."""
-    rows = []
-    for keys, mask in groups:
-        m = mask & keep
-        if m.sum() < MIN_N:
+def _raw_of(holm_column: str) -> str:
+    return {"p_holm": "p_perm", "partial_p_holm": "partial_p_perm"}[holm_column]
+
+
+def _independent(C: np.ndarray) -> list[int]:
+    """:func:`independent_controls` of a numpy array: the column indices kept."""
+    return [list(map(str, range(C.shape[1]))).index(c) for c in
+            independent_controls(pd.DataFrame(C, columns=list(map(str, range(C.shape[1])))))]
+
+
+def _holm_array(p: np.ndarray, families: list[np.ndarray]) -> np.ndarray:
+    """Holm-adjusted p within each family (positions), over the finite p only (as :func:`holm`)."""
+    out = np.full(len(p), np.nan)
+    for fam in families:
+        idx = fam[np.isfinite(p[fam])]
+        if not len(idx):
             continue
-        ctrl = independent_controls(C[m])
-        scheme = Scheme.whole_blocks(labels[m], None if order is None else order[m])
-        res = perm_test(y[m].to_numpy(), X.loc[m, keys].to_numpy(), C.loc[m, ctrl].to_numpy(), n_perm, seed, scheme,
-                        rho=False)
-        rows += [dict(metric=k[0], scale=k[1], r=res["r"][j], p_perm=res["p_perm"][j],
-                      partial_p_perm=res["partial_p_perm"][j]) for j, k in enumerate(keys)]
-    d = pd.DataFrame(rows, columns=["metric", "scale", "r", "p_perm", "partial_p_perm"])
-    d = d.set_index(["metric", "scale"]).reindex(key).reset_index()
-    d["family"] = d.metric.map(family)
-    for c in ("p_perm", "partial_p_perm"):
-        d[c] = d[c].where(out[c].notna().to_numpy())  # the metrics tested in the full study: the same Holm family
-    d["p_holm"], d["partial_p_holm"] = holm(d, "p_perm"), holm(d, "partial_p_perm")
-    return d
+        order = idx[np.argsort(p[idx], kind="stable")]
+        m = len(order)
+        out[order] = np.minimum(1, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+    return out
 
 
 def holm_families(stats: pd.DataFrame) -> list[str]:

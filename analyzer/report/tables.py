@@ -423,7 +423,7 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
             label_ = "tab:nc-correlations" + ("" if i == 0 else f"-{i}") + ("" if scale == "raw" else "-log")
             tex.append(_latex(_scale_table(rows[rows.scale == scale], scale), cap, label_,
                               geometry.iloc[0] if len(geometry) and len(geometry) < rows.metric.nunique() else None))
-        if "r_ci_low" in rows:
+        if "n_boot" in rows and (rows.n_boot > 0).any():  # the intervals over runs (none with under 4 runs)
             tex.append(claims_latex(rows, target, of, "tab:nc-intervals" + ("" if i == 0 else f"-{i}")))
     if tok is not None:
         for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):
@@ -480,7 +480,7 @@ def interval_table(stats: pd.DataFrame) -> pd.DataFrame:
         rows.append({"metric": _name(s), "r [95% CI]": interval(s.r, s.r_ci_low, s.r_ci_high),
                      "R² [95% CI]": interval(s.r2, s.r2_ci_low, s.r2_ci_high),
                      "rho [95% CI]": interval(s.rho, s.rho_ci_low, s.rho_ci_high),
-                     "partial r [95% CI]": interval(s.partial_r, s.partial_ci_low, s.partial_ci_high),
+                     "partial r [95% CI]": interval(s.partial_r, s.partial_r_ci_low, s.partial_r_ci_high),
                      "null r": fmt(s.r_null, 2), "p": fmt_p(s.p_perm),
                      "r without one run": (f"{s.loo_r_min:.2f} to {s.loo_r_max:.2f}" if np.isfinite(s.loo_r_min)
                                            else MISSING),
