@@ -4,7 +4,7 @@
   runs at each step that at least :data:`MIN_RUNS` runs share (:func:`per_step`), with its permutation p over runs
   (rows at one step are one per run: independent units).
 - *Within training*: as one run trains, does its loss move with its metric? The mean over runs of each run's own r
-  over its checkpoints (:func:`within_run`), with a percentile interval from resampling runs.
+  over its checkpoints (:func:`within_run`), with a BCa interval from resampling runs.
 - The pooled r (every checkpoint of every run at once, stats.py's ``r``) mixes the two; where their signs disagree
   :func:`sign_notes` says so ("the sign flips between step 120 and 240").
 
@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ncanalyze.analyzer.permute import MIN_N, Scheme, perm_test
-from ncanalyze.analyzer.resample import METHOD, percentile_interval, run_bootstrap, run_codes, bootstrap_weights
+from ncanalyze.analyzer.resample import METHOD, bca_interval, bootstrap_weights, run_bootstrap, run_codes
 
 MIN_RUNS = 4  # fewest runs at a step for a between-model r
 MIN_BOOT_UNITS = 4  # fewest runs (or rows) to resample for an interval
@@ -72,9 +72,10 @@ def within_run(y: np.ndarray, X: np.ndarray, codes: np.ndarray, n_boot: int, see
     out["within_r"] = np.where(valid.sum(0) >= 2, np.nansum(r_run, 0) / np.maximum(valid.sum(0), 1), np.nan)
     if n_runs >= MIN_BOOT_UNITS and n_boot > 0:
         counts = bootstrap_weights(np.arange(k), n_boot, seed)  # n_boot x runs
+        jack = 1 - np.eye(k)  # leave one run out
         with np.errstate(invalid="ignore", divide="ignore"):
-            boot = (counts @ np.nan_to_num(r_run)) / (counts @ valid)
-        lo, hi, _ = percentile_interval(boot)
+            boot, loo = ((w @ np.nan_to_num(r_run)) / (w @ valid) for w in (counts, jack))
+        lo, hi, _ = bca_interval(boot, out["within_r"], loo)
         out |= dict(within_ci_low=lo, within_ci_high=hi)
     return out
 

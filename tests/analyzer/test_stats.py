@@ -515,3 +515,72 @@ def test_a_control_that_uses_the_target_or_a_metric_is_a_user_error(control, mat
 def test_a_control_on_a_metric_not_under_test_is_fine():
     out = correlations(study(), ["nc1_trace"], controls=["log(nc1_cdnv)"], n_perm=0)
     assert out.partial_r.notna().all() and (out.controls == "log(nc1_cdnv)").all()
+
+
+# ---------------------------------------------------------------- issue 39: resampling runs, against brute force
+
+def _resampled(W_row: np.ndarray) -> np.ndarray:
+    """The rows of one resample, each repeated as often as its weight."""
+    return np.repeat(np.arange(len(W_row)), W_row.astype(int))
+
+
+def test_weighted_r_rho_and_partial_r_equal_numpy_scipy_pingouin_on_each_resample():
+    from ncanalyze.analyzer.resample import bootstrap_weights, loo_weights, weighted_partial, weighted_rho
+    rng = np.random.default_rng(11)
+    codes = np.repeat(np.arange(8), 3)
+    y, X, C = rng.normal(size=24), rng.normal(size=(24, 2)), rng.normal(size=(24, 2))
+    X[:, 1] = np.round(X[:, 1])  # ties in the ranks
+    W = np.vstack([bootstrap_weights(codes, 6, 0), loo_weights(codes)])
+    r, p, rho = weighted_partial(W, X, y), weighted_partial(W, X, y, C), weighted_rho(W, X, y)
+    for b, w in enumerate(W):
+        i = _resampled(w)
+        for j in range(2):
+            assert r[b, j] == pytest.approx(np.corrcoef(X[i, j], y[i])[0, 1], abs=1e-10)
+            assert rho[b, j] == pytest.approx(sps.spearmanr(X[i, j], y[i]).statistic, abs=1e-10)
+            d = pd.DataFrame({"x": X[i, j], "y": y[i], "c0": C[i, 0], "c1": C[i, 1]})
+            assert p[b, j] == pytest.approx(pg.partial_corr(d, "x", "y", ["c0", "c1"])["r"].iloc[0], abs=1e-10)
+
+
+def test_bootstrap_draws_whole_runs_and_bca_falls_back_to_percentile_without_bias():
+    from ncanalyze.analyzer.resample import bca_interval, bootstrap_weights, percentile_interval
+    codes = np.array([0, 0, 1, 1, 1, 2, 3, 3])
+    W = bootstrap_weights(codes, 200, 1)
+    assert (W.sum(1) > 0).all() and all(len(set(w[codes == c])) == 1 for w in W for c in range(4))  # runs whole
+    assert np.allclose(W[:, [0, 2, 5, 6]].sum(1), 4)  # a row per run: 4 runs drawn each time
+    s = np.random.default_rng(0).normal(size=(4001, 1))
+    lo, hi, _ = percentile_interval(s)
+    assert (lo[0], hi[0]) == pytest.approx(tuple(np.quantile(s[:, 0], [0.025, 0.975])), abs=1e-12)
+    med = np.median(s, 0)  # no bias (z0 = 0), no acceleration (a symmetric jackknife): BCa = percentile
+    blo, bhi, _ = bca_interval(s, med, np.array([[1.0], [-1.0]]))
+    assert (blo[0], bhi[0]) == pytest.approx((lo[0], hi[0]), abs=1e-3)
+
+
+def test_holm_of_leave_one_out_equals_pingouin():
+    from ncanalyze.analyzer.stats import _holm_array
+    p = np.array([0.01, 0.04, np.nan, 0.03, 0.2, 0.001])
+    fams = [np.array([0, 1, 2, 3]), np.array([4, 5])]
+    got = _holm_array(p, fams)
+    np.testing.assert_allclose(got[[0, 1, 3]], pg.multicomp(p[[0, 1, 3]], method="holm")[1], atol=1e-15)
+    np.testing.assert_allclose(got[[4, 5]], pg.multicomp(p[[4, 5]], method="holm")[1], atol=1e-15)
+    assert np.isnan(got[2])
+
+
+def test_leave_one_run_out_range_of_r_equals_brute_force():
+    df = study(n_runs=6, per_run=4, seed=3)
+    out = correlations(df, ["nc1_trace"], n_perm=200, runs="run", n_boot=200).set_index("scale")
+    rs = [np.corrcoef(g.nc1_trace, g.eval_loss)[0, 1] for _, g in (
+        (name, df[df.run != name]) for name in df.run.unique())]
+    assert out.loc["raw", "loo_r_min"] == pytest.approx(min(rs), abs=1e-12)
+    assert out.loc["raw", "loo_r_max"] == pytest.approx(max(rs), abs=1e-12)
+    assert out.loc["raw", "robust"] in (0, 1) and out.loc["raw", "n_boot"] == 200
+    assert out.loc["raw", "boot_method"] == "BCa" and out.loc["raw", "boot_unit"] == "runs"
+    assert out.loc["raw", "r_ci_low"] <= out.loc["raw", "r"] <= out.loc["raw", "r_ci_high"]
+
+
+def test_design_controls_are_the_architecture_factors_that_vary():
+    from ncanalyze.analyzer.stats import expand_design
+    df = pd.DataFrame({"n_layers": [2, 2, 4, 4], "hidden_size": [64, 64, 64, 64], "n_params": [1, 2, 3, 4]})
+    assert expand_design(df, ["design", "log1p(global_step)"]) == ["log(n_layers)", "log(n_params)",
+                                                                   "log1p(global_step)"]
+    assert expand_design(df.iloc[:2].assign(n_params=1), ["design"]) == []
+    assert expand_design(df, ["log(n_params)"]) == ["log(n_params)"]  # --controls overrides
