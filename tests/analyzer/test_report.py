@@ -38,7 +38,13 @@ STATS_COLUMNS = {"metric", "family", "scale", "n", "r", "r2", "p_perm", "p_param
                  "partial_p_param_iid", "partial_ci_low_iid", "partial_ci_high_iid", "controls", "n_perm", "exact",
                  "note", "note_kinds", "perm_unit", "p_floor",
                  "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
-                 "tag"}
+                 "tag",
+                 # issue 39: the null's centre, the intervals over runs, the two questions, leave one run out
+                 "r_null", "rho_null", "partial_r_null", "n_boot", "boot_unit", "boot_method", "r_ci_low", "r_ci_high",
+                 "r2_ci_low", "r2_ci_high", "rho_ci_low", "rho_ci_high", "partial_r_ci_low", "partial_r_ci_high",
+                 "within_r", "within_ci_low", "within_ci_high", "within_n_runs", "between_steps", "between_r_min",
+                 "between_r_max", "between_step_last", "between_r_last", "between_p_last", "loo_r_min", "loo_r_max",
+                 "robust", "loo_flips"}
 SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
                   "p (log)", "p Holm (log)", "partial r (log)", "p FL (log)", "p FL Holm (log)"]
 
@@ -152,14 +158,14 @@ def test_csv_files(synthetic_report):
 def test_markdown_tables_and_links(synthetic_report):
     df, files = synthetic_report
     text = files["report"].read_text()
-    (table,) = markdown_tables(text)
+    table = markdown_tables(text)[0]  # the summary; then the two questions, the intervals, the controls
     assert table[0] == SUMMARY_HEADER
     assert [row[0] for row in table[1:]] == list(METRICS)
     stats = pd.read_csv(files["stats"]).set_index(["metric", "scale"])
     r2 = {row[0]: row[table[0].index("R²")] for row in table[1:]}
     assert r2["unc3_cos_cv"] == f"{stats.loc[('unc3_cos_cv', 'raw'), 'r2']:.3f}"
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
-    assert sorted(links) == sorted(f"{k}.png" for k in [*FIGURES, DYNAMICS[0]])
+    assert sorted(links) == sorted(f"{k}.png" for k in [*FIGURES, DYNAMICS[0], "fig5_r_by_step"])
     assert all((files["report"].parent / name).is_file() for name in links)
     assert "no log scale: nc2_cos_mean (log)" in text
 
