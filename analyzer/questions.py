@@ -25,6 +25,10 @@ from ncanalyze.analyzer.resample import METHOD, bca_interval, bootstrap_weights,
 MIN_RUNS = 4  # fewest runs at a step for a between-model r
 MIN_BOOT_UNITS = 4  # fewest runs (or rows) to resample for an interval
 STEP_COLUMNS = ("metric", "scale", "step", "n_runs", "r", "r2", "rho", "p_perm", "rho_p", "r_null")
+CLAIM_COLUMNS = ("n_boot", "boot_unit", "boot_method", "r_ci_low", "r_ci_high", "r2_ci_low", "r2_ci_high", "rho_ci_low",
+                 "rho_ci_high", "partial_r_ci_low", "partial_r_ci_high", "within_r", "within_ci_low", "within_ci_high",
+                 "within_n_runs", "between_steps", "between_r_min", "between_r_max", "between_step_last",
+                 "between_r_last", "between_p_last")  # the columns :func:`claims` adds, in order
 
 
 def per_step(y: pd.Series, X: pd.DataFrame, labels: pd.Series | None, steps: pd.Series | None, n_perm: int,

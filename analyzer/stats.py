@@ -50,7 +50,7 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
-from ncanalyze.analyzer.questions import STEP_COLUMNS, claims, sign_notes
+from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, sign_notes
 from ncanalyze.analyzer.schema import CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS
 
 METRICS = SCALARS  # the metrics tested by default: all of them
@@ -328,12 +328,14 @@ def _column_groups(X: pd.DataFrame) -> list[tuple[list, pd.Series]]:
 def _with_claims(out: pd.DataFrame, extra: list[tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataFrame:
     """The statistics with the claims' columns (:func:`ncanalyze.analyzer.questions.claims`) joined by (metric,
     scale), and a note where the two questions and the pooled r disagree in sign."""
-    if not extra:
-        return out
+    if not extra:  # too few rows for any statistic: the columns, empty
+        return out.assign(**{c: np.nan for c in CLAIM_COLUMNS}).assign(n_boot=0, between_steps=0, within_n_runs=0)
     cl = pd.concat([e for e, _ in extra])
     steps = pd.concat([s for _, s in extra if len(s)] or [pd.DataFrame(columns=STEP_COLUMNS)])
     keys = pd.MultiIndex.from_frame(out[["metric", "scale"]])
     joined = cl.reindex(keys).reset_index(drop=True)
+    joined[["n_boot", "between_steps", "within_n_runs"]] = joined[["n_boot", "between_steps", "within_n_runs"]].fillna(
+        0).astype(int)  # a metric with too few rows for any
     out = pd.concat([out, joined], axis=1)
     for i, row in out.iterrows():
         mine = steps[(steps.metric == row.metric) & (steps.scale == row.scale)]

@@ -174,7 +174,7 @@ def test_markdown_tables_and_links(synthetic_report):
 def test_latex_tables(synthetic_report, tmp_path):
     _, files = synthetic_report
     tex = files["tex"].read_text()
-    assert check_latex(tex) == 2  # the raw and the log10 scale
+    assert check_latex(tex) == 3  # the raw and the log10 scale, the intervals over runs
     assert "nc1\\_cdnv" in tex and "$R^2$" in tex
     compile_latex(files["tex"], tmp_path)
     fit = r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%" + "\n\\begin{tabular}"
