@@ -566,9 +566,11 @@ def claims_latex(stats: pd.DataFrame, target: str, of: str, label_: str) -> str:
     boot = stats[stats.n_boot > 0]
     how = (f"95\\% percentile intervals from {int(boot.n_boot.iloc[0])} bootstrap resamples of whole "
            f"{boot.boot_unit.iloc[0]}" if len(boot) else "no intervals (too few runs to resample)")
+    design = tex_escape(design_caption(stats)).replace(">=", "$\\geq$")
     cap = (f"Metrics against {tex_escape(target)}{of}: $r$, $R^2$, Spearman $\\rho$ and partial $r$ with {how}; "
            "null $r$: the mean $r$ over the permutations (what the design alone yields); $p$: equal-tailed "
-           "permutation $p$; $r$ with one run left out, and whether every Holm verdict holds under each drop.")
+           f"permutation $p$, {design}; $r$ with one run "
+           "left out, and whether every Holm verdict holds under each drop.")
     table = interval_table(stats)
     return _latex(table, cap, label_) if len(table) else ""
 

@@ -179,8 +179,8 @@ def test_latex_tables(synthetic_report, tmp_path):
     compile_latex(files["tex"], tmp_path)
     fit = r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%" + "\n\\begin{tabular}"
     specs = re.findall(r"\\begin\{tabular\}\{(\w+)\}", tex)
-    assert [len(c) for c in specs] == [11, 9] and tex.count(fit) == 2  # shrunk to the line where wider
-    assert tex.count("\\end{tabular}}") == 2
+    assert [len(c) for c in specs] == [11, 9, 9] and tex.count(fit) == 3  # shrunk to the line where wider
+    assert tex.count("\\end{tabular}}") == 3
     captions = re.findall(r"\\caption\{(.*)\}", tex)
     # 5 runs of 6 checkpoints: whole runs permuted, 5! = 120, all of them (500 asked for)
     assert all("whole runs permuted (5 runs; all enumerated, exact), so p $\\geq$ 1/120 = 0.00833" in c
