@@ -135,7 +135,8 @@ def bca_interval(samples: np.ndarray, theta: np.ndarray, jack: np.ndarray,
     the percentile interval where the bias or acceleration is undefined; nan where fewer than half are finite."""
     from scipy.stats import norm
     lo_p, hi_p, used = percentile_interval(samples, level)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a constant metric: no jackknife, no interval
         below = (np.where(np.isfinite(samples), samples < theta, 0).sum(0)
                  + 0.5 * np.where(np.isfinite(samples), samples == theta, 0).sum(0)) / used
         z0 = norm.ppf(below)
