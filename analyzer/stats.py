@@ -7,18 +7,26 @@ is the same on both scales, log10 being monotone.
 
 Partial correlation. Controls are expressions over the metrics table (pandas ``eval`` syntax, evaluated by
 ``expr`` over the columns and an allow-list of functions); by default
-``log(n_params)`` (scale) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
+``design`` (scale: the architecture factors that vary among the selected rows, :func:`expand_design`: depth,
+width, parameters from the stored config) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
 so its log is the linear scale; the +1 keeps a step-0 checkpoint). Absolute step, not the fraction of a run's last
 step, because a final checkpoint has fraction 1 whether its run trained one epoch or ten. Controls that are
 constant or collinear on the selected rows are dropped (and said so); a control that uses the target or a metric
 under test is refused (a partial correlation cannot hold fixed what it correlates).
 
-Permutation p-values are two-sided, P(|r*| >= |r|): for r and rho the target is permuted; for the partial r the
+Permutation p-values are two-sided and equal-tailed, twice the smaller tail (at most 1; the null need not be
+centred at 0, its mean is ``r_null``): for r and rho the target is permuted; for the partial r the
 target's residuals on the controls are permuted (Freedman & Lane 1983). Which permutations: with ``runs`` (the
 column naming each row's run) and several checkpoints in a run, whole runs are permuted among runs with as many
 checkpoints, matched by step order (runs are exchangeability blocks; :mod:`ncanalyze.analyzer.permute` says why);
 otherwise the rows. When the scheme has at most ``n_perm`` distinct permutations all are enumerated and p is
-exact; otherwise p = (1 + #{|r*| >= |r|}) / (1 + B) (Phipson & Smyth), as in ``scipy.stats.permutation_test``.
+exact; otherwise each tail is (1 + #{r* beyond r}) / (1 + B) (Phipson & Smyth), as in
+``scipy.stats.permutation_test``.
+
+Claims (issue 39). Beside the pooled r: BCa intervals from a bootstrap over whole runs, the two questions apart
+(between models at each step, within training) with notes where their signs disagree
+(:mod:`ncanalyze.analyzer.questions`, :mod:`ncanalyze.analyzer.resample`), and leave-one-run-out
+(:func:`leave_one_out`).
 
 Never pooled. Rows of different tags (datasets) are never one statistic: :func:`correlations_by_tag` computes each
 tag's apart (untagged rows are a group of their own), with a ``tag`` column. :func:`last_per_run` keeps one
