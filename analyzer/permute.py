@@ -128,23 +128,30 @@ def _unit(a: np.ndarray) -> np.ndarray:
         return a / np.linalg.norm(a, axis=0)
 
 
-def _p(hits: np.ndarray, stat: np.ndarray, total: int, exact: bool) -> np.ndarray:
-    """Two-sided permutation p from the count of |null| >= |observed|: hits / N when every permutation was
-    counted (the identity among them), else (1 + hits) / (1 + B) (Phipson & Smyth 2010, as scipy)."""
+def _p(low: np.ndarray, high: np.ndarray, stat: np.ndarray, total: int, exact: bool) -> np.ndarray:
+    """Two-sided, equal-tailed permutation p from the counts of null <= observed (``low``) and null >= observed
+    (``high``): twice the smaller tail, at most 1; a tail is hits / N when every permutation was counted (the
+    identity among them), else (1 + hits) / (1 + B) (Phipson & Smyth 2010, as scipy). Equal tails, not |null| >=
+    |observed|: the null need not be centred at 0 (what all runs share at a step stays paired in it)."""
     add = 0 if exact else 1
-    return np.where(np.isfinite(stat), (hits + add) / (total + add), np.nan)
+    tail = np.minimum(low, high)
+    return np.where(np.isfinite(stat), np.minimum(1.0, 2 * (tail + add) / (total + add)), np.nan)
 
 
 def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = N_PERM,
-              seed: int | None = 0, scheme: Scheme | None = None) -> dict:
+              seed: int | None = 0, scheme: Scheme | None = None, rho: bool = True) -> dict:
     """Pearson r, Spearman rho and partial r (given controls ``C``, n x k) of ``y`` (n) with each column of
     ``X`` (n x m), with two-sided permutation p-values under ``scheme`` (default: rows): r and rho permute y,
     the partial r permutes y's residuals on [1, C] (Freedman & Lane 1983: y* = yhat_C + P e_C). All inputs finite.
 
+    ``rho=False`` skips Spearman's rho (nan), e.g. where only r and the partial r are wanted (leave-one-out).
+    The two-sided p is equal-tailed (:func:`_p`); ``*_null`` is the mean of the statistic over the permutations
+    counted, the null's centre (what the design alone yields: a trend shared by all runs keeps it off 0).
+
     Returns
     -------
     dict
-        r, rho, partial_r, p_perm, rho_p, partial_p_perm (arrays of m); n_perm (permutations counted), exact
+        r, rho, partial_r, p_perm, rho_p, partial_p_perm, r_null, rho_null, partial_r_null (arrays of m); n_perm (permutations counted), exact
         (all enumerated), n_distinct (the scheme's distinct permutations), scheme (its name), n_units.
     """
     n = len(y)
@@ -155,28 +162,35 @@ def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm:
     Q = orth(np.column_stack([np.ones(n), C]))  # orthonormal basis of span{1, controls}
     resid = lambda a: a - Q @ (Q.T @ a)  # noqa: E731  residual maker R = I - QQ^T
     zy, zx = _unit(y), _unit(X)
-    ry, rx = _unit(rankdata(y)), _unit(rankdata(X, axis=0))
+    ry, rx = (_unit(rankdata(y)), _unit(rankdata(X, axis=0))) if rho else (np.zeros(n), np.zeros(X.shape))
     ey, ex = resid(y), resid(X)
     ey = ey * (np.linalg.norm(ey) > _DEGENERATE * np.linalg.norm(y - y.mean()))  # determined by C: zero, so nan
     ex = ex * (np.linalg.norm(ex, axis=0) > _DEGENERATE * np.linalg.norm(X - X.mean(axis=0), axis=0))
     with np.errstate(invalid="ignore", divide="ignore"):
         ex = ex / np.linalg.norm(ex, axis=0)
-        stat = {"r": zy @ zx, "rho": ry @ rx, "partial_r": ey @ ex / np.linalg.norm(ey)}
-    out = stat | {k: np.full_like(stat["r"], np.nan) for k in ("p_perm", "rho_p", "partial_p_perm")}
+        stat = {"r": zy @ zx, "rho": ry @ rx if rho else np.full(X.shape[1], np.nan),
+                "partial_r": ey @ ex / np.linalg.norm(ey)}
+    out = stat | {k: np.full_like(stat["r"], np.nan) for k in ("p_perm", "rho_p", "partial_p_perm", "r_null",
+                                                              "rho_null", "partial_r_null")}
     out |= dict(n_perm=0, exact=False, n_distinct=scheme.n_distinct, scheme=scheme.name, n_units=scheme.n_units)
     if n_perm <= 0:
         return out
     chunks, total, exact = scheme.chunks(n_perm, seed)
-    hits = {k: np.zeros(stat["r"].shape, np.int64) for k in stat}
+    low = {k: np.zeros(stat["r"].shape, np.int64) for k in stat}
+    high, total_null = {k: np.zeros_like(low[k]) for k in stat}, {k: np.zeros(stat["r"].shape) for k in stat}
     for idx in chunks:
         E = ey[idx]  # permuted residuals, one permutation per row; R(P e) has norm^2 = |e|^2 - |Q^T P e|^2
         with np.errstate(invalid="ignore", divide="ignore"):
-            null = {"r": zy[idx] @ zx, "rho": ry[idx] @ rx,
+            null = {"r": zy[idx] @ zx, "rho": ry[idx] @ rx if rho else np.zeros((len(idx), X.shape[1])),
                     "partial_r": (E @ ex) / np.sqrt(ey @ ey - ((E @ Q) ** 2).sum(1))[:, None]}
         for k in stat:
-            hits[k] += (np.abs(null[k]) >= np.abs(stat[k]) * (1 - _TIE)).sum(0)
+            tol = np.abs(stat[k]) * _TIE
+            low[k] += (null[k] <= stat[k] + tol).sum(0)
+            high[k] += (null[k] >= stat[k] - tol).sum(0)
+            total_null[k] += null[k].sum(0)
     with np.errstate(invalid="ignore"):
-        out.update(p_perm=_p(hits["r"], stat["r"], total, exact), rho_p=_p(hits["rho"], stat["rho"], total, exact),
-                   partial_p_perm=_p(hits["partial_r"], stat["partial_r"], total, exact))
+        out.update({p: _p(low[k], high[k], stat[k], total, exact) for k, p in
+                    (("r", "p_perm"), ("rho", "rho_p"), ("partial_r", "partial_p_perm"))})
+        out.update({f"{k}_null": np.where(np.isfinite(stat[k]), total_null[k] / total, np.nan) for k in stat})
     out.update(n_perm=total, exact=exact)
     return out

@@ -21,6 +21,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import CONTROLS, SCALARS
 
 N_PERM = 10_000  # permutations per p-value (report --permutations, the statistics' default)
+N_BOOT = 2000  # resamples of the bootstrap over whole runs behind the 95% intervals (report --bootstrap)
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # model dtypes (extract --dtype)
 STORED_DTYPES = tuple(d for d in DTYPES if d != "bfloat16")  # what numpy and Zarr store (--embeddings-dtype)
 CAP_MODES = ("spread", "prefix")  # how a token cap reads a split (extract --cap-mode)
@@ -215,7 +216,10 @@ class ReportSettings:
     n_perm: int = setting(N_PERM, section="Statistics", flag="--permutations", minimum=0, help=(
         "Permutations per p-value (0: none). Runs with several checkpoints are permuted whole; all permutations, and "
         "an exact p, where there are no more than this."))
-    seed: int = shared("seed", section="Statistics", help="Seed of the permutations.")
+    n_boot: int = setting(N_BOOT, section="Statistics", flag="--bootstrap", minimum=0, help=(
+        "Resamples of the bootstrap over whole runs behind the 95% intervals of r, R², rho and the partial r (BCa; "
+        "0: none)."))
+    seed: int = shared("seed", section="Statistics", help="Seed of the permutations and the bootstrap.")
     tokens: tuple[str, ...] = setting((), kind=tuple, section="Per-token table", help=(
         "Comma-separated tokens (strings as decoded, or ids) for the per-token table."))
     checkpoints: tuple[str, ...] = setting((), kind=tuple, multiple=True, flag="--checkpoint",

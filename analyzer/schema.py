@@ -31,8 +31,13 @@ GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "e
 # (stats.METRICS is SCALARS). NC_METRICS and GEOMETRY_METRICS are two Holm families (per scale and tag,
 # stats.family): the geometry does not make the NC metrics' adjusted p-values more conservative.
 SCALARS = NC_METRICS + GEOMETRY_METRICS
-# the columns held fixed by the report's partial correlations by default (``--controls``): scale and training time
-CONTROLS = ("log(n_params)", "log1p(global_step)")
+# the columns held fixed by the report's partial correlations by default (``--controls``): scale and training time.
+# ``design`` stands for the architecture factors that vary among the selected runs (DESIGN_FACTORS, read from the
+# stored config), so the scale control matches the design rather than one fixed expression (stats.expand_design)
+DESIGN = "design"
+CONTROLS = (DESIGN, "log1p(global_step)")
+# the design factors ``design`` may stand for, each with what it is (said where printed)
+DESIGN_FACTORS = {"log(n_layers)": "depth", "log(hidden_size)": "width", "log(n_params)": "parameters"}
 # how many classes the metrics rest on, beside them in measure's results and metrics.csv (not metrics: no tests):
 # the kept classes K, and those of them with a variance (n_c >= 2), which the CDNV family reads
 CLASS_COUNTS = ("n_classes", "n_classes_var")

@@ -7,18 +7,26 @@ is the same on both scales, log10 being monotone.
 
 Partial correlation. Controls are expressions over the metrics table (pandas ``eval`` syntax, evaluated by
 ``expr`` over the columns and an allow-list of functions); by default
-``log(n_params)`` (scale) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
+``design`` (scale: the architecture factors that vary among the selected rows, :func:`expand_design`: depth,
+width, parameters from the stored config) and ``log1p(global_step)`` (training progress: loss falls roughly as a power of the step,
 so its log is the linear scale; the +1 keeps a step-0 checkpoint). Absolute step, not the fraction of a run's last
 step, because a final checkpoint has fraction 1 whether its run trained one epoch or ten. Controls that are
 constant or collinear on the selected rows are dropped (and said so); a control that uses the target or a metric
 under test is refused (a partial correlation cannot hold fixed what it correlates).
 
-Permutation p-values are two-sided, P(|r*| >= |r|): for r and rho the target is permuted; for the partial r the
+Permutation p-values are two-sided and equal-tailed, twice the smaller tail (at most 1; the null need not be
+centred at 0, its mean is ``r_null``): for r and rho the target is permuted; for the partial r the
 target's residuals on the controls are permuted (Freedman & Lane 1983). Which permutations: with ``runs`` (the
 column naming each row's run) and several checkpoints in a run, whole runs are permuted among runs with as many
 checkpoints, matched by step order (runs are exchangeability blocks; :mod:`ncanalyze.analyzer.permute` says why);
 otherwise the rows. When the scheme has at most ``n_perm`` distinct permutations all are enumerated and p is
-exact; otherwise p = (1 + #{|r*| >= |r|}) / (1 + B) (Phipson & Smyth), as in ``scipy.stats.permutation_test``.
+exact; otherwise each tail is (1 + #{r* beyond r}) / (1 + B) (Phipson & Smyth), as in
+``scipy.stats.permutation_test``.
+
+Claims (issue 39). Beside the pooled r: BCa intervals from a bootstrap over whole runs, the two questions apart
+(between models at each step, within training) with notes where their signs disagree
+(:mod:`ncanalyze.analyzer.questions`, :mod:`ncanalyze.analyzer.resample`), and leave-one-run-out
+(:func:`leave_one_out`).
 
 Never pooled. Rows of different tags (datasets) are never one statistic: :func:`correlations_by_tag` computes each
 tag's apart (untagged rows are a group of their own), with a ``tag`` column. :func:`last_per_run` keeps one
@@ -50,8 +58,9 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
-from ncanalyze.analyzer.schema import CONTROLS, GEOMETRY_METRICS, NC_METRICS, SCALARS
-from ncanalyze.analyzer.registry import N_PERM
+from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, sign_notes
+from ncanalyze.analyzer.registry import N_BOOT, N_PERM
+from ncanalyze.analyzer.schema import CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of
@@ -110,6 +119,8 @@ class NoteKind(enum.Enum):
     CONSTANT = "constant"            # metric or target constant
     CONTROLS = "controls"            # a control dropped, unused, or determining the metric
     LEFT_OUT = "left_out"            # rows left out (an infinite target)
+    SIGN_FLIP = "sign_flip"          # between models, within training and pooled disagree in sign
+    FRAGILE = "fragile"              # a Holm verdict changes when one run is left out
 
 
 class Note(NamedTuple):
@@ -157,12 +168,28 @@ def _numbers(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def expand_design(df: pd.DataFrame, controls: Sequence[str]) -> list[str]:
+    """``controls`` with :data:`~ncanalyze.analyzer.schema.DESIGN` replaced by the design factors
+    (``DESIGN_FACTORS``: depth, width, parameters) whose column varies among the rows of ``df`` (none: nothing)."""
+    out: list[str] = []
+    for c in controls:
+        if c.strip() != DESIGN:
+            out.append(c)
+            continue
+        for expr, col in zip(DESIGN_FACTORS, ("n_layers", "hidden_size", "n_params")):
+            v = pd.to_numeric(df[col], errors="coerce") if col in df.columns else pd.Series(dtype=float)
+            if v[v > 0].nunique() > 1:
+                out.append(expr)
+    return list(dict.fromkeys(out))
+
+
 def eval_controls(df: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
     """Evaluate each control expression (over the table's columns and an allow-list of functions, by
-    :mod:`ncanalyze.analyzer.expr`; never as code) to a column named by the expression."""
+    :mod:`ncanalyze.analyzer.expr`; never as code) to a column named by the expression; ``design`` first stands for
+    the design factors that vary (:func:`expand_design`)."""
     out = {}
     df = _numbers(df)
-    for expr in controls:
+    for expr in expand_design(df, controls):
         v = evaluate(expr, df, "control")
         if not isinstance(v, pd.Series):
             raise UserError(f"control {expr!r} uses no column of the metrics table (it is the constant {v!r}); "
@@ -217,8 +244,10 @@ def refuse_correlated_controls(df: pd.DataFrame, C: pd.DataFrame, target: str, m
 
 def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                  controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = 0, *,
-                 runs: str | None = None, step: str = "global_step") -> pd.DataFrame:
-    """Statistics of each metric against ``target``, one row per (metric, scale in raw|log).
+                 runs: str | None = None, step: str = "global_step", n_boot: int = N_BOOT) -> pd.DataFrame:
+    """Statistics of each metric against ``target``, one row per (metric, scale in raw|log): the pooled r with its
+    permutation p and null centre, the bootstrap intervals over runs, the two questions apart (between models at
+    each step, within training; :mod:`ncanalyze.analyzer.questions`) and leave-one-run-out (:func:`leave_one_out`).
 
     Parameters
     ----------
@@ -229,6 +258,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         checkpoints are exchangeability blocks, permuted whole (:class:`ncanalyze.analyzer.permute.Scheme`);
         None (default) or absent: every row is an exchangeable unit.
     step : the column that orders a run's rows, to match runs position by position.
+    n_boot : resamples of the bootstrap over runs (0: no intervals); seeded by ``seed``.
 
     Returns
     -------
@@ -239,20 +269,66 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         "checkpoints"), n_units (runs or rows permuted), n_distinct_perms, n_perm (permutations counted), exact
         (all enumerated), p_floor (the smallest p the permutations can give), note (why a statistic is missing,
         or what bounds it) with note_kinds (:class:`NoteKind` values, comma-separated), and p_holm / rho_p_holm /
-        partial_p_holm (Holm within the family, per scale). Rows
+        partial_p_holm (Holm within the family, per scale); r_null, rho_null, partial_r_null (the permutation
+        null's mean); {r,r2,rho,partial_r}_ci_low/high (BCa bootstrap over whole runs, ``n_boot``,
+        ``boot_unit``, ``boot_method``); within_r with within_ci_low/high and within_n_runs (the mean within-run
+        r); between_steps, between_r_min/max, between_step_last, between_r_last, between_p_last (r across runs
+        per step); loo_r_min/max, robust, loo_flips (leave one run out). Rows
         with a missing or infinite target, or a missing metric or control, are left out of that metric's
         statistics (an infinite target is said in the notes).
     """
+    lacking, C_all = _lacking_controls(df, metrics, target, controls)
+    if lacking.any():  # a checkpoint without a step: in r, not in partial r
+        return _partial_apart(df, lacking, C_all, metrics, target, controls, n_perm, seed, runs, step, n_boot)
+    y, X, C, notes, labels, order, unused = _prepare(df, metrics, target, controls, runs, step)
+    groups = _column_groups(X)
+    rows, extra = [], []
+    for keys, mask in groups:
+        scheme = (Scheme.rows(int(mask.sum())) if labels is None else
+                  Scheme.whole_blocks(labels[mask], None if order is None else order[mask]))
+        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed, scheme)
+        if mask.sum() >= MIN_N:
+            ctrl = independent_controls(C[mask])
+            extra.append(claims(y[mask], X.loc[mask, keys], C.loc[mask, ctrl], None if labels is None else
+                                labels[mask], None if order is None else order[mask], n_perm, n_boot, seed))
+    out = pd.DataFrame(rows)
+    out.insert(1, "family", out.metric.map(family))
+    rank = {m: i for i, m in enumerate(metrics)}
+    out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
+    out = out.reset_index(drop=True)
+    out["p_holm"], out["rho_p_holm"], out["partial_p_holm"] = (holm(out, c) for c in ("p_perm", "rho_p",
+                                                                                      "partial_p_perm"))
+    out = _with_claims(out, extra)
+    out = leave_one_out(out, y, X, C, labels, order, groups, n_perm, seed)
+    out.attrs.update(target=target, controls=list(C.columns), n_perm=int(n_perm), seed=seed, runs=runs,
+                     n_boot=int(n_boot))
+    return out
+
+
+def _lacking_controls(df: pd.DataFrame, metrics: Sequence[str], target: str,
+                      controls: Sequence[str]) -> tuple[pd.Series, pd.DataFrame]:
+    """The rows with a finite target but no value for some control (a checkpoint without a finite, non-negative
+    global_step), and the controls' values (those with any value)."""
+    y = _target(df, target, metrics)
+    y = y.where(np.isfinite(y))
+    C = eval_controls(df.loc[y.notna()], controls).reindex(df.index)
+    C = C.where(np.isfinite(C))
+    C = C.drop(columns=[c for c in C.columns if C.loc[y.notna(), c].isna().all()])
+    return y.notna() & C.isna().any(axis=1), C
+
+
+def _prepare(df: pd.DataFrame, metrics: Sequence[str], target: str, controls: Sequence[str], runs: str | None,
+             step: str) -> tuple:
+    """The target, metric columns (raw and log), controls, notes, run labels and steps of the usable rows, and the
+    notes said of every column."""
     y = _target(df, target, metrics)
     infinite = int(np.isinf(y).sum())
     y = y.where(np.isfinite(y))  # an infinite loss (a diverged run) would make every r nan: such rows are left out
-    C = eval_controls(df, controls)
-    refuse_correlated_controls(df, C, target, metrics)
+    C = eval_controls(df.loc[y.notna()], controls).reindex(df.index)
+    refuse_correlated_controls(df, eval_controls(df, list(C.columns)), target, metrics)
     C = C.where(np.isfinite(C))  # log1p of an infinite or negative step: no value
     empty = [c for c in C.columns if C.loc[y.notna(), c].isna().all()]  # e.g. a step no checkpoint recorded
     C = C.drop(columns=empty)
-    if (lacking := y.notna() & C.isna().any(axis=1)).any():  # a checkpoint without a step: in r, not in partial r
-        return _partial_apart(df, lacking, C, metrics, target, controls, n_perm, seed, runs, step)
     ok = y.notna() & C.notna().all(axis=1)
     y, C = y[ok], C[ok]
     X, notes = scaled_metrics(df[ok], metrics)
@@ -261,34 +337,142 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     unused = [Note(NoteKind.CONTROLS, f"control {c} has no values: not used") for c in empty]
     if infinite:
         unused.append(Note(NoteKind.LEFT_OUT, f"{infinite} checkpoint(s) with an infinite {target} left out"))
-    # columns with the same rows present share one permutation run, all of them in one matrix product
+    return y, X, C, notes, labels, order, unused
+
+
+def _column_groups(X: pd.DataFrame) -> list[tuple[list, pd.Series]]:
+    """Columns with the same rows present, with those rows: each group shares one permutation run, all of its
+    columns in one matrix product."""
     groups: dict[bytes, list] = {}
     for key in X.columns:
         groups.setdefault(X[key].notna().to_numpy().tobytes(), []).append(key)
-    rows = []
-    for keys in groups.values():
-        mask = X[keys[0]].notna()
-        scheme = (Scheme.rows(int(mask.sum())) if labels is None else
-                  Scheme.whole_blocks(labels[mask], None if order is None else order[mask]))
-        rows += _group_stats(y[mask], X.loc[mask, keys], C[mask], notes, unused, n_perm, seed, scheme)
-    out = pd.DataFrame(rows)
-    out.insert(1, "family", out.metric.map(family))
-    rank = {m: i for i, m in enumerate(metrics)}
-    out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
-    out = out.reset_index(drop=True)
-    out["p_holm"], out["rho_p_holm"], out["partial_p_holm"] = (holm(out, c) for c in ("p_perm", "rho_p",
-                                                                                      "partial_p_perm"))
-    out.attrs.update(target=target, controls=list(controls), n_perm=int(n_perm), seed=seed, runs=runs)
+    return [(keys, X[keys[0]].notna()) for keys in groups.values()]
+
+
+def _with_claims(out: pd.DataFrame, extra: list[tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataFrame:
+    """The statistics with the claims' columns (:func:`ncanalyze.analyzer.questions.claims`) joined by (metric,
+    scale), and a note where the two questions and the pooled r disagree in sign."""
+    if not extra:  # too few rows for any statistic: the columns, empty
+        return out.assign(**{c: np.nan for c in CLAIM_COLUMNS}).assign(n_boot=0, between_steps=0, within_n_runs=0)
+    cl = pd.concat([e for e, _ in extra])
+    steps = pd.concat([s for _, s in extra if len(s)] or [pd.DataFrame(columns=STEP_COLUMNS)])
+    keys = pd.MultiIndex.from_frame(out[["metric", "scale"]])
+    joined = cl.reindex(keys).reset_index(drop=True)
+    joined[["n_boot", "between_steps", "within_n_runs"]] = joined[["n_boot", "between_steps", "within_n_runs"]].fillna(
+        0).astype(int)  # a metric with too few rows for any
+    out = pd.concat([out, joined], axis=1)
+    for i, row in out.iterrows():
+        mine = steps[(steps.metric == row.metric) & (steps.scale == row.scale)]
+        extra_notes = [Note(NoteKind.SIGN_FLIP, t) for t in sign_notes(row.r, mine, row.within_r, (row.within_ci_low, row.within_ci_high), ALPHA)]
+        if extra_notes:
+            _add_notes(out, i, extra_notes)
+    return out
+
+
+def _add_notes(out: pd.DataFrame, i: int, extra: list[Note]) -> None:
+    """Append notes to row i's ``note`` and ``note_kinds``."""
+    text = "; ".join(n.text for n in extra)
+    old = out.at[i, "note"]
+    out.at[i, "note"] = text if not isinstance(old, str) or not old else f"{old}; {text}"
+    kinds = [k for k in str(out.at[i, "note_kinds"] or "").split(",") if k] + [n.kind.value for n in extra]
+    out.at[i, "note_kinds"] = ",".join(dict.fromkeys(kinds))
+
+
+def by_step(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
+            n_perm: int = N_PERM, seed: int | None = 0, *, runs: str = "run", step: str = "global_step",
+            tag: str = "tag") -> pd.DataFrame:
+    """Between models, step by step: per tag, :func:`ncanalyze.analyzer.questions.per_step` of each metric (raw and
+    log) over the rows :func:`correlations` uses (by_step.csv; the report's per-step figure)."""
+    from ncanalyze.analyzer.questions import per_step
+    parts = []
+    for t, rows in split_tags(df, tag):
+        if runs not in rows.columns or step not in rows.columns:
+            continue
+        y, X, _, _, labels, order, _ = _prepare(rows, metrics, target, (), runs, step)
+        for keys, mask in _column_groups(X):
+            parts.append(per_step(y[mask], X.loc[mask, keys], labels[mask], order[mask], n_perm, seed).assign(tag=t))
+    out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*STEP_COLUMNS, "tag"])
+    return out[["tag", *STEP_COLUMNS]]
+
+
+def leave_one_out(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, labels: pd.Series | None,
+                  order: pd.Series | None, groups: list, n_perm: int, seed: int | None) -> pd.DataFrame:
+    """Fragility: with each run left out in turn, the range of r (``loo_r_min``, ``loo_r_max``) and whether every
+    Holm verdict (r and partial r at ALPHA, within the family as in ``out``) stays as it is (``robust``);
+    ``loo_flips`` names the runs whose removal changes one ('run (r)', 'run (partial r)'), also said in a note.
+    Without runs: nan."""
+    out = out.assign(loo_r_min=np.nan, loo_r_max=np.nan, robust=np.nan, loo_flips="")
+    names = None if labels is None else pd.unique(labels.dropna())
+    if names is None or len(names) <= MIN_N:
+        return out
+    pos = {k: i for i, k in enumerate(zip(out.metric, out.scale))}
+    fams = [np.asarray(g) for g in out.groupby(holm_families(out), dropna=False, sort=False).indices.values()]
+    full = {c: out[c].to_numpy(float) for c in ("p_holm", "partial_p_holm")}
+    raw = {c: out[c].to_numpy(float) for c in ("p_perm", "partial_p_perm")}
+    lab, yv, Cv = labels.to_numpy(), y.to_numpy(float), C.to_numpy(float)
+    step = None if order is None else order.to_numpy()
+    cols = [([pos[k] for k in keys], X[keys].to_numpy(float), mask.to_numpy()) for keys, mask in groups]
+    rs, flips = np.full((len(names), len(out)), np.nan), [[] for _ in range(len(out))]
+    for d, name in enumerate(names):
+        p = {c: np.full(len(out), np.nan) for c in raw}
+        for at, Xg, mask in cols:
+            m = mask & (lab != name)
+            if m.sum() < MIN_N:
+                continue
+            Cm = Cv[m][:, _independent(Cv[m])]
+            res = perm_test(yv[m], Xg[m], Cm, n_perm, seed, Scheme.whole_blocks(lab[m], None if step is None else
+                                                                                 step[m]), rho=False)
+            rs[d, at], p["p_perm"][at], p["partial_p_perm"][at] = res["r"], res["p_perm"], res["partial_p_perm"]
+        for (c, full_p), what in zip(full.items(), ("r", "partial r")):
+            tested_full = np.isfinite(raw[_raw_of(c)])  # the metrics tested in the full study: the same family
+            dropped = _holm_array(np.where(tested_full, p[_raw_of(c)], np.nan), fams)
+            changed = np.isfinite(full_p) & np.isfinite(dropped) & ((dropped < ALPHA) != (full_p < ALPHA))
+            for i in np.flatnonzero(changed):
+                flips[i].append(f"{name} ({what})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a metric without r in every drop
+        out["loo_r_min"], out["loo_r_max"] = np.nanmin(rs, 0), np.nanmax(rs, 0)
+    tested = (np.isfinite(full["p_holm"]) | np.isfinite(full["partial_p_holm"])) & (out.n_perm > 0).to_numpy()
+    out["robust"] = np.where(tested, [not f for f in flips], np.nan)
+    out["loo_flips"] = [", ".join(f) for f in flips]
+    for i in out.index[out.loo_flips != ""]:
+        _add_notes(out, i, [Note(NoteKind.FRAGILE, "a Holm verdict changes with one run left out: "
+                                 + out.at[i, "loo_flips"])])
+    return out
+
+
+def _raw_of(holm_column: str) -> str:
+    return {"p_holm": "p_perm", "partial_p_holm": "partial_p_perm"}[holm_column]
+
+
+def _independent(C: np.ndarray) -> list[int]:
+    """:func:`independent_controls` of a numpy array: the column indices kept."""
+    return [list(map(str, range(C.shape[1]))).index(c) for c in
+            independent_controls(pd.DataFrame(C, columns=list(map(str, range(C.shape[1])))))]
+
+
+def _holm_array(p: np.ndarray, families: list[np.ndarray]) -> np.ndarray:
+    """Holm-adjusted p within each family (positions), over the finite p only (as :func:`holm`)."""
+    out = np.full(len(p), np.nan)
+    for fam in families:
+        idx = fam[np.isfinite(p[fam])]
+        if not len(idx):
+            continue
+        order = idx[np.argsort(p[idx], kind="stable")]
+        m = len(order)
+        out[order] = np.minimum(1, np.maximum.accumulate((m - np.arange(m)) * p[order]))
     return out
 
 
 def _partial_apart(df: pd.DataFrame, lacking: pd.Series, C: pd.DataFrame, metrics: Sequence[str], target: str,
-                   controls: Sequence[str], n_perm: int, seed: int | None, runs: str | None, step: str) -> pd.DataFrame:
+                   controls: Sequence[str], n_perm: int, seed: int | None, runs: str | None, step: str,
+                   n_boot: int = 0) -> pd.DataFrame:
     """:func:`correlations` where some rows lack a control's value (a checkpoint without a finite, non-negative
     global_step: a plain model folder, a Hub revision): r, rho and their p-values over every row, the partial r
     over the rows with every control, with a ``left_out`` note naming the rows it leaves out."""
-    plain = correlations(df, metrics, target, (), n_perm, seed, runs=runs, step=step)
-    partial = correlations(df[~lacking], metrics, target, controls, n_perm, seed, runs=runs, step=step)
+    plain = correlations(df, metrics, target, (), n_perm, seed, runs=runs, step=step, n_boot=n_boot)
+    partial = correlations(df[~lacking], metrics, target, controls, n_perm, seed, runs=runs, step=step,
+                           n_boot=n_boot)
     named = (df.loc[lacking, "run"].astype(str) + "/" + df.loc[lacking, "checkpoint"].astype(str)
              if {"run", "checkpoint"} <= set(df.columns) else df.index[lacking].astype(str))
     missing = [c for c in C.columns if C.loc[lacking, c].isna().any()]
@@ -348,7 +532,8 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     for j, (metric, scale) in enumerate(X.columns):
         row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, rho=np.nan, p_perm=np.nan, rho_p=np.nan,
                    p_param_iid=np.nan, partial_r=np.nan, partial_p_perm=np.nan, partial_p_param_iid=np.nan,
-                   partial_ci_low_iid=np.nan, partial_ci_high_iid=np.nan, controls=", ".join(ctrl),
+                   partial_ci_low_iid=np.nan, partial_ci_high_iid=np.nan, r_null=np.nan, rho_null=np.nan,
+                   partial_r_null=np.nan, controls=", ".join(ctrl),
                    perm_scheme=scheme.name, perm_unit=_unit_name(scheme), n_units=scheme.n_units,
                    n_distinct_perms=_as_float(n_distinct), n_perm=0, exact=False, p_floor=np.nan)
         with warnings.catch_warnings(record=True) as caught:
@@ -383,6 +568,7 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
         return [Note(NoteKind.CONSTANT, ("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints")]
     r = float(res["r"][j])
     row.update(r=r, r2=r * r, rho=float(res["rho"][j]), p_perm=res["p_perm"][j], rho_p=res["rho_p"][j],
+               r_null=res["r_null"][j], rho_null=res["rho_null"][j],
                n_perm=res["n_perm"], exact=res["exact"], p_param_iid=float(pearsonr(x, y).pvalue),
                p_floor=p_floor(res["n_distinct"], res["n_perm"], res["exact"]) if res["n_perm"] else np.nan)
     note = [Note(NoteKind.CONTROLS, f"partial r ignores {', '.join(dropped)} (constant or collinear here)")] \
@@ -406,6 +592,7 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
         lo = hi = np.nan
         note.append(Note(NoteKind.TOO_FEW, f"n={n} too few for the partial r's 95% CI with {k} control(s) (needs >= {k + 4})"))
     row.update(partial_r=float(part["r"].iloc[0]), partial_p_perm=res["partial_p_perm"][j],
+               partial_r_null=res["partial_r_null"][j],
                partial_p_param_iid=float(part["p_val"].iloc[0]), partial_ci_low_iid=lo, partial_ci_high_iid=hi)
     return note
 
@@ -450,7 +637,8 @@ def split_tags(df: pd.DataFrame, column: str = "tag") -> list[tuple[str | None, 
 
 def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
                         controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = 0, *,
-                        runs: str | None = "run", step: str = "global_step", tag: str = "tag") -> pd.DataFrame:
+                        runs: str | None = "run", step: str = "global_step", tag: str = "tag",
+                        n_boot: int = N_BOOT) -> pd.DataFrame:
     """:func:`correlations` of each tag's rows apart (:func:`split_tags`; never pooled), concatenated with a
     ``tag`` column first (None: untagged). Holm's families are per tag and scale. Runs are exchangeability blocks
     by default (``runs="run"``, where the table has that column), as the report wants them.
@@ -467,7 +655,8 @@ def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, targ
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", StatisticsWarning)
-                stats = correlations(rows, metrics, target, controls, n_perm, seed, runs=runs, step=step)
+                stats = correlations(rows, metrics, target, controls, n_perm, seed, runs=runs, step=step,
+                                     n_boot=n_boot)
         except UserError as e:
             if len(groups) == 1:
                 raise

@@ -7,12 +7,13 @@ import pandas as pd
 
 from ncanalyze.analyzer.report.depth import TITLE as DEPTH_TITLE
 from ncanalyze.analyzer.report.escape import md_name, md_names, md_text
-from ncanalyze.analyzer.report.figures import TITLES, tag_suffix, title_target
+from ncanalyze.analyzer.report.figures import FIGURES, TITLES, tag_suffix, title_target
 from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
-from ncanalyze.analyzer.report.tables import (code, controls_text, family_name, notes, summary, survivors,
-                                               target_note, unreachable_lines)
+from ncanalyze.analyzer.report.tables import (code, control_robustness, controls_text, design_text, family_name,
+                                               fragility_lines, interval_table, notes, questions_table, summary,
+                                               survivors, target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
 
@@ -55,8 +56,10 @@ def reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
     """How to read the correlation tables (said once, before them)."""
     return ["r: Pearson's r of the metric with the target; R² = r², the fit of the least-squares line; rho: "
             "Spearman's rank correlation (the same on both scales). \"(log)\": log10 of the metric (the paper's "
-            f"axes), where it is positive; the target is not logged. partial r: {controls_text(o.controls)}. "
-            "p, p rho: two-sided permutation p-values, P(|r*| ≥ |r|); p FL: the same for the partial r, permuting "
+            f"axes), where it is positive; the target is not logged. partial r: "
+            f"{controls_text(stats.attrs.get('controls', o.controls))}{_design_said(o, stats)}. "
+            "p, p rho: two-sided permutation p-values, equal-tailed (twice the smaller tail, at most 1: the null need "
+            "not be centred at 0, see \"null r\" below); p FL: the same for the partial r, permuting "
             "the target's residuals on the controls (Freedman-Lane); the permutations behind them are said under "
             "each table. p Holm, p FL Holm: Holm-adjusted within a family of metrics, the NC metrics the paper tests "
             "and the geometry metrics being two families (the geometry does not make the NC metrics' p more "
@@ -65,6 +68,56 @@ def reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
             f"would cross {ALPHA:g}. rho's Holm p is in stats.csv, as are parametric p-values and the partial r's "
             "95% CI, which assume independent rows (checkpoints of one run are not; their columns end in `_iid`).",
             ""]
+
+
+def _design_said(o: ReportOptions, stats: pd.DataFrame) -> str:
+    """What ``design`` in the controls stood for here (the varying architecture factors), or ''."""
+    if "design" not in [c.strip() for c in o.controls]:
+        return ""
+    used = design_text(stats.attrs.get("controls", []))
+    return (f" (`design`: the architecture factors that vary among the selected runs, read from the stored config: "
+            f"{used})" if used else " (`design`: no architecture factor varies among the selected runs, so no "
+            "scale control)")
+
+
+def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
+    """The claims a reader may draw, said with what they rest on: the two questions apart (between models at each
+    step, within training) beside the pooled r, the intervals over runs with the null's centre and
+    leave-one-run-out, the runs whose removal flips a verdict, and the partial r under each scale control."""
+    md = []
+    q = questions_table(stats)
+    if len(q):
+        md += ["### Between models and within training", "",
+               "The pooled r mixes two questions. Between models: r across runs at one step (every step at least 4 "
+               "runs share; p: permutations of the runs at that step, equal-tailed); the range over those steps and "
+               "their count. Within training: the mean over runs of each run's own r over its checkpoints, with a "
+               "95% interval from resampling runs. Per step: `by_step.csv`.", "",
+               q.to_markdown(index=False, disable_numparse=True), ""]
+    boot = stats[stats.n_boot > 0] if "n_boot" in stats else stats.iloc[:0]
+    how = (f"95% {boot.boot_method.iloc[0]} intervals from {int(boot.n_boot.iloc[0])} bootstrap resamples of whole "
+           f"{boot.boot_unit.iloc[0]} (seed {stats.attrs.get('seed')})" if len(boot) else
+           "no intervals (fewer than 4 runs to resample, or none asked for)")
+    table = interval_table(stats)
+    if len(table):
+        md += ["### Intervals over runs, the null and fragility", "",
+               f"{how}: a run's checkpoints are drawn together, so the interval respects the design (the `_iid` "
+               "intervals in stats.csv do not). null r: the mean r over the permutations, what the shared design "
+               "alone yields (a trend all runs share stays paired in every permutation), the centre to read r "
+               "against. r without one run: its range with each run left out in turn; Holm verdicts hold: whether "
+               "every Holm verdict (r and partial r at 0.05) stays the same under each single drop.", "",
+               table.to_markdown(index=False, disable_numparse=True), ""]
+    fragile = fragility_lines(stats)
+    if fragile:
+        md += ["Fragile claims (one run decides them):", ""] + [f"- {f}" for f in fragile] + [""]
+    ctrl = control_robustness(rows, FIGURES["fig1_nc_vs_loss"][1], r.target)
+    if len(ctrl):
+        md += ["### Figure 1's metrics under each scale control", "",
+               "The partial r with the target, by what stands for model scale (each beside log1p(step), training "
+               "progress, where the step varies): none, log parameters, the design factors that vary here, and "
+               "one fixed effect per architecture (n_layers, hidden_size, n_params; where an architecture has "
+               "several runs or checkpoints, else a dash).", "",
+               ctrl.to_markdown(index=False, disable_numparse=True), ""]
+    return md
 
 
 def tag_stats(stats: pd.DataFrame, tag: str | None) -> pd.DataFrame:
@@ -83,6 +136,7 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
     if len(rows) < MIN_N:
         md += [f"**Only {len(rows)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
     md += [permutation_text(stats, o.seed), ""]
+    md += claims_lines(r, stats, rows)
     if survivors(stats):
         md += ["Multiple comparisons (Holm, family-wise error 0.05):", ""] + [f"- {s}" for s in survivors(stats)]
         md += [""]
@@ -136,7 +190,10 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]
                ""] + [f"- {md_name(g)}: {md_text(why)}" for g, why in skipped.items()] + [""]
     md += ["## Files", "", "- `metrics.csv`: one row per checkpoint",
            "- `stats.csv`: every statistic, with its Holm `family`, the unit permuted (`perm_unit`) and the floor of "
-           "the permutation p (`p_floor`); columns ending in `_iid` assume independent rows",
+           "the permutation p (`p_floor`), the null's centre (`r_null`), the intervals over runs (`*_ci_low`, "
+           "`*_ci_high`, `n_boot`), the two questions (`between_*`, `within_*`) and leave-one-run-out (`loo_r_min`, "
+           "`loo_r_max`, `robust`, `loo_flips`); columns ending in `_iid` assume independent rows",
+           "- `by_step.csv`: between models, r across runs at each step that at least 4 runs share",
            "- `tables.tex`: the tables for LaTeX, a raw and a log10 table per tag (needs "
            "`\\usepackage{booktabs,graphicx}`)"]
     if r.figures:

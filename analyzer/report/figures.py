@@ -46,7 +46,8 @@ FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
 }
 DYNAMICS = ("fig4_dynamics", "Training dynamics: NC properties and {target} against the training step")
 TARGET_TITLES = {"eval_loss": "the Trainer's validation loss", "val_loss": "the validation loss measured by ncanalyze"}
-TITLES = {stem: title for stem, (title, _) in FIGURES.items()} | {DYNAMICS[0]: DYNAMICS[1]}  # by file stem
+BY_STEP = ("fig5_r_by_step", "Between models: r across runs at each step of Figure 1's metrics with {target}")
+TITLES = {stem: title for stem, (title, _) in FIGURES.items()} | {DYNAMICS[0]: DYNAMICS[1], BY_STEP[0]: BY_STEP[1]}
 FORMATS = ("png", "pdf", "svg")
 
 MAX_MARKED_RUNS = 10  # up to this many runs, each gets its own marker (and colour when all sizes are equal)
@@ -468,3 +469,60 @@ def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict
     files = {"depth": save_figure(depth_figure(df, labels=LABELS), out, "depth"), "layers": out / "layers.csv"}
     write_csv(table, files["layers"])
     return files
+
+
+def step_r_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence[str], title: str) -> Figure:
+    """Between models, step by step: the r across runs at each step of each metric (log scale where it has one),
+    filled where its permutation p < 0.05; a dashed line at the pooled r; a metric whose sign flips says so in
+    the legend.
+
+    Parameters
+    ----------
+    steps
+        :func:`ncanalyze.analyzer.stats.by_step` of one tag.
+    stats
+        The correlations of the same rows (the pooled r and the notes).
+    metrics
+        The metrics drawn.
+    title
+        The figure's title.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=DPI)
+    flipped = set(stats.metric[has_note(stats, NoteKind.SIGN_FLIP)]) if "note_kinds" in stats else set()
+    for i, m in enumerate(metrics):
+        mine = steps[steps.metric == m]
+        scale = "log" if mine[mine.scale == "log"].r.notna().any() else "raw"
+        d = mine[mine.scale == scale].sort_values("step")
+        if d.r.notna().sum() == 0:
+            continue
+        colour = RUN_COLOURS[i % len(RUN_COLOURS)]
+        name = m + (" (log)" if scale == "log" else "") + (": sign flips" if m in flipped else "")
+        ax.plot(d.step, d.r, "-", color=colour, label=name)
+        sig = d.p_perm.astype(float) < 0.05
+        ax.plot(d.step[sig], d.r[sig], "o", color=colour)
+        ax.plot(d.step[~sig], d.r[~sig], "o", mfc="white", color=colour)
+        pooled = stats[(stats.metric == m) & (stats.scale == scale)].r
+        if len(pooled) and np.isfinite(pooled.iloc[0]):
+            ax.axhline(pooled.iloc[0], color=colour, ls="--", lw=0.8)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(xlabel="training step", ylabel="r across runs at the step", ylim=(-1.05, 1.05))
+    ax.legend(fontsize=7, loc="best", title="filled: p < 0.05 at the step; dashed: pooled r", title_fontsize=7)
+    fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def draw_step_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence[str], target: str, out: Path,
+                     suffix: str = "") -> dict[str, Path]:
+    """The per-step r figure (:func:`step_r_figure`) of Figure 1's metrics among ``metrics``, saved as PNG, PDF
+    and SVG; nothing where no step is shared by enough runs."""
+    shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics and m in set(steps.metric)]
+    if not shown or steps.r.notna().sum() == 0:
+        return {}
+    stem, title = BY_STEP
+    fig = step_r_figure(steps, stats, shown, title.format(target=title_target(target)))
+    return {stem + suffix: save_figure(fig, out, stem + suffix)}

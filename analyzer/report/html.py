@@ -33,7 +33,12 @@ ROW_COLUMNS = ("run", "tag", "checkpoint", "global_step", "n_params", "n_kept", 
 STATS_COLUMNS = (("n", "n", "{:d}"), ("R²", "r2", fmt), ("r", "r", fmt), ("rho", "rho", fmt),
                  ("p rho", "rho_p", fmt_p), ("p", "p_perm", fmt_p), ("p Holm", "p_holm", fmt_p),
                  ("partial r", "partial_r", fmt), ("p FL", "partial_p_perm", fmt_p),
-                 ("p FL Holm", "partial_p_holm", fmt_p))
+                 ("p FL Holm", "partial_p_holm", fmt_p),
+                 # the claims (issue 39): intervals over runs, the null's centre, the two questions, one run left out
+                 ("r CI low", "r_ci_low", fmt), ("r CI high", "r_ci_high", fmt), ("null r", "r_null", fmt),
+                 ("partial r CI low", "partial_r_ci_low", fmt), ("partial r CI high", "partial_r_ci_high", fmt),
+                 ("r across runs, last step", "between_r_last", fmt), ("within-run r", "within_r", fmt),
+                 ("r without one run, min", "loo_r_min", fmt), ("max", "loo_r_max", fmt))
 
 
 def md_inline(text: str) -> str:
@@ -211,6 +216,35 @@ def stats_table(stats: pd.DataFrame) -> str:
     return _table("stats", head, body)
 
 
+def step_figure_html(r: ReportResult) -> str:
+    """The per-step r figures (between models, step by step) as images inlined in the page, with their titles;
+    '' where none was drawn.
+
+    Parameters
+    ----------
+    r
+        The report's result, its figures written.
+
+    Returns
+    -------
+    str
+        HTML.
+    """
+    import base64
+
+    from ncanalyze.analyzer.report.figures import BY_STEP
+    out = []
+    for key, png in r.figures.items():
+        if key.split("__")[0] != BY_STEP[0]:
+            continue
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        title = html.escape(BY_STEP[1].format(target=r.target))
+        out.append(f'<figure><img alt="{title}" src="data:image/png;base64,{data}" style="max-width:100%">'
+                   f"<figcaption>{title} (filled: p &lt; 0.05 at the step; dashed: the pooled r; "
+                   f"{html.escape(key)}.png)</figcaption></figure>")
+    return "".join(out)
+
+
 def token_tables(tokens: pd.DataFrame | None) -> list[tuple[str, str]]:
     """The per-token tables, one per checkpoint as report.md has them (tokens as Python literals, numbers to 4
     significant figures), sortable.
@@ -290,7 +324,7 @@ def write_html(r: ReportResult, options: ReportOptions, out: Path, skipped: dict
         title=md[0].lstrip("# "), intro=[md_inline(p) for p in md[1:] if p],
         caveats=[md_inline(c) for c in caveats(r, options, skipped)], data=_json(data),
         metrics=data["metrics"], labels=data["labels"], layers=data["layers"], tags=data["tags"],
-        stats=stats_table(r.stats), tokens=token_tables(r.tokens), plotly_js=get_plotlyjs(),
+        stats=step_figure_html(r) + stats_table(r.stats), tokens=token_tables(r.tokens), plotly_js=get_plotlyjs(),
         plotly_version=get_plotlyjs_version(), script=(here / "page.js").read_text(encoding="utf-8"),
         style=(here / "page.css").read_text(encoding="utf-8"))
     path = out / "report.html"

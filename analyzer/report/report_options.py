@@ -41,6 +41,8 @@ class ReportOptions(ReportSettings):
         units and nothing need be permuted in blocks); ``"all"`` (None too): every selected checkpoint.
     html
         Also write report.html, the interactive page (:mod:`~ncanalyze.analyzer.report.html`; ``--no-html``: not).
+    n_boot
+        Resamples of the bootstrap over whole runs behind the 95% intervals (seeded by ``seed``; 0: none).
     """
 
     store: str | Path | None = None
@@ -76,6 +78,8 @@ class ReportResult:
         :func:`~ncanalyze.analyzer.report.mincount.min_count_table`), or None without a store.
     min_count_notes
         Its notes: the cap on runs, and measure's warnings at those min_counts (NC4's kept set among them).
+    by_step
+        Between models, step by step (by_step.csv; :func:`ncanalyze.analyzer.stats.by_step`), or None.
     files
         Every file written by name: metrics, stats, [tokens], [min_count], the figures, [depth, layers], report, tex,
         [html].
@@ -93,3 +97,4 @@ class ReportResult:
     min_count: pd.DataFrame | None = None
     min_count_notes: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
+    by_step: pd.DataFrame | None = None

@@ -425,8 +425,209 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
             label_ = "tab:nc-correlations" + ("" if i == 0 else f"-{i}") + ("" if scale == "raw" else "-log")
             tex.append(_latex(_scale_table(rows[rows.scale == scale], scale), cap, label_,
                               geometry.iloc[0] if len(geometry) and len(geometry) < rows.metric.nunique() else None))
+        if "n_boot" in rows and (rows.n_boot > 0).any():  # the intervals over runs (none with under 4 runs)
+            tex.append(claims_latex(rows, target, of, "tab:nc-intervals" + ("" if i == 0 else f"-{i}")))
     if tok is not None:
         for i, (g, t) in enumerate(tok.groupby("checkpoint", sort=False)):
             rows = token_rows(t, ascii).map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
             tex.append(_latex(rows, f"Per-token statistics, {tex_escape(g)}.", f"tab:tokens-{i}"))
     return "\n".join(tex)
+
+
+# ------------------------------------------------------------------ the claims: intervals, the two questions, fragility
+
+def interval(x: float, low: float, high: float, digits: int = 2) -> str:
+    """'0.81 [0.52, 0.93]': a statistic with its interval (a dash where missing; no brackets without one).
+
+    Parameters
+    ----------
+    x, low, high
+        The statistic and its interval's ends (NaN where none).
+    digits
+        Decimals shown.
+
+    Returns
+    -------
+    str
+    """
+    if x is None or not np.isfinite(x):
+        return MISSING
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return f"{x:.{digits}f}"
+    return f"{x:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def _name(row: pd.Series) -> str:
+    return row.metric + (" (log)" if row.scale == "log" else "")
+
+
+def interval_table(stats: pd.DataFrame) -> pd.DataFrame:
+    """One display row per metric and scale: r, R², rho and the partial r with their 95% intervals from the
+    bootstrap over whole runs, the permutation null's centre beside r, the permutation p, and leave-one-run-out
+    (the range of r, whether every Holm verdict stays).
+
+    Parameters
+    ----------
+    stats
+        One tag's :func:`ncanalyze.analyzer.stats.correlations`.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Formatted strings.
+    """
+    rows = []
+    for _, s in stats[stats.r.notna()].iterrows():
+        robust = s.get("robust", np.nan)
+        rows.append({"metric": _name(s), "r [95% CI]": interval(s.r, s.r_ci_low, s.r_ci_high),
+                     "R² [95% CI]": interval(s.r2, s.r2_ci_low, s.r2_ci_high),
+                     "rho [95% CI]": interval(s.rho, s.rho_ci_low, s.rho_ci_high),
+                     "partial r [95% CI]": interval(s.partial_r, s.partial_r_ci_low, s.partial_r_ci_high),
+                     "null r": fmt(s.r_null, 2), "p": fmt_p(s.p_perm),
+                     "r without one run": (f"{s.loo_r_min:.2f} to {s.loo_r_max:.2f}" if np.isfinite(s.loo_r_min)
+                                           else MISSING),
+                     "Holm verdicts hold": MISSING if not np.isfinite(robust) else ("yes" if robust else "no")})
+    return pd.DataFrame(rows)
+
+
+def questions_table(stats: pd.DataFrame) -> pd.DataFrame:
+    """Between models and within training apart, beside the pooled r: per metric and scale, the r across runs at
+    the last step that enough runs share (its permutation p over runs) and the range over all such steps, and the
+    mean within-run r with its interval over runs.
+
+    Parameters
+    ----------
+    stats
+        One tag's :func:`ncanalyze.analyzer.stats.correlations`.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Formatted strings; empty where no run has several checkpoints.
+    """
+    rows = []
+    shown = stats[(stats.r.notna()) & ((stats.between_steps > 0) | stats.within_r.notna())]
+    for _, s in shown.iterrows():
+        last = (f"{s.between_r_last:+.2f} (p {fmt_p(s.between_p_last)}, step {s.between_step_last:g})"
+                if s.between_steps > 0 else MISSING)
+        rows.append({"metric": _name(s), "pooled r [95% CI]": interval(s.r, s.r_ci_low, s.r_ci_high),
+                     "between models: r at the last step": last,
+                     "r over steps": (f"{s.between_r_min:+.2f} to {s.between_r_max:+.2f} ({int(s.between_steps)})"
+                                      if s.between_steps > 0 else MISSING),
+                     "within training: mean r [95% CI]": interval(s.within_r, s.within_ci_low, s.within_ci_high),
+                     "runs": f"{int(s.within_n_runs)}" if s.within_n_runs else MISSING})
+    return pd.DataFrame(rows)
+
+
+def fragility_lines(stats: pd.DataFrame, alpha: float = ALPHA) -> list[str]:
+    """Sentences naming, per metric, the runs whose removal changes a Holm verdict (and which).
+
+    Parameters
+    ----------
+    stats
+        One tag's :func:`ncanalyze.analyzer.stats.correlations`.
+    alpha
+        The family-wise error rate.
+
+    Returns
+    -------
+    list of str
+    """
+    out = []
+    for _, s in stats[stats.get("loo_flips", pd.Series("", index=stats.index)).fillna("") != ""].iterrows():
+        parts = []
+        for what, p in (("r", s.p_holm), ("partial r", s.partial_p_holm)):
+            runs = [f.rsplit(" (", 1)[0] for f in s.loo_flips.split(", ") if f.endswith(f"({what})")]
+            if runs and np.isfinite(p):
+                parts.append(f"{what} {'survives' if p < alpha else 'does not survive'} Holm (p {fmt_p(p)}) with all "
+                             f"runs, but {'not' if p < alpha else 'does'} when run " + " or ".join(
+                                 md_name(r) for r in runs) + " is left out")
+        out.append(f"{_name(s)}: {'; '.join(parts)} (r with one run left out: {s.loo_r_min:+.2f} to "
+                   f"{s.loo_r_max:+.2f}).")
+    return out
+
+
+def claims_latex(stats: pd.DataFrame, target: str, of: str, label_: str) -> str:
+    """tables.tex's table of the intervals over runs (:func:`interval_table`) of one tag.
+
+    Parameters
+    ----------
+    stats
+        One tag's statistics.
+    target
+        The target (in the caption).
+    of
+        ', tag NAME' or ''.
+    label_
+        The LaTeX label.
+
+    Returns
+    -------
+    str
+    """
+    boot = stats[stats.n_boot > 0]
+    how = (f"95\\% {boot.boot_method.iloc[0]} intervals from {int(boot.n_boot.iloc[0])} bootstrap resamples of whole "
+           f"{boot.boot_unit.iloc[0]}" if len(boot) else "no intervals (too few runs to resample)")
+    design = tex_escape(design_caption(stats)).replace(">=", "$\\geq$")
+    cap = (f"Metrics against {tex_escape(target)}{of}: $r$, $R^2$, Spearman $\\rho$ and partial $r$ with {how}; "
+           "null $r$: the mean $r$ over the permutations (what the design alone yields); $p$: equal-tailed "
+           f"permutation $p$, {design}; $r$ with one run "
+           "left out, and whether every Holm verdict holds under each drop.")
+    table = interval_table(stats)
+    return _latex(table, cap, label_) if len(table) else ""
+
+
+def design_text(controls: Sequence[str]) -> str:
+    """The design factors among ``controls``, each said: 'log(n_layers) (depth), log(hidden_size) (width)'."""
+    from ncanalyze.analyzer.schema import DESIGN_FACTORS
+    return ", ".join(f"{c} ({DESIGN_FACTORS[c]})" for c in controls if c in DESIGN_FACTORS)
+
+
+def control_robustness(sel: pd.DataFrame, metrics: Sequence[str], target: str,
+                       step: str = "global_step") -> pd.DataFrame:
+    """Figure 1's metrics' partial r under each scale control, each beside log1p(step) where the step varies: none
+    at all (r), log parameters, the design factors that vary (``design``), and architecture fixed effects (a
+    dummy per (n_layers, hidden_size, n_params); where an architecture has several runs or checkpoints).
+
+    Parameters
+    ----------
+    sel
+        One tag's selected checkpoints.
+    metrics
+        The metrics (Figure 1's).
+    target
+        The target.
+    step
+        The training-progress column.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Formatted strings, one row per metric and scale; empty without the columns.
+    """
+    from ncanalyze.analyzer.questions import control_table
+    from ncanalyze.analyzer.schema import DESIGN
+    from ncanalyze.analyzer.stats import eval_controls, expand_design
+    ms = [m for m in metrics if m in sel.columns]
+    if not ms or target not in sel.columns or len(sel) < 4:
+        return pd.DataFrame()
+    varies = lambda c: c in sel and pd.to_numeric(sel[c], errors="coerce").nunique() > 1  # noqa: E731
+    progress = eval_controls(sel, [f"log1p({step})"]) if varies(step) else pd.DataFrame(index=sel.index)
+    design = expand_design(sel, [DESIGN])
+    arch_cols = [c for c in ("n_layers", "hidden_size", "n_params") if c in sel]
+    arch = sel[arch_cols].astype(str).agg("/".join, axis=1) if arch_cols else pd.Series("", index=sel.index)
+    several = arch.value_counts().max() > 1 and arch.nunique() > 1
+    fe = pd.get_dummies(arch, drop_first=True, dtype=float) if several else None
+    plus = " + log1p(step)" if len(progress.columns) else ""
+    scale = {"log(n_params)" + plus: eval_controls(sel, ["log(n_params)"]) if varies("n_params") else None,
+             "design: " + (design_text(design) or "none varies") + plus:
+                 eval_controls(sel, design) if design else None,
+             "architecture fixed effects" + plus: fe}
+    table = control_table(sel, ms, target, scale, progress)
+    if table.empty:
+        return table
+    out = pd.DataFrame({"metric": [m + (" (log)" if s == "log" else "") for m, s in zip(table.metric, table.scale)],
+                        "n": table.n.astype(str), "no control (r)": table["none"].map(lambda v: fmt(v, 2))})
+    for name in scale:
+        out[name] = table[name].map(lambda v: fmt(v, 2))
+    return out

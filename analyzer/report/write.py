@@ -12,7 +12,8 @@ from ncanalyze.analyzer.report.depth import depth_table, has_depth, last_layer, 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.escape import write_csv
-from ncanalyze.analyzer.report.figures import DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures, tag_suffix
+from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures,
+                                               draw_step_figure, tag_suffix)
 from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.mincount import min_count_table
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
@@ -20,7 +21,7 @@ from ncanalyze.analyzer.report.support import SUPPORT, with_support
 from ncanalyze.analyzer.report.tables import default_target, latex, select
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints, per_token
 from ncanalyze.analyzer.schema import INFO as ID_COLUMNS
-from ncanalyze.analyzer.stats import correlations_by_tag, last_per_run, split_tags
+from ncanalyze.analyzer.stats import by_step, correlations_by_tag, last_per_run, split_tags
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ def _figures(r: ReportResult, options: ReportOptions, out: Path) -> dict[str, Pa
     for tag, rows in tags:
         stats = r.stats[r.stats.tag.isna()] if tag is None else r.stats[r.stats.tag == tag]
         figures |= draw_figures(rows, options.metrics, r.target, stats, out, tag_suffix(tag) if len(tags) > 1 else "")
+        if r.by_step is not None:
+            steps = r.by_step[r.by_step.tag.isna()] if tag is None else r.by_step[r.by_step.tag == tag]
+            figures |= draw_step_figure(steps, stats, options.metrics, r.target, out,
+                                        tag_suffix(tag) if len(tags) > 1 else "")
     return figures
 
 
@@ -80,11 +85,12 @@ def _folder(out: str | Path) -> Path:
     return out
 
 
-# files a report writes: these, and the figures (FIGURES' stems, fig4_dynamics and depth; per tag with __<tag>) as
+# files a report writes: these, and the figures (FIGURES' stems, fig4_dynamics, fig5_r_by_step and depth; per tag with __<tag>) as
 # PNG, PDF and SVG
-OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex", "report.md",
-           "report.html")
-_FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, (*FIGURES, DYNAMICS[0], 'depth')))})(__[A-Za-z0-9._-]+)?"
+OUTPUTS = ("metrics.csv", "stats.csv", "by_step.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex",
+           "report.md", "report.html")
+_STEMS = (*FIGURES, DYNAMICS[0], BY_STEP[0], "depth")
+_FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, _STEMS))})(__[A-Za-z0-9._-]+)?"
                           rf"\.({'|'.join(FORMATS)})")
 
 
@@ -108,6 +114,9 @@ def _write_tables(r: ReportResult, out: Path) -> None:
     r.files |= {"metrics": out / "metrics.csv", "stats": out / "stats.csv"}
     write_csv(r.metrics, r.files["metrics"])
     write_csv(r.stats, r.files["stats"])
+    if r.by_step is not None and len(r.by_step):
+        r.files["by_step"] = out / "by_step.csv"
+        write_csv(r.by_step, r.files["by_step"])
     if r.tokens is not None:
         r.files["tokens"] = out / "tokens.csv"
         write_csv(r.tokens, r.files["tokens"])
@@ -157,8 +166,9 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
                         "layers.csv; select checkpoints, not layers (e.g. drop the layer condition)")
     target = options.target or default_target(sel)
     stats = correlations_by_tag(sel, options.metrics, target, options.controls, options.n_perm, options.seed,
-                                runs="run")
+                                runs="run", n_boot=options.n_boot)
     r = ReportResult(metrics=every_layer, selected=sel, target=target, stats=stats)
+    r.by_step = by_step(sel, options.metrics, target, options.n_perm, options.seed)
     if options.tokens:
         groups = list(options.checkpoints) or latest_checkpoints(sel)
         r.tokens, r.notes = per_token(read_group, groups, options.tokens)

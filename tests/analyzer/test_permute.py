@@ -67,19 +67,35 @@ def test_false_positive_rate_stays_near_alpha_when_runs_are_permuted_whole(sizes
 
 def test_the_report_statistics_use_the_same_scheme_and_p_values():
     """correlations(..., runs="run") and correlations_by_tag (runs by default) give exactly the p-values counted
-    above, and say which scheme."""
-    for seed in range(12):
+    above, and say which scheme (6 seeds, 3 of each design; no bootstrap: its intervals are tested in test_stats)."""
+    for seed in range(6):
         sizes = list(SIZES.values())[seed % 2]
         df = null_study(seed, sizes)
-        got = correlations(df, ["metric"], "loss", n_perm=N_PERM, seed=seed, runs="run")
+        got = correlations(df, ["metric"], "loss", n_perm=N_PERM, seed=seed, runs="run", n_boot=0)
         raw = got[got.scale == "raw"].iloc[0]
         want = p_values(df, seed, Scheme.whole_blocks(df.run, df.global_step))
         np.testing.assert_array_equal([raw.p_perm, raw.rho_p, raw.partial_p_perm], want)
         assert raw.perm_scheme == "whole runs" and raw.n_units == 7
         assert raw.n_distinct_perms == (5040 if seed % 2 == 0 else 144) and raw.exact == (seed % 2 == 1)
-        by_tag = correlations_by_tag(df, ["metric"], "loss", n_perm=N_PERM, seed=seed)  # the report's call
+        by_tag = correlations_by_tag(df, ["metric"], "loss", n_perm=N_PERM, seed=seed, n_boot=0)  # the report's
         pd.testing.assert_frame_equal(by_tag.drop(columns="tag"), got, check_dtype=False)
-        rows = correlations(df, ["metric"], "loss", n_perm=N_PERM, seed=seed)  # runs not given: rows
+        rows = correlations(df, ["metric"], "loss", n_perm=N_PERM, seed=seed, n_boot=0)  # runs not given: rows
         assert rows[rows.scale == "raw"].iloc[0].perm_scheme == "rows"
         np.testing.assert_array_equal(rows[rows.scale == "raw"].iloc[0][["p_perm", "rho_p", "partial_p_perm"]]
                                       .to_numpy(float), p_values(df, seed, Scheme.rows(len(df))))
+
+
+def test_the_null_centre_is_the_mean_r_over_every_whole_run_permutation():
+    """With a trend every run shares, the whole-run null is not centred at 0: r_null is the mean r over the
+    enumerated permutations (itertools, one at a time); the p is equal-tailed (twice the smaller tail)."""
+    df = null_study(3, [3, 3, 3, 3, 3])  # 5! = 120 permutations, all enumerated
+    scheme = Scheme.whole_blocks(df.run, df.global_step)
+    y, x = df.loss.to_numpy(), df.metric.to_numpy()
+    res = perm_test(y, x[:, None], None, 1000, 0, scheme)
+    chunks, total, exact = scheme.chunks(1000, 0)
+    null = np.array([np.corrcoef(x, y[idx])[0, 1] for chunk in chunks for idx in chunk])
+    assert exact and total == len(null) == 120
+    assert res["r_null"][0] == pytest.approx(null.mean(), abs=1e-12) and abs(null.mean()) > 0.05
+    r = np.corrcoef(x, y)[0, 1]
+    tail = min((null <= r + 1e-12).mean(), (null >= r - 1e-12).mean())
+    assert res["p_perm"][0] == pytest.approx(min(1, 2 * tail), abs=1e-12)

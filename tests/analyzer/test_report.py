@@ -38,7 +38,13 @@ STATS_COLUMNS = {"metric", "family", "scale", "n", "r", "r2", "p_perm", "p_param
                  "partial_p_param_iid", "partial_ci_low_iid", "partial_ci_high_iid", "controls", "n_perm", "exact",
                  "note", "note_kinds", "perm_unit", "p_floor",
                  "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
-                 "tag"}
+                 "tag",
+                 # issue 39: the null's centre, the intervals over runs, the two questions, leave one run out
+                 "r_null", "rho_null", "partial_r_null", "n_boot", "boot_unit", "boot_method", "r_ci_low", "r_ci_high",
+                 "r2_ci_low", "r2_ci_high", "rho_ci_low", "rho_ci_high", "partial_r_ci_low", "partial_r_ci_high",
+                 "within_r", "within_ci_low", "within_ci_high", "within_n_runs", "between_steps", "between_r_min",
+                 "between_r_max", "between_step_last", "between_r_last", "between_p_last", "loo_r_min", "loo_r_max",
+                 "robust", "loo_flips"}
 SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
                   "p (log)", "p Holm (log)", "partial r (log)", "p FL (log)", "p FL Holm (log)"]
 
@@ -152,14 +158,14 @@ def test_csv_files(synthetic_report):
 def test_markdown_tables_and_links(synthetic_report):
     df, files = synthetic_report
     text = files["report"].read_text()
-    (table,) = markdown_tables(text)
+    table = markdown_tables(text)[0]  # the summary; then the two questions, the intervals, the controls
     assert table[0] == SUMMARY_HEADER
     assert [row[0] for row in table[1:]] == list(METRICS)
     stats = pd.read_csv(files["stats"]).set_index(["metric", "scale"])
     r2 = {row[0]: row[table[0].index("R²")] for row in table[1:]}
     assert r2["unc3_cos_cv"] == f"{stats.loc[('unc3_cos_cv', 'raw'), 'r2']:.3f}"
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
-    assert sorted(links) == sorted(f"{k}.png" for k in [*FIGURES, DYNAMICS[0]])
+    assert sorted(links) == sorted(f"{k}.png" for k in [*FIGURES, DYNAMICS[0], "fig5_r_by_step"])
     assert all((files["report"].parent / name).is_file() for name in links)
     assert "no log scale: nc2_cos_mean (log)" in text
 
@@ -168,13 +174,13 @@ def test_markdown_tables_and_links(synthetic_report):
 def test_latex_tables(synthetic_report, tmp_path):
     _, files = synthetic_report
     tex = files["tex"].read_text()
-    assert check_latex(tex) == 2  # the raw and the log10 scale
+    assert check_latex(tex) == 3  # the raw and the log10 scale, the intervals over runs
     assert "nc1\\_cdnv" in tex and "$R^2$" in tex
     compile_latex(files["tex"], tmp_path)
     fit = r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%" + "\n\\begin{tabular}"
     specs = re.findall(r"\\begin\{tabular\}\{(\w+)\}", tex)
-    assert [len(c) for c in specs] == [11, 9] and tex.count(fit) == 2  # shrunk to the line where wider
-    assert tex.count("\\end{tabular}}") == 2
+    assert [len(c) for c in specs] == [11, 9, 9] and tex.count(fit) == 3  # shrunk to the line where wider
+    assert tex.count("\\end{tabular}}") == 3
     captions = re.findall(r"\\caption\{(.*)\}", tex)
     # 5 runs of 6 checkpoints: whole runs permuted, 5! = 120, all of them (500 asked for)
     assert all("whole runs permuted (5 runs; all enumerated, exact), so p $\\geq$ 1/120 = 0.00833" in c
@@ -400,8 +406,10 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     ds = xr.open_zarr(store, group=f"{last.run}/{last.checkpoint}", consolidated=False)
     assert list(tokens["count"][:4]) == [int(ds["count"][i]) for i in ids]
     assert tokens["mean CDNV"][0] == pytest.approx(float(ds.class_cdnv[ids[0]]))
-    assert len(tables) == 3 and tables[1][-1][0] == AVERAGE_TOKEN  # then the min_count table (test_report_mincount.py)
-    assert tables[2][0][3:6] == ["min_count 2 (kept)", "min_count 5 (kept)", "min_count 20 (kept)"]
+    token_tables = [t for t in tables if t[0][:3] == ["token", "id", "count"]]  # after the claims' tables (issue 39)
+    assert len(token_tables) == 1 and token_tables[0][-1][0] == AVERAGE_TOKEN
+    assert tables[-1] is not token_tables[0]  # then the min_count table (test_report_mincount.py)
+    assert tables[-1][0][3:6] == ["min_count 2 (kept)", "min_count 5 (kept)", "min_count 20 (kept)"]
 
     assert check_latex((out / "tables.tex").read_text()) == 3  # raw, log10 and the tokens
     compile_latex(out / "tables.tex", tmp_path)
@@ -442,7 +450,7 @@ def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
     _, files = synthetic_report
     text = files["report"].read_text()
     stats = pd.read_csv(files["stats"])
-    (table,) = markdown_tables(text)
+    table = markdown_tables(text)[0]  # the summary (the claims' tables follow)
     col = table[0].index("p Holm")
     raw = stats[stats.scale == "raw"].set_index("metric")
     for row in table[1:]:

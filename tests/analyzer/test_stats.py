@@ -91,8 +91,8 @@ def test_perm_test_observed_partial_r_is_pingouins():
 
 # ---------------------------------------------------------------- permutation p-values against scipy
 
-def _abs_r(x, y):
-    return lambda a, axis=-1: np.abs(sps.pearsonr(a, y, axis=axis).statistic)
+def _r(x, y):
+    return lambda a, axis=-1: sps.pearsonr(a, y, axis=axis).statistic
 
 
 def test_exact_permutation_p_equals_scipy():
@@ -103,8 +103,8 @@ def test_exact_permutation_p_equals_scipy():
     res = perm_test(y, X, None, n_perm=10_000)
     assert res["exact"] and res["n_perm"] == 720
     for j in range(X.shape[1]):
-        ref = sps.permutation_test((y,), _abs_r(y, X[:, j]), permutation_type="pairings", vectorized=True,
-                                   n_resamples=10_000, alternative="greater")
+        ref = sps.permutation_test((y,), _r(y, X[:, j]), permutation_type="pairings", vectorized=True,
+                                   n_resamples=10_000, alternative="two-sided")  # equal-tailed, as ours
         assert res["p_perm"][j] == pytest.approx(ref.pvalue, abs=1e-12)
 
 
@@ -121,8 +121,8 @@ def test_random_permutation_p_agrees_with_scipy_within_monte_carlo_error():
     res = perm_test(y, X, None, n_perm=b, seed=0)
     assert not res["exact"] and res["n_perm"] == b
     for j in range(X.shape[1]):
-        ref = sps.permutation_test((y,), _abs_r(y, X[:, j]), permutation_type="pairings", vectorized=True,
-                                   n_resamples=b, alternative="greater", rng=1).pvalue
+        ref = sps.permutation_test((y,), _r(y, X[:, j]), permutation_type="pairings", vectorized=True,
+                                   n_resamples=b, alternative="two-sided", rng=1).pvalue
         assert 0.005 < ref < 0.995  # a p that Monte-Carlo error can actually move
         assert abs(res["p_perm"][j] - ref) < _mc_tol(ref, b), (j, res["p_perm"][j], ref)
 
@@ -144,10 +144,10 @@ def test_freedman_lane_p_agrees_with_scipy_on_permuted_residuals():
             ystar = np.atleast_2d(yhat + e_perm)
             ey = residual(ystar.T, Z).T
             r = ey @ ex / np.linalg.norm(ey, axis=-1) / np.linalg.norm(ex)
-            return np.abs(r).reshape(np.shape(e_perm)[:-1])
+            return r.reshape(np.shape(e_perm)[:-1])
 
         ref = sps.permutation_test((e,), stat, permutation_type="pairings", vectorized=True, n_resamples=b,
-                                   alternative="greater", rng=2).pvalue
+                                   alternative="two-sided", rng=2).pvalue
         assert 0.005 < ref < 0.995
         assert abs(res["partial_p_perm"][j] - ref) < _mc_tol(ref, b), (j, res["partial_p_perm"][j], ref)
 
@@ -224,7 +224,7 @@ def test_partial_r_needs_more_points_than_controls():
 @pytest.mark.slow
 def test_constant_control_is_dropped_and_said_so():
     df = study(n_runs=1, per_run=12)  # one run: n_params constant
-    out = correlations(df, metrics=["nc1_cdnv"], n_perm=100)
+    out = correlations(df, metrics=["nc1_cdnv"], n_perm=100, controls=["log(n_params)", "log1p(global_step)"])
     raw = out[out.scale == "raw"].iloc[0]
     assert "ignores log(n_params)" in raw.note and raw.controls == "log1p(global_step)"
     d = pd.DataFrame({"x": df.nc1_cdnv, "y": df.eval_loss, "s": np.log1p(df.global_step)})
@@ -334,19 +334,21 @@ def brute_force_block_p(df: pd.DataFrame, x: np.ndarray, tol: float = 1e-9) -> t
         by_size.setdefault(len(idx), []).append(idx)
 
     def stats(v, ev):
-        return (abs(np.corrcoef(x, v)[0, 1]), abs(sps.spearmanr(x, v).statistic),
-                abs(np.corrcoef(ex, residual(yhat + ev, Z))[0, 1]))
+        return (np.corrcoef(x, v)[0, 1], sps.spearmanr(x, v).statistic,
+                np.corrcoef(ex, residual(yhat + ev, Z))[0, 1])
 
     observed = np.array(stats(y, e))
-    hits, total = np.zeros(3), 0
+    low, high, total = np.zeros(3), np.zeros(3), 0
     for combo in itertools.product(*(itertools.permutations(range(len(b))) for b in by_size.values())):
         order = np.arange(len(y))
         for blocks, perm in zip(by_size.values(), combo):
             for i, j in enumerate(perm):
                 order[blocks[i]] = blocks[j]
-        hits += np.array(stats(y[order], e[order])) >= observed * (1 - tol)
+        null = np.array(stats(y[order], e[order]))
+        low += null <= observed + tol * abs(observed)
+        high += null >= observed - tol * abs(observed)
         total += 1
-    return (*(hits / total), total)
+    return (*np.minimum(1, 2 * np.minimum(low, high) / total), total)  # equal-tailed: twice the smaller tail
 
 
 def test_whole_run_permutation_p_equals_brute_force_enumeration():
@@ -395,7 +397,8 @@ def test_one_checkpoint_per_run_is_the_row_permutation_test():
     df = study(n_runs=9, per_run=1, seed=2)
     rows = correlations(df, ["nc1_cdnv", "nc2_norm_cv"], n_perm=500, seed=3)
     runs = correlations(df, ["nc1_cdnv", "nc2_norm_cv"], n_perm=500, seed=3, runs="run")
-    pd.testing.assert_frame_equal(rows.drop(columns="note"), runs.drop(columns="note"), check_dtype=False)
+    units = ["note", "note_kinds", "boot_unit", "loo_r_min", "loo_r_max", "robust", "loo_flips"]  # runs name them
+    pd.testing.assert_frame_equal(rows.drop(columns=units), runs.drop(columns=units), check_dtype=False)
     assert (runs.perm_scheme == "rows").all() and (runs.n_distinct_perms == math.factorial(9)).all()
     no_run_column = correlations(df.drop(columns="run"), ["nc1_cdnv"], n_perm=500, seed=3, runs="run")
     assert (no_run_column.perm_scheme == "rows").all()
@@ -409,9 +412,9 @@ def test_spearman_rho_and_its_row_permutation_p_equal_scipy():
     res = perm_test(y, X, None, n_perm=10_000)  # 7! = 5040: exact
     for j in range(2):
         assert res["rho"][j] == pytest.approx(sps.spearmanr(X[:, j], y).statistic, abs=1e-12)
-        ref = sps.permutation_test((y,), lambda a: abs(sps.spearmanr(a, X[:, j]).statistic),
+        ref = sps.permutation_test((y,), lambda a: sps.spearmanr(a, X[:, j]).statistic,
                                    permutation_type="pairings", vectorized=False, n_resamples=10_000,
-                                   alternative="greater")
+                                   alternative="two-sided")
         assert res["rho_p"][j] == pytest.approx(ref.pvalue, abs=1e-12)
 
 
@@ -512,3 +515,72 @@ def test_a_control_that_uses_the_target_or_a_metric_is_a_user_error(control, mat
 def test_a_control_on_a_metric_not_under_test_is_fine():
     out = correlations(study(), ["nc1_trace"], controls=["log(nc1_cdnv)"], n_perm=0)
     assert out.partial_r.notna().all() and (out.controls == "log(nc1_cdnv)").all()
+
+
+# ---------------------------------------------------------------- issue 39: resampling runs, against brute force
+
+def _resampled(W_row: np.ndarray) -> np.ndarray:
+    """The rows of one resample, each repeated as often as its weight."""
+    return np.repeat(np.arange(len(W_row)), W_row.astype(int))
+
+
+def test_weighted_r_rho_and_partial_r_equal_numpy_scipy_pingouin_on_each_resample():
+    from ncanalyze.analyzer.resample import bootstrap_weights, loo_weights, weighted_partial, weighted_rho
+    rng = np.random.default_rng(11)
+    codes = np.repeat(np.arange(8), 3)
+    y, X, C = rng.normal(size=24), rng.normal(size=(24, 2)), rng.normal(size=(24, 2))
+    X[:, 1] = np.round(X[:, 1])  # ties in the ranks
+    W = np.vstack([bootstrap_weights(codes, 6, 0), loo_weights(codes)])
+    r, p, rho = weighted_partial(W, X, y), weighted_partial(W, X, y, C), weighted_rho(W, X, y)
+    for b, w in enumerate(W):
+        i = _resampled(w)
+        for j in range(2):
+            assert r[b, j] == pytest.approx(np.corrcoef(X[i, j], y[i])[0, 1], abs=1e-10)
+            assert rho[b, j] == pytest.approx(sps.spearmanr(X[i, j], y[i]).statistic, abs=1e-10)
+            d = pd.DataFrame({"x": X[i, j], "y": y[i], "c0": C[i, 0], "c1": C[i, 1]})
+            assert p[b, j] == pytest.approx(pg.partial_corr(d, "x", "y", ["c0", "c1"])["r"].iloc[0], abs=1e-10)
+
+
+def test_bootstrap_draws_whole_runs_and_bca_falls_back_to_percentile_without_bias():
+    from ncanalyze.analyzer.resample import bca_interval, bootstrap_weights, percentile_interval
+    codes = np.array([0, 0, 1, 1, 1, 2, 3, 3])
+    W = bootstrap_weights(codes, 200, 1)
+    assert (W.sum(1) > 0).all() and all(len(set(w[codes == c])) == 1 for w in W for c in range(4))  # runs whole
+    assert np.allclose(W[:, [0, 2, 5, 6]].sum(1), 4)  # a row per run: 4 runs drawn each time
+    s = np.random.default_rng(0).normal(size=(4001, 1))
+    lo, hi, _ = percentile_interval(s)
+    assert (lo[0], hi[0]) == pytest.approx(tuple(np.quantile(s[:, 0], [0.025, 0.975])), abs=1e-12)
+    med = np.median(s, 0)  # no bias (z0 = 0), no acceleration (a symmetric jackknife): BCa = percentile
+    blo, bhi, _ = bca_interval(s, med, np.array([[1.0], [-1.0]]))
+    assert (blo[0], bhi[0]) == pytest.approx((lo[0], hi[0]), abs=1e-3)
+
+
+def test_holm_of_leave_one_out_equals_pingouin():
+    from ncanalyze.analyzer.stats import _holm_array
+    p = np.array([0.01, 0.04, np.nan, 0.03, 0.2, 0.001])
+    fams = [np.array([0, 1, 2, 3]), np.array([4, 5])]
+    got = _holm_array(p, fams)
+    np.testing.assert_allclose(got[[0, 1, 3]], pg.multicomp(p[[0, 1, 3]], method="holm")[1], atol=1e-15)
+    np.testing.assert_allclose(got[[4, 5]], pg.multicomp(p[[4, 5]], method="holm")[1], atol=1e-15)
+    assert np.isnan(got[2])
+
+
+def test_leave_one_run_out_range_of_r_equals_brute_force():
+    df = study(n_runs=6, per_run=4, seed=3)
+    out = correlations(df, ["nc1_trace"], n_perm=200, runs="run", n_boot=200).set_index("scale")
+    rs = [np.corrcoef(g.nc1_trace, g.eval_loss)[0, 1] for _, g in (
+        (name, df[df.run != name]) for name in df.run.unique())]
+    assert out.loc["raw", "loo_r_min"] == pytest.approx(min(rs), abs=1e-12)
+    assert out.loc["raw", "loo_r_max"] == pytest.approx(max(rs), abs=1e-12)
+    assert out.loc["raw", "robust"] in (0, 1) and out.loc["raw", "n_boot"] == 200
+    assert out.loc["raw", "boot_method"] == "BCa" and out.loc["raw", "boot_unit"] == "runs"
+    assert out.loc["raw", "r_ci_low"] <= out.loc["raw", "r"] <= out.loc["raw", "r_ci_high"]
+
+
+def test_design_controls_are_the_architecture_factors_that_vary():
+    from ncanalyze.analyzer.stats import expand_design
+    df = pd.DataFrame({"n_layers": [2, 2, 4, 4], "hidden_size": [64, 64, 64, 64], "n_params": [1, 2, 3, 4]})
+    assert expand_design(df, ["design", "log1p(global_step)"]) == ["log(n_layers)", "log(n_params)",
+                                                                   "log1p(global_step)"]
+    assert expand_design(df.iloc[:2].assign(n_params=1), ["design"]) == []
+    assert expand_design(df, ["log(n_params)"]) == ["log(n_params)"]  # --controls overrides
