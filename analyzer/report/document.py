@@ -11,7 +11,7 @@ from ncanalyze.analyzer.report.figures import FIGURES, TITLES, tag_suffix, title
 from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
-from ncanalyze.analyzer.report.tables import (code, control_robustness, controls_text, design_text, family_name,
+from ncanalyze.analyzer.report.tables import (code, control_robustness, controls_text, design_factors_text, family_name,
                                                fragility_lines, interval_table, notes, questions_table, summary,
                                                survivors, target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
@@ -74,7 +74,7 @@ def _design_said(o: ReportOptions, stats: pd.DataFrame) -> str:
     """What ``design`` in the controls stood for here (the varying architecture factors), or ''."""
     if "design" not in [c.strip() for c in o.controls]:
         return ""
-    used = design_text(stats.attrs.get("controls", []))
+    used = design_factors_text(stats.attrs.get("controls", []))
     return (f" (`design`: the architecture factors that vary among the selected runs, read from the stored config: "
             f"{used})" if used else " (`design`: no architecture factor varies among the selected runs, so no "
             "scale control)")

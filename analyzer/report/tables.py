@@ -10,7 +10,7 @@ import pandas as pd
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition
-from ncanalyze.analyzer.report.escape import visible
+from ncanalyze.analyzer.report.escape import md_name, visible
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, NC, split_tags, unreachable
 
@@ -577,7 +577,7 @@ def claims_latex(stats: pd.DataFrame, target: str, of: str, label_: str) -> str:
     return _latex(table, cap, label_) if len(table) else ""
 
 
-def design_text(controls: Sequence[str]) -> str:
+def design_factors_text(controls: Sequence[str]) -> str:
     """The design factors among ``controls``, each said: 'log(n_layers) (depth), log(hidden_size) (width)'."""
     from ncanalyze.analyzer.schema import DESIGN_FACTORS
     return ", ".join(f"{c} ({DESIGN_FACTORS[c]})" for c in controls if c in DESIGN_FACTORS)
@@ -620,7 +620,7 @@ def control_robustness(sel: pd.DataFrame, metrics: Sequence[str], target: str,
     fe = pd.get_dummies(arch, drop_first=True, dtype=float) if several else None
     plus = " + log1p(step)" if len(progress.columns) else ""
     scale = {"log(n_params)" + plus: eval_controls(sel, ["log(n_params)"]) if varies("n_params") else None,
-             "design: " + (design_text(design) or "none varies") + plus:
+             "design: " + (design_factors_text(design) or "none varies") + plus:
                  eval_controls(sel, design) if design else None,
              "architecture fixed effects" + plus: fe}
     table = control_table(sel, ms, target, scale, progress)
