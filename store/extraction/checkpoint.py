@@ -27,6 +27,7 @@ from ncanalyze.store.extraction.config import (
 from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.memory import (
     check_memory,
+    fit_folds,
     fit_plan,
     state_bytes,
 )
@@ -154,8 +155,10 @@ def _passes_and_write(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, run: R
     DONE or RESUMED."""
     model, classifier, bias, record = loaded.model, loaded.classifier, loaded.bias, run.record
     positions = None if train.total is None else train.total * (train.block_size - 1)
+    folds = fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class, loaded.plan.widest_pass, run.device,
+                      parse_size(cfg.state_memory))
     ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
-                    run.device, files.layers)
+                    run.device, files.layers, folds=folds)
     outcome = _resume(ex, files.state, record, overwrite, restart, cfg.batch_size, train, val, ckpt.group)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     store.ensure()  # the store appears now, its inputs all opened: a command that fails before leaves none
