@@ -94,7 +94,8 @@ def replicates(ds: xr.Dataset, folds: Sequence[int], measure_kw: dict) -> tuple[
     return pd.DataFrame.from_dict(rows, orient="index").reindex(columns=list(SCALARS)).astype(float), notes
 
 
-def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, **measure_kw) -> tuple[dict[str, float], list[str]]:
+def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, point: Mapping[str, float] | None = None,
+              **measure_kw) -> tuple[dict[str, float], list[str]]:
     """Every scalar metric's delete-one-fold jackknife error over ``folds`` (default: all of ``ds``'s), and notes
     for those that are nan: fewer than 2 folds, a fold without a train token, or a replicate not finite.
 
@@ -102,6 +103,8 @@ def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, **measure_kw) 
     ----------
     ds : a checkpoint dataset with its fold variables (:data:`FOLD_VARS`).
     folds : the folds to jackknife over (the nested budgets use the first k).
+    point : the point values where known: a metric whose point value is not finite has a nan error, no note (the
+        metric's own warning says why).
     measure_kw : min_count, tile, device, engine, as the point value is measured.
 
     Returns
@@ -121,11 +124,12 @@ def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, **measure_kw) 
     k = len(folds)
     dev = theta - theta.mean()
     se = np.sqrt((k - 1) / k * (dev ** 2).sum())
-    bad = [m for m in SCALARS if not np.isfinite(theta[m]).all()]
+    undefined = [m for m in SCALARS if point is not None and not math.isfinite(point.get(m, math.nan))]
+    bad = [m for m in SCALARS if not np.isfinite(theta[m]).all() and m not in undefined]
     if bad:
         notes.append(f"{', '.join(bad)}: nan error, a leave-one-fold-out value is not finite (a fold holds too few "
                      "tokens of the kept classes)")
-    return {se_name(m): (float(se[m]) if m not in bad else math.nan) for m in SCALARS}, notes
+    return {se_name(m): (float(se[m]) if m not in bad + undefined else math.nan) for m in SCALARS}, notes
 
 
 def budgets(folds: int) -> list[int]:

@@ -221,7 +221,7 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
         needs = sorted({str(getattr(DEFINITIONS[k], "needs", "")) for k in missing} - {""})
         warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
                       stacklevel=2)
-    errors = tuple(k for k in scalars if k.endswith("_se")) if se else ()
+    errors = tuple(f"{m}_se" for m in DEFINITIONS) if se else ()
     return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS, *errors)}
 
 
@@ -264,9 +264,7 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], kw: dict) -> dict[str, fl
     ones in one warning."""
     from ncanalyze.analyzer.jackknife import jackknife, se_name
 
-    errors, notes = jackknife(ds, **kw)
-    errors = {k: v if math.isfinite(scalars.get(k.removesuffix("_se"), math.nan)) else math.nan
-              for k, v in errors.items()}
+    errors, notes = jackknife(ds, point=scalars, **kw)
     if notes:
         warnings.warn("jackknife errors: " + "; ".join(notes), stacklevel=3)
     return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}
