@@ -13,6 +13,7 @@ from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warnin
 from ncanalyze.analyzer.report.tables import (code, controls_text, family_name, notes, summary, survivors,
                                                target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
+from ncanalyze.analyzer.report.precision import budget_lines, error_lines
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
 
 
@@ -190,5 +191,8 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
     md += _support_section(result, options) + _token_section(result)
     if result.min_count is not None:
         md += min_count_lines(result.min_count, result.min_count_notes)
+    md += error_lines(result.selected)
+    if result.budget is not None:
+        md += budget_lines(result.budget, result.budget_notes)
     md += _files_section(result, skipped)
     return "\n".join(md) + "\n" + "\n".join(_depth_section(result))

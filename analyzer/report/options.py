@@ -103,3 +103,5 @@ class ReportResult:
     min_count: pd.DataFrame | None = None
     min_count_notes: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
+    budget: pd.DataFrame | None = None  # the token budget of each run's latest checkpoint (budget.csv; precision.py)
+    budget_notes: list[str] = field(default_factory=list)

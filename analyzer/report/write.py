@@ -11,7 +11,8 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.figures import depth_files, draw_figures, tag_suffix
 from ncanalyze.analyzer.report.html import write_html
-from ncanalyze.analyzer.report.mincount import min_count_table
+from ncanalyze.analyzer.report.mincount import HEADLINE, min_count_table
+from ncanalyze.analyzer.report.precision import budget_figure, budget_table, errors_latex
 from ncanalyze.analyzer.report.options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import SUPPORT, with_support
 from ncanalyze.analyzer.report.tables import default_target, latex, select
@@ -73,7 +74,16 @@ def _folder(out: str | Path) -> Path:
 
 # files a report writes
 OUTPUTS = ("metrics.csv", "stats.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex", "report.md",
-           "report.html")
+           "report.html", "budget.csv")
+
+
+def _budget_files(r: ReportResult, out: Path) -> dict[str, Path]:
+    """budget.csv and budget.png, where there is a token budget (a store whose checkpoints have folds)."""
+    if r.budget is None or r.budget.empty:
+        return {}
+    r.budget.to_csv(out / "budget.csv", index=False)
+    png = budget_figure(r.budget, HEADLINE, out)
+    return {"budget": out / "budget.csv"} | ({"fig_budget": png} if png else {})
 
 
 def _ours(report_md: Path) -> bool:
@@ -148,6 +158,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
         log.warning("note: %s", note)
     if read_group is not None:
         r.min_count, r.min_count_notes = min_count_table(sel, read_group)
+        r.budget, r.budget_notes = budget_table(sel, read_group)
     if has_depth(every_layer):
         r.depth, r.depth_notes = depth_table(every_layer), undefined(every_layer)
 
@@ -156,9 +167,10 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.figures = _figures(r, options, out)
     r.files |= r.figures
     r.files |= depth_files(every_layer, r.depth, out)
+    r.files |= _budget_files(r, out)
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}
     r.files["report"].write_text(markdown(r, options, skipped=skipped))
-    r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls))
+    r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls) + "\n" + errors_latex(sel))
     if options.html:
         r.files["html"] = write_html(r, options, out, skipped=df.attrs.get("skipped"))
     return r

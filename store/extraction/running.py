@@ -154,6 +154,7 @@ class Extraction:
         state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings, their
         shapes and digests checked."""
         self._saved_groups(arrays)
+        self._saved_folds(arrays)
         at = int(arrays["pass"]) if "pass" in arrays and arrays["pass"].shape == () else 0
         if not 0 <= at < len(self.plan.passes):
             raise CheckpointError(f"the resume state {where} is in pass {at} of {len(self.plan.passes)}; {RESTART}")
@@ -173,6 +174,9 @@ class Extraction:
                 consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high)
             else:
                 consistent = phase == Phase.DONE
+            if prefix + "folds.count" in arrays:  # the fold sums add up to the totals
+                consistent = consistent and np.array_equal(arrays[prefix + "folds.count"].sum(0),
+                                                           arrays[prefix + "stats.count"])
             consistent = (consistent and bool(np.isfinite(arrays[prefix + "stats.mean"]).all())
                           and (arrays[prefix + "stats.m2"] >= 0).all() and (arrays[prefix + "stats.count"] >= 0).all())
             if not consistent:
@@ -180,6 +184,15 @@ class Extraction:
                                       f"{done} tokens counted); {RESTART}")
         self.restore(arrays)
         self._open_embeddings(resume=True, saved=unflatten(arrays).get("embeddings"))
+
+    def _saved_folds(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The folds a saved state was made with (fitted to the memory then, or by the shards that saved it): kept,
+        so that a resume ends as the uninterrupted run would have."""
+        counts = [v for k, v in arrays.items() if k.endswith(".folds.count") and np.ndim(v) == 2]
+        folds = len(counts[0]) if counts else 1
+        if folds != self.n_folds:
+            log.info("resuming with the %d fold(s) of the saved state", folds)
+            self.n_folds = folds
 
     def _saved_groups(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Under ``--layers-per-pass auto``, the passes a saved state was made with (the memory may differ now)."""

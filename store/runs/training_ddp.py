@@ -124,7 +124,8 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
         except UserError as e:
             error = str(e)
     main = ex.main()
-    state = flatten({"stats": main.stats.state_dict(), "reservoir": main.reservoir.state_dict()})
+    state = flatten({"stats": main.stats.state_dict(), "reservoir": main.reservoir.state_dict()}
+                    | ({} if main.folds is None else {"folds": main.folds.state_dict()}))
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object((error, state if start < stop else None), gathered, dst=0)
     error = agree(gathered and next((e for e, _ in gathered if e), None))
@@ -139,6 +140,8 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
     merged = unflatten(states[0])
     main.stats.load_state_dict(merged["stats"])
     main.reservoir.load_state_dict(merged["reservoir"])
+    if main.folds is not None:  # merged fold by fold
+        main.folds.load_state_dict(merged["folds"])
     ex.next_phase(Phase.VALIDATION)
     return True
 

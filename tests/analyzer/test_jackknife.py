@@ -58,6 +58,7 @@ def test_fold_sums_are_the_folds_own_statistics_and_leave_the_totals_alone(folde
         np.testing.assert_array_equal(ds[f"fold_{name}"].values.sum(0), ds[name].values)
 
 
+@pytest.mark.slow
 def test_jackknife_matches_a_brute_force_over_leave_one_fold_out_subsets(folded):
     """Each replicate: class_stats of the raw rows outside fold i, measured by test_metrics' brute force (its own
     kept classes); NC4 from the validation tokens outside fold i, decided with the full sample's means (as counted at
