@@ -165,3 +165,12 @@ def test_nested_budgets_and_the_unsettled_line(folded):
     moved.loc[moved.index[-2], "nc1_cdnv"] = moved["nc1_cdnv"].iloc[-1] + 10 * moved["nc1_cdnv_se"].iloc[-1]
     lines = unsettled(moved, ["nc1_cdnv", "within_erank"])
     assert any(line.startswith(f"`nc1_cdnv` has not settled at {int(ds['count'].sum()):,} tokens") for line in lines)
+
+
+def test_the_accessor_gives_the_same_errors(folded):
+    import ncanalyze.analyzer  # noqa: F401  (registers ds.nc)
+
+    *_, ds = folded
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        np.testing.assert_equal(ds.nc.measure(min_count=MIN, se=True), measure(ds, min_count=MIN, se=True, device="auto"))
