@@ -299,8 +299,8 @@ class NeuralCollapseCallback(TrainerCallback):
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
             device = classifier.device
-            folds = fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class, setup.run.plan.widest_pass, device,
-                              parse_size(cfg.state_memory))
+            folds = ddp.agreed_folds(fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class,
+                                               setup.run.plan.widest_pass, device, parse_size(cfg.state_memory)))
             ex = Extraction(setup.run.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
                             files.layers if rank == 0 else None, folds=folds)
             if rank == 0:

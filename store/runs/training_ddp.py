@@ -57,6 +57,17 @@ def agree(error: str | None) -> str | None:
     return next((e for e in errors if e), None)
 
 
+def agreed_folds(folds: int) -> int:
+    """The fewest folds any rank's memory holds (memory.fit_folds), on every rank: the ranks' fold sums must have
+    the same folds to merge."""
+    _, world = rank_world()
+    if world == 1:
+        return folds
+    seen: list = [None] * world
+    dist.all_gather_object(seen, folds)
+    return min(seen)
+
+
 def agreed_batches(blocks, batch_size: int) -> int:
     """The train batches, once every rank has hashed the blocks it would read (all of them: sha256 of their tokens,
     the cap applied) and the ranks agree: a UserError on every rank, naming the ranks and their data, where any
