@@ -123,8 +123,8 @@ def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[st
     for (run, checkpoint), t in (table.groupby(["run", "checkpoint"], sort=True) if not table.empty else []):
         moving += [f"- {code(f'{run}/{checkpoint}')}: {line}" for line in unsettled(t.reset_index(drop=True), metrics)]
     if not table.empty:
-        lines += ["", *moving] if moving else ["", "Every metric shown moved less than its error between the last two "
-                                                   "budgets."]
+        lines += ["", "![token budget](budget.png)", ""]
+        lines += moving or ["Every metric shown moved less than its error between the last two budgets."]
     return lines + [f"- {n}" for n in notes] + [""]
 
 

@@ -399,10 +399,11 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     ds = xr.open_zarr(store, group=f"{last.run}/{last.checkpoint}", consolidated=False)
     assert list(tokens["count"][:4]) == [int(ds["count"][i]) for i in ids]
     assert tokens["mean CDNV"][0] == pytest.approx(float(ds.class_cdnv[ids[0]]))
-    assert len(tables) == 3 and tables[1][-1][0] == AVERAGE_TOKEN  # then the min_count table (test_report_mincount.py)
+    assert len(tables) == 4 and tables[1][-1][0] == AVERAGE_TOKEN  # then the min_count table (test_report_mincount.py)
     assert tables[2][0][3:6] == ["min_count 2 (kept)", "min_count 5 (kept)", "min_count 20 (kept)"]
+    assert tables[3][0][:3] == ["run", "checkpoint", "`nc1_cdnv`"] and " ± " in tables[3][1][2]  # the final errors
 
-    assert check_latex((out / "tables.tex").read_text()) == 3  # raw, log10 and the tokens
+    assert check_latex((out / "tables.tex").read_text()) == 4  # raw, log10, the tokens and the final errors
     compile_latex(out / "tables.tex", tmp_path)
     for stem, (_, fig_metrics) in FIGURES.items():
         check_png(out / f"{stem}.png", len(fig_metrics), colour_bar=False)  # one run, one size

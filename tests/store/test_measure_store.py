@@ -22,7 +22,7 @@ import ncanalyze.store
 import ncanalyze.store.client
 import ncanalyze.store.measure
 from ncanalyze.analyzer import CLASS_COUNTS, PER_CLASS, SCALARS, UserError, class_stats, measure_all
-from ncanalyze.analyzer.schema import INFO
+from ncanalyze.analyzer.schema import ERRORS, INFO
 from ncanalyze.store.io import ensure_group
 from ncanalyze.store.measure import measure_store
 from ncanalyze.cli.main import main
@@ -60,7 +60,7 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
     store, data = small_store
     result = measure_store(store, tile=7)
     df = result.table
-    assert list(df.columns) == [*INFO, "layer", *CLASS_COUNTS, *SCALARS]
+    assert list(df.columns) == [*INFO, "layer", *CLASS_COUNTS, *SCALARS, *ERRORS]
     assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
                                                                   "b/checkpoint-5"]
     assert sorted(result.measured) == sorted(data) and result.skipped == [] and result.failed == {}
