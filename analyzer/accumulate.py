@@ -191,12 +191,40 @@ class FoldStats(Accumulator):
         return part
 
     def update(self, h: torch.Tensor, y: torch.Tensor, fold: torch.Tensor) -> None:
-        """Fold in features ``h`` (n x d) with labels ``y`` (n), each token into its fold ``fold`` (n)."""
-        fold = fold.to(h.device)
-        for f, part in enumerate(self.parts):
-            rows = torch.nonzero(fold == f).squeeze(1)
-            if len(rows):
-                part.update(h[rows], y.to(h.device)[rows])
+        """Fold in features ``h`` (n x d) with labels ``y`` (n), each token into its fold ``fold`` (n): one grouping
+        of the batch by (fold, class), Chan's update of each fold's classes as :meth:`ClassStats.update` makes it, the
+        scatter fold by fold over the fold's contiguous sorted rows."""
+        if len(y) == 0:
+            return
+        folds, vocab = self.count.shape
+        fold = fold.to(self.mean.device, torch.int64)
+        g = Groups(fold * vocab + y.to(self.mean.device, torch.int64))
+        h = h.to(self.mean.device, torch.float64)
+        hs, cells = g.sort(h), g.classes
+        n_b = g.lengths.to(torch.float64)
+        mean_b = g.sum(hs) / n_b[:, None]
+        dev = hs - mean_b[g.row]
+        m2_b = g.sum((dev * dev).sum(1))
+        count, mean, m2 = self.count.view(-1), self.mean.view(folds * vocab, -1), self.m2.view(-1)
+        n_a = count[cells].to(torch.float64)
+        n = n_a + n_b
+        delta = mean_b - mean[cells]
+        w = n_a * n_b / n
+        mean[cells] += delta * (n_b / n)[:, None]
+        m2[cells] += m2_b + w * (delta * delta).sum(1)
+        if self.scatter is not None:
+            cell_fold = cells // vocab
+            groups = torch.bincount(cell_fold, minlength=folds).tolist()
+            tokens = torch.zeros(folds, dtype=torch.int64, device=cells.device).index_add_(
+                0, cell_fold, g.lengths).tolist()
+            t0 = c0 = 0
+            for f, (nt, nc) in enumerate(zip(tokens, groups)):
+                if nt:
+                    d, dl, wl = dev[t0:t0 + nt], delta[c0:c0 + nc], w[c0:c0 + nc]
+                    self.scatter[f] += d.T @ d + (dl * wl[:, None]).T @ dl
+                t0, c0 = t0 + nt, c0 + nc
+        self.unit_sum.index_add_(0, fold, unit_rows(h))
+        count[cells] += g.lengths
 
     def merge(self, other: "FoldStats") -> "FoldStats":
         """Fold in another stream's fold statistics, fold by fold (Chan, :meth:`ClassStats.merge`). Returns self."""

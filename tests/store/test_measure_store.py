@@ -74,7 +74,8 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
         want, want_per = brute_force(ds, 1)
         assert_metrics(row._asdict(), want)
         a = attrs(store, g)
-        assert a["metrics"] == {k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS)}
+        assert a["metrics"] == {k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS)} | dict.fromkeys(ERRORS)
+        assert a["metrics_nonfinite"] == {k: "nan" for k in ERRORS}  # a hand-made group without folds: no errors
         assert (a["metrics_min_count"], a["metrics_config_hash"], a["complete"]) == (1, ds.attrs["config_hash"], True)
         stored = tree[g].to_dataset()
         K = np.flatnonzero(ds["count"].values >= 1)
