@@ -45,3 +45,26 @@ def test_folds_leave_every_total_bit_for_bit_and_add_up_to_it(trained_run, corpu
         np.testing.assert_allclose(b["fold_unit_sum"].values.sum(0), b["unit_sum"].values, rtol=1e-12)
         n = b["fold_count"].values.sum(1)
         assert (n > 0).all() and n.max() - n.min() <= 31 * 8  # whole blocks dealt in turn: within a batch or so
+
+
+def test_a_resume_keeps_the_saved_folds_and_refuses_fold_sums_that_miss_the_totals(tmp_path):
+    from ncanalyze.analyzer.errors import CheckpointError
+    from ncanalyze.store.extraction.layers import plan
+    from ncanalyze.store.extraction.running import Extraction
+
+    saved = Extraction(plan(), 10, 3, 1, 0, "cpu", tmp_path / "a", folds=4)
+    saved.start()
+    state = saved.state({})
+    assert [k for k in state if k.endswith("folds.count")] and state[next(
+        k for k in state if k.endswith("folds.count"))].shape == (4, 10)
+    resumed = Extraction(plan(), 10, 3, 1, 0, "cpu", tmp_path / "b", folds=8)  # the memory now holds 8
+    resumed.load(state, 64, "state.npz")
+    assert resumed.n_folds == 4 and resumed.main().folds.count.shape == (4, 10)
+    key = next(k for k in state if k.endswith("folds.count"))
+    state[key] = state[key].copy()
+    state[key][0, 0] += 1  # a fold count the totals do not have
+    with pytest.raises(CheckpointError, match="inconsistent"):
+        Extraction(plan(), 10, 3, 1, 0, "cpu", tmp_path / "c", folds=4).load(state, 64, "state.npz")
+    one = Extraction(plan(), 10, 3, 1, 0, "cpu", tmp_path / "d", folds=1)
+    one.start()
+    assert not [k for k in one.state({}) if ".folds." in k]  # --folds 1: the state of before
