@@ -15,7 +15,10 @@ SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_er
 @option("tile", "measure")
 @option("device", "measure")
 @click.option("--force", is_flag=True, help="Measure again checkpoints already measured.")
-def measure(store_positional, store, min_count, scheduler, tile, device, force):
+@click.option("--se/--no-se", default=True, show_default=True, help=(
+    "Each metric's delete-one-fold jackknife error <metric>_se (F + 1 measurements per group with F folds); "
+    "--no-se leaves them nan (measure --force adds them later)."))
+def measure(store_positional, store, min_count, scheduler, tile, device, force, se):
     """Compute the neural-collapse metrics of every checkpoint in STORE not yet measured.
 
     \b
@@ -30,7 +33,8 @@ def measure(store_positional, store, min_count, scheduler, tile, device, force):
     from ncanalyze.store.measure import measure_store
 
     store = open_store(store_positional, store)
-    result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device)
+    result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=tile, force=force, device=device,
+                           se=se)
     every, failed = [*result.measured, *result.skipped, *result.failed], result.failed
     left_out = f", {len(result.checkpoints(failed))} left out (see above)" if failed else ""
     if not result.measured:
