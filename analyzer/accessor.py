@@ -28,7 +28,7 @@ class DatasetAccessor:
         self._ds = ds
 
     def measure(self, min_count: int = 1, tile: int | None = None,
-                decay_ranks: tuple[int, int] = (4, 100)) -> dict[str, float]:
+                decay_ranks: tuple[int, int] = (4, 100), se: bool = False) -> dict[str, float]:
         """The scalar metrics (SPEC section 4) and how many classes they rest on, as
         :func:`ncanalyze.analyzer.measure`.
 
@@ -40,15 +40,18 @@ class DatasetAccessor:
             Classes per tile of the pairwise sums (``--tile``); default from the available memory.
         decay_ranks
             The ranks (first, last) of Sigma_T's eigenvalues that ``eigen_decay`` fits (alpha-ReQ's 4..100).
+        se
+            Add each metric's delete-one-fold jackknife error ``<metric>_se`` (from the group's fold sums; nan, with
+            a warning, for a group without folds).
 
         Returns
         -------
         dict
-            Metric name -> value, then ``n_classes`` and ``n_classes_var``.
+            Metric name -> value, then ``n_classes`` and ``n_classes_var`` (then the errors, with ``se``).
         """
         from ncanalyze.analyzer.metrics import measure
 
-        return measure(self._ds, min_count=min_count, tile=tile, decay_ranks=decay_ranks)
+        return measure(self._ds, min_count=min_count, tile=tile, decay_ranks=decay_ranks, se=se)
 
     def class_metrics(self, min_count: int = 1, tile: int | None = None) -> xr.Dataset:
         """The per-class views (``class_norm``, ``class_cdnv``, ...; nan outside the kept set), as

@@ -166,6 +166,93 @@ class ClassStats(Accumulator):
             getattr(self, k).copy_(torch.as_tensor(state[k]))
 
 
+class FoldStats(Accumulator):
+    """:class:`ClassStats` of ``folds`` disjoint folds of the stream side by side, held as stacked arrays with a
+    leading fold dimension (``count`` folds x vocab, ``mean`` folds x vocab x d, ``m2``, ``scatter`` folds x d x d,
+    ``unit_sum`` folds x d); each fold is a :class:`ClassStats` over views of them (:attr:`parts`), so a fold's
+    numbers are exactly what one ClassStats over its tokens alone gives. ``update(h, y, fold)`` deals each token to
+    its fold (``fold``: n fold indices). The totals are never derived from the folds (that would change rounding):
+    the extraction keeps its total ClassStats beside this."""
+
+    def __init__(self, folds: int, num_classes: int, dim: int, device: str | torch.device = "cpu",
+                 scatter: bool = True):
+        kw = dict(device=device, dtype=torch.float64)
+        self.count = torch.zeros(folds, num_classes, dtype=torch.int64, device=device)
+        self.mean = torch.zeros(folds, num_classes, dim, **kw)
+        self.m2 = torch.zeros(folds, num_classes, **kw)
+        self.scatter = torch.zeros(folds, dim, dim, **kw) if scatter else None
+        self.unit_sum = torch.zeros(folds, dim, **kw)
+        self.parts = [self._part(f) for f in range(folds)]
+
+    def _part(self, f: int) -> ClassStats:
+        part = ClassStats.__new__(ClassStats)
+        part.count, part.mean, part.m2, part.unit_sum = self.count[f], self.mean[f], self.m2[f], self.unit_sum[f]
+        part.scatter = None if self.scatter is None else self.scatter[f]
+        return part
+
+    def update(self, h: torch.Tensor, y: torch.Tensor, fold: torch.Tensor) -> None:
+        """Fold in features ``h`` (n x d) with labels ``y`` (n), each token into its fold ``fold`` (n): one grouping
+        of the batch by (fold, class), Chan's update of each fold's classes as :meth:`ClassStats.update` makes it, the
+        scatter fold by fold over the fold's contiguous sorted rows."""
+        if len(y) == 0:
+            return
+        folds, vocab = self.count.shape
+        fold = fold.to(self.mean.device, torch.int64)
+        g = Groups(fold * vocab + y.to(self.mean.device, torch.int64))
+        h = h.to(self.mean.device, torch.float64)
+        hs, cells = g.sort(h), g.classes
+        n_b = g.lengths.to(torch.float64)
+        mean_b = g.sum(hs) / n_b[:, None]
+        dev = hs - mean_b[g.row]
+        m2_b = g.sum((dev * dev).sum(1))
+        count, mean, m2 = self.count.view(-1), self.mean.view(folds * vocab, -1), self.m2.view(-1)
+        n_a = count[cells].to(torch.float64)
+        n = n_a + n_b
+        delta = mean_b - mean[cells]
+        w = n_a * n_b / n
+        mean[cells] += delta * (n_b / n)[:, None]
+        m2[cells] += m2_b + w * (delta * delta).sum(1)
+        if self.scatter is not None:
+            cell_fold = cells // vocab
+            groups = torch.bincount(cell_fold, minlength=folds).tolist()
+            tokens = torch.zeros(folds, dtype=torch.int64, device=cells.device).index_add_(
+                0, cell_fold, g.lengths).tolist()
+            t0 = c0 = 0
+            for f, (nt, nc) in enumerate(zip(tokens, groups)):
+                if nt:
+                    d, dl, wl = dev[t0:t0 + nt], delta[c0:c0 + nc], w[c0:c0 + nc]
+                    self.scatter[f] += d.T @ d + (dl * wl[:, None]).T @ dl
+                t0, c0 = t0 + nt, c0 + nc
+        self.unit_sum.index_add_(0, fold, unit_rows(h))
+        count[cells] += g.lengths
+
+    def merge(self, other: "FoldStats") -> "FoldStats":
+        """Fold in another stream's fold statistics, fold by fold (Chan, :meth:`ClassStats.merge`). Returns self."""
+        if len(other.parts) != len(self.parts):
+            raise ValueError(f"cannot merge {len(other.parts)} folds into {len(self.parts)}")
+        for mine, theirs in zip(self.parts, other.parts):
+            mine.merge(theirs)
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        s = {"count": self.count, "mean": self.mean, "m2": self.m2, "unit_sum": self.unit_sum}
+        if self.scatter is not None:
+            s["scatter"] = self.scatter
+        return s
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for k in self.state_dict():
+            getattr(self, k).copy_(torch.as_tensor(state[k]))
+
+
+def fold_of(first_block: int, blocks: int, tokens_per_block: int, folds: int,
+            device: str | torch.device = "cpu") -> torch.Tensor:
+    """The fold of each token of ``blocks`` consecutive whole blocks starting at block ``first_block`` of the stream
+    (block i -> fold i mod ``folds``: interleaved, so every fold spans the split), ``tokens_per_block`` each."""
+    block = torch.arange(first_block, first_block + blocks, device=device) % folds
+    return block.repeat_interleave(tokens_per_block)
+
+
 def float64_head(classifier: torch.Tensor, bias: torch.Tensor | None,
                  device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output layer in float64 on ``device`` (default: the classifier's): one copy for a whole validation pass,
@@ -231,8 +318,10 @@ class DecisionCounts(Sums):
     def __init__(self, classifier: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor, kept: torch.Tensor,
                  counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25,
                  lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 head: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+                 head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                 folds: dict[str, torch.Tensor] | None = None):
         device = mean.device
+        self.folds, self._fold, self._at = folds, None, 0  # per fold counts (folds x vocab), updated in place
         self.kept = kept.to(device)
         self.w, self.b = head if head is not None else float64_head(classifier, bias, device)
         self.mean = mean.to(torch.float64)  # the layer's own float64 means: no copy
@@ -244,9 +333,25 @@ class DecisionCounts(Sums):
         self.chunk = max(1, budget // max(1, min(len(self.kept), self.tile)))
 
     @classmethod
-    def zeros(cls, vocab: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Fresh counts: each of :attr:`NAMES` a zero int64 vector of ``vocab``."""
-        return {n: torch.zeros(vocab, dtype=torch.int64, device=device) for n in cls.NAMES}
+    def zeros(cls, vocab: int, device: str | torch.device = "cpu", folds: int | None = None
+              ) -> dict[str, torch.Tensor]:
+        """Fresh counts: each of :attr:`NAMES` a zero int64 vector of ``vocab`` (folds x vocab with ``folds``)."""
+        shape = (vocab,) if folds is None else (folds, vocab)
+        return {n: torch.zeros(shape, dtype=torch.int64, device=device) for n in cls.NAMES}
+
+    def begin(self, fold: torch.Tensor | None) -> None:
+        """The fold of each token of the next batch (n), which :meth:`count` reads chunk by chunk, in order."""
+        self._fold, self._at = (None if fold is None else fold.to(self.mean.device)), 0
+
+    def _count_folds(self, y: torch.Tensor, linear: torch.Tensor, ncc: torch.Tensor) -> None:
+        """The chunk's counts into its tokens' folds (the next ``len(y)`` of :meth:`begin`'s folds)."""
+        if self.folds is None or self._fold is None:
+            return
+        folds, vocab = self.folds["val_count"].shape
+        key = self._fold[self._at:self._at + len(y)] * vocab + y
+        self._at += len(y)
+        for name, keys in (("val_count", key), ("val_correct", key[linear == y]), ("val_ncc_agree", key[linear == ncc])):
+            self.folds[name] += torch.bincount(keys, minlength=folds * vocab).view(folds, vocab)
 
     def _tiles(self, rows: torch.Tensor):
         """The kept rows of ``rows`` (vocab x ...), a tile of classes at a time (gathered, float64)."""
@@ -294,6 +399,7 @@ class DecisionCounts(Sums):
         self.counts["val_count"] += torch.bincount(y, minlength=vocab)
         self.counts["val_correct"] += torch.bincount(y[linear == y], minlength=vocab)
         self.counts["val_ncc_agree"] += torch.bincount(y[linear == ncc], minlength=vocab)
+        self._count_folds(y, linear, ncc)
 
     def linear_decisions(self, logits: torch.Tensor) -> torch.Tensor:
         """The linear decisions from a chunk's head logits over the whole vocabulary (n x vocab): the kept class of

@@ -16,20 +16,26 @@ from ncanalyze.analyzer.schema import stats_dataset
 
 def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: Any = None,
                 classifier_bias: Any = None, val_embeddings: Any = None, val_labels: Any = None,
-                min_count: int = 1, batch_size: int = 65536) -> xr.Dataset:
+                min_count: int = 1, batch_size: int = 65536, folds: int = 1, block_size: int = 1) -> xr.Dataset:
     """Exact class statistics of plain arrays (numpy, dask or torch; n x d features, n labels) as a dataset with
     the store's variables, ready for :func:`measure`.
 
     ``classifier`` (num_classes x d) and ``classifier_bias`` add NC3; with them, ``val_embeddings`` and
     ``val_labels`` add NC4's counts (decisions over the classes with count >= ``min_count``, as extraction does).
+    ``folds`` > 1 adds the fold sums, as extraction keeps them: row i is in block i // ``block_size``, and block b in
+    fold b mod ``folds`` (train and validation alike); then ``measure(..., se=True)`` gives the jackknife errors.
     """
-    from ncanalyze.analyzer.accumulate import ClassStats
+    from ncanalyze.analyzer.accumulate import ClassStats, FoldStats
 
-    acc = None
+    acc, parts, start = None, None, 0
     for h, y in _batches(embeddings, labels, batch_size, num_classes, "embeddings"):
         if acc is None:
             acc = ClassStats(num_classes, h.shape[1], device=h.device)
+            parts = FoldStats(folds, num_classes, h.shape[1], device=h.device) if folds > 1 else None
         acc.update(h, y)
+        if parts is not None:
+            parts.update(h, y, _fold(start, len(y), block_size, folds))
+        start += len(y)
     if acc is None or int(acc.count.sum()) == 0:
         raise UserError("class_stats got no embeddings: pass a non-empty (n x d) array and n labels")
     d = acc.mean.shape[1]
@@ -41,10 +47,23 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
         if classifier is None or val_labels is None:
             raise UserError("NC4 needs the classifier and the labels: pass classifier= (and classifier_bias=) and "
                             "val_labels= with val_embeddings")
-        for name, v in _val_counts(ds, val_embeddings, val_labels, min_count, batch_size).items():
+        val, fold_val = _val_counts(ds, val_embeddings, val_labels, min_count, batch_size, folds, block_size)
+        for name, v in val.items():
             ds[name] = "vocab", v
         ds.attrs["val_tokens"] = int(ds["val_count"].sum())
+    if parts is not None:
+        from ncanalyze.analyzer.jackknife import fold_variables
+
+        ds = ds.assign(fold_variables(parts.state_dict(), fold_val if val_embeddings is not None else None))
+        ds.attrs["folds"] = folds
     return ds
+
+
+def _fold(start: int, n: int, block_size: int, folds: int):
+    """The fold of rows ``start .. start + n - 1``: block row // block_size, fold block mod folds."""
+    import torch
+
+    return (torch.arange(start, start + n) // max(1, int(block_size))) % folds
 
 
 def _numpy(x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
@@ -81,16 +100,24 @@ def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):
         yield hb, yb
 
 
-def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int) -> dict[str, np.ndarray]:
-    """NC4's counts per true class, over the kept classes, exactly as extraction counts them."""
+def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int, folds: int = 1,
+                block_size: int = 1) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """NC4's counts per true class, over the kept classes, exactly as extraction counts them (and per fold with
+    ``folds`` > 1: folds x vocab, else None)."""
     import torch
 
     from ncanalyze.analyzer.accumulate import DecisionCounts
 
     K = torch.as_tensor(kept_classes(ds["count"].values, min_count))
     bias = torch.as_tensor(ds["classifier_bias"].values) if "classifier_bias" in ds else None
-    counts = DecisionCounts(torch.as_tensor(ds["classifier"].values), bias, torch.as_tensor(ds["mean"].values), K)
+    per_fold = DecisionCounts.zeros(ds.sizes["vocab"], "cpu", folds) if folds > 1 else None
+    counts = DecisionCounts(torch.as_tensor(ds["classifier"].values), bias, torch.as_tensor(ds["mean"].values), K,
+                            folds=per_fold)
+    start = 0
     for hb, yb in _batches(h, y, batch_size, ds.sizes["vocab"], "val_embeddings"):
+        counts.begin(_fold(start, len(yb), block_size, folds) if per_fold is not None else None)
         counts.update(hb, yb)
-    return {k: v.cpu().numpy() for k, v in counts.counts.items()}
+        start += len(yb)
+    as_np = {k: v.cpu().numpy() for k, v in counts.counts.items()}
+    return as_np, None if per_fold is None else {k: v.cpu().numpy() for k, v in per_fold.items()}
 

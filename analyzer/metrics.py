@@ -183,7 +183,8 @@ PER_CLASS_DEFINITIONS = {name: _ALL[name] for name in PER_CLASS}
 # ---------------------------------------------------------------- the entry points
 
 def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-            engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS) -> dict[str, float]:
+            engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS,
+            se: bool = False) -> dict[str, float]:
     """The scalar metrics of one checkpoint (SPEC section 4): name -> float, then how many classes they rest on
     (``n_classes`` |K|, ``n_classes_var`` the kept classes with 2 or more train tokens, which the CDNV family reads).
     nc3_* and head_erank need ``classifier``, nc4 needs ``val_*`` counts taken over the same kept set (else
@@ -209,19 +210,23 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
     decay_ranks
         (first, last): the ranks of Sigma_T's eigenvalues (1-based, decreasing) that ``eigen_decay`` fits, the
         last capped at r = #{lambda_i > 1e-10 lambda_1}; default (4, 100), as alpha-ReQ's authors fit it.
+    se
+        Add each metric's delete-one-fold jackknife error ``<metric>_se`` (jackknife.py; nan with a warning where
+        the dataset holds no folds or a fold too few tokens).
 
     Returns
     -------
     dict
-        Metric name -> value (schema.SCALARS), then schema.CLASS_COUNTS.
+        Metric name -> value (schema.SCALARS), then schema.CLASS_COUNTS (then the errors, with ``se``).
     """
-    scalars = measure_all(ds, min_count, tile, device, engine, decay_ranks)[0]
+    scalars = measure_all(ds, min_count, tile, device, engine, decay_ranks, se=se)[0]
     missing = [k for k in DEFINITIONS if k not in scalars]
     if missing:
         needs = sorted({str(getattr(DEFINITIONS[k], "needs", "")) for k in missing} - {""})
         warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
                       stacklevel=2)
-    return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS)}
+    errors = tuple(f"{m}_se" for m in DEFINITIONS) if se else ()
+    return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS, *errors)}
 
 
 def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
@@ -234,10 +239,10 @@ def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, d
 
 
 def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-                engine: str | None = None,
-                decay_ranks: tuple[int, int] = DECAY_RANKS) -> tuple[dict[str, float], xr.Dataset]:
+                engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS,
+                se: bool = False) -> tuple[dict[str, float], xr.Dataset]:
     """:func:`measure` and :func:`class_metrics` from one pass (the scalars: the metrics that are defined here, then
-    schema.CLASS_COUNTS)."""
+    schema.CLASS_COUNTS, then with ``se`` each metric's jackknife error ``<metric>_se``)."""
     ranks = _ranks(decay_ranks)
     g = geometry(ds, min_count, tile, device, engine)
     g.decay_ranks = ranks
@@ -252,7 +257,21 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
     scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
     scalars |= {"n_classes": float(g.n), "n_classes_var": float(g.n_var)}
     per = {name: f(g) for name, f in PER_CLASS_DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    if se:
+        scalars |= _errors(ds, scalars, dict(min_count=min_count, tile=tile, device=device, engine=engine,
+                                             decay_ranks=decay_ranks))
     return scalars, _per_class(ds, g.K, per)
+
+
+def _errors(ds: xr.Dataset, scalars: dict[str, float], kw: dict) -> dict[str, float]:
+    """Each metric's jackknife error (jackknife.py), nan where its point value is not finite; the notes of the nan
+    ones in one warning."""
+    from ncanalyze.analyzer.jackknife import jackknife, se_name
+
+    errors, notes = jackknife(ds, point=scalars, **kw)
+    if notes:
+        warnings.warn("jackknife errors: " + "; ".join(notes), stacklevel=3)
+    return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}
 
 
 def _ranks(decay_ranks: tuple[int, int]) -> tuple[int, int]:

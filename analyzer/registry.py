@@ -177,6 +177,9 @@ class MeasureSettings:
     device: str = shared("device", section="Measuring", help=(
         "Where the pairwise sums and the d x d work run: auto (torch float64 on CUDA when present, else the numba "
         "pass on the CPU), cpu, cuda, cuda:N."))
+    se: bool = setting(True, section="Measuring", help=(
+        "Each metric's delete-one-fold jackknife error <metric>_se (F + 1 measurements per group with F folds); "
+        "--no-se leaves them nan (measure --force adds them later)."))
 
     def __post_init__(self) -> None:
         check_fields(self)

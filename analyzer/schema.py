@@ -41,6 +41,8 @@ DESIGN_FACTORS = {"log(n_layers)": "depth", "log(hidden_size)": "width", "log(n_
 # how many classes the metrics rest on, beside them in measure's results and metrics.csv (not metrics: no tests):
 # the kept classes K, and those of them with a variance (n_c >= 2), which the CDNV family reads
 CLASS_COUNTS = ("n_classes", "n_classes_var")
+# each scalar metric's delete-one-fold jackknife error (analyzer/jackknife.py; SPEC section 5), after the metrics
+ERRORS = tuple(f"{m}_se" for m in SCALARS)
 # the per-class views (vocab), written back into each group by `ncanalyze measure`
 PER_CLASS = ("class_norm", "class_cdnv", "class_interference", "class_duality", "class_nc4", "class_freq_weight")
 # the attributes that describe a checkpoint in a metrics table, before the metrics

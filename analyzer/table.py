@@ -9,9 +9,9 @@ from typing import Any
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import CLASS_COUNTS, INFO, LAYER, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LAYER, SCALARS
 
-COLUMNS = (*INFO, LAYER, *CLASS_COUNTS, *SCALARS)
+COLUMNS = (*INFO, LAYER, *CLASS_COUNTS, *SCALARS, *ERRORS)
 
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """
     metrics, nonfinite = attrs.get("metrics") or {}, attrs.get("metrics_nonfinite") or {}
     floats = {k: float(nonfinite.get(k, "nan")) if metrics.get(k) is None else float(metrics[k])
-              for k in (*CLASS_COUNTS, *SCALARS)}
+              for k in (*CLASS_COUNTS, *SCALARS, *ERRORS)}
     info = {k: attrs.get(k) for k in INFO}
     info["global_step"] = _step(info.get("global_step"))
     return {**info, LAYER: attrs.get(LAYER, attrs.get("n_layers")), **floats}

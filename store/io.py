@@ -26,6 +26,7 @@ import xarray as xr
 import zarr
 import zarr.errors
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.jackknife import FOLD_VARS
 from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
@@ -42,7 +43,8 @@ XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated me
 # `metrics` and its value ("inf", "-inf", "nan") is in `metrics_nonfinite`
 # the store's format, a root attribute written when the root is created. 2: every group records its layer and lens,
 # the configuration record every hashed setting, a resume state every layer under its name (1: stop 27's stores);
-# 3: the record identifies the data by content (data_sha256) and names local data by its file's name, not its path
+# 3: the record identifies the data by content (data_sha256) and names local data by its file's name, not its path; fold sums (the fold
+# dimension, attribute folds) beside the totals, for the jackknife errors
 FORMAT_KEY, FORMAT = "ncanalyze_format", 3
 RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
@@ -258,7 +260,7 @@ def read_statistics(path: str | Path, group: str, head: xr.Dataset | None = None
     if shared and head is not None:
         ds = ds.assign_coords({h: head[h].variable for h in HEAD if h in head.variables})
     try:
-        return ds[[v for v in MEASURED if v in ds]].load()
+        return ds[[v for v in (*MEASURED, *FOLD_VARS) if v in ds]].load()
     except CHUNK_ERRORS as e:
         raise UserError(f"{group} holds corrupt data ({type(e).__name__}: {e}): {fix}") from None
 

@@ -55,7 +55,7 @@ class MeasureResult:
 
 
 def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
-                  force: bool = False, device: str = "auto") -> MeasureResult:
+                  force: bool = False, device: str = "auto", se: bool = True) -> MeasureResult:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
     store the results in its group, and return them with the table of one row per checkpoint and stored layer: run,
     checkpoint, global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its
@@ -68,7 +68,8 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     address (default ``$DASK_SCHEDULER_ADDRESS``); without one the local threaded scheduler; a scheduler without
     workers gets ``WORKER_WAIT_S`` seconds for one to join, then a one-line error. ``device``: where the pairwise sums
     and the d x d work run (``auto``: CUDA where torch sees one, in this process; else the numba pass on the CPU, on
-    the scheduler's workers where there is one).
+    the scheduler's workers where there is one). ``se``: each metric's delete-one-fold jackknife error
+    ``<metric>_se`` (analyzer.jackknife; nan for a group extracted without folds).
 
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
@@ -95,7 +96,8 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
                     ds = store.statistics(g, heads.get(checkpoint_group(g)))
                     if checkpoint_group(g) == g:
                         heads = {g: ds[[h for h in HEAD if h in ds.variables]]}
-                    scalars, per_class = measure_all(ds, min_count, tile, on or "cpu", "torch" if on else "numba")
+                    scalars, per_class = measure_all(ds, min_count, tile, on or "cpu", "torch" if on else "numba",
+                                                     se=se)
                 except (UserError, *CHUNK_ERRORS) as e:  # a file gone mid-read is an OSError
                     if _vanished(store, g):
                         skipped[g] = VANISHED

@@ -134,7 +134,7 @@ def test_names_are_defined_once():
     from ncanalyze.analyzer import metrics, report, schema, stats, table
 
     assert stats.METRICS is schema.SCALARS and report.ID_COLUMNS is schema.INFO
-    assert table.COLUMNS == (*schema.INFO, schema.LAYER, *schema.CLASS_COUNTS, *schema.SCALARS)
+    assert table.COLUMNS == (*schema.INFO, schema.LAYER, *schema.CLASS_COUNTS, *schema.SCALARS, *schema.ERRORS)
     assert list(metrics.DEFINITIONS) == list(schema.SCALARS)
     assert list(metrics.PER_CLASS_DEFINITIONS) == list(schema.PER_CLASS)
     for name, f in {**metrics.DEFINITIONS, **metrics.PER_CLASS_DEFINITIONS}.items():
@@ -165,6 +165,7 @@ def test_the_record_holds_every_hashed_setting_and_its_keys_move_with_the_format
     assert (record["layers"], record["cap_mode"], record["val_held_out"]) == ([2], None, None)  # resolved
     assert (store_io.FORMAT, sorted(record)) == (3, [
         "batch_size", "block_size", "cap_mode", "data_sha256", "dataset", "device_type", "dtype", "embeddings_dtype",
+        "folds",
         "keep_linebreaks", "layers", "layers_per_pass", "max_train_tokens", "max_val_tokens", "min_count",
         "samples_per_class", "save_embeddings", "seed", "split", "text_column", "tokenizer", "val_dataset",
         "val_held_out", "val_split", "weights"])

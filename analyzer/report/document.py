@@ -15,6 +15,7 @@ from ncanalyze.analyzer.report.tables import (code, control_robustness, controls
                                                fragility_lines, interval_table, notes, questions_table, summary,
                                                survivors, target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
+from ncanalyze.analyzer.report.precision import budget_lines, error_lines
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
 
 
@@ -248,5 +249,8 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
     md += _support_section(result, options) + _token_section(result)
     if result.min_count is not None:
         md += min_count_lines(md_names(result.min_count), [md_text(n) for n in result.min_count_notes])
+    md += error_lines(result.selected)
+    if result.budget is not None:
+        md += budget_lines(result.budget, result.budget_notes)
     md += _files_section(result, skipped)
     return "\n".join(md) + "\n" + "\n".join(_depth_section(result))

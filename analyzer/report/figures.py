@@ -267,7 +267,35 @@ def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style,
     ax.legend(loc="best", fontsize=8, framealpha=0.85)
     ax.set_xlabel(m + (" (log scale)" if log else ""))
     set_ticks(ax.xaxis, *limits(d.x, log), log)
+    error_bars(ax, d, "x", size=math.sqrt(26))
     ax.grid(alpha=0.3, which="major")
+
+
+def _error(df: pd.DataFrame, m: str) -> pd.Series:
+    """``m``'s jackknife error column (``<m>_se``), nan where there is none."""
+    return pd.to_numeric(df[f"{m}_se"], errors="coerce") if f"{m}_se" in df else pd.Series(np.nan, index=df.index)
+
+
+def error_bars(ax, d: pd.DataFrame, along: str, size: float) -> int:
+    """Each point's jackknife error (``d.e``) as a bar along ``along`` ("x" or "y") where the bar is wider than
+    the marker (``size`` points across); call once the axis limits are set. Returns the bars drawn."""
+    fig = ax.figure
+    e = d.e if "e" in d else pd.Series(dtype=float)
+    ok = d[np.isfinite(e) & (e > 0)] if len(e) else d.iloc[:0]
+    if ok.empty:
+        return 0
+    lo, hi = ok[along] - ok.e, ok[along] + ok.e
+    other = ok["y" if along == "x" else "x"]
+    a = np.column_stack([lo, other] if along == "x" else [other, lo])
+    b = np.column_stack([hi, other] if along == "x" else [other, hi])
+    with np.errstate(invalid="ignore"):
+        span = np.abs(ax.transData.transform(b) - ax.transData.transform(a))[:, 0 if along == "x" else 1]
+    wide = ok[np.isfinite(span) & (span > size * fig.dpi / 72)]
+    if wide.empty:
+        return 0
+    kw = {"xerr": wide.e} if along == "x" else {"yerr": wide.e}
+    ax.errorbar(wide.x, wide.y, fmt="none", ecolor="0.35", elinewidth=0.7, capsize=1.5, zorder=1.5, **kw)
+    return len(wide)
 
 
 def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame, title: str) -> Figure:
@@ -303,7 +331,7 @@ def scatter_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats:
         st = stats[(stats.metric == m)].set_index("scale") if m in set(stats.metric) else None
         ax.set_title(label(m), fontsize=10)
         d = pd.DataFrame({"x": pd.to_numeric(df[m], errors="coerce"), "y": pd.to_numeric(df[target], errors="coerce"),
-                          "c": sizes, "step": step, "run": df["run"] if "run" in df else "all"})
+                          "c": sizes, "step": step, "run": df["run"] if "run" in df else "all", "e": _error(df, m)})
         d = d.replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
         if st is None or d.empty:
             _no_values(ax, m)
@@ -356,7 +384,7 @@ def dynamics_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats
     for ax, m in zip(axes, columns):
         ax.set_title(label(m), fontsize=10)
         d = pd.DataFrame({"x": step + shift, "y": pd.to_numeric(df[m], errors="coerce"), "c": sizes, "step": step,
-                          "run": df["run"] if "run" in df else "all"})
+                          "run": df["run"] if "run" in df else "all", "e": _error(df, m)})
         d = d.replace([np.inf, -np.inf], np.nan).dropna(subset=["x", "y"])
         d = d[d.x > 0]
         if d.empty:
@@ -372,6 +400,7 @@ def dynamics_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats
         ax.set_xlabel("global step" + (" + 1" if shift else "") + " (log scale)")
         set_ticks(ax.xaxis, *limits(d.x, True), True)
         set_ticks(ax.yaxis, *limits(d.y, ylog), ylog)
+        error_bars(ax, d, "y", size=4.5)
         ticked += [ax.xaxis, ax.yaxis]
         ax.grid(alpha=0.3, which="major")
     ticked += style.finish(fig, w, h, margins)

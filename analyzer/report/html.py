@@ -145,6 +145,7 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     df = r.metrics.reset_index(drop=True)
     metrics = [m for m in options.metrics if m in df.columns]
     cols = [c for c in ROW_COLUMNS if c in df.columns] + [c for c in [r.target, *metrics] if c in df.columns]
+    cols += [f"{m}_se" for m in metrics if f"{m}_se" in df.columns]  # the hover's "value ± error"
     rows = {c: _values(df[c]) for c in dict.fromkeys(cols)}
     run = df["run"].astype(str) if "run" in df else pd.Series("(all)", index=df.index)  # a table without runs
     rows["run"] = list(run)

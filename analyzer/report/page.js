@@ -59,15 +59,22 @@ function marker(rows, first) {
           colorbar: {title: {text: "parameters", side: "right"}, tickvals: s.tickvals, ticktext: s.ticktext}};
 }
 
-// One trace per run: y against x (column names, or functions of a row), its checkpoints joined in step order.
-function runTraces(rows, x, y, lines, axes, legend) {
+// A metric's jackknife error as the hover says it after the value (" ± 0.00123"), or nothing.
+function seText(m, i) {
+  const c = R[m + "_se"];
+  return c && finite(c[i]) ? " ± " + Number(c[i]).toPrecision(3) : "";
+}
+
+// One trace per run: y against x (column names, or functions of a row), its checkpoints joined in step order; the
+// hover's customdata[8] is metric se's error.
+function runTraces(rows, x, y, lines, axes, legend, se) {
   const get = (f) => (typeof f === "function" ? f : (i) => R[f][i]);
   const traces = [];
   let first = true;
   for (const [run, g] of byRun(rows)) {
     traces.push({type: "scatter", mode: "lines+markers", name: R._shown_run[g[0]], legendgroup: run,
                  showlegend: legend,
-                 x: g.map(get(x)), y: g.map(get(y)), customdata: g.map(custom), hovertemplate: hover(lines),
+                 x: g.map(get(x)), y: g.map(get(y)), customdata: g.map((i) => custom(i).concat([se ? seText(se, i) : ""])), hovertemplate: hover(lines),
                  xaxis: axes[0], yaxis: axes[1], line: {color: C.run[run], width: 1}, marker: marker(g, first)});
     first = false;
   }
@@ -85,7 +92,7 @@ function r2Text(p, m, scale) {
   return s.r2 === null ? `R²: n/a (n = ${s.n})` : `R² = ${s.r2.toFixed(2)} (${scale}, n = ${s.n})`;
 }
 
-const valueLines = (m) => [`${m} = %{x:.6g}`, `${D.target} = %{y:.6g}`];
+const valueLines = (m) => [`${m} = %{x:.6g}%{customdata[8]}`, `${D.target} = %{y:.6g}`];
 
 function layoutOf(title, extra) {
   return Object.assign({title: {text: title, font: {size: 14}}, hovermode: "closest", legend: LEGEND,
@@ -99,7 +106,7 @@ function drawFig1(p) {
   let traces = [];
   D.fig1.forEach((m, j) => {
     const ax = j === 0 ? "" : String(j + 1), type = logAxis(rows, m);
-    traces = traces.concat(runTraces(rows, m, D.target, valueLines(m), ["x" + ax, "y"], j === 0));
+    traces = traces.concat(runTraces(rows, m, D.target, valueLines(m), ["x" + ax, "y"], j === 0, m));
     layout["xaxis" + ax] = {domain: [j / k + (j ? gap / 2 : 0), (j + 1) / k - (j < k - 1 ? gap / 2 : 0)], type,
                             title: {text: m + (type === "log" ? " (log scale)" : "")}, anchor: "y"};
     layout.annotations.push({text: `<b>${D.labels[m]}</b><br>${r2Text(p, m, type === "log" ? "log" : "raw")}`,
@@ -114,15 +121,16 @@ function drawFig1(p) {
 // The picked metric against the target, and against the step (a line per run).
 function drawPicked(p) {
   const rows = rowsOf(p), m = p.metric, type = logAxis(rows, m);
-  const scatter = Plotly.react("scatter", runTraces(rows, m, D.target, valueLines(m), ["x", "y"], true),
+  const scatter = Plotly.react("scatter", runTraces(rows, m, D.target, valueLines(m), ["x", "y"], true, m),
     layoutOf(`${D.labels[m]}<br><sub>${r2Text(p, m, type === "log" ? "log" : "raw")}</sub>`,
              {xaxis: {type, title: {text: m + (type === "log" ? " (log scale)" : "")}},
               yaxis: {title: {text: D.labels[D.target]}}}), CONFIG);
   if (!R.global_step) return scatter;
   const shift = rows.some((i) => R.global_step[i] === 0) ? 1 : 0;
-  const lines = [`${m} = %{y:.6g}`, `${D.target} = %{customdata[7]:.6g}`];
+  const lines = [`${m} = %{y:.6g}%{customdata[8]}`, `${D.target} = %{customdata[7]:.6g}`];
   const dynamics = Plotly.react("dynamics",
-    runTraces(rows, (i) => (finite(R.global_step[i]) ? R.global_step[i] + shift : null), m, lines, ["x", "y"], true),
+    runTraces(rows, (i) => (finite(R.global_step[i]) ? R.global_step[i] + shift : null), m, lines, ["x", "y"], true,
+              m),
     layoutOf(`Training dynamics: ${D.labels[m]}`,
              {xaxis: {type: "log", title: {text: "global step" + (shift ? " + 1" : "") + " (log scale)"}},
               yaxis: {type, title: {text: m + (type === "log" ? " (log scale)" : "")}}}), CONFIG);

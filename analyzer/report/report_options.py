@@ -98,3 +98,5 @@ class ReportResult:
     min_count_notes: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
     by_step: pd.DataFrame | None = None
+    budget: pd.DataFrame | None = None  # the token budget of each run's latest checkpoint (budget.csv; precision.py)
+    budget_notes: list[str] = field(default_factory=list)

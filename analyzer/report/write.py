@@ -15,7 +15,8 @@ from ncanalyze.analyzer.report.escape import write_csv
 from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures,
                                                draw_step_figure, tag_suffix)
 from ncanalyze.analyzer.report.html import write_html
-from ncanalyze.analyzer.report.mincount import min_count_table
+from ncanalyze.analyzer.report.mincount import HEADLINE, min_count_table
+from ncanalyze.analyzer.report.precision import budget_figure, budget_table, errors_latex
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import SUPPORT, with_support
 from ncanalyze.analyzer.report.tables import default_target, latex, select
@@ -85,11 +86,11 @@ def _folder(out: str | Path) -> Path:
     return out
 
 
-# files a report writes: these, and the figures (FIGURES' stems, fig4_dynamics, fig5_r_by_step and depth; per tag with __<tag>) as
-# PNG, PDF and SVG
+# files a report writes: these, and the figures (FIGURES' stems, fig4_dynamics, fig5_r_by_step, depth and
+# budget; per tag with __<tag>) as PNG, PDF and SVG
 OUTPUTS = ("metrics.csv", "stats.csv", "by_step.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex",
-           "report.md", "report.html")
-_STEMS = (*FIGURES, DYNAMICS[0], BY_STEP[0], "depth")
+           "report.md", "report.html", "budget.csv")
+_STEMS = (*FIGURES, DYNAMICS[0], BY_STEP[0], "depth", "budget")
 _FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, _STEMS))})(__[A-Za-z0-9._-]+)?"
                           rf"\.({'|'.join(FORMATS)})")
 
@@ -97,6 +98,15 @@ _FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, _STEMS))})(__[A-Za-z0-9._
 def _written_by_report(name: str) -> bool:
     """Whether a report writes a file of this name (it would overwrite one there)."""
     return name in OUTPUTS or bool(_FIGURE_FILE.fullmatch(name))
+
+
+def _budget_files(r: ReportResult, out: Path) -> dict[str, Path]:
+    """budget.csv and budget.png, where there is a token budget (a store whose checkpoints have folds)."""
+    if r.budget is None or r.budget.empty:
+        return {}
+    write_csv(r.budget, out / "budget.csv")
+    png = budget_figure(r.budget, HEADLINE, out)
+    return {"budget": out / "budget.csv"} | ({"fig_budget": png} if png else {})
 
 
 def _ours(report_md: Path) -> bool:
@@ -176,6 +186,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
         log.warning("note: %s", note)
     if read_group is not None:
         r.min_count, r.min_count_notes = min_count_table(sel, read_group)
+        r.budget, r.budget_notes = budget_table(sel, read_group)
     if has_depth(every_layer):
         r.depth, r.depth_notes = depth_table(every_layer), undefined(every_layer)
 
@@ -184,9 +195,10 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.figures = _figures(r, options, out)
     r.files |= r.figures
     r.files |= depth_files(every_layer, r.depth, out)
+    r.files |= _budget_files(r, out)
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}
     r.files["report"].write_text(markdown(r, options, skipped=skipped))
-    r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls))
+    r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls) + "\n" + errors_latex(sel))
     if options.html:
         r.files["html"] = write_html(r, options, out, skipped=skipped)
     return r

@@ -21,6 +21,7 @@ from ncanalyze.store.extraction.job import Job
 from ncanalyze.store.extraction.settings import parse_size
 from ncanalyze.store.extraction.memory import (
     check_memory,
+    fit_folds,
     fit_plan,
     state_bytes,
 )
@@ -143,8 +144,10 @@ def _passes_and_write(job: Job, store: Store, files: CheckpointFiles, loaded: Lo
     ckpt, cfg, run = job.ckpt, job.cfg, job.run
     model, classifier, bias, record = loaded.model, loaded.classifier, loaded.bias, run.record
     positions = None if train.total is None else train.total * (train.block_size - 1)
+    folds = fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class, loaded.plan.widest_pass, run.device,
+                      parse_size(cfg.state_memory))
     ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
-                    run.device, files.layers)
+                    run.device, files.layers, folds=folds)
     outcome = _resume(ex, files.state, job, train, val)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     store.ensure()  # the store appears now, its inputs all opened: a command that fails before leaves none

@@ -144,3 +144,42 @@ def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.dev
             if fits >= 1 else "use a device with more memory, or --device cpu")
     raise UserError(f"the float64 state of {k} layer(s) needs ~{bytes_text(k * per_layer + shared)} on {device} "
                     f"but {bytes_text(free)} is free: {hint}")
+
+
+def fold_bytes(vocab: int, dim: int) -> int:
+    """Bytes one fold adds to a layer's running state: its float64 means (vocab x d), d x d scatter, count, M2 and
+    3 validation counts per class, and its unit-vector sum (accumulate.FoldStats, DecisionCounts' fold counts)."""
+    return vocab * dim * 8 + dim * dim * 8 + 5 * vocab * 8 + dim * 8
+
+
+def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: int, device: torch.device,
+              state_memory: int | None = None, budget: int | None = None) -> int:
+    """The folds the state of ``layers`` layers a pass can keep beside its totals within the memory budget
+    (``--state-memory``, else the free memory less a margin; ``budget`` in bytes overrides both): ``folds``, or
+    fewer where they do not fit (said in the log), 1 (none) where not even 2 do.
+
+    Parameters
+    ----------
+    folds : the folds asked for (``--folds``).
+    vocab, dim : the head's shape.
+    samples_per_class : the reservoir's samples per class.
+    layers : the layers of the widest pass.
+    device : where the state lives.
+    state_memory, budget : the memory the state may take.
+
+    Returns
+    -------
+    int : the folds to keep.
+    """
+    if folds <= 1:
+        return 1
+    per_layer, shared = state_bytes(vocab, dim, samples_per_class, device)
+    room = (budget if budget is not None else state_budget(device, state_memory)) - shared - layers * per_layer
+    fits = max(0, room) // max(1, layers * fold_bytes(vocab, dim))
+    if fits >= folds:
+        return folds
+    kept = int(fits) if fits >= 2 else 1
+    log.warning("--folds %d: the fold statistics of %d layer(s) need ~%s but %s is left of the state's memory; "
+                "keeping %s (attribute folds)", folds, layers, bytes_text(folds * layers * fold_bytes(vocab, dim)),
+                bytes_text(max(0, room)), f"{kept} folds" if kept > 1 else "no folds: no jackknife errors")
+    return kept

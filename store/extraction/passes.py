@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head
+from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.loss import NextTokenLoss, matches_model
@@ -114,8 +114,11 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
         pos = ((first + np.arange(len(batch)))[:, None] * L + np.arange(L - 1)).ravel()
         labels = batch[:, 1:].ravel()
         groups = Groups(y.to(ex.device))  # the batch's labels grouped once for every layer
+        fold = fold_of(first, len(batch), L - 1, ex.n_folds, ex.device) if ex.n_folds > 1 else None
         for i, s in enumerate(ex.layers.values()):
             s.stats.update(h[i], y, groups)
+            if fold is not None:  # beside the totals, which stay as they are
+                s.folds.update(h[i], y, fold)
             s.reservoir.update(h[i], labels, pos)
         if ex.embeddings is not None:
             ex.embeddings.write(first * (L - 1), dict(zip(ex.layers, h)), y, pos)
@@ -173,7 +176,7 @@ def val_state(ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | Non
     """
     kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
     head = float64_head(classifier, bias, ex.device)
-    counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=head,
+    counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=head, folds=s.fold_val,
                              lens=None if l == ex.plan.last else lens) for l, s in ex.layers.items()]
     return counts, head
 
@@ -207,7 +210,11 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
         # the last layer's decisions read the kept columns of the logits the loss forms: formed once
         counts[last].count(hc, yc, counts[last].linear_decisions(logits))
-    for h, y, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
+    for h, y, batch in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
+        fold = (fold_of(ex.batches * batch_size, len(batch), blocks.block_size - 1, ex.n_folds, ex.device)
+                if ex.n_folds > 1 else None)
+        for c in counts:
+            c.begin(fold)
         for i, (c, hl) in enumerate(zip(counts, h)):
             if not (loss and i == last):
                 c.update(hl, y)

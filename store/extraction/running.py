@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
-from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts
+from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts, FoldStats
+from ncanalyze.analyzer.jackknife import fold_variables
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.analyzer.schema import stats_dataset
 from ncanalyze.store.extraction.layers import Embeddings, Plan
@@ -42,24 +43,31 @@ log = logging.getLogger(__name__)
 class LayerState:
     """One layer's accumulators: ``stats`` (:class:`ClassStats`), ``reservoir`` (:class:`Reservoir`), ``val`` (the
     counts of :class:`DecisionCounts`) and ``lm`` (the sums of :class:`NextTokenLoss`); the last two are the counts
-    the validation pass's accumulators are made over, once the kept classes and the head are known."""
+    the validation pass's accumulators are made over, once the kept classes and the head are known. With ``folds``
+    > 1, beside them (never instead: the totals stay bit for bit what they are without folds), ``folds`` (a
+    :class:`FoldStats`) and ``fold_val`` (the validation counts, folds x vocab): the same sums per fold."""
 
-    def __init__(self, vocab: int, dim: int, k: int, seed: int, device: torch.device | str):
+    def __init__(self, vocab: int, dim: int, k: int, seed: int, device: torch.device | str, folds: int = 1):
         self.stats = ClassStats(vocab, dim, device)
         self.reservoir = Reservoir(vocab, k, dim, seed)
         self.val = DecisionCounts.zeros(vocab, device)
         self.lm = NextTokenLoss.zeros(device)
+        self.folds = FoldStats(folds, vocab, dim, device) if folds > 1 else None
+        self.fold_val = DecisionCounts.zeros(vocab, device, folds) if folds > 1 else None
 
     def state_dict(self) -> dict[str, dict]:
         """The nested state: each accumulator's ``state_dict`` under its name."""
+        folds = {} if self.folds is None else {"folds": self.folds.state_dict(), "fold_val": self.fold_val}
         return {"stats": self.stats.state_dict(), "reservoir": self.reservoir.state_dict(), "val": self.val,
-                "lm": self.lm}
+                "lm": self.lm} | folds
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take a nested state."""
         self.stats.load_state_dict(state["stats"])
         self.reservoir.load_state_dict(state["reservoir"])
-        for name, counts in (("val", self.val), ("lm", self.lm)):
+        if self.folds is not None:
+            self.folds.load_state_dict(state["folds"])
+        for name, counts in (("val", self.val), ("lm", self.lm), ("fold_val", self.fold_val or {})):
             for k, v in counts.items():
                 v.copy_(torch.as_tensor(state[name][k]))
 
@@ -69,10 +77,12 @@ class LayerState:
         layer's dataset shares them); ``embeddings``: stats_dataset's embedding arguments. Reservoir slots in key
         order: the same however the stream was read (one pass or shards)."""
         s, r = self.stats, self.reservoir.canonical()
-        return stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier,
-                             classifier_bias=bias, val=self.val,
-                             samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
-                             attrs=attrs, unit_sum=s.unit_sum, **embeddings)
+        ds = stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier,
+                           classifier_bias=bias, val=self.val,
+                           samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
+                           attrs=attrs, unit_sum=s.unit_sum, **embeddings)
+        ds.attrs["folds"] = 1 if self.folds is None else len(self.folds.parts)
+        return ds if self.folds is None else ds.assign(fold_variables(self.folds.state_dict(), self.fold_val))
 
 
 class Extraction:
@@ -82,8 +92,9 @@ class Extraction:
     checked it, and the staged embeddings. ``folder``: the staging folder (finished layers, embeddings)."""
 
     def __init__(self, plan: Plan, vocab: int, dim: int, k: int, seed: int, device: torch.device | str,
-                 folder: Path | None = None):
+                 folder: Path | None = None, folds: int = 1):
         self.plan, self.folder, self.args, self.device = plan, folder, (vocab, dim, k, seed), torch.device(device)
+        self.n_folds = folds  # disjoint folds of whole blocks (block i -> fold i mod folds); 1: none
         self.vocab = vocab
         self.pass_index, self.phase, self.batches, self.stream = 0, Phase.TRAIN, 0, ""
         self.transform: LogitTransform | None = None
@@ -91,7 +102,7 @@ class Extraction:
         self.embeddings: Embeddings | None = None
 
     def _fresh(self) -> dict[int, LayerState]:
-        return {l: LayerState(*self.args, self.device) for l in self.plan.passes[self.pass_index]}
+        return {l: LayerState(*self.args, self.device, self.n_folds) for l in self.plan.passes[self.pass_index]}
 
     def first(self) -> LayerState:
         """A layer of the current pass: every layer sees the same tokens, so its counts are every layer's."""
@@ -133,7 +144,7 @@ class Extraction:
 
     def reset(self) -> None:
         """Back to a fresh start (a discarded state)."""
-        self.__init__(self.plan, *self.args, self.device, self.folder)
+        self.__init__(self.plan, *self.args, self.device, self.folder, self.n_folds)
         self.start()
 
     def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str) -> None:
@@ -143,6 +154,7 @@ class Extraction:
         state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings, their
         shapes and digests checked."""
         self._saved_groups(arrays)
+        self._saved_folds(arrays)
         at = int(arrays["pass"]) if "pass" in arrays and arrays["pass"].shape == () else 0
         if not 0 <= at < len(self.plan.passes):
             raise CheckpointError(f"the resume state {where} is in pass {at} of {len(self.plan.passes)}; {RESTART}")
@@ -162,6 +174,9 @@ class Extraction:
                 consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high)
             else:
                 consistent = phase == Phase.DONE
+            if prefix + "folds.count" in arrays:  # the fold sums add up to the totals
+                consistent = consistent and np.array_equal(arrays[prefix + "folds.count"].sum(0),
+                                                           arrays[prefix + "stats.count"])
             consistent = (consistent and bool(np.isfinite(arrays[prefix + "stats.mean"]).all())
                           and (arrays[prefix + "stats.m2"] >= 0).all() and (arrays[prefix + "stats.count"] >= 0).all())
             if not consistent:
@@ -169,6 +184,15 @@ class Extraction:
                                       f"{done} tokens counted); {RESTART}")
         self.restore(arrays)
         self._open_embeddings(resume=True, saved=unflatten(arrays).get("embeddings"))
+
+    def _saved_folds(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The folds a saved state was made with (fitted to the memory then, or by the shards that saved it): kept,
+        so that a resume ends as the uninterrupted run would have."""
+        counts = [v for k, v in arrays.items() if k.endswith(".folds.count") and np.ndim(v) == 2]
+        folds = len(counts[0]) if counts else 1
+        if folds != self.n_folds:
+            log.info("resuming with the %d fold(s) of the saved state", folds)
+            self.n_folds = folds
 
     def _saved_groups(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Under ``--layers-per-pass auto``, the passes a saved state was made with (the memory may differ now)."""
@@ -188,7 +212,7 @@ class Extraction:
         if not path.is_file():
             raise CheckpointError(f"the finished layer {l} of an interrupted extraction is missing ({path}); {RESTART}")
         arrays = load_state(path, needs=())
-        bad = _misfits(arrays, flatten(LayerState(*self.args, "cpu").state_dict()))
+        bad = _misfits(arrays, flatten(LayerState(*self.args, "cpu", self.n_folds).state_dict()))
         if bad:
             raise CheckpointError(f"the resume state {path} does not fit this checkpoint ({', '.join(bad[:3])}); "
                                   f"{RESTART}")
@@ -221,7 +245,7 @@ class Extraction:
         then the last pass's."""
         for p in self.plan.passes[:-1]:
             for l in p:
-                s = LayerState(*self.args, "cpu")
+                s = LayerState(*self.args, "cpu", self.n_folds)
                 s.load_state_dict(unflatten(self._finished_layer(l)))
                 yield l, s
         yield from self.layers.items()

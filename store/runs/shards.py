@@ -23,14 +23,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from ncanalyze.analyzer.accumulate import ClassStats
+from ncanalyze.analyzer.accumulate import ClassStats, FoldStats
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.job import Job
-from ncanalyze.store.extraction.memory import check_memory, state_bytes
+from ncanalyze.store.extraction.memory import check_memory, fit_folds, state_bytes
 from ncanalyze.store.extraction.passes import train_pass
 from ncanalyze.store.extraction.reservoir import Reservoir
 from ncanalyze.store.extraction.running import Extraction
+from ncanalyze.store.extraction.settings import parse_size
 from ncanalyze.store.resume import (
     DeferredInterrupt,
     Interrupted,
@@ -136,31 +137,40 @@ def train_shard(job: Job, start: int, stop: int,
     check_memory(state_bytes(vocab, dim, cfg.samples_per_class, device), None, device)
     cap = stop * cfg.batch_size
     blocks = dataclasses.replace(blocks, max_blocks=cap if blocks.max_blocks is None else min(blocks.max_blocks, cap))
-    ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device)
+    folds = fit_folds(cfg.folds, vocab, dim, cfg.samples_per_class, 1, device, parse_size(cfg.state_memory))
+    ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device, folds=folds)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
     train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group), f"{ckpt.group} [{start}:{stop}]")
-    return _arrays(ex.main().stats, ex.main().reservoir)
+    return _arrays(ex.main().stats, ex.main().reservoir, ex.main().folds)
 
 
-def _arrays(stats: ClassStats, reservoir: Reservoir) -> dict[str, np.ndarray]:
-    return flatten({"stats": stats.state_dict(), "reservoir": reservoir.state_dict()})
+def _arrays(stats: ClassStats, reservoir: Reservoir, folds: FoldStats | None = None) -> dict[str, np.ndarray]:
+    return flatten({"stats": stats.state_dict(), "reservoir": reservoir.state_dict()}
+                   | ({} if folds is None else {"folds": folds.state_dict()}))
 
 
-def _objects(arrays: dict[str, np.ndarray], k: int, seed: int) -> tuple[ClassStats, Reservoir]:
+def _objects(arrays: dict[str, np.ndarray], k: int, seed: int) -> tuple[ClassStats, Reservoir, FoldStats | None]:
     state = unflatten(arrays)
     vocab, dim = state["stats"]["mean"].shape
     stats = ClassStats(vocab, dim, "cpu", scatter="scatter" in state["stats"])
     stats.load_state_dict(state["stats"])
     reservoir = Reservoir(vocab, k, dim, seed)
     reservoir.load_state_dict(state["reservoir"])
-    return stats, reservoir
+    folds = None
+    if "folds" in state:  # the fold sums beside the totals (merged fold by fold)
+        folds = FoldStats(len(state["folds"]["count"]), vocab, dim, "cpu", scatter="scatter" in state["folds"])
+        folds.load_state_dict(state["folds"])
+    return stats, reservoir, folds
 
 
 def merge_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], k: int, seed: int) -> dict[str, np.ndarray]:
-    """The state of the stream of ``a`` followed by that of ``b`` (disjoint tokens)."""
-    sa, ra = _objects(a, k, seed)
-    sb, rb = _objects(b, k, seed)
-    return _arrays(sa.merge(sb), ra.merge(rb))
+    """The state of the stream of ``a`` followed by that of ``b`` (disjoint tokens); their fold sums fold by fold."""
+    sa, ra, fa = _objects(a, k, seed)
+    sb, rb, fb = _objects(b, k, seed)
+    if (fa is None) != (fb is None):
+        raise UserError("shards with and without fold sums cannot be merged (their --folds was fitted to different "
+                        "memory): pass --folds explicitly, or --state-memory, the same for every worker")
+    return _arrays(sa.merge(sb), ra.merge(rb), fa.merge(fb) if fa is not None else None)
 
 
 def merge_order(n: int) -> list[list[tuple[int, int]]]:
@@ -193,7 +203,7 @@ def save_merged(job: Job, store: Store, merged: dict[str, np.ndarray]) -> Status
         started again; REFUSE: nothing saved (extract_checkpoint refuses it).
     """
     ckpt, cfg, run = job.ckpt, job.cfg, job.run
-    stats, reservoir = _objects(merged, cfg.samples_per_class, cfg.seed)
+    stats, reservoir, folds = _objects(merged, cfg.samples_per_class, cfg.seed)
     count = stats.count
     if not (count >= cfg.min_count).any():
         raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most is "
@@ -203,8 +213,9 @@ def save_merged(job: Job, store: Store, merged: dict[str, np.ndarray]) -> Status
     with store.lock(ckpt.group):
         status = job.status(store)  # the job resuming (finish_sharded): restart was spent by plan()
         if status is Status.FRESH:
-            ex = Extraction(run.plan, *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu")
-            ex.main().stats, ex.main().reservoir = stats, reservoir
+            ex = Extraction(run.plan, *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu",
+                            folds=1 if folds is None else len(folds.parts))
+            ex.main().stats, ex.main().reservoir, ex.main().folds = stats, reservoir, folds
             ex.next_phase(Phase.VALIDATION)
             save_state(files.state, ex.state(run.record))
     return status

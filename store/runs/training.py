@@ -29,7 +29,8 @@ from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import differences
 from ncanalyze.store.extraction.job import Job, make_job
-from ncanalyze.store.extraction.settings import ExtractConfig
+from ncanalyze.store.extraction.memory import fit_folds
+from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.runs import training_ddp as ddp
@@ -300,8 +301,10 @@ class NeuralCollapseCallback(TrainerCallback):
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
             device = classifier.device
+            folds = ddp.agreed_folds(fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class,
+                                               setup.job.plan.widest_pass, device, parse_size(cfg.state_memory)))
             ex = Extraction(setup.job.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
-                            files.layers if rank == 0 else None)
+                            files.layers if rank == 0 else None, folds=folds)
             if rank == 0:
                 ex.start()
             if world > 1 and not self._shared(model, setup, ex, rank, group):
@@ -467,7 +470,7 @@ def _metrics(ds, min_count: int, where: str):
     """(scalars, per-class) of ``measure_all``, or None with a warning where the group can't be measured (fewer than
     two kept classes early in training): its statistics are written all the same."""
     try:
-        return measure_all(ds, min_count)
+        return measure_all(ds, min_count, se=True)
     except UserError as e:
         log.warning("ncanalyze: %s: no metrics (%s)", where, e)
         return None

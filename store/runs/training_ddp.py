@@ -57,6 +57,17 @@ def agree(error: str | None) -> str | None:
     return next((e for e in errors if e), None)
 
 
+def agreed_folds(folds: int) -> int:
+    """The fewest folds any rank's memory holds (memory.fit_folds), on every rank: the ranks' fold sums must have
+    the same folds to merge."""
+    _, world = rank_world()
+    if world == 1:
+        return folds
+    seen: list = [None] * world
+    dist.all_gather_object(seen, folds)
+    return min(seen)
+
+
 def agreed_batches(blocks, batch_size: int) -> int:
     """The train batches, once every rank has hashed the blocks it would read (all of them: sha256 of their tokens,
     the cap applied) and the ranks agree: a UserError on every rank, naming the ranks and their data, where any
@@ -124,7 +135,8 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
         except UserError as e:
             error = str(e)
     main = ex.main()
-    state = flatten({"stats": main.stats.state_dict(), "reservoir": main.reservoir.state_dict()})
+    state = flatten({"stats": main.stats.state_dict(), "reservoir": main.reservoir.state_dict()}
+                    | ({} if main.folds is None else {"folds": main.folds.state_dict()}))
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object((error, state if start < stop else None), gathered, dst=0)
     error = agree(gathered and next((e for e, _ in gathered if e), None))
@@ -139,6 +151,8 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
     merged = unflatten(states[0])
     main.stats.load_state_dict(merged["stats"])
     main.reservoir.load_state_dict(merged["reservoir"])
+    if main.folds is not None:  # merged fold by fold
+        main.folds.load_state_dict(merged["folds"])
     ex.next_phase(Phase.VALIDATION)
     return True
 

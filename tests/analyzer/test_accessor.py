@@ -16,7 +16,7 @@ import xarray as xr
 import zarr
 from conftest import run_cli
 from ncanalyze.analyzer import class_metrics, measure
-from ncanalyze.analyzer.schema import CLASS_COUNTS, INFO, LAYER, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LAYER, SCALARS
 from ncanalyze.store.io import checkpoint_groups
 from ncanalyze.store.measure import measure_store
 
@@ -56,7 +56,7 @@ def test_tree_table_is_the_metrics_table(measured, tmp_path):
     store, df = measured
     tree = ncanalyze.store.open(store)
     table = tree.nc.table()
-    assert list(table.columns) == [*INFO, LAYER, *CLASS_COUNTS, *SCALARS]
+    assert list(table.columns) == [*INFO, LAYER, *CLASS_COUNTS, *SCALARS, *ERRORS]
     pd.testing.assert_frame_equal(table, df)
     assert [f"{r}/{c}" for r, c in zip(table.run, table.checkpoint)] == checkpoint_groups(store)[0]
     for row in table.itertuples():

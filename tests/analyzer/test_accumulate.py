@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ncanalyze.analyzer.accumulate import Accumulator, ClassStats, DecisionCounts
+from ncanalyze.analyzer.accumulate import Accumulator, ClassStats, DecisionCounts, FoldStats
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
@@ -27,7 +27,7 @@ SEED = 7  # the reservoir's hash seed
 def make_all(V: int, d: int, k: int, w: torch.Tensor, b: torch.Tensor, mu: torch.Tensor,
              kept: torch.Tensor) -> dict[str, Accumulator]:
     """A fresh accumulator of each kind; the decision counts and the loss share one fixed head and class means."""
-    return {"stats": ClassStats(V, d), "reservoir": Reservoir(V, k, d, SEED),
+    return {"stats": ClassStats(V, d), "folds": FoldStats(3, V, d), "reservoir": Reservoir(V, k, d, SEED),
             "decisions": DecisionCounts(w, b, mu, kept),
             "loss": NextTokenLoss(w, b, LogitTransform(multiply=1.5, softcap=4.0))}
 
@@ -36,6 +36,8 @@ def feed(accs: dict[str, Accumulator], h: torch.Tensor, y: torch.Tensor, pos: np
     for name, a in accs.items():
         if name == "reservoir":
             a.update(h, y.numpy(), pos)
+        elif name == "folds":  # each token's fold from its stream position: the same however the stream is cut
+            a.update(h, y, torch.from_numpy(pos % 3))
         else:
             a.update(h, y)
 
@@ -93,7 +95,7 @@ def test_any_split_merged_in_any_order_equals_one_pass(stream):
         got, want = flatten(merged[name].state_dict()), flatten(one[name].state_dict())
         assert got.keys() == want.keys()
         for key in want:
-            if want[key].dtype.kind == "f" and name in ("stats", "loss"):
+            if want[key].dtype.kind == "f" and name in ("stats", "loss", "folds"):
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-12, atol=1e-12, err_msg=f"{name}.{key}")
             else:  # counts, the reservoir (keys, positions, float32 samples) and decisions: exact
                 np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name}.{key}")

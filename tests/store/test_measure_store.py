@@ -23,7 +23,7 @@ import ncanalyze.store
 import ncanalyze.store.client
 import ncanalyze.store.measure
 from ncanalyze.analyzer import CLASS_COUNTS, PER_CLASS, SCALARS, UserError, class_stats, measure_all
-from ncanalyze.analyzer.schema import INFO
+from ncanalyze.analyzer.schema import ERRORS, INFO
 from ncanalyze.store.io import ensure_group
 from ncanalyze.store.measure import measure_store
 from ncanalyze.cli.main import main
@@ -61,7 +61,7 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
     store, data = small_store
     result = measure_store(store, tile=7)
     df = result.table
-    assert list(df.columns) == [*INFO, "layer", *CLASS_COUNTS, *SCALARS]
+    assert list(df.columns) == [*INFO, "layer", *CLASS_COUNTS, *SCALARS, *ERRORS]
     assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
                                                                   "b/checkpoint-5"]
     assert sorted(result.measured) == sorted(data) and result.skipped == [] and result.failed == {}
@@ -77,6 +77,8 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
         a = attrs(store, g)
         stored_row = metrics_row(a)  # a null metric (a CV whose mean is not clearly positive) reads back as nan
         assert all(np.array_equal(stored_row[k], getattr(row, k), equal_nan=True) for k in (*SCALARS, *CLASS_COUNTS))
+        assert all(np.isnan(stored_row[k]) for k in ERRORS)  # a hand-made group without folds: no errors
+        assert {k: "nan" for k in ERRORS}.items() <= a["metrics_nonfinite"].items()
         assert (a["metrics_min_count"], a["metrics_config_hash"], a["complete"]) == (1, ds.attrs["config_hash"], True)
         stored = tree[g].to_dataset()
         K = np.flatnonzero(ds["count"].values >= 1)

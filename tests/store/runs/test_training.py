@@ -90,9 +90,10 @@ def test_each_evaluation_equals_extract_of_the_checkpoint_saved_then(measured):
     for step in (10, 20):
         a, b = live[f"neo/step-{step}"].to_dataset(), ckpt[f"neo/checkpoint-{step}"].to_dataset()
         assert set(b.data_vars) <= set(a.data_vars)  # and the per-class metrics, measured as it wrote
-        for name in ("count", "val_count", "val_correct", "val_ncc_agree", "n_samples", "sample_position"):
+        for name in ("count", "val_count", "val_correct", "val_ncc_agree", "n_samples", "sample_position",
+                     "fold_count", "fold_val_count", "fold_val_ncc_agree"):
             np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
-        for name in ("mean", "variance", "within_covariance", "classifier", "samples"):
+        for name in ("mean", "variance", "within_covariance", "classifier", "samples", "fold_mean", "fold_scatter"):
             np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
         assert a.attrs["global_step"] == step and a.attrs["epoch"] == b.attrs["epoch"]
         assert a.attrs["eval_loss"] == b.attrs["eval_loss"]  # that evaluation's, as trainer_state.json logged it
@@ -332,9 +333,10 @@ def test_ddp_ranks_share_the_blocks_and_equal_one_process(corpus, tmp_path):
     assert list(live["neo"].children) == ["step-10", "step-20"]
     for step in (10, 20):
         a, b = live[f"neo/step-{step}"].to_dataset(), ckpt[f"neo/checkpoint-{step}"].to_dataset()
-        for name in ("count", "val_count", "val_correct", "val_ncc_agree", "n_samples", "sample_position"):
+        for name in ("count", "val_count", "val_correct", "val_ncc_agree", "n_samples", "sample_position",
+                     "fold_count", "fold_val_count", "fold_val_ncc_agree"):
             np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
-        for name in ("mean", "variance", "within_covariance", "classifier", "samples"):
+        for name in ("mean", "variance", "within_covariance", "classifier", "samples", "fold_mean", "fold_scatter"):
             np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
         assert a.attrs["val_loss"] == pytest.approx(b.attrs["val_loss"], abs=1e-12)
 

@@ -1,0 +1,177 @@
+"""How sure one checkpoint's number is: the delete-one-fold jackknife over the fold sums that extraction keeps beside
+the totals (SPEC section 3), and the metrics on nested token budgets (the first 1, 2, 4, ..., F folds).
+
+The folds are disjoint sets of whole token blocks (block i -> fold i mod F), so their statistics are exact sums: the
+statistics without fold i are the other F - 1 folds merged with Chan's formula (:class:`ClassStats.merge`, exact to
+rounding), never a resample of tokens. Each metric is recomputed on each leave-one-out set by the same code as the
+point value (``metrics.measure_all``), and its error is
+
+    se = sqrt((F - 1) / F * sum_i (theta_(i) - theta_bar)^2)        (Efron & Stein 1981; Quenouille 1956).
+
+Each replicate keeps its own classes (``min_count`` of its own train tokens), as an independent sample would. NC4's
+decisions were counted at extraction with the full sample's means, so its error is that of the validation tokens
+alone. A metric whose replicates are not all finite, or that rests on a fold without a token, has a nan error with a
+note: never a made-up number.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.schema import SCALARS, VAL_COUNTS, stats_dataset
+
+# the fold sums of a checkpoint group (dimension ``fold``): ClassStats' state per fold, and NC4's counts per fold
+FOLD_STATS = ("count", "mean", "m2", "scatter", "unit_sum")
+FOLD_VARS = (*(f"fold_{n}" for n in FOLD_STATS), *(f"fold_{n}" for n in VAL_COUNTS))
+_DIMS = {"count": ("fold", "vocab"), "mean": ("fold", "vocab", "hidden"), "m2": ("fold", "vocab"),
+         "scatter": ("fold", "hidden", "hidden2"), "unit_sum": ("fold", "hidden")}
+
+
+def se_name(metric: str) -> str:
+    """The column of ``metric``'s jackknife error: ``<metric>_se``."""
+    return f"{metric}_se"
+
+
+def _np(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def fold_variables(stats: Mapping[str, Any], val: Mapping[str, Any] | None) -> dict[str, tuple]:
+    """A group's fold variables from a :class:`~ncanalyze.analyzer.accumulate.FoldStats` state and the per-fold
+    validation counts (folds x vocab), as ``Dataset.assign`` takes them."""
+    out = {f"fold_{n}": (_DIMS[n], _np(stats[n])) for n in FOLD_STATS if n in stats}
+    return out | {f"fold_{n}": (("fold", "vocab"), _np(v)) for n, v in (val or {}).items()}
+
+
+def n_folds(ds: xr.Dataset) -> int:
+    """The folds a dataset holds (1: none)."""
+    return int(ds.sizes.get("fold", 1)) if "fold_count" in ds else 1
+
+
+def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
+    """The dataset of the tokens of ``folds`` alone: their statistics merged (Chan, in the order given) into the
+    variables the metrics read, with ``ds``'s head and attributes."""
+    import torch
+
+    from ncanalyze.analyzer.accumulate import ClassStats
+
+    vocab, dim = ds.sizes["vocab"], ds.sizes["hidden"]
+    acc = ClassStats(vocab, dim, scatter="fold_scatter" in ds)
+    for f in folds:
+        part = ClassStats(vocab, dim, scatter="fold_scatter" in ds)
+        part.load_state_dict({n: torch.from_numpy(np.asarray(ds[f"fold_{n}"].values[f]))
+                              for n in FOLD_STATS if f"fold_{n}" in ds})
+        acc.merge(part)
+    val = {n: np.asarray(ds[f"fold_{n}"].values)[list(folds)].sum(0) for n in VAL_COUNTS if f"fold_{n}" in ds}
+    head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, unit_sum=acc.unit_sum,
+                             val=val or None, attrs={**ds.attrs, "folds": len(folds)}, **head)
+
+
+def replicates(ds: xr.Dataset, folds: Sequence[int], measure_kw: dict) -> tuple[pd.DataFrame, list[str]]:
+    """Each leave-one-out set of ``folds``' scalar metrics (rows: the fold left out; nan where not measurable, why in
+    the notes), measured as the point value is (``measure_kw``: min_count, tile, device, engine)."""
+    from ncanalyze.analyzer.metrics import measure_all
+
+    rows, notes = {}, []
+    for i in folds:
+        rest = [f for f in folds if f != i]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                rows[i] = measure_all(merged(ds, rest), **measure_kw)[0]
+            except UserError as e:
+                rows[i] = {}
+                notes.append(f"without fold {i}: {e}")
+    return pd.DataFrame.from_dict(rows, orient="index").reindex(columns=list(SCALARS)).astype(float), notes
+
+
+def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, point: Mapping[str, float] | None = None,
+              **measure_kw) -> tuple[dict[str, float], list[str]]:
+    """Every scalar metric's delete-one-fold jackknife error over ``folds`` (default: all of ``ds``'s), and notes
+    for those that are nan: fewer than 2 folds, a fold without a train token, or a replicate not finite.
+
+    Parameters
+    ----------
+    ds : a checkpoint dataset with its fold variables (:data:`FOLD_VARS`).
+    folds : the folds to jackknife over (the nested budgets use the first k).
+    point : the point values where known: a metric whose point value is not finite has a nan error, no note (the
+        metric's own warning says why).
+    measure_kw : min_count, tile, device, engine, as the point value is measured.
+
+    Returns
+    -------
+    (se, notes) : ``<metric>_se`` -> error (nan where there is none), and why some are nan.
+    """
+    folds = list(range(n_folds(ds))) if folds is None else list(folds)
+    nan = {se_name(m): math.nan for m in SCALARS}
+    if len(folds) < 2:
+        return nan, ["no folds: extracted with --folds 1 (or by hand), so no jackknife error"]
+    counts = np.asarray(ds["fold_count"].values)[folds].sum(1)
+    if (counts == 0).any():
+        empty = [f for f, c in zip(folds, counts) if c == 0]
+        return nan, [f"fold(s) {empty} hold no train token (fewer blocks than folds): no jackknife error; extract "
+                     "more tokens or fewer --folds"]
+    theta, notes = replicates(ds, folds, measure_kw)
+    k = len(folds)
+    dev = theta - theta.mean()
+    se = np.sqrt((k - 1) / k * (dev ** 2).sum())
+    undefined = [m for m in SCALARS if point is not None and not math.isfinite(point.get(m, math.nan))]
+    bad = [m for m in SCALARS if not np.isfinite(theta[m]).all() and m not in undefined]
+    if bad:
+        notes.append(f"{', '.join(bad)}: nan error, a leave-one-fold-out value is not finite (a fold holds too few "
+                     "tokens of the kept classes)")
+    return {se_name(m): (float(se[m]) if m not in bad + undefined else math.nan) for m in SCALARS}, notes
+
+
+def budgets(folds: int) -> list[int]:
+    """The nested budgets: the first 1, 2, 4, ... folds, and all ``folds`` last."""
+    out = [1 << i for i in range(max(1, folds).bit_length()) if 1 << i < folds]
+    return [*out, folds]
+
+
+def budget_table(ds: xr.Dataset, **measure_kw) -> pd.DataFrame:
+    """The metrics on the first 1, 2, 4, ..., F folds (nested token budgets): one row per budget, ``folds``,
+    ``tokens`` (train tokens used), each scalar metric and its jackknife error over those folds (nan at one fold).
+    The last row is the whole sample: its values are the totals merged from the folds (equal to the stored point
+    values to rounding)."""
+    from ncanalyze.analyzer.metrics import measure_all
+
+    counts = np.asarray(ds["fold_count"].values).sum(1)
+    rows = []
+    for k in budgets(n_folds(ds)):
+        first = list(range(k))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                point = measure_all(merged(ds, first), **measure_kw)[0]
+            except UserError:
+                point = {}
+            se = jackknife(ds, first, **measure_kw)[0] if k > 1 else {}
+        rows.append({"folds": k, "tokens": int(counts[:k].sum()),
+                     **{m: point.get(m, math.nan) for m in SCALARS},
+                     **{se_name(m): se.get(se_name(m), math.nan) for m in SCALARS}})
+    return pd.DataFrame(rows)
+
+
+def unsettled(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
+    """The ``metrics`` still moving between the last two budgets of a :func:`budget_table` by more than their
+    error at the last one (jackknife): each as a line naming the tokens."""
+    if len(table) < 2:
+        return []
+    last, before = table.iloc[-1], table.iloc[-2]
+    lines = []
+    for m in metrics:
+        move, se = abs(last[m] - before[m]), last[se_name(m)]
+        if np.isfinite(move) and np.isfinite(se) and move > se:
+            lines.append(f"`{m}` has not settled at {int(last['tokens']):,} tokens (it moved {move:.3g} from "
+                         f"{int(before['tokens']):,} tokens, more than its error {se:.3g}): raise --max-train-tokens")
+    return lines

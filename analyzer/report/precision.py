@@ -1,0 +1,156 @@
+"""How sure the report's numbers are: each final checkpoint's headline metrics with their delete-one-fold jackknife
+errors (report.md, tables.tex), and the token budget (the metrics on the first 1, 2, 4, ..., F folds of each run's
+latest checkpoint: ``budget.csv``, ``budget.png`` and a line in report.md for each metric that has not settled).
+The correlation statistics rest on the point values; the errors are shown where the numbers are read."""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.report.mincount import HEADLINE, MAX_RUNS
+from ncanalyze.analyzer.report.tables import code, fmt, tex_escape
+from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
+
+STATED = "The correlation statistics rest on the point values; the errors are not propagated into them."
+
+
+def _with_error(value: float, se: float) -> str:
+    """'0.123 ± 0.004', or the value alone where there is no error."""
+    return fmt(value) if not np.isfinite(se) else f"{fmt(value)} ± {fmt(se)}"
+
+
+def final_rows(sel: pd.DataFrame) -> pd.DataFrame:
+    """Each run's latest selected checkpoint (its last layer rows)."""
+    if sel.empty:
+        return sel
+    order = sel.sort_values(["run", "global_step"], kind="stable")
+    return order.groupby("run", sort=True, dropna=False).tail(1)
+
+
+def error_lines(sel: pd.DataFrame, metrics: Sequence[str] = HEADLINE) -> list[str]:
+    """report.md's table of the final checkpoints' metrics with their jackknife errors (value ± se)."""
+    rows = final_rows(sel)
+    metrics = [m for m in metrics if m in rows.columns]
+    if rows.empty or not metrics or not any(f"{m}_se" in rows for m in metrics):
+        return []
+    head = "| run | checkpoint | " + " | ".join(code(m) for m in metrics) + " |"
+    lines = ["## Errors of the final checkpoints", "",
+             "Each metric ± its delete-one-fold jackknife standard error (the token sample's noise; the folds are "
+             f"disjoint sets of whole blocks). {STATED}", "", head, "|" + " --- |" * (len(metrics) + 2)]
+    for _, r in rows.iterrows():
+        cells = [_with_error(r[m], r.get(f"{m}_se", math.nan)) for m in metrics]
+        lines.append(f"| {code(str(r['run']))} | {code(str(r['checkpoint']))} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def errors_latex(sel: pd.DataFrame, metrics: Sequence[str] = HEADLINE) -> str:
+    """tables.tex's table of the final checkpoints' metrics with their jackknife errors ('' where there are none)."""
+    rows = final_rows(sel)
+    metrics = [m for m in metrics if m in rows.columns and f"{m}_se" in rows.columns]
+    if rows.empty or not metrics:
+        return ""
+    cols = "ll" + "r" * len(metrics)
+    head = " & ".join(["run", "checkpoint", *(tex_escape(m) for m in metrics)]) + r" \\"
+    body = [" & ".join([tex_escape(str(r["run"])), tex_escape(str(r["checkpoint"])),
+                        *(_with_error(r[m], r[f"{m}_se"]).replace("±", r"$\pm$") for m in metrics)]) + r" \\"
+            for _, r in rows.iterrows()]
+    return "\n".join([r"\begin{table}[t]", r"\centering", r"\small", rf"\begin{{tabular}}{{{cols}}}", r"\toprule",
+                      head, r"\midrule", *body, r"\bottomrule", r"\end{tabular}",
+                      r"\caption{The final checkpoints' metrics $\pm$ their delete-one-fold jackknife standard errors. "
+                      + tex_escape(STATED) + "}", r"\label{tab:errors}", r"\end{table}", ""])
+
+
+def budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequence[str] = HEADLINE,
+                 max_runs: int = MAX_RUNS) -> tuple[pd.DataFrame, list[str]]:
+    """The token budget of each run's latest selected checkpoint: its metrics and jackknife errors on the first 1,
+    2, 4, ..., F folds (:func:`~ncanalyze.analyzer.jackknife.budget_table`), at the min_count it was measured with.
+
+    Parameters
+    ----------
+    sel : the selected checkpoints' last-layer rows.
+    read_group : gives a checkpoint's dataset.
+    metrics : the metrics shown (Figure 1's).
+    max_runs : at most this many runs, the first by name.
+
+    Returns
+    -------
+    table, notes : one row per (checkpoint, budget): run, checkpoint, folds, tokens, each metric and ``<m>_se``;
+        the notes: checkpoints without folds, or that could not be read.
+    """
+    from ncanalyze.analyzer import jackknife
+    from ncanalyze.analyzer.schema import MEASURED
+
+    frames, notes = [], []
+    for g in latest_checkpoints(sel)[:max_runs]:
+        try:
+            ds = read_group(g)
+        except UserError as e:
+            notes.append(f"{g}: no token budget ({e})")
+            continue
+        if "fold_count" not in ds or jackknife.n_folds(ds) < 2:
+            notes.append(f"{g}: no token budget (extracted without folds: --folds 1, or before format 3)")
+            continue
+        ds = ds[[v for v in (*MEASURED, *jackknife.FOLD_VARS) if v in ds.variables]].load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = jackknife.budget_table(ds, min_count=int(ds.attrs.get("metrics_min_count") or 1), device="cpu")
+        run, _, checkpoint = g.partition("/")
+        keep = ["folds", "tokens", *(c for m in metrics for c in (m, f"{m}_se"))]
+        frames.append(t[keep].assign(run=run, checkpoint=checkpoint))
+    if not frames:
+        return pd.DataFrame(), notes
+    table = pd.concat(frames, ignore_index=True)
+    return table[["run", "checkpoint", *(c for c in table.columns if c not in ("run", "checkpoint"))]], notes
+
+
+def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[str] = HEADLINE) -> list[str]:
+    """report.md's token-budget section: each metric that has not settled (it moved between the last two budgets
+    by more than its error), or that every one has; and the notes."""
+    from ncanalyze.analyzer.jackknife import unsettled
+
+    if table.empty and not notes:
+        return []
+    lines = ["## Token budget", "",
+             "Each run's latest checkpoint measured on the first 1, 2, 4, ..., F folds of its tokens (budget.csv, "
+             "budget.png, with the jackknife band)."]
+    moving = []
+    for (run, checkpoint), t in (table.groupby(["run", "checkpoint"], sort=True) if not table.empty else []):
+        moving += [f"- {code(f'{run}/{checkpoint}')}: {line}" for line in unsettled(t.reset_index(drop=True), metrics)]
+    if not table.empty:
+        lines += ["", "![token budget](budget.png)", ""]
+        lines += moving or ["Every metric shown moved less than its error between the last two budgets."]
+    return lines + [f"- {n}" for n in notes] + [""]
+
+
+def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path) -> Path | None:
+    """budget.png: each metric against the train tokens used, one line per checkpoint, its jackknife band."""
+    import matplotlib.pyplot as plt
+
+    if table.empty:
+        return None
+    metrics = [m for m in metrics if m in table]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.0), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        for (run, checkpoint), t in table.groupby(["run", "checkpoint"], sort=True):
+            x, y, e = t["tokens"].to_numpy(float), t[m].to_numpy(float), t[f"{m}_se"].to_numpy(float)
+            line, = ax.plot(x, y, "-o", ms=3, lw=1, label=f"{run}/{checkpoint}")
+            band = np.isfinite(e)
+            ax.fill_between(x[band], (y - e)[band], (y + e)[band], color=line.get_color(), alpha=0.2, lw=0)
+        ax.set_xscale("log", base=2)
+        ax.set_title(m, fontsize=9)
+        ax.set_xlabel("train tokens (log scale)")
+        ax.grid(alpha=0.3)
+    if table.groupby(["run", "checkpoint"]).ngroups <= 8:
+        axes[0][0].legend(fontsize=6)
+    fig.suptitle("Token budget: the metrics on the first 1, 2, 4, ..., F folds (band: ± jackknife error)", fontsize=9)
+    fig.tight_layout()
+    path = Path(out) / "budget.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,168 @@
+"""The delete-one-fold jackknife error, calibrated and costed.
+
+    python benchmarks/jackknife.py calibrate CHECKPOINT TEXT [--tokenizer DIR] [--caps 20] [--cap-tokens 8192]
+    python benchmarks/jackknife.py cost [--vocab 50257] [--width 256] [--batches 12] [--repeats 3]
+
+``calibrate``: the checkpoint's last-layer features of ``caps`` disjoint caps of whole blocks of the text (independent
+token samples of one checkpoint, each 80% train, 20% validation), each cap's statistics with 8 folds (class_stats, the
+same accumulators as extraction) and its metrics with their jackknife errors; per metric, the mean jackknife error
+over the caps divided by the standard deviation of the metric across the caps (1 is calibrated; with 20 caps the SD
+itself is uncertain by about 16%, so ratios in 0.7-1.4 are consistent with 1).
+
+``cost``: the train pass of a GPT-Neo (random weights) over the same batches with ``--folds`` 8 and 1, alternating,
+each over a short and a long prefix of the batches, the minimum of ``repeats`` (the least disturbed on a shared
+machine): the marginal time ratio (the short run's time subtracted, so the state's allocation, a fixed cost per
+checkpoint, cancels; goal at most +10%), and the running state's bytes at F = 8 and F = 1 against what
+``--state-memory`` would keep (memory.fit_folds).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _features(model, ids: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    from ncanalyze.store.sources.anatomy import features
+
+    hs, ys = [], []
+    with torch.inference_mode():
+        for s in range(0, len(ids), batch):
+            b = torch.from_numpy(ids[s:s + batch])
+            hs.append(features(model, b).double().numpy())
+            ys.append(ids[s:s + batch, 1:])
+    return np.concatenate(hs), np.concatenate(ys)
+
+
+def calibrate(args) -> None:
+    from ncanalyze.analyzer import SCALARS, class_stats, measure
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.checkpoint)
+    L = args.block_size
+    stream = np.array(tok(Path(args.text).read_text())["input_ids"], dtype=np.int64)
+    per_cap = -(-args.cap_tokens // (L - 1))
+    need = args.caps * per_cap
+    if len(stream) // L < need:
+        raise SystemExit(f"{args.text} holds {len(stream) // L} blocks of {L}; {args.caps} caps of {per_cap} need {need}")
+    blocks = stream[:need * L].reshape(need, L)
+    h, y = _features(model, blocks, 32)
+    W = model.get_output_embeddings().weight.detach().double().numpy()
+    V = W.shape[0]
+    values, errors = [], []
+    for c in range(args.caps):
+        cap_h, cap_y = h[c * per_cap:(c + 1) * per_cap], y[c * per_cap:(c + 1) * per_cap]
+        n_train = int(0.8 * per_cap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ds = class_stats(cap_h[:n_train].reshape(-1, h.shape[-1]), cap_y[:n_train].ravel(), V, classifier=W,
+                             val_embeddings=cap_h[n_train:].reshape(-1, h.shape[-1]),
+                             val_labels=cap_y[n_train:].ravel(), folds=args.folds, block_size=L - 1,
+                             min_count=args.min_count)
+            got = measure(ds, min_count=args.min_count, se=True, device="cpu")
+        values.append([got[m] for m in SCALARS])
+        errors.append([got[f"{m}_se"] for m in SCALARS])
+    values, errors = np.array(values), np.array(errors)
+    print(f"{args.checkpoint}: {args.caps} disjoint caps of {per_cap} blocks x {L - 1} tokens (80% train, "
+          f"{int(0.8 * per_cap) * (L - 1):,} train tokens each), {args.folds} folds, min_count {args.min_count}")
+    print(f"{'metric':>20} {'mean value':>12} {'SD over caps':>13} {'mean jackknife se':>18} {'ratio':>6}")
+    for j, m in enumerate(SCALARS):
+        sd, se = np.nanstd(values[:, j], ddof=1), np.nanmean(errors[:, j])
+        ratio = se / sd if sd > 1e-9 * abs(np.nanmean(values[:, j])) else float("nan")  # a constant: no spread
+        print(f"{m:>20} {np.nanmean(values[:, j]):>12.4g} {sd:>13.3g} {se:>18.3g} {ratio:>6.2f}")
+
+
+def _state_bytes(ex) -> int:
+    from ncanalyze.store.resume import flatten
+
+    return sum(v.nbytes for s in ex.layers.values() for v in flatten(s.state_dict()).values())
+
+
+def cost(args) -> None:
+    from ncanalyze.store.data.blocks import open_blocks
+    from ncanalyze.store.extraction.layers import bytes_text, plan
+    from ncanalyze.store.extraction.memory import fit_folds
+    from ncanalyze.store.extraction.passes import train_pass
+    from ncanalyze.store.extraction.running import Extraction
+    from ncanalyze.store.resume import Saver
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers, num_heads=8,
+                          attention_types=[[["global", "local"], args.layers // 2]], max_position_embeddings=2048,
+                          intermediate_size=4 * args.width)
+    model = GPTNeoForCausalLM(config).eval()
+    per_batch = args.batch_size * args.block_size
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.2, (args.batches + 1) * per_batch) - 1, args.vocab - 1).astype(np.int64)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "train.npy", ids)
+        saver = Saver(Path(tmp) / "state.npz", dict, every=float("inf"))
+
+        def run(folds: int, batches: int) -> tuple[float, float, int]:
+            t0 = time.perf_counter()
+            ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, "cpu", folds=folds)
+            made = time.perf_counter() - t0  # the state's allocation: a fixed cost per checkpoint
+            data = open_blocks(str(Path(tmp) / "train.npy"), "train", args.block_size, batches * per_batch, "text",
+                               None)
+            t0 = time.perf_counter()
+            train_pass(model, data, ex, args.batch_size, saver, "bench")
+            return time.perf_counter() - t0, made, _state_bytes(ex)
+
+        run(1, args.short)  # warm-up
+        best = {(f, n): float("inf") for f in (8, 1) for n in (args.short, args.batches)}
+        made, size = {8: float("inf"), 1: float("inf")}, {}
+        for _ in range(args.repeats):  # alternate, so that a burst of load hits both alike
+            for f in (8, 1):
+                for n in (args.short, args.batches):
+                    t, m, size[f] = run(f, n)
+                    best[f, n], made[f] = min(best[f, n], t), min(made[f], m)
+    marginal = {f: best[f, args.batches] - best[f, args.short] for f in (8, 1)}
+    tokens = (args.batches - args.short) * args.batch_size * (args.block_size - 1)
+    print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
+          f"{args.block_size}, CPU; marginal over {args.batches} - {args.short} batches ({tokens:,} tokens), minimum "
+          f"of {args.repeats}")
+    for f in (1, 8):
+        print(f"  --folds {f}: {tokens / marginal[f]:,.0f} tokens/s; state {bytes_text(size[f])}, allocated in "
+              f"{made[f]:.2f} s (once per checkpoint)")
+    print(f"  marginal time F=8 / F=1: {marginal[8] / marginal[1]:.3f} (goal <= 1.10); state F=8 / F=1: "
+          f"{size[8] / size[1]:.2f}")
+    for budget in (size[1] * 2, size[8]):
+        kept = fit_folds(8, args.vocab, args.width, args.samples_per_class, 1, torch.device("cpu"), budget=budget)
+        print(f"  --state-memory {bytes_text(budget)}: {kept} fold(s) kept")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("calibrate")
+    c.add_argument("checkpoint")
+    c.add_argument("text")
+    c.add_argument("--tokenizer")
+    c.add_argument("--caps", type=int, default=20)
+    c.add_argument("--cap-tokens", type=int, default=8192)
+    c.add_argument("--block-size", type=int, default=32)
+    c.add_argument("--folds", type=int, default=8)
+    c.add_argument("--min-count", type=int, default=1)
+    k = sub.add_parser("cost")
+    k.add_argument("--vocab", type=int, default=50257)
+    k.add_argument("--width", type=int, default=256)
+    k.add_argument("--layers", type=int, default=2)
+    k.add_argument("--block-size", type=int, default=256)
+    k.add_argument("--batch-size", type=int, default=8)
+    k.add_argument("--batches", type=int, default=10, help="batches of the long run")
+    k.add_argument("--short", type=int, default=2, help="batches of the short run")
+    k.add_argument("--repeats", type=int, default=3)
+    k.add_argument("--samples-per-class", type=int, default=8)
+    args = p.parse_args()
+    calibrate(args) if args.what == "calibrate" else cost(args)
+
+
+if __name__ == "__main__":
+    main()

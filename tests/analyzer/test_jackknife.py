@@ -1,0 +1,176 @@
+"""The delete-one-fold jackknife: against an independent brute force (class_stats of each leave-one-fold-out subset of
+the raw features, the metrics written out in test_metrics), against the spread over independent samples of planted
+Gaussians, the fold sums against the totals, and the nan cases."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_metrics import brute_force, brute_nc4, random_study
+
+from ncanalyze.analyzer import SCALARS, class_stats, measure
+from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, fold_of
+from ncanalyze.analyzer.jackknife import budget_table, budgets, jackknife, merged, unsettled
+
+FOLDS, BLOCK, MIN = 4, 16, 20
+
+
+def folds_of(n: int, folds: int = FOLDS, block: int = BLOCK) -> np.ndarray:
+    return (np.arange(n) // block) % folds
+
+
+def jackknife_se(theta: np.ndarray) -> float:
+    k = len(theta)
+    return math.sqrt((k - 1) / k * np.sum((theta - theta.mean()) ** 2))
+
+
+@pytest.fixture(scope="module")
+def folded():
+    h, y, W, b, hv, yv = random_study()
+    ds = class_stats(h, y, 60, classifier=W, classifier_bias=b, val_embeddings=hv, val_labels=yv, min_count=MIN,
+                     folds=FOLDS, block_size=BLOCK)
+    return h, y, W, b, hv, yv, ds
+
+
+def test_fold_sums_are_the_folds_own_statistics_and_leave_the_totals_alone(folded):
+    h, y, W, b, hv, yv, ds = folded
+    plain = class_stats(h, y, 60, classifier=W, classifier_bias=b, val_embeddings=hv, val_labels=yv, min_count=MIN)
+    for name in plain.variables:  # the totals bit for bit
+        np.testing.assert_array_equal(ds[name].values, plain[name].values, err_msg=name)
+    f = folds_of(len(y))
+    for i in range(FOLDS):
+        own = ClassStats(60, h.shape[1])
+        own.update(torch.as_tensor(h[f == i]), torch.as_tensor(y[f == i]))
+        np.testing.assert_array_equal(ds["fold_count"].values[i], own.count.numpy())
+        np.testing.assert_allclose(ds["fold_mean"].values[i], own.mean.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(ds["fold_scatter"].values[i], own.scatter.numpy(), rtol=1e-10, atol=1e-10)
+    fv = folds_of(len(yv))
+    kept = np.flatnonzero(ds["count"].values >= MIN)
+    for i in range(FOLDS):
+        count, correct, agree = brute_nc4(hv[fv == i], yv[fv == i], W, b, ds["mean"].values, kept)
+        np.testing.assert_array_equal(ds["fold_val_count"].values[i], count)
+        np.testing.assert_array_equal(ds["fold_val_correct"].values[i], correct)
+        np.testing.assert_array_equal(ds["fold_val_ncc_agree"].values[i], agree)
+    for name in ("count", "val_count", "val_ncc_agree"):
+        np.testing.assert_array_equal(ds[f"fold_{name}"].values.sum(0), ds[name].values)
+
+
+@pytest.mark.slow
+def test_jackknife_matches_a_brute_force_over_leave_one_fold_out_subsets(folded):
+    """Each replicate: class_stats of the raw rows outside fold i, measured by test_metrics' brute force (its own
+    kept classes); NC4 from the validation tokens outside fold i, decided with the full sample's means (as counted at
+    extraction). The error: sqrt((F - 1) / F sum (theta_i - mean)^2)."""
+    h, y, W, b, hv, yv, ds = folded
+    f, fv = folds_of(len(y)), folds_of(len(yv))
+    kept = np.flatnonzero(ds["count"].values >= MIN)
+    theta = {}
+    for i in range(FOLDS):
+        sub = class_stats(h[f != i], y[f != i], 60, classifier=W, classifier_bias=b, min_count=MIN)
+        want, _ = brute_force(sub, MIN)
+        count, _, agree = brute_nc4(hv[fv != i], yv[fv != i], W, b, ds["mean"].values, kept)
+        K = np.flatnonzero(sub["count"].values >= MIN)
+        want["nc4_agreement"] = agree[K].sum() / count[K].sum()
+        for k, v in want.items():
+            theta.setdefault(k, []).append(v)
+    got = measure(ds, min_count=MIN, se=True, device="cpu")
+    assert set(got) >= {f"{m}_se" for m in SCALARS}
+    for k, values in theta.items():
+        want = jackknife_se(np.array(values))  # nan where the metric is (unc3_cos_cv here: its mean is near 0)
+        assert math.isclose(got[f"{k}_se"], want, rel_tol=1e-6, abs_tol=1e-12) or (
+            math.isnan(want) and math.isnan(got[f"{k}_se"]) and math.isnan(got[k])), (k, got[f"{k}_se"], want)
+    assert sum(v > 0 for k, v in got.items() if k.endswith("_se") and k[:-3] in theta) >= len(theta) - 1
+
+
+def test_merging_other_folds_is_the_subset_to_rounding(folded):
+    h, y, W, b, hv, yv, ds = folded
+    f = folds_of(len(y))
+    rest = merged(ds, [0, 2, 3])
+    sub = class_stats(h[f != 1], y[f != 1], 60)
+    np.testing.assert_array_equal(rest["count"].values, sub["count"].values)
+    for name in ("mean", "variance", "within_covariance", "unit_sum"):
+        np.testing.assert_allclose(rest[name].values, sub[name].values, rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_without_folds_or_with_an_empty_fold_the_error_is_nan_with_a_note():
+    h, y, W, b, hv, yv = random_study()
+    plain = class_stats(h, y, 60, min_count=MIN)
+    with pytest.warns(UserWarning, match="no folds"):
+        got = measure(plain, min_count=MIN, se=True, device="cpu")
+    assert all(math.isnan(got[f"{m}_se"]) for m in SCALARS)
+    few = class_stats(h[:40], y[:40], 60, folds=8, block_size=16)  # 3 blocks: folds 3..7 are empty
+    se, notes = jackknife(few, min_count=1, device="cpu")
+    assert all(math.isnan(v) for v in se.values()) and "hold no train token" in notes[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        np.testing.assert_equal(measure(plain, min_count=MIN, device="cpu"), measure(  # folds change no metric
+            class_stats(h, y, 60, min_count=MIN, folds=FOLDS, block_size=BLOCK), min_count=MIN, device="cpu"))
+
+
+def planted(rng: np.random.Generator, n: int, centres: np.ndarray, spread: np.ndarray, p: np.ndarray):
+    y = rng.choice(len(centres), size=n, p=p)
+    return centres[y] + rng.standard_normal((n, centres.shape[1])) * spread[y, None], y
+
+
+@pytest.mark.slow
+def test_jackknife_error_is_the_spread_over_independent_samples_of_planted_gaussians():
+    """Planted Gaussian classes of known means and spreads: over 30 independent samples, the mean jackknife error
+    of each smooth metric is within a factor 1.6 of the metric's standard deviation across the samples."""
+    rng = np.random.default_rng(7)
+    V, d, n = 12, 6, 4096
+    centres, spread = rng.standard_normal((V, d)) * 2, 0.5 + rng.random(V)
+    p = rng.dirichlet(np.full(V, 3.0))
+    names = ("nc1_cdnv", "nc2_norm_cv", "nc2_cos_std", "within_erank", "between_erank", "anisotropy")
+    values, errors = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(30):
+            h, y = planted(rng, n, centres, spread, p)
+            got = measure(class_stats(h, y, V, folds=8, block_size=32), se=True, device="cpu")
+            values.append([got[m] for m in names])
+            errors.append([got[f"{m}_se"] for m in names])
+    ratio = np.mean(errors, 0) / np.std(values, 0, ddof=1)
+    assert ((ratio > 1 / 1.6) & (ratio < 1.6)).all(), dict(zip(names, ratio.round(2)))
+
+
+def test_fold_stats_deal_whole_blocks_and_merge_fold_by_fold():
+    rng = np.random.default_rng(1)
+    h, y = torch.as_tensor(rng.standard_normal((96, 5))), torch.as_tensor(rng.integers(0, 7, 96))
+    fold = fold_of(2, 6, 16, 4)  # blocks 2..7 of 16 tokens: folds 2, 3, 0, 1, 2, 3
+    assert fold.tolist() == sum(([f] * 16 for f in (2, 3, 0, 1, 2, 3)), [])
+    whole = FoldStats(4, 7, 5)
+    whole.update(h, y, fold)
+    a, b = FoldStats(4, 7, 5), FoldStats(4, 7, 5)
+    a.update(h[:48], y[:48], fold[:48])
+    b.update(h[48:], y[48:], fold[48:])
+    a.merge(b)
+    for k, v in whole.state_dict().items():
+        np.testing.assert_allclose(a.state_dict()[k].numpy(), v.numpy(), rtol=1e-12, atol=1e-12, err_msg=k)
+    with pytest.raises(ValueError, match="cannot merge"):
+        a.merge(FoldStats(3, 7, 5))
+
+
+def test_nested_budgets_and_the_unsettled_line(folded):
+    *_, ds = folded
+    assert budgets(8) == [1, 2, 4, 8] and budgets(6) == [1, 2, 4, 6] and budgets(1) == [1]
+    table = budget_table(ds, min_count=MIN, device="cpu")
+    assert table["folds"].tolist() == [1, 2, 4] and table["tokens"].iloc[-1] == int(ds["count"].sum())
+    point = measure(ds, min_count=MIN, device="cpu")
+    for m in ("nc1_cdnv", "nc2_etf_error", "within_erank"):
+        assert math.isclose(table[m].iloc[-1], point[m], rel_tol=1e-9)
+    assert math.isnan(table["nc1_cdnv_se"].iloc[0]) and table["nc1_cdnv_se"].iloc[-1] > 0
+    moved = table.copy()
+    moved.loc[moved.index[-2], "nc1_cdnv"] = moved["nc1_cdnv"].iloc[-1] + 10 * moved["nc1_cdnv_se"].iloc[-1]
+    lines = unsettled(moved, ["nc1_cdnv", "within_erank"])
+    assert any(line.startswith(f"`nc1_cdnv` has not settled at {int(ds['count'].sum()):,} tokens") for line in lines)
+
+
+def test_the_accessor_gives_the_same_errors(folded):
+    import ncanalyze.analyzer  # noqa: F401  (registers ds.nc)
+
+    *_, ds = folded
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        np.testing.assert_equal(ds.nc.measure(min_count=MIN, se=True), measure(ds, min_count=MIN, se=True, device="auto"))

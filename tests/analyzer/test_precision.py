@@ -1,0 +1,50 @@
+"""Errors where the numbers are read: the final checkpoints' table (report.md, tables.tex), the error bars drawn only
+where wider than the marker, and the token budget's lines."""
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ncanalyze.analyzer.report.figures import error_bars  # noqa: E402
+from ncanalyze.analyzer.report.precision import budget_lines, error_lines, errors_latex, final_rows  # noqa: E402
+
+
+def table() -> pd.DataFrame:
+    return pd.DataFrame({"run": ["a", "a", "b"], "checkpoint": ["c-1", "c-2", "c-9"], "global_step": [1, 2, 9],
+                         "nc1_cdnv": [1.0, 0.5, 0.25], "nc1_cdnv_se": [0.1, 0.05, math.nan],
+                         "unc3_cos_cv": [0.3, 0.2, 0.1], "unc3_cos_cv_se": [0.01, 0.02, 0.03]})
+
+
+def test_the_final_checkpoints_errors_in_report_md_and_tables_tex():
+    assert final_rows(table()).checkpoint.tolist() == ["c-2", "c-9"]
+    md = "\n".join(error_lines(table(), ["nc1_cdnv", "unc3_cos_cv"]))
+    assert "| `a` | `c-2` | 0.500 ± 0.050 | 0.200 ± 0.020 |" in md and "| `b` | `c-9` | 0.250 | 0.100 ± 0.030 |" in md
+    assert "point values" in md
+    tex = errors_latex(table(), ["nc1_cdnv", "unc3_cos_cv"])
+    assert r"0.500 $\pm$ 0.050" in tex and r"\label{tab:errors}" in tex
+    assert error_lines(table().drop(columns=["nc1_cdnv_se", "unc3_cos_cv_se"]), ["nc1_cdnv"]) == []
+
+
+def test_error_bars_only_where_wider_than_the_marker():
+    fig, ax = plt.subplots(figsize=(4, 3), dpi=100)
+    d = pd.DataFrame({"x": [1.0, 2.0, 3.0], "y": [1.0, 2.0, 3.0], "e": [0.5, 0.001, math.nan]})
+    ax.set_xlim(0, 4)
+    ax.set_ylim(0, 4)
+    assert error_bars(ax, d, "y", size=5) == 1  # 0.5 of 4 over ~230 px: wide; 0.001: inside the marker; nan: none
+    assert error_bars(ax, d.assign(e=np.nan), "x", size=5) == 0
+    plt.close(fig)
+
+
+def test_budget_lines_name_the_unsettled_metric():
+    t = pd.DataFrame({"run": "a", "checkpoint": "c", "folds": [1, 2, 4], "tokens": [100, 200, 400],
+                      "nc1_cdnv": [1.0, 2.0, 2.01], "nc1_cdnv_se": [math.nan, 0.1, 0.1],
+                      "unc3_cos_cv": [1.0, 1.0, 1.5], "unc3_cos_cv_se": [math.nan, 0.1, 0.1]})
+    md = "\n".join(budget_lines(t, ["x: no folds"], ["nc1_cdnv", "unc3_cos_cv"]))
+    assert "`unc3_cos_cv` has not settled at 400 tokens" in md and "raise --max-train-tokens" in md
+    assert "`nc1_cdnv` has not" not in md and "- x: no folds" in md
