@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.report.escape import md_name, md_text
 from ncanalyze.analyzer.report.mincount import HEADLINE, MAX_RUNS
 from ncanalyze.analyzer.report.tables import code, fmt, tex_escape
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
@@ -45,7 +46,8 @@ def error_lines(sel: pd.DataFrame, metrics: Sequence[str] = HEADLINE) -> list[st
              f"disjoint sets of whole blocks). {STATED}", "", head, "|" + " --- |" * (len(metrics) + 2)]
     for _, r in rows.iterrows():
         cells = [_with_error(r[m], r.get(f"{m}_se", math.nan)) for m in metrics]
-        lines.append(f"| {code(str(r['run']))} | {code(str(r['checkpoint']))} | " + " | ".join(cells) + " |")
+        lines.append(f"| {md_name(r['run'], table=True)} | {md_name(r['checkpoint'], table=True)} | "
+                     + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -121,11 +123,12 @@ def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[st
              "budget.png, with the jackknife band)."]
     moving = []
     for (run, checkpoint), t in (table.groupby(["run", "checkpoint"], sort=True) if not table.empty else []):
-        moving += [f"- {code(f'{run}/{checkpoint}')}: {line}" for line in unsettled(t.reset_index(drop=True), metrics)]
+        moving += [f"- {md_name(f'{run}/{checkpoint}')}: {line}"
+                   for line in unsettled(t.reset_index(drop=True), metrics)]
     if not table.empty:
         lines += ["", "![token budget](budget.png)", ""]
         lines += moving or ["Every metric shown moved less than its error between the last two budgets."]
-    return lines + [f"- {n}" for n in notes] + [""]
+    return lines + [f"- {md_text(n)}" for n in notes] + [""]
 
 
 def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path) -> Path | None:
