@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 import cloup
+from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.registry import MEASURE_SECTIONS, MeasureSettings
 from ncanalyze.analyzer.schema import SCALARS
 from ncanalyze.cli.common import open_store
@@ -41,19 +42,19 @@ def measure(store_positional, store, scheduler, force, **values):
     min_count = settings.min_count
     store = open_store(store_positional, store)
     result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=settings.tile, force=force,
-                           device=settings.device,
-                           se=settings.se)
+                           device=settings.device, se=settings.se)
     every, failed = [*result.measured, *result.skipped, *result.failed], result.failed
     left_out = f", {len(result.checkpoints(failed))} left out (see above)" if failed else ""
     if not result.measured:
-        click.echo(f"all {_count(result, result.skipped)} in {store} already measured (min_count={min_count})"
+        click.echo(f"all {_count(result, result.skipped)} in {shown(store)} already measured (min_count={min_count})"
                    f"{left_out}; --force measures them again")
         return
     layer = ["layer"] if result.has_layers else []
+    table = result.new[["run", "checkpoint", *layer, "global_step", *SHOWN]].assign(  # names as text, never escapes
+        run=result.new.run.map(shown), checkpoint=result.new.checkpoint.map(shown))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        click.echo(result.new[["run", "checkpoint", *layer, "global_step", *SHOWN]].to_string(
-            index=False, float_format="{:.4g}".format))
-    click.echo(f"measured {_count(result, result.measured, every)} in {store} (min_count={min_count}){left_out}"
+        click.echo(table.to_string(index=False, float_format="{:.4g}".format))
+    click.echo(f"measured {_count(result, result.measured, every)} in {shown(store)} (min_count={min_count}){left_out}"
                f"; all {len(SCALARS)} metrics: ncanalyze report, or the group attributes `metrics`")
 
 

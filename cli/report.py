@@ -7,6 +7,7 @@ from dataclasses import replace
 import click
 import cloup
 from click.core import ParameterSource
+from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.registry import REPORT_SECTIONS, MeasureSettings, ReportSettings, field_of
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import option, setting_groups, setting_option, settings_of, store_positional
@@ -64,7 +65,7 @@ def report(ctx, store_positional, store, out, scheduler, min_count, **values):
     if n < MIN_N:
         log.warning("warning: only %d checkpoint(s) selected; correlations need at least %d", n, MIN_N)
     for line in sorted(set(result.stats.note[has_note(result.stats, NoteKind.TOO_FEW)].dropna()) - {""}):
-        log.warning("note: %s", line)
-    click.echo(f"{n} checkpoints, {len(options.metrics)} metrics -> {result.files['report']}")
+        log.warning("note: %s", shown(line))
+    click.echo(f"{n} checkpoints, {len(options.metrics)} metrics -> {shown(result.files['report'])}")
     for f in result.files.values():
-        click.echo(f"  {f}")
+        click.echo(f"  {shown(f)}")

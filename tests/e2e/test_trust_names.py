@@ -100,13 +100,15 @@ def test_a_stray_dotdot_npz_in_the_work_folder_names_no_checkpoint(store):
 
 # ---------------------------------------------------------------- 21, 23: names shown escaped, as given
 
+@pytest.mark.slow
 def test_terminal_escapes_and_bidi_controls_are_shown_escaped(store):
     """21: a run folder named with an OSC sequence (sets the terminal's title) and U+202E (reverses what follows):
-    ls prints them escaped, in the table and in --json; rm's lines too."""
+    ls prints them escaped, in the table and in --json; rm's lines and measure's table too."""
     name = "neo\x1b]0;owned\x07\u202ekcatta"
     os.rename(store / RUN, store / name)
     assert shown(name) == "neo\\x1b]0;owned\\x07\\u202ekcatta"
-    for args in (("ls", store), ("ls", store, "--json"), ("rm", store, name, "--dry-run", "--yes")):
+    for args in (("ls", store), ("ls", store, "--json"), ("rm", store, name, "--dry-run", "--yes"),
+                 ("measure", store, "--no-se")):
         out = run_cli(*args).output
         assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out, out
         assert "\\x1b]0;owned\\x07" in out or "\\u001b]0;owned\\u0007" in out, out
