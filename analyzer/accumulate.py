@@ -3,7 +3,7 @@ counts, and the contract every running summary of the extraction keeps (:class:`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -409,3 +409,14 @@ class DecisionCounts(Sums):
     def sums(self) -> dict[str, torch.Tensor]:
         """The counts (merged across parts counted with the same head, means and kept classes)."""
         return self.counts
+
+
+def merged_stats(parts: Iterable[Mapping[str, Any]], num_classes: int, dim: int, scatter: bool = True) -> ClassStats:
+    """The :class:`ClassStats` of disjoint parts of a stream, given by their state arrays (numpy or torch, by
+    name: a stored fold's ``count``, ``mean``, ``m2``, ``scatter``, ``unit_sum``), merged in the order given (Chan)."""
+    acc = ClassStats(num_classes, dim, scatter=scatter)
+    for state in parts:
+        part = ClassStats(num_classes, dim, scatter=scatter)
+        part.load_state_dict({n: torch.as_tensor(v) for n, v in state.items()})
+        acc.merge(part)
+    return acc

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,8 @@ import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import SCALARS, VAL_COUNTS, stats_dataset
+
+Measure = Callable[[xr.Dataset], Mapping[str, float]]  # a dataset's scalar metrics (metrics.measure_all's first)
 
 # the fold sums of a checkpoint group (dimension ``fold``): ClassStats' state per fold, and NC4's counts per fold
 FOLD_STATS = ("count", "mean", "m2", "scatter", "unit_sum")
@@ -58,17 +60,10 @@ def n_folds(ds: xr.Dataset) -> int:
 def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     """The dataset of the tokens of ``folds`` alone: their statistics merged (Chan, in the order given) into the
     variables the metrics read, with ``ds``'s head and attributes."""
-    import torch
+    from ncanalyze.analyzer.accumulate import merged_stats
 
-    from ncanalyze.analyzer.accumulate import ClassStats
-
-    vocab, dim = ds.sizes["vocab"], ds.sizes["hidden"]
-    acc = ClassStats(vocab, dim, scatter="fold_scatter" in ds)
-    for f in folds:
-        part = ClassStats(vocab, dim, scatter="fold_scatter" in ds)
-        part.load_state_dict({n: torch.from_numpy(np.asarray(ds[f"fold_{n}"].values[f]))
-                              for n in FOLD_STATS if f"fold_{n}" in ds})
-        acc.merge(part)
+    parts = ({n: np.asarray(ds[f"fold_{n}"].values[f]) for n in FOLD_STATS if f"fold_{n}" in ds} for f in folds)
+    acc = merged_stats(parts, ds.sizes["vocab"], ds.sizes["hidden"], scatter="fold_scatter" in ds)
     val = {n: np.asarray(ds[f"fold_{n}"].values)[list(folds)].sum(0) for n in VAL_COUNTS if f"fold_{n}" in ds}
     head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -76,26 +71,24 @@ def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
                              val=val or None, attrs={**ds.attrs, "folds": len(folds)}, **head)
 
 
-def replicates(ds: xr.Dataset, folds: Sequence[int], measure_kw: dict) -> tuple[pd.DataFrame, list[str]]:
+def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[pd.DataFrame, list[str]]:
     """Each leave-one-out set of ``folds``' scalar metrics (rows: the fold left out; nan where not measurable, why in
-    the notes), measured as the point value is (``measure_kw``: min_count, tile, device, engine)."""
-    from ncanalyze.analyzer.metrics import measure_all
-
+    the notes), measured by ``measure`` as the point value is."""
     rows, notes = {}, []
     for i in folds:
         rest = [f for f in folds if f != i]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                rows[i] = measure_all(merged(ds, rest), **measure_kw)[0]
+                rows[i] = measure(merged(ds, rest))
             except UserError as e:
                 rows[i] = {}
                 notes.append(f"without fold {i}: {e}")
     return pd.DataFrame.from_dict(rows, orient="index").reindex(columns=list(SCALARS)).astype(float), notes
 
 
-def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, point: Mapping[str, float] | None = None,
-              **measure_kw) -> tuple[dict[str, float], list[str]]:
+def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = None,
+              point: Mapping[str, float] | None = None) -> tuple[dict[str, float], list[str]]:
     """Every scalar metric's delete-one-fold jackknife error over ``folds`` (default: all of ``ds``'s), and notes
     for those that are nan: fewer than 2 folds, a fold without a train token, or a replicate not finite.
 
@@ -105,7 +98,8 @@ def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, point: Mapping
     folds : the folds to jackknife over (the nested budgets use the first k).
     point : the point values where known: a metric whose point value is not finite has a nan error, no note (the
         metric's own warning says why).
-    measure_kw : min_count, tile, device, engine, as the point value is measured.
+    measure : a dataset's scalar metrics, measured as the point value is (metrics.measure_all with its min_count,
+        tile, device and engine).
 
     Returns
     -------
@@ -120,7 +114,7 @@ def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, point: Mapping
         empty = [f for f, c in zip(folds, counts) if c == 0]
         return nan, [f"fold(s) {empty} hold no train token (fewer blocks than folds): no jackknife error; extract "
                      "more tokens or fewer --folds"]
-    theta, notes = replicates(ds, folds, measure_kw)
+    theta, notes = replicates(ds, folds, measure)
     k = len(folds)
     dev = theta - theta.mean()
     se = np.sqrt((k - 1) / k * (dev ** 2).sum())
@@ -138,13 +132,11 @@ def budgets(folds: int) -> list[int]:
     return [*out, folds]
 
 
-def budget_table(ds: xr.Dataset, **measure_kw) -> pd.DataFrame:
+def nested_budgets(ds: xr.Dataset, measure: Measure) -> pd.DataFrame:
     """The metrics on the first 1, 2, 4, ..., F folds (nested token budgets): one row per budget, ``folds``,
     ``tokens`` (train tokens used), each scalar metric and its jackknife error over those folds (nan at one fold).
     The last row is the whole sample: its values are the totals merged from the folds (equal to the stored point
-    values to rounding)."""
-    from ncanalyze.analyzer.metrics import measure_all
-
+    values to rounding); ``measure`` as :func:`jackknife`'s."""
     counts = np.asarray(ds["fold_count"].values).sum(1)
     rows = []
     for k in budgets(n_folds(ds)):
@@ -152,10 +144,10 @@ def budget_table(ds: xr.Dataset, **measure_kw) -> pd.DataFrame:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                point = measure_all(merged(ds, first), **measure_kw)[0]
+                point = measure(merged(ds, first))
             except UserError:
                 point = {}
-            se = jackknife(ds, first, **measure_kw)[0] if k > 1 else {}
+            se = jackknife(ds, measure, first)[0] if k > 1 else {}
         rows.append({"folds": k, "tokens": int(counts[:k].sum()),
                      **{m: point.get(m, math.nan) for m in SCALARS},
                      **{se_name(m): se.get(se_name(m), math.nan) for m in SCALARS}})
@@ -163,7 +155,7 @@ def budget_table(ds: xr.Dataset, **measure_kw) -> pd.DataFrame:
 
 
 def unsettled(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
-    """The ``metrics`` still moving between the last two budgets of a :func:`budget_table` by more than their
+    """The ``metrics`` still moving between the last two budgets of a :func:`nested_budgets` table by more than their
     error at the last one (jackknife): each as a line naming the tokens."""
     if len(table) < 2:
         return []

@@ -156,6 +156,21 @@ CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 
 
 @contextlib.contextmanager
+def listening(caplog, name: str, level: str = "INFO"):
+    """caplog hears the logger ``name`` at ``level`` whatever ran before in this process (the CLI's logging set-up
+    may have stopped the ``ncanalyze`` logger's propagation to the root, where caplog listens)."""
+    import logging
+
+    logger = logging.getLogger(name)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(level, logger=name):
+            yield
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+@contextlib.contextmanager
 def lock_held(store: Path, group: str, doing: str = "extracted", seconds: float = 120):
     """``group``'s checkpoint lock held for the block by a thread of this process, as another process's extraction
     (or measure, ``doing="measured"``) holds it; released when the block ends, or after ``seconds`` at the latest so

@@ -30,7 +30,9 @@ def final_rows(sel: pd.DataFrame) -> pd.DataFrame:
     """Each run's latest selected checkpoint (its last layer rows)."""
     if sel.empty:
         return sel
-    order = sel.sort_values(["run", "global_step"], kind="stable")
+    if "run" not in sel:  # rows of no run: the last (latest) one
+        return sel.sort_values("global_step", kind="stable").tail(1) if "global_step" in sel else sel.tail(1)
+    order = sel.sort_values(["run", "global_step"] if "global_step" in sel else ["run"], kind="stable")
     return order.groupby("run", sort=True, dropna=False).tail(1)
 
 
@@ -46,8 +48,8 @@ def error_lines(sel: pd.DataFrame, metrics: Sequence[str] = HEADLINE) -> list[st
              f"disjoint sets of whole blocks). {STATED}", "", head, "|" + " --- |" * (len(metrics) + 2)]
     for _, r in rows.iterrows():
         cells = [_with_error(r[m], r.get(f"{m}_se", math.nan)) for m in metrics]
-        lines.append(f"| {md_name(r['run'], table=True)} | {md_name(r['checkpoint'], table=True)} | "
-                     + " | ".join(cells) + " |")
+        names = (md_name(r.get(c, ""), table=True) for c in ("run", "checkpoint"))
+        lines.append("| " + " | ".join([*names, *cells]) + " |")
     return lines + [""]
 
 
@@ -59,11 +61,12 @@ def errors_latex(sel: pd.DataFrame, metrics: Sequence[str] = HEADLINE) -> str:
         return ""
     cols = "ll" + "r" * len(metrics)
     head = " & ".join(["run", "checkpoint", *(tex_escape(m) for m in metrics)]) + r" \\"
-    body = [" & ".join([tex_escape(str(r["run"])), tex_escape(str(r["checkpoint"])),
+    body = [" & ".join([tex_escape(str(r.get("run", ""))), tex_escape(str(r.get("checkpoint", ""))),
                         *(_with_error(r[m], r[f"{m}_se"]).replace("±", r"$\pm$") for m in metrics)]) + r" \\"
             for _, r in rows.iterrows()]
-    return "\n".join([r"\begin{table}[t]", r"\centering", r"\small", rf"\begin{{tabular}}{{{cols}}}", r"\toprule",
-                      head, r"\midrule", *body, r"\bottomrule", r"\end{tabular}",
+    fit = "\\resizebox{\\ifdim\\width>\\linewidth\\linewidth\\else\\width\\fi}{!}{%"  # within the line, as the others
+    return "\n".join([r"\begin{table}[t]", r"\centering", r"\small", fit, rf"\begin{{tabular}}{{{cols}}}",
+                      r"\toprule", head, r"\midrule", *body, r"\bottomrule", r"\end{tabular}}",
                       r"\caption{The final checkpoints' metrics $\pm$ their delete-one-fold jackknife standard errors. "
                       + tex_escape(STATED) + "}", r"\label{tab:errors}", r"\end{table}", ""])
 
@@ -71,7 +74,7 @@ def errors_latex(sel: pd.DataFrame, metrics: Sequence[str] = HEADLINE) -> str:
 def budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequence[str] = HEADLINE,
                  max_runs: int = MAX_RUNS) -> tuple[pd.DataFrame, list[str]]:
     """The token budget of each run's latest selected checkpoint: its metrics and jackknife errors on the first 1,
-    2, 4, ..., F folds (:func:`~ncanalyze.analyzer.jackknife.budget_table`), at the min_count it was measured with.
+    2, 4, ..., F folds (:func:`~ncanalyze.analyzer.jackknife.nested_budgets`), at the min_count it was measured with.
 
     Parameters
     ----------
@@ -86,6 +89,7 @@ def budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequence[s
         the notes: checkpoints without folds, or that could not be read.
     """
     from ncanalyze.analyzer import jackknife
+    from ncanalyze.analyzer.metrics import measure_all
     from ncanalyze.analyzer.schema import MEASURED
 
     frames, notes = [], []
@@ -101,7 +105,8 @@ def budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequence[s
         ds = ds[[v for v in (*MEASURED, *jackknife.FOLD_VARS) if v in ds.variables]].load()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = jackknife.budget_table(ds, min_count=int(ds.attrs.get("metrics_min_count") or 1), device="cpu")
+            min_count = int(ds.attrs.get("metrics_min_count") or 1)
+            t = jackknife.nested_budgets(ds, lambda d: measure_all(d, min_count=min_count, device="cpu")[0])
         run, _, checkpoint = g.partition("/")
         keep = ["folds", "tokens", *(c for m in metrics for c in (m, f"{m}_se"))]
         frames.append(t[keep].assign(run=run, checkpoint=checkpoint))

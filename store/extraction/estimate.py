@@ -34,7 +34,7 @@ from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.layers import Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
-from ncanalyze.store.extraction.memory import group_bytes, state_bytes
+from ncanalyze.store.extraction.memory import fold_bytes, group_bytes, state_bytes
 from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.running import LayerState
 from ncanalyze.store.resume import UNREADABLE, Phase
@@ -274,6 +274,7 @@ class Arch:
     passes: list[int] = field(default_factory=lambda: [1])
     embeddings: int = 0
     embeddings_dtype: str = "float32"
+    folds: int = 1  # the folds asked for (--folds; fewer where they do not fit the state's memory)
     at: list[tuple[int, Phase, int]] = field(default_factory=list)
     depths: list[float] = field(default_factory=list)  # the fraction of the blocks each pass runs (empty: all)
 
@@ -284,7 +285,7 @@ class Arch:
         if self.train.total is not None:
             embeddings = min(embeddings, self.train.total * (self.train.block_size - 1))
         return group_bytes(self.vocab, self.dim, samples_per_class, sum(self.passes), embeddings,
-                           np.dtype(self.embeddings_dtype).itemsize)
+                           np.dtype(self.embeddings_dtype).itemsize, self.folds)
 
     def batches(self, batch_size: int) -> tuple[int, int]:
         """(train, validation) batches of a checkpoint."""
@@ -376,14 +377,16 @@ def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Pl
     costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count, cfg.seed,
                           store) if known else None
     return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes], plan.save_embeddings,
-                plan.embeddings_dtype, depths=depths(plan))
+                plan.embeddings_dtype, folds=cfg.folds, depths=depths(plan))
 
 
 def announcement(archs: list[Arch], cfg: ExtractConfig, store: Store | Path, device: torch.device) -> str:
     """The line after ``estimate:`` (:func:`estimate`), with the running state's size on ``device`` (that of the
     largest architecture's widest pass)."""
     k = max(max(a.passes) for a in archs)
-    state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
+    folds = cfg.folds if cfg.folds > 1 else 0
+    state = max(k * (a + folds * fold_bytes(x.vocab, x.dim)) + s
+                for x in archs for a, s in [state_bytes(x.vocab, x.dim, cfg.samples_per_class, device)])
     return estimate(archs, cfg.batch_size, cfg.samples_per_class, store,
                     f"; state ~{bytes_text(state)} on {device} ({k} layer(s))")
 

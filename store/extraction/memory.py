@@ -49,11 +49,13 @@ def available_bytes(device: torch.device) -> int:
 
 
 def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,
-                embeddings_itemsize: int = 4) -> int:
+                embeddings_itemsize: int = 4, folds: int = 1) -> int:
     """A checkpoint's size in the store before compression: per stored layer the float64 means, the float32
-    reservoir with its positions, the 7 per-class vectors and the d x d covariance, and the saved embeddings (and
-    their labels); once per checkpoint, the float32 head (its layer groups refer to it)."""
+    reservoir with its positions, the 7 per-class vectors and the d x d covariance, the fold sums (``folds`` > 1:
+    :func:`fold_bytes` each) and the saved embeddings (and their labels); once per checkpoint, the float32 head (its
+    layer groups refer to it)."""
     per_layer = vocab * dim * (8 + 4 * samples_per_class) + vocab * 8 * (7 + samples_per_class) + dim * dim * 8
+    per_layer += folds * fold_bytes(vocab, dim) if folds > 1 else 0
     return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8)) + vocab * dim * 4
 
 
@@ -90,10 +92,12 @@ def host_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devic
 
 
 def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: torch.device,
-             state_memory: int | None = None, host_memory: int | None = None) -> Plan:
+             state_memory: int | None = None, host_memory: int | None = None, folds: int = 1) -> Plan:
     """``plan`` with its passes fitted to the memory under ``--layers-per-pass auto`` (:func:`layers.auto_groups`
-    with :func:`state_bytes` and :func:`state_budget`), and beside a GPU to the host memory the pass's reservoirs
-    take (:func:`host_bytes`), whichever holds fewer layers; any other plan as it is.
+    with :func:`state_bytes`, each layer's ``folds`` fold sums (:func:`fold_bytes`) and :func:`state_budget`), and
+    beside a GPU to the host memory the pass's reservoirs take (:func:`host_bytes`), whichever holds fewer layers; any
+    other plan as it is. The folds are part of a layer's state: a smaller memory means more passes, the same groups
+    (:func:`fit_folds` keeps fewer folds only where one layer with all of them does not fit).
 
     Parameters
     ----------
@@ -103,6 +107,7 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
     device : where the state lives.
     state_memory : ``--state-memory`` in bytes (None: the free memory less a margin).
     host_memory : the host memory the reservoirs may take beside a GPU (None: the host's free memory less a margin).
+    folds : the folds asked for (``--folds``).
 
     Returns
     -------
@@ -110,7 +115,9 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
     """
     if not plan.auto:
         return plan
-    fitted = auto_groups(plan, *state_bytes(vocab, dim, samples_per_class, device), state_budget(device, state_memory))
+    per_layer, shared = state_bytes(vocab, dim, samples_per_class, device)
+    per_layer += folds * fold_bytes(vocab, dim) if folds > 1 else 0
+    fitted = auto_groups(plan, per_layer, shared, state_budget(device, state_memory))
     host = host_bytes(vocab, dim, samples_per_class, device)
     if host:
         budget = host_memory if host_memory is not None else state_budget(torch.device("cpu"))

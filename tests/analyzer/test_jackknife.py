@@ -13,7 +13,8 @@ from test_metrics import brute_force, brute_nc4, random_study
 
 from ncanalyze.analyzer import SCALARS, class_stats, measure
 from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, fold_of
-from ncanalyze.analyzer.jackknife import budget_table, budgets, jackknife, merged, unsettled
+from ncanalyze.analyzer.jackknife import budgets, jackknife, merged, nested_budgets, unsettled
+from ncanalyze.analyzer.metrics import measure_all
 
 FOLDS, BLOCK, MIN = 4, 16, 20
 
@@ -101,7 +102,7 @@ def test_without_folds_or_with_an_empty_fold_the_error_is_nan_with_a_note():
         got = measure(plain, min_count=MIN, se=True, device="cpu")
     assert all(math.isnan(got[f"{m}_se"]) for m in SCALARS)
     few = class_stats(h[:40], y[:40], 60, folds=8, block_size=16)  # 3 blocks: folds 3..7 are empty
-    se, notes = jackknife(few, min_count=1, device="cpu")
+    se, notes = jackknife(few, lambda d: measure_all(d, min_count=1, device="cpu")[0])
     assert all(math.isnan(v) for v in se.values()) and "hold no train token" in notes[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -155,7 +156,7 @@ def test_fold_stats_deal_whole_blocks_and_merge_fold_by_fold():
 def test_nested_budgets_and_the_unsettled_line(folded):
     *_, ds = folded
     assert budgets(8) == [1, 2, 4, 8] and budgets(6) == [1, 2, 4, 6] and budgets(1) == [1]
-    table = budget_table(ds, min_count=MIN, device="cpu")
+    table = nested_budgets(ds, lambda d: measure_all(d, min_count=MIN, device="cpu")[0])
     assert table["folds"].tolist() == [1, 2, 4] and table["tokens"].iloc[-1] == int(ds["count"].sum())
     point = measure(ds, min_count=MIN, device="cpu")
     for m in ("nc1_cdnv", "nc2_etf_error", "within_erank"):

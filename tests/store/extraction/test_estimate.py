@@ -112,7 +112,7 @@ def test_kept_classes_against_counting_by_hand(tmp_path, min_count):
 def test_disk_size_is_a_real_groups_size(extracted_store):
     group = io.checkpoint_groups(extracted_store)[0][0]
     ds = io.read_group(extracted_store, group)
-    size = group_bytes(ds.sizes["vocab"], ds.sizes["hidden"], ds.sizes["slot"])
+    size = group_bytes(ds.sizes["vocab"], ds.sizes["hidden"], ds.sizes["slot"], folds=ds.attrs["folds"])
     assert size == pytest.approx(ds.nbytes, rel=0.05)
 
 

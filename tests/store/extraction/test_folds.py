@@ -2,7 +2,6 @@
 memory budget and recorded."""
 from __future__ import annotations
 
-import logging
 
 import ncanalyze.store
 import numpy as np
@@ -20,10 +19,12 @@ def test_fit_folds_keeps_what_the_budget_holds_and_says_so(caplog):
     room = lambda k: shared + 2 * per_layer + k * 2 * fold_bytes(1000, 64)  # noqa: E731
     assert fit_folds(8, 1000, 64, 4, 2, CPU, budget=room(8)) == 8
     assert fit_folds(1, 1000, 64, 4, 2, CPU, budget=0) == 1
-    with caplog.at_level(logging.WARNING):
+    from conftest import listening
+
+    with listening(caplog, "ncanalyze.store.extraction.memory", "WARNING"):
         assert fit_folds(8, 1000, 64, 4, 2, CPU, budget=room(5) + 1) == 5
-    assert "--folds 8" in caplog.text and "keeping 5 folds" in caplog.text
-    assert fit_folds(8, 1000, 64, 4, 2, CPU, budget=room(1)) == 1
+        assert "--folds 8" in caplog.text and "keeping 5 folds" in caplog.text
+        assert fit_folds(8, 1000, 64, 4, 2, CPU, budget=room(1)) == 1
     assert "no folds: no jackknife errors" in caplog.text
 
 

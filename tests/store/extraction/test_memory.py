@@ -48,11 +48,12 @@ def test_state_memory_sizes():
 @pytest.mark.slow
 def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run, corpus, tmp_path):
     from conftest import EXTRACT_OPTS, assert_same_group, run_cli
-    from ncanalyze.store.extraction.memory import state_bytes
+    from ncanalyze.store.extraction.memory import fold_bytes, state_bytes
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
     vocab, dim = model.get_output_embeddings().weight.shape
     per_layer, shared = state_bytes(vocab, dim, 4, torch.device("cpu"))
+    per_layer += 8 * fold_bytes(vocab, dim)  # the default 8 folds are a layer's state too: the same groups, more passes
     args = ["extract", trained_run / CK, "--dataset", corpus["train"], *EXTRACT_OPTS, "--layers", "all"]
     one, auto = tmp_path / "one.zarr", tmp_path / "auto.zarr"
     run_cli(*args, "--store", one, "--layers-per-pass", "auto")
@@ -69,11 +70,13 @@ def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run,
     """Killed in its second pass of three, then resumed where one pass would fit: the saved groups are kept (the
     finished layer is not thrown away), and the result is one pass's bit for bit."""
     from conftest import assert_same_group, kill_when, run_cli
-    from ncanalyze.store.extraction.memory import state_bytes
+    from ncanalyze.store.extraction.memory import fold_bytes, state_bytes
     from test_kill_resume import _state
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
-    per_layer, shared = state_bytes(*model.get_output_embeddings().weight.shape, 8, torch.device("cpu"))
+    shape = model.get_output_embeddings().weight.shape
+    per_layer, shared = state_bytes(*shape, 8, torch.device("cpu"))
+    per_layer += 8 * fold_bytes(*shape)  # the default 8 folds
     args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 2048,
             "--max-val-tokens", 1024, "--batch-size", 1, "--state-every", 0, "--layers", "all"]
     one, store = tmp_path / "one.zarr", tmp_path / "killed.zarr"
@@ -93,7 +96,7 @@ def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp
     """A Llama-shaped model at V = 128,256 (width 16, 4 blocks), random-initialised from its config, ``--layers all``
     under a ``--state-memory`` of two layers: three passes, every layer's group one pass's bit for bit."""
     from conftest import assert_same_group, run_cli
-    from ncanalyze.store.extraction.memory import state_bytes
+    from ncanalyze.store.extraction.memory import fold_bytes, state_bytes
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128_256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
@@ -105,6 +108,7 @@ def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp
     np.save(tmp_path / "train.npy", zipf.astype(np.int64))
     np.save(tmp_path / "val.npy", rng.integers(0, config.vocab_size, (8, 33)))
     per_layer, shared = state_bytes(config.vocab_size, 16, 1, torch.device("cpu"))
+    per_layer += 8 * fold_bytes(config.vocab_size, 16)  # the default 8 folds
     args = ["extract", tmp_path / "llama", "--dataset", tmp_path / "train.npy", "--val-dataset", tmp_path / "val.npy",
             "--layers", "all", "--samples-per-class", 1, "--batch-size", 16]
     run_cli(*args, "--store", tmp_path / "one.zarr")

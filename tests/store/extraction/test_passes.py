@@ -4,7 +4,6 @@ its deepest layer, bit for bit the hidden states ``output_hidden_states`` gives,
 NC4 share the head's float64 logits."""
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import pytest
@@ -136,13 +135,10 @@ def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_r
     with torch.no_grad():
         want = model(ids, output_hidden_states=True).hidden_states
     blocks, other = ran(model)
-    logger = logging.getLogger("ncanalyze.store.sources.anatomy")  # the CLI's logging setup may stop propagation to root
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level("INFO", logger="ncanalyze.store.sources.anatomy"):
-            h = hidden_forward(model, (1,), 2)(ids)
-    finally:
-        logger.removeHandler(caplog.handler)
+    from conftest import listening
+
+    with listening(caplog, "ncanalyze.store.sources.anatomy"):
+        h = hidden_forward(model, (1,), 2)(ids)
     assert "cannot be cut" in caplog.text
     np.testing.assert_array_equal(h[0].numpy(), want[1][:, :-1].numpy())
     blocks.clear()
