@@ -9,7 +9,7 @@
   :func:`sign_notes` says so ("the sign flips between step 120 and 240").
 
 :func:`claims` adds to each (metric, scale) the bootstrap intervals over whole runs of r, R², rho and the partial
-r (:mod:`ncanalyze.analyzer.resample`), the two questions and their notes. :func:`control_table` gives the partial r
+r (:mod:`ncanalyze.analyzer.resample`), the two questions and their notes. :func:`ncanalyze.analyzer.stats.control_table` gives the partial r
 under each choice of scale control (none, log parameters, the varying design factors, architecture fixed effects).
 """
 from __future__ import annotations
@@ -163,25 +163,3 @@ def residual_r(x: np.ndarray, y: np.ndarray, Z: np.ndarray) -> float:
     if nx < 1e-10 * np.linalg.norm(x - x.mean()) or ny < 1e-10 * np.linalg.norm(y - y.mean()):
         return np.nan
     return float(ex @ ey / (nx * ny))
-
-
-def control_table(df: pd.DataFrame, metrics: Sequence[str], target: str, scale_controls: dict[str, pd.DataFrame],
-                  progress: pd.DataFrame) -> pd.DataFrame:
-    """The partial r of each metric (raw and log10 where positive) with ``target`` under each scale control of
-    ``scale_controls`` (name: numeric columns, or dummies for fixed effects), each beside the training-progress
-    control ``progress`` (empty: none), and r with no control at all. One row per (metric, scale)."""
-    from ncanalyze.analyzer.stats import scaled_metrics
-    y = pd.to_numeric(df[target], errors="coerce").astype(float)
-    X, _ = scaled_metrics(df, metrics)
-    rows = []
-    for metric, scale in X.columns:
-        x = X[metric, scale]
-        ok = x.notna() & np.isfinite(y) & progress.notna().all(axis=1)
-        if ok.sum() < MIN_N or not x[ok].notna().any():
-            continue
-        row = {"metric": metric, "scale": scale, "n": int(ok.sum()), "none": float(np.corrcoef(x[ok], y[ok])[0, 1])}
-        for name, Z in scale_controls.items():
-            row[name] = np.nan if Z is None else residual_r(x[ok].to_numpy(), y[ok].to_numpy(), np.column_stack(
-                [Z[ok].to_numpy(float), progress[ok].to_numpy(float)]))
-        rows.append(row)
-    return pd.DataFrame(rows)

@@ -58,7 +58,7 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
-from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, sign_notes
+from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, residual_r, sign_notes
 from ncanalyze.analyzer.registry import N_BOOT, N_PERM
 from ncanalyze.analyzer.schema import CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS
 
@@ -714,3 +714,24 @@ def permutation_text(stats: pd.DataFrame, seed: int | None = None) -> str:
 
 def _count_text(n: float) -> str:
     return f"{int(n)}" if n < 1e6 else ("more than 10^308" if np.isinf(n) else f"about 10^{np.log10(n):.0f}")
+
+
+def control_table(df: pd.DataFrame, metrics: Sequence[str], target: str, scale_controls: dict[str, pd.DataFrame],
+                  progress: pd.DataFrame) -> pd.DataFrame:
+    """The partial r of each metric (raw and log10 where positive) with ``target`` under each scale control of
+    ``scale_controls`` (name: numeric columns, or dummies for fixed effects), each beside the training-progress
+    control ``progress`` (empty: none), and r with no control at all. One row per (metric, scale)."""
+    y = pd.to_numeric(df[target], errors="coerce").astype(float)
+    X, _ = scaled_metrics(df, metrics)
+    rows = []
+    for metric, scale in X.columns:
+        x = X[metric, scale]
+        ok = x.notna() & np.isfinite(y) & progress.notna().all(axis=1)
+        if ok.sum() < MIN_N or not x[ok].notna().any():
+            continue
+        row = {"metric": metric, "scale": scale, "n": int(ok.sum()), "none": float(np.corrcoef(x[ok], y[ok])[0, 1])}
+        for name, Z in scale_controls.items():
+            row[name] = np.nan if Z is None else residual_r(x[ok].to_numpy(), y[ok].to_numpy(), np.column_stack(
+                [Z[ok].to_numpy(float), progress[ok].to_numpy(float)]))
+        rows.append(row)
+    return pd.DataFrame(rows)

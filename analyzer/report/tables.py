@@ -605,7 +605,7 @@ def control_robustness(sel: pd.DataFrame, metrics: Sequence[str], target: str,
     pandas.DataFrame
         Formatted strings, one row per metric and scale; empty without the columns.
     """
-    from ncanalyze.analyzer.questions import control_table
+    from ncanalyze.analyzer.stats import control_table
     from ncanalyze.analyzer.schema import DESIGN
     from ncanalyze.analyzer.stats import eval_controls, expand_design
     ms = [m for m in metrics if m in sel.columns]

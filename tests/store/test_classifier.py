@@ -204,7 +204,7 @@ def test_the_estimate_counts_the_head_once(stores):
     V, d, S = ds.sizes["vocab"], ds.sizes["hidden"], ds.sizes["slot"]
     est = group_bytes(V, d, S, layers=len(groups), folds=ds.attrs["folds"])
     assert est == pytest.approx(held, rel=0.01)
-    assert est + len(LAYERS) * V * d * 4 != pytest.approx(held, rel=0.05)  # the head per layer would miss it
+    assert est + len(LAYERS) * V * d * 4 != pytest.approx(held, rel=0.01)  # the head per layer would miss it
 
 
 def test_a_corrupt_head_skips_its_checkpoint_with_every_layer_and_names_the_fix(stores, tmp_path):
