@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import engine_device
 from ncanalyze.analyzer.metrics import measure_all
@@ -55,7 +56,7 @@ class MeasureResult:
 
 
 def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
-                  force: bool = False, device: str = "auto") -> MeasureResult:
+                  force: bool = False, device: str = "auto", threads_setting: int | str = "auto") -> MeasureResult:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
     store the results in its group, and return them with the table of one row per checkpoint and stored layer: run,
     checkpoint, global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its
@@ -68,12 +69,13 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     address (default ``$DASK_SCHEDULER_ADDRESS``); without one the local threaded scheduler; a scheduler without
     workers gets ``WORKER_WAIT_S`` seconds for one to join, then a one-line error. ``device``: where the pairwise sums
     and the d x d work run (``auto``: CUDA where torch sees one, in this process; else the numba pass on the CPU, on
-    the scheduler's workers where there is one).
+    the scheduler's workers where there is one). ``threads_setting``: ``--threads`` of this process's kernels
+    (ncanalyze.analyzer.threads; torch's and the BLAS's).
 
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
     """
-    MeasureSettings(min_count=min_count, tile=tile, device=device)  # a bad value: the command's one line
+    MeasureSettings(min_count=min_count, tile=tile, device=device, threads=threads_setting)  # a bad value: the command's one line
     store = Store.at(store)
     store.require()  # the one-line error for a path that is not a store
     on = engine_device(device)  # a device that is not there: one line, before any work
@@ -87,7 +89,7 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
                       ReadOnlyStore, stacklevel=2)
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
-    with client(scheduler, workers=WORKER_WAIT_S if todo else None):
+    with client(scheduler, workers=WORKER_WAIT_S if todo else None), threads.policy(threads_setting):
         for g in tqdm(todo, desc="measuring", unit="group", disable=None):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

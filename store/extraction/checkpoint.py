@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
@@ -105,7 +106,7 @@ def extract_checkpoint(ckpt: Checkpoint, store: Store, cfg: ExtractConfig, overw
     """
     run = resolve(ckpt, cfg)
     files = store.files(ckpt)
-    with store.lock(ckpt.group):
+    with store.lock(ckpt.group), threads.policy(cfg.threads):
         if _settle(ckpt, store, cfg, run.record, overwrite) is Status.SKIP:
             return Outcome.SKIPPED
         loaded = load_checkpoint(ckpt, cfg, run)

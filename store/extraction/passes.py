@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.data.blocks import Blocks
@@ -84,6 +85,7 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
             yield h.reshape(*h.shape[:-3], -1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
             ex.batches, ex.stream = ex.batches + 1, digest.hexdigest()
             bar.update()
+            threads.tick()  # --threads auto: the load measured again every few seconds
             saver.maybe()
     if seen < ex.batches:
         _data_changed(blocks, desc)

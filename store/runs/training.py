@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import check_name
@@ -302,7 +303,7 @@ class NeuralCollapseCallback(TrainerCallback):
         setup, scalars, files = self.setup, {}, self.store.group_files(group)
         cfg, model = setup.cfg, adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
         rank, world = ddp.rank_world()
-        with untouched(model):
+        with untouched(model), threads.policy(cfg.threads):  # training's own thread count comes back after
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
             device = classifier.device
