@@ -9,8 +9,8 @@ runs as many threads as there are cores that other processes leave idle, and nev
 
     threads = clamp(round(allowed - others), 1, floor(allowed))
 
-with ``allowed`` the cores this process may run on (:func:`allowed_cores`: ``os.sched_getaffinity`` and a cgroup CPU
-quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``) and ``others`` the cores other processes kept busy over the last
+with ``allowed`` the cores this process may run on (:func:`allowed_cores`: ``os.sched_getaffinity``, a cgroup CPU
+quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, and ``OMP_NUM_THREADS`` where the user set it) and ``others`` the cores other processes kept busy over the last
 interval (:func:`others_busy`: the busy time of the allowed CPUs in ``/proc/stat``, less this process's own CPU
 time). It is measured again every :data:`INTERVAL` seconds between batches (:func:`tick`), so a load that comes or
 goes mid-run changes it. An integer N is used as given (capped at nothing: the user asked); ``auto`` where
@@ -59,10 +59,17 @@ def affinity() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def allowed_cores(cpus: set[int] | None = None, cores_quota: float | None = None) -> float:
-    """The cores this process may use: its CPUs, less where a cgroup quota allows fewer (a quota of 1.5: 1.5)."""
+def omp_cap(environ=os.environ) -> int | None:
+    """``OMP_NUM_THREADS`` where the user set it to a positive integer (``auto`` never runs more), else None."""
+    value = environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) >= 1 else None
+
+
+def allowed_cores(cpus: set[int] | None = None, cores_quota: float | None = None, cap: int | None = None) -> float:
+    """The cores this process may use: its CPUs, less where a cgroup quota allows fewer (a quota of 1.5: 1.5) or
+    ``OMP_NUM_THREADS`` (``cap``) asks for fewer."""
     n = len(affinity() if cpus is None else cpus)
-    return float(n if cores_quota is None else min(n, cores_quota))
+    return float(min(n, cores_quota or n, cap or n))
 
 
 def choose(allowed: float, others: float) -> int:
@@ -128,7 +135,7 @@ class Policy:
     def __init__(self, setting: int | str | None = AUTO, interval: float = INTERVAL):
         self.setting, self.interval = parse(setting), interval
         self.cpus = affinity()
-        self.allowed = allowed_cores(self.cpus, quota())
+        self.allowed = allowed_cores(self.cpus, quota(), omp_cap())
         self.others: float | None = None
         self.last = read(self.cpus) if self.setting == AUTO else None
         self.threads = self.setting if self.setting != AUTO else self._auto(first=True)
