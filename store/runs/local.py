@@ -21,6 +21,7 @@ from ncanalyze.store.extraction.config import (
     resolve,
 )
 from ncanalyze.store.extraction.settings import ExtractConfig
+from ncanalyze.store.extraction import progress as time_left
 from ncanalyze.store.extraction.estimate import (
     START,
     Arch,
@@ -278,6 +279,7 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
                     result.add(group, outcome, at=at)
     finally:
         store.prune()
+        time_left.track(None)  # the run's time left is followed no further
     return result
 
 
