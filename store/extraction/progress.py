@@ -91,11 +91,18 @@ class Tracker:
 
 
 _tracker: list[Tracker] = []
+_last: list[Tracker] = []
 
 
 def track(tracker: Tracker | None) -> None:
     """Follow ``tracker`` from now on (None: nothing), in place of any earlier run's."""
     _tracker[:] = [tracker] if tracker is not None else []
+    _last[:] = _tracker or _last
+
+
+def last() -> Tracker | None:
+    """The last run's :class:`Tracker`, followed or not (its ``history`` for benchmarks/estimate.py)."""
+    return _last[0] if _last else None
 
 
 def batch(ex, bar=None) -> None:
