@@ -251,6 +251,13 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     assert seen == {5, 10, 15, 20}, rec.logs
     timed = [line for line in lines if "measured in" in line]
     assert len(timed) == 4 and all(" s" in line for line in timed), lines
+    (costs,) = [line for line in lines if "of the training time at this interval" in line]  # said once, the first
+    c, blocks = cb.cost, cb.setup.train
+    assert (c.measured_s, c.steps, c.train_tokens) == (cb.seconds[0], 5, blocks.total * blocks.block_size)
+    assert c.sequences == 5 * trainer.args.train_batch_size * trainer.args.gradient_accumulation_steps
+    assert costs.startswith(f"ncanalyze: neo/step-5 measured {c.train_tokens:,} train + {c.val_tokens:,} val tokens "
+                            f"in {c.measured_s:,.1f} s, against {c.trained_s:,.1f} s of training"), costs
+    assert f": {c.measured_s / c.trained_s:.0%} of the training time" in costs
 
 
 @pytest.mark.slow
