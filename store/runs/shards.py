@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.accumulate import ClassStats
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.extraction import layers
@@ -148,7 +149,8 @@ def train_shard(ckpt: Checkpoint, cfg: ExtractConfig, start: int, stop: int,
     blocks = dataclasses.replace(blocks, max_blocks=cap if blocks.max_blocks is None else min(blocks.max_blocks, cap))
     ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
-    train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group), f"{ckpt.group} [{start}:{stop}]")
+    with threads.policy(cfg.threads):  # a Dask worker's OMP_NUM_THREADS=1 caps auto at 1
+        train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group), f"{ckpt.group} [{start}:{stop}]")
     return _arrays(ex.main().stats, ex.main().reservoir)
 
 
