@@ -120,3 +120,13 @@ def test_auto_measures_a_real_load_and_again_between_batches():
         proc.terminate()
         proc.join(5)
     threads.tick()  # outside a policy: nothing
+
+
+@pytest.mark.parametrize("command", ["measure", "extract"])
+def test_the_commands_take_the_flag_and_refuse_a_bad_value_in_one_line(command, tmp_path):
+    from conftest import run_cli
+
+    args = ["extract", tmp_path, "--dataset", tmp_path / "x.npy"] if command == "extract" else ["measure", tmp_path]
+    out = run_cli(*args, "--threads", "0", ok=False).output
+    assert "threads (--threads) must be auto or a positive integer, got '0'" in out, out
+    assert "--threads auto|N" in run_cli(command, "--help").output
