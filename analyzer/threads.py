@@ -137,7 +137,7 @@ class Policy:
         self.cpus = affinity()
         self.allowed = allowed_cores(self.cpus, quota(), omp_cap())
         self.others: float | None = None
-        self.last = read(self.cpus) if self.setting == AUTO else None
+        self.last = read(self.cpus) if self.setting == AUTO and self.allowed >= 2 else None  # one core: nothing to ask
         self.threads = self.setting if self.setting != AUTO else self._auto(first=True)
         self.limits = None
         self._set(self.threads)
@@ -179,6 +179,8 @@ class Policy:
         n = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
         if self.setting != AUTO:
             return f"{n} (--threads {self.setting})"
+        if self.allowed < 2:
+            return f"{n} (auto: {self.allowed:g} core allowed)"
         busy = "load unknown" if self.others is None else f"{self.others:.1f} busy with other work"
         return f"{n} (auto: {self.allowed:g} cores allowed, {busy})"
 

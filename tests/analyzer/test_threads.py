@@ -101,9 +101,11 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def test_auto_measures_a_real_load_and_again_between_batches():
+@pytest.mark.skipif(len(threads.affinity()) < 2, reason="one CPU: auto has nothing to choose")
+def test_auto_measures_a_real_load_and_again_between_batches(monkeypatch):
     """A spinning process (ours, bounded) is other work: auto counts at least half a core busy, chooses by its rule
     within the allowed cores, and measures again once its interval has passed."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's cap of 1 would leave nothing to choose
     proc = mp.get_context("spawn").Process(target=_spin, args=(3.0,), daemon=True)
     proc.start()
     try:
@@ -120,6 +122,9 @@ def test_auto_measures_a_real_load_and_again_between_batches():
         proc.terminate()
         proc.join(5)
     threads.tick()  # outside a policy: nothing
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with threads.policy("auto") as p:  # one core allowed: 1 thread, no reading to take
+        assert (p.threads, p.last, p.describe()) == (1, None, "1 thread (auto: 1 core allowed)")
 
 
 @pytest.mark.parametrize("command", ["measure", "extract"])
