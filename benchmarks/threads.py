@@ -9,7 +9,7 @@ state, then the float64 class statistics), timed as the median of the batches of
 ``--threads auto`` (ncanalyze.analyzer.threads: the cores other processes leave idle, measured again between
 batches). Conditions: ``idle`` (no load of ours; the machine's own load average is printed: a shared machine is not
 idle), and ``loaded``: ``--busy`` spinning processes per allowed core (default 1), each ending itself after
-``--limit`` seconds and ended by this script when it is done, Ctrl-C included. Prints the seconds per batch and each
+``--limit`` seconds or when this script is gone, and ended by this script when it is done, Ctrl-C included. Prints the seconds per batch and each
 setting's ratio to the best of the condition; the default should be within 1.2x of the best in both.
 """
 from __future__ import annotations
@@ -31,10 +31,12 @@ from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 
 def spin(deadline: float) -> None:
-    """A busy process: spins until ``deadline`` (time.time), so it ends even if nobody ends it."""
-    x = 0
-    while time.time() < deadline:
-        x += 1
+    """A busy process: spins until ``deadline`` (time.time) or until its parent is gone (killed without cleaning
+    up), so it ends even if nobody ends it."""
+    parent, x = os.getppid(), 0
+    while time.time() < deadline and os.getppid() == parent:
+        for _ in range(100_000):
+            x += 1
 
 
 @contextmanager
