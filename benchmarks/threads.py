@@ -8,7 +8,7 @@ state, then the float64 class statistics), timed as the median of the batches of
 ``1`` thread, ``N`` threads (the cores this process may use: affinity and cgroup quota), and the default,
 ``--threads auto`` (ncanalyze.analyzer.threads: the cores other processes leave idle, measured again between
 batches). Conditions: ``idle`` (no load of ours; the machine's own load average is printed: a shared machine is not
-idle), and ``loaded``: ``--busy`` spinning processes per allowed core (default 1), each ending itself after
+idle), ``1 busy``: one spinning process, and ``loaded``: ``--busy`` spinning processes per allowed core (default 1), each ending itself after
 ``--limit`` seconds or when this script is gone, and ended by this script when it is done, Ctrl-C included. Prints the seconds per batch and each
 setting's ratio to the best of the condition; the default should be within 1.2x of the best in both.
 """
@@ -51,9 +51,10 @@ def load(n: int, limit: float) -> Iterator[list[mp.Process]]:
         time.sleep(0.5)  # running before anything is timed
         yield procs
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             p.terminate()
-        for p in procs:
+        for p in started:
             p.join(5)
 
 
@@ -103,9 +104,9 @@ def condition(name: str, step, settings: list, seconds: float, rounds: int) -> d
     median = {k: statistics.median(v) for k, v in times.items()}
     best = min(median.values())
     for k, v in median.items():
-        print(f"  {name:>6}  --threads {k:>4}: {v * 1e3:8.1f} ms/batch, {v / best:5.2f}x the best  "
+        print(f"  {name:>7}  --threads {k:>4}: {v * 1e3:8.1f} ms/batch, {v / best:5.2f}x the best  "
               f"[{len(times[k])} batches; last round: {chose[k]}]", flush=True)
-    print(f"  {name:>6}: load average {load1:.1f} before, {os.getloadavg()[0]:.1f} after", flush=True)
+    print(f"  {name:>7}: load average {load1:.1f} before, {os.getloadavg()[0]:.1f} after", flush=True)
     return {k: v / best for k, v in median.items()}
 
 
@@ -128,8 +129,9 @@ def main() -> None:
           f"{torch.__version__}, {torch.get_num_threads()} threads by default; batch {a.batch_size} x {a.block_size}, "
           f"GPT-Neo width {a.width}, {a.layers} layers, vocab {a.vocab:,}", flush=True)
     ratios = {"idle": condition("idle", step, settings, a.seconds, a.rounds)}
-    with load(a.busy * n, a.limit):
-        ratios["loaded"] = condition("loaded", step, settings, a.seconds, a.rounds)
+    for name, busy in (("1 busy", 1), ("loaded", a.busy * n)) if n > 1 else (("loaded", a.busy),):
+        with load(busy, a.limit):
+            ratios[name] = condition(name, step, settings, a.seconds, a.rounds)
     worst = max(r[threads.AUTO] for r in ratios.values())
     print(f"default (auto) against the best setting: at most {worst:.2f}x (aim: <= 1.2x)")
 
