@@ -5,11 +5,9 @@ Why a policy: torch's CPU kernels run on an OpenMP team (libgomp) of ``torch.get
 every parallel region ends at a barrier. When another process holds a core, one thread of the team is descheduled
 and the others wait for it at each barrier (spinning, then sleeping), for as long as the scheduler's time slice:
 on a shared 2-core machine two threads ran 6-10x slower than one (benchmarks/threads.py measures it). So ``auto``
-runs a thread per core other processes leave idle, and one more sharing a busy core (measured: with one other busy
-process on 2 cores, 2 threads beat 1 by 1.6x; with both busy, 1 beat 2 by 2-8x), never more than this process may
-use:
+runs as many threads as there are cores that other processes leave idle, and never more than this process may use:
 
-    threads = clamp(round(allowed - others) + 1, 1, floor(allowed))
+    threads = clamp(round(allowed - others), 1, floor(allowed))
 
 with ``allowed`` the cores this process may run on (:func:`allowed_cores`: ``os.sched_getaffinity``, a cgroup CPU
 quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, and ``OMP_NUM_THREADS`` where the user set it) and ``others`` the cores other processes kept busy over the last
@@ -75,17 +73,17 @@ def allowed_cores(cpus: set[int] | None = None, cores_quota: float | None = None
 
 
 def choose(allowed: float, others: float) -> int:
-    """The thread count for ``allowed`` cores with ``others`` of them kept busy by other processes: one thread per
-    idle core (rounded) and one more, sharing a busy core, at least 1 and at most ``floor(allowed)``. Measured on
-    2 cores (benchmarks/threads.py): with one other busy process 2 threads beat 1 by 1.6x; with both cores busy with
-    other work 1 thread beat 2 by 2-8x.
+    """The thread count for ``allowed`` cores with ``others`` of them kept busy by other processes: the cores left
+    idle, rounded, at least 1 and at most ``floor(allowed)``. Measured on 2 cores (benchmarks/threads.py): idle, 2
+    threads beat 1 by 1.55x; with both cores busy with other work 1 beat 2 by 2-8x; with one other busy process it
+    went either way (1.5-1.6x each way in two runs), and an extra thread is the side whose loss is unbounded.
 
     Examples
     --------
-    >>> choose(2, 0.1), choose(2, 1.1), choose(2, 1.7), choose(16, 3.2), choose(1.5, 0)
-    (2, 2, 1, 14, 1)
+    >>> choose(2, 0.1), choose(2, 0.6), choose(2, 1.7), choose(16, 3.2), choose(1.5, 0)
+    (2, 1, 1, 13, 1)
     """
-    return int(max(1, min(math.floor(allowed), math.floor(allowed - others + 0.5) + 1)))
+    return int(max(1, min(math.floor(allowed), math.floor(allowed - others + 0.5))))
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from threadpoolctl import threadpool_info
 
 
 @pytest.mark.parametrize("allowed, others, want", [
-    (2, 0.0, 2), (2, 1.1, 2), (2, 1.49, 2), (2, 1.51, 1), (2, 1.9, 1), (2, 7.5, 1),   # load above the cores: still 1
-    (16, 3.2, 14), (16, 0.0, 16), (1.5, 0.0, 1), (4, 4.0, 1), (4, 3.0, 2), (8, 2.5, 7)])
-def test_choose_is_the_idle_cores_rounded_and_one_more(allowed, others, want):
+    (2, 0.0, 2), (2, 0.49, 2), (2, 0.51, 1), (2, 1.1, 1), (2, 1.9, 1), (2, 7.5, 1),   # load above the cores: still 1
+    (16, 3.2, 13), (16, 0.0, 16), (1.5, 0.0, 1), (4, 4.0, 1), (4, 3.0, 1), (8, 2.5, 6)])
+def test_choose_is_the_idle_cores_rounded(allowed, others, want):
     assert threads.choose(allowed, others) == want
 
 
