@@ -91,6 +91,7 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
     with client(scheduler, workers=WORKER_WAIT_S if todo else None), threads.policy(threads_setting):
         for g in tqdm(todo, desc="measuring", unit="group", disable=None):
+            threads.tick()  # --threads auto: the load measured again between groups
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
