@@ -230,8 +230,10 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     small = ("--max-train-tokens", 512, "--max-val-tokens", 256, "--batch-size", 4, "--samples-per-class", 2)
     cb = NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5, layers="all",
                                 **{**OPTS, "max_train_tokens": 512, "max_val_tokens": 256})
+    before = torch.get_num_threads()
     with said(caplog) as lines:
         trainer = train(corpus, tmp_path / "neo", [rec, cb], give_trainer=True)
+    assert torch.get_num_threads() == before  # the measurements' thread policy put training's count back
     tree = ncanalyze.store.open(tmp_path / "s.zarr")
     assert list(tree["neo"].children) == ["step-5", "step-10", "step-15", "step-20"]
     run_cli("extract", tmp_path / "neo", "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store",
