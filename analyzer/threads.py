@@ -10,13 +10,14 @@ runs as many threads as there are cores that other processes leave idle, and nev
     threads = clamp(round(allowed - others), 1, floor(allowed))
 
 with ``allowed`` the cores this process may run on (:func:`allowed_cores`: ``os.sched_getaffinity``, a cgroup CPU
-quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, and ``OMP_NUM_THREADS`` where the user set it) and ``others`` the cores other processes kept busy over the last
-interval (:func:`others_busy`: the busy time of the allowed CPUs in ``/proc/stat``, less this process's own CPU
-time). It is measured again every :data:`INTERVAL` seconds between batches (:func:`tick`), so a load that comes or
-goes mid-run changes it. An integer N is used as given (capped at nothing: the user asked); ``auto`` where
-``/proc/stat`` is unreadable (not Linux) is the allowed cores. The thread count the caller had is restored when the
-policy ends (:func:`policy`), so the training callback leaves training's own setting as it was. The same count goes
-to the BLAS and OpenMP pools numpy and numba load (threadpoolctl), which ``measure``'s d x d work runs on.
+quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, and ``OMP_NUM_THREADS`` where the user set it) and ``others`` the
+cores other processes kept busy over the last interval (:func:`others_busy`: the busy time of the allowed CPUs in
+``/proc/stat``, less this process's own CPU time). It is measured again every :data:`INTERVAL` seconds between
+batches (:func:`tick`), so a load that comes or goes mid-run changes it. An integer N is used as given (capped at
+nothing: the user asked); ``auto`` where ``/proc/stat`` is unreadable (not Linux) is the allowed cores. The thread
+count the caller had is restored when the policy ends (:func:`policy`), so the training callback leaves training's
+own setting as it was. The same count goes to the BLAS and OpenMP pools numpy and numba load (threadpoolctl), which
+``measure``'s d x d work runs on.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from threadpoolctl import threadpool_limits
 from ncanalyze.analyzer.settings import parse_threads as parse
+from threadpoolctl import threadpool_limits
 
 AUTO = "auto"
 INTERVAL = 5.0   # seconds between measurements of the load (between batches)

@@ -4,13 +4,14 @@
     python benchmarks/threads.py --seconds 4 --busy 3
 
 The work is one train batch of the extraction as ``ncanalyze extract`` runs it (the forward pass to the last hidden
-state, then the float64 class statistics), timed as the median of the batches of ``--rounds`` alternating rounds over ``--seconds`` per setting. Contenders:
-``1`` thread, ``N`` threads (the cores this process may use: affinity and cgroup quota), and the default,
-``--threads auto`` (ncanalyze.analyzer.threads: the cores other processes leave idle, measured again between
-batches). Conditions: ``idle`` (no load of ours; the machine's own load average is printed: a shared machine is not
-idle), ``1 busy``: one spinning process, and ``loaded``: ``--busy`` spinning processes per allowed core (default 1), each ending itself after
-``--limit`` seconds or when this script is gone, and ended by this script when it is done, Ctrl-C included. Prints the seconds per batch and each
-setting's ratio to the best of the condition; the default should be within 1.2x of the best in both.
+state, then the float64 class statistics), timed as the median of the batches of ``--rounds`` alternating rounds
+over ``--seconds`` per setting. Contenders: ``1`` thread, ``N`` threads (the cores this process may use: affinity
+and cgroup quota), and the default, ``--threads auto`` (ncanalyze.analyzer.threads: the cores other processes leave
+idle, measured again between batches). Conditions: ``idle`` (no load of ours; the machine's own load average is
+printed: a shared machine is not idle), ``1 busy``: one spinning process, and ``loaded``: ``--busy`` spinning
+processes per allowed core (default 1), each ending itself after ``--limit`` seconds or when this script is gone,
+and ended by this script when it is done, Ctrl-C included. Prints the seconds per batch and each setting's ratio to
+the best of the condition; the default should be within 1.2x of the best idle and loaded.
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
     """
-    MeasureSettings(min_count=min_count, tile=tile, device=device, threads=threads_setting)  # a bad value: the command's one line
+    # a bad value: the command's one line
+    MeasureSettings(min_count=min_count, tile=tile, device=device, threads=threads_setting)
     store = Store.at(store)
     store.require()  # the one-line error for a path that is not a store
     on = engine_device(device)  # a device that is not there: one line, before any work

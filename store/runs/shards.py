@@ -150,7 +150,8 @@ def train_shard(ckpt: Checkpoint, cfg: ExtractConfig, start: int, stop: int,
     ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
     with threads.policy(cfg.threads):  # a Dask worker's OMP_NUM_THREADS=1 caps auto at 1
-        train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group), f"{ckpt.group} [{start}:{stop}]")
+        train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group),
+                   f"{ckpt.group} [{start}:{stop}]")
     return _arrays(ex.main().stats, ex.main().reservoir)
 
 

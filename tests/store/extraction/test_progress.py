@@ -69,5 +69,6 @@ def test_a_real_run_refreshes_its_time_left(extracted_store, trained_run, corpus
     shutil.rmtree(store / io.checkpoint_groups(store)[0][1])
     out = run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS,
                   "--threads", "1").output
-    assert re.search(r"estimate: ~[\d.,]+ (s|min|h) left, at the rate of the last [\d.,]+ s \([\d.,]+ s done\)", out), out
+    left = r"estimate: ~[\d.,]+ (s|min|h) left, at the rate of the last [\d.,]+ s \([\d.,]+ s done\)"
+    assert re.search(left, out), out
     assert progress.current() is None  # the run is over: followed no further
