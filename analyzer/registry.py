@@ -88,10 +88,33 @@ def _device(value: str) -> str:
     return value.strip().lower()
 
 
+def parse_threads(value: int | str | None) -> int | str:
+    """``auto`` (None too) or a positive integer (an int, or its digits): ``--threads`` (ncanalyze.analyzer.threads).
+
+    Raises
+    ------
+    ValueError
+        "must be auto or a positive integer" (said in one line with the flag).
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
+        return int(value)
+    raise ValueError("must be auto or a positive integer")
+
+
+THREADS_HELP = ("Threads of torch's CPU kernels: auto (the cores other processes leave idle, within this process's "
+                "CPU affinity and cgroup quota, measured again every few seconds between batches: on a shared "
+                "machine extra threads wait at every barrier for a descheduled one) or N. The caller's setting is "
+                "restored afterwards.")
+
 SHARED: dict[str, dict[str, Any]] = {  # the settings of several commands: flag, default and rule, once
     "min_count": dict(default=1, minimum=1),
     "seed": dict(default=0, minimum=0, maximum=2**63 - 1),
     "device": dict(default="auto", check=_device),
+    "threads": dict(default="auto", kind=str, metavar="auto|N", check=parse_threads),
 }
 
 
@@ -180,6 +203,7 @@ class MeasureSettings:
     se: bool = setting(True, section="Measuring", help=(
         "Each metric's delete-one-fold jackknife error <metric>_se (F + 1 measurements per group with F folds); "
         "--no-se leaves them nan (measure --force adds them later)."))
+    threads: int | str = shared("threads", section="Measuring", help=THREADS_HELP)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -15,22 +15,29 @@ costs cancel, and the marginal rate is tokens / seconds of the difference, with 
   global) plus the merge of its state into another (``merge_states``), the cluster's code path;
 - ``base-model forward``: ``model.transformer(ids)`` alone (no output layer), the reference (target >= 0.9);
 - ``causal-LM forward``: ``model(ids)`` with the 50,257-way logits, for scale.
+
+Every contender runs under the thread policy (``--threads``, default auto), ``--conditions quiet,loaded`` times them
+without and with busy processes of our own on every allowed core.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import torch
+from ncanalyze.analyzer import threads
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.passes import train_pass
 from ncanalyze.store.extraction.running import Extraction, LayerState
 from ncanalyze.store.resume import Saver
 from ncanalyze.store.runs.shards import _arrays, merge_states
+from threads import load  # benchmarks/threads.py: bounded busy processes
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 
@@ -59,6 +66,10 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--cuda", action="store_true", help="the GPU setting: width 1024, 12 layers, --device cuda "
                    "--dtype bfloat16, 40 and 120 batches")
+    p.add_argument("--threads", default="auto", help="--threads of the timed work (auto: the thread policy)")
+    p.add_argument("--conditions", default="quiet", help="comma-separated: quiet (no load of ours), loaded "
+                   "(--busy spinning processes per allowed core, bounded, ended by the script)")
+    p.add_argument("--busy", type=int, default=1)
     p.add_argument("--text", help="a text file to tokenize (else Zipf-distributed random ids)")
     p.add_argument("--tokenizer", help="tokenizer folder for --text")
     args = p.parse_args()
@@ -113,13 +124,33 @@ def main() -> None:
             "base-model forward": lambda n: forward(model.transformer, n),
             "causal-LM forward": lambda n: forward(model, n),
         }
-        for f in contenders.values():  # warm-up
-            f(args.short)
-        best = {k: {args.short: float("inf"), args.long: float("inf")} for k in contenders}
-        for _ in range(args.repeats):  # alternate, so that a burst of load hits every contender alike
-            for k, f in contenders.items():
-                for n in (args.short, args.long):
-                    best[k][n] = min(best[k][n], f(n))
+        for condition in args.conditions.split(","):
+            with ExitStack() as stack:
+                if condition == "loaded":
+                    stack.enter_context(load(args.busy * int(threads.allowed_cores(threads.affinity(),
+                                                                                   threads.quota())), 1800))
+                policy = stack.enter_context(threads.policy(args.threads))
+                best = timed(contenders, args)
+                print(f"[{condition}: {policy.describe()}; load average {os.getloadavg()[0]:.1f}]")
+            report(best, args, device)
+
+
+def timed(contenders: dict, args) -> dict:
+    """The minimum seconds of each contender over the short and the long run, alternating over --repeats."""
+    for f in contenders.values():  # warm-up
+        f(args.short)
+        threads.tick()
+    best = {k: {args.short: float("inf"), args.long: float("inf")} for k in contenders}
+    for _ in range(args.repeats):  # alternate, so that a burst of load hits every contender alike
+        for k, f in contenders.items():
+            for n in (args.short, args.long):
+                best[k][n] = min(best[k][n], f(n))
+                threads.tick()
+    return best
+
+
+def report(best: dict, args, device) -> None:
+    """The marginal rates and their ratios."""
     extra_tokens = (args.long - args.short) * args.batch_size * (args.block_size - 1)
     # a longer run no slower than the shorter one leaves no marginal to measure (noise on shared cores): nan, said
     rate = {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")

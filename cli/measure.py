@@ -42,7 +42,8 @@ def measure(store_positional, store, scheduler, force, **values):
     min_count = settings.min_count
     store = open_store(store_positional, store)
     result = measure_store(store, min_count=min_count, scheduler=scheduler, tile=settings.tile, force=force,
-                           device=settings.device, se=settings.se)
+                           device=settings.device, se=settings.se,
+                           threads_setting=settings.threads)
     every, failed = [*result.measured, *result.skipped, *result.failed], result.failed
     left_out = f", {len(result.checkpoints(failed))} left out (see above)" if failed else ""
     if not result.measured:

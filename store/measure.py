@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
@@ -55,7 +56,8 @@ class MeasureResult:
 
 
 def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
-                  force: bool = False, device: str = "auto", se: bool = True) -> MeasureResult:
+                  force: bool = False, device: str = "auto", se: bool = True,
+                  threads_setting: int | str = "auto") -> MeasureResult:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
     store the results in its group, and return them with the table of one row per checkpoint and stored layer: run,
     checkpoint, global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its
@@ -70,11 +72,14 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     and the d x d work run (``auto``: CUDA where torch sees one, in this process; else the numba pass on the CPU, on
     the scheduler's workers where there is one). ``se``: each metric's delete-one-fold jackknife error
     ``<metric>_se`` (analyzer.jackknife; nan for a group extracted without folds).
+    ``threads_setting``: ``--threads`` of this process's kernels
+    (ncanalyze.analyzer.threads; torch's and the BLAS's).
 
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
     """
-    MeasureSettings(min_count=min_count, tile=tile, device=device)  # a bad value: the command's one line
+    # a bad value: the command's one line
+    MeasureSettings(min_count=min_count, tile=tile, device=device, threads=threads_setting)
     store = Store.at(store)
     store.require()  # the one-line error for a path that is not a store
     on = engine_device(device)  # a device that is not there: one line, before any work
@@ -88,8 +93,9 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
                       ReadOnlyStore, stacklevel=2)
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
-    with client(scheduler, workers=WORKER_WAIT_S if todo else None):
+    with client(scheduler, workers=WORKER_WAIT_S if todo else None), threads.policy(threads_setting):
         for g in tqdm(todo, desc="measuring", unit="group", disable=None):
+            threads.tick()  # --threads auto: the load measured again between groups
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import layers
@@ -95,7 +96,7 @@ def extract_checkpoint(job: Job, store: Store, announce: Callable[..., None] | N
         DONE, SKIPPED or RESUMED.
     """
     files = store.files(job.ckpt)
-    with store.lock(job.group):
+    with store.lock(job.group), threads.policy(job.cfg.threads):
         if _settle(job, store) is Status.SKIP:
             return Outcome.SKIPPED
         loaded = load_checkpoint(job)

@@ -17,10 +17,15 @@ with k the layers of a pass (1 without ``--layers``; the loss only in the pass o
 of the blocks the pass runs (its deepest layer / the number of blocks, for a pass below the last layer, which
 anatomy.cut_forward stops early; 1 for the pass of the last layer), and the batches left from each checkpoint's
 resume state (pass, phase, batches done), so work already done is left out.
+
+That first figure is a snapshot (it says so, with the load average and threads it was timed under); from then on
+the run's own rate refreshes it (:func:`tracker`, progress.py): each batch done counts its predicted seconds, the
+wall seconds per predicted second over the last half-minute scale what is left, shown on each pass's progress bar.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +41,7 @@ from ncanalyze.store.extraction.layers import Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.memory import fold_bytes, group_bytes, state_bytes
 from ncanalyze.store.extraction.passes import check_ids
+from ncanalyze.store.extraction.progress import Tracker, duration, pass_depth, track
 from ncanalyze.store.extraction.running import LayerState
 from ncanalyze.store.resume import UNREADABLE, Phase
 from ncanalyze.store.sizes import bytes_text
@@ -91,9 +97,10 @@ class Costs:
 
 
 def depths(plan: Plan) -> list[float]:
-    """The fraction of the model's blocks each pass of ``plan`` runs: a pass below the last layer stops before the
-    block of its deepest layer l (anatomy.cut_forward), so it runs l of the ``plan.last`` blocks; the pass of the last
-    layer runs them all. (Where a model cannot be cut, its passes run the whole forward: the estimate is then low.)
+    """The fraction of the model's blocks each pass of ``plan`` runs (:func:`~.progress.pass_depth`): a pass below
+    the last layer stops before the block of its deepest layer l (anatomy.cut_forward), so it runs l of the
+    ``plan.last`` blocks; the pass of the last layer runs them all. (Where a model cannot be cut, its passes run the
+    whole forward: the estimate is then low.)
 
     Parameters
     ----------
@@ -105,7 +112,7 @@ def depths(plan: Plan) -> list[float]:
     list of float
         One fraction in [0, 1] per pass.
     """
-    return [1.0 if plan.last in p or plan.last <= 0 else max(p) / plan.last for p in plan.passes]
+    return [pass_depth(plan, i) for i in range(len(plan.passes))]
 
 
 def progress(state: Path) -> tuple[int, Phase, int]:
@@ -382,21 +389,50 @@ def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Pl
 
 def announcement(archs: list[Arch], cfg: ExtractConfig, store: Store | Path, device: torch.device) -> str:
     """The line after ``estimate:`` (:func:`estimate`), with the running state's size on ``device`` (that of the
-    largest architecture's widest pass)."""
+    largest architecture's widest pass); from here the run's own rate refreshes it (:func:`tracker`, followed by the
+    passes' progress bars)."""
     k = max(max(a.passes) for a in archs)
     folds = cfg.folds if cfg.folds > 1 else 0
     state = max(k * (a + folds * fold_bytes(x.vocab, x.dim)) + s
                 for x in archs for a, s in [state_bytes(x.vocab, x.dim, cfg.samples_per_class, device)])
+    track(tracker(archs, cfg.batch_size, cfg.samples_per_class))
     return estimate(archs, cfg.batch_size, cfg.samples_per_class, store,
                     f"; state ~{bytes_text(state)} on {device} ({k} layer(s))")
 
 
-SNAPSHOT = ("a snapshot, timed on one batch: each pass's progress bar shows the measured rate and time left as the "
-            "work runs")
+def tracker(archs: list[Arch], batch_size: int, samples_per_class: int) -> Tracker | None:
+    """The :class:`~.progress.Tracker` of a run of ``archs``: a batch's predicted seconds are its architecture's
+    (told by its head's shape) for its pass and phase; None where a length is unknown (no prediction to scale)."""
+    if any(a.costs is None or a.train.total is None or (a.val is not None and a.val.total is None) for a in archs):
+        return None
+    by_head: dict[tuple[int, int], Arch] = {}
+    for a in archs:
+        by_head.setdefault((a.vocab, a.dim), a)
+
+    def arch(ex) -> Arch:
+        return by_head.get((ex.vocab, ex.args[1]), archs[0])
+
+    def cost(ex) -> float:
+        c, k, depth = arch(ex).costs, len(ex.layers), pass_depth(ex.plan, ex.pass_index)
+        if ex.phase == Phase.TRAIN:
+            return c.train_batch(k, depth)
+        return c.val_batch(k, ex.pass_index == len(ex.plan.passes) - 1, depth)
+
+    def fixed(ex) -> float:
+        a = arch(ex)
+        return a.costs.load + (a.disk(samples_per_class) / a.costs.write_rate if a.costs.write_rate else 0.0)
+    return Tracker(sum(a.seconds(batch_size, samples_per_class) for a in archs), cost, fixed)
 
 
-def _duration(secs: float) -> str:
-    return f"{secs:,.0f} s" if secs < 120 else f"{secs / 60:,.1f} min" if secs < 7200 else f"{secs / 3600:,.1f} h"
+def snapshot() -> str:
+    """What the first figure rests on: one timed batch, the load and threads at the time, and what refreshes it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"a snapshot, timed on one batch (median of a few calls) at a load average of {os.getloadavg()[0]:.1f} "
+            f"on {cores} core(s), {torch.get_num_threads()} thread(s): each pass's progress bar shows the run's time "
+            "left at the rate measured on the run itself, refreshed every batch")
+
+
+_duration = duration
 
 
 def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: Store | Path, state: str = "") -> str:
@@ -417,8 +453,8 @@ def estimate(archs: list[Arch], batch_size: int, samples_per_class: int, store: 
     common = f" x {tokens.pop()}" if len(tokens) == 1 else ""
     if len(archs) == 1:
         return (f"{n} checkpoint(s) to do{partly}{common}; ~{_duration(total)} in all. Per checkpoint: "
-                f"{archs[0].parts(batch_size, samples_per_class)} (timed on the first); {where}; {SNAPSHOT}")
+                f"{archs[0].parts(batch_size, samples_per_class)} (timed on the first); {where}; {snapshot()}")
     each = "; ".join(f"{a.name} ({len(a.at)}{'' if common else ', ' + a.tokens()}): "
                      f"{a.parts(batch_size, samples_per_class)}" for a in archs)
     return (f"{n} checkpoint(s) to do{partly} in {len(archs)} architectures{common}; ~{_duration(total)} in all. "
-            f"Per checkpoint, timed on the first of each architecture: {each}; {where}; {SNAPSHOT}")
+            f"Per checkpoint, timed on the first of each architecture: {each}; {where}; {snapshot()}")

@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.extraction import progress
 from ncanalyze.store.extraction.loss import NextTokenLoss, matches_model
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, Saver
@@ -84,6 +86,8 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
             yield h.reshape(*h.shape[:-3], -1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
             ex.batches, ex.stream = ex.batches + 1, digest.hexdigest()
             bar.update()
+            progress.batch(ex, bar)  # the run's time left, at its measured rate
+            threads.tick()  # --threads auto: the load measured again every few seconds
             saver.maybe()
     if seen < ex.batches:
         _data_changed(blocks, desc)

@@ -187,6 +187,8 @@ class ExtractConfig:
         "(position, hidden) with label (position)."))
     embeddings_dtype: str = extract_setting("float32", hashed=True, section="Layers",
                                     choices=STORED_DTYPES, help="dtype of --save-embeddings.")
+    threads: int | str = registry.shared("threads", hashed=False, section="Run control",
+                                         help=registry.THREADS_HELP)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Each value is checked as it is set: when the configuration is made, and when it is changed later."""

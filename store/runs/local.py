@@ -18,6 +18,7 @@ from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, l
 from ncanalyze.store.extraction.config import held_out_line
 from ncanalyze.store.extraction.job import Job, Jobs
 from ncanalyze.store.extraction.settings import ExtractConfig
+from ncanalyze.store.extraction import progress as time_left
 from ncanalyze.store.extraction.estimate import (
     START,
     Arch,
@@ -284,6 +285,7 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
                     result.add(group, outcome, at=at)
     finally:
         store.prune()
+        time_left.track(None)  # the run's time left is followed no further
     return result
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.accumulate import ClassStats, FoldStats
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.extraction import layers
@@ -140,7 +141,9 @@ def train_shard(job: Job, start: int, stop: int,
     folds = fit_folds(cfg.folds, vocab, dim, cfg.samples_per_class, 1, device, parse_size(cfg.state_memory))
     ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device, folds=folds)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
-    train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group), f"{ckpt.group} [{start}:{stop}]")
+    with threads.policy(cfg.threads):  # a Dask worker's OMP_NUM_THREADS=1 caps auto at 1
+        train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group),
+                   f"{ckpt.group} [{start}:{stop}]")
     return _arrays(ex.main().stats, ex.main().reservoir, ex.main().folds)
 
 

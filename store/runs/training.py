@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import check_name
@@ -33,6 +34,7 @@ from ncanalyze.store.extraction.memory import fit_folds
 from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
+from ncanalyze.store.runs import cost
 from ncanalyze.store.runs import training_ddp as ddp
 from ncanalyze.store.sources import adapters
 from ncanalyze.store.sources.anatomy import final_norm, finite_head, head, n_layers
@@ -176,6 +178,8 @@ class NeuralCollapseCallback(TrainerCallback):
         self.done: set[int] = set()
         self.pending = False
         self.seconds: list[float] = []
+        self.began: tuple[float, int] | None = None  # (perf_counter, global step) when training began
+        self.cost: cost.Cost | None = None  # the first measurement against the training before it
         self.n_train: int | None = None  # train batches in all (DDP shares them out)
         self.output_dir: str | None = None  # the run's output folder, resolved: which run a group is of
 
@@ -185,6 +189,7 @@ class NeuralCollapseCallback(TrainerCallback):
         """The callback's lines (the time of each measurement, a refusal) are shown under any logging set-up
         (:func:`show_info`), run_clm's included."""
         show_info(log)
+        self.began = (time.perf_counter(), state.global_step)  # the training the first measurement is set against
 
     def on_step_end(self, args, state, control, **kwargs):
         """Every ``every`` steps: measure now, or at this step's evaluation if one comes (to record its loss)."""
@@ -245,6 +250,10 @@ class NeuralCollapseCallback(TrainerCallback):
             return
         self.seconds.append(time.perf_counter() - started)
         log.info("ncanalyze: %s measured in %.2f s", group, self.seconds[-1])
+        if len(self.seconds) == 1 and self.began is not None:  # its cost against the training, said once
+            self.cost = cost.against(self.seconds[0], self.setup.train, self.setup.val, self.began, started, step,
+                                     args, state.num_input_tokens_seen)
+            log.info("ncanalyze: %s", self.cost.line(group))
         self._log(state, step, scalars)
 
     def _ready(self, model, tokenizer, group: str) -> bool:
@@ -297,7 +306,7 @@ class NeuralCollapseCallback(TrainerCallback):
         setup, scalars, files = self.setup, {}, self.store.group_files(group)
         cfg, model = setup.job.cfg, adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
         rank, world = ddp.rank_world()
-        with untouched(model):
+        with untouched(model), threads.policy(cfg.threads):  # training's own thread count comes back after
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
             device = classifier.device

@@ -125,8 +125,9 @@ def test_a_run_estimates_only_the_checkpoints_left(extracted_store, trained_run,
     out = run_cli("extract", trained_run, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS).output
     (line,) = [x for x in out.splitlines() if "estimate:" in x]
     assert "1 checkpoint(s) to do x 8,192 train tokens + 4,096 val tokens" in line and " in all. " in line
-    assert line.endswith("a snapshot, timed on one batch: each pass's progress bar shows the measured rate and time "
-                         "left as the work runs"), line
+    assert re.search(r"a snapshot, timed on one batch \(median of a few calls\) at a load average of [\d.]+ on \d+ "
+                     r"core\(s\), \d+ thread\(s\): each pass's progress bar shows the run's time left at the rate "
+                     r"measured on the run itself, refreshed every batch$", line), line
     assert not list(Path(f"{store}.partial").glob("**/.write-rate-*"))  # the write timing's scratch is gone
 
 

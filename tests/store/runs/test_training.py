@@ -231,8 +231,10 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     small = ("--max-train-tokens", 512, "--max-val-tokens", 256, "--batch-size", 4, "--samples-per-class", 2)
     cb = NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5, layers="all",
                                 **{**OPTS, "max_train_tokens": 512, "max_val_tokens": 256})
+    before = torch.get_num_threads()
     with said(caplog) as lines:
         trainer = train(corpus, tmp_path / "neo", [rec, cb], give_trainer=True)
+    assert torch.get_num_threads() == before  # the measurements' thread policy put training's count back
     tree = ncanalyze.store.open(tmp_path / "s.zarr")
     assert list(tree["neo"].children) == ["step-5", "step-10", "step-15", "step-20"]
     run_cli("extract", tmp_path / "neo", "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store",
@@ -252,6 +254,13 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     assert seen == {5, 10, 15, 20}, rec.logs
     timed = [line for line in lines if "measured in" in line]
     assert len(timed) == 4 and all(" s" in line for line in timed), lines
+    (costs,) = [line for line in lines if "of the training time at this interval" in line]  # said once, the first
+    c, blocks = cb.cost, cb.setup.train
+    assert (c.measured_s, c.steps, c.train_tokens) == (cb.seconds[0], 5, blocks.total * blocks.block_size)
+    assert c.sequences == 5 * trainer.args.train_batch_size * trainer.args.gradient_accumulation_steps
+    assert costs.startswith(f"ncanalyze: neo/step-5 measured {c.train_tokens:,} train + {c.val_tokens:,} val tokens "
+                            f"in {c.measured_s:,.1f} s, against {c.trained_s:,.1f} s of training"), costs
+    assert f": {c.measured_s / c.trained_s:.0%} of the training time" in costs
 
 
 @pytest.mark.slow

@@ -1,0 +1,212 @@
+"""How many threads torch's CPU kernels run with (``--threads auto|N``): the one thread policy of extract, measure
+and the training callback.
+
+Why a policy: torch's CPU kernels run on an OpenMP team (libgomp) of ``torch.get_num_threads()`` threads, whose
+every parallel region ends at a barrier. When another process holds a core, one thread of the team is descheduled
+and the others wait for it at each barrier (spinning, then sleeping), for as long as the scheduler's time slice:
+on a shared 2-core machine two threads ran 6-10x slower than one (benchmarks/threads.py measures it). So ``auto``
+runs as many threads as there are cores that other processes leave idle, and never more than this process may use:
+
+    threads = clamp(round(allowed - others), 1, floor(allowed))
+
+with ``allowed`` the cores this process may run on (:func:`allowed_cores`: ``os.sched_getaffinity``, a cgroup CPU
+quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, and ``OMP_NUM_THREADS`` where the user set it) and ``others`` the
+cores other processes kept busy over the last interval (:func:`others_busy`: the busy time of the allowed CPUs in
+``/proc/stat``, less this process's own CPU time). It is measured again every :data:`INTERVAL` seconds between
+batches (:func:`tick`), so a load that comes or goes mid-run changes it. An integer N is used as given (capped at
+nothing: the user asked); ``auto`` where ``/proc/stat`` is unreadable (not Linux) is the allowed cores. The thread
+count the caller had is restored when the policy ends (:func:`policy`), so the training callback leaves training's
+own setting as it was. The same count goes to the BLAS and OpenMP pools numpy and numba load (threadpoolctl), which
+``measure``'s d x d work runs on.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from ncanalyze.analyzer.registry import parse_threads as parse
+from threadpoolctl import threadpool_limits
+
+AUTO = "auto"
+INTERVAL = 5.0   # seconds between measurements of the load (between batches)
+SAMPLE = 0.1     # seconds sampled at the start where no earlier reading is recent enough
+
+
+def quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The cgroup CPU quota in cores (v2 ``cpu.max`` "QUOTA PERIOD", v1 ``cpu/cpu.cfs_quota_us`` and
+    ``cfs_period_us``); None where there is none ("max", -1) or it can't be read."""
+    try:
+        if (root / "cpu.max").is_file():
+            q, p = (root / "cpu.max").read_text().split()[:2]
+            return None if q == "max" else int(q) / int(p)
+        v1 = root / "cpu"
+        q, p = int((v1 / "cpu.cfs_quota_us").read_text()), int((v1 / "cpu.cfs_period_us").read_text())
+        return None if q <= 0 else q / p
+    except (OSError, ValueError):
+        return None
+
+
+def affinity() -> set[int]:
+    """The CPUs this process may run on (all of ``os.cpu_count()`` where the platform can't say)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def omp_cap(environ=os.environ) -> int | None:
+    """``OMP_NUM_THREADS`` where the user set it to a positive integer (``auto`` never runs more), else None."""
+    value = environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) >= 1 else None
+
+
+def allowed_cores(cpus: set[int] | None = None, cores_quota: float | None = None, cap: int | None = None) -> float:
+    """The cores this process may use: its CPUs, less where a cgroup quota allows fewer (a quota of 1.5: 1.5) or
+    ``OMP_NUM_THREADS`` (``cap``) asks for fewer."""
+    n = len(affinity() if cpus is None else cpus)
+    return float(min(n, cores_quota or n, cap or n))
+
+
+def choose(allowed: float, others: float) -> int:
+    """The thread count for ``allowed`` cores with ``others`` of them kept busy by other processes: the cores left
+    idle, rounded, at least 1 and at most ``floor(allowed)``. Measured on 2 cores (benchmarks/threads.py): idle, 2
+    threads beat 1 by 1.55x; with both cores busy with other work 1 beat 2 by 2-8x; with one other busy process it
+    went either way (1.5-1.6x each way in two runs), and an extra thread is the side whose loss is unbounded.
+
+    Examples
+    --------
+    >>> choose(2, 0.1), choose(2, 0.6), choose(2, 1.7), choose(16, 3.2), choose(1.5, 0)
+    (2, 1, 1, 13, 1)
+    """
+    return int(max(1, min(math.floor(allowed), math.floor(allowed - others + 0.5))))
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One look at the machine: when (``time.monotonic``), the busy CPU-seconds of the allowed CPUs since boot, and
+    this process's own CPU-seconds."""
+    at: float
+    busy: float
+    own: float
+
+
+def busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float | None:
+    """The CPU-seconds the CPUs ``cpus`` spent busy since boot (``/proc/stat``: all but idle and iowait); None
+    where it can't be read."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            values = [int(x) for x in fields[:8]]
+            total += sum(values) - values[3] - values[4]
+    return total / tick
+
+
+def read(cpus: set[int]) -> Reading | None:
+    """A :class:`Reading` now (None where ``/proc/stat`` can't be read)."""
+    busy = busy_seconds(cpus)
+    if busy is None:
+        return None
+    t = os.times()
+    return Reading(time.monotonic(), busy, t.user + t.system)
+
+
+def others_busy(before: Reading, after: Reading) -> float:
+    """The cores other processes kept busy between two readings: the busy CPU-seconds, less this process's own,
+    over the seconds between (0 where no time passed)."""
+    wall = after.at - before.at
+    if wall <= 0:
+        return 0.0
+    return max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
+
+
+class Policy:
+    """The thread count of ``setting`` (:func:`parse`), set on torch and, under ``auto``, measured again every
+    ``interval`` seconds (:meth:`tick`). ``threads`` the count in use, ``others`` the busy cores last measured."""
+
+    def __init__(self, setting: int | str | None = AUTO, interval: float = INTERVAL):
+        self.setting, self.interval = parse(setting), interval
+        self.cpus = affinity()
+        self.allowed = allowed_cores(self.cpus, quota(), omp_cap())
+        self.others: float | None = None
+        self.last = read(self.cpus) if self.setting == AUTO and self.allowed >= 2 else None  # one core: nothing to ask
+        self.threads = self.setting if self.setting != AUTO else self._auto(first=True)
+        self.limits = None
+        self._set(self.threads)
+
+    def _set(self, n: int) -> None:
+        """``n`` threads for torch and for the BLAS and OpenMP libraries numpy and numba load (threadpoolctl); the
+        first change remembers what to restore."""
+        torch.set_num_threads(n)
+        limits = threadpool_limits(limits=n)
+        self.limits = self.limits or limits
+
+    def restore(self, before: int) -> None:
+        """The thread counts as they were before the policy: torch's ``before``, the libraries' own."""
+        if self.limits is not None:
+            self.limits.restore_original_limits()
+        torch.set_num_threads(before)
+
+    def _auto(self, first: bool = False) -> int:
+        if self.last is None:
+            return max(1, math.floor(self.allowed))
+        if first:
+            time.sleep(SAMPLE)
+        now = read(self.cpus)
+        self.others, self.last = others_busy(self.last, now), now
+        return choose(self.allowed, self.others)
+
+    def tick(self) -> int:
+        """Between batches: under ``auto``, where ``interval`` seconds have passed, measure the load again and set
+        the thread count it gives; the count in use."""
+        if self.setting == AUTO and self.last is not None and time.monotonic() - self.last.at >= self.interval:
+            n = self._auto()
+            if n != self.threads:
+                self.threads = n
+                self._set(n)
+        return self.threads
+
+    def describe(self) -> str:
+        """``2 threads (auto: 2 cores allowed, 0.1 busy with other work)`` or ``1 thread (--threads 1)``."""
+        n = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
+        if self.setting != AUTO:
+            return f"{n} (--threads {self.setting})"
+        if self.allowed < 2:
+            return f"{n} (auto: {self.allowed:g} core allowed)"
+        busy = "load unknown" if self.others is None else f"{self.others:.1f} busy with other work"
+        return f"{n} (auto: {self.allowed:g} cores allowed, {busy})"
+
+
+_current: list[Policy] = []
+
+
+@contextmanager
+def policy(setting: int | str | None = AUTO, interval: float = INTERVAL) -> Iterator[Policy]:
+    """Run the block under the thread policy ``setting``; :func:`tick` between batches re-measures it. The caller's
+    thread count is restored at the end (the training callback: training's own setting stays as it was)."""
+    before = torch.get_num_threads()
+    p = Policy(setting, interval)
+    _current.append(p)
+    try:
+        yield p
+    finally:
+        _current.remove(p)
+        p.restore(before)
+
+
+def tick() -> None:
+    """Between batches: the innermost running :func:`policy` re-measures the load if its interval has passed (nothing
+    outside one)."""
+    if _current:
+        _current[-1].tick()

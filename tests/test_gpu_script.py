@@ -1,0 +1,53 @@
+"""benchmarks/gpu.py, the one command of every CUDA check, run at its --small scale on the CPU so it cannot rot: every
+check there, and its figures consistent with the times it recorded."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _gpu_script():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_script", BENCH / "gpu.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    return mod
+
+
+@pytest.mark.slow
+def test_every_check_runs_small_on_the_cpu(tmp_path):
+    before = torch.get_num_threads()
+    out = tmp_path / "gpu.json"
+    result = _gpu_script().main(["--small", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert torch.get_num_threads() == before  # the thread policy put the caller's count back
+    checks = result["checks"]
+    assert set(checks) == {"extract_bf16", "layers_8b", "metrics"} and result["small"]
+    for name, layers in (("extract_bf16", "last"), ("layers_8b", "all")):
+        c = checks[name]
+        n_pass = len(c["passes"])
+        ratio = statistics.median(c["forward_s"]) * n_pass / statistics.median(c["extract_s"])
+        assert c["ratio_per_pass"] == pytest.approx(ratio) and c["layers"] == layers
+        kept = sorted(l for p in c["passes"] for l in p)  # hidden_states indices: 0 (embeddings) .. blocks
+        assert kept == (list(range(c["blocks"] + 1)) if layers == "all" else [c["blocks"]])
+        assert c["peak_rss_bytes"] > 0
+    m = checks["metrics"]
+    assert (m["classes"], m["width"]) == (384, 16) and m["ratio"] > 0 and m["metrics_s"] > 0
+
+
+def test_without_cuda_the_full_run_says_so_in_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the full run would start")
+    with pytest.raises(SystemExit, match="no CUDA device: run on the GPU machine, or --small on the CPU"):
+        _gpu_script().main([])
