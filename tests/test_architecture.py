@@ -250,7 +250,8 @@ def test_names_do_not_collide():
 
 ENGINES = {"numba": "analyzer/engine_numba.py", "torch": "analyzer/engine_torch.py"}
 CHOOSER = "analyzer/engines.py"
-TORCH_OUTSIDE_THE_SUMS = {"analyzer/accumulate.py", "analyzer/arrays.py", CHOOSER}  # extraction, tensor input, devices
+TORCH_OUTSIDE_THE_SUMS = {"analyzer/accumulate.py", "analyzer/arrays.py", CHOOSER,  # extraction, tensor input, devices
+                          "analyzer/threads.py"}  # the thread policy sets torch's pools, as the BLAS's
 
 
 def engine_breaches(root: Path) -> list[str]:
