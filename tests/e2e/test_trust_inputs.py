@@ -43,7 +43,7 @@ def test_state_memory_1kb_is_refused_in_sensible_units(trained_run, corpus, kept
     args = ("extract", trained_run / "checkpoint-40", "--dataset", corpus["train"], "--layers", "all",
                    "--max-train-tokens", 1024, "--max-val-tokens", 512)
     error = fails_cleanly([*args, "--state-memory", "1KB"], kept_store, ["may take 1000 B", "--state-memory"])
-    assert "0.00 GiB" not in error and "KiB" in error, error
+    assert "0.00 GiB" not in error and ("KiB" in error or "MiB" in error), error  # a small size in small units
     fails_cleanly([*args, "--state-memory", "3Mb"], kept_store, ["bits", "3MB"])
 
 
