@@ -242,6 +242,39 @@ def design_text(s: pd.Series, runs: pd.Series) -> str:
     return f"p_{unit} = {fmt_p(s.p_perm)}{few}\n{design}"
 
 
+def r2_text(st: pd.DataFrame, log: bool) -> str:
+    """A panel's R² with the scale it is on: the drawn scale's ("$R^2$ (log x) = 0.67") and, on a log axis, the
+    raw one beside it ("raw x: 0.93"), so the figure and the tables read the same number.
+
+    Parameters
+    ----------
+    st
+        The metric's statistics rows indexed by scale ("raw", "log").
+    log
+        Whether the panel's x axis is the log scale.
+
+    Returns
+    -------
+    str
+    """
+    def value(scale: str) -> str:
+        r2 = st.r2.get(scale, np.nan) if scale in st.index else np.nan
+        return f"{r2:.2f}" if np.isfinite(r2) else "n/a"
+
+    if not log:
+        return f"$R^2$ (raw x) = {value('raw')}"
+    return f"$R^2$ (log x) = {value('log')}, raw x: {value('raw')}"
+
+
+def last_steps(ax, style: _Style, d: pd.DataFrame) -> None:
+    """A trajectory's direction: a ring around each run's last step where a run has several checkpoints."""
+    ends = [g.iloc[[-1]] for _, g, _, _, _ in style.groups(d) if len(g) > 1]
+    if ends:
+        end = pd.concat(ends)
+        ax.scatter(end.x, end.y, s=90, facecolors="none", edgecolors="black", linewidths=0.9, zorder=2.5,
+                   label="ringed: each run's last step")
+
+
 def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style, log: bool) -> None:
     """One metric's panel: each run's checkpoints joined in step order, the points, the least-squares line and R²."""
     if log:
@@ -261,9 +294,10 @@ def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style,
         slope, icept = np.polyfit(u, d.y, 1)
         line = np.linspace(u.min(), u.max(), 50)
         ax.plot(10 ** line if log else line, icept + slope * line, "--", color="crimson", zorder=3,
-                label=f"fit: $R^2$ = {s.r2:.2f}, {design_text(s, d.run)}")
+                label=f"fit: {r2_text(st, log)}, {design_text(s, d.run)}")
     else:
-        ax.plot([], [], " ", label=f"$R^2$: n/a, {design_text(s, d.run)}")
+        ax.plot([], [], " ", label=f"{r2_text(st, log)}, {design_text(s, d.run)}")
+    last_steps(ax, style, d)
     ax.legend(loc="best", fontsize=8, framealpha=0.85)
     ax.set_xlabel(m + (" (log scale)" if log else ""))
     set_ticks(ax.xaxis, *limits(d.x, log), log)

@@ -221,3 +221,24 @@ def test_declutter_blanks_every_other_label_where_they_would_collide():
     check_readable(fig, [ax.xaxis])
     assert len(ax.get_xticks()) == 8  # the ticks stay
     plt.close(fig)
+
+
+def test_each_panel_says_the_scale_of_its_r2_and_rings_the_last_step():
+    """A log-axis panel prints the log-scale R² saying "log x" with the raw R² beside it (both stats.csv's); a
+    linear panel says "raw x"; each run's last step is ringed (a trajectory's direction)."""
+    df = table(0.1, 1, n_runs=3, per_run=4)
+    df["unc3_cos_cv"] = np.linspace(-0.5, 0.5, len(df))  # not positive: a linear axis
+    st = correlations(df, FIG1, n_perm=0)
+    fig = scatter_figure(df, FIG1, "eval_loss", st, "t")
+    for ax, m in zip(fig.axes, FIG1):
+        fit = [t.get_text() for t in ax.get_legend().get_texts() if t.get_text().startswith("fit")][0]
+        r2 = st[st.metric == m].set_index("scale").r2
+        if m == "unc3_cos_cv":
+            assert ax.get_xscale() == "linear" and fit.startswith(f"fit: $R^2$ (raw x) = {r2['raw']:.2f},")
+        else:
+            assert ax.get_xscale() == "log"
+            assert fit.startswith(f"fit: $R^2$ (log x) = {r2['log']:.2f}, raw x: {r2['raw']:.2f},")
+        rings = [c for c in ax.collections if isinstance(c, PathCollection) and c.get_label().startswith("ringed")]
+        last = df.sort_values("global_step").groupby("run").tail(1)
+        assert sorted(rings[0].get_offsets()[:, 0]) == sorted(last[m])
+    plt.close(fig)
