@@ -242,3 +242,25 @@ def test_each_panel_says_the_scale_of_its_r2_and_rings_the_last_step():
         last = df.sort_values("global_step").groupby("run").tail(1)
         assert sorted(rings[0].get_offsets()[:, 0]) == sorted(last[m])
     plt.close(fig)
+
+
+def test_depth_figure_tells_runs_apart_and_shades_only_wholly_undefined_layers():
+    """Each run its own marker (a legend of runs; colour is the step); a layer is shaded "undefined" only where
+    every row is, and says "undefined in 1 of 4" where one row of four is."""
+    from matplotlib.patches import Polygon, Rectangle
+    from ncanalyze.analyzer.report.depth import depth_figure
+    rows = [{"run": f"r{r}", "checkpoint": f"checkpoint-{s}", "global_step": s, "layer": layer, "n_layers": 2,
+             "nc1_cdnv": np.nan if layer == 0 else 1.0 + layer + s / 100}
+            for r in range(2) for s in (100, 200) for layer in range(3)]
+    df = pd.DataFrame(rows)
+    df.loc[(df.run == "r1") & (df.global_step == 200) & (df.layer == 2), "nc1_cdnv"] = np.inf
+    fig = depth_figure(df, ["nc1_cdnv"])
+    ax = fig.axes[0]
+    shaded = [p for p in ax.patches if isinstance(p, Polygon | Rectangle)]
+    assert len(shaded) == 1  # layer 0 only
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["undefined", "undefined in 1 of 4"]
+    markers = {ln.get_gid(): ln.get_marker() for ln in ax.get_lines()}
+    assert markers == {"run:r0": "o", "run:r1": "s"}
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["r0", "r1"]
+    plt.close(fig)
