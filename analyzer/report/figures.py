@@ -242,7 +242,7 @@ def design_text(s: pd.Series, runs: pd.Series) -> str:
     return f"p_{unit} = {fmt_p(s.p_perm)}{few}\n{design}"
 
 
-def r2_text(st: pd.DataFrame, log: bool) -> str:
+def r2_text(st: pd.DataFrame, log: bool, symbol: str = "$R^2$") -> str:
     """A panel's R² with the scale it is on: the drawn scale's ("$R^2$ (log x) = 0.67") and, on a log axis, the
     raw one beside it ("raw x: 0.93"), so the figure and the tables read the same number.
 
@@ -252,6 +252,8 @@ def r2_text(st: pd.DataFrame, log: bool) -> str:
         The metric's statistics rows indexed by scale ("raw", "log").
     log
         Whether the panel's x axis is the log scale.
+    symbol
+        How R² is written (mathtext in the PNGs, "R²" in report.html).
 
     Returns
     -------
@@ -262,8 +264,8 @@ def r2_text(st: pd.DataFrame, log: bool) -> str:
         return f"{r2:.2f}" if np.isfinite(r2) else "n/a"
 
     if not log:
-        return f"$R^2$ (raw x) = {value('raw')}"
-    return f"$R^2$ (log x) = {value('log')}, raw x: {value('raw')}"
+        return f"{symbol} (raw x) = {value('raw')}"
+    return f"{symbol} (log x) = {value('log')}, raw x: {value('raw')}"
 
 
 def last_steps(ax, style: _Style, d: pd.DataFrame) -> None:
