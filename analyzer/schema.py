@@ -24,12 +24,18 @@ METRICS_VERSION = 3
 NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
               "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
               "nc4_agreement")
+# metrics whose value is not scale-free, each with what is said wherever it is printed: outside the "lower is more
+# collapse" reading and outside the NC Holm family (a family of their own; SPEC section 4)
+SCALE_DEPENDENT = {"nc1_cdnv_p2": "scales as 1/length² (||mu_c - mu_c'||^4 in the denominator, the paper's code's "
+                                  "form: doubling the features divides it by 4), so across widths it mostly follows "
+                                  "the feature norm: not read as more or less collapse, and outside the NC Holm family"}
 # the representation geometry beyond NC (section 4, second table); each is a function of the same name in spectral.py
 GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "eigen_decay", "lidar", "anisotropy",
                     "head_erank", "nc1_cdnv_freq", "gnc2_log_mean_freq")
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
-# (stats.METRICS is SCALARS). NC_METRICS and GEOMETRY_METRICS are two Holm families (per scale and tag,
-# stats.family): the geometry does not make the NC metrics' adjusted p-values more conservative.
+# (stats.METRICS is SCALARS). NC_METRICS (less SCALE_DEPENDENT, each a family of its own) and GEOMETRY_METRICS are
+# two Holm families (per scale and tag, stats.family): the geometry does not make the NC metrics' adjusted p-values
+# more conservative.
 SCALARS = NC_METRICS + GEOMETRY_METRICS
 # the columns held fixed by the report's partial correlations by default (``--controls``): scale and training time.
 # ``design`` stands for the architecture factors that vary among the selected runs (DESIGN_FACTORS, read from the

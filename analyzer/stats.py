@@ -60,7 +60,8 @@ from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, sign_notes
 from ncanalyze.analyzer.registry import N_BOOT, N_PERM
-from ncanalyze.analyzer.schema import CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS
+from ncanalyze.analyzer.schema import (CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS,
+                                       SCALE_DEPENDENT)
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of
@@ -73,8 +74,11 @@ class StatisticsWarning(RuntimeWarning):
 
 
 def family(metric: str) -> str:
-    """The Holm family of a metric: :data:`NC` (the paper's NC metrics), :data:`GEOMETRY` (the representation
-    geometry beyond NC), or the column's own name for any other column."""
+    """The Holm family of a metric: :data:`NC` (the paper's NC metrics, less the scale-dependent
+    ``schema.SCALE_DEPENDENT``), :data:`GEOMETRY` (the representation geometry beyond NC), or the column's own name
+    for any other column (a scale-dependent metric among them)."""
+    if metric in SCALE_DEPENDENT:
+        return metric
     return NC if metric in NC_METRICS else GEOMETRY if metric in GEOMETRY_METRICS else metric
 
 
@@ -121,6 +125,7 @@ class NoteKind(enum.Enum):
     LEFT_OUT = "left_out"            # rows left out (an infinite target)
     SIGN_FLIP = "sign_flip"          # between models, within training and pooled disagree in sign
     FRAGILE = "fragile"              # a Holm verdict changes when one run is left out
+    SCALE_DEPENDENT = "scale_dependent"  # the metric is not scale-free (schema.SCALE_DEPENDENT says how)
 
 
 class Note(NamedTuple):
@@ -216,6 +221,9 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
         else:
             notes[m, "raw"], notes[m, "log"] = [], ([] if positive else [
                 Note(NoteKind.NOT_POSITIVE, "not positive everywhere: no log scale")])
+        if m in SCALE_DEPENDENT:
+            for scale in ("raw", "log"):
+                notes[m, scale] = [Note(NoteKind.SCALE_DEPENDENT, SCALE_DEPENDENT[m]), *notes[m, scale]]
     return pd.DataFrame(cols, index=df.index), notes
 
 

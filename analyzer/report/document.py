@@ -63,7 +63,7 @@ def reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
             "not be centred at 0, see \"null r\" below); p FL: the same for the partial r, permuting "
             "the target's residuals on the controls (Freedman-Lane); the permutations behind them are said under "
             "each table. p Holm, p FL Holm: Holm-adjusted within a family of metrics, the NC metrics the paper tests "
-            "and the geometry metrics being two families (the geometry does not make the NC metrics' p more "
+            "(a scale-dependent one, such as `nc1_cdnv_p2`, alone) and the geometry metrics being two families (the geometry does not make the NC metrics' p more "
             "conservative), per scale (raw and log are separate families)" + (" and per tag" if several else "")
             + f". The families here: {_families(stats)}. p-values show 3 significant figures, more where rounding "
             f"would cross {ALPHA:g}. rho's Holm p is in stats.csv, as are parametric p-values and the partial r's "

@@ -12,6 +12,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition
 from ncanalyze.analyzer.report.escape import md_name, visible
 from ncanalyze.analyzer.report.tokens import token_rows
+from ncanalyze.analyzer.schema import SCALE_DEPENDENT
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, NC, split_tags, unreachable
 
 MISSING = "—"
@@ -122,6 +123,8 @@ FAMILY_NAMES = {NC: "NC metrics", GEOMETRY: "geometry metrics"}
 
 def family_name(family: str) -> str:
     """A Holm family as report.md names it."""
+    if family in SCALE_DEPENDENT:
+        return f"`{family}` alone (scale-dependent)"
     return FAMILY_NAMES.get(family, f"`{family}`")
 
 
