@@ -30,7 +30,9 @@ def final_rows(sel: pd.DataFrame) -> pd.DataFrame:
     """Each run's latest selected checkpoint (its last layer rows)."""
     if sel.empty:
         return sel
-    order = sel.sort_values(["run", "global_step"], kind="stable")
+    if "run" not in sel:  # a table of the user's own without runs: each row its own
+        return sel
+    order = sel.sort_values([c for c in ("run", "global_step") if c in sel], kind="stable")
     return order.groupby("run", sort=True, dropna=False).tail(1)
 
 

@@ -133,8 +133,8 @@ def read_csv(path: Path) -> pd.DataFrame:
 
 
 def number(line: str) -> float:
-    """The number after '=' in a hover line (d3 may write a minus as U+2212)."""
-    return float(line.split("=", 1)[1].strip().replace("\u2212", "-"))
+    """The number after '=' in a hover line (d3 may write a minus as U+2212), before its " ± error"."""
+    return float(line.split("=", 1)[1].split(" ± ")[0].strip().replace("\u2212", "-"))
 
 
 def finite(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
