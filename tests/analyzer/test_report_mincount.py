@@ -143,3 +143,18 @@ def test_report_on_a_store_has_the_table_and_a_csv_report_does_not(extracted_sto
     assert "min_count" not in csv.files and csv.min_count is None
     assert not (tmp_path / "from_csv" / "min_count.csv").exists()
     assert SECTION not in csv.files["report"].read_text() and "min_count.csv" not in csv.files["report"].read_text()
+
+
+def test_the_first_runs_by_name_whatever_the_rows_order_and_ties_in_step():
+    """"The first 12 runs by name" is what is measured: the runs in name order, each its latest checkpoint, with
+    the rows shuffled and every run's latest at the same step."""
+    from ncanalyze.analyzer.report.tokens import latest_checkpoints
+    runs = [f"run{i:02d}" for i in range(15)]
+    sel = pd.DataFrame([{"run": r, "checkpoint": f"checkpoint-{s}", "global_step": s} for r in runs for s in (10, 40)])
+    for seed in range(5):
+        shuffled = sel.sample(frac=1, random_state=seed)
+        assert latest_checkpoints(shuffled) == [f"{r}/checkpoint-40" for r in runs]
+    ds = gaussians([6, 7, 8, 9, 10, 11, 12, 13], seed=1)
+    table, notes = min_count_table(sel.sample(frac=1, random_state=3), lambda g: ds)
+    assert notes[0] == "15 runs selected: the first 12 by name are measured"
+    assert list(table.run.unique()) == runs[:12] and set(table.checkpoint) == {"checkpoint-40"}
