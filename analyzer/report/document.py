@@ -12,8 +12,8 @@ from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
 from ncanalyze.analyzer.report.tables import (code, control_robustness, controls_text, design_factors_text, family_name,
-                                               fragility_lines, interval_table, notes, questions_table, summary,
-                                               survivors, target_note, unreachable_lines)
+                                               fragility_lines, interval_table, no_control, no_control_text, notes,
+                                               questions_table, summary, survivors, target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.report.precision import budget_lines, error_lines
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
@@ -134,6 +134,7 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
     stats = tag_stats(r.stats, tag)
     md = [f"## Correlation with {r.target}" + (f", tag {tag_name(tag)} ({len(rows)} checkpoints)" if several else ""),
           "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
+    md += [no_control_text(stats), ""] if no_control(stats) else []
     if len(rows) < MIN_N:
         md += [f"**Only {len(rows)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
     md += [permutation_text(stats, o.seed), ""]
