@@ -174,11 +174,11 @@ def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:
     if not np.array_equal(g.K, kept_classes(ds["count"].values, extract_min)):
         row = _counted_at(ds, g.K)
         if row is None:
-            counted = ", ".join(map(str, [extract_min, *ds[NC4_MIN_COUNT].values])) if VAL_AT[1] in ds else \
-                str(extract_min)
+            at = (f" (and over the kept sets of min_count {', '.join(map(str, ds[NC4_MIN_COUNT].values))})"
+                  if VAL_AT[1] in ds else "")
             g.nc4_nan_because = (
-                f"its decisions were counted at extraction over the classes with count >= {counted}, not over "
-                f"those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
+                f"its decisions were counted at extraction over the classes with count >= {extract_min}{at}, not "
+                f"over those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
             return
         g.val_agree = np.asarray(ds[VAL_AT[1]].values)[row][g.K].astype(np.float64)
     if g.val_count.sum() == 0:
