@@ -126,6 +126,12 @@ def jackknife(ds: xr.Dataset, folds: Sequence[int] | None = None, point: Mapping
     se = np.sqrt((k - 1) / k * (dev ** 2).sum())
     undefined = [m for m in SCALARS if point is not None and not math.isfinite(point.get(m, math.nan))]
     bad = [m for m in SCALARS if not np.isfinite(theta[m]).all() and m not in undefined]
+    mc, extract_min = int(measure_kw.get("min_count") or 1), int(ds.attrs.get("min_count", 1))
+    if "nc4_agreement" in bad and mc != extract_min:  # the fold counts are NC4's at the extraction's kept set only
+        bad.remove("nc4_agreement")
+        undefined.append("nc4_agreement")
+        notes.append(f"nc4_agreement: nan error at min_count {mc}: NC4's fold counts are those of the extraction's "
+                     f"--min-count {extract_min} only")
     if bad:
         notes.append(f"{', '.join(bad)}: nan error, a leave-one-fold-out value is not finite (a fold holds too few "
                      "tokens of the kept classes)")
