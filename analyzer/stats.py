@@ -221,9 +221,6 @@ def scaled_metrics(df: pd.DataFrame, metrics: Sequence[str]) -> tuple[pd.DataFra
         else:
             notes[m, "raw"], notes[m, "log"] = [], ([] if positive else [
                 Note(NoteKind.NOT_POSITIVE, "not positive everywhere: no log scale")])
-        if m in SCALE_DEPENDENT:
-            for scale in ("raw", "log"):
-                notes[m, scale] = [Note(NoteKind.SCALE_DEPENDENT, SCALE_DEPENDENT[m]), *notes[m, scale]]
     return pd.DataFrame(cols, index=df.index), notes
 
 
@@ -301,6 +298,8 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
                                 labels[mask], None if order is None else order[mask], n_perm, n_boot, seed))
     out = pd.DataFrame(rows)
     out.insert(1, "family", out.metric.map(family))
+    for i in out.index[out.metric.isin(list(SCALE_DEPENDENT))]:  # said wherever the row is printed
+        _add_notes(out, i, [Note(NoteKind.SCALE_DEPENDENT, SCALE_DEPENDENT[out.metric[i]])])
     rank = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)
