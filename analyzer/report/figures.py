@@ -122,6 +122,7 @@ class _Style:
         self.size_note = f"all {count_text(sizes.iloc[0])} parameters" if sizes.nunique() == 1 else None
         self.marked = len(self.runs) <= MAX_MARKED_RUNS
         self.cmap = plt.get_cmap("viridis")
+        self.ringed = False  # some run's last step is ringed (last_steps)
 
     def groups(self, d: pd.DataFrame) -> Iterator[tuple]:
         """(run, its rows in step order, marker, colour or colours, line colour) for each run present in ``d``."""
@@ -164,10 +165,13 @@ class _Style:
                               color="0.35" if neutral else RUN_COLOURS[i % len(RUN_COLOURS)],
                               mec="black", mew=0.3) for i in range(len(self.runs))]
             fig.legend(handles, self.runs, loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
-                       title="runs" + (f" ({self.size_note})" if self.size_note else ""), title_fontsize=8,
+                       title="runs" + (f" ({self.size_note})" if self.size_note else "")
+                       + ("; ringed: each run's last step" if self.ringed else ""), title_fontsize=8,
                        bbox_to_anchor=(0.5, 0.0))
-        elif self.size_note:
-            fig.text(0.99, 0.01, self.size_note, ha="right", va="bottom", fontsize=8)
+        else:
+            said = [t for t in (self.size_note, "ringed: each run's last step" if self.ringed else None) if t]
+            if said:
+                fig.text(0.99, 0.01, "; ".join(said), ha="right", va="bottom", fontsize=8)
         return out
 
 
@@ -269,12 +273,14 @@ def r2_text(st: pd.DataFrame, log: bool, symbol: str = "$R^2$") -> str:
 
 
 def last_steps(ax, style: _Style, d: pd.DataFrame) -> None:
-    """A trajectory's direction: a ring around each run's last step where a run has several checkpoints."""
+    """A trajectory's direction: a ring around each run's last step where a run has several checkpoints (the
+    legend of runs, or a note, says so)."""
     ends = [g.iloc[[-1]] for _, g, _, _, _ in style.groups(d) if len(g) > 1]
     if ends:
         end = pd.concat(ends)
         ax.scatter(end.x, end.y, s=90, facecolors="none", edgecolors="black", linewidths=0.9, zorder=2.5,
-                   label="ringed: each run's last step")
+                   gid="last-steps")
+        style.ringed = True
 
 
 def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style, log: bool) -> None:
@@ -296,9 +302,9 @@ def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style,
         slope, icept = np.polyfit(u, d.y, 1)
         line = np.linspace(u.min(), u.max(), 50)
         ax.plot(10 ** line if log else line, icept + slope * line, "--", color="crimson", zorder=3,
-                label=f"fit: {r2_text(st, log)}, {design_text(s, d.run)}")
+                label=f"fit: {r2_text(st, log)}\n{design_text(s, d.run)}")
     else:
-        ax.plot([], [], " ", label=f"{r2_text(st, log)}, {design_text(s, d.run)}")
+        ax.plot([], [], " ", label=f"{r2_text(st, log)}\n{design_text(s, d.run)}")
     last_steps(ax, style, d)
     ax.legend(loc="best", fontsize=8, framealpha=0.85)
     ax.set_xlabel(m + (" (log scale)" if log else ""))

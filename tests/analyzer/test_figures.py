@@ -232,15 +232,17 @@ def test_each_panel_says_the_scale_of_its_r2_and_rings_the_last_step():
     fig = scatter_figure(df, FIG1, "eval_loss", st, "t")
     for ax, m in zip(fig.axes, FIG1):
         fit = [t.get_text() for t in ax.get_legend().get_texts() if t.get_text().startswith("fit")][0]
+        fit = fit.replace("\n", ", ")
         r2 = st[st.metric == m].set_index("scale").r2
         if m == "unc3_cos_cv":
             assert ax.get_xscale() == "linear" and fit.startswith(f"fit: $R^2$ (raw x) = {r2['raw']:.2f},")
         else:
             assert ax.get_xscale() == "log"
             assert fit.startswith(f"fit: $R^2$ (log x) = {r2['log']:.2f}, raw x: {r2['raw']:.2f},")
-        rings = [c for c in ax.collections if isinstance(c, PathCollection) and c.get_label().startswith("ringed")]
+        rings = [c for c in ax.collections if isinstance(c, PathCollection) and c.get_gid() == "last-steps"]
         last = df.sort_values("global_step").groupby("run").tail(1)
         assert sorted(rings[0].get_offsets()[:, 0]) == sorted(last[m])
+    assert fig.legends[0].get_title().get_text() == "runs; ringed: each run's last step"
     plt.close(fig)
 
 

@@ -171,9 +171,12 @@ def test_panel_legends_give_runs_and_the_whole_run_p(two_run_store, tmp_path):
     stats = correlations_by_tag(table, FIG1, "val_loss", n_perm=100)
     fig = scatter_figure(table, FIG1, "val_loss", stats, "t")
     for ax, m in zip(fig.axes, FIG1):
-        s = stats[(stats.metric == m) & (stats.scale == ("log" if ax.get_xscale() == "log" else "raw"))].iloc[0]
+        log = ax.get_xscale() == "log"
+        mine = stats[stats.metric == m].set_index("scale")
+        s = mine.loc["log" if log else "raw"]
         (label,) = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert label == f"fit: $R^2$ = {s.r2:.2f}, p_runs = 1.00 (min 1/1)\n2 runs, 4 ckpts", label
+        r2 = f"(log x) = {s.r2:.2f}, raw x: {mine.r2['raw']:.2f}" if log else f"(raw x) = {s.r2:.2f}"
+        assert label == f"fit: $R^2$ {r2}\np_runs = 1.00 (min 1/1)\n2 runs, 4 ckpts", label
         assert not DOUBLED.search(ax.get_title())
     plt.close(fig)
     df = study(n_runs=4, per_run=4, seed=1)  # runs of one length: "4 runs × 4 ckpts" and p from stats.csv
