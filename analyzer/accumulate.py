@@ -8,6 +8,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, VAL_AT
+
 log = logging.getLogger(__name__)
 
 
@@ -319,7 +321,7 @@ class DecisionCounts(Sums):
                  counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25,
                  lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 folds: dict[str, torch.Tensor] | None = None):
+                 folds: dict[str, torch.Tensor] | None = None, train_count: torch.Tensor | None = None):
         device = mean.device
         self.folds, self._fold, self._at = folds, None, 0  # per fold counts (folds x vocab), updated in place
         self.kept = kept.to(device)
@@ -328,16 +330,37 @@ class DecisionCounts(Sums):
         self.tile = max(1, min(TILE, budget // max(1, self.mean.shape[1])))
         self.half_sq = torch.cat([0.5 * (m * m).sum(1) for m in self._tiles(self.mean)]) if len(self.kept) else \
             torch.zeros(0, dtype=torch.float64, device=device)
-        self.counts = counts or self.zeros(classifier.shape[0], device)
+        self.counts = counts or self.zeros(classifier.shape[0], device, at=train_count is not None)
         self.lens = lens
         self.chunk = max(1, budget // max(1, min(len(self.kept), self.tile)))
+        self.at = self._at_min_counts(train_count, budget) if VAL_AT[1] in self.counts else []
+
+    def _at_min_counts(self, train_count: torch.Tensor | None, budget: int) -> list[DecisionCounts]:
+        """A counter of the decisions over each NC4_MIN_COUNTS kept set (count >= m), into the rows of the
+        ``VAL_AT`` counts (none for a kept set without a class: its row stays 0 and NC4 is not measured there)."""
+        if train_count is None:
+            raise ValueError("DecisionCounts: counts at each NC4 min_count (val_*_at) need the train counts")
+        scratch = torch.zeros_like(self.counts["val_count"])  # val_count is the same for every kept set
+        out = []
+        for i, m in enumerate(NC4_MIN_COUNTS):
+            kept = torch.nonzero(train_count.to(self.mean.device) >= m).squeeze(1)
+            if len(kept):
+                rows = {"val_count": scratch, "val_correct": self.counts[VAL_AT[0]][i],
+                        "val_ncc_agree": self.counts[VAL_AT[1]][i]}
+                out.append(DecisionCounts(self.w, self.b, self.mean, kept, counts=rows, budget=budget,
+                                          head=(self.w, self.b)))
+        return out
 
     @classmethod
-    def zeros(cls, vocab: int, device: str | torch.device = "cpu", folds: int | None = None
-              ) -> dict[str, torch.Tensor]:
-        """Fresh counts: each of :attr:`NAMES` a zero int64 vector of ``vocab`` (folds x vocab with ``folds``)."""
+    def zeros(cls, vocab: int, device: str | torch.device = "cpu", folds: int | None = None,
+              at: bool | None = None) -> dict[str, torch.Tensor]:
+        """Fresh counts: each of :attr:`NAMES` a zero int64 vector of ``vocab`` (folds x vocab with ``folds``), and
+        with ``at`` (default: without folds) each of ``schema.VAL_AT`` a zero len(NC4_MIN_COUNTS) x vocab matrix."""
         shape = (vocab,) if folds is None else (folds, vocab)
-        return {n: torch.zeros(shape, dtype=torch.int64, device=device) for n in cls.NAMES}
+        out = {n: torch.zeros(shape, dtype=torch.int64, device=device) for n in cls.NAMES}
+        if (folds is None) if at is None else at:
+            out |= {n: torch.zeros((len(NC4_MIN_COUNTS), vocab), dtype=torch.int64, device=device) for n in VAL_AT}
+        return out
 
     def begin(self, fold: torch.Tensor | None) -> None:
         """The fold of each token of the next batch (n), which :meth:`count` reads chunk by chunk, in order."""
@@ -382,6 +405,15 @@ class DecisionCounts(Sums):
         for s in range(0, len(y), self.chunk):
             hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
             self.count(hc, yc, self._argmax(zc, self.w, b))
+            for c in self.at:  # the same tokens over each NC4_MIN_COUNTS kept set
+                c.count(hc, yc, c._argmax(zc, c.w, None if c.b is None else c.b[c.kept]))
+
+    def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> None:
+        """Count a chunk from its head logits over the whole vocabulary (n x vocab), at the kept set and at each
+        NC4_MIN_COUNTS kept set (:meth:`linear_decisions` of each)."""
+        self.count(h, y, self.linear_decisions(logits))
+        for c in self.at:
+            c.count(h, y, c.linear_decisions(logits))
 
     def count(self, h: torch.Tensor, y: torch.Tensor, linear: torch.Tensor) -> None:
         """Count a chunk whose linear decisions are given: ``linear`` (n, the kept class of the largest

@@ -11,7 +11,7 @@ import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import kept_classes
-from ncanalyze.analyzer.schema import stats_dataset
+from ncanalyze.analyzer.schema import NC4_MIN_COUNT, NC4_MIN_COUNTS, VAL_AT, stats_dataset
 
 
 def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: Any = None,
@@ -48,8 +48,9 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
             raise UserError("NC4 needs the classifier and the labels: pass classifier= (and classifier_bias=) and "
                             "val_labels= with val_embeddings")
         val, fold_val = _val_counts(ds, val_embeddings, val_labels, min_count, batch_size, folds, block_size)
-        for name, v in val.items():
-            ds[name] = "vocab", v
+        for name, v in val.items():  # VAL_AT: one row per NC4_MIN_COUNTS, so NC4 is measurable at each
+            ds[name] = ((NC4_MIN_COUNT, "vocab") if name in VAL_AT else "vocab"), v
+        ds = ds.assign_coords({NC4_MIN_COUNT: np.asarray(NC4_MIN_COUNTS, dtype=np.int64)})
         ds.attrs["val_tokens"] = int(ds["val_count"].sum())
     if parts is not None:
         from ncanalyze.analyzer.jackknife import fold_variables
@@ -112,7 +113,7 @@ def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int,
     bias = torch.as_tensor(ds["classifier_bias"].values) if "classifier_bias" in ds else None
     per_fold = DecisionCounts.zeros(ds.sizes["vocab"], "cpu", folds) if folds > 1 else None
     counts = DecisionCounts(torch.as_tensor(ds["classifier"].values), bias, torch.as_tensor(ds["mean"].values), K,
-                            folds=per_fold)
+                            folds=per_fold, train_count=torch.as_tensor(ds["count"].values))
     start = 0
     for hb, yb in _batches(h, y, batch_size, ds.sizes["vocab"], "val_embeddings"):
         counts.begin(_fold(start, len(yb), block_size, folds) if per_fold is not None else None)

@@ -21,6 +21,7 @@ from ncanalyze.analyzer.engines import engine_device, kept_parts
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_covariance
 from ncanalyze.analyzer.pairs import COINCIDENT, PairSums
+from ncanalyze.analyzer.schema import NC4_MIN_COUNT, VAL_AT
 
 DECAY_RANKS = (4, 100)  # eigen_decay's fit range of ranks, as Agrawal et al. fit alpha-ReQ (Stringer et al. 2019)
 
@@ -171,11 +172,28 @@ def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:
                                 for v in ("val_count", "val_ncc_agree"))
     extract_min = int(ds.attrs.get("min_count", 1))
     if not np.array_equal(g.K, kept_classes(ds["count"].values, extract_min)):
-        g.nc4_nan_because = (
-            f"its decisions were counted at extraction over the classes with count >= {extract_min}, not over "
-            f"those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
-    elif g.val_count.sum() == 0:
+        row = _counted_at(ds, g.K)
+        if row is None:
+            at = (f" (and over the kept sets of min_count {', '.join(map(str, ds[NC4_MIN_COUNT].values))})"
+                  if VAL_AT[1] in ds else "")
+            g.nc4_nan_because = (
+                f"its decisions were counted at extraction over the classes with count >= {extract_min}{at}, not "
+                f"over those with count >= {min_count}; extract again with --min-count {min_count} to measure it here")
+            return
+        g.val_agree = np.asarray(ds[VAL_AT[1]].values)[row][g.K].astype(np.float64)
+    if g.val_count.sum() == 0:
         g.nc4_nan_because = "no validation token has a kept label"
+
+
+def _counted_at(ds: xr.Dataset, K: np.ndarray) -> int | None:
+    """The row of the ``VAL_AT`` counts (one per ``NC4_MIN_COUNTS``) whose kept set is ``K``, or None."""
+    if VAL_AT[1] not in ds:
+        return None
+    count = ds["count"].values
+    for i, m in enumerate(np.asarray(ds[NC4_MIN_COUNT].values)):
+        if np.array_equal(K, kept_classes(count, int(m))):
+            return i
+    return None
 
 
 def _unit_sum(g: Geometry, ds: xr.Dataset) -> None:

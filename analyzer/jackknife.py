@@ -88,7 +88,7 @@ def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[
 
 
 def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = None,
-              point: Mapping[str, float] | None = None) -> tuple[dict[str, float], list[str]]:
+              point: Mapping[str, float] | None = None, min_count: int = 1) -> tuple[dict[str, float], list[str]]:
     """Every scalar metric's delete-one-fold jackknife error over ``folds`` (default: all of ``ds``'s), and notes
     for those that are nan: fewer than 2 folds, a fold without a train token, or a replicate not finite.
 
@@ -100,6 +100,7 @@ def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = No
         metric's own warning says why).
     measure : a dataset's scalar metrics, measured as the point value is (metrics.measure_all with its min_count,
         tile, device and engine).
+    min_count : the min_count ``measure`` keeps classes at (NC4's fold counts are those of the extraction's).
 
     Returns
     -------
@@ -120,6 +121,12 @@ def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = No
     se = np.sqrt((k - 1) / k * (dev ** 2).sum())
     undefined = [m for m in SCALARS if point is not None and not math.isfinite(point.get(m, math.nan))]
     bad = [m for m in SCALARS if not np.isfinite(theta[m]).all() and m not in undefined]
+    mc, extract_min = int(min_count or 1), int(ds.attrs.get("min_count", 1))
+    if "nc4_agreement" in bad and mc != extract_min:  # the fold counts are NC4's at the extraction's kept set only
+        bad.remove("nc4_agreement")
+        undefined.append("nc4_agreement")
+        notes.append(f"nc4_agreement: nan error at min_count {mc}: NC4's fold counts are those of the extraction's "
+                     f"--min-count {extract_min} only")
     if bad:
         notes.append(f"{', '.join(bad)}: nan error, a leave-one-fold-out value is not finite (a fold holds too few "
                      "tokens of the kept classes)")

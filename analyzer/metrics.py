@@ -268,7 +268,7 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], kw: dict) -> dict[str, fl
     ones in one warning."""
     from ncanalyze.analyzer.jackknife import jackknife, se_name
 
-    errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars)
+    errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars, min_count=kw["min_count"])
     if notes:
         warnings.warn("jackknife errors: " + "; ".join(notes), stacklevel=3)
     return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}

@@ -24,12 +24,18 @@ METRICS_VERSION = 3
 NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
               "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
               "nc4_agreement")
+# metrics whose value is not scale-free, each with what is said wherever it is printed: outside the "lower is more
+# collapse" reading and outside the NC Holm family (a family of their own; SPEC section 4)
+SCALE_DEPENDENT = {"nc1_cdnv_p2": "scales as 1/length² (||mu_c - mu_c'||^4 in the denominator, the paper's code's "
+                                  "form: doubling the features divides it by 4), so across widths it mostly follows "
+                                  "the feature norm: not read as more or less collapse, and outside the NC Holm family"}
 # the representation geometry beyond NC (section 4, second table); each is a function of the same name in spectral.py
 GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "eigen_decay", "lidar", "anisotropy",
                     "head_erank", "nc1_cdnv_freq", "gnc2_log_mean_freq")
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
-# (stats.METRICS is SCALARS). NC_METRICS and GEOMETRY_METRICS are two Holm families (per scale and tag,
-# stats.family): the geometry does not make the NC metrics' adjusted p-values more conservative.
+# (stats.METRICS is SCALARS). NC_METRICS (less SCALE_DEPENDENT, each a family of its own) and GEOMETRY_METRICS are
+# two Holm families (per scale and tag, stats.family): the geometry does not make the NC metrics' adjusted p-values
+# more conservative.
 SCALARS = NC_METRICS + GEOMETRY_METRICS
 # the columns held fixed by the report's partial correlations by default (``--controls``): scale and training time.
 # ``design`` stands for the architecture factors that vary among the selected runs (DESIGN_FACTORS, read from the
@@ -50,11 +56,17 @@ INFO = ("run", "tag", "checkpoint", "global_step", "epoch", "n_params", "n_layer
         "val_loss", "val_accuracy")
 # NC4's counts per true class, from the validation pass
 VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
+# and the decision counts over the kept set of each min_count the report compares (count >= m), counted in the same
+# validation pass (nc4_min_count x vocab; val_count is the same for every kept set), so NC4 is measurable at each of
+# them; the fold counts (fold_val_*) are at the extraction's --min-count only
+NC4_MIN_COUNTS = (1, 2, 5, 20)
+NC4_MIN_COUNT = "nc4_min_count"
+VAL_AT = ("val_correct_at", "val_ncc_agree_at")
 # the output layer (vocab x hidden, and its bias when the model has one): in a store, once per checkpoint, as
 # coordinates of the checkpoint group that its layer groups inherit (store/classifier.py); a data variable elsewhere
 HEAD = ("classifier", "classifier_bias")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)
-MEASURED = ("count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS)
+MEASURED = ("count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS, *VAL_AT)
 # the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
 LAYER = "layer"
 
@@ -74,7 +86,7 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
     """One checkpoint's dataset with the store's variables and dimensions (vocab, hidden, hidden2, slot).
 
     Arrays keep their dtype (extraction passes the classifier as float32, as the model holds it); ``val`` maps the names in
-    ``VAL_COUNTS`` to per-class counts; ``samples`` (vocab x slot x hidden, float32) with ``n_samples`` and
+    ``VAL_COUNTS`` to per-class counts (and ``VAL_AT`` to nc4_min_count x vocab); ``samples`` (vocab x slot x hidden, float32) with ``n_samples`` and
     ``sample_position`` is the reservoir; ``tokens`` adds the decoded ``token`` coordinate. ``embeddings`` (position x
     hidden; numpy or dask, kept lazy) with ``embedding_label`` (the next token) and ``embedding_position`` (the index
     coordinate ``position``: the stream position) are raw features of the first train positions. ``unit_sum``
@@ -94,12 +106,14 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
         data["classifier"] = (("vocab", "hidden"), _np(classifier))
     if classifier_bias is not None:
         data["classifier_bias"] = ("vocab", _np(classifier_bias))
-    for name, v in (val or {}).items():
-        data[name] = ("vocab", _np(v))
+    for name, v in (val or {}).items():  # VAL_AT: one row per NC4_MIN_COUNTS
+        data[name] = ((NC4_MIN_COUNT, "vocab") if name in VAL_AT else "vocab", _np(v))
     if samples is not None:
         data |= {"samples": (("vocab", "slot", "hidden"), _np(samples)), "n_samples": ("vocab", _np(n_samples)),
                  "sample_position": (("vocab", "slot"), _np(sample_position))}
     coords: dict[str, Any] = {"vocab": np.arange(mean.shape[0])}
+    if any(name in VAL_AT for name in val or {}):
+        coords[NC4_MIN_COUNT] = np.asarray(NC4_MIN_COUNTS, dtype=np.int64)
     if embeddings is not None:
         lazy = hasattr(embeddings, "chunks")  # a dask array stays lazy: it is written chunk by chunk
         data |= {"embeddings": (("position", "hidden"), embeddings if lazy else _np(embeddings)),

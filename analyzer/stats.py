@@ -60,7 +60,8 @@ from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, residual_r, sign_notes
 from ncanalyze.analyzer.registry import N_BOOT, N_PERM
-from ncanalyze.analyzer.schema import CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS
+from ncanalyze.analyzer.schema import (CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS,
+                                       SCALE_DEPENDENT)
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of
@@ -73,8 +74,11 @@ class StatisticsWarning(RuntimeWarning):
 
 
 def family(metric: str) -> str:
-    """The Holm family of a metric: :data:`NC` (the paper's NC metrics), :data:`GEOMETRY` (the representation
-    geometry beyond NC), or the column's own name for any other column."""
+    """The Holm family of a metric: :data:`NC` (the paper's NC metrics, less the scale-dependent
+    ``schema.SCALE_DEPENDENT``), :data:`GEOMETRY` (the representation geometry beyond NC), or the column's own name
+    for any other column (a scale-dependent metric among them)."""
+    if metric in SCALE_DEPENDENT:
+        return metric
     return NC if metric in NC_METRICS else GEOMETRY if metric in GEOMETRY_METRICS else metric
 
 
@@ -121,6 +125,7 @@ class NoteKind(enum.Enum):
     LEFT_OUT = "left_out"            # rows left out (an infinite target)
     SIGN_FLIP = "sign_flip"          # between models, within training and pooled disagree in sign
     FRAGILE = "fragile"              # a Holm verdict changes when one run is left out
+    SCALE_DEPENDENT = "scale_dependent"  # the metric is not scale-free (schema.SCALE_DEPENDENT says how)
 
 
 class Note(NamedTuple):
@@ -293,6 +298,8 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
                                 labels[mask], None if order is None else order[mask], n_perm, n_boot, seed))
     out = pd.DataFrame(rows)
     out.insert(1, "family", out.metric.map(family))
+    for i in out.index[out.metric.isin(list(SCALE_DEPENDENT))]:  # said wherever the row is printed
+        _add_notes(out, i, [Note(NoteKind.SCALE_DEPENDENT, SCALE_DEPENDENT[out.metric[i]])])
     rank = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)

@@ -247,14 +247,18 @@ def summary(folder: Path, title: str) -> list[str]:
     s, first = s[s.scale == "raw"], s.iloc[0]
     runs = pd.read_csv(folder / "metrics.csv").run.nunique()
     drawn = "all of them (exact)" if bool(first.exact) else f"{int(first.n_perm):,} drawn"
+    plain = s.controls.isna().all()  # no control varies among these runs: the partial r is r
+    columns = {c: h for c, h in SUMMARY_COLUMNS.items() if not (plain and c.startswith("partial_"))}
+    controls = ("no control varies among these runs, so the partial r equals r (its columns left out)" if plain
+                else f"partial r controls for {first.controls}")
     lines = [f"**{title}**: {int(s.n.max())} checkpoints of {runs} runs; permuted: {first.perm_scheme} "
              f"({int(first.n_units)} {first.perm_unit}, {first.n_distinct_perms:.3g} distinct permutations, "
-             f"{drawn}), so p >= {first.p_floor:.2g}; partial r controls for {first.controls}; Holm within the NC "
-             "and the geometry families", "", "| " + " | ".join(SUMMARY_COLUMNS.values()) + " |",
-             "|" + "---|" * len(SUMMARY_COLUMNS)]
+             f"{drawn}), so p >= {first.p_floor:.2g}; {controls}; Holm within the NC "
+             "and the geometry families", "", "| " + " | ".join(columns.values()) + " |",
+             "|" + "---|" * len(columns)]
     for _, row in s.iterrows():
         lines.append("| " + " | ".join(f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c])
-                                       for c in SUMMARY_COLUMNS) + " |")
+                                       for c in columns) + " |")
     return lines + [""]
 
 

@@ -11,12 +11,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from ncanalyze.analyzer.schema import LAYER  # noqa: E402
 
 DEPTH_METRICS = ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement",   # Figure 1's, then the geometry's
                  "total_erank", "eigen_decay", "lidar", "anisotropy")
+MARKERS, DASHES = "osD^v<>pPXh*", ("-", "--", ":", "-.")  # a run's marker, then its dash past 12 runs
 PANELS_PER_ROW = 3  # 3.9 in each: the figure stays within 2000 px at 150 dpi, as the report's others
 TITLE = "NC properties across depth (layer 0: embedding output; the last: after the final norm)"
 
@@ -61,14 +63,24 @@ def depth_table(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> pd.
 
 
 def _mark_gaps(ax, df: pd.DataFrame, m: str) -> None:
-    """Keep every layer on the panel's axis and shade the layers where ``m`` is undefined (inf or nan), labelled."""
+    """Keep every layer on the panel's axis; shade a layer "undefined" only where ``m`` is undefined (inf or nan)
+    in every row of it, and say "undefined in k of n" without shading where only some rows are."""
     layers = pd.to_numeric(df[LAYER], errors="coerce")
     ax.set_xlim(layers.min() - 0.4, layers.max() + 0.4)
-    values = pd.to_numeric(df[m], errors="coerce")
-    for layer in sorted(set(layers[~np.isfinite(values)].dropna())):
-        ax.axvspan(layer - 0.3, layer + 0.3, color="0.92", zorder=0)
-        ax.text(layer, 0.5, "undefined", transform=blended_transform_factory(ax.transData, ax.transAxes),
-                rotation=90, ha="center", va="center", fontsize=8, color="0.4")
+    bad = pd.Series(~np.isfinite(pd.to_numeric(df[m], errors="coerce")), index=df.index)
+    counts = bad.groupby(layers).agg(["sum", "size"])
+    at = blended_transform_factory(ax.transData, ax.transAxes)
+    for layer, (k, n) in counts[counts["sum"] > 0].iterrows():
+        if k == n:
+            ax.axvspan(layer - 0.3, layer + 0.3, color="0.92", zorder=0)
+        ax.text(layer, 0.5, "undefined" if k == n else f"undefined in {k} of {n}", transform=at, rotation=90,
+                ha="center", va="center", fontsize=8 if k == n else 7, color="0.4")
+
+
+def _run_styles(df: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """Each run's (marker, line style): runs told apart where the colour is the step's."""
+    runs = list(dict.fromkeys(df["run"].astype(str)))
+    return {r: (MARKERS[i % len(MARKERS)], DASHES[(i // len(MARKERS)) % len(DASHES)]) for i, r in enumerate(runs)}
 
 
 def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, labels: dict[str, str] | None = None):
@@ -76,7 +88,10 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
     metrics = [m for m in metrics if m in df.columns]
     k = len(metrics)
     rows, cols = -(-k // PANELS_PER_ROW), min(k, PANELS_PER_ROW)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.9 * cols + 1.2, 4.0 * rows), squeeze=False)
+    styles = _run_styles(df)
+    extra = 0.2 * (-(-len(styles) // 6) + 1) if len(styles) > 1 else 0.0  # inches for the legend of runs
+    h = 4.0 * rows + extra
+    fig, axes = plt.subplots(rows, cols, figsize=(3.9 * cols + 1.2, h), squeeze=False)
     for ax in axes.flat[k:]:
         ax.set_visible(False)
     steps = pd.to_numeric(df.get("global_step"), errors="coerce")
@@ -87,14 +102,22 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
             g = g.sort_values(LAYER)
             step = pd.to_numeric(g["global_step"], errors="coerce").iloc[0]
             values = pd.to_numeric(g[m], errors="coerce").replace([np.inf, -np.inf], np.nan)  # a gap, not a drop
-            ax.plot(g[LAYER], values, "o-", ms=3, lw=1.2, color=cmap(norm(step)) if np.isfinite(step) else "grey")
+            marker, dash = styles[str(run)]
+            ax.plot(g[LAYER], values, marker=marker, ls=dash, ms=3.5, lw=1.2, mec="black", mew=0.3,
+                    color=cmap(norm(step)) if np.isfinite(step) else "grey", gid=f"run:{run}")
         _mark_gaps(ax, df, m)
         ax.set_title((labels or {}).get(m, m), fontsize=10)
         ax.set_xlabel("layer (hidden_states index)")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.subplots_adjust(left=0.06, right=0.9, bottom=0.15 / rows, top=1 - 0.15 / rows, wspace=0.3, hspace=0.35)
-    cax = fig.add_axes((0.92, 0.15 / rows, 0.012, 1 - 0.3 / rows))
+    bottom, top = (0.6 + extra) / h, 0.6 / h
+    fig.subplots_adjust(left=0.06, right=0.9, bottom=bottom, top=1 - top, wspace=0.3, hspace=0.35)
+    cax = fig.add_axes((0.92, bottom, 0.012, 1 - bottom - top))
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="global step")
+    if len(styles) > 1:
+        handles = [Line2D([], [], color="0.35", marker=mk, ls=ls, ms=5, mec="black", mew=0.3)
+                   for mk, ls in styles.values()]
+        fig.legend(handles, list(styles), loc="lower center", ncol=min(len(styles), 6), fontsize=7, frameon=False,
+                   title="runs (colour: the step)", title_fontsize=7, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(TITLE)
     return fig

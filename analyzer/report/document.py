@@ -12,8 +12,8 @@ from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
 from ncanalyze.analyzer.report.tables import (code, control_robustness, controls_text, design_factors_text, family_name,
-                                               fragility_lines, interval_table, notes, questions_table, summary,
-                                               survivors, target_note, unreachable_lines)
+                                               fragility_lines, interval_table, no_control, no_control_text, notes,
+                                               questions_table, summary, survivors, target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.report.precision import budget_lines, error_lines
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
@@ -63,7 +63,7 @@ def reading(o: ReportOptions, stats: pd.DataFrame, several: bool) -> list[str]:
             "not be centred at 0, see \"null r\" below); p FL: the same for the partial r, permuting "
             "the target's residuals on the controls (Freedman-Lane); the permutations behind them are said under "
             "each table. p Holm, p FL Holm: Holm-adjusted within a family of metrics, the NC metrics the paper tests "
-            "and the geometry metrics being two families (the geometry does not make the NC metrics' p more "
+            "(a scale-dependent one, such as `nc1_cdnv_p2`, alone) and the geometry metrics being two families (the geometry does not make the NC metrics' p more "
             "conservative), per scale (raw and log are separate families)" + (" and per tag" if several else "")
             + f". The families here: {_families(stats)}. p-values show 3 significant figures, more where rounding "
             f"would cross {ALPHA:g}. rho's Holm p is in stats.csv, as are parametric p-values and the partial r's "
@@ -134,6 +134,7 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
     stats = tag_stats(r.stats, tag)
     md = [f"## Correlation with {r.target}" + (f", tag {tag_name(tag)} ({len(rows)} checkpoints)" if several else ""),
           "", summary(stats).to_markdown(index=False, disable_numparse=True), ""]
+    md += [no_control_text(stats), ""] if no_control(stats) else []
     if len(rows) < MIN_N:
         md += [f"**Only {len(rows)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
     md += [permutation_text(stats, o.seed), ""]

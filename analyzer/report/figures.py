@@ -26,7 +26,7 @@ from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
 from ncanalyze.analyzer.report.ticks import count_text, declutter, limits, set_ticks  # noqa: E402
 
 LABELS = {  # panel titles
-    "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV, squared distances",
+    "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV over distance⁴ (scales as 1/length²)",
     "nc1_trace": "NC1: Tr(Σ_W Σ_B⁺)/K", "nc2_norm_cv": "NC2: equinorm (CV of norms)",
     "nc2_lognorm_std": "NC2: std of log norms", "nc2_cos_mean": "NC2: mean cosine",
     "nc2_cos_std": "NC2: equiangularity (std of cosines)", "nc2_etf_error": "NC2: distance to simplex ETF",
@@ -122,6 +122,7 @@ class _Style:
         self.size_note = f"all {count_text(sizes.iloc[0])} parameters" if sizes.nunique() == 1 else None
         self.marked = len(self.runs) <= MAX_MARKED_RUNS
         self.cmap = plt.get_cmap("viridis")
+        self.ringed = False  # some run's last step is ringed (last_steps)
 
     def groups(self, d: pd.DataFrame) -> Iterator[tuple]:
         """(run, its rows in step order, marker, colour or colours, line colour) for each run present in ``d``."""
@@ -164,10 +165,13 @@ class _Style:
                               color="0.35" if neutral else RUN_COLOURS[i % len(RUN_COLOURS)],
                               mec="black", mew=0.3) for i in range(len(self.runs))]
             fig.legend(handles, self.runs, loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
-                       title="runs" + (f" ({self.size_note})" if self.size_note else ""), title_fontsize=8,
+                       title="runs" + (f" ({self.size_note})" if self.size_note else "")
+                       + ("; ringed: each run's last step" if self.ringed else ""), title_fontsize=8,
                        bbox_to_anchor=(0.5, 0.0))
-        elif self.size_note:
-            fig.text(0.99, 0.01, self.size_note, ha="right", va="bottom", fontsize=8)
+        else:
+            said = [t for t in (self.size_note, "ringed: each run's last step" if self.ringed else None) if t]
+            if said:
+                fig.text(0.99, 0.01, "; ".join(said), ha="right", va="bottom", fontsize=8)
         return out
 
 
@@ -242,6 +246,43 @@ def design_text(s: pd.Series, runs: pd.Series) -> str:
     return f"p_{unit} = {fmt_p(s.p_perm)}{few}\n{design}"
 
 
+def r2_text(st: pd.DataFrame, log: bool, symbol: str = "$R^2$") -> str:
+    """A panel's R² with the scale it is on: the drawn scale's ("$R^2$ (log x) = 0.67") and, on a log axis, the
+    raw one beside it ("raw x: 0.93"), so the figure and the tables read the same number.
+
+    Parameters
+    ----------
+    st
+        The metric's statistics rows indexed by scale ("raw", "log").
+    log
+        Whether the panel's x axis is the log scale.
+    symbol
+        How R² is written (mathtext in the PNGs, "R²" in report.html).
+
+    Returns
+    -------
+    str
+    """
+    def value(scale: str) -> str:
+        r2 = st.r2.get(scale, np.nan) if scale in st.index else np.nan
+        return f"{r2:.2f}" if np.isfinite(r2) else "n/a"
+
+    if not log:
+        return f"{symbol} (raw x) = {value('raw')}"
+    return f"{symbol} (log x) = {value('log')}, raw x: {value('raw')}"
+
+
+def last_steps(ax, style: _Style, d: pd.DataFrame) -> None:
+    """A trajectory's direction: a ring around each run's last step where a run has several checkpoints (the
+    legend of runs, or a note, says so)."""
+    ends = [g.iloc[[-1]] for _, g, _, _, _ in style.groups(d) if len(g) > 1]
+    if ends:
+        end = pd.concat(ends)
+        ax.scatter(end.x, end.y, s=90, facecolors="none", edgecolors="black", linewidths=0.9, zorder=2.5,
+                   gid="last-steps")
+        style.ringed = True
+
+
 def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style, log: bool) -> None:
     """One metric's panel: each run's checkpoints joined in step order, the points, the least-squares line and R²."""
     if log:
@@ -261,9 +302,10 @@ def _scatter_panel(ax, d: pd.DataFrame, m: str, st: pd.DataFrame, style: _Style,
         slope, icept = np.polyfit(u, d.y, 1)
         line = np.linspace(u.min(), u.max(), 50)
         ax.plot(10 ** line if log else line, icept + slope * line, "--", color="crimson", zorder=3,
-                label=f"fit: $R^2$ = {s.r2:.2f}, {design_text(s, d.run)}")
+                label=f"fit: {r2_text(st, log)}\n{design_text(s, d.run)}")
     else:
-        ax.plot([], [], " ", label=f"$R^2$: n/a, {design_text(s, d.run)}")
+        ax.plot([], [], " ", label=f"{r2_text(st, log)}\n{design_text(s, d.run)}")
+    last_steps(ax, style, d)
     ax.legend(loc="best", fontsize=8, framealpha=0.85)
     ax.set_xlabel(m + (" (log scale)" if log else ""))
     set_ticks(ax.xaxis, *limits(d.x, log), log)

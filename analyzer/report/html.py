@@ -18,7 +18,7 @@ from matplotlib.colors import LogNorm, Normalize, to_hex
 from ncanalyze.analyzer.report.depth import has_depth, last_layer
 from ncanalyze.analyzer.report.document import header, tag_stats
 from ncanalyze.analyzer.report.escape import plotly_text
-from ncanalyze.analyzer.report.figures import FIGURES, RUN_COLOURS, label
+from ncanalyze.analyzer.report.figures import FIGURES, MARKERS, RUN_COLOURS, design_text, label, r2_text
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
 from ncanalyze.analyzer.report.tables import fmt, fmt_p, notes, survivors
@@ -28,6 +28,9 @@ from ncanalyze.analyzer.schema import GEOMETRY_METRICS, LAYER, NC_METRICS
 from ncanalyze.analyzer.stats import permutation_text, split_tags
 
 UNTAGGED = "(untagged)"
+SYMBOLS = dict(zip(MARKERS, ("circle", "square", "diamond", "triangle-up", "triangle-down", "triangle-left",
+                                   "triangle-right", "pentagon", "cross", "x", "hexagon", "star")))  # the PNG's
+DASHES = ("solid", "dash", "dot", "dashdot")  # a run's line past the 12 markers
 ROW_COLUMNS = ("run", "tag", "checkpoint", "global_step", "n_params", "n_kept", LAYER)  # hover and grouping
 # the statistics table's columns: header, stats.csv's column, display (report.md's)
 STATS_COLUMNS = (("n", "n", "{:d}"), ("R²", "r2", fmt), ("r", "r", fmt), ("rho", "rho", fmt),
@@ -89,12 +92,12 @@ def _colours(df: pd.DataFrame, run: pd.Series) -> dict:
     size = pd.to_numeric(df.get("n_params", pd.Series(np.nan, index=df.index)), errors="coerce").groupby(run).first()
     positive = size[size > 0]
     viridis = colormaps["viridis"]
-    out: dict = {"size_scale": None}
+    out: dict = {"size_scale": None, "symbol": {r: SYMBOLS[MARKERS[i % len(MARKERS)]] for i, r in enumerate(runs)},
+                 "dash": {r: DASHES[(i // len(MARKERS)) % len(DASHES)] for i, r in enumerate(runs)}}
     if positive.nunique() > 1:
         norm = LogNorm(positive.min(), positive.max())
         out["run"] = {r: to_hex(viridis(norm(size[r]))) if size[r] > 0 else "#808080" for r in runs}
-        ticks = np.unique(np.r_[positive.min(), 10.0 ** np.arange(np.ceil(np.log10(positive.min())),
-                                                                   np.log10(positive.max()) + 1e-9), positive.max()])
+        ticks = bar_ticks(positive.min(), positive.max())
         out["size_scale"] = {"cmin": float(np.log10(positive.min())), "cmax": float(np.log10(positive.max())),
                              "tickvals": [float(np.log10(t)) for t in ticks], "ticktext": [count_text(t) for t in ticks]}
     else:
@@ -108,6 +111,27 @@ def _colours(df: pd.DataFrame, run: pd.Series) -> dict:
     return out
 
 
+def bar_ticks(lo: float, hi: float, room: float = 0.12) -> np.ndarray:
+    """The colour bar's ticks: both ends and the decades between, leaving out a decade nearer an end than
+    ``room`` of the bar's log length (its label would overprint the end's).
+
+    Parameters
+    ----------
+    lo, hi
+        The bar's ends (positive).
+    room
+        The least gap between two labels, as a fraction of the bar.
+
+    Returns
+    -------
+    numpy.ndarray
+    """
+    a, b = np.log10(lo), np.log10(hi)
+    decades = np.arange(np.ceil(a), b + 1e-9)
+    decades = decades[(decades - a > room * (b - a)) & (b - decades > room * (b - a))]
+    return np.unique(np.r_[lo, 10.0 ** decades, hi])
+
+
 def _metric_groups(metrics: list[str]) -> list[tuple[str, list[str]]]:
     """The picker's option groups: NC, geometry, others."""
     groups = [("NC", [m for m in metrics if m in NC_METRICS]),
@@ -116,13 +140,24 @@ def _metric_groups(metrics: list[str]) -> list[tuple[str, list[str]]]:
     return [(g, ms) for g, ms in groups if ms]
 
 
-def _r2(stats: pd.DataFrame) -> dict:
-    """stats.csv's R² and n by tag, metric and scale, for the panels' titles."""
+def _r2(selected: pd.DataFrame, stats: pd.DataFrame, target: str) -> dict:
+    """Each Figure 1 panel's line by tag, metric and scale, as the PNG's legend says it: stats.csv's R² with its
+    scale (:func:`~ncanalyze.analyzer.report.figures.r2_text`), the permutation p with its unit and the runs and
+    checkpoints it rests on (:func:`~ncanalyze.analyzer.report.figures.design_text`)."""
     out: dict = {}
-    for _, s in stats.iterrows():
-        tag = UNTAGGED if pd.isna(s.get("tag")) else str(s.tag)
-        r2 = s.r2 if np.isfinite(s.r2) else None
-        out.setdefault(tag, {}).setdefault(s.metric, {})[s.scale] = {"r2": r2, "n": int(s.n)}
+    for tag, rows in split_tags(selected):
+        st = tag_stats(stats, tag)
+        y = pd.to_numeric(rows.get(target), errors="coerce")
+        runs = rows["run"].astype(str) if "run" in rows else pd.Series("(all)", index=rows.index)
+        for m, by_scale in st.groupby("metric", sort=False):
+            by_scale = by_scale.set_index("scale")
+            x = pd.to_numeric(rows[m], errors="coerce") if m in rows else pd.Series(np.nan, index=rows.index)
+            for scale, s in by_scale.iterrows():
+                ok = np.isfinite(x) & np.isfinite(y) & ((x > 0) if scale == "log" else True)
+                text = r2_text(by_scale, scale == "log", "R²")
+                if ok.any():
+                    text += ", " + design_text(s, runs[ok]).replace("\n", ", ")
+                out.setdefault(UNTAGGED if tag is None else str(tag), {}).setdefault(m, {})[scale] = {"text": text}
     return out
 
 
@@ -160,7 +195,7 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     return {"rows": rows, "target": r.target, "labels": {c: label(c) for c in [r.target, *metrics]},
             "metrics": _metric_groups(metrics), "fig1": [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics],
             "tags": list(dict.fromkeys(rows["_tag"])), "layers": layers,
-            "colours": colours, "r2": _r2(r.stats)}
+            "colours": colours, "r2": _r2(r.selected, r.stats, r.target)}
 
 
 def caveats(r: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> list[str]:

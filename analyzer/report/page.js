@@ -5,7 +5,7 @@ const D = JSON.parse(document.getElementById("ncanalyze-data").textContent);
 const R = D.rows, N = R.run.length, C = D.colours;
 const CONFIG = {displaylogo: false, responsive: true};
 const LEGEND = {itemclick: "toggleothers", itemdoubleclick: "toggle", orientation: "h", y: -0.18, yanchor: "top",
-                title: {text: "runs (click one: it alone; again: all)"}};
+                title: {text: "runs (click one: it alone; again: all); the large ringed marker: a run's last step"}};
 const $ = (id) => document.getElementById(id);
 const finite = (v) => v !== null && Number.isFinite(v);
 const text = (v) => (v === null || v === undefined ? "—" : String(v));
@@ -51,12 +51,17 @@ function hover(lines) {
   return head.concat(lines, ["kept classes %{customdata[5]}"]).join("<br>") + "<extra></extra>";
 }
 
+// A run's markers: its own symbol (the PNG's marker), its last step larger and ringed (a trajectory's direction)
+// where it has several checkpoints; coloured by size (a colour bar) where sizes differ, else by run.
 function marker(rows, first) {
-  if (!C.size_scale) return {size: 8, color: C.run[R.run[rows[0]]], line: {color: "black", width: 0.5}};
+  const run = R.run[rows[0]], last = rows.length > 1 ? rows.length - 1 : -1;
+  const shape = {symbol: C.symbol[run], size: rows.map((_, k) => (k === last ? 13 : 8)),
+                 line: {color: "black", width: rows.map((_, k) => (k === last ? 2 : 0.5))}};
+  if (!C.size_scale) return Object.assign(shape, {color: C.run[run]});
   const s = C.size_scale;
-  return {size: 8, color: rows.map((i) => (R.n_params[i] > 0 ? Math.log10(R.n_params[i]) : null)),
-          colorscale: "Viridis", cmin: s.cmin, cmax: s.cmax, showscale: first, line: {color: "black", width: 0.5},
-          colorbar: {title: {text: "parameters", side: "right"}, tickvals: s.tickvals, ticktext: s.ticktext}};
+  return Object.assign(shape, {color: rows.map((i) => (R.n_params[i] > 0 ? Math.log10(R.n_params[i]) : null)),
+          colorscale: "Viridis", cmin: s.cmin, cmax: s.cmax, showscale: first,
+          colorbar: {title: {text: "parameters", side: "right"}, tickvals: s.tickvals, ticktext: s.ticktext}});
 }
 
 // A metric's jackknife error as the hover says it after the value (" ± 0.00123"), or nothing.
@@ -75,7 +80,8 @@ function runTraces(rows, x, y, lines, axes, legend, se) {
     traces.push({type: "scatter", mode: "lines+markers", name: R._shown_run[g[0]], legendgroup: run,
                  showlegend: legend,
                  x: g.map(get(x)), y: g.map(get(y)), customdata: g.map((i) => custom(i).concat([se ? seText(se, i) : ""])), hovertemplate: hover(lines),
-                 xaxis: axes[0], yaxis: axes[1], line: {color: C.run[run], width: 1}, marker: marker(g, first)});
+                 xaxis: axes[0], yaxis: axes[1], line: {color: C.run[run], width: 1, dash: C.dash[run]},
+                 marker: marker(g, first)});
     first = false;
   }
   return traces;
@@ -86,10 +92,11 @@ function logAxis(rows, column) {
   return v.length > 0 && v.every((x) => x > 0) ? "log" : "linear";
 }
 
+// The panel's R² with its scale, the permutation p with its unit and the runs x checkpoints (stats.csv's, as the
+// PNG's legend says them).
 function r2Text(p, m, scale) {
   const s = p.layer === "last" && D.r2[p.tag] && D.r2[p.tag][m] && D.r2[p.tag][m][scale];
-  if (!s) return "R²: the statistics use the last layer";
-  return s.r2 === null ? `R²: n/a (n = ${s.n})` : `R² = ${s.r2.toFixed(2)} (${scale}, n = ${s.n})`;
+  return s ? s.text : "R²: the statistics use the last layer";
 }
 
 const valueLines = (m) => [`${m} = %{x:.6g}%{customdata[8]}`, `${D.target} = %{y:.6g}`];
@@ -137,8 +144,8 @@ function drawPicked(p) {
   return Promise.all([scatter, dynamics]);
 }
 
-// The picked metric against the layer: a line per checkpoint, coloured by step. The checkpoints of one step share a
-// trace (their lines apart, a null between them): far fewer traces to draw than checkpoints.
+// The picked metric against the layer: a trace per run (its symbol and dash; the legend picks runs), a line per
+// checkpoint in it (a null between them), the markers coloured by step.
 function drawDepth(p) {
   if (!D.layers.length) return Promise.resolve();
   const m = p.metric, checkpoints = new Map();
@@ -146,25 +153,27 @@ function drawDepth(p) {
     const key = R.run[i] + "/" + R.checkpoint[i];
     (checkpoints.get(key) || checkpoints.set(key, []).get(key)).push(i);
   }
-  const steps = new Map();
+  const runs = new Map();
   for (const g of checkpoints.values()) {
     g.sort((a, b) => R.layer[a] - R.layer[b]);
-    const step = String(R.global_step[g[0]]);
-    (steps.get(step) || steps.set(step, []).get(step)).push(...g, null);  // null: the line ends
+    const run = R.run[g[0]];
+    (runs.get(run) || runs.set(run, []).get(run)).push(...g, null);  // null: the line ends
   }
   const [lo, hi] = C.step_range, traces = [];
-  for (const [step, g] of steps) {
+  for (const [run, g] of runs) {
     const rows = g.filter((i) => i !== null);
-    traces.push({type: "scatter", mode: "lines+markers", name: "step " + step, showlegend: false,
+    traces.push({type: "scatter", mode: "lines+markers", name: R._shown_run[rows[0]], legendgroup: run,
                  x: g.map((i) => (i === null ? null : R.layer[i])), y: g.map((i) => (i === null ? null : R[m][i])),
                  customdata: g.map((i) => (i === null ? null : custom(i))), hovertemplate: hover([`${m} = %{y:.6g}`]),
-                 line: {color: R._step_colour[rows[0]], width: 1.2},
-                 marker: {size: 5, color: g.map((i) => (i === null ? null : R.global_step[i])), colorscale: "Viridis",
+                 line: {color: "#999999", width: 1, dash: C.dash[run]},
+                 marker: {size: 7, symbol: C.symbol[run], line: {color: "black", width: 0.5},
+                          color: g.map((i) => (i === null ? null : R.global_step[i])), colorscale: "Viridis",
                           cmin: lo, cmax: hi, showscale: traces.length === 0,
                           colorbar: {title: {text: "global step"}}}});
   }
-  const layout = layoutOf(`${D.labels[m]} across depth`, {
-    xaxis: {title: {text: "layer (hidden_states index)"}, dtick: 1}, yaxis: {title: {text: m}}});
+  const layout = layoutOf(`${D.labels[m]} across depth (marker colour: the step)`, {
+    xaxis: {title: {text: "layer (hidden_states index)"}, dtick: 1}, yaxis: {title: {text: m}},
+    legend: Object.assign({}, LEGEND, {title: {text: "runs (click one: it alone; again: all)"}})});
   return Plotly.react("depth", traces, layout, CONFIG);
 }
 

@@ -71,7 +71,7 @@ def errors_latex(sel: pd.DataFrame, metrics: Sequence[str] = HEADLINE) -> str:
                       + tex_escape(STATED) + "}", r"\label{tab:errors}", r"\end{table}", ""])
 
 
-def budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequence[str] = HEADLINE,
+def final_budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequence[str] = HEADLINE,
                  max_runs: int = MAX_RUNS) -> tuple[pd.DataFrame, list[str]]:
     """The token budget of each run's latest selected checkpoint: its metrics and jackknife errors on the first 1,
     2, 4, ..., F folds (:func:`~ncanalyze.analyzer.jackknife.nested_budgets`), at the min_count it was measured with.

@@ -10,14 +10,15 @@ import numpy as np
 import pandas as pd
 
 from ncanalyze.analyzer.report.tokens import GroupReader
+from ncanalyze.analyzer.schema import SCALE_DEPENDENT
 
 SUPPORT = ("n_kept", "n_singletons", "n_thin", "train_tokens", "val_tokens")
 THIN = 5  # a kept class with fewer train tokens than this is "thin": its mean and variance are noise
 THIN_SHARE = 0.25  # report.md warns where more than this share of the kept classes is thin
 
 LOWER, HIGHER = "lower", "higher"
-DIRECTION = {  # metric: which way is more collapse (None: not an NC property, no collapse direction)
-    "nc1_cdnv": LOWER, "nc1_cdnv_p2": LOWER, "nc1_trace": LOWER, "nc2_norm_cv": LOWER, "nc2_lognorm_std": LOWER,
+DIRECTION = {  # metric: which way is more collapse (None: no collapse direction; SCALE_DEPENDENT's say why)
+    "nc1_cdnv": LOWER, "nc1_cdnv_p2": None, "nc1_trace": LOWER, "nc2_norm_cv": LOWER, "nc2_lognorm_std": LOWER,
     "nc2_cos_mean": "closer to -1/(K-1), i.e. to 0 for many classes", "nc2_cos_std": LOWER,
     "nc2_etf_error": LOWER, "gnc2_log_mean": LOWER, "gnc2_log_std": LOWER, "nc3_cos_mean": HIGHER,
     "unc3_cos_cv": LOWER, "nc3_dual_error": LOWER, "nc4_agreement": HIGHER, "nc1_cdnv_freq": LOWER,
@@ -84,7 +85,9 @@ def direction_lines(metrics: list[str]) -> list[str]:
     out = []
     for m in metrics:
         d = DIRECTION.get(m)
-        out.append(f"- `{m}`: " + (f"{d} is more collapse" if d else "not an NC property (no collapse direction)"))
+        said = (SCALE_DEPENDENT[m] if m in SCALE_DEPENDENT else f"{d} is more collapse" if d
+                else "not an NC property (no collapse direction)")
+        out.append(f"- `{m}`: {said}")
     return out
 
 

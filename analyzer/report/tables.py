@@ -12,6 +12,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition
 from ncanalyze.analyzer.report.escape import md_name, visible
 from ncanalyze.analyzer.report.tokens import token_rows
+from ncanalyze.analyzer.schema import SCALE_DEPENDENT
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, NC, split_tags, unreachable
 
 MISSING = "—"
@@ -84,10 +85,26 @@ def fmt(x: float, digits: int = 3) -> str:
     return MISSING if not np.isfinite(x) else f"{x:.{digits}f}"
 
 
+def no_control(stats: pd.DataFrame) -> bool:
+    """Whether no row's partial r holds anything fixed (stats.csv's ``controls`` empty everywhere: none asked, or
+    none varies among the checkpoints), so that it equals r and its columns repeat r's."""
+    if "controls" not in stats or stats.empty:
+        return False
+    return bool(stats.controls.fillna("").astype(str).str.strip().eq("").all())
+
+
+def no_control_text(stats: pd.DataFrame) -> str:
+    """report.md's sentence where :func:`no_control`: why, and that the repeated columns are left out."""
+    asked = [c for c in stats.attrs.get("controls", []) if c]
+    why = (f"none of the controls ({', '.join(code(c) for c in asked)}) varies among these checkpoints"
+           if asked else "no control was asked")
+    return f"partial r: {why}, so it equals r; its columns (partial r, p FL, p FL Holm) are left out."
+
+
 def summary(stats: pd.DataFrame) -> pd.DataFrame:
     """One display row per metric: n, Spearman's rho and its permutation p, and R², r, permutation p (and
-    Holm-adjusted) and the partial r with its Freedman-Lane p (and Holm-adjusted), raw and on log scale. Empty cells
-    are explained in the notes. One tag's statistics (rows of several tags are a UserError: never pooled).
+    Holm-adjusted) and the partial r with its Freedman-Lane p (and Holm-adjusted), raw and on log scale (the partial
+    r's columns left out where no control is in use: :func:`no_control`). Empty cells are explained in the notes. One tag's statistics (rows of several tags are a UserError: never pooled).
 
     Parameters
     ----------
@@ -103,6 +120,7 @@ def summary(stats: pd.DataFrame) -> pd.DataFrame:
     rows = []
     if "tag" in stats.columns and len(split_tags(stats)) > 1:
         raise UserError("summary() of several tags' statistics: pass one tag's rows (stats[stats.tag == name])")
+    plain = no_control(stats)
     for metric, s in stats.groupby("metric", sort=False):
         row = {"metric": metric, "n": int(s.n.max())}
         raw = s[s.scale == "raw"]
@@ -113,6 +131,9 @@ def summary(stats: pd.DataFrame) -> pd.DataFrame:
             row |= {r2 + sfx: fmt(t.r2), "r" + sfx: fmt(t.r), "p" + sfx: fmt_p(t.p_perm),
                     "p Holm" + sfx: fmt_p(t.get("p_holm", np.nan)), "partial r" + sfx: fmt(t.partial_r),
                     "p FL" + sfx: fmt_p(t.partial_p_perm), "p FL Holm" + sfx: fmt_p(t.get("partial_p_holm", np.nan))}
+            if plain:  # no control: the partial r is r, its columns would repeat r's
+                for k in ("partial r", "p FL", "p FL Holm"):
+                    row.pop(k + sfx)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -122,6 +143,8 @@ FAMILY_NAMES = {NC: "NC metrics", GEOMETRY: "geometry metrics"}
 
 def family_name(family: str) -> str:
     """A Holm family as report.md names it."""
+    if family in SCALE_DEPENDENT:
+        return f"`{family}` alone (scale-dependent)"
     return FAMILY_NAMES.get(family, f"`{family}`")
 
 
@@ -418,9 +441,12 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
                 continue
             cap = (f"Metrics ({what}) against {tex_escape(target)}{of}: "
                    + ("Spearman $\\rho$, " if scale == "raw" else "") + "Pearson $r$, $R^2$, two-sided "
-                   f"permutation $p$: {design}; partial $r$ "
-                   f"({controls_text(controls, tex_escape, '').replace(' r', ' $r$')}) with Freedman-Lane $p$; "
-                   "Holm: adjusted within the NC metrics and within the geometry metrics (below the rule), per scale"
+                   f"permutation $p$: {design}; "
+                   + ("no control varies, so partial $r$ equals $r$ (left out); " if no_control(rows) else
+                      f"partial $r$ ({controls_text(controls, tex_escape, '').replace(' r', ' $r$')}) with "
+                      "Freedman-Lane $p$; ")
+                   + "Holm: adjusted within the NC metrics (a scale-dependent one, such as nc1\\_cdnv\\_p2, alone) "
+                   "and within the geometry metrics (below the rule), per scale"
                    + (" and tag" if of else "") + ". Parametric p-values (independent rows assumed) are in stats.csv.")
             label_ = "tab:nc-correlations" + ("" if i == 0 else f"-{i}") + ("" if scale == "raw" else "-log")
             tex.append(_latex(_scale_table(rows[rows.scale == scale], scale), cap, label_,

@@ -201,9 +201,10 @@ def latest_checkpoints(df: pd.DataFrame) -> list[str]:
     Returns
     -------
     list of str
-        One group per run, by run name.
+        One group per run, in order of run name (as text); a run's ties in global_step go to the last row.
     """
-    last = df.sort_values("global_step").groupby("run", sort=True).tail(1)
+    key = df.assign(_run=df["run"].astype(str), _step=pd.to_numeric(df["global_step"], errors="coerce"))
+    last = key.sort_values(["_run", "_step"], kind="stable", na_position="first").groupby("_run", sort=True).tail(1)
     return [f"{r}/{c}" for r, c in zip(last.run, last.checkpoint)]
 
 

@@ -16,7 +16,7 @@ from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMA
                                                draw_step_figure, tag_suffix)
 from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.mincount import HEADLINE, min_count_table
-from ncanalyze.analyzer.report.precision import budget_figure, budget_table, errors_latex
+from ncanalyze.analyzer.report.precision import budget_figure, errors_latex, final_budget_table
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import SUPPORT, with_support
 from ncanalyze.analyzer.report.tables import default_target, latex, select
@@ -186,7 +186,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
         log.warning("note: %s", note)
     if read_group is not None:
         r.min_count, r.min_count_notes = min_count_table(sel, read_group)
-        r.budget, r.budget_notes = budget_table(sel, read_group)
+        r.budget, r.budget_notes = final_budget_table(sel, read_group)
     if has_depth(every_layer):
         r.depth, r.depth_notes = depth_table(every_layer), undefined(every_layer)
 

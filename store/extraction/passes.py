@@ -180,15 +180,17 @@ def val_state(ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | Non
     """
     kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
     head = float64_head(classifier, bias, ex.device)
+    train_count = ex.first().stats.count  # the kept sets of NC4_MIN_COUNTS too (schema.VAL_AT), in the same pass
     counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=head, folds=s.fold_val,
-                             lens=None if l == ex.plan.last else lens) for l, s in ex.layers.items()]
+                             lens=None if l == ex.plan.last else lens, train_count=train_count)
+              for l, s in ex.layers.items()]
     return counts, head
 
 
 def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | None,
              min_count: int, batch_size: int, saver: Saver, desc: str) -> LogitTransform | None:
     """NC4's decision counts of every layer of the pass over the classes kept at extraction (count >= ``min_count``,
-    the same at every layer), the linear decision through the logit lens (the model's final norm) below the last
+    the same at every layer) and over the kept set of each ``schema.NC4_MIN_COUNTS`` (``val_*_at``), the linear decision through the logit lens (the model's final norm) below the last
     layer; at the last layer, the model's own full-vocabulary loss and accuracy (:func:`model_loss`).
 
     Parameters
@@ -213,7 +215,7 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
 
     def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
         # the last layer's decisions read the kept columns of the logits the loss forms: formed once
-        counts[last].count(hc, yc, counts[last].linear_decisions(logits))
+        counts[last].count_logits(hc, yc, logits)
     for h, y, batch in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
         fold = (fold_of(ex.batches * batch_size, len(batch), blocks.block_size - 1, ex.n_folds, ex.device)
                 if ex.n_folds > 1 else None)

@@ -221,3 +221,48 @@ def test_declutter_blanks_every_other_label_where_they_would_collide():
     check_readable(fig, [ax.xaxis])
     assert len(ax.get_xticks()) == 8  # the ticks stay
     plt.close(fig)
+
+
+def test_each_panel_says_the_scale_of_its_r2_and_rings_the_last_step():
+    """A log-axis panel prints the log-scale R² saying "log x" with the raw R² beside it (both stats.csv's); a
+    linear panel says "raw x"; each run's last step is ringed (a trajectory's direction)."""
+    df = table(0.1, 1, n_runs=3, per_run=4)
+    df["unc3_cos_cv"] = np.linspace(-0.5, 0.5, len(df))  # not positive: a linear axis
+    st = correlations(df, FIG1, n_perm=0)
+    fig = scatter_figure(df, FIG1, "eval_loss", st, "t")
+    for ax, m in zip(fig.axes, FIG1):
+        fit = [t.get_text() for t in ax.get_legend().get_texts() if t.get_text().startswith("fit")][0]
+        fit = fit.replace("\n", ", ")
+        r2 = st[st.metric == m].set_index("scale").r2
+        if m == "unc3_cos_cv":
+            assert ax.get_xscale() == "linear" and fit.startswith(f"fit: $R^2$ (raw x) = {r2['raw']:.2f},")
+        else:
+            assert ax.get_xscale() == "log"
+            assert fit.startswith(f"fit: $R^2$ (log x) = {r2['log']:.2f}, raw x: {r2['raw']:.2f},")
+        rings = [c for c in ax.collections if isinstance(c, PathCollection) and c.get_gid() == "last-steps"]
+        last = df.sort_values("global_step").groupby("run").tail(1)
+        assert sorted(rings[0].get_offsets()[:, 0]) == sorted(last[m])
+    assert fig.legends[0].get_title().get_text() == "runs; ringed: each run's last step"
+    plt.close(fig)
+
+
+def test_depth_figure_tells_runs_apart_and_shades_only_wholly_undefined_layers():
+    """Each run its own marker (a legend of runs; colour is the step); a layer is shaded "undefined" only where
+    every row is, and says "undefined in 1 of 4" where one row of four is."""
+    from matplotlib.patches import Polygon, Rectangle
+    from ncanalyze.analyzer.report.depth import depth_figure
+    rows = [{"run": f"r{r}", "checkpoint": f"checkpoint-{s}", "global_step": s, "layer": layer, "n_layers": 2,
+             "nc1_cdnv": np.nan if layer == 0 else 1.0 + layer + s / 100}
+            for r in range(2) for s in (100, 200) for layer in range(3)]
+    df = pd.DataFrame(rows)
+    df.loc[(df.run == "r1") & (df.global_step == 200) & (df.layer == 2), "nc1_cdnv"] = np.inf
+    fig = depth_figure(df, ["nc1_cdnv"])
+    ax = fig.axes[0]
+    shaded = [p for p in ax.patches if isinstance(p, Polygon | Rectangle)]
+    assert len(shaded) == 1  # layer 0 only
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["undefined", "undefined in 1 of 4"]
+    markers = {ln.get_gid(): ln.get_marker() for ln in ax.get_lines()}
+    assert markers == {"run:r0": "o", "run:r1": "s"}
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["r0", "r1"]
+    plt.close(fig)

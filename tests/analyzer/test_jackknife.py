@@ -175,3 +175,24 @@ def test_the_accessor_gives_the_same_errors(folded):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         np.testing.assert_equal(ds.nc.measure(min_count=MIN, se=True), measure(ds, min_count=MIN, se=True, device="auto"))
+
+
+def test_nc4_at_another_min_count_has_no_error_and_says_why():
+    """NC4 is measured at min_count 2 of an extraction at 5 (its decisions counted over each report min_count), but
+    its fold counts are at 5 only: its error is nan with that said, never a fold-noise note or a number."""
+    rng = np.random.default_rng(0)
+    k, d = 8, 6
+    y = rng.permutation(np.repeat(np.arange(k), [2, 3, 6, 10, 25, 30, 40, 3]))
+    mu = rng.normal(0, 3, (k, d))
+    h = mu[y] + rng.normal(0, 1, (y.size, d))
+    yv = rng.integers(0, k, 400)
+    hv = mu[yv] + rng.normal(0, 1, (400, d))
+    ds = class_stats(h, y, k, classifier=mu + rng.normal(0, 0.3, (k, d)), val_embeddings=hv, val_labels=yv,
+                     min_count=5, folds=4, block_size=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        at5, at2 = measure(ds, min_count=5, se=True), measure(ds, min_count=2, se=True)
+    assert np.isfinite(at5["nc4_agreement_se"]) and np.isfinite(at2["nc4_agreement"])
+    assert np.isnan(at2["nc4_agreement_se"])
+    assert any("nc4_agreement: nan error at min_count 2: NC4's fold counts are those of the extraction's "
+               "--min-count 5 only" in str(w.message) for w in caught)

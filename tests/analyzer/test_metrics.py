@@ -196,7 +196,8 @@ def test_class_metrics_is_measure_alls_per_class_view(study):
 
 def test_nc4_needs_the_extraction_kept_set(study):
     *_, ds = study
-    with pytest.warns(UserWarning, match="count >= 20, not over those with count >= 30"):
+    with pytest.warns(UserWarning, match=r"count >= 20 \(and over the kept sets of min_count 1, 2, 5, 20\), not over "
+                                         "those with count >= 30"):
         got = measure(ds, min_count=30)
     assert math.isnan(got["nc4_agreement"])
     assert not math.isnan(got["nc1_cdnv"])
@@ -207,6 +208,29 @@ def test_nc4_needs_the_extraction_kept_set(study):
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message="unc3_cos_cv is nan")  # a random classifier: duality mean ~ 0
         assert measure(ds, min_count=same)["nc4_agreement"] == measure(ds, min_count=20)["nc4_agreement"]
+
+
+def test_nc4_at_each_min_count_of_the_report_is_counted_in_the_same_pass(study):
+    """Extracted at min_count 20, NC4's decisions are also counted over the kept sets of 1, 2, 5 and 20
+    (val_*_at): each row is the brute force token by token over that kept set, and measure at those min_counts
+    reads its row (the same value as a dataset counted at that min_count)."""
+    h, y, W, b, hv, yv, ds = study
+    count = ds["count"].values
+    assert list(ds["nc4_min_count"].values) == [1, 2, 5, 20]
+    for i, m in enumerate((1, 2, 5, 20)):
+        kept = np.flatnonzero(count >= m)
+        n, correct, agree = brute_nc4(hv, yv, W, b, ds["mean"].values, kept)
+        np.testing.assert_array_equal(ds["val_correct_at"].values[i], correct)
+        np.testing.assert_array_equal(ds["val_ncc_agree_at"].values[i], agree)
+        np.testing.assert_array_equal(ds["val_count"].values, n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = measure(ds, min_count=m)
+            own = measure(class_stats(h, y, 60, classifier=W, classifier_bias=b, val_embeddings=hv, val_labels=yv,
+                                      min_count=m), min_count=m)
+        assert got["nc4_agreement"] == pytest.approx(agree[kept].sum() / n[kept].sum(), rel=1e-12)
+        assert got["nc4_agreement"] == own["nc4_agreement"]
+    np.testing.assert_array_equal(ds["val_ncc_agree_at"].values[3], ds["val_ncc_agree"].values)  # 20: the same
 
 
 def test_without_classifier_or_validation_only_what_is_defined():

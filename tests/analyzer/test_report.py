@@ -510,3 +510,25 @@ def test_the_result_holds_the_tables_it_wrote(tmp_path):
                                                               (".csv", ".md", ".tex", ".html") or
                                                               p.name.endswith(".png"))
     assert r.files["html"] == tmp_path / "report.html"
+
+
+@pytest.mark.slow
+def test_no_control_varies_said_and_the_repeated_partial_columns_left_out(tmp_path):
+    """Seed replicas: one size and one step, so no control varies: report.md says so (never "controls for nan"),
+    its table and tables.tex leave out the partial r's columns (they would repeat r's); stats.csv keeps them."""
+    df = study(n_runs=8, per_run=1, seed=3).assign(n_params=10 ** 6, n_layers=2, hidden_size=64)
+    r = write_report(df, tmp_path / "out", ReportOptions(n_perm=200, metrics=["nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement"], html=False))
+    text = r.files["report"].read_text()
+    assert "controls for nan" not in text and "controlling for nan" not in text
+    assert ("partial r: none of the controls (`log1p(global_step)`) varies among these checkpoints, so it "
+            "equals r; its columns (partial r, p FL, p FL Holm) are left out.") in text
+    table = next(t for t in markdown_tables(text) if t[0][:2] == ["metric", "n"])
+    assert not any(h.startswith(("partial r", "p FL")) for h in table[0]) and "r" in table[0]
+    stats = pd.read_csv(r.files["stats"])
+    np.testing.assert_allclose(stats.partial_r, stats.r, rtol=1e-12)  # what was left out is r indeed
+    tex = r.files["tex"].read_text()
+    assert "no control varies, so partial $r$ equals $r$ (left out)" in tex and "p FL" not in tex
+
+    controlled = write_report(study(n_runs=6, per_run=2), tmp_path / "c", ReportOptions(n_perm=0, html=False))
+    assert "are left out." not in controlled.files["report"].read_text()
+    assert any("partial r" in h for h in markdown_tables(controlled.files["report"].read_text())[0][0])

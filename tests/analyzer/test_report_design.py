@@ -98,8 +98,8 @@ def test_stats_csv_says_which_p_values_assume_independent_rows_and_the_floor(rea
     # runs of 3 and 1 checkpoints: no run has a partner of its size, so the only permutation is the identity
     assert (tested.perm_unit == "runs").all() and (tested.n_distinct_perms == 1).all() and (tested.p_floor == 1).all()
     assert (tested.p_perm == 1).all()
-    assert set(stats.family) == {"NC", "geometry"}
-    assert set(stats.metric[stats.family == "NC"]) == set(NC_METRICS)
+    assert set(stats.family) == {"NC", "nc1_cdnv_p2", "geometry"}
+    assert set(stats.metric[stats.family == "NC"]) == set(NC_METRICS) - {"nc1_cdnv_p2"}
     assert set(stats.metric[stats.family == "geometry"]) == set(GEOMETRY_METRICS)
 
 
@@ -109,12 +109,14 @@ def test_report_md_says_at_its_top_that_no_p_can_reach_alpha_and_why(real_report
     text = (out / "report.md").read_text()
     top = text[:text.index("## Correlation")]
     assert "**No p-value in this report can reach 0.05 after Holm's adjustment, whatever the data.**" in top
-    assert ("NC metrics (raw, log scale): Holm multiplies the smallest of 14 p-values by 14, so a survivor needs "
-            "p < 0.05/14 = 0.00357; but whole runs permuted (2 runs) have only 1 distinct permutations, so no p falls "
+    assert ("NC metrics (raw, log scale): Holm multiplies the smallest of 13 p-values by 13, so a survivor needs "
+            "p < 0.05/13 = 0.00385; but whole runs permuted (2 runs) have only 1 distinct permutations, so no p falls "
             "below 1/1 = 1") in top
     assert "geometry metrics (raw, log scale): Holm multiplies the smallest of" in top
-    assert "the NC metrics the paper tests and the geometry metrics being two families" in top
-    assert f"NC metrics ({len(NC_METRICS)}: nc1_cdnv, " in top and f"geometry metrics ({len(GEOMETRY_METRICS)}: within_erank, " in top
+    assert ("the NC metrics the paper tests (a scale-dependent one, such as `nc1_cdnv_p2`, alone) and the geometry "
+            "metrics being two families") in top
+    assert f"NC metrics ({len(NC_METRICS) - 1}: nc1_cdnv, nc1_trace, " in top
+    assert "`nc1_cdnv_p2` alone (scale-dependent) (1: nc1_cdnv_p2)" in top and f"geometry metrics ({len(GEOMETRY_METRICS)}: within_erank, " in top
     for scale in ("raw", "log"):
         for fam in ("NC", "geometry"):
             assert re.search(f"- r, {scale} scale, {fam} metrics: 0 of \\d+ metric\\(s\\) survive at 0.05", text)
@@ -153,7 +155,7 @@ def test_figures_within_2000_px_wrapped_with_readable_titles(real_report):
     out, _ = real_report
     text = (out / "report.md").read_text()
     titles = re.findall(r"!\[([^]]*)\]\(", text)
-    assert len(titles) == 5 and not any(DOUBLED.search(t) for t in titles), titles  # Figures 1-4 and the token budget
+    assert len(titles) == 5 and titles[-1] == "token budget" and not any(DOUBLED.search(t) for t in titles), titles
     assert "validation loss measured by ncanalyze" in titles[0]  # the default target, val_loss
     for png in sorted(out.glob("*.png")):
         w, h = Image.open(png).size
@@ -170,9 +172,12 @@ def test_panel_legends_give_runs_and_the_whole_run_p(two_run_store, tmp_path):
     stats = correlations_by_tag(table, FIG1, "val_loss", n_perm=100)
     fig = scatter_figure(table, FIG1, "val_loss", stats, "t")
     for ax, m in zip(fig.axes, FIG1):
-        s = stats[(stats.metric == m) & (stats.scale == ("log" if ax.get_xscale() == "log" else "raw"))].iloc[0]
+        log = ax.get_xscale() == "log"
+        mine = stats[stats.metric == m].set_index("scale")
+        s = mine.loc["log" if log else "raw"]
         (label,) = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert label == f"fit: $R^2$ = {s.r2:.2f}, p_runs = 1.00 (min 1/1)\n2 runs, 4 ckpts", label
+        r2 = f"(log x) = {s.r2:.2f}, raw x: {mine.r2['raw']:.2f}" if log else f"(raw x) = {s.r2:.2f}"
+        assert label == f"fit: $R^2$ {r2}\np_runs = 1.00 (min 1/1)\n2 runs, 4 ckpts", label
         assert not DOUBLED.search(ax.get_title())
     plt.close(fig)
     df = study(n_runs=4, per_run=4, seed=1)  # runs of one length: "4 runs × 4 ckpts" and p from stats.csv

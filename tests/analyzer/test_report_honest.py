@@ -309,3 +309,24 @@ def test_a_store_of_1_and_2_block_models_without_layers_draws_no_depth(trained_r
     assert not any((tmp_path / "r" / f"depth.{ext}").exists() for ext in ("png", "pdf", "svg"))
     assert not (tmp_path / "r" / "layers.csv").exists()
     assert "Across depth" not in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_nc1_cdnv_p2_is_said_to_scale_as_one_over_length_squared_not_read_as_collapse():
+    """Doubling the features divides nc1_cdnv_p2 by 4 (CDNV stays): its direction line says so, not "lower is more
+    collapse"; it is a Holm family of its own; its panel title says it."""
+    from ncanalyze.analyzer import class_stats, measure
+    from ncanalyze.analyzer.report.figures import label
+    from ncanalyze.analyzer.report.support import direction_lines
+    from ncanalyze.analyzer.stats import family
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 6, 600)
+    h = rng.normal(size=(6, 8))[y] * 3 + rng.normal(size=(600, 8))
+    one, two = measure(class_stats(h, y, 6)), measure(class_stats(2 * h, y, 6))  # the features doubled
+    assert two["nc1_cdnv_p2"] == pytest.approx(one["nc1_cdnv_p2"] / 4, rel=1e-9)
+    assert two["nc1_cdnv"] == pytest.approx(one["nc1_cdnv"], rel=1e-9)
+    (line,) = direction_lines(["nc1_cdnv_p2"])
+    assert line.startswith("- `nc1_cdnv_p2`: scales as 1/length² (") and "doubling the features divides it by 4" in line
+    assert "not read as more or less collapse" in line and "lower is more collapse" not in line
+    assert family("nc1_cdnv_p2") == "nc1_cdnv_p2" and family("nc1_cdnv") == "NC"
+    assert "1/length²" in label("nc1_cdnv_p2")

@@ -325,7 +325,7 @@ def test_layers_and_tags_pick_their_rows_and_depth_draws_every_layer(layered, br
                 assert got == x and len(got) == len(want) > 0
         depth = pd.DataFrame(points(browser, "depth"))  # a line per checkpoint: its layers in order, its values
         rows = metrics[metrics.tag == tag].sort_values(["run", "checkpoint", "layer"])
-        assert len(depth) == len(rows) and depth.curve.nunique() == rows.global_step.nunique()
+        assert len(depth) == len(rows) and depth.curve.nunique() == rows.run.nunique()  # a trace per run
         for (run, ckpt), line in depth.groupby(["run", "checkpoint"]):
             want = rows[(rows.run == run) & (rows.checkpoint == ckpt)]
             assert line.layer.astype(int).tolist() == [0, 1, 2] and line.point.diff().dropna().eq(1).all()
@@ -371,3 +371,39 @@ def test_the_page_lists_the_skipped_checkpoints_as_report_md_does(tmp_path):
         assert f"Skipped <code>{group}</code>: {why}" in page
     assert "Skipped <code>" not in write_report(df, tmp_path / "none", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)
                                                 ).files["html"].read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_figure_1_says_what_the_png_says_and_tells_runs_and_direction_apart(layered, browser):
+    """Each panel's line is the PNG's: R² on its scale (log x, raw beside), the permutation p with its unit and
+    "2 runs × 4 ckpts" (not n = 8); each run its own symbol; each run's last step larger and ringed; the depth
+    figure a trace per run with its symbol."""
+    from ncanalyze.analyzer.report.figures import design_text, r2_text
+
+    open_page(browser, layered / "report.html")
+    pick(browser, "tag", "(untagged)")
+    pick(browser, "layer", "last")
+    stats = read_csv(layered / "stats.csv")
+    stats = stats[stats.tag.isna()]
+    metrics = read_csv(layered / "metrics.csv")
+    last = metrics[(metrics.layer == 2) & metrics.tag.isna()]
+    notes = browser.execute_script("return document.getElementById('fig1').layout.annotations.map(a => a.text)")
+    for m, note in zip(["nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement"], notes):
+        st = stats[stats.metric == m].set_index("scale")
+        log = bool((last[m] > 0).all())
+        want = r2_text(st, log, "R²") + ", " + design_text(st.loc["log" if log else "raw"], last.run).replace("\n", ", ")
+        assert note.endswith(want) and "2 runs × 4 ckpts" in note and "p_runs = " in note, (note, want)
+        assert ("(log x)" in note) == log
+    traces = browser.execute_script("return document.getElementById('fig1').data.filter(t => t.xaxis === 'x')"
+                                    ".map(t => [t.name, t.marker.symbol, t.marker.size, t.line.dash])")
+    assert [t[1] for t in traces] == ["circle", "square"] and all(t[3] == "solid" for t in traces)
+    assert all(t[2] == [8, 8, 8, 13] for t in traces)  # the last step: larger (ringed)
+    depth = browser.execute_script("return document.getElementById('depth').data.map(t => [t.name, t.marker.symbol])")
+    assert depth == [["r0", "circle"], ["r1", "square"]]
+
+
+def test_the_colour_bar_leaves_out_a_decade_too_near_an_end():
+    from ncanalyze.analyzer.report.html import bar_ticks
+    np.testing.assert_array_equal(bar_ticks(1.1e5, 9.5e6), [1.1e5, 1e6, 9.5e6])  # 1e7 is past the end
+    np.testing.assert_array_equal(bar_ticks(9.5e4, 2e7), [9.5e4, 1e6, 1e7, 2e7])  # 1e5 is 2% from the bottom
+    np.testing.assert_array_equal(bar_ticks(1e5, 1e7), [1e5, 1e6, 1e7])  # the ends are the decades

@@ -66,7 +66,7 @@ def check_against_measure(table: pd.DataFrame, datasets: dict, notes: list[str])
         assert same(row.rel_change, want)
 
 
-def test_each_runs_latest_checkpoint_at_each_min_count_capped_and_nc4_kept_apart():
+def test_each_runs_latest_checkpoint_at_each_min_count_capped_and_nc4_at_each():
     counts = {"r0": [1, 3, 6, 10, 25, 30, 40, 3], "r1": [5, 5, 6, 12, 22, 31, 45, 7], "r2": [1, 3, 6, 10, 25, 2, 4, 8]}
     datasets, rows = {}, []
     for i, (run, c) in enumerate(counts.items()):
@@ -86,11 +86,12 @@ def test_each_runs_latest_checkpoint_at_each_min_count_capped_and_nc4_kept_apart
     check_against_measure(table, datasets, notes)
     pd.testing.assert_frame_equal(capped, table[table.run != "r2"])
     nc4 = table[table.metric == "nc4_agreement"].set_index("run")
-    # NC4 was counted over count >= 5: measured there; at 2 (r0 and r2 have classes of 2-4 tokens) nan, said so
-    assert nc4.value_5.between(0, 1).all() and nc4.loc[["r0", "r2"], "value_2"].isna().all()
+    # NC4 was counted over count >= 5 and, in the same pass, over the kept sets of 1, 2, 5 and 20: measured at 2 too
+    # (r0 and r2 have classes of 2-4 tokens: another kept set), its value check_against_measure's
+    assert nc4.value_5.between(0, 1).all() and nc4.loc[["r0", "r2"], "value_2"].between(0, 1).all()
     assert nc4.loc["r1", "value_2"] == nc4.loc["r1", "value_5"]  # r1: count >= 2 keeps the same classes as >= 5
-    assert any("counted at extraction over the classes with count >= 5" in n and "r0/checkpoint-100 at 2" in n
-               for n in notes)
+    assert nc4.loc["r0", "value_2"] != nc4.loc["r0", "value_5"]
+    assert not any("counted at extraction" in n for n in notes)
     assert table.set_index("run").loc["r2"].value_20.isna().all()  # one class of 25 tokens: not measured
 
     bare, notes = min_count_table(sel[sel.run == "r0"], lambda g: datasets[g].drop_vars("mean"))  # nothing to measure
@@ -135,11 +136,25 @@ def test_report_on_a_store_has_the_table_and_a_csv_report_does_not(extracted_sto
     count, extracted = ds["count"].values, ds.attrs["min_count"]  # NC4's decisions were counted over count >= that
     nc4 = table[table.metric == "nc4_agreement"].iloc[0]
     other = [m for m in MIN_COUNTS if ((count >= m) != (count >= extracted)).any()]
-    assert other and all(math.isnan(nc4[f"value_{m}"]) for m in other)  # another kept set: nan, and said
-    assert all(any(f"count >= {extracted}, not over those with count >= {m}" in n for n in notes) for m in other)
-    assert all(0 < nc4[f"value_{m}"] < 1 for m in MIN_COUNTS if m not in other)
+    assert other and all(0 < nc4[f"value_{m}"] < 1 for m in MIN_COUNTS)  # other kept sets: counted in the same pass
+    assert not any("counted at extraction" in n for n in notes)
 
     csv = write_report(pd.read_csv(result.files["metrics"]), tmp_path / "from_csv", replace(options, store=None))
     assert "min_count" not in csv.files and csv.min_count is None
     assert not (tmp_path / "from_csv" / "min_count.csv").exists()
     assert SECTION not in csv.files["report"].read_text() and "min_count.csv" not in csv.files["report"].read_text()
+
+
+def test_the_first_runs_by_name_whatever_the_rows_order_and_ties_in_step():
+    """"The first 12 runs by name" is what is measured: the runs in name order, each its latest checkpoint, with
+    the rows shuffled and every run's latest at the same step."""
+    from ncanalyze.analyzer.report.tokens import latest_checkpoints
+    runs = [f"run{i:02d}" for i in range(15)]
+    sel = pd.DataFrame([{"run": r, "checkpoint": f"checkpoint-{s}", "global_step": s} for r in runs for s in (10, 40)])
+    for seed in range(5):
+        shuffled = sel.sample(frac=1, random_state=seed)
+        assert latest_checkpoints(shuffled) == [f"{r}/checkpoint-40" for r in runs]
+    ds = gaussians([6, 7, 8, 9, 10, 11, 12, 13], seed=1)
+    table, notes = min_count_table(sel.sample(frac=1, random_state=3), lambda g: ds)
+    assert notes[0] == "15 runs selected: the first 12 by name are measured"
+    assert list(table.run.unique()) == runs[:12] and set(table.checkpoint) == {"checkpoint-40"}

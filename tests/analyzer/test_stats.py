@@ -280,15 +280,18 @@ def test_holm_columns_equal_statsmodels_per_scale():
     df = study(n_runs=4, per_run=4, seed=8)
     df["nc4_agreement"] = np.nan  # no values: no p, not in the family
     out = correlations(df, n_perm=300, seed=1)
-    assert list(out.family.unique()) == ["NC", "geometry"]
-    assert set(out.metric[out.family == "NC"]) == set(NC_METRICS)
+    assert list(out.family.unique()) == ["NC", "nc1_cdnv_p2", "geometry"]  # 1/length²: a family of its own
+    assert set(out.metric[out.family == "NC"]) == set(NC_METRICS) - {"nc1_cdnv_p2"}
     assert set(out.metric[out.family == "geometry"]) == set(GEOMETRY_METRICS)
+    p2 = out[out.metric == "nc1_cdnv_p2"]
+    assert (p2.p_holm == p2.p_perm).all() and p2.note_kinds.str.contains("scale_dependent").all()
+    assert p2.note.str.startswith("scales as 1/length²").all()
     for scale, fam in itertools.product(("raw", "log"), ("NC", "geometry")):
         rows = out[(out.scale == scale) & (out.family == fam)]
         for col, adj in (("p_perm", "p_holm"), ("partial_p_perm", "partial_p_holm")):
             ok = np.isfinite(rows[col])
             # nc4 empty; nc2_cos_mean has no log scale
-            assert ok.sum() == (len(NC_METRICS) - 1 - (scale == "log") if fam == "NC" else len(GEOMETRY_METRICS))
+            assert ok.sum() == (len(NC_METRICS) - 2 - (scale == "log") if fam == "NC" else len(GEOMETRY_METRICS))
             ref = multipletests(rows.loc[ok, col], method="holm")[1]
             np.testing.assert_allclose(rows.loc[ok, adj], ref, rtol=0, atol=0)
             assert rows.loc[~ok, adj].isna().all()

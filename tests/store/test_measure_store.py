@@ -361,3 +361,22 @@ def test_a_scheduler_file_without_an_address_is_one_line(small_store, tmp_path, 
     (tmp_path / "sched.json").write_text(content)
     code, out, _ = _measure_cli(store, "--scheduler", tmp_path / "sched.json")
     assert code == 1 and len(out.strip().splitlines()) == 1 and "holds no scheduler address" in out, out
+
+
+@pytest.mark.slow
+def test_measure_at_min_count_5_has_nc4_of_a_store_extracted_at_1(kept_store, tmp_path):
+    """`ncanalyze measure --min-count 5` of a store extracted at --min-count 1 (a kept set that differs: classes
+    under 5 train tokens) has NC4, from the decisions counted at 5 in the same validation pass."""
+    from conftest import run_cli
+    from ncanalyze.store.io import read_group
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(kept_store, store)
+    ds = read_group(store, "neo-2x32/checkpoint-20")
+    count = ds["count"].values
+    assert ((count >= 1) != (count >= 5)).any()  # another kept set at 5
+    run_cli("measure", store, "--min-count", 5, "--no-se")
+    got = ncanalyze.store.open(store)["neo-2x32/checkpoint-20"].attrs["metrics"]["nc4_agreement"]
+    kept = count >= 5
+    agree = ds["val_ncc_agree_at"].values[list(ds["nc4_min_count"].values).index(5)]
+    assert got == pytest.approx(agree[kept].sum() / ds["val_count"].values[kept].sum(), rel=1e-12) and 0 < got < 1

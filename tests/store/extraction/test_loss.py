@@ -143,3 +143,43 @@ def test_val_loss_is_the_trainers_eval_loss_on_run_clm_blocks(corpus, tmp_path):
     whole = np.array(ids[:len(ids) // 32 * 32]).reshape(-1, 32)
     assert len(whole) > len(lm["validation"])
     assert abs(model_loss(tmp_path / "neo", whole)[0] - eval_loss) > 1e-5
+
+
+@pytest.mark.slow
+def test_gpt2_val_loss_is_its_own_loss_where_the_trainer_reports_l_minus_1_over_l_of_it(tmp_path):
+    """A second family: a tiny GPT-2 trained by the stock Trainer for a few steps on full blocks of L = 16. val_loss is
+    the model's own mean over the L - 1 scored positions of each block (a float64 hand computation); the Trainer's
+    eval_loss is exactly (L - 1) / L of it under transformers 5: GPT2LMHeadModel takes loss kwargs but has no
+    ForCausalLM loss_type, so the Trainer's num_items_in_batch counts all L labels of a block while the loss sums
+    over L - 1 (GPT-Neo, a ...ForCausalLM, is counted over L - 1: its eval_loss is val_loss, as tested above)."""
+    import datasets
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator, set_seed
+
+    L, V = 16, 64
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, V, (64, L)), rng.integers(0, V, (24, L))
+    np.save(tmp_path / "train.npy", train)
+    np.save(tmp_path / "val.npy", val)
+    blocks = lambda a: datasets.Dataset.from_dict({"input_ids": a.tolist(), "labels": a.tolist()})  # noqa: E731
+    set_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=L,
+                                       bos_token_id=0, eos_token_id=0))
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8,
+                             per_device_eval_batch_size=8, max_steps=3, learning_rate=3e-3, seed=0, report_to=[],
+                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=blocks(train), eval_dataset=blocks(val),
+                      data_collator=default_data_collator)
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    trainer.save_model(str(tmp_path / "gpt2"))
+    store = tmp_path / "s.zarr"
+    run_cli("extract", tmp_path / "gpt2", "--dataset", tmp_path / "train.npy", "--val-dataset", tmp_path / "val.npy",
+            "--batch-size", 8, "--samples-per-class", 0, "--store", store)
+    attrs = ncanalyze.store.open(store)["gpt2/final"].attrs
+    m = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gpt2"), dtype=torch.float64).eval()
+    with torch.no_grad():  # by hand: the mean cross-entropy over the L - 1 scored positions of every block
+        logits = m(torch.from_numpy(val)).logits[:, :-1]
+        hand = -torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(val[:, 1:, None])).mean().item()
+    assert attrs["val_tokens"] == val[:, 1:].size and attrs["val_loss"] == pytest.approx(hand, rel=1e-9)
+    assert eval_loss == pytest.approx(hand * (L - 1) / L, rel=1e-6)  # the Trainer's: (L - 1) / L of it
+    assert abs(eval_loss - attrs["val_loss"]) > 1e-2  # so they differ by far more than the tolerance

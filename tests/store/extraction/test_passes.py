@@ -147,3 +147,26 @@ def test_a_model_that_cannot_be_cut_runs_the_whole_forward_with_a_note(trained_r
     blocks.clear()
     f(ids)  # block 0's input is untouched by the hook: that cut holds
     assert blocks == []
+
+
+@pytest.mark.slow
+def test_the_validation_pass_counts_nc4_at_each_report_min_count(kept_store, trained_run, corpus, tmp_path):
+    """An extraction at --min-count 1 holds the decisions over the kept sets of 1, 2, 5 and 20 (val_*_at): its row
+    at 5 is, count for count, what an extraction at --min-count 5 of the same tokens counts as its own; `measure
+    --min-count 5` of the first has NC4, equal to the second's; the fold counts stay at the extraction's min_count."""
+    from conftest import run_cli
+    from ncanalyze.analyzer import measure
+    from ncanalyze.store.io import read_group
+
+    five = tmp_path / "five.zarr"
+    run_cli("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], "--store", five,
+            "--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1, "--min-count", 5)
+    one, other = read_group(kept_store, "neo-2x32/checkpoint-20"), read_group(five, "neo-2x32/checkpoint-20")
+    assert one.attrs["min_count"] == 1 and list(one["nc4_min_count"].values) == [1, 2, 5, 20]
+    np.testing.assert_array_equal(one["count"].values, other["count"].values)
+    row = list(one["nc4_min_count"].values).index(5)
+    for name in ("val_correct", "val_ncc_agree"):
+        np.testing.assert_array_equal(one[f"{name}_at"].values[row], other[name].values)
+        np.testing.assert_array_equal(one[f"{name}_at"].values[0], one[name].values)  # 1: the extraction's own
+    assert measure(one, min_count=5)["nc4_agreement"] == measure(other, min_count=5)["nc4_agreement"]
+    assert not any(v.startswith("fold_") and "nc4_min_count" in one[v].dims for v in one.data_vars)
