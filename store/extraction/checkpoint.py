@@ -133,8 +133,7 @@ def load_checkpoint(job: Job) -> Loaded:
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
     finite_head(classifier, bias, ckpt.group)
-    plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory),
-                    folds=cfg.folds)
+    plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
     check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
 

@@ -39,7 +39,7 @@ from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.extraction.layers import Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
-from ncanalyze.store.extraction.memory import fold_bytes, group_bytes, state_bytes
+from ncanalyze.store.extraction.memory import group_bytes, state_bytes
 from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.progress import Tracker, duration, pass_depth, track
 from ncanalyze.store.extraction.running import LayerState
@@ -392,12 +392,11 @@ def announcement(archs: list[Arch], cfg: ExtractConfig, store: Store | Path, dev
     largest architecture's widest pass); from here the run's own rate refreshes it (:func:`tracker`, followed by the
     passes' progress bars)."""
     k = max(max(a.passes) for a in archs)
-    folds = cfg.folds if cfg.folds > 1 else 0
-    state = max(k * (a + folds * fold_bytes(x.vocab, x.dim)) + s
-                for x in archs for a, s in [state_bytes(x.vocab, x.dim, cfg.samples_per_class, device)])
+    state = max(k * a + s for a, s in (state_bytes(x.vocab, x.dim, cfg.samples_per_class, device) for x in archs))
     track(tracker(archs, cfg.batch_size, cfg.samples_per_class))
     return estimate(archs, cfg.batch_size, cfg.samples_per_class, store,
-                    f"; state ~{bytes_text(state)} on {device} ({k} layer(s))")
+                    f"; state ~{bytes_text(state)} on {device} ({k} layer(s); the fold sums take what is left of "
+                    "--state-memory)")
 
 
 def tracker(archs: list[Arch], batch_size: int, samples_per_class: int) -> Tracker | None:

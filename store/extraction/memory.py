@@ -10,17 +10,18 @@ import logging
 import psutil
 import torch
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.schema import NC4_MIN_COUNTS
 from ncanalyze.store.extraction.layers import Plan, auto_groups
 from ncanalyze.store.sizes import bytes_text
 
 log = logging.getLogger(__name__)
 
-
 def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> tuple[int, int]:
     """(bytes per layer, bytes shared by the layers) of an extraction's running state on ``device``, as the passes
     hold it (``tests/store/extraction/test_memory.py`` measures it). Per layer: the float64 means (vocab x d), the d x d scatter, the
     per-class vectors (count, M2, 3 validation counts, and in the validation pass the kept means' half squared
-    norms; the means themselves are read in place) and the unit-vector sum; on the CPU also the reservoir (float32
+    norms; the means themselves are read in place), NC4's counts at each min_count (:func:`nc4_at_bytes`) and the
+    unit-vector sum; on the CPU also the reservoir (float32
     samples, their keys and positions), which lives on the CPU whatever the device. Shared: the head's float64 copy
     and bias, and the kept classes' indices, one for the whole validation pass (the loss and every layer read it).
     The batches' transient work (bounded chunks) is left to :func:`state_budget`'s margin.
@@ -35,11 +36,10 @@ def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devi
     -------
     (per_layer, shared) : bytes.
     """
-    per_layer = vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8
+    per_layer = vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8 + nc4_at_bytes(vocab)
     if device.type == "cpu":
         per_layer += vocab * samples_per_class * (4 * dim + 16)
     return per_layer, vocab * dim * 8 + 2 * vocab * 8
-
 
 def available_bytes(device: torch.device) -> int:
     """Free memory on ``device``: torch.cuda.mem_get_info on CUDA, psutil's available memory on the CPU."""
@@ -47,6 +47,12 @@ def available_bytes(device: torch.device) -> int:
         return int(torch.cuda.mem_get_info(device)[0])
     return int(psutil.virtual_memory().available)
 
+def nc4_at_bytes(vocab: int) -> int:
+    """Bytes a layer's validation state adds for NC4 at each of ``NC4_MIN_COUNTS`` (at most): the two count rows per
+    kept set (``val_correct_at``, ``val_ncc_agree_at``), one shared scratch count, and per kept set its classes'
+    indices and their means' half squared norms (every class kept)."""
+    k = len(NC4_MIN_COUNTS)
+    return 2 * k * vocab * 8 + vocab * 8 + k * vocab * 16
 
 def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,
                 embeddings_itemsize: int = 4, folds: int = 1) -> int:
@@ -55,9 +61,9 @@ def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, e
     :func:`fold_bytes` each) and the saved embeddings (and their labels); once per checkpoint, the float32 head (its
     layer groups refer to it)."""
     per_layer = vocab * dim * (8 + 4 * samples_per_class) + vocab * 8 * (7 + samples_per_class) + dim * dim * 8
+    per_layer += len(NC4_MIN_COUNTS) * (2 * vocab * 8 + 8)  # val_correct_at, val_ncc_agree_at and their coordinate
     per_layer += folds * fold_bytes(vocab, dim) if folds > 1 else 0
     return layers * (per_layer + embeddings * (dim * embeddings_itemsize + 8)) + vocab * dim * 4
-
 
 def state_budget(device: torch.device, state_memory: int | None = None) -> int:
     """The bytes ``--layers-per-pass auto`` lets a pass's state take.
@@ -76,13 +82,11 @@ def state_budget(device: torch.device, state_memory: int | None = None) -> int:
         return int(state_memory)
     return budget_of(available_bytes(device))
 
-
 def budget_of(free: int) -> int:
     """The state's share of ``free`` bytes: all but a margin for the forward's activations and the validation's
     chunks of logits and scores, a tenth of it and at least 1 GiB (e.g. on an 80 GiB GPU holding a model's weights,
     ``budget_of(80 * 2**30 - weights)``)."""
     return max(0, free - max(free // 10, 1 << 30))
-
 
 def host_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> int:
     """Bytes per layer the running state keeps in host memory beside a GPU's: the reservoir (float32 samples, their
@@ -90,14 +94,13 @@ def host_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devic
     it). Pages are touched as classes are seen, so this is the most it takes."""
     return 0 if device.type == "cpu" else vocab * samples_per_class * (4 * dim + 16)
 
-
 def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: torch.device,
-             state_memory: int | None = None, host_memory: int | None = None, folds: int = 1) -> Plan:
+             state_memory: int | None = None, host_memory: int | None = None) -> Plan:
     """``plan`` with its passes fitted to the memory under ``--layers-per-pass auto`` (:func:`layers.auto_groups`
-    with :func:`state_bytes`, each layer's ``folds`` fold sums (:func:`fold_bytes`) and :func:`state_budget`), and
-    beside a GPU to the host memory the pass's reservoirs take (:func:`host_bytes`), whichever holds fewer layers; any
-    other plan as it is. The folds are part of a layer's state: a smaller memory means more passes, the same groups
-    (:func:`fit_folds` keeps fewer folds only where one layer with all of them does not fit).
+    with :func:`state_bytes` and :func:`state_budget`), and beside a GPU to the host memory the pass's reservoirs
+    take (:func:`host_bytes`), whichever holds fewer layers; any other plan as it is. The fold sums take what the
+    passes leave (:func:`fit_folds`: fewer folds where they do not fit, said), so the totals of every group are the
+    same under any memory and the folds may be fewer.
 
     Parameters
     ----------
@@ -107,7 +110,6 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
     device : where the state lives.
     state_memory : ``--state-memory`` in bytes (None: the free memory less a margin).
     host_memory : the host memory the reservoirs may take beside a GPU (None: the host's free memory less a margin).
-    folds : the folds asked for (``--folds``).
 
     Returns
     -------
@@ -115,9 +117,7 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
     """
     if not plan.auto:
         return plan
-    per_layer, shared = state_bytes(vocab, dim, samples_per_class, device)
-    per_layer += folds * fold_bytes(vocab, dim) if folds > 1 else 0
-    fitted = auto_groups(plan, per_layer, shared, state_budget(device, state_memory))
+    fitted = auto_groups(plan, *state_bytes(vocab, dim, samples_per_class, device), state_budget(device, state_memory))
     host = host_bytes(vocab, dim, samples_per_class, device)
     if host:
         budget = host_memory if host_memory is not None else state_budget(torch.device("cpu"))
@@ -136,7 +136,6 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
                  fitted.widest_pass, "; ".join(",".join(map(str, p)) for p in fitted.passes))
     return fitted
 
-
 def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.device,
                  available: int | None = None) -> None:
     """A UserError if the state of ``per_pass`` layers (1 without --layers) does not fit in the ``available`` memory
@@ -152,12 +151,10 @@ def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.dev
     raise UserError(f"the float64 state of {k} layer(s) needs ~{bytes_text(k * per_layer + shared)} on {device} "
                     f"but {bytes_text(free)} is free: {hint}")
 
-
 def fold_bytes(vocab: int, dim: int) -> int:
     """Bytes one fold adds to a layer's running state: its float64 means (vocab x d), d x d scatter, count, M2 and
     3 validation counts per class, and its unit-vector sum (accumulate.FoldStats, DecisionCounts' fold counts)."""
     return vocab * dim * 8 + dim * dim * 8 + 5 * vocab * 8 + dim * 8
-
 
 def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: int, device: torch.device,
               state_memory: int | None = None, budget: int | None = None) -> int:
@@ -167,7 +164,6 @@ def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: 
 
     Parameters
     ----------
-    folds : the folds asked for (``--folds``).
     vocab, dim : the head's shape.
     samples_per_class : the reservoir's samples per class.
     layers : the layers of the widest pass.

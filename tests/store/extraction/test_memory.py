@@ -48,13 +48,13 @@ def test_state_memory_sizes():
 @pytest.mark.slow
 def test_auto_under_a_small_state_memory_equals_one_pass_bit_for_bit(trained_run, corpus, tmp_path):
     from conftest import EXTRACT_OPTS, assert_same_group, run_cli
-    from ncanalyze.store.extraction.memory import fold_bytes, state_bytes
+    from ncanalyze.store.extraction.memory import state_bytes
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
     vocab, dim = model.get_output_embeddings().weight.shape
     per_layer, shared = state_bytes(vocab, dim, 4, torch.device("cpu"))
-    per_layer += 8 * fold_bytes(vocab, dim)  # the default 8 folds are a layer's state too: the same groups, more passes
-    args = ["extract", trained_run / CK, "--dataset", corpus["train"], *EXTRACT_OPTS, "--layers", "all"]
+    args = ["extract", trained_run / CK, "--dataset", corpus["train"], *EXTRACT_OPTS, "--layers", "all",
+            "--folds", 1]  # the fold sums take what the passes leave: here none, so none in either store
     one, auto = tmp_path / "one.zarr", tmp_path / "auto.zarr"
     run_cli(*args, "--store", one, "--layers-per-pass", "auto")
     r = run_cli(*args, "--store", auto, "--state-memory", str(shared + per_layer + 1))
@@ -70,15 +70,14 @@ def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run,
     """Killed in its second pass of three, then resumed where one pass would fit: the saved groups are kept (the
     finished layer is not thrown away), and the result is one pass's bit for bit."""
     from conftest import assert_same_group, kill_when, run_cli
-    from ncanalyze.store.extraction.memory import fold_bytes, state_bytes
+    from ncanalyze.store.extraction.memory import state_bytes
     from test_kill_resume import _state
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK))
     shape = model.get_output_embeddings().weight.shape
     per_layer, shared = state_bytes(*shape, 8, torch.device("cpu"))
-    per_layer += 8 * fold_bytes(*shape)  # the default 8 folds
     args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 2048,
-            "--max-val-tokens", 1024, "--batch-size", 1, "--state-every", 0, "--layers", "all"]
+            "--max-val-tokens", 1024, "--batch-size", 1, "--state-every", 0, "--layers", "all", "--folds", 1]
     one, store = tmp_path / "one.zarr", tmp_path / "killed.zarr"
     run_cli(*args, "--store", one)
     state = _state(store) / "neo-2x32" / f"{CK}.npz"
@@ -96,7 +95,7 @@ def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp
     """A Llama-shaped model at V = 128,256 (width 16, 4 blocks), random-initialised from its config, ``--layers all``
     under a ``--state-memory`` of two layers: three passes, every layer's group one pass's bit for bit."""
     from conftest import assert_same_group, run_cli
-    from ncanalyze.store.extraction.memory import fold_bytes, state_bytes
+    from ncanalyze.store.extraction.memory import state_bytes
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128_256, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
@@ -108,9 +107,8 @@ def test_a_llama_shape_at_the_real_vocabulary_in_auto_passes_equals_one_pass(tmp
     np.save(tmp_path / "train.npy", zipf.astype(np.int64))
     np.save(tmp_path / "val.npy", rng.integers(0, config.vocab_size, (8, 33)))
     per_layer, shared = state_bytes(config.vocab_size, 16, 1, torch.device("cpu"))
-    per_layer += 8 * fold_bytes(config.vocab_size, 16)  # the default 8 folds
     args = ["extract", tmp_path / "llama", "--dataset", tmp_path / "train.npy", "--val-dataset", tmp_path / "val.npy",
-            "--layers", "all", "--samples-per-class", 1, "--batch-size", 16]
+            "--layers", "all", "--samples-per-class", 1, "--batch-size", 16, "--folds", 1]
     run_cli(*args, "--store", tmp_path / "one.zarr")
     r = run_cli(*args, "--store", tmp_path / "auto.zarr", "--state-memory", shared + 2 * per_layer + 1)
     assert "3 passes of at most 2 layers (0; 1,2; 3,4)" in r.output
@@ -161,7 +159,7 @@ def test_state_bytes_is_what_a_validation_pass_holds():
     plan3 = plan("all", "auto", 0, "float32", 2)
     ex = Extraction(plan3, V, d, k, 0, torch.device("cpu"), None)
     for s in ex.layers.values():
-        s.stats.update(torch.randn(2 * V, d), torch.arange(2 * V) % V)  # every class seen: every class kept
+        s.stats.update(torch.randn(20 * V, d), torch.arange(20 * V) % V)  # every class kept, at every NC4 min_count
     W, bias = torch.randn(V, d), torch.randn(V)
     counts, head = val_state(ex, W, bias, 1, torch.nn.LayerNorm(d))
     loss = NextTokenLoss(*head, LogitTransform(), state=ex.main().lm)
@@ -186,7 +184,7 @@ def test_the_8b_shape_fits_in_three_passes_on_one_80gb_gpu():
     budget = budget_of(80 * 2**30 - 16_100_000_000)
     assert budget == 69_799_345_920 - 6_979_934_592
     per_layer, shared = state_bytes(V, d, 8, torch.device("cuda"))
-    assert per_layer == 4_343_099_392 and shared == 4_204_744_704
+    assert per_layer == 4_343_099_392 + 136 * V and shared == 4_204_744_704  # + NC4's counts at 4 min_counts
     fitted = fit_plan(plan("all", "auto", 0, "float32", 32), V, d, 8, torch.device("cuda"), budget, 2**50)
     assert len(fitted.passes) == 3 and fitted.widest_pass == 13
     assert [l for p in fitted.passes for l in p] == list(range(33))
