@@ -1,0 +1,60 @@
+"""The walk of a value through the house: every call of one of ncanalyze's functions that receives the value (a stop),
+the modules in the order they are entered, and the returns (entering a module already left). Run in-process on one
+extraction; prints stops, visits, returns and the modules visited most.
+
+    python benchmarks/walk.py CHECKPOINT DATA [--shards 2]
+
+A profile, not a timing: the stops count every call that receives the settings, a layer plan or an object holding
+one (a Job included), so it measures how far the setting travels, not how often it is resolved (test_job.py counts
+that).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+
+
+def carries(value, cfg_type, plan_type) -> bool:
+    """Whether a call argument carries the ``layers`` setting: the settings, a layer plan, or an object holding one."""
+    if isinstance(value, (cfg_type, plan_type)):
+        return True
+    return any(isinstance(getattr(value, a, None), (cfg_type, plan_type)) for a in ("cfg", "plan", "run", "job"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint"), ap.add_argument("data"), ap.add_argument("--shards", type=int, default=2)
+    a = ap.parse_args()
+    from ncanalyze.cli.main import main as cli
+    from ncanalyze.store.extraction import layers, settings
+    plan_type = next(getattr(layers, n) for n in ("LayerPlan", "Plan") if hasattr(layers, n))
+    stops: list[str] = []
+
+    def profile(frame, event, arg):
+        if event != "call" or not frame.f_globals.get("__name__", "").startswith("ncanalyze."):
+            return
+        code = frame.f_code
+        args = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
+        if any(carries(v, settings.ExtractConfig, plan_type) for v in args):
+            stops.append(frame.f_globals["__name__"].removeprefix("ncanalyze."))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.setprofile(profile)
+        try:
+            cli(["-q", "extract", a.checkpoint, "--dataset", a.data, "--store", f"{tmp}/s.zarr", "--shards",
+                 str(a.shards), "--max-train-tokens", "8192", "--max-val-tokens", "4096", "--batch-size", "8"],
+                standalone_mode=False)
+        finally:
+            sys.setprofile(None)
+    visits = [m for i, m in enumerate(stops) if i == 0 or stops[i - 1] != m]
+    returns = sum(m in visits[:i] for i, m in enumerate(visits))
+    print(f"layers under --shards {a.shards}: {len(stops)} stops, {len(visits)} module visits, {returns} returns to a "
+          f"module already left")
+    for m, n in collections.Counter(visits).most_common(6):
+        print(f"  {m}: entered {n} times")
+
+
+if __name__ == "__main__":
+    main()
