@@ -83,6 +83,26 @@ def unit_rows(h: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(h / top, dim=1)
 
 
+def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Groups,
+                h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Chan's update, in place, of the running ``mean`` and ``m2`` of the groups of ``g`` (their rows of ``count``,
+    ``mean``, ``m2``, read before ``count`` moves) with the float64 rows ``h``; returns what the scatter needs: each
+    sorted row's deviation from its group's batch mean, each group's mean shift (batch - running) and weight
+    n_a n_b / n."""
+    hs, cells = g.sort(h), g.classes
+    n_b = g.lengths.to(torch.float64)
+    mean_b = g.sum(hs) / n_b[:, None]
+    dev = hs - mean_b[g.row]
+    m2_b = g.sum((dev * dev).sum(1))
+    n_a = count[cells].to(torch.float64)
+    n = n_a + n_b
+    delta = mean_b - mean[cells]
+    w = n_a * n_b / n
+    mean[cells] += delta * (n_b / n)[:, None]
+    m2[cells] += m2_b + w * (delta * delta).sum(1)
+    return dev, delta, w
+
+
 class ClassStats(Accumulator):
     """Running per-class count, mean, squared deviation (M2) and pooled within-class scatter.
 
@@ -105,21 +125,11 @@ class ClassStats(Accumulator):
             return
         g = groups if groups is not None else Groups(y.to(self.mean.device, torch.int64))
         h = h.to(self.mean.device, torch.float64)
-        hs, classes = g.sort(h), g.classes
-        n_b = g.lengths.to(torch.float64)
-        mean_b = g.sum(hs) / n_b[:, None]
-        dev = hs - mean_b[g.row]
-        m2_b = g.sum((dev * dev).sum(1))
-        n_a = self.count[classes].to(torch.float64)
-        n = n_a + n_b
-        delta = mean_b - self.mean[classes]
-        w = n_a * n_b / n
-        self.mean[classes] += delta * (n_b / n)[:, None]
-        self.m2[classes] += m2_b + w * (delta * delta).sum(1)
+        dev, delta, w = chan_update(self.count, self.mean, self.m2, g, h)
         if self.scatter is not None:
             self.scatter += dev.T @ dev + (delta * w[:, None]).T @ delta
         self.unit_sum += unit_rows(h).sum(0)  # in stream order
-        self.count[classes] += g.lengths
+        self.count[g.classes] += g.lengths
 
     def merge(self, other: "ClassStats") -> "ClassStats":
         """Fold in the statistics of another stream (disjoint tokens) with Chan's parallel formula, exactly as
@@ -202,18 +212,8 @@ class FoldStats(Accumulator):
         fold = fold.to(self.mean.device, torch.int64)
         g = Groups(fold * vocab + y.to(self.mean.device, torch.int64))
         h = h.to(self.mean.device, torch.float64)
-        hs, cells = g.sort(h), g.classes
-        n_b = g.lengths.to(torch.float64)
-        mean_b = g.sum(hs) / n_b[:, None]
-        dev = hs - mean_b[g.row]
-        m2_b = g.sum((dev * dev).sum(1))
-        count, mean, m2 = self.count.view(-1), self.mean.view(folds * vocab, -1), self.m2.view(-1)
-        n_a = count[cells].to(torch.float64)
-        n = n_a + n_b
-        delta = mean_b - mean[cells]
-        w = n_a * n_b / n
-        mean[cells] += delta * (n_b / n)[:, None]
-        m2[cells] += m2_b + w * (delta * delta).sum(1)
+        cells, count = g.classes, self.count.view(-1)
+        dev, delta, w = chan_update(count, self.mean.view(folds * vocab, -1), self.m2.view(-1), g, h)
         if self.scatter is not None:
             cell_fold = cells // vocab
             groups = torch.bincount(cell_fold, minlength=folds).tolist()
