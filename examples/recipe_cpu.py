@@ -14,7 +14,7 @@
 5. one replica trained again with ncanalyze.training.NeuralCollapseCallback (its step-N groups measured during
    training), its checkpoints extracted into the same store, and the two compared metric by metric
 6. examples/explore_store.py on the store; with --results, the reports copied there with a summary table
-   (summary.md) that the README's results section quotes
+   (summary.md) and the findings (findings.md, examples/claims.py) that the README's results section quotes
 
 Each step prints the equivalent shell command. Finished work is skipped when the command runs again (trained
 runs, extracted and measured checkpoints), so an interrupted recipe continues. Wall times are appended to
@@ -234,17 +234,20 @@ def callback_run(args, out: Path, data: Path, extract_opts: list[str]) -> Path:
     return out / "callback_compare.csv"
 
 
-SUMMARY_COLUMNS = {"metric": "metric", "r": "r", "r2": "R²", "rho": "rho", "p_perm": "p", "p_holm": "p Holm",
-                   "partial_r": "partial r", "partial_p_perm": "p FL", "partial_p_holm": "p FL Holm"}
+SUMMARY_COLUMNS = {"metric": "metric", "r": "r", "r_ci": "r 95% CI (runs)", "r2": "R²", "rho": "rho", "p_perm": "p",
+                   "p_holm": "p Holm", "partial_r": "partial r", "partial_p_perm": "p FL", "partial_p_holm": "p FL Holm"}
 
 
 def summary(folder: Path, title: str) -> list[str]:
     """A Markdown table of one report's raw-scale statistics (stats.csv's own numbers, rounded to 3 figures), headed
-    by what its p-values rest on: the unit permuted, how many permutations, their floor, and the Holm families."""
+    by what its p-values rest on: the unit permuted, how many permutations, their floor, and the Holm families; r's
+    interval is the BCa bootstrap over whole runs."""
+    import numpy as np
     import pandas as pd
 
     s = pd.read_csv(folder / "stats.csv")
-    s, first = s[s.scale == "raw"], s.iloc[0]
+    s, first = s[s.scale == "raw"].copy(), s.iloc[0]
+    s["r_ci"] = [f"[{lo:.3g}, {hi:.3g}]" if np.isfinite(lo) else "—" for lo, hi in zip(s.r_ci_low, s.r_ci_high)]
     runs = pd.read_csv(folder / "metrics.csv").run.nunique()
     drawn = "all of them (exact)" if bool(first.exact) else f"{int(first.n_perm):,} drawn"
     plain = s.controls.isna().all()  # no control varies among these runs: the partial r is r
@@ -264,8 +267,9 @@ def summary(folder: Path, title: str) -> list[str]:
 
 def publish(out: Path, results: Path, compare: Path) -> None:
     """The reports into ``results`` (all, final, seeds, depth, explore; report.html of all/ only), the callback
-    comparison, every invocation's timings, and summary.md: the statistics of every checkpoint, of the final models
-    and of the seed replicas, as the README quotes them."""
+    comparison, every invocation's timings, summary.md (the statistics of every checkpoint, of the final models and
+    of the seed replicas) and findings.md (the paper's statements answered question by question, examples/claims.py),
+    as the README quotes them."""
     for name, src in (("all", "report-all"), ("final", "report-final"), ("seeds", "report-seeds"),
                       ("depth", "report-depth"), ("explore", "explore")):
         shutil.rmtree(results / name, ignore_errors=True)
@@ -279,6 +283,9 @@ def publish(out: Path, results: Path, compare: Path) -> None:
     text += (summary(results / "all", "Every checkpoint") + summary(results / "final", "The grid's final models")
              + summary(results / "seeds", "Seed replicas of 2 x 64, final"))
     (results / "summary.md").write_text("\n".join(text))
+    import claims
+
+    (results / "findings.md").write_text(claims.findings(results))
     print(f"results in {results}", flush=True)
 
 if __name__ == "__main__":

@@ -125,11 +125,31 @@ def test_results_are_published_with_a_summary_from_stats(recipe):
     assert summary.count("| nc1_cdnv |") == 3 and f"{raw.r[raw.metric == 'nc1_cdnv'].iloc[0]:.3g}" in summary
     assert "permuted: whole runs" in summary and "p >= " in summary
     assert (out / "callback" / "compare.csv").is_file() and len((out / "timings.jsonl").read_text().splitlines()) == 1
+    assert "r 95% CI (runs)" in summary
 
 
-def test_the_readme_quotes_the_committed_study_as_generated():
-    """The README's results table is the committed examples/results/summary.md, verbatim, so the two cannot drift."""
+def test_findings_say_each_question_from_the_published_files(recipe):
+    """findings.md of the tiny study: the design line counts the replicas, and each Figure 1 metric's sentence
+    carries the final models' r with its interval (final/stats.csv) and the pooled r (all/stats.csv)."""
+    out = recipe[0] / "published"
+    text = (out / "findings.md").read_text()
+    assert "12 checkpoints of 6 runs at steps 5, 10; 4 architectures, and 3 of the 6 runs are replicas" in text
+    final, every = (pd.read_csv(out / k / "stats.csv") for k in ("final", "all"))
+    for metric, scale in (("nc1_cdnv", "log"), ("nc4_agreement", "raw")):
+        f = final[(final.metric == metric) & (final.scale == scale)].iloc[0]
+        e = every[(every.metric == metric) & (every.scale == scale)].iloc[0]
+        line = next(x for x in text.splitlines() if f"(`{metric}`" in x)
+        assert f"Between models at the final step (4 models): r {f.r:+.2f} [{f.r_ci_low:+.2f}, {f.r_ci_high:+.2f}]" \
+            in line
+        assert f"pooled (12 checkpoints): r {e.r:+.2f}" in line
+    assert "**Seed replicas** (the paper's Table 1; 3 runs of 1 x 16" in text and "**Depth**" in text
+
+
+@pytest.mark.parametrize("name", ["summary", "findings"])
+def test_the_readme_quotes_the_committed_study_as_generated(name):
+    """The README's results table and findings are the committed examples/results/summary.md and findings.md,
+    verbatim, so they cannot drift (findings.md itself is checked against its files in test_claims.py)."""
     readme = (ROOT / "README.md").read_text()
-    start, end = "<!-- summary:start -->", "<!-- summary:end -->"
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     quoted = readme[readme.index(start) + len(start):readme.index(end)].strip()
-    assert quoted == (ROOT / "examples" / "results" / "summary.md").read_text().strip()
+    assert quoted == (ROOT / "examples" / "results" / f"{name}.md").read_text().strip()
