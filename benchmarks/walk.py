@@ -2,11 +2,12 @@
 the modules in the order they are entered, and the returns (entering a module already left). Run in-process on one
 extraction; prints stops, visits, returns and the modules visited most.
 
-    python benchmarks/walk.py CHECKPOINT DATA [--shards 2]
+    python benchmarks/walk.py CHECKPOINT DATA [--shards 2] [--block-size 128]
 
 A profile, not a timing: the stops count every call that receives the settings, a layer plan or an object holding
 one (a Job included), so it measures how far the setting travels, not how often it is resolved (test_job.py counts
-that).
+that). The dynamic walk counts every call (a per-batch loop repeats its stops); the static walk counts each function
+once, at its first call, the way a reader follows the value through the code.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def carries(value, cfg_type, plan_type) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint"), ap.add_argument("data"), ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=128)
     a = ap.parse_args()
     from ncanalyze.cli.main import main as cli
     from ncanalyze.store.extraction import layers, settings
@@ -38,21 +40,31 @@ def main() -> None:
         code = frame.f_code
         args = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
         if any(carries(v, settings.ExtractConfig, plan_type) for v in args):
-            stops.append(frame.f_globals["__name__"].removeprefix("ncanalyze."))
+            stops.append((frame.f_globals["__name__"].removeprefix("ncanalyze."), code.co_qualname))
 
     with tempfile.TemporaryDirectory() as tmp:
         sys.setprofile(profile)
         try:
             cli(["-q", "extract", a.checkpoint, "--dataset", a.data, "--store", f"{tmp}/s.zarr", "--shards",
-                 str(a.shards), "--max-train-tokens", "8192", "--max-val-tokens", "4096", "--batch-size", "8"],
-                standalone_mode=False)
+                 str(a.shards), "--max-train-tokens", "8192", "--max-val-tokens", "4096", "--batch-size", "8",
+                 "--block-size", str(a.block_size)], standalone_mode=False)
         finally:
             sys.setprofile(None)
+    report("dynamic", [m for m, _ in stops], a.shards)
+    derive = [f for m, f in stops if m == "store.extraction.config"]
+    print(f"  the settings derived again (calls into store.extraction.config): {len(derive)}, resolve() "
+          f"{derive.count('resolve')} times")
+    report("static", [m for m, _ in dict.fromkeys(stops)], a.shards)
+
+
+def report(kind: str, stops: list[str], shards: int) -> None:
+    """Print the stops, the module visits (runs of consecutive stops in one module) and the returns to a module
+    already left, with the modules entered most."""
     visits = [m for i, m in enumerate(stops) if i == 0 or stops[i - 1] != m]
     returns = sum(m in visits[:i] for i, m in enumerate(visits))
-    print(f"layers under --shards {a.shards}: {len(stops)} stops, {len(visits)} module visits, {returns} returns to a "
-          f"module already left")
-    for m, n in collections.Counter(visits).most_common(6):
+    print(f"{kind} walk of layers under --shards {shards}: {len(stops)} stops, {len(visits)} module visits, "
+          f"{returns} returns to a module already left")
+    for m, n in collections.Counter(visits).most_common(4):
         print(f"  {m}: entered {n} times")
 
 
