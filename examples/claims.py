@@ -104,7 +104,8 @@ def between(final: pd.Series, every: pd.Series, sign: int | None) -> str:
     steps = (f"; across all runs at each of the {int(every.between_steps)} steps they share r "
              f"{every.between_r_min:+.2f} to {every.between_r_max:+.2f} (`all/by_step.csv`)"
              if every.between_steps > 0 else "")
-    return (f"between models at the final step ({int(final.n)} models): r {ci(final.r, final.r_ci_low, final.r_ci_high)}, "
+    r = ci(final.r, final.r_ci_low, final.r_ci_high)
+    return (f"between models at the final step ({int(final.n)} models): r {r}, "
             f"R² {final.r2:.2f}, p {p_text(final.p_perm)}, Holm {p_text(final.p_holm)}"
             + (f": {verdict(final, sign)}" if sign else "") + steps)
 
@@ -189,7 +190,8 @@ def design_facts(folder: Path) -> dict:
     arch = runs.groupby(["n_layers", "hidden_size"]).run.nunique()
     (depth, width), replicas = arch.idxmax(), int(arch.max())
     s = pd.read_csv(folder / "seeds" / "metrics.csv")
-    return dict(runs=len(runs), checkpoints=len(m), steps=", ".join(str(int(x)) for x in sorted(m.global_step.unique())),
+    steps = ", ".join(str(int(x)) for x in sorted(m.global_step.unique()))
+    return dict(runs=len(runs), checkpoints=len(m), steps=steps,
                 archs=len(arch), replicas=replicas, replica_arch=f"{depth} x {width}",
                 replica_loss=f"{s.val_loss.min():.3f} to {s.val_loss.max():.3f} (sd {s.val_loss.std():.3f})")
 

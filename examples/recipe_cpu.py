@@ -235,7 +235,8 @@ def callback_run(args, out: Path, data: Path, extract_opts: list[str]) -> Path:
 
 
 SUMMARY_COLUMNS = {"metric": "metric", "r": "r", "r_ci": "r 95% CI (runs)", "r2": "R²", "rho": "rho", "p_perm": "p",
-                   "p_holm": "p Holm", "partial_r": "partial r", "partial_p_perm": "p FL", "partial_p_holm": "p FL Holm"}
+                   "p_holm": "p Holm", "partial_r": "partial r", "partial_p_perm": "p FL",
+                   "partial_p_holm": "p FL Holm"}
 
 
 def summary(folder: Path, title: str) -> list[str]:
