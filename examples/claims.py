@@ -13,6 +13,7 @@ findings.md verbatim (tests/e2e/test_examples.py checks both).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,11 +91,21 @@ def direction(s: pd.Series, sign: int) -> str:
     return "the paper's direction" if np.sign(low) == sign else "the opposite direction"
 
 
+def flipped(flips: str, runs: int) -> str:
+    """stats.csv's loo_flips ('run (r), run (partial r), ...') said briefly: the runs named where few, else counted."""
+    hits = re.findall(r"(\S+) \((r|partial r)\)", flips)
+    by_run = {run: [w for r, w in hits if r == run] for run, _ in hits}
+    if len(by_run) > 3:
+        return f"dropping any one of {len(by_run)} of its {runs} runs changes a Holm verdict"
+    return "; ".join(f"dropping {run} changes the Holm verdict of its {' and '.join(what)}"
+                     for run, what in by_run.items())
+
+
 def fragility(s: pd.Series) -> str:
     """Leave one run out: the range of r, and whether a Holm verdict rests on one run."""
     if not np.isfinite(s.loo_r_min):
         return ""
-    held = "every Holm verdict holds" if s.robust == 1 else f"one run decides a verdict ({s.loo_flips})"
+    held = "every Holm verdict holds" if s.robust == 1 else flipped(s.loo_flips, int(s.n_units))
     return f"; without any one run r {s.loo_r_min:+.2f} to {s.loo_r_max:+.2f}, {held}"
 
 
@@ -145,15 +156,20 @@ def seeds_lines(st: dict[str, pd.DataFrame], design: dict) -> list[str]:
         theirs = f" (the paper: p {paper.seeds_p:g})" if paper.seeds_p is not None else ""
         out.append(f"`{metric}` r {ci(s.r, s.r_ci_low, s.r_ci_high)}, p {p_text(s.p_perm)}, Holm "
                    f"{p_text(s.p_holm)}{theirs}")
+    tracked = [m for m, paper in PAPER.items()
+               if verdict(row(st["seeds"], m, paper.scale), paper.sign) == "**reproduced**"]
+    said = (f"**reproduced** for {', '.join(f'`{m}`' for m in tracked)}" if tracked else
+            "**not reproduced**: none of Figure 1's metrics tracks the replicas' loss beyond chance after Holm")
     survive = seeds[seeds.p_holm < ALPHA]
     kept = ", ".join(f"`{s.metric}` (r {s.r:+.2f}, Holm {p_text(s.p_holm)}"
-                     + ("" if s.robust == 1 else f"; one run decides it: {s.loo_flips}") + ")"
+                     + ("" if s.robust == 1 else f"; {flipped(s.loo_flips, int(s.n_units))}") + ")"
                      for _, s in survive.iterrows())
     floor = row(st["seeds"], "nc1_cdnv", "raw")
     lines = [f"- **Seed replicas** (the paper's Table 1; {design['replicas']} runs of {design['replica_arch']}, "
              f"one row each, {floor.n_distinct_perms:.3g} distinct permutations, so p can reach "
-             f"{p_text(floor.p_floor)}; their losses {design['replica_loss']}): " + "; ".join(out) + ". "
-             + ("Surviving Holm (either family): " + kept + "." if kept else "No metric survives Holm.")]
+             f"{p_text(floor.p_floor)}; their losses {design['replica_loss']}): {said}. " + "; ".join(out) + ". "
+             + ("Every metric that survives Holm (either family): " + kept + "." if kept else
+                "No metric survives Holm.")]
     return lines
 
 
@@ -253,9 +269,10 @@ def extra_lines(folder: Path) -> list[str]:
                    + ", ".join(f"`{k}` {v:.0%}" for k, v in moves.items()) + ".")
     times = folder / "timings.jsonl"
     if times.is_file():
-        last = json.loads(times.read_text().splitlines()[-1])
-        out.append("**Time** (`timings.jsonl`, the last invocation, seconds): " + ", ".join(
-            f"{k} {v:g}" for k, v in last.items() if k not in ("date", "runs_trained_before")) + ".")
+        runs = [json.loads(line) for line in times.read_text().splitlines()]
+        out.append("**Time** (`timings.jsonl`, seconds, each invocation; a rerun skips finished work): " + "; ".join(
+            f"{t['date']}: " + ", ".join(f"{k} {v:g}" for k, v in t.items() if k not in ("date", "runs_trained_before"))
+            for t in runs) + ".")
     return [x + "\n" for x in out]
 
 

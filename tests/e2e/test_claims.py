@@ -43,8 +43,12 @@ def test_intervals_and_sentences_print_the_numbers_they_are_given():
     assert claims.ci(0.8123, 0.5, 0.93, "") == "0.81 [0.50, 0.93]"
     assert claims.ci(0.8123, NAN, NAN) == "+0.81" and claims.ci(NAN, 0, 1) == "—"
     assert claims.first_up("between models: R² 0.5, Holm 0.01") == "Between models: R² 0.5, Holm 0.01"
-    frail = pd.Series(dict(loo_r_min=0.1, loo_r_max=0.9, robust=0.0, loo_flips="run-3 (r)"))
-    assert claims.fragility(frail) == "; without any one run r +0.10 to +0.90, one run decides a verdict (run-3 (r))"
+    frail = pd.Series(dict(loo_r_min=0.1, loo_r_max=0.9, robust=0.0, loo_flips="run-3 (r), run-3 (partial r)",
+                           n_units=10))
+    assert claims.fragility(frail) == ("; without any one run r +0.10 to +0.90, dropping run-3 changes the Holm "
+                                       "verdict of its r and partial r")
+    many = ", ".join(f"run-{i} (r)" for i in range(5))
+    assert claims.flipped(many, 10) == "dropping any one of 5 of its 10 runs changes a Holm verdict"
     note = pd.Series(dict(note="5 rows dropped; the sign flips between models: r across runs +0.81 at step 120, "
                                 "-0.88 at step 240 (the sign flips between step 120 and 240)"))
     assert claims.sign_note(note).startswith(" Note: the sign flips between models: r across runs +0.81 at step 120")
