@@ -89,6 +89,7 @@ def cost(args) -> None:
     from ncanalyze.store.extraction.layers import bytes_text, plan
     from ncanalyze.store.extraction.memory import fit_folds
     from ncanalyze.store.extraction.passes import train_pass
+    from ncanalyze.analyzer.accumulate import FoldStats
     from ncanalyze.store.extraction.running import Extraction
     from ncanalyze.store.resume import Saver
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
@@ -105,6 +106,16 @@ def cost(args) -> None:
         np.save(Path(tmp) / "train.npy", ids)
         saver = Saver(Path(tmp) / "state.npz", dict, every=float("inf"))
 
+        spent = {"folds": 0.0}  # seconds inside FoldStats.update, timed in the same pass as the rest
+        update = FoldStats.update
+
+        def timed(self, *a):
+            t = time.perf_counter()
+            update(self, *a)
+            spent["folds"] += time.perf_counter() - t
+
+        FoldStats.update = timed
+
         def run(folds: int, batches: int) -> tuple[float, float, int]:
             t0 = time.perf_counter()
             ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, "cpu", folds=folds)
@@ -117,12 +128,16 @@ def cost(args) -> None:
 
         run(1, args.short)  # warm-up
         best = {(f, n): float("inf") for f in (8, 1) for n in (args.short, args.batches)}
-        made, size = {8: float("inf"), 1: float("inf")}, {}
+        made, size, share = {8: float("inf"), 1: float("inf")}, {}, []
         for _ in range(args.repeats):  # alternate, so that a burst of load hits both alike
             for f in (8, 1):
                 for n in (args.short, args.batches):
+                    spent["folds"] = 0.0
                     t, m, size[f] = run(f, n)
                     best[f, n], made[f] = min(best[f, n], t), min(made[f], m)
+                    if f == 8 and n == args.batches:
+                        share.append(spent["folds"] / t)
+        FoldStats.update = update
     marginal = {f: best[f, args.batches] - best[f, args.short] for f in (8, 1)}
     tokens = (args.batches - args.short) * args.batch_size * (args.block_size - 1)
     print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
@@ -133,6 +148,10 @@ def cost(args) -> None:
               f"{made[f]:.2f} s (once per checkpoint)")
     print(f"  marginal time F=8 / F=1: {marginal[8] / marginal[1]:.3f} (goal <= 1.10); state F=8 / F=1: "
           f"{size[8] / size[1]:.2f}")
+    med = float(np.median(share))
+    print(f"  the fold update's share of the F=8 pass, timed inside it: median {med:.1%} over {len(share)} passes "
+          f"({', '.join(f'{x:.1%}' for x in share)}), so F=8 / F=1 = 1 / (1 - share) = {1 / (1 - med):.3f} (load "
+          "hits the share's two parts alike)")
     for budget in (size[1] * 2, size[8]):
         kept = fit_folds(8, args.vocab, args.width, args.samples_per_class, 1, torch.device("cpu"), budget=budget)
         print(f"  --state-memory {bytes_text(budget)}: {kept} fold(s) kept")
