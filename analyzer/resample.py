@@ -26,6 +26,7 @@ from scipy.stats import rankdata
 
 METHOD = "BCa"  # the bootstrap interval (stats.csv's boot_method)
 LEVEL = 0.95
+TIE = 1e-12  # relative: a resample this close to the estimate is a tie (rounding, not a difference)
 _CHUNK_ELEMS = 2 ** 22  # resamples x rows x columns per chunk of the rank computation
 
 
@@ -132,13 +133,15 @@ def bca_interval(samples: np.ndarray, theta: np.ndarray, jack: np.ndarray,
                  level: float = LEVEL) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The BCa interval of each column: ``samples`` (B x m) the bootstrap values, ``theta`` (m) the estimate,
     ``jack`` (R x m) the leave-one-run-out values (the acceleration); the finite resamples counted. Falls back to
-    the percentile interval where the bias or acceleration is undefined; nan where fewer than half are finite."""
+    the percentile interval where the bias or acceleration is undefined; nan where fewer than half are finite.
+    The bias counts a resample within :data:`TIE` (relative) of the estimate as half below: with few runs many
+    resamples draw every run once and equal the estimate up to rounding, which must not decide the interval."""
     from scipy.stats import norm
     lo_p, hi_p, used = percentile_interval(samples, level)
     with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a constant metric: no jackknife, no interval
-        below = (np.where(np.isfinite(samples), samples < theta, 0).sum(0)
-                 + 0.5 * np.where(np.isfinite(samples), samples == theta, 0).sum(0)) / used
+        tie = np.abs(samples - theta) <= TIE * np.fmax(np.abs(theta), np.nanmax(np.abs(samples), 0))
+        below = (np.where(np.isfinite(samples) & ~tie, samples < theta, 0).sum(0) + 0.5 * tie.sum(0)) / used
         z0 = norm.ppf(below)
         d = np.nanmean(jack, 0) - jack
         a = np.nansum(d ** 3, 0) / (6 * np.nansum(d ** 2, 0) ** 1.5)

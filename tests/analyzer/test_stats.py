@@ -558,6 +558,27 @@ def test_bootstrap_draws_whole_runs_and_bca_falls_back_to_percentile_without_bia
     assert (blo[0], bhi[0]) == pytest.approx((lo[0], hi[0]), abs=1e-3)
 
 
+def test_bca_does_not_turn_on_the_last_bit_of_the_estimate():
+    """With few runs many resamples draw every run once: their statistic is the estimate, computed another way, so
+    it equals it only up to rounding. Those ties count half below whichever way the rounding falls, so moving the
+    estimate by one ulp leaves the interval as it was (counted as strictly below or above, it moved the bound)."""
+    from ncanalyze.analyzer.resample import bca_interval
+    rng = np.random.default_rng(4)
+    theta = np.array([0.8123456789])
+    s = np.concatenate([rng.normal(0.75, 0.08, 700), theta[0] * (1 + rng.choice([-1, 1], 300) * 2.2e-16)])[:, None]
+    jack = rng.normal(0.8, 0.05, (4, 1))
+    at = [bca_interval(s, t, jack)[:2] for t in (theta, np.nextafter(theta, 1), np.nextafter(theta, 0))]
+    for lo, hi in at[1:]:
+        assert (lo[0], hi[0]) == (at[0][0][0], at[0][1][0])
+    below = (s[:, 0] < 0.8123456789 - 1e-9).mean() + 0.5 * 0.3  # the bias the ties give: half of them below
+    from scipy.stats import norm
+    z0, z = norm.ppf(below), norm.ppf(0.975)
+    d = jack.mean() - jack[:, 0]
+    a = (d ** 3).sum() / (6 * (d ** 2).sum() ** 1.5)
+    q = norm.cdf(z0 + (z0 + z) / (1 - a * (z0 + z)))
+    assert at[0][1][0] == pytest.approx(np.quantile(s[:, 0], q), abs=1e-12)  # the upper bound, by hand
+
+
 def test_holm_of_leave_one_out_equals_pingouin():
     from ncanalyze.analyzer.stats import _holm_array
     p = np.array([0.01, 0.04, np.nan, 0.03, 0.2, 0.001])
