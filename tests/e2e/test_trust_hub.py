@@ -158,7 +158,8 @@ def test_deleting_a_snapshot_that_is_gone_says_nothing_was_deleted(trained_run, 
 def test_ctrl_c_under_shards_stops_at_a_batch_boundary(trained_run, corpus, tmp_path):
     store = tmp_path / "s.zarr"
     args = [trained_run, "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store", store,
-            "--max-val-tokens", 256, "--batch-size", 1, "--samples-per-class", 2, "--shards", 3]
+            "--max-train-tokens", 24576, "--max-val-tokens", 256, "--batch-size", 1, "--samples-per-class", 2,
+            "--shards", 3]  # 768 batches of one block a checkpoint (of the corpus's ~1,800): ~3 s each, room for 1 s
     proc = subprocess.Popen(CLI + ["extract"] + [str(a) for a in args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     first = store / trained_run.name
