@@ -50,11 +50,11 @@ def p_text(p: float) -> str:
 
 
 def ci(x: float, low: float, high: float, sign: str = "+") -> str:
-    """'+0.81 [+0.52, +0.93]' (``sign=""``: '0.81 [0.52, 0.93]'), the value alone where no interval was drawn."""
-    if not np.isfinite(x):
-        return "—"
-    f = f"{{:{sign}.2f}}".format
-    return f(x) + (f" [{f(low)}, {f(high)}]" if np.isfinite(low) and np.isfinite(high) else "")
+    """'+0.81 [+0.52, +0.93]' (``sign=""``: '0.81 [0.52, 0.93]'), the value alone where no interval was drawn: the
+    report's own :func:`~ncanalyze.analyzer.report.tables.interval`."""
+    from ncanalyze.analyzer.report.tables import interval
+
+    return interval(x, low, high, sign=sign)
 
 
 def first_up(text: str) -> str:

@@ -462,7 +462,7 @@ def latex(stats: pd.DataFrame, tok: pd.DataFrame | None, target: str, controls: 
 
 # ------------------------------------------------------------------ the claims: intervals, the two questions, fragility
 
-def interval(x: float, low: float, high: float, digits: int = 2) -> str:
+def interval(x: float, low: float, high: float, digits: int = 2, sign: str = "") -> str:
     """'0.81 [0.52, 0.93]': a statistic with its interval (a dash where missing; no brackets without one).
 
     Parameters
@@ -471,6 +471,8 @@ def interval(x: float, low: float, high: float, digits: int = 2) -> str:
         The statistic and its interval's ends (NaN where none).
     digits
         Decimals shown.
+    sign
+        "+": every number signed ('+0.81 [+0.52, +0.93]', for correlations).
 
     Returns
     -------
@@ -478,9 +480,10 @@ def interval(x: float, low: float, high: float, digits: int = 2) -> str:
     """
     if x is None or not np.isfinite(x):
         return MISSING
+    f = f"{{:{sign}.{digits}f}}".format
     if not (np.isfinite(low) and np.isfinite(high)):
-        return f"{x:.{digits}f}"
-    return f"{x:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+        return f(x)
+    return f"{f(x)} [{f(low)}, {f(high)}]"
 
 
 def _name(row: pd.Series) -> str:
