@@ -209,6 +209,17 @@ class MeasureSettings:
         check_fields(self)
 
 
+FIGURE_FORMATS = ("png", "pdf", "svg")  # every format a report's figures can be saved in
+
+
+def _formats(value: tuple[str, ...]) -> tuple[str, ...]:
+    """Figure formats among :data:`FIGURE_FORMATS`, PNG always (report.md shows it), each once, in their order."""
+    wrong = [v for v in value if v not in FIGURE_FORMATS]
+    if wrong or "png" not in value:
+        raise ValueError("must be png and any of pdf, svg, comma-separated")
+    return tuple(f for f in FIGURE_FORMATS if f in value)
+
+
 def _per_run(value: str | None) -> str:
     """``all`` (None too, as the library once said it) or ``last``."""
     if value is None or value == "all":
@@ -256,6 +267,10 @@ class ReportSettings:
         "'last': each run's latest checkpoint only (one row per run, per tag)."))
     html: bool = setting(True, section="Output", help=(
         "Also write report.html, one self-contained interactive page (see above); --no-html: not."))
+    formats: tuple[str, ...] = setting(FIGURE_FORMATS, kind=tuple, section="Output", check=_formats, help=(
+        "Comma-separated formats of the figures: png (always: report.md shows it), pdf (fonts embedded), svg. "
+        "Leaving pdf and svg out halves the figures' time; a figure's files of a format left out, from an earlier "
+        "report in --out, are removed, never left stale beside the new PNG."))
 
     def __post_init__(self) -> None:
         check_fields(self)

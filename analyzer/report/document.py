@@ -3,6 +3,8 @@ the permutations behind its p-values, Holm's survivors, the notes and the figure
 per-token tables; how Figure 1's metrics move with min_count (with a store); the files; the depth section."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 
 from ncanalyze.analyzer.report.depth import TITLE as DEPTH_TITLE
@@ -146,7 +148,9 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
         md += ["Notes:", ""] + [f"- {md_text(n)}" for n in notes(stats)] + [""]
     suffix = tag_suffix(tag) if several else ""
     figures = {k: f for k, f in r.figures.items() if (k.endswith(suffix) if suffix else "__" not in k)}
-    md += ["### Figures" if several else "## Figures", "", "Each figure is also in PDF and SVG beside its PNG.", ""]
+    others = [f.upper() for f in o.formats if f != "png"]
+    md += ["### Figures" if several else "## Figures", "", (f"Each figure is also in {' and '.join(others)} beside "
+           "its PNG." if others else "Each figure is a PNG only (`--formats png`)."), ""]
     return md + [f"![{TITLES[k.split('__')[0]].format(target=title_target(r.target))}]({f.name})\n"
                  for k, f in figures.items()]
 
@@ -184,7 +188,14 @@ def _token_section(r: ReportResult) -> list[str]:
     return md
 
 
-def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]:
+def formats_text(formats: Sequence[str]) -> str:
+    """'`.png` (150 dpi), `.pdf` (fonts embedded) and `.svg`': the figures' files, as ``formats`` asked."""
+    said = {"png": "`.png` (150 dpi)", "pdf": "`.pdf` (fonts embedded)", "svg": "`.svg`"}
+    parts = [said[f] for f in formats]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _files_section(r: ReportResult, skipped: dict[str, str] | None, formats: Sequence[str]) -> list[str]:
     """The checkpoints skipped (group: why) and the list of files."""
     md = []
     if skipped:
@@ -199,8 +210,8 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]
            "- `tables.tex`: the tables for LaTeX, a raw and a log10 table per tag (needs "
            "`\\usepackage{booktabs,graphicx}`)"]
     if r.figures:
-        md += ["- " + ", ".join(f"`{f.stem}`" for f in r.figures.values()) + ": the figures, each as `.png` "
-               "(150 dpi), `.pdf` (fonts embedded) and `.svg`"]
+        md += ["- " + ", ".join(f"`{f.stem}`" for f in r.figures.values()) + ": the figures, each as "
+               + formats_text(formats)]
     if r.tokens is not None:
         md += ["- `tokens.csv`: the per-token table"]
     if r.min_count is not None:
@@ -209,7 +220,7 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None) -> list[str]
     return md
 
 
-def _depth_section(r: ReportResult) -> list[str]:
+def _depth_section(r: ReportResult, formats: Sequence[str]) -> list[str]:
     """The depth figure, its gaps and the per-layer table (nothing unless a checkpoint has several layers)."""
     if r.depth is None:
         return []
@@ -222,7 +233,7 @@ def _depth_section(r: ReportResult) -> list[str]:
                "embedding, so a distance between class means is 0 and CDNV and GNC2 are infinite):", ""]
         md += [f"- {md_text(n)}" for n in r.depth_notes] + [""]
     return md + [md_names(r.depth).to_markdown(index=False, floatfmt=".4g"), "",
-                 "- `layers.csv`: the per-layer table; `depth.png`, `.pdf`, `.svg`: the figure", ""]
+                 "- `layers.csv`: the per-layer table; `depth`: the figure, as " + formats_text(formats), ""]
 
 
 def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> str:
@@ -253,5 +264,5 @@ def markdown(result: ReportResult, options: ReportOptions, skipped: dict[str, st
     md += error_lines(result.selected)
     if result.budget is not None:
         md += budget_lines(result.budget, result.budget_notes)
-    md += _files_section(result, skipped)
-    return "\n".join(md) + "\n" + "\n".join(_depth_section(result))
+    md += _files_section(result, skipped, options.formats)
+    return "\n".join(md) + "\n" + "\n".join(_depth_section(result, options.formats))

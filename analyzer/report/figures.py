@@ -20,6 +20,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from ncanalyze.analyzer.registry import FIGURE_FORMATS  # noqa: E402
 from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
 from ncanalyze.analyzer.report.escape import write_csv  # noqa: E402
 from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
@@ -48,7 +49,7 @@ DYNAMICS = ("fig4_dynamics", "Training dynamics: NC properties and {target} agai
 TARGET_TITLES = {"eval_loss": "the Trainer's validation loss", "val_loss": "the validation loss measured by ncanalyze"}
 BY_STEP = ("fig5_r_by_step", "Between models: r across runs at each step of Figure 1's metrics with {target}")
 TITLES = {stem: title for stem, (title, _) in FIGURES.items()} | {DYNAMICS[0]: DYNAMICS[1], BY_STEP[0]: BY_STEP[1]}
-FORMATS = ("png", "pdf", "svg")
+FORMATS = FIGURE_FORMATS  # every format a figure can be saved in (ReportSettings.formats picks)
 
 MAX_MARKED_RUNS = 10  # up to this many runs, each gets its own marker (and colour when all sizes are equal)
 MARKERS = "osD^v<>pPXh*"
@@ -451,9 +452,10 @@ def dynamics_figure(df: pd.DataFrame, metrics: Sequence[str], target: str, stats
     return fig
 
 
-def save_figure(fig: Figure, out: Path, stem: str) -> Path:
-    """Save a figure as PNG (150 dpi), PDF with embedded TrueType fonts (fonttype 42) and SVG, byte-identical from
-    run to run (no dates, fixed SVG ids), and close it.
+def save_figure(fig: Figure, out: Path, stem: str, formats: Sequence[str] = FORMATS) -> Path:
+    """Save a figure as PNG (150 dpi), PDF with embedded TrueType fonts (fonttype 42) and SVG (those of ``formats``),
+    byte-identical from run to run (no dates, fixed SVG ids), and close it; its files in the formats left out (an
+    earlier report's) are removed, not left stale beside the new ones.
 
     Parameters
     ----------
@@ -463,6 +465,8 @@ def save_figure(fig: Figure, out: Path, stem: str) -> Path:
         The folder.
     stem
         The file name without its extension.
+    formats
+        The formats written (PNG among them).
 
     Returns
     -------
@@ -472,13 +476,16 @@ def save_figure(fig: Figure, out: Path, stem: str) -> Path:
     undated = {"png": None, "pdf": {"CreationDate": None}, "svg": {"Date": None}}
     with plt.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42, "svg.hashsalt": "ncanalyze"}):
         for ext in FORMATS:
-            fig.savefig(out / f"{stem}.{ext}", dpi=DPI if ext == "png" else "figure", metadata=undated[ext])
+            if ext in formats:
+                fig.savefig(out / f"{stem}.{ext}", dpi=DPI if ext == "png" else "figure", metadata=undated[ext])
+            else:
+                (out / f"{stem}.{ext}").unlink(missing_ok=True)
     plt.close(fig)
     return out / f"{stem}.png"
 
 
 def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: pd.DataFrame,
-                 out: Path, suffix: str = "") -> dict[str, Path]:
+                 out: Path, suffix: str = "", formats: Sequence[str] = FORMATS) -> dict[str, Path]:
     """Figures 1-3 with the chosen metrics each shows, and the training dynamics when the checkpoints span two
     steps or more.
 
@@ -497,6 +504,8 @@ def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: 
         The folder the figures are saved in (:func:`save_figure`).
     suffix
         Added to each file stem and key (``__<tag>``: one tag's figures where the selection holds several).
+    formats
+        The formats saved (:func:`save_figure`).
 
     Returns
     -------
@@ -508,16 +517,17 @@ def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: 
         shown = [m for m in fig_metrics if m in metrics]
         if shown:
             fig = scatter_figure(sel, shown, target, stats, title.format(target=title_target(target)))
-            figures[stem + suffix] = save_figure(fig, out, stem + suffix)
+            figures[stem + suffix] = save_figure(fig, out, stem + suffix, formats)
     shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics]
     if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").nunique() >= 2:  # else no dynamics
         stem, title = DYNAMICS
         fig = dynamics_figure(sel, shown, target, stats, title.format(target=title_target(target)))
-        figures[stem + suffix] = save_figure(fig, out, stem + suffix)
+        figures[stem + suffix] = save_figure(fig, out, stem + suffix, formats)
     return figures
 
 
-def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict[str, Path]:
+def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path,
+                formats: Sequence[str] = FORMATS) -> dict[str, Path]:
     """With a checkpoint of several layers: the depth figure (depth.png, .pdf, .svg) and the per-layer table
     (layers.csv).
 
@@ -537,7 +547,7 @@ def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path) -> dict
     """
     if table is None:
         return {}
-    files = {"depth": save_figure(depth_figure(df, labels=LABELS), out, "depth"), "layers": out / "layers.csv"}
+    files = {"depth": save_figure(depth_figure(df, labels=LABELS), out, "depth", formats), "layers": out / "layers.csv"}
     write_csv(table, files["layers"])
     return files
 
@@ -588,12 +598,12 @@ def step_r_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence[st
 
 
 def draw_step_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence[str], target: str, out: Path,
-                     suffix: str = "") -> dict[str, Path]:
-    """The per-step r figure (:func:`step_r_figure`) of Figure 1's metrics among ``metrics``, saved as PNG, PDF
-    and SVG; nothing where no step is shared by enough runs."""
+                     suffix: str = "", formats: Sequence[str] = FORMATS) -> dict[str, Path]:
+    """The per-step r figure (:func:`step_r_figure`) of Figure 1's metrics among ``metrics``, saved in ``formats``
+    (:func:`save_figure`); nothing where no step is shared by enough runs."""
     shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics and m in set(steps.metric)]
     if not shown or steps.r.notna().sum() == 0:
         return {}
     stem, title = BY_STEP
     fig = step_r_figure(steps, stats, shown, title.format(target=title_target(target)))
-    return {stem + suffix: save_figure(fig, out, stem + suffix)}
+    return {stem + suffix: save_figure(fig, out, stem + suffix, formats)}

@@ -43,6 +43,8 @@ class ReportOptions(ReportSettings):
         Also write report.html, the interactive page (:mod:`~ncanalyze.analyzer.report.html`; ``--no-html``: not).
     n_boot
         Resamples of the bootstrap over whole runs behind the 95% intervals (seeded by ``seed``; 0: none).
+    formats
+        The figures' formats (``--formats``): PNG always, PDF and SVG by default.
     """
 
     store: str | Path | None = None

@@ -55,11 +55,11 @@ def _figures(r: ReportResult, options: ReportOptions, out: Path) -> dict[str, Pa
     figures = {}
     for tag, rows in tags:
         stats = r.stats[r.stats.tag.isna()] if tag is None else r.stats[r.stats.tag == tag]
-        figures |= draw_figures(rows, options.metrics, r.target, stats, out, tag_suffix(tag) if len(tags) > 1 else "")
+        suffix = tag_suffix(tag) if len(tags) > 1 else ""
+        figures |= draw_figures(rows, options.metrics, r.target, stats, out, suffix, options.formats)
         if r.by_step is not None:
             steps = r.by_step[r.by_step.tag.isna()] if tag is None else r.by_step[r.by_step.tag == tag]
-            figures |= draw_step_figure(steps, stats, options.metrics, r.target, out,
-                                        tag_suffix(tag) if len(tags) > 1 else "")
+            figures |= draw_step_figure(steps, stats, options.metrics, r.target, out, suffix, options.formats)
     return figures
 
 
@@ -194,7 +194,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     _write_tables(r, out)
     r.figures = _figures(r, options, out)
     r.files |= r.figures
-    r.files |= depth_files(every_layer, r.depth, out)
+    r.files |= depth_files(every_layer, r.depth, out, options.formats)
     r.files |= _budget_files(r, out)
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}
     r.files["report"].write_text(markdown(r, options, skipped=skipped))

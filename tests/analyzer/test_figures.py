@@ -19,6 +19,7 @@ from ncanalyze.analyzer.report import (
     write_report,
 )
 from ncanalyze.analyzer.stats import correlations
+from ncanalyze.analyzer.errors import UserError
 from test_stats import study
 
 FIG1 = FIGURES["fig1_nc_vs_loss"][1]
@@ -189,6 +190,29 @@ def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
         for ext in FORMATS:
             assert (tmp_path / f"{stem}.{ext}").read_bytes() == (again[stem].parent / f"{stem}.{ext}").read_bytes()
     assert "![Training dynamics" in files["report"].read_text()
+
+
+@pytest.mark.slow
+def test_formats_png_writes_the_pngs_only_and_removes_an_earlier_reports_pdf_and_svg(tmp_path):
+    """--formats png: the same PNGs as the full set (byte for byte), no PDF or SVG, and those an earlier report left
+    in --out removed (never stale beside a new PNG); report.md says which formats; png is required."""
+    df = study(n_runs=4, per_run=4, seed=1)
+    stems = [*FIGURES, DYNAMICS[0]]
+    full = write_report(df, tmp_path / "again", ReportOptions(n_perm=0, n_boot=0)).files
+    pngs = {stem: full[stem].read_bytes() for stem in stems}
+    files = write_report(df, tmp_path / "again", ReportOptions(n_perm=0, n_boot=0, formats="png")).files
+    for stem in stems:
+        assert files[stem].read_bytes() == pngs[stem]
+        assert not (tmp_path / "again" / f"{stem}.pdf").exists() and not (tmp_path / "again" / f"{stem}.svg").exists()
+    md = files["report"].read_text()
+    assert "Each figure is a PNG only (`--formats png`)." in md and "each as `.png` (150 dpi)\n" in md
+    svg = write_report(df, tmp_path / "svg", ReportOptions(n_perm=0, n_boot=0, formats="svg,png")).files
+    assert (tmp_path / "svg" / f"{stems[0]}.svg").is_file() and not (tmp_path / "svg" / f"{stems[0]}.pdf").exists()
+    assert "Each figure is also in SVG beside its PNG." in svg["report"].read_text()
+    with pytest.raises(UserError, match=r"--formats\) must be png and any of pdf, svg"):
+        ReportOptions(formats="pdf")
+    with pytest.raises(UserError, match=r"--formats\) must be png and any of pdf, svg"):
+        ReportOptions(formats="png,jpg")
 
 
 @pytest.mark.slow
