@@ -82,10 +82,14 @@ def trained_run(corpus, tmp_path_factory) -> Path:
 
 
 def run_cli(*args: str, ok: bool = True):
-    """Run the ``ncanalyze`` CLI in-process; with ``ok`` assert it succeeded, else that it failed cleanly."""
+    """Run the ``ncanalyze`` CLI in-process; with ``ok`` assert it succeeded, else that it failed cleanly. A report
+    draws its figures as PNG only unless the test passes ``--formats``: the PDF and SVG are matplotlib's savefig of
+    the same figure (test_figures.py tests them), and they were a fifth of the suite's report time."""
     from click.testing import CliRunner
     from ncanalyze.cli.main import main
 
+    if args[:1] == ("report",) and "--formats" not in args and "--help" not in args:
+        args = ("report", "--formats", "png", *args[1:])
     result = CliRunner().invoke(main, [str(a) for a in args])
     if ok:
         assert result.exit_code == 0, result.output + repr(result.exception)

@@ -213,7 +213,7 @@ def test_cli_on_a_metrics_csv_with_where_and_target(tmp_path):
     csv = tmp_path / "m.csv"
     df.to_csv(csv, index=False)
     run_cli("report", csv, "--out", tmp_path / "r", "--where", "run != 'r0'", "--metrics", "nc1_cdnv,nc4_agreement",
-            "--target", "eval_loss", "--permutations", 300, "--seed", 4)
+            "--target", "eval_loss", "--permutations", 300, "--seed", 4, "--formats", "png,pdf,svg")
     metrics = pd.read_csv(tmp_path / "r" / "metrics.csv")
     assert len(metrics) == 15 and "r0" not in set(metrics.run)
     stats = pd.read_csv(tmp_path / "r" / "stats.csv")
@@ -367,7 +367,8 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     store = tmp_path / "study.zarr"
     shutil.copytree(extracted_store, store)  # report measures into the store: leave the session's one as it is
     out = tmp_path / "report"
-    res = run_cli("report", store, "--out", out, "--tokens", "the, red,quiet,5", "--permutations", 1000, "--seed", 1)
+    res = run_cli("report", store, "--out", out, "--tokens", "the, red,quiet,5", "--permutations", 1000, "--seed", 1,
+                  "--formats", "png,pdf,svg")
     assert "report.md" in res.output
     assert "note: token 'quiet' read as ' quiet'" in res.output
 
