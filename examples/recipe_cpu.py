@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-tokens", type=int, default=131072, help="train tokens per checkpoint for the statistics")
     p.add_argument("--val-tokens", type=int, default=65536, help="validation tokens per checkpoint for NC4")
     p.add_argument("--permutations", type=int, default=10_000, help="per permutation p-value")
+    p.add_argument("--formats", default="png,pdf,svg", help="the reports' figure formats (ncanalyze report --formats)")
     p.add_argument("--tokens", default=" the, LORD, God, and,:",
                    help="comma-separated tokens for the per-token table and the embedding plot")
     p.add_argument("--results", type=Path, help="copy the reports, the comparison and a summary table here "
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
 
     depth, width = args.replicas.lower().split("x")
     tag = train_sweep.run_name(0, 0, 0, args.weight_decay).split("-s0")[1]  # "-wd0.1" or ""
-    perms = ["--permutations", str(args.permutations)]
+    perms = ["--permutations", str(args.permutations), "--formats", args.formats]
     smallest, largest = (train_sweep.run_name(f(args.depths), f(args.widths), 0, args.weight_decay) for f in (min, max))
     ncanalyze("report", store, "--out", str(out / "report-all"), *perms, "--tokens", args.tokens,
               "--checkpoint", f"{smallest}/checkpoint-{args.steps}", "--checkpoint", f"{largest}/checkpoint-{args.steps}")

@@ -18,6 +18,7 @@ TINY = [  # a 2 x 2 grid and 3 seed replicas of one of its architectures, 10 ste
     "--vocab", "300", "--block-size", "32", "--batch-size", "8", "--steps", "10", "--save-steps", "5",
     "--heads", "2", "--depths", "1", "2", "--widths", "16", "32", "--replicas", "1x16", "--replica-seeds", "0", "1",
     "2", "--train-tokens", "4096", "--val-tokens", "2048", "--jobs", "2", "--permutations", "199",
+    "--formats", "png",
     "--tokens", " the, and",
 ]
 RUNS = ["neo-L1-d16-s0-wd0.1", "neo-L1-d32-s0-wd0.1", "neo-L2-d16-s0-wd0.1", "neo-L2-d32-s0-wd0.1",
