@@ -13,7 +13,6 @@ findings.md verbatim (tests/e2e/test_examples.py checks both).
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +92,9 @@ def direction(s: pd.Series, sign: int) -> str:
 
 def flipped(flips: str, runs: int) -> str:
     """stats.csv's loo_flips ('run (r), run (partial r), ...') said briefly: the runs named where few, else counted."""
-    hits = re.findall(r"(\S+) \((r|partial r)\)", flips)
-    by_run = {run: [w for r, w in hits if r == run] for run, _ in hits}
+    from ncanalyze.analyzer.report.tables import loo_flip_runs
+
+    by_run = loo_flip_runs(flips)
     if len(by_run) > 3:
         return f"dropping any one of {len(by_run)} of its {runs} runs changes a Holm verdict"
     return "; ".join(f"dropping {run} changes the Holm verdict of its {' and '.join(what)}"

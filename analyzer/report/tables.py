@@ -548,6 +548,17 @@ def questions_table(stats: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def loo_flip_runs(flips: str) -> dict[str, list[str]]:
+    """stats.csv's ``loo_flips`` ('run (r), run (partial r), ...') read back: each run, in order, with the
+    statistics ('r', 'partial r') whose Holm verdict its removal changes."""
+    out: dict[str, list[str]] = {}
+    for f in (flips or "").split(", "):
+        run, _, what = f.rpartition(" (")
+        if run and what.endswith(")"):
+            out.setdefault(run, []).append(what[:-1])
+    return out
+
+
 def fragility_lines(stats: pd.DataFrame, alpha: float = ALPHA) -> list[str]:
     """Sentences naming, per metric, the runs whose removal changes a Holm verdict (and which).
 
@@ -565,8 +576,9 @@ def fragility_lines(stats: pd.DataFrame, alpha: float = ALPHA) -> list[str]:
     out = []
     for _, s in stats[stats.get("loo_flips", pd.Series("", index=stats.index)).fillna("") != ""].iterrows():
         parts = []
+        flips = loo_flip_runs(s.loo_flips)
         for what, p in (("r", s.p_holm), ("partial r", s.partial_p_holm)):
-            runs = [f.rsplit(" (", 1)[0] for f in s.loo_flips.split(", ") if f.endswith(f"({what})")]
+            runs = [run for run, stats_ in flips.items() if what in stats_]
             if runs and np.isfinite(p):
                 parts.append(f"{what} {'survives' if p < alpha else 'does not survive'} Holm (p {fmt_p(p)}) with all "
                              f"runs, but {'not' if p < alpha else 'does'} when run " + " or ".join(

@@ -49,6 +49,8 @@ def test_intervals_and_sentences_print_the_numbers_they_are_given():
                                        "verdict of its r and partial r")
     many = ", ".join(f"run-{i} (r)" for i in range(5))
     assert claims.flipped(many, 10) == "dropping any one of 5 of its 10 runs changes a Holm verdict"
+    spaced = "my run (r), my run (partial r)"  # a run name with a space: the report's own reading of loo_flips
+    assert claims.flipped(spaced, 4) == "dropping my run changes the Holm verdict of its r and partial r"
     note = pd.Series(dict(note="5 rows dropped; the sign flips between models: r across runs +0.81 at step 120, "
                                 "-0.88 at step 240 (the sign flips between step 120 and 240)"))
     assert claims.sign_note(note).startswith(" Note: the sign flips between models: r across runs +0.81 at step 120")
