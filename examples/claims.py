@@ -97,7 +97,9 @@ def flipped(flips: str, runs: int) -> str:
     by_run = loo_flip_runs(flips)
     if len(by_run) > 3:
         return f"dropping any one of {len(by_run)} of its {runs} runs changes a Holm verdict"
-    return "; ".join(f"dropping {run} changes the Holm verdict of its {' and '.join(what)}"
+    from ncanalyze.analyzer.report.escape import md_name
+
+    return "; ".join(f"dropping {md_name(run)} changes the Holm verdict of its {' and '.join(what)}"
                      for run, what in by_run.items())
 
 
@@ -236,6 +238,8 @@ def findings(folder: Path) -> str:
 def extra_lines(folder: Path) -> list[str]:
     """Depth, how far from collapse, the callback's agreement with extract, the min_count table and the recipe's
     time, as measured."""
+    from ncanalyze.analyzer.report.escape import md_name
+
     out = []
     depth = folder / "depth" / "metrics.csv"
     if depth.is_file():
@@ -245,7 +249,7 @@ def extra_lines(folder: Path) -> list[str]:
         nc4 = ", ".join(f"{v:.3f}" for v in big.nc4_agreement)
         least = int(big.layer.iloc[int(np.argmin(big.nc1_cdnv.to_numpy()))])
         out.append(f"**Depth** (`depth/`, every hidden state of the final models): in the largest "
-                   f"({big.run.iloc[0]}), CDNV by hidden state 0-{int(big.layer.max())}: {cdnv} (least at "
+                   f"({md_name(big.run.iloc[0])}), CDNV by hidden state 0-{int(big.layer.max())}: {cdnv} (least at "
                    f"{least}); NC4 (the logit lens): {nc4}.")
     m = pd.read_csv(folder / "all" / "metrics.csv")
     span = lambda c, f: (f"{m[c].min():{f}}" + ("" if m[c].min() == m[c].max() else f" to {m[c].max():{f}}")) # noqa

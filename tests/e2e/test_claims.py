@@ -45,12 +45,14 @@ def test_intervals_and_sentences_print_the_numbers_they_are_given():
     assert claims.first_up("between models: R² 0.5, Holm 0.01") == "Between models: R² 0.5, Holm 0.01"
     frail = pd.Series(dict(loo_r_min=0.1, loo_r_max=0.9, robust=0.0, loo_flips="run-3 (r), run-3 (partial r)",
                            n_units=10))
-    assert claims.fragility(frail) == ("; without any one run r +0.10 to +0.90, dropping run-3 changes the Holm "
+    assert claims.fragility(frail) == ("; without any one run r +0.10 to +0.90, dropping `run-3` changes the Holm "
                                        "verdict of its r and partial r")
     many = ", ".join(f"run-{i} (r)" for i in range(5))
     assert claims.flipped(many, 10) == "dropping any one of 5 of its 10 runs changes a Holm verdict"
     spaced = "my run (r), my run (partial r)"  # a run name with a space: the report's own reading of loo_flips
-    assert claims.flipped(spaced, 4) == "dropping my run changes the Holm verdict of its r and partial r"
+    assert claims.flipped(spaced, 4) == "dropping `my run` changes the Holm verdict of its r and partial r"
+    hostile = "a`b\n# head (r)"  # markup in a run name stays inline code, never a heading or a broken span
+    assert claims.flipped(hostile, 4).startswith("dropping `a\\x60b\\n# head` changes")
     note = pd.Series(dict(note="5 rows dropped; the sign flips between models: r across runs +0.81 at step 120, "
                                 "-0.88 at step 240 (the sign flips between step 120 and 240)"))
     assert claims.sign_note(note).startswith(" Note: the sign flips between models: r across runs +0.81 at step 120")
