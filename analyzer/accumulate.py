@@ -223,7 +223,7 @@ class FoldStats(Accumulator):
             for f, (nt, nc) in enumerate(zip(tokens, groups)):
                 if nt:
                     d, dl, wl = dev[t0:t0 + nt], delta[c0:c0 + nc], w[c0:c0 + nc]
-                    self.scatter[f] += d.T @ d + (dl * wl[:, None]).T @ dl
+                    self.scatter[f].addmm_(d.T, d).addmm_((dl * wl[:, None]).T, dl)  # in place: no d x d temporaries
                 t0, c0 = t0 + nt, c0 + nc
         self.unit_sum.index_add_(0, fold, unit_rows(h))
         count[cells] += g.lengths

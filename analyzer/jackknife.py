@@ -139,10 +139,11 @@ def budgets(folds: int) -> list[int]:
     return [*out, folds]
 
 
-def nested_budgets(ds: xr.Dataset, measure: Measure) -> pd.DataFrame:
+def nested_budgets(ds: xr.Dataset, measure: Measure, whole: Mapping[str, float] | None = None) -> pd.DataFrame:
     """The metrics on the first 1, 2, 4, ..., F folds (nested token budgets): one row per budget, ``folds``,
     ``tokens`` (train tokens used), each scalar metric and its jackknife error over those folds (nan at one fold).
-    The last row is the whole sample: its values are the totals merged from the folds (equal to the stored point
+    The last row is the whole sample: ``whole`` where given (the group's stored metrics and errors, measured from the
+    totals over every fold: not measured again), else the totals merged from the folds (equal to the stored point
     values to rounding); ``measure`` as :func:`jackknife`'s."""
     counts = np.asarray(ds["fold_count"].values).sum(1)
     rows = []
@@ -150,11 +151,14 @@ def nested_budgets(ds: xr.Dataset, measure: Measure) -> pd.DataFrame:
         first = list(range(k))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                point = measure(merged(ds, first))
-            except UserError:
-                point = {}
-            se = jackknife(ds, measure, first)[0] if k > 1 else {}
+            if whole is not None and k == n_folds(ds):
+                point = se = whole
+            else:
+                try:
+                    point = measure(merged(ds, first))
+                except UserError:
+                    point = {}
+                se = jackknife(ds, measure, first)[0] if k > 1 else {}
         rows.append({"folds": k, "tokens": int(counts[:k].sum()),
                      **{m: point.get(m, math.nan) for m in SCALARS},
                      **{se_name(m): se.get(se_name(m), math.nan) for m in SCALARS}})

@@ -2,6 +2,7 @@
 
     python benchmarks/jackknife.py calibrate CHECKPOINT TEXT [--tokenizer DIR] [--caps 20] [--cap-tokens 8192]
     python benchmarks/jackknife.py cost [--vocab 50257] [--width 256] [--batches 12] [--repeats 3]
+    python benchmarks/jackknife.py whole [--vocab 50257] [--width 256] [--train-tokens 131072] [--val-tokens 16384]
 
 ``calibrate``: the checkpoint's last-layer features of ``caps`` disjoint caps of whole blocks of the text (independent
 token samples of one checkpoint, each 80% train, 20% validation), each cap's statistics with 8 folds (class_stats, the
@@ -14,6 +15,13 @@ each over a short and a long prefix of the batches, the minimum of ``repeats`` (
 machine): the marginal time ratio (the short run's time subtracted, so the state's allocation, a fixed cost per
 checkpoint, cancels; goal at most +10%), and the running state's bytes at F = 8 and F = 1 against what
 ``--state-memory`` would keep (memory.fit_folds).
+
+``whole``: one checkpoint (a GPT-Neo with random weights, saved with ``save_pretrained``) extracted end to end as
+``ncanalyze extract`` runs it (``runs.local.extract``: load, train pass, validation pass with NC4's decisions and the
+loss, the group's write), with ``--folds`` 8 and 1 alternating, into a fresh store each time; the medians of
+``repeats``, each part timed inside the same run (the train pass, the validation pass, the write). The checkpoint's
+ratio depends on how its tokens split between the passes: the validation pass costs the same at any F, so the
+train pass's ratio is the bound as the validation tokens shrink, printed beside it.
 """
 from __future__ import annotations
 
@@ -157,6 +165,65 @@ def cost(args) -> None:
         print(f"  --state-memory {bytes_text(budget)}: {kept} fold(s) kept")
 
 
+def whole(args) -> None:
+    import logging
+    import os
+    import statistics
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm is imported
+    from ncanalyze.store import Store
+    from ncanalyze.store.extraction import passes
+    from ncanalyze.store.extraction.settings import ExtractConfig
+    from ncanalyze.store.runs.local import extract
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    logging.getLogger("ncanalyze").setLevel(logging.WARNING)
+    torch.manual_seed(0)
+    config = GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers, num_heads=8,
+                          attention_types=[[["global", "local"], args.layers // 2]], max_position_embeddings=2048,
+                          intermediate_size=4 * args.width)
+    rng = np.random.default_rng(0)
+    spent: dict[str, float] = {}
+
+    def timed(name, f):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return run
+
+    passes.train_pass, passes.val_pass = timed("train", passes.train_pass), timed("validation", passes.val_pass)
+    Store.write_checkpoint = timed("write", Store.write_checkpoint)
+    times: dict[int, list[dict[str, float]]] = {8: [], 1: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        GPTNeoForCausalLM(config).save_pretrained(tmp / "model")
+        for split, n in (("train", args.train_tokens), ("val", args.val_tokens)):
+            ids = np.minimum(rng.zipf(1.2, n + args.block_size) - 1, args.vocab - 1).astype(np.int64)
+            np.save(tmp / f"{split}.npy", ids)
+        for r in range(args.repeats + 1):  # the first round warms up and is not counted
+            for f in (8, 1):
+                spent.clear()
+                cfg = ExtractConfig(dataset=str(tmp / "train.npy"), val_dataset=str(tmp / "val.npy"),
+                                    block_size=args.block_size, batch_size=args.batch_size, folds=f,
+                                    max_train_tokens=args.train_tokens, max_val_tokens=args.val_tokens,
+                                    samples_per_class=args.samples_per_class, device="cpu")
+                t = time.perf_counter()
+                extract(tmp / "model", tmp / f"s{r}-{f}.zarr", cfg)
+                spent["checkpoint"] = time.perf_counter() - t
+                if r:
+                    times[f].append(dict(spent))
+    med = {f: {k: statistics.median(x[k] for x in v) for k in v[0]} for f, v in times.items()}
+    print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
+          f"{args.block_size}, CPU, {os.cpu_count()} cores; {args.train_tokens:,} train and {args.val_tokens:,} "
+          f"validation tokens; medians of {args.repeats} alternating runs (s), F=1 / F=8 and the ratio")
+    for k in ("checkpoint", "train", "validation", "write"):
+        print(f"  {k:>10}: {med[1][k]:7.2f} / {med[8][k]:7.2f}   {med[8][k] / med[1][k]:.3f}"
+              + ("   (goal <= 1.10)" if k == "checkpoint" else ""))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -179,8 +246,18 @@ def main() -> None:
     k.add_argument("--short", type=int, default=2, help="batches of the short run")
     k.add_argument("--repeats", type=int, default=3)
     k.add_argument("--samples-per-class", type=int, default=8)
+    w = sub.add_parser("whole")
+    w.add_argument("--vocab", type=int, default=50257)
+    w.add_argument("--width", type=int, default=256)
+    w.add_argument("--layers", type=int, default=2)
+    w.add_argument("--block-size", type=int, default=256)
+    w.add_argument("--batch-size", type=int, default=8)
+    w.add_argument("--train-tokens", type=int, default=131072)
+    w.add_argument("--val-tokens", type=int, default=16384)
+    w.add_argument("--repeats", type=int, default=3)
+    w.add_argument("--samples-per-class", type=int, default=8)
     args = p.parse_args()
-    calibrate(args) if args.what == "calibrate" else cost(args)
+    {"calibrate": calibrate, "cost": cost, "whole": whole}[args.what](args)
 
 
 if __name__ == "__main__":

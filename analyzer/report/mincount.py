@@ -13,6 +13,7 @@ import pandas as pd
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.figures import FIGURES
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
+from ncanalyze.analyzer.schema import MEASURED
 
 MIN_COUNTS = (2, 5, 20)  # the min_counts compared
 MAX_RUNS = 12  # at most this many runs (the first by name): one measure per (run's latest checkpoint, min_count)
@@ -84,6 +85,7 @@ def min_count_table(sel: pd.DataFrame, read_group: GroupReader, min_counts: Sequ
         except UserError as e:
             said.setdefault(f"not read: {e}", []).append(g)
             continue
+        ds = ds[[v for v in MEASURED if v in ds.variables]].load()  # read once for every min_count
         at = {}
         for m in min_counts:
             at[m], found = _measure_at(ds, m)

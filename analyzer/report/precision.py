@@ -102,11 +102,11 @@ def final_budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequ
         if "fold_count" not in ds or jackknife.n_folds(ds) < 2:
             notes.append(f"{g}: no token budget (extracted without folds: --folds 1, or before format 3)")
             continue
+        whole, min_count = stored_metrics(ds.attrs), int(ds.attrs.get("metrics_min_count") or 1)
         ds = ds[[v for v in (*MEASURED, *jackknife.FOLD_VARS) if v in ds.variables]].load()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            min_count = int(ds.attrs.get("metrics_min_count") or 1)
-            t = jackknife.nested_budgets(ds, lambda d: measure_all(d, min_count=min_count, device="cpu")[0])
+            t = jackknife.nested_budgets(ds, lambda d: measure_all(d, min_count=min_count, device="cpu")[0], whole)
         run, _, checkpoint = g.partition("/")
         keep = ["folds", "tokens", *(c for m in metrics for c in (m, f"{m}_se"))]
         frames.append(t[keep].assign(run=run, checkpoint=checkpoint))
@@ -114,6 +114,17 @@ def final_budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequ
         return pd.DataFrame(), notes
     table = pd.concat(frames, ignore_index=True)
     return table[["run", "checkpoint", *(c for c in table.columns if c not in ("run", "checkpoint"))]], notes
+
+
+def stored_metrics(attrs: dict) -> dict[str, float] | None:
+    """A group's stored metrics and their jackknife errors (``measure``'s record, at ``metrics_min_count``), where
+    they are current (this version's definitions, the group's statistics as measured) and hold the errors; else None."""
+    from ncanalyze.analyzer.schema import ERRORS, METRICS_VERSION
+    from ncanalyze.analyzer.table import metrics_row
+
+    current = (attrs.get("metrics_version") == METRICS_VERSION
+               and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
+    return metrics_row(attrs) if current and set(ERRORS) <= set(attrs.get("metrics") or {}) else None
 
 
 def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[str] = HEADLINE) -> list[str]:

@@ -7,6 +7,7 @@ import math
 import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from test_metrics import brute_force, brute_nc4, random_study
@@ -166,6 +167,23 @@ def test_nested_budgets_and_the_unsettled_line(folded):
     moved.loc[moved.index[-2], "nc1_cdnv"] = moved["nc1_cdnv"].iloc[-1] + 10 * moved["nc1_cdnv_se"].iloc[-1]
     lines = unsettled(moved, ["nc1_cdnv", "within_erank"])
     assert any(line.startswith(f"`nc1_cdnv` has not settled at {int(ds['count'].sum()):,} tokens") for line in lines)
+
+
+def test_the_whole_budget_is_the_stored_measurement_where_given(folded):
+    """The report passes the group's stored metrics and errors as the last budget (all folds): taken as they are,
+    and equal to what measuring the merged folds again gives, to rounding; the smaller budgets are unchanged."""
+    *_, ds = folded  # 4 folds: budgets 1, 2, 4
+    ms = lambda d: measure_all(d, min_count=MIN, device="cpu")[0]  # noqa: E731
+    computed = nested_budgets(ds, ms)
+    whole = {m: float(v) for m, v in computed.iloc[-1].items()} | {"nc1_cdnv": 123.0, "nc1_cdnv_se": 4.5}
+    given = nested_budgets(ds, ms, whole)
+    assert given["nc1_cdnv"].iloc[-1] == 123.0 and given["nc1_cdnv_se"].iloc[-1] == 4.5
+    pd.testing.assert_frame_equal(given.iloc[:-1], computed.iloc[:-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stored = measure(ds, min_count=MIN, se=True, device="cpu")  # as measure writes it into the group
+    for m in ("nc1_cdnv", "nc1_cdnv_se", "within_erank", "within_erank_se"):
+        assert math.isclose(computed[m].iloc[-1], stored[m], rel_tol=1e-9), m
 
 
 def test_the_accessor_gives_the_same_errors(folded):

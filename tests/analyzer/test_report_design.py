@@ -151,6 +151,19 @@ def test_tables_tex_carries_the_unit_and_floor_and_fits_the_line(real_report):
 
 
 @pytest.mark.slow
+def test_the_token_budget_ends_at_the_checkpoints_own_metrics(real_report):
+    """budget.csv's last budget (every fold) of each run's latest checkpoint is its row of metrics.csv: the stored
+    measurement, not a second one that differs in the last digits."""
+    out, _ = real_report
+    budget, metrics = pd.read_csv(out / "budget.csv"), pd.read_csv(out / "metrics.csv")
+    last = budget.loc[budget.groupby(["run", "checkpoint"])["folds"].idxmax()]
+    assert len(last) == 2 and (last["folds"] > 1).all()
+    both = last.merge(metrics, on=["run", "checkpoint"], suffixes=("", "_metrics"))
+    for m in ("nc1_cdnv", "nc1_cdnv_se", "unc3_cos_cv", "unc3_cos_cv_se"):
+        np.testing.assert_array_equal(both[m].values, both[f"{m}_metrics"].values, err_msg=m)
+
+
+@pytest.mark.slow
 def test_figures_within_2000_px_wrapped_with_readable_titles(real_report):
     out, _ = real_report
     text = (out / "report.md").read_text()

@@ -170,3 +170,27 @@ def test_the_validation_pass_counts_nc4_at_each_report_min_count(kept_store, tra
         np.testing.assert_array_equal(one[f"{name}_at"].values[0], one[name].values)  # 1: the extraction's own
     assert measure(one, min_count=5)["nc4_agreement"] == measure(other, min_count=5)["nc4_agreement"]
     assert not any(v.startswith("fold_") and "nc4_min_count" in one[v].dims for v in one.data_vars)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every, saved", [(10 ** 6, False), (0, True)], ids=["not-due", "every-batch"])
+def test_the_state_is_saved_between_the_passes_only_when_a_save_is_due(trained_run, corpus, tmp_path, monkeypatch,
+                                                                        every, saved):
+    """Between the train and validation passes the resume state is saved as at any batch boundary, when
+    ``--state-every`` seconds have passed: a forced save there cost a short checkpoint as much as its train pass (the
+    state, 2.6x larger with folds); the extraction is the same either way."""
+    from conftest import EXTRACT_OPTS, assert_same_group, run_cli
+    from ncanalyze.store import resume
+
+    phases, save = [], resume.save_state
+    monkeypatch.setattr(resume, "save_state", lambda path, arrays: (phases.append(int(arrays["phase"])),
+                                                                    save(path, arrays))[-1])
+    store = tmp_path / f"s{every}.zarr"
+    run_cli("extract", trained_run / CK, "--dataset", corpus["train"], "--store", store, "--state-every", every,
+            *EXTRACT_OPTS)
+    assert bool(phases) is saved and (resume.Phase.VALIDATION in phases) is saved, phases
+    if saved:
+        monkeypatch.setattr(resume, "save_state", save)
+        run_cli("extract", trained_run / CK, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr",
+                "--state-every", 10 ** 6, *EXTRACT_OPTS)
+        assert_same_group(store, tmp_path / "s.zarr", f"{trained_run.name}/{CK}")
