@@ -2,7 +2,8 @@
 
     python benchmarks/jackknife.py calibrate CHECKPOINT TEXT [--tokenizer DIR] [--caps 20] [--cap-tokens 8192]
     python benchmarks/jackknife.py cost [--vocab 50257] [--width 256] [--batches 12] [--repeats 3]
-    python benchmarks/jackknife.py whole [--vocab 50257] [--width 256] [--train-tokens 131072] [--val-tokens 16384]
+    python benchmarks/jackknife.py whole [--vocab 50257] [--width 256] [--layers 2] [--train-tokens 131072]
+                                         [--val-tokens 16384]
 
 ``calibrate``: the checkpoint's last-layer features of ``caps`` disjoint caps of whole blocks of the text (independent
 token samples of one checkpoint, each 80% train, 20% validation), each cap's statistics with 8 folds (class_stats, the
@@ -10,18 +11,19 @@ same accumulators as extraction) and its metrics with their jackknife errors; pe
 over the caps divided by the standard deviation of the metric across the caps (1 is calibrated; with 20 caps the SD
 itself is uncertain by about 16%, so ratios in 0.7-1.4 are consistent with 1).
 
-``cost``: the train pass of a GPT-Neo (random weights) over the same batches with ``--folds`` 8 and 1, alternating,
-each over a short and a long prefix of the batches, the minimum of ``repeats`` (the least disturbed on a shared
-machine): the marginal time ratio (the short run's time subtracted, so the state's allocation, a fixed cost per
-checkpoint, cancels; goal at most +10%), and the running state's bytes at F = 8 and F = 1 against what
+``cost``: the train pass of a GPT-Neo (random weights) over the same batches with ``--folds`` 8 and 1, alternating, each
+over a short and a long prefix of the batches, the minimum of ``repeats`` (the least disturbed on a shared machine): the
+marginal time ratio (the short run's time subtracted, so the state's allocation, a fixed cost per checkpoint, cancels),
+the share of each F = 8 pass spent inside the fold update, and the running state's bytes at F = 8 and F = 1 against what
 ``--state-memory`` would keep (memory.fit_folds).
 
 ``whole``: one checkpoint (a GPT-Neo with random weights, saved with ``save_pretrained``) extracted end to end as
 ``ncanalyze extract`` runs it (``runs.local.extract``: load, train pass, validation pass with NC4's decisions and the
 loss, the group's write), with ``--folds`` 8 and 1 alternating, into a fresh store each time; the medians of
-``repeats``, each part timed inside the same run (the train pass, the validation pass, the write). The checkpoint's
-ratio depends on how its tokens split between the passes: the validation pass costs the same at any F, so the
-train pass's ratio is the bound as the validation tokens shrink, printed beside it.
+``repeats``, each part timed inside the same run (the train pass, the validation pass, the write); the goal is a
+checkpoint's time at most +10% with folds. The checkpoint's ratio depends on how its tokens split between the passes:
+the validation pass costs the same at any F, so the train pass's ratio is the bound as the validation tokens shrink,
+printed beside it.
 """
 from __future__ import annotations
 
@@ -86,6 +88,11 @@ def calibrate(args) -> None:
         print(f"{m:>20} {np.nanmean(values[:, j]):>12.4g} {sd:>13.3g} {se:>18.3g} {ratio:>6.2f}")
 
 
+def _attention(layers: int) -> list:
+    """GPT-Neo's alternating global and local attention (TinyStories' models), a last global layer where odd."""
+    return [[["global", "local"], layers // 2]] + ([[["global"], 1]] if layers % 2 else [])
+
+
 def _state_bytes(ex) -> int:
     from ncanalyze.store.resume import flatten
 
@@ -104,7 +111,7 @@ def cost(args) -> None:
 
     torch.manual_seed(0)
     config = GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers, num_heads=8,
-                          attention_types=[[["global", "local"], args.layers // 2]], max_position_embeddings=2048,
+                          attention_types=_attention(args.layers), max_position_embeddings=2048,
                           intermediate_size=4 * args.width)
     model = GPTNeoForCausalLM(config).eval()
     per_batch = args.batch_size * args.block_size
@@ -154,8 +161,8 @@ def cost(args) -> None:
     for f in (1, 8):
         print(f"  --folds {f}: {tokens / marginal[f]:,.0f} tokens/s; state {bytes_text(size[f])}, allocated in "
               f"{made[f]:.2f} s (once per checkpoint)")
-    print(f"  marginal time F=8 / F=1: {marginal[8] / marginal[1]:.3f} (goal <= 1.10); state F=8 / F=1: "
-          f"{size[8] / size[1]:.2f}")
+    print(f"  marginal time F=8 / F=1: {marginal[8] / marginal[1]:.3f} (the train pass alone; the +10% goal is a "
+          f"checkpoint's: `whole`); state F=8 / F=1: {size[8] / size[1]:.2f}")
     med = float(np.median(share))
     print(f"  the fold update's share of the F=8 pass, timed inside it: median {med:.1%} over {len(share)} passes "
           f"({', '.join(f'{x:.1%}' for x in share)}), so F=8 / F=1 = 1 / (1 - share) = {1 / (1 - med):.3f} (load "
@@ -180,7 +187,7 @@ def whole(args) -> None:
     logging.getLogger("ncanalyze").setLevel(logging.WARNING)
     torch.manual_seed(0)
     config = GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers, num_heads=8,
-                          attention_types=[[["global", "local"], args.layers // 2]], max_position_embeddings=2048,
+                          attention_types=_attention(args.layers), max_position_embeddings=2048,
                           intermediate_size=4 * args.width)
     rng = np.random.default_rng(0)
     spent: dict[str, float] = {}
