@@ -1,6 +1,7 @@
 """The metrics table (SPEC section 5, ``metrics.csv``) from the checkpoint groups' attributes: one row per checkpoint
 and stored layer, the descriptive columns (``INFO``), ``layer``, then the scalar metrics. Pure: attributes in, a
-DataFrame out; the store (``ncanalyze.store.measure``) and the accessor (``tree.nc.table()``) both build it here."""
+DataFrame out; the store (``ncanalyze.store.measure``) and the accessor (``tree.nc.table()``) both build it here, and
+whether a group's stored record is current (:func:`is_measured`: measure's skip, the report's token budget)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +10,17 @@ from typing import Any
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LAYER, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LAYER, METRICS_VERSION, SCALARS
 
 COLUMNS = (*INFO, LAYER, *CLASS_COUNTS, *SCALARS, *ERRORS)
+
+
+def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
+    """Measured with this min_count, since the group's statistics were last written, under this version's metric
+    definitions (``schema.METRICS_VERSION``: a group measured under other definitions is measured again)."""
+    return ("metrics" in attrs and attrs.get("metrics_version") == METRICS_VERSION
+            and attrs.get("metrics_min_count") == min_count
+            and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
 
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:

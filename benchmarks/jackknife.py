@@ -88,9 +88,16 @@ def calibrate(args) -> None:
         print(f"{m:>20} {np.nanmean(values[:, j]):>12.4g} {sd:>13.3g} {se:>18.3g} {ratio:>6.2f}")
 
 
-def _attention(layers: int) -> list:
-    """GPT-Neo's alternating global and local attention (TinyStories' models), a last global layer where odd."""
-    return [[["global", "local"], layers // 2]] + ([[["global"], 1]] if layers % 2 else [])
+def _model(args):
+    """A GPT-Neo of ``args``' shape, random weights (seed 0): global and local attention alternating as in
+    TinyStories' models (a last global layer where the layers are odd)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(0)
+    attention = [[["global", "local"], args.layers // 2]] + ([[["global"], 1]] if args.layers % 2 else [])
+    return GPTNeoForCausalLM(GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers,
+                                          num_heads=8, attention_types=attention, max_position_embeddings=2048,
+                                          intermediate_size=4 * args.width)).eval()
 
 
 def _state_bytes(ex) -> int:
@@ -107,13 +114,8 @@ def cost(args) -> None:
     from ncanalyze.analyzer.accumulate import FoldStats
     from ncanalyze.store.extraction.running import Extraction
     from ncanalyze.store.resume import Saver
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    torch.manual_seed(0)
-    config = GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers, num_heads=8,
-                          attention_types=_attention(args.layers), max_position_embeddings=2048,
-                          intermediate_size=4 * args.width)
-    model = GPTNeoForCausalLM(config).eval()
+    model = _model(args)
     per_batch = args.batch_size * args.block_size
     rng = np.random.default_rng(0)
     ids = np.minimum(rng.zipf(1.2, (args.batches + 1) * per_batch) - 1, args.vocab - 1).astype(np.int64)
@@ -182,13 +184,9 @@ def whole(args) -> None:
     from ncanalyze.store.extraction import passes
     from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.runs.local import extract
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     logging.getLogger("ncanalyze").setLevel(logging.WARNING)
-    torch.manual_seed(0)
-    config = GPTNeoConfig(vocab_size=args.vocab, hidden_size=args.width, num_layers=args.layers, num_heads=8,
-                          attention_types=_attention(args.layers), max_position_embeddings=2048,
-                          intermediate_size=4 * args.width)
+    model = _model(args)
     rng = np.random.default_rng(0)
     spent: dict[str, float] = {}
 
@@ -206,7 +204,7 @@ def whole(args) -> None:
     times: dict[int, list[dict[str, float]]] = {8: [], 1: []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        GPTNeoForCausalLM(config).save_pretrained(tmp / "model")
+        model.save_pretrained(tmp / "model")
         for split, n in (("train", args.train_tokens), ("val", args.val_tokens)):
             ids = np.minimum(rng.zipf(1.2, n + args.block_size) - 1, args.vocab - 1).astype(np.int64)
             np.save(tmp / f"{split}.npy", ids)
@@ -243,26 +241,19 @@ def main() -> None:
     c.add_argument("--block-size", type=int, default=32)
     c.add_argument("--folds", type=int, default=8)
     c.add_argument("--min-count", type=int, default=1)
-    k = sub.add_parser("cost")
-    k.add_argument("--vocab", type=int, default=50257)
-    k.add_argument("--width", type=int, default=256)
-    k.add_argument("--layers", type=int, default=2)
-    k.add_argument("--block-size", type=int, default=256)
-    k.add_argument("--batch-size", type=int, default=8)
+    k, w = sub.add_parser("cost"), sub.add_parser("whole")
+    for q in (k, w):  # the model's shape and the batches
+        q.add_argument("--vocab", type=int, default=50257)
+        q.add_argument("--width", type=int, default=256)
+        q.add_argument("--layers", type=int, default=2)
+        q.add_argument("--block-size", type=int, default=256)
+        q.add_argument("--batch-size", type=int, default=8)
+        q.add_argument("--repeats", type=int, default=3)
+        q.add_argument("--samples-per-class", type=int, default=8)
     k.add_argument("--batches", type=int, default=10, help="batches of the long run")
     k.add_argument("--short", type=int, default=2, help="batches of the short run")
-    k.add_argument("--repeats", type=int, default=3)
-    k.add_argument("--samples-per-class", type=int, default=8)
-    w = sub.add_parser("whole")
-    w.add_argument("--vocab", type=int, default=50257)
-    w.add_argument("--width", type=int, default=256)
-    w.add_argument("--layers", type=int, default=2)
-    w.add_argument("--block-size", type=int, default=256)
-    w.add_argument("--batch-size", type=int, default=8)
     w.add_argument("--train-tokens", type=int, default=131072)
     w.add_argument("--val-tokens", type=int, default=16384)
-    w.add_argument("--repeats", type=int, default=3)
-    w.add_argument("--samples-per-class", type=int, default=8)
     args = p.parse_args()
     {"calibrate": calibrate, "cost": cost, "whole": whole}[args.what](args)
 

@@ -14,9 +14,9 @@ from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import shown
-from ncanalyze.analyzer.schema import HEAD, LAYER, METRICS_VERSION
+from ncanalyze.analyzer.schema import HEAD, LAYER
 from ncanalyze.analyzer.registry import MeasureSettings
-from ncanalyze.analyzer.table import metrics_table, same_model_and_step
+from ncanalyze.analyzer.table import is_measured, metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
 from ncanalyze.store.io import CHUNK_ERRORS
@@ -27,11 +27,6 @@ WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first o
 
 
 VANISHED = "removed while being measured (ncanalyze rm): nothing to measure"
-def is_measured(attrs: dict, min_count: int) -> bool:
-    """Measured with this min_count, since the group's statistics were last written, under this version's metric
-    definitions (``schema.METRICS_VERSION``: a group measured under other definitions is measured again)."""
-    return ("metrics" in attrs and attrs.get("metrics_version") == METRICS_VERSION
-            and attrs.get("metrics_min_count") == min_count and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
 
 
 @dataclass

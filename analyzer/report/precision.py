@@ -118,13 +118,12 @@ def final_budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequ
 
 def stored_metrics(attrs: dict) -> dict[str, float] | None:
     """A group's stored metrics and their jackknife errors (``measure``'s record, at ``metrics_min_count``), where
-    they are current (this version's definitions, the group's statistics as measured) and hold the errors; else None."""
-    from ncanalyze.analyzer.schema import ERRORS, METRICS_VERSION
-    from ncanalyze.analyzer.table import metrics_row
+    they are current (:func:`~ncanalyze.analyzer.table.is_measured`) and hold the errors; else None."""
+    from ncanalyze.analyzer.schema import ERRORS
+    from ncanalyze.analyzer.table import is_measured, metrics_row
 
-    current = (attrs.get("metrics_version") == METRICS_VERSION
-               and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
-    return metrics_row(attrs) if current and set(ERRORS) <= set(attrs.get("metrics") or {}) else None
+    current = is_measured(attrs, attrs.get("metrics_min_count"))
+    return metrics_row(attrs) if current and set(ERRORS) <= set(attrs["metrics"] or {}) else None
 
 
 def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[str] = HEADLINE) -> list[str]:
