@@ -96,7 +96,8 @@ def timers(model, layered: Plan, args, blocks, tmp: str) -> dict:
         return time.perf_counter() - t0
 
     def ours() -> float:
-        ex = Extraction(layered, vocab, width, args.samples_per_class, 0, device, Path(tmp) / "stage")
+        ex = Extraction(layered, vocab, width, args.samples_per_class, 0, device, Path(tmp) / "stage",
+                        folds=args.folds)
         ex.start()
         saver = Saver(Path(tmp) / "state.npz", dict, every=1e9)
         t0 = time.perf_counter()
@@ -125,6 +126,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=65536, help="train tokens per timed run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--samples-per-class", type=int, default=8)
+    p.add_argument("--folds", type=int, default=1, help="fold sums beside the totals (extract's default is 8; the "
+                   "figures in the README were taken at 1)")
     p.add_argument("--which-layers", choices=("all", "last"), default="all",
                    help="the layers extracted: all (default) or last (the default extraction, e.g. the 1B target)")
     p.add_argument("--layers-per-pass", default="auto", help="auto (default) or layers per pass")

@@ -12,7 +12,10 @@ The checks, each with its peak memory (torch's peak allocated on CUDA, the proce
 2. ``layers_8b``: every layer of a Llama-3.1-8B-shaped model (random weights, built from its config: no download),
    bf16, in the passes ``--layers-per-pass auto`` picks on this device (memory.fit_plan), against the forward: the
    ratio per pass (target >= 0.5, at most 3 passes on an 80 GB GPU);
-3. ``metrics``: the whole metric suite at K = 128,256 classes and d = 4,096 in torch float64 on the device against one
+3. ``folds_1b``: the same extraction of the 1B shape with ``--folds 8`` (extract's default: the fold sums of the
+   jackknife beside the totals) against ``--folds 1``, alternating on the same batches: the train pass's ratio
+   (goal <= 1.10; a whole checkpoint adds the validation pass and the write, the same at any F save the write);
+4. ``metrics``: the whole metric suite at K = 128,256 classes and d = 4,096 in torch float64 on the device against one
    float64 Gram M M^T of the centred means (benchmarks/metrics.py's ``--classes 128256 --width 4096 --cuda``; target
    <= 1.5).
 
@@ -47,9 +50,9 @@ from metrics import checkpoint, device_gram, ratios  # noqa: E402
 
 # (check: preset, scale, vocabulary [None: the preset's], tokens, repeats) at full size and --small
 FULL = {"extract_bf16": ("llama-3.2-1b", 1, None, 65536, 3), "layers_8b": ("llama-3.1-8b", 1, None, 32768, 2),
-        "metrics": (128256, 4096, 2)}
+        "folds_1b": ("llama-3.2-1b", 1, None, 65536, 3), "metrics": (128256, 4096, 2)}
 SMALL = {"extract_bf16": ("llama-3.2-1b", 64, 512, 512, 2), "layers_8b": ("llama-3.1-8b", 64, 512, 512, 1),
-         "metrics": (384, 16, 1)}
+         "folds_1b": ("llama-3.2-1b", 64, 512, 512, 2), "metrics": (384, 16, 1)}
 
 
 def build(preset: str, scale: int, vocab: int | None, device: torch.device) -> LlamaForCausalLM:
@@ -83,6 +86,31 @@ def peak(device: torch.device) -> dict:
     return {"peak_rss_bytes": int(rss)}
 
 
+def _timed(model, which: str, n_tokens: int, repeats: int, device: torch.device, batch_size: int,
+           folds: tuple[int, ...] = (1,)) -> tuple:
+    """The plan auto picks here for ``which`` layers, and the times of ``repeats`` alternating runs over the same
+    batches: ``extract<F>`` for each of ``folds`` (the extraction with F fold sums) and ``forward`` (the base
+    model's)."""
+    vocab, width = model.get_output_embeddings().weight.shape
+    layered = fit_plan(plan(which, "auto", 0, "float32", model.config.num_hidden_layers), vocab, width, 2, device)
+    block = 256 if n_tokens >= 4096 else 64
+    times: dict[str, list[float]] = {**{f"extract{f}": [] for f in folds}, "forward": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "train.npy", tokens(Namespace(text=None), vocab, n_tokens))
+        blocks = open_blocks(str(Path(tmp) / "train.npy"), "train", block, n_tokens, "text", None)
+        runs = {}
+        for f in folds:
+            args = Namespace(device=str(device), which_layers=which, samples_per_class=2, batch_size=batch_size,
+                             folds=f)
+            runs[f"extract{f}"], runs["forward"] = timers(model, layered, args, blocks, tmp).values()
+        runs["forward"]()  # warm-up: kernels, the allocator
+        for _ in range(repeats):
+            for k, run in runs.items():
+                times[k].append(run())
+            threads.tick()
+    return layered, times
+
+
 def extraction(name: str, which: str, spec: tuple, device: torch.device, batch_size: int) -> dict:
     """Extraction of ``which`` layers (``last`` or ``all`` in the passes auto picks here) against the base model's
     forward on the same batches: the medians of ``repeats`` alternating runs, their ratio per pass."""
@@ -90,19 +118,8 @@ def extraction(name: str, which: str, spec: tuple, device: torch.device, batch_s
     reset_peak(device)
     model = build(preset, scale, vocab, device)
     vocab, width = model.get_output_embeddings().weight.shape
-    layered = fit_plan(plan(which, "auto", 0, "float32", model.config.num_hidden_layers), vocab, width, 2, device)
-    args = Namespace(device=str(device), which_layers=which, samples_per_class=2, batch_size=batch_size)
-    block = 256 if n_tokens >= 4096 else 64
-    with tempfile.TemporaryDirectory() as tmp:
-        np.save(Path(tmp) / "train.npy", tokens(Namespace(text=None), vocab, n_tokens))
-        blocks = open_blocks(str(Path(tmp) / "train.npy"), "train", block, n_tokens, "text", None)
-        ours, forward = timers(model, layered, args, blocks, tmp).values()
-        forward()  # warm-up: kernels, the allocator
-        times: dict[str, list[float]] = {"extract": [], "forward": []}
-        for _ in range(repeats):
-            times["extract"].append(ours())
-            times["forward"].append(forward())
-            threads.tick()
+    layered, times = _timed(model, which, n_tokens, repeats, device, batch_size)
+    times["extract"] = times.pop("extract1")
     ex, fw = (statistics.median(times[k]) for k in ("extract", "forward"))
     n_pass = len(layered.passes)
     out = {"model": f"{preset}{f' / {scale}' if scale > 1 else ''}", "width": int(width), "vocab": int(vocab),
@@ -114,6 +131,24 @@ def extraction(name: str, which: str, spec: tuple, device: torch.device, batch_s
         out["passes_by_formula_on_80gb"] = len(passes_on_80gb(preset, 2).passes)
     print(f"{name}: {out['model']} ({out['dtype']}, --layers {which}, {n_pass} pass(es)): extraction "
           f"{ex:.2f} s, forward {fw:.2f} s, ratio per pass {out['ratio_per_pass']:.2f}", flush=True)
+    del model
+    return out
+
+
+def fold_cost(spec: tuple, device: torch.device, batch_size: int) -> dict:
+    """The default extraction (the last layer) with 8 fold sums against 1, alternating on the same batches: the
+    medians of ``repeats`` runs, their ratio (goal <= 1.10), the peak (the F = 8 state's)."""
+    preset, scale, vocab, n_tokens, repeats = spec
+    reset_peak(device)
+    model = build(preset, scale, vocab, device)
+    vocab, width = model.get_output_embeddings().weight.shape
+    _, times = _timed(model, "last", n_tokens, repeats, device, batch_size, folds=(8, 1))
+    f8, f1 = (statistics.median(times[f"extract{f}"]) for f in (8, 1))
+    out = {"model": f"{preset}{f' / {scale}' if scale > 1 else ''}", "width": int(width), "vocab": int(vocab),
+           "dtype": str(model.dtype).removeprefix("torch."), "tokens": n_tokens, "folds8_s": times["extract8"],
+           "folds1_s": times["extract1"], "ratio": f8 / f1, **peak(device)}
+    print(f"folds_1b: {out['model']} ({out['dtype']}, the last layer): --folds 8 {f8:.2f} s, --folds 1 {f1:.2f} s, "
+          f"ratio {out['ratio']:.3f} (goal <= 1.10)", flush=True)
     del model
     return out
 
@@ -141,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (the tests' run)")
     p.add_argument("--device", default=None, help="[default: cuda, cpu with --small]")
     p.add_argument("--out", default="gpu.json", help="the JSON of every figure")
-    p.add_argument("--only", default="extract_bf16,layers_8b,metrics", help="comma-separated checks")
+    p.add_argument("--only", default="extract_bf16,layers_8b,folds_1b,metrics", help="comma-separated checks")
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cpu" if a.small else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -151,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": name, "small": a.small, "torch": torch.__version__, "checks": {}}
     checks = {"extract_bf16": lambda: extraction("extract_bf16", "last", sizes["extract_bf16"], device, 8),
               "layers_8b": lambda: extraction("layers_8b", "all", sizes["layers_8b"], device, 8),
+              "folds_1b": lambda: fold_cost(sizes["folds_1b"], device, 8),
               "metrics": lambda: metric_suite(sizes["metrics"], device)}
     with threads.policy("auto"):
         for check in a.only.split(","):

@@ -182,6 +182,7 @@ def whole(args) -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm is imported
     from ncanalyze.store import Store
     from ncanalyze.store.extraction import passes
+    from ncanalyze.store.extraction.checkpoint import Outcome
     from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.runs.local import extract
 
@@ -216,8 +217,10 @@ def whole(args) -> None:
                                     max_train_tokens=args.train_tokens, max_val_tokens=args.val_tokens,
                                     samples_per_class=args.samples_per_class, device="cpu")
                 t = time.perf_counter()
-                extract(tmp / "model", tmp / f"s{r}-{f}.zarr", cfg)
+                done = extract(tmp / "model", tmp / f"s{r}-{f}.zarr", cfg)
                 spent["checkpoint"] = time.perf_counter() - t
+                if done.failures or done.count(Outcome.DONE) != 1:  # a time of nothing extracted is no figure
+                    raise SystemExit(f"the extraction did not run: {done.summary()} {done.failures}")
                 if r:
                     times[f].append(dict(spent))
     med = {f: {k: statistics.median(x[k] for x in v) for k in v[0]} for f, v in times.items()}

@@ -33,7 +33,7 @@ def test_every_check_runs_small_on_the_cpu(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert torch.get_num_threads() == before  # the thread policy put the caller's count back
     checks = result["checks"]
-    assert set(checks) == {"extract_bf16", "layers_8b", "metrics"} and result["small"]
+    assert set(checks) == {"extract_bf16", "layers_8b", "folds_1b", "metrics"} and result["small"]
     for name, layers in (("extract_bf16", "last"), ("layers_8b", "all")):
         c = checks[name]
         n_pass = len(c["passes"])
@@ -42,6 +42,9 @@ def test_every_check_runs_small_on_the_cpu(tmp_path):
         kept = sorted(l for p in c["passes"] for l in p)  # hidden_states indices: 0 (embeddings) .. blocks
         assert kept == (list(range(c["blocks"] + 1)) if layers == "all" else [c["blocks"]])
         assert c["peak_rss_bytes"] > 0
+    f = checks["folds_1b"]  # --folds 8 against --folds 1 on the same batches
+    assert f["ratio"] == pytest.approx(statistics.median(f["folds8_s"]) / statistics.median(f["folds1_s"]))
+    assert len(f["folds8_s"]) == len(f["folds1_s"]) == 2 and f["peak_rss_bytes"] > 0
     m = checks["metrics"]
     assert (m["classes"], m["width"]) == (384, 16) and m["ratio"] > 0 and m["metrics_s"] > 0
 
