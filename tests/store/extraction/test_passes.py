@@ -194,3 +194,39 @@ def test_the_state_is_saved_between_the_passes_only_when_a_save_is_due(trained_r
         run_cli("extract", trained_run / CK, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr",
                 "--state-every", 10 ** 6, *EXTRACT_OPTS)
         assert_same_group(store, tmp_path / "s.zarr", f"{trained_run.name}/{CK}")
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_passes_resumes_from_the_last_train_save_bit_for_bit(trained_run, corpus, tmp_path,
+                                                                                monkeypatch):
+    """No save is forced between the passes, so a run killed there resumes from the state saved at its last train
+    batch (train phase, every batch done): the validation pass runs then, and the group is bit for bit the
+    uninterrupted run's."""
+    from conftest import assert_same_group
+    from ncanalyze.store.extraction import running
+    from ncanalyze.store.extraction.settings import ExtractConfig
+    from ncanalyze.store.resume import Phase, load_state
+    from ncanalyze.store.runs.local import extract
+
+    def cfg(every: float) -> ExtractConfig:
+        return ExtractConfig(dataset=str(corpus["train"]), max_train_tokens=8192, max_val_tokens=4096, batch_size=8,
+                             samples_per_class=4, state_every=every, device="cpu")
+
+    ckpt, group = trained_run / CK, f"{trained_run.name}/{CK}"
+    extract(ckpt, tmp_path / "a.zarr", cfg(10 ** 6))
+    start = running.Extraction.next_phase
+
+    def killed(self, phase):
+        if phase == Phase.VALIDATION:
+            raise KeyboardInterrupt("killed between the passes")
+        start(self, phase)
+
+    monkeypatch.setattr(running.Extraction, "next_phase", killed)
+    with pytest.raises(KeyboardInterrupt):
+        extract(ckpt, tmp_path / "b.zarr", cfg(0))  # a save at every train batch
+    monkeypatch.setattr(running.Extraction, "next_phase", start)
+    state = load_state(next(tmp_path.rglob("*.npz")), needs=())
+    assert int(state["phase"]) == Phase.TRAIN and int(state["batches"]) > 0
+    assert extract(ckpt, tmp_path / "b.zarr", cfg(10 ** 6)).summary().endswith("0 extracted, 1 resumed, 0 already in "
+                                                                               f"{tmp_path / 'b.zarr'}")
+    assert_same_group(tmp_path / "a.zarr", tmp_path / "b.zarr", group)
