@@ -110,9 +110,10 @@ def test_mistakes_are_one_line_user_errors(df, expr, match):
 def test_report_refuses_escapes_in_where_and_controls(df, tmp_path):
     f = tmp_path / "pwned.csv"
     with pytest.raises(UserError, match="'@'"):
-        write_report(df, tmp_path / "r", ReportOptions(where=f"@df.to_csv('{f}')", n_perm=0))
+        write_report(df, tmp_path / "r", ReportOptions(formats="png", where=f"@df.to_csv('{f}')", n_perm=0))
     with pytest.raises(UserError, match="control"):
-        write_report(df, tmp_path / "r", ReportOptions(controls=[f"__import__('os').system('touch {f}')"], n_perm=0))
+        write_report(df, tmp_path / "r", ReportOptions(formats="png",
+                                                       controls=[f"__import__('os').system('touch {f}')"], n_perm=0))
     assert not f.exists()
 
 

@@ -2,7 +2,9 @@
 extents), an honest colour scale, runs told apart, the training-dynamics figure, and PNG + PDF + SVG files."""
 from __future__ import annotations
 
+import shutil
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -171,34 +173,42 @@ def test_dynamics_figure_panels_and_lines(with_step0):
     plt.close(fig)
 
 
-@pytest.mark.slow
-def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(tmp_path):
+@pytest.fixture(scope="module")
+def every_format(tmp_path_factory) -> tuple[pd.DataFrame, Path, dict[str, Path]]:
+    """A 4-run study's report in every format (the default), shared by the two tests of --formats."""
     df = study(n_runs=4, per_run=4, seed=1)
-    files = write_report(df, tmp_path, ReportOptions(n_perm=0)).files
+    out = tmp_path_factory.mktemp("formats")
+    return df, out, write_report(df, out, ReportOptions(n_perm=0, n_boot=0)).files
+
+
+@pytest.mark.slow
+def test_every_figure_in_png_pdf_and_svg_with_embedded_fonts(every_format, tmp_path):
+    df, first, files = every_format
     stems = [*FIGURES, DYNAMICS[0]]
     assert all(stem in files for stem in stems)
     for stem in stems:
         for ext in FORMATS:
-            assert (tmp_path / f"{stem}.{ext}").stat().st_size > 1000
-        assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        pdf = (tmp_path / f"{stem}.pdf").read_bytes()
+            assert (first / f"{stem}.{ext}").stat().st_size > 1000
+        assert (first / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        pdf = (first / f"{stem}.pdf").read_bytes()
         assert pdf.startswith(b"%PDF") and b"/FontFile2" in pdf and b"/Type3" not in pdf  # TrueType (42), embedded
-        assert ET.parse(tmp_path / f"{stem}.svg").getroot().tag.endswith("svg")
+        assert ET.parse(first / f"{stem}.svg").getroot().tag.endswith("svg")
     assert "PDF and SVG" in files["report"].read_text()
-    again = write_report(df, tmp_path / "again", ReportOptions(n_perm=0)).files
+    again = write_report(df, tmp_path / "again", ReportOptions(n_perm=0, n_boot=0)).files
     for stem in stems:  # no dates or random ids: a regenerated figure is the same file
         for ext in FORMATS:
-            assert (tmp_path / f"{stem}.{ext}").read_bytes() == (again[stem].parent / f"{stem}.{ext}").read_bytes()
+            assert (first / f"{stem}.{ext}").read_bytes() == (again[stem].parent / f"{stem}.{ext}").read_bytes()
     assert "![Training dynamics" in files["report"].read_text()
 
 
 @pytest.mark.slow
-def test_formats_png_writes_the_pngs_only_and_removes_an_earlier_reports_pdf_and_svg(tmp_path):
+def test_formats_png_writes_the_pngs_only_and_removes_an_earlier_reports_pdf_and_svg(every_format, tmp_path):
     """--formats png: the same PNGs as the full set (byte for byte), no PDF or SVG, and those an earlier report left
     in --out removed (never stale beside a new PNG); report.md says which formats; png is required."""
-    df = study(n_runs=4, per_run=4, seed=1)
+    df, first, full = every_format
     stems = [*FIGURES, DYNAMICS[0]]
-    full = write_report(df, tmp_path / "again", ReportOptions(n_perm=0, n_boot=0)).files
+    shutil.copytree(first, tmp_path / "again")  # the earlier report, every format
+    assert (tmp_path / "again" / f"{stems[0]}.pdf").is_file()
     pngs = {stem: full[stem].read_bytes() for stem in stems}
     files = write_report(df, tmp_path / "again", ReportOptions(n_perm=0, n_boot=0, formats="png")).files
     for stem in stems:
@@ -219,9 +229,9 @@ def test_formats_png_writes_the_pngs_only_and_removes_an_earlier_reports_pdf_and
 def test_no_dynamics_figure_without_steps_or_with_one_step(tmp_path):
     df = study(n_runs=3, per_run=3)
     files = write_report(df.drop(columns="global_step"), tmp_path / "a",
-                         ReportOptions(n_perm=0, controls=["log(n_params)"])).files
+                         ReportOptions(formats="png", n_perm=0, controls=["log(n_params)"])).files
     assert DYNAMICS[0] not in files and not (tmp_path / "a" / f"{DYNAMICS[0]}.png").exists()
-    files = write_report(df, tmp_path / "b", ReportOptions(n_perm=0, where="global_step == 300")).files
+    files = write_report(df, tmp_path / "b", ReportOptions(formats="png", n_perm=0, where="global_step == 300")).files
     assert DYNAMICS[0] not in files and "Training dynamics" not in files["report"].read_text()
 
 

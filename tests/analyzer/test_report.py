@@ -200,11 +200,11 @@ def test_figures_have_their_panels(synthetic_report):
 def test_unknown_metric_and_bad_query_are_user_errors(tmp_path):
     df = study(n_runs=2, per_run=3)
     with pytest.raises(UserError, match="unknown metric"):
-        write_report(df, tmp_path, ReportOptions(metrics=["nc9"], n_perm=0))
+        write_report(df, tmp_path, ReportOptions(formats="png", metrics=["nc9"], n_perm=0))
     with pytest.raises(UserError, match="syntax error"):
-        write_report(df, tmp_path, ReportOptions(where="n_params >", n_perm=0))
+        write_report(df, tmp_path, ReportOptions(formats="png", where="n_params >", n_perm=0))
     with pytest.raises(UserError, match="no checkpoint matches"):
-        write_report(df, tmp_path, ReportOptions(where="n_params < 0", n_perm=0))
+        write_report(df, tmp_path, ReportOptions(formats="png", where="n_params < 0", n_perm=0))
 
 
 @pytest.mark.slow
@@ -313,7 +313,7 @@ def test_report_with_tokens_uses_each_runs_latest_checkpoint(tmp_path):
     write_store(store)
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
-    files = write_report(df, tmp_path / "out", ReportOptions(metrics=["nc1_cdnv"], n_perm=0, store=store,
+    files = write_report(df, tmp_path / "out", ReportOptions(formats="png", metrics=["nc1_cdnv"], n_perm=0, store=store,
                                                              tokens=[" Anna", "3", "8", "9"]),
                          read_group=partial(read_group, store)).files
     tokens = pd.read_csv(files["tokens"], keep_default_na=False)
@@ -334,7 +334,8 @@ def test_tokens_resolved_otherwise_or_given_twice_are_said_and_listed_once(tmp_p
     write_store(store)
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
-    options = ReportOptions(metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["Tim", " Anna", "Tim", " Tim", "3"])
+    options = ReportOptions(formats="png",
+                            metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["Tim", " Anna", "Tim", " Tim", "3"])
     logger, heard = logging.getLogger("ncanalyze.analyzer.report.write"), logging.handlers.BufferingHandler(100)
     level = logger.level
     logger.setLevel(logging.WARNING)  # whatever level an earlier CLI run left on "ncanalyze"
@@ -433,7 +434,7 @@ def test_tokens_of_chosen_checkpoints(tmp_path):
     groups = write_store(store)
     df = pd.DataFrame({"run": ["runA"] * 2, "checkpoint": ["checkpoint-100", "checkpoint-20"], "global_step": [100, 20],
                        "n_params": [1e6, 1e6], "eval_loss": [2.0, 3.0], "nc1_cdnv": [0.5, 0.9]})
-    options = ReportOptions(metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
+    options = ReportOptions(formats="png", metrics=["nc1_cdnv"], n_perm=0, store=store, tokens=["the"],
                             checkpoints=["runA/checkpoint-20", "runA/checkpoint-100"])
     files = write_report(df, tmp_path / "out", options, read_group=partial(read_group, store)).files
     tokens = pd.read_csv(files["tokens"])
@@ -467,7 +468,7 @@ def test_report_md_gives_holm_p_and_how_many_survive(synthetic_report):
 @pytest.mark.slow
 def test_no_controls_reads_well(tmp_path):
     df = study(n_runs=3, per_run=4)
-    files = write_report(df, tmp_path, ReportOptions(controls=[], metrics=["nc1_cdnv"], n_perm=50)).files
+    files = write_report(df, tmp_path, ReportOptions(formats="png", controls=[], metrics=["nc1_cdnv"], n_perm=50)).files
     text = files["report"].read_text() + files["tex"].read_text()
     assert "controlling for" not in text and "with no controls, equal to r" in text
     assert "  (" not in text and " ." not in text
@@ -497,7 +498,7 @@ def test_the_result_holds_the_tables_it_wrote(tmp_path):
     last = study(n_runs=3, per_run=4, seed=5).assign(n_layers=2, layer=2)
     shallow = last.assign(layer=1, nc1_cdnv=last.nc1_cdnv * 3)
     table = pd.concat([shallow, last], ignore_index=True)
-    r = write_report(table, tmp_path, ReportOptions(n_perm=20, seed=2, where="run != 'r0'"))
+    r = write_report(table, tmp_path, ReportOptions(formats="png", n_perm=20, seed=2, where="run != 'r0'"))
     kept = table[table.run != "r0"]
     assert r.target == "eval_loss" and len(r.selected) == (kept.layer == 2).sum() == 8
     assert (r.selected.layer == 2).all() and len(r.metrics) == len(kept)
@@ -518,7 +519,9 @@ def test_no_control_varies_said_and_the_repeated_partial_columns_left_out(tmp_pa
     """Seed replicas: one size and one step, so no control varies: report.md says so (never "controls for nan"),
     its table and tables.tex leave out the partial r's columns (they would repeat r's); stats.csv keeps them."""
     df = study(n_runs=8, per_run=1, seed=3).assign(n_params=10 ** 6, n_layers=2, hidden_size=64)
-    r = write_report(df, tmp_path / "out", ReportOptions(n_perm=200, metrics=["nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement"], html=False))
+    options = ReportOptions(formats="png", n_perm=200, html=False,
+                            metrics=["nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement"])
+    r = write_report(df, tmp_path / "out", options)
     text = r.files["report"].read_text()
     assert "controls for nan" not in text and "controlling for nan" not in text
     assert ("partial r: none of the controls (`log1p(global_step)`) varies among these checkpoints, so it "
@@ -530,6 +533,7 @@ def test_no_control_varies_said_and_the_repeated_partial_columns_left_out(tmp_pa
     tex = r.files["tex"].read_text()
     assert "no control varies, so partial $r$ equals $r$ (left out)" in tex and "p FL" not in tex
 
-    controlled = write_report(study(n_runs=6, per_run=2), tmp_path / "c", ReportOptions(n_perm=0, html=False))
+    controlled = write_report(study(n_runs=6, per_run=2), tmp_path / "c", ReportOptions(formats="png",
+                                                                                        n_perm=0, html=False))
     assert "are left out." not in controlled.files["report"].read_text()
     assert any("partial r" in h for h in markdown_tables(controlled.files["report"].read_text())[0][0])

@@ -71,7 +71,7 @@ def test_no_bare_numpy_warning_and_the_undefined_ci_is_a_note(two_run_store, rea
                                               abs=1e-12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and none from the report's own code
-        write_report(table, out.parent / "again", ReportOptions(n_perm=100))
+        write_report(table, out.parent / "again", ReportOptions(formats="png", n_perm=100))
 
 
 def test_a_repeated_checkpoint_is_a_note_not_a_warning():
@@ -124,11 +124,13 @@ def test_report_md_says_at_its_top_that_no_p_can_reach_alpha_and_why(real_report
 
 @pytest.mark.slow
 def test_no_top_warning_where_enough_runs_make_alpha_reachable(tmp_path):
-    r = write_report(study(n_runs=7, per_run=3), tmp_path, ReportOptions(n_perm=6000, metrics=list(FIG1)))
+    r = write_report(study(n_runs=7, per_run=3), tmp_path, ReportOptions(formats="png",
+                                                                         n_perm=6000, metrics=list(FIG1)))
     text = r.files["report"].read_text()
     assert (r.stats.n_distinct_perms == 5040).all() and r.stats.exact.all()
     assert "No p-value" not in text and "can reach 0.05" not in text
-    r = write_report(study(n_runs=4, per_run=3), tmp_path / "four", ReportOptions(n_perm=1000, metrics=list(FIG1)))
+    r = write_report(study(n_runs=4, per_run=3), tmp_path / "four", ReportOptions(formats="png",
+                                                                                  n_perm=1000, metrics=list(FIG1)))
     text = r.files["report"].read_text()  # 24 permutations, 4 NC metrics: 4/24 >= 0.05
     assert ("NC metrics (raw, log scale): Holm multiplies the smallest of 4 p-values by 4, so a survivor needs "
             "p < 0.05/4 = 0.0125; but whole runs permuted (4 runs) have only 24 distinct permutations, so no p falls "

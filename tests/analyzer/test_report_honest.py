@@ -231,7 +231,8 @@ def test_metrics_csv_says_what_the_numbers_rest_on_and_warns_on_thin_classes(tmp
     thin = [rng.integers(0, 5, 200) for _ in range(3)]  # most kept classes under 5 tokens
     store = tmp_path / "thin.zarr"
     df = measured_store(store, thin, min_count=2)
-    options = ReportOptions(metrics=["nc1_cdnv", "nc4_agreement"], target="eval_loss", n_perm=0, store=store)
+    options = ReportOptions(formats="png",
+                            metrics=["nc1_cdnv", "nc4_agreement"], target="eval_loss", n_perm=0, store=store)
     write_report(df, tmp_path / "thin", options, read_group=partial(read_group, store))
     metrics = pd.read_csv(tmp_path / "thin" / "metrics.csv")
     for count, (_, row) in zip(thin, metrics.iterrows()):

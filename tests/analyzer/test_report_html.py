@@ -273,12 +273,14 @@ def test_tokens_and_caveats_are_report_mds(real, browser):
 @pytest.mark.slow
 def test_no_html_writes_no_page(tmp_path):
     df = study(n_runs=3, per_run=3, seed=2)
-    files = write_report(df, tmp_path / "off", ReportOptions(metrics=["nc1_cdnv"], n_perm=0, html=False)).files
+    files = write_report(df, tmp_path / "off", ReportOptions(formats="png",
+                                                             metrics=["nc1_cdnv"], n_perm=0, html=False)).files
     assert "html" not in files and not (tmp_path / "off" / "report.html").exists()
     run_cli("report", files["metrics"], "--out", tmp_path / "cli", "--metrics", "nc1_cdnv", "--permutations", 0,
             "--no-html")
     assert (tmp_path / "cli" / "report.md").exists() and not (tmp_path / "cli" / "report.html").exists()
-    on = write_report(df.drop(columns="run"), tmp_path / "on", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)).files
+    on = write_report(df.drop(columns="run"), tmp_path / "on", ReportOptions(formats="png",
+                                                                             metrics=["nc1_cdnv"], n_perm=0)).files
     assert on["html"] == tmp_path / "on" / "report.html" and on["html"].stat().st_size > 1_000_000  # plotly.js
     text = on["html"].read_text(encoding="utf-8")
     data = json.loads(text.split('<script id="ncanalyze-data" type="application/json">')[1].split("</script>")[0])
@@ -298,7 +300,7 @@ def layered(tmp_path_factory) -> Path:
     table.loc[table.layer == 0, "nc1_cdnv"] = np.inf
     table["tag"] = np.where(table.run == "r2", "kjv", None)
     out = tmp_path_factory.mktemp("html-layers")
-    write_report(table, out, ReportOptions(n_perm=100, seed=1))
+    write_report(table, out, ReportOptions(formats="png", n_perm=100, seed=1))
     return out
 
 
@@ -364,12 +366,14 @@ def test_the_page_lists_the_skipped_checkpoints_as_report_md_does(tmp_path):
     once read a table attribute nothing set, and listed none)."""
     skipped = {"run-z/checkpoint-9": "its class_sum has NaN: extract it again", "run-y/checkpoint-3": "no shards"}
     df = study(n_runs=3, per_run=3, seed=4)
-    files = write_report(df, tmp_path, ReportOptions(metrics=["nc1_cdnv"], n_perm=0), skipped=skipped).files
+    files = write_report(df, tmp_path, ReportOptions(formats="png",
+                                                     metrics=["nc1_cdnv"], n_perm=0), skipped=skipped).files
     page, md = files["html"].read_text(encoding="utf-8"), files["report"].read_text(encoding="utf-8")
     for group, why in skipped.items():
         assert f"`{group}`: {why}" in md
         assert f"Skipped <code>{group}</code>: {why}" in page
-    assert "Skipped <code>" not in write_report(df, tmp_path / "none", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)
+    assert "Skipped <code>" not in write_report(df, tmp_path / "none", ReportOptions(formats="png",
+                                                                                     metrics=["nc1_cdnv"], n_perm=0)
                                                 ).files["html"].read_text(encoding="utf-8")
 
 

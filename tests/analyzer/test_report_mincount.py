@@ -107,7 +107,7 @@ def test_report_on_a_store_has_the_table_and_a_csv_report_does_not(extracted_sto
     store = tmp_path / "study.zarr"
     shutil.copytree(extracted_store, store)
     df = measure_store(store).table
-    options = ReportOptions(n_perm=0, store=store, html=False)
+    options = ReportOptions(formats="png", n_perm=0, store=store, html=False)
     result = write_report(df, tmp_path / "out", options, read_group=partial(read_group, store))
     table = pd.read_csv(result.files["min_count"])
     pd.testing.assert_frame_equal(table, result.min_count, check_dtype=False)

@@ -30,19 +30,21 @@ def _r(stats: pd.DataFrame, metric: str) -> float:
 
 def test_default_target_is_val_loss_when_every_selected_checkpoint_has_it(tmp_path):
     df = _with_val_loss()
-    files = write_report(df, tmp_path / "a", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)).files
+    files = write_report(df, tmp_path / "a", ReportOptions(formats="png", metrics=["nc1_cdnv"], n_perm=0)).files
     assert "Target: `val_loss`" in files["report"].read_text()
     assert _r(pd.read_csv(files["stats"]), "nc1_cdnv") == pytest.approx(np.corrcoef(df.nc1_cdnv, df.val_loss)[0, 1])
 
-    files = write_report(df, tmp_path / "b", ReportOptions(metrics=["nc1_cdnv"], n_perm=0, target="eval_loss")).files
+    files = write_report(df, tmp_path / "b", ReportOptions(formats="png",
+                                                           metrics=["nc1_cdnv"], n_perm=0, target="eval_loss")).files
     assert "Target: `eval_loss`" in files["report"].read_text()
     assert _r(pd.read_csv(files["stats"]), "nc1_cdnv") == pytest.approx(np.corrcoef(df.nc1_cdnv, df.eval_loss)[0, 1])
 
     df.loc[4, "val_loss"] = np.nan  # one checkpoint without it: eval_loss, unless --where leaves it out
-    files = write_report(df, tmp_path / "c", ReportOptions(metrics=["nc1_cdnv"], n_perm=0)).files
+    files = write_report(df, tmp_path / "c", ReportOptions(formats="png", metrics=["nc1_cdnv"], n_perm=0)).files
     assert "Target: `eval_loss`" in files["report"].read_text()
     where = f"not (run == {df.run[4]!r} and global_step == {df.global_step[4]})"
-    files = write_report(df, tmp_path / "d", ReportOptions(metrics=["nc1_cdnv"], n_perm=0, where=where)).files
+    files = write_report(df, tmp_path / "d", ReportOptions(formats="png",
+                                                           metrics=["nc1_cdnv"], n_perm=0, where=where)).files
     assert "Target: `val_loss`" in files["report"].read_text()
 
 

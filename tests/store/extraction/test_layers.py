@@ -252,8 +252,9 @@ def test_report_with_layers_keeps_the_last_layers_statistics_and_adds_depth(tmp_
     shallow = [last.assign(layer=l, **{m: last[m] * rng.uniform(0.5, 2, len(last)) for m in METRICS})
                for l in (0, 1)]
     table = pd.concat([*shallow, last.assign(layer=2)], ignore_index=True)
-    plain = write_report(last.assign(layer=2), tmp_path / "plain", ReportOptions(n_perm=200, seed=1)).files
-    deep = write_report(table, tmp_path / "deep", ReportOptions(n_perm=200, seed=1)).files
+    plain = write_report(last.assign(layer=2), tmp_path / "plain", ReportOptions(formats="png",
+                                                                                 n_perm=200, seed=1)).files
+    deep = write_report(table, tmp_path / "deep", ReportOptions(formats="png", n_perm=200, seed=1)).files
     pd.testing.assert_frame_equal(pd.read_csv(plain["stats"]), pd.read_csv(deep["stats"]))
     assert len(pd.read_csv(deep["metrics"])) == 3 * len(last)
     assert "depth" not in plain and "layers" not in plain
