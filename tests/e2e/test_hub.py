@@ -1,7 +1,8 @@
 """Hub models by revision, without network: a Hugging Face cache built on disk in huggingface_hub's layout
 (refs/<revision> -> commit, snapshots/<commit>/<file> -> ../../blobs/<sha256>) holding the Trainer run's checkpoints
-at revisions step20, step40, step60; the CLI runs in a subprocess with HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointing at
-it (huggingface_hub reads both at import)."""
+at revisions step20, step40, step60; the CLI runs offline on it: in a subprocess with HF_HUB_OFFLINE=1 and
+HF_HUB_CACHE pointing at it (huggingface_hub reads both at import), or in this process with huggingface_hub's
+constants set as those variables set them (:func:`cli`)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import ncanalyze.store
@@ -51,10 +53,31 @@ def hub_cache(trained_run, tmp_path_factory) -> Path:
     return cache
 
 
-def cli(*args, cache: Path, home: Path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(home),
-           "HF_HUB_DISABLE_TELEMETRY": "1"}
-    return subprocess.run(CLI + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=600)
+def cli(*args, cache: Path, home: Path, process: bool = False) -> subprocess.CompletedProcess:
+    """The CLI offline on the cache ``cache`` (HF_HUB_OFFLINE=1, HF_HUB_CACHE, HF_HOME): with ``process``, in a
+    subprocess given those variables, as a user runs it; else in this process, huggingface_hub's constants set to
+    what those variables give at its import (a second of torch's import saved a call), and an exception other
+    than the CLI's own exit written to stderr as its traceback, as a process would."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    argv = [str(a) for a in args]
+    if process:
+        return subprocess.run(CLI + argv, env=os.environ | env, capture_output=True, text=True, timeout=600)
+    from click.testing import CliRunner
+    from huggingface_hub import constants
+    from ncanalyze.cli.main import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        for name, value in {"HF_HUB_OFFLINE": True, "HF_HUB_CACHE": str(cache), "HF_HOME": str(home),
+                            "HF_TOKEN_PATH": str(home / "token"),
+                            "HF_STORED_TOKENS_PATH": str(home / "stored_tokens")}.items():
+            mp.setattr(constants, name, value)
+        r = CliRunner().invoke(main, argv)
+    stderr = r.stderr
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(r.exception))
+    return subprocess.CompletedProcess(argv, r.exit_code, r.stdout, stderr)
 
 
 @pytest.mark.slow
@@ -63,7 +86,7 @@ def test_revisions_from_the_cache_equal_the_local_checkpoints(hub_cache, extract
     before = sorted(p.name for p in hub_cache.rglob("*"))
     r = cli("extract", REPO, "--revisions", "step20:60:20", "--revision", "step80", "--delete-downloads",
             "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store", store, *EXTRACT_OPTS,
-            cache=hub_cache, home=tmp_path / "home")
+            cache=hub_cache, home=tmp_path / "home", process=True)  # the variables themselves, read at import
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     missing = [line for line in r.stderr.splitlines() if "step80" in line]
