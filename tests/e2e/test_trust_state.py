@@ -222,9 +222,17 @@ def _file(store: Path, which: str) -> Path:
     return layers_of(store) / (f"{which}.npz" if which.startswith("layer-") else f"{which}.npy")
 
 
+# --restart and --overwrite discard the whole resume folder whatever its damage (checkpoint.py): the run after them
+# is shown equal to the uninterrupted one for one damage of each file, with each flag; every damage is refused
+DISCARDED = {"a finished layer altered": "--restart", "a finished layer missing": "--overwrite",
+             "the state altered": "--overwrite", "truncated staged embeddings": "--restart",
+             "staged embeddings of another shape": "--overwrite"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", LAYERED_DAMAGE)
 def test_a_damaged_layered_resume_is_one_line_and_restart_or_overwrite_discards_it(damage, layered, tmp_path):
+    assert set(DISCARDED) <= set(LAYERED_DAMAGE) and set(DISCARDED.values()) == {"--restart", "--overwrite"}
     store = tmp_path / "s.zarr"
     shutil.copytree(layered["partial"], partial(store))
     which, edit, words = LAYERED_DAMAGE[damage]
@@ -235,8 +243,9 @@ def test_a_damaged_layered_resume_is_one_line_and_restart_or_overwrite_discards_
     assert words in line and "pass --restart" in line, line
     assert (path.stat().st_size if path.exists() else None) == size  # nothing zero-filled or extended
     assert not (store / "neo-2x32" / CK).exists()
-    flag = ("--restart", "--overwrite")[list(LAYERED_DAMAGE).index(damage) % 2]  # either discards it
-    run_cli(*layered["args"], "--store", store, flag)
+    if damage not in DISCARDED:
+        return
+    run_cli(*layered["args"], "--store", store, DISCARDED[damage])
     for g in groups(True):
         assert_same_group(layered["ref"], store, g)
     assert not partial(store).exists() or not any(partial(store).rglob("*.np[yz]"))
