@@ -24,7 +24,14 @@ from ncanalyze.analyzer.registry import FIGURE_FORMATS  # noqa: E402
 from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
 from ncanalyze.analyzer.report.escape import write_csv  # noqa: E402
 from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
-from ncanalyze.analyzer.report.ticks import count_text, declutter, limits, set_ticks  # noqa: E402
+from ncanalyze.analyzer.report.ticks import (  # noqa: E402
+    DPI,
+    TickedFigure,
+    count_text,
+    declutter,
+    limits,
+    set_ticks,
+)
 
 LABELS = {  # panel titles
     "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV over distance⁴ (scales as 1/length²)",
@@ -56,7 +63,6 @@ MARKERS = "osD^v<>pPXh*"
 RUN_COLOURS = plt.get_cmap("tab10").colors
 _MARGINS = dict(left=0.8, right=0.25, bottom=0.65, top=0.45)  # inches; a fixed layout draws fast
 _CBAR_W = 1.35  # inches to the right of the panels for a colour bar and its label
-DPI = 150  # of the PNGs
 MAX_WIDTH = 2000 / DPI  # inches: no figure is wider than 2000 px; more panels wrap onto further rows
 _PANEL_H, _ROW_GAP, _TITLE_LINE = 2.65, 0.8, 0.25  # inches: a panel's height, between rows, a line of the title
 
@@ -196,7 +202,7 @@ def _frame(k: int, style: _Style, title: str, panel_w: float = 3.9, gap: float =
     title = textwrap.fill(title, width=int(w * 72 / (12 * 0.55)))  # characters of 12 pt text across the width
     m["top"] += _TITLE_LINE * (title.count("\n") + 1)
     h = _PANEL_H * rows + _ROW_GAP * (rows - 1) + m["bottom"] + m["top"]
-    fig, axes = plt.subplots(rows, cols, figsize=(w, h), sharey=sharey, squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(w, h), sharey=sharey, squeeze=False, FigureClass=TickedFigure)
     for ax in axes.flat[k:]:
         ax.remove()
     fig.subplots_adjust(left=m["left"] / w, right=1 - m["right"] / w, bottom=m["bottom"] / h, top=1 - m["top"] / h,

@@ -8,10 +8,12 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 from matplotlib.axis import Axis
+from matplotlib.backends.backend_agg import RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, MaxNLocator, NullFormatter, NullLocator
 
 MIN_TICK_LABELS = 3
+DPI = 150  # of the PNGs, where tick labels are measured
 _MAX = sys.float_info.max  # axis limits stay finite: a step of 1e308 padded by 5% would be inf
 _MAX_EXP = math.floor(math.log10(_MAX))
 
@@ -186,29 +188,58 @@ def overlapping_labels(axis: Axis, renderer) -> bool:
     return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
-def declutter(fig: Figure, axes: Sequence[Axis]) -> None:
-    """Where tick labels overlap (long labels on a narrow panel), blank every other one, keeping their ticks and at
-    least MIN_TICK_LABELS labels (else shrink the font): by rendered text extents, not by a guess at the font.
+class TickedFigure(Figure):
+    """A Figure whose tick labels never overlap: on its first draw, the labels of the Axis objects given to
+    :func:`declutter` are measured on a raster draw (the PNG's own draw, or one at :data:`DPI` made aside before a
+    vector draw),
+    and where two overlap (long labels on a narrow panel) every other one is blanked, their ticks kept and at least
+    MIN_TICK_LABELS labels left (else the font shrunk), and the figure drawn again; at most three times. Later draws
+    (the PDF and SVG after the PNG) show the same labels. One draw, not two, where nothing overlaps."""
 
-    Parameters
-    ----------
-    fig
-        The figure, laid out here without rasterizing.
-    axes
-        The Axis objects whose ticks were set.
-    """
-    for _ in range(3):
-        fig.draw_without_rendering()  # lays the text out (the extents below) without rasterizing
-        renderer = fig.canvas.get_renderer()
-        crowded = [a for a in axes if overlapping_labels(a, renderer)]
-        if not crowded:
-            return
-        for axis in crowded:
-            labels = [t.get_text() for t in axis.get_ticklabels()]
-            shown = [i for i, t in enumerate(labels) if t]
-            if len(shown) // 2 + len(shown) % 2 < MIN_TICK_LABELS:
-                for t in axis.get_ticklabels():
-                    t.set_fontsize(t.get_fontsize() * 0.8)
-                continue
-            keep = set(shown[::2])
-            axis.set_major_formatter(FixedFormatter([t if i in keep else "" for i, t in enumerate(labels)]))
+    ticked: tuple[Axis, ...] = ()
+
+    def draw(self, renderer) -> None:
+        ticked, self.ticked = self.ticked, ()
+        if not ticked:
+            return super().draw(renderer)
+        if isinstance(renderer, RendererAgg):
+            return self._draw_uncrowded(renderer, ticked)
+        dpi = self.dpi  # a vector draw (72 dpi): its labels measured first on a raster at the PNGs' resolution
+        self.set_dpi(DPI)
+        try:
+            self._draw_uncrowded(RendererAgg(int(self.bbox.width), int(self.bbox.height), DPI), ticked)
+        finally:
+            self.set_dpi(dpi)
+        super().draw(renderer)
+
+    def _draw_uncrowded(self, raster: RendererAgg, ticked: Sequence[Axis]) -> None:
+        super().draw(raster)
+        for _ in range(3):
+            crowded = [a for a in ticked if overlapping_labels(a, raster)]
+            if not crowded:
+                return
+            for axis in crowded:
+                _thin(axis)
+            raster.clear()
+            super().draw(raster)
+
+
+def declutter(fig: TickedFigure, axes: Sequence[Axis]) -> None:
+    """Keep the tick labels of ``axes`` from overlapping in every draw of ``fig`` (:class:`TickedFigure`: made with
+    ``plt.subplots(..., FigureClass=TickedFigure)``), by their rendered text extents, not by a guess at the font."""
+    if not isinstance(fig, TickedFigure):
+        raise TypeError("declutter needs a TickedFigure (plt.subplots(..., FigureClass=TickedFigure))")
+    fig.ticked = tuple(axes)
+
+
+def _thin(axis: Axis) -> None:
+    """Blank every other visible label of ``axis``; where that would leave fewer than MIN_TICK_LABELS, shrink the
+    labels' font instead."""
+    labels = [t.get_text() for t in axis.get_ticklabels()]
+    shown = [i for i, t in enumerate(labels) if t]
+    if len(shown) // 2 + len(shown) % 2 < MIN_TICK_LABELS:
+        for t in axis.get_ticklabels():
+            t.set_fontsize(t.get_fontsize() * 0.8)
+        return
+    keep = set(shown[::2])
+    axis.set_major_formatter(FixedFormatter([t if i in keep else "" for i, t in enumerate(labels)]))

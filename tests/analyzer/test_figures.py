@@ -243,9 +243,9 @@ def test_fig2_does_not_repeat_the_gnc2_panel_of_fig1():
 
 def test_declutter_blanks_every_other_label_where_they_would_collide():
     from matplotlib.ticker import FixedFormatter, FixedLocator
-    from ncanalyze.analyzer.report.ticks import declutter, overlapping_labels
+    from ncanalyze.analyzer.report.ticks import TickedFigure, declutter, overlapping_labels
 
-    fig, ax = plt.subplots(figsize=(2.5, 2))
+    fig, ax = plt.subplots(figsize=(2.5, 2), FigureClass=TickedFigure)
     ax.set_xlim(0, 7)
     ax.xaxis.set_major_locator(FixedLocator(range(8)))
     ax.xaxis.set_major_formatter(FixedFormatter([f"0.000{i}5" for i in range(8)]))
@@ -256,6 +256,51 @@ def test_declutter_blanks_every_other_label_where_they_would_collide():
     assert len(ax.get_xticks()) == 8  # the ticks stay
     plt.close(fig)
 
+
+
+def crowded_figure():
+    """A narrow TickedFigure whose 8 x tick labels overlap, handed to declutter."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator
+    from ncanalyze.analyzer.report.ticks import TickedFigure, declutter
+
+    fig, ax = plt.subplots(figsize=(2.5, 2), FigureClass=TickedFigure)
+    ax.set_xlim(0, 7)
+    ax.xaxis.set_major_locator(FixedLocator(range(8)))
+    ax.xaxis.set_major_formatter(FixedFormatter([f"0.000{i}5" for i in range(8)]))
+    declutter(fig, [ax.xaxis])
+    return fig, ax
+
+
+@pytest.mark.parametrize("first", ["png", "svg", "pdf"])
+def test_the_first_draw_in_any_format_is_decluttered_and_later_ones_show_the_same_labels(first, tmp_path):
+    """The check rides on the PNG's own draw (drawn again only where labels were thinned: one draw where none
+    overlap); a vector file saved first is preceded by a raster draw aside; every later file shows those labels."""
+    draws = []
+    fig, ax = crowded_figure()
+    fig.canvas.mpl_connect("draw_event", lambda e: draws.append(type(e.renderer).__name__))
+    fig.savefig(tmp_path / f"a.{first}", dpi=150 if first == "png" else "figure")
+    shown = [t.get_text() for t in ax.xaxis.get_ticklabels()]
+    assert 3 <= sum(map(bool, shown)) < 8, shown
+    assert draws.count("RendererAgg") >= 2 and len(draws) == draws.count("RendererAgg") + (first != "png"), draws
+    for ext in ("png", "svg", "pdf"):
+        fig.savefig(tmp_path / f"b.{ext}")
+        assert [t.get_text() for t in ax.xaxis.get_ticklabels()] == shown
+    fig.set_dpi(150)  # the PNGs' resolution, where the labels were measured
+    check_readable(fig, [ax.xaxis])
+    plt.close(fig)
+
+    from ncanalyze.analyzer.report.ticks import TickedFigure, declutter
+
+    draws.clear()
+    fig, ax = plt.subplots(figsize=(6, 2), FigureClass=TickedFigure)  # wide: nothing overlaps
+    ax.set_xlim(0, 7)
+    declutter(fig, [ax.xaxis])
+    fig.canvas.mpl_connect("draw_event", lambda e: draws.append(type(e.renderer).__name__))
+    fig.savefig(tmp_path / "c.png")
+    assert draws == ["RendererAgg"]  # the PNG's draw alone
+    plt.close(fig)
+    with pytest.raises(TypeError, match="TickedFigure"):
+        declutter(plt.figure(), [])
 
 def test_each_panel_says_the_scale_of_its_r2_and_rings_the_last_step():
     """A log-axis panel prints the log-scale R² saying "log x" with the raw R² beside it (both stats.csv's); a
