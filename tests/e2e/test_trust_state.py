@@ -25,7 +25,7 @@ CK = "checkpoint-20"
 SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 2, "--batch-size", 2)
 # 2048 / 32 = 64 blocks, 64 x 31 = 1984 train positions; passes (0, 1) then (2)
 LAYERED = ("--max-train-tokens", 2048, "--max-val-tokens", 1024, "--samples-per-class", 2, "--batch-size", 2,
-           "--layers", "all", "--layers-per-pass", 2, "--save-embeddings", 500, "--state-every", 0)
+           "--layers", "all", "--layers-per-pass", 2, "--save-embeddings", 500)
 POSITIONS = 64 * 31
 
 
@@ -160,7 +160,7 @@ def layered(trained_run, corpus, tmp_path_factory) -> dict:
     args = ("extract", trained_run / CK, "--dataset", corpus["train"], *LAYERED)
     run_cli(*args, "--store", d / "ref.zarr")
     killed = d / "killed.zarr"
-    kill_when((*args, "--store", killed), state_of(killed), batches=3, at={"pass": 1, "phase": 0})
+    kill_when((*args, "--store", killed, "--state-every", 0), state_of(killed), batches=3, at={"pass": 1, "phase": 0})
     assert (layers_of(killed) / "layer-0.npz").is_file() and (layers_of(killed) / "embeddings-0.npy").is_file()
     return {"args": args, "ref": d / "ref.zarr", "partial": partial(killed)}
 

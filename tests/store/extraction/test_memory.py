@@ -77,11 +77,12 @@ def test_auto_resumes_with_the_passes_it_saved_under_another_memory(trained_run,
     shape = model.get_output_embeddings().weight.shape
     per_layer, shared = state_bytes(*shape, 8, torch.device("cpu"))
     args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 2048,
-            "--max-val-tokens", 1024, "--batch-size", 1, "--state-every", 0, "--layers", "all", "--folds", 1]
+            "--max-val-tokens", 1024, "--batch-size", 1, "--layers", "all", "--folds", 1]
     one, store = tmp_path / "one.zarr", tmp_path / "killed.zarr"
     run_cli(*args, "--store", one)
     state = _state(store) / "neo-2x32" / f"{CK}.npz"
-    kill_when([*args, "--store", store, "--state-memory", shared + per_layer + 1], state, at={"pass": 1, "phase": 0})
+    kill_when([*args, "--store", store, "--state-memory", shared + per_layer + 1, "--state-every", 0], state,
+              at={"pass": 1, "phase": 0})
     with np.load(state) as s:
         assert json.loads(str(s["passes"])) == [[0], [1], [2]] and int(s["pass"]) == 1
     r = run_cli(*args, "--store", store)
