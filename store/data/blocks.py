@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import itertools
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -177,7 +178,7 @@ def _open(spec: str, split: str, block_size: int, max_tokens: int | None, text_c
         """run_clm's group_texts: each batch of GROUP_ROWS rows concatenated and cut, its remainder dropped."""
         n_blocks = 0
         for chunk in texts():
-            ids = np.fromiter((t for doc in tokenize(chunk) for t in doc), dtype=np.int64)
+            ids = np.fromiter(itertools.chain.from_iterable(tokenize(chunk)), dtype=np.int64)
             n = len(ids) // block_size
             n_blocks += n
             yield from ids[:n * block_size].reshape(n, block_size)

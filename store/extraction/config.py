@@ -361,7 +361,7 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     Blocks
         The blocks.
     """
-    tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts)["input_ids"])
+    tokenize = None if tokenizer is None else (lambda texts: tokenizer(texts, return_attention_mask=False)["input_ids"])
     blocks = open_blocks(spec, split, block_size, cap, cfg.text_column, tokenize, cap_flag,
                          keep_linebreaks=cfg.keep_linebreaks, cap_mode="prefix")  # the cap is applied below
     check_block_size(blocks.block_size, model_positions(config), blocks.spec, blocks.rows_from_file)
