@@ -138,11 +138,12 @@ def fails_cleanly(args, store: Path, words) -> str:
 
 
 def assert_same_group(a: Path, b: Path, group: str) -> None:
-    """``group`` of stores ``a`` and ``b``: the same variables, bit for bit, and the same attributes."""
-    import ncanalyze.store
+    """``group`` of stores ``a`` and ``b`` (a layer group with its checkpoint's classifier): the same variables, bit
+    for bit, and the same attributes."""
     import numpy as np
+    from ncanalyze.store.io import read_group
 
-    da, db = (ncanalyze.store.open(s)[group].to_dataset() for s in (a, b))
+    da, db = (read_group(s, group) for s in (a, b))
     assert set(da.variables) == set(db.variables)
     for name in da.variables:  # the classifier, stored once per checkpoint, is a coordinate
         np.testing.assert_array_equal(da[name].values, db[name].values, err_msg=name)  # bit for bit
