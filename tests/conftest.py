@@ -36,6 +36,18 @@ def pytest_collection_finish(session) -> None:
     gc.set_threshold(10_000, *gc.get_threshold()[1:])
 
 
+# the modules whose tests take longest, each with its own processes (the recipe, Ctrl-C, DDP, SIGKILL): run first,
+# so that the two workers end together on short tests instead of one waiting on a long one
+FIRST = ("e2e/test_examples.py", "e2e/test_trust_hub.py", "e2e/test_trust_training.py", "e2e/test_kill_resume.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Move :data:`FIRST`'s modules to the front, whole (their module fixtures set up once), in their order."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    key = lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(FIRST))  # noqa: E731
+    items[:] = sorted(items, key=key)  # stable: every other test keeps its place
+
+
 def pytest_terminal_summary(terminalreporter, config) -> None:
     """Name the tests that ran over :data:`SLOW_SECONDS` (their call alone: a shared session fixture is paid once,
     by whichever test asks first) without the ``slow`` marker, so the inner loop ``pytest -m "not slow"`` stays fast.
