@@ -54,11 +54,11 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
     t0 = pair_mean(s, K.size)
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
     tile = int(tile or auto_tile(K.size))
-    one_block = K.size <= tile  # a few tasks: run in this thread, without a thread pool's start (the same sums)
+    small = ds["count"].size <= 2 * tile  # every class within two tiles: a handful of tasks, run in this thread
     with _blas_controller().limit(limits=1, user_api="blas"):
         (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile)),
                                                           _moments(ds, K, M, mu_G, W, sigma_w, tile),
-                                                          scheduler="sync" if one_block else None)
+                                                          scheduler="sync" if small else None)  # the same sums
     return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0), "pairs": pairs,
             "row_cdnv": row_cdnv, "coincident": coincident, "mom": mom}
 

@@ -190,11 +190,10 @@ def overlapping_labels(axis: Axis, renderer) -> bool:
 
 class TickedFigure(Figure):
     """A Figure whose tick labels never overlap: on its first draw, the labels of the Axis objects given to
-    :func:`declutter` are measured on a raster draw (the PNG's own draw, or one at :data:`DPI` made aside before a
-    vector draw),
-    and where two overlap (long labels on a narrow panel) every other one is blanked, their ticks kept and at least
-    MIN_TICK_LABELS labels left (else the font shrunk), and the figure drawn again; at most three times. Later draws
-    (the PDF and SVG after the PNG) show the same labels. One draw, not two, where nothing overlaps."""
+    :func:`declutter` are measured on a raster draw (the PNG's own, or one at :data:`DPI` made aside before a vector
+    draw); where two overlap (long labels on a narrow panel), every other one is blanked, their ticks kept and at
+    least MIN_TICK_LABELS labels left (else the font shrunk), and the figure drawn again, at most three times. Later
+    draws (the PDF and SVG after the PNG) show the same labels. One draw, not two, where nothing overlaps."""
 
     ticked: tuple[Axis, ...] = ()
 
