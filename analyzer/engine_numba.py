@@ -66,7 +66,7 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
 @functools.cache
 def _blas_controller() -> threadpoolctl.ThreadpoolController:
     """The process's BLAS libraries, found once (each ``threadpool_limits`` call would scan the loaded libraries
-    again: ~3.5 ms, more than a small checkpoint's metrics)."""
+    again: ~3.5 ms, more than a small checkpoint's metrics); numpy's, which the tasks call, is loaded with numpy."""
     return threadpoolctl.ThreadpoolController()
 
 
