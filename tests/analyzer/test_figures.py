@@ -241,14 +241,22 @@ def test_fig2_does_not_repeat_the_gnc2_panel_of_fig1():
     assert shown.count("gnc2_log_std") == 1
 
 
-def test_declutter_blanks_every_other_label_where_they_would_collide():
+def crowded_figure():
+    """A narrow TickedFigure whose 8 x tick labels overlap (not yet handed to declutter)."""
     from matplotlib.ticker import FixedFormatter, FixedLocator
-    from ncanalyze.analyzer.report.ticks import TickedFigure, declutter, overlapping_labels
+    from ncanalyze.analyzer.report.ticks import TickedFigure
 
     fig, ax = plt.subplots(figsize=(2.5, 2), FigureClass=TickedFigure)
     ax.set_xlim(0, 7)
     ax.xaxis.set_major_locator(FixedLocator(range(8)))
     ax.xaxis.set_major_formatter(FixedFormatter([f"0.000{i}5" for i in range(8)]))
+    return fig, ax
+
+
+def test_declutter_blanks_every_other_label_where_they_would_collide():
+    from ncanalyze.analyzer.report.ticks import declutter, overlapping_labels
+
+    fig, ax = crowded_figure()
     fig.canvas.draw()
     assert overlapping_labels(ax.xaxis, fig.canvas.get_renderer())
     declutter(fig, [ax.xaxis])
@@ -258,25 +266,15 @@ def test_declutter_blanks_every_other_label_where_they_would_collide():
 
 
 
-def crowded_figure():
-    """A narrow TickedFigure whose 8 x tick labels overlap, handed to declutter."""
-    from matplotlib.ticker import FixedFormatter, FixedLocator
-    from ncanalyze.analyzer.report.ticks import TickedFigure, declutter
-
-    fig, ax = plt.subplots(figsize=(2.5, 2), FigureClass=TickedFigure)
-    ax.set_xlim(0, 7)
-    ax.xaxis.set_major_locator(FixedLocator(range(8)))
-    ax.xaxis.set_major_formatter(FixedFormatter([f"0.000{i}5" for i in range(8)]))
-    declutter(fig, [ax.xaxis])
-    return fig, ax
-
-
 @pytest.mark.parametrize("first", ["png", "svg", "pdf"])
 def test_the_first_draw_in_any_format_is_decluttered_and_later_ones_show_the_same_labels(first, tmp_path):
     """The check rides on the PNG's own draw (drawn again only where labels were thinned: one draw where none
     overlap); a vector file saved first is preceded by a raster draw aside; every later file shows those labels."""
+    from ncanalyze.analyzer.report.ticks import TickedFigure, declutter
+
     draws = []
     fig, ax = crowded_figure()
+    declutter(fig, [ax.xaxis])
     fig.canvas.mpl_connect("draw_event", lambda e: draws.append(type(e.renderer).__name__))
     fig.savefig(tmp_path / f"a.{first}", dpi=150 if first == "png" else "figure")
     shown = [t.get_text() for t in ax.xaxis.get_ticklabels()]
@@ -288,8 +286,6 @@ def test_the_first_draw_in_any_format_is_decluttered_and_later_ones_show_the_sam
     fig.set_dpi(150)  # the PNGs' resolution, where the labels were measured
     check_readable(fig, [ax.xaxis])
     plt.close(fig)
-
-    from ncanalyze.analyzer.report.ticks import TickedFigure, declutter
 
     draws.clear()
     fig, ax = plt.subplots(figsize=(6, 2), FigureClass=TickedFigure)  # wide: nothing overlaps
