@@ -25,7 +25,7 @@ SLOW_SECONDS = 2.0  # a test whose own call takes longer belongs out of the inne
 
 
 def pytest_collection_finish(session) -> None:
-    """Load the libraries the tests use, collect once and freeze what lives (gc.freeze): their ~700,000 objects leave
+    """Load the libraries the tests use, collect once and freeze what lives (gc.freeze): their ~800,000 objects leave
     the collector's full passes, which walked them some 60 times a worker (about 25 s a worker, 0.4 s a pass); and
     collect the youngest generation every 10,000 allocations, not 700 (Python 3.12's default is 2,000), so the
     passes come less often over the tests' churn of small objects."""

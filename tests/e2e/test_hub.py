@@ -56,7 +56,7 @@ def hub_cache(trained_run, tmp_path_factory) -> Path:
 def cli(*args, cache: Path, home: Path, process: bool = False) -> subprocess.CompletedProcess:
     """The CLI offline on the cache ``cache`` (HF_HUB_OFFLINE=1, HF_HUB_CACHE, HF_HOME): with ``process``, in a
     subprocess given those variables, as a user runs it; else in this process, huggingface_hub's constants set to
-    what those variables give at its import (a second of torch's import saved a call), and an exception other
+    what those variables give at its import (a process and its torch import, ~3 s, saved a call), and an exception other
     than the CLI's own exit written to stderr as its traceback, as a process would."""
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"}
     argv = [str(a) for a in args]
