@@ -17,7 +17,8 @@ Unequal runs. Moving run B's values onto run A's rows needs as many rows in both
 with blocks of the same size (Winkler's variance groups, here: runs with the same number of checkpoints). With
 ``k_g`` runs of each size ``g`` there are prod_g k_g! distinct permutations, the identity among them; when that
 is at most the requested count every one is enumerated and p is exact, else they are drawn at random (uniform
-over the product). Few distinct permutations bound the smallest p from below by 1/N: with 3 runs, 1/6.
+over the product). Few distinct permutations bound the smallest p from below: an equal-tailed p is twice the smaller
+tail, and the identity is always in it, so p >= 2/N (with 3 runs, 1/3; with 4 runs of one row, 2/24).
 
 Why not the alternatives. Shuffling checkpoints within each run (within-block permutation) tests only the
 within-run association and assumes a run's checkpoints exchangeable, which any trend in step breaks; correlating
@@ -46,6 +47,7 @@ from ncanalyze.analyzer.registry import N_PERM
 MIN_N = 3  # fewest points for which a correlation means anything
 _TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)
 _CHUNK_ELEMS = 2 ** 20  # permutations per chunk x n: bounds memory at a few (chunk x n) float arrays
+_CONSTANT = 1e-9  # a column whose spread is at most this fraction of its size is constant (rounding spread)
 _DEGENERATE = 1e-10  # a residual this small relative to its centred variable is zero (determined by the controls)
 ROWS, WHOLE_RUNS = "rows", "whole runs"  # the schemes' names, as stats.csv writes them
 
@@ -122,10 +124,13 @@ def permutation_chunks(n: int, n_perm: int, seed: int | None) -> tuple[Iterator[
 
 
 def _unit(a: np.ndarray) -> np.ndarray:
-    """Centred columns scaled to unit norm, so that a dot product of two is their Pearson r (nan if constant)."""
-    a = a - a.mean(axis=0)
+    """Centred columns scaled to unit norm, so that a dot product of two is their Pearson r (nan if constant, up to
+    rounding: a spread of at most :data:`_CONSTANT` of the column's size)."""
+    c = a - a.mean(axis=0)
+    norm = np.linalg.norm(c, axis=0)
+    norm = np.where(norm > _CONSTANT * np.linalg.norm(a, axis=0), norm, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return a / np.linalg.norm(a, axis=0)
+        return c / norm
 
 
 def _p(low: np.ndarray, high: np.ndarray, stat: np.ndarray, total: int, exact: bool) -> np.ndarray:

@@ -21,7 +21,16 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import CONTROLS, SCALARS
 
 N_PERM = 10_000  # permutations per p-value (report --permutations, the statistics' default)
-N_BOOT = 2000  # resamples of the bootstrap over whole runs behind the 95% intervals (report --bootstrap)
+N_BOOT = 10_000  # resamples of the paired bootstrap over whole runs behind the R² comparisons (report --bootstrap)
+MIN_BOOT = 1000  # the fewest that a 95% percentile interval's 2.5% tails rest on (25 resamples beyond each end)
+
+
+def _enough_resamples(n: int) -> int:
+    """0 (no bootstrap) or at least :data:`MIN_BOOT` resamples."""
+    if 0 < n < MIN_BOOT:
+        raise ValueError(f"must be 0 (none) or at least {MIN_BOOT}: the 2.5% tails of a 95% interval need 25 "
+                         "resamples beyond each end")
+    return n
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # model dtypes (extract --dtype)
 STORED_DTYPES = tuple(d for d in DTYPES if d != "bfloat16")  # what numpy and Zarr store (--embeddings-dtype)
 CAP_MODES = ("spread", "prefix")  # how a token cap reads a split (extract --cap-mode)
@@ -254,9 +263,11 @@ class ReportSettings:
     n_perm: int = setting(N_PERM, section="Statistics", flag="--permutations", minimum=0, help=(
         "Permutations per p-value (0: none). Runs with several checkpoints are permuted whole; all permutations, and "
         "an exact p, where there are no more than this."))
-    n_boot: int = setting(N_BOOT, section="Statistics", flag="--bootstrap", minimum=0, help=(
-        "Resamples of the bootstrap over whole runs behind the 95% intervals of r, R², rho and the partial r (BCa; "
-        "0: none)."))
+    n_boot: int = setting(N_BOOT, section="Statistics", flag="--bootstrap", minimum=0, maximum=10 ** 6,
+                          check=_enough_resamples, help=(
+        "Resamples of the paired bootstrap over whole runs behind the comparisons \"A relates more than B\" (R²'s "
+        f"difference; its interval's Monte-Carlo error is said); 0: none, else at least {MIN_BOOT}. The intervals of "
+        "r, R², rho and the partial r need no resamples: Fisher's z, or the jackknife over runs."))
     seed: int = shared("seed", section="Statistics", help="Seed of the permutations and the bootstrap.")
     tokens: tuple[str, ...] = setting((), kind=tuple, section="Per-token table", help=(
         "Comma-separated tokens (strings as decoded, or ids) for the per-token table."))

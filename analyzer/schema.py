@@ -43,6 +43,8 @@ SCALARS = NC_METRICS + GEOMETRY_METRICS
 DESIGN = "design"
 CONTROLS = (DESIGN, "log1p(global_step)")
 # the design factors ``design`` may stand for, each with what it is (said where printed)
+COMPARISONS = (("unc3_cos_cv", "nc3_cos_mean"),  # the paper's "A relates to loss more than B" (its Figures 3 and 2),
+               ("gnc2_log_std", "nc2_cos_std"))  # each tested by a paired bootstrap of R²(A) - R²(B) (stats.csv d_r2*)
 DESIGN_FACTORS = {"log(n_layers)": "depth", "log(hidden_size)": "width", "log(n_params)": "parameters"}
 # how many classes the metrics rest on, beside them in measure's results and metrics.csv (not metrics: no tests):
 # the kept classes K, and those of them with a variance (n_c >= 2), which the CDNV family reads

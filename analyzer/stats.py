@@ -23,10 +23,12 @@ otherwise the rows. When the scheme has at most ``n_perm`` distinct permutations
 exact; otherwise each tail is (1 + #{r* beyond r}) / (1 + B) (Phipson & Smyth), as in
 ``scipy.stats.permutation_test``.
 
-Claims (issue 39). Beside the pooled r: BCa intervals from a bootstrap over whole runs, the two questions apart
-(between models at each step, within training) with notes where their signs disagree
-(:mod:`ncanalyze.analyzer.questions`, :mod:`ncanalyze.analyzer.resample`), and leave-one-run-out
-(:func:`leave_one_out`).
+Claims. Beside the pooled r: 95% intervals that respect the runs (Fisher's z where each run is one row, the
+jackknife over runs otherwise), R²'s from r's, the two questions apart (between models at each step; within
+training beyond what all runs share at a step, the two-way fixed-effects r) with notes where their tested signs
+disagree (:mod:`ncanalyze.analyzer.questions`, :mod:`ncanalyze.analyzer.resample`), the paper's "A relates more than
+B" comparisons by a paired bootstrap of the difference in R² (:func:`compare_r2`), and leave-one-run-out: how far
+one run moves r (:func:`leave_one_out`).
 
 Never pooled. Rows of different tags (datasets) are never one statistic: :func:`correlations_by_tag` computes each
 tag's apart (untagged rows are a group of their own), with a ``tag`` column. :func:`last_per_run` keeps one
@@ -37,9 +39,14 @@ Multiple comparisons. Many metrics are tested at once, so the permutation p-valu
 a finite p, within a family (:func:`family`: the NC metrics the paper tests, ``schema.NC_METRICS``, and the
 geometry metrics, ``schema.GEOMETRY_METRICS``; any other column is a family of its own), per scale and per tag: the
 raw and the log scale are two families, not one, since each metric appears in both, and each tag is a study of its
-own. A permutation p cannot fall below the scheme's floor (``p_floor``: 1/N for N distinct permutations, all
-enumerated; 1/(1 + B) for B drawn), so a Holm p over m metrics cannot fall below m x floor: with few runs no
-metric can survive, whatever the data (:func:`unreachable`).
+own. An equal-tailed permutation p cannot fall below the scheme's floor (``p_floor``: 2/N for N distinct
+permutations, all enumerated; 2/(1 + B) for B drawn: twice the smallest tail), so a Holm p over m metrics cannot
+fall below m x floor: with few runs no metric can survive, whatever the data (:func:`unreachable`).
+
+Controls. Controls that are constant or collinear on the selected rows are dropped, and so are controls nearly
+collinear with the others (variance inflation factor above :data:`MAX_VIF`, the largest first: on a depth x width
+grid, log parameters is nearly a function of the two): the partial r would rest on a handful of residual degrees of
+freedom. Each drop is said in a note.
 
 Independence. Only the permutation p-values respect runs; the parametric ones (``p_param_iid``,
 ``partial_p_param_iid``) and the partial r's Fisher CI (``partial_ci_low_iid``, ``partial_ci_high_iid``) assume
@@ -59,12 +66,14 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, residual_r, sign_notes
+from ncanalyze.analyzer.resample import paired_bootstrap, run_codes
 from ncanalyze.analyzer.registry import N_BOOT, N_PERM
-from ncanalyze.analyzer.schema import (CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS, SCALARS,
-                                       SCALE_DEPENDENT)
+from ncanalyze.analyzer.schema import (COMPARISONS, CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS,
+                                       SCALARS, SCALE_DEPENDENT)
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of
+MAX_VIF = 30  # a control whose variance inflation factor is above this is dropped (nearly collinear)
 NC, GEOMETRY = "NC", "geometry"  # the two Holm families (stats.csv's ``family``)
 LOSSES = ("val_loss", "eval_loss")  # the targets the report is for
 
@@ -124,7 +133,8 @@ class NoteKind(enum.Enum):
     CONTROLS = "controls"            # a control dropped, unused, or determining the metric
     LEFT_OUT = "left_out"            # rows left out (an infinite target)
     SIGN_FLIP = "sign_flip"          # between models, within training and pooled disagree in sign
-    FRAGILE = "fragile"              # a Holm verdict changes when one run is left out
+    FRAGILE = "fragile"              # one run moves r by more than half its interval
+    UNDEFINED = "undefined"          # an interval, a verdict or a question has no estimand here
     SCALE_DEPENDENT = "scale_dependent"  # the metric is not scale-free (schema.SCALE_DEPENDENT says how)
 
 
@@ -146,15 +156,32 @@ def has_note(stats: pd.DataFrame, kind: NoteKind) -> pd.Series:
 
 
 def independent_controls(C: pd.DataFrame) -> list[str]:
-    """The controls, in order, that add rank to [1, controls so far] (constant or collinear ones dropped)."""
+    """The controls, in order, that :func:`control_choice` keeps."""
+    return control_choice(C)[0]
+
+
+def control_choice(C: pd.DataFrame) -> tuple[list[str], dict[str, str]]:
+    """The controls kept, in order, and why each other one was dropped: constant or collinear (adds no rank to [1,
+    controls so far]), or nearly collinear (a variance inflation factor above :data:`MAX_VIF`, the largest dropped
+    first, the factors recomputed after each drop)."""
     keep: list[str] = []
+    why: dict[str, str] = {}
     basis = np.ones((len(C), 1))
     for name in C.columns:
         trial = np.column_stack([basis, C[name].to_numpy(float)])
         if np.linalg.matrix_rank(trial) > basis.shape[1]:
             keep.append(name)
             basis = trial
-    return keep
+        else:
+            why[name] = "constant or collinear here"
+    while len(keep) > 1 and len(C) > len(keep) + 1:
+        vif = np.diag(np.linalg.pinv(np.corrcoef(C[keep].to_numpy(float), rowvar=False)))
+        j = int(np.argmax(vif))
+        if not vif[j] > MAX_VIF:
+            break
+        why[keep[j]] = f"nearly collinear with the others (VIF {vif[j]:.0f} > {MAX_VIF})"
+        keep.pop(j)
+    return keep, why
 
 
 def _numeric(df: pd.DataFrame, col: str, what: str) -> pd.Series:
@@ -263,7 +290,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         checkpoints are exchangeability blocks, permuted whole (:class:`ncanalyze.analyzer.permute.Scheme`);
         None (default) or absent: every row is an exchangeable unit.
     step : the column that orders a run's rows, to match runs position by position.
-    n_boot : resamples of the bootstrap over runs (0: no intervals); seeded by ``seed``.
+    n_boot : resamples of the paired bootstrap over whole runs behind the R² comparisons (0: none); seeded.
 
     Returns
     -------
@@ -275,10 +302,15 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         (all enumerated), p_floor (the smallest p the permutations can give), note (why a statistic is missing,
         or what bounds it) with note_kinds (:class:`NoteKind` values, comma-separated), and p_holm / rho_p_holm /
         partial_p_holm (Holm within the family, per scale); r_null, rho_null, partial_r_null (the permutation
-        null's mean); {r,r2,rho,partial_r}_ci_low/high (BCa bootstrap over whole runs, ``n_boot``,
-        ``boot_unit``, ``boot_method``); within_r with within_ci_low/high and within_n_runs (the mean within-run
-        r); between_steps, between_r_min/max, between_step_last, between_r_last, between_p_last (r across runs
-        per step); loo_r_min/max, robust, loo_flips (leave one run out). Rows
+        null's mean); {r,r2,rho,partial_r}_ci_low/high (95% intervals over runs,
+        ``ci_method``: Fisher's z where each run is one row, the jackknife over runs otherwise; ``ci_units``
+        the runs they rest on; R²'s from r's); within_r, within_p, within_r_null, within_ci_low/high,
+        within_n_runs, within_why (within training beyond what all runs share at a step: the two-way
+        fixed-effects r, its whole-run permutation p and null centre, its interval over runs; why it is
+        missing); between_steps, between_r_min/max, between_step_last, between_r_last, between_p_last (r across
+        runs per step); loo_r_min/max, loo_p_min/max, robust, loo_flips (leave one run out); vs_metric, d_r2,
+        d_r2_ci_low/high, d_r2_p_le0, d_r2_mc_error, d_r2_dropped, d_r2_n_boot (the paired bootstrap of
+        R² minus the compared metric's, :data:`~ncanalyze.analyzer.schema.COMPARISONS`). Rows
         with a missing or infinite target, or a missing metric or control, are left out of that metric's
         statistics (an infinite target is said in the notes).
     """
@@ -295,7 +327,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         if mask.sum() >= MIN_N:
             ctrl = independent_controls(C[mask])
             extra.append(claims(y[mask], X.loc[mask, keys], C.loc[mask, ctrl], None if labels is None else
-                                labels[mask], None if order is None else order[mask], n_perm, n_boot, seed))
+                                labels[mask], None if order is None else order[mask], n_perm, seed))
     out = pd.DataFrame(rows)
     out.insert(1, "family", out.metric.map(family))
     for i in out.index[out.metric.isin(list(SCALE_DEPENDENT))]:  # said wherever the row is printed
@@ -307,6 +339,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
                                                                                       "partial_p_perm"))
     out = _with_claims(out, extra)
     out = leave_one_out(out, y, X, C, labels, order, groups, n_perm, seed)
+    out = compare_r2(out, y, X, labels, n_boot, seed)
     out.attrs.update(target=target, controls=list(C.columns), n_perm=int(n_perm), seed=seed, runs=runs,
                      n_boot=int(n_boot))
     return out
@@ -358,19 +391,22 @@ def _column_groups(X: pd.DataFrame) -> list[tuple[list, pd.Series]]:
 
 def _with_claims(out: pd.DataFrame, extra: list[tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataFrame:
     """The statistics with the claims' columns (:func:`ncanalyze.analyzer.questions.claims`) joined by (metric,
-    scale), and a note where the two questions and the pooled r disagree in sign."""
+    scale), a note where an interval has no estimand, and one where the tested questions disagree in sign."""
     if not extra:  # too few rows for any statistic: the columns, empty
-        return out.assign(**{c: np.nan for c in CLAIM_COLUMNS}).assign(n_boot=0, between_steps=0, within_n_runs=0)
+        return out.assign(**{c: np.nan for c in CLAIM_COLUMNS}).assign(between_steps=0, within_n_runs=0,
+                                                                         within_why="", claims_why="")
     cl = pd.concat([e for e, _ in extra])
     steps = pd.concat([s for _, s in extra if len(s)] or [pd.DataFrame(columns=STEP_COLUMNS)])
     keys = pd.MultiIndex.from_frame(out[["metric", "scale"]])
     joined = cl.reindex(keys).reset_index(drop=True)
-    joined[["n_boot", "between_steps", "within_n_runs"]] = joined[["n_boot", "between_steps", "within_n_runs"]].fillna(
-        0).astype(int)  # a metric with too few rows for any
+    joined[["between_steps", "within_n_runs"]] = joined[["between_steps", "within_n_runs"]].fillna(0).astype(int)
+    joined[["within_why", "claims_why"]] = joined[["within_why", "claims_why"]].fillna("")
     out = pd.concat([out, joined], axis=1)
     for i, row in out.iterrows():
         mine = steps[(steps.metric == row.metric) & (steps.scale == row.scale)]
-        extra_notes = [Note(NoteKind.SIGN_FLIP, t) for t in sign_notes(row.r, mine, row.within_r, (row.within_ci_low, row.within_ci_high), ALPHA)]
+        extra_notes = [Note(NoteKind.UNDEFINED, row.claims_why)] if row.claims_why and np.isfinite(row.r) else []
+        extra_notes += [Note(NoteKind.SIGN_FLIP, t) for t in sign_notes(row.r, mine, row.within_r, row.within_p,
+                                                                        ALPHA)]
         if extra_notes:
             _add_notes(out, i, extra_notes)
     return out
@@ -404,52 +440,49 @@ def by_step(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "e
 
 def leave_one_out(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, labels: pd.Series | None,
                   order: pd.Series | None, groups: list, n_perm: int, seed: int | None) -> pd.DataFrame:
-    """Fragility: with each run left out in turn, the range of r (``loo_r_min``, ``loo_r_max``) and whether every
-    Holm verdict (r and partial r at ALPHA, within the family as in ``out``) stays as it is (``robust``);
-    ``loo_flips`` names the runs whose removal changes one ('run (r)', 'run (partial r)'), also said in a note.
-    Without runs: nan."""
-    out = out.assign(loo_r_min=np.nan, loo_r_max=np.nan, robust=np.nan, loo_flips="")
+    """One run's influence: with each run left out in turn, the range of r (``loo_r_min``, ``loo_r_max``) and of its
+    permutation p (``loo_p_min``, ``loo_p_max``); a run moves a claim where r without it lies more than half its
+    interval's width from r (the partial r likewise, against its own interval). ``robust``: no run does (nan
+    without an interval); ``loo_flips`` names those runs ('run (r)', 'run (partial r)'), also said in a note. The
+    data decide it, not the design: no Holm verdict crossing 0.05 by a few permutations counts. Without runs: nan."""
+    out = out.assign(loo_r_min=np.nan, loo_r_max=np.nan, loo_p_min=np.nan, loo_p_max=np.nan, robust=np.nan,
+                     loo_flips="")
     names = None if labels is None else pd.unique(labels.dropna())
     if names is None or len(names) <= MIN_N:
         return out
     pos = {k: i for i, k in enumerate(zip(out.metric, out.scale))}
-    fams = [np.asarray(g) for g in out.groupby(holm_families(out), dropna=False, sort=False).indices.values()]
-    full = {c: out[c].to_numpy(float) for c in ("p_holm", "partial_p_holm")}
-    raw = {c: out[c].to_numpy(float) for c in ("p_perm", "partial_p_perm")}
     lab, yv, Cv = labels.to_numpy(), y.to_numpy(float), C.to_numpy(float)
     step = None if order is None else order.to_numpy()
     cols = [([pos[k] for k in keys], X[keys].to_numpy(float), mask.to_numpy()) for keys, mask in groups]
-    rs, flips = np.full((len(names), len(out)), np.nan), [[] for _ in range(len(out))]
+    loo = {k: np.full((len(names), len(out)), np.nan) for k in ("r", "p_perm", "partial_r")}
     for d, name in enumerate(names):
-        p = {c: np.full(len(out), np.nan) for c in raw}
         for at, Xg, mask in cols:
             m = mask & (lab != name)
             if m.sum() < MIN_N:
                 continue
-            Cm = Cv[m][:, _independent(Cv[m])]
-            res = perm_test(yv[m], Xg[m], Cm, n_perm, seed, Scheme.whole_blocks(lab[m], None if step is None else
-                                                                                 step[m]), rho=False)
-            rs[d, at], p["p_perm"][at], p["partial_p_perm"][at] = res["r"], res["p_perm"], res["partial_p_perm"]
-        for (c, full_p), what in zip(full.items(), ("r", "partial r")):
-            tested_full = np.isfinite(raw[_raw_of(c)])  # the metrics tested in the full study: the same family
-            dropped = _holm_array(np.where(tested_full, p[_raw_of(c)], np.nan), fams)
-            changed = np.isfinite(full_p) & np.isfinite(dropped) & ((dropped < ALPHA) != (full_p < ALPHA))
-            for i in np.flatnonzero(changed):
-                flips[i].append(f"{name} ({what})")
+            res = perm_test(yv[m], Xg[m], Cv[m][:, _independent(Cv[m])], n_perm, seed,
+                            Scheme.whole_blocks(lab[m], None if step is None else step[m]), rho=False)
+            for k in loo:
+                loo[k][d, at] = res[k]
+    flips: list[list[str]] = [[] for _ in range(len(out))]
+    judged = np.zeros(len(out), bool)
+    for what, col in (("r", "r"), ("partial r", "partial_r")):
+        half = (out[f"{col}_ci_high"] - out[f"{col}_ci_low"]).to_numpy(float) / 2
+        with np.errstate(invalid="ignore"):
+            moved = np.abs(loo[col] - out[col].to_numpy(float)) > half
+        judged |= np.isfinite(half)
+        for d, i in zip(*np.nonzero(moved)):
+            flips[i].append(f"{names[d]} ({what})")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a metric without r in every drop
-        out["loo_r_min"], out["loo_r_max"] = np.nanmin(rs, 0), np.nanmax(rs, 0)
-    tested = (np.isfinite(full["p_holm"]) | np.isfinite(full["partial_p_holm"])) & (out.n_perm > 0).to_numpy()
-    out["robust"] = np.where(tested, [not f for f in flips], np.nan)
+        out["loo_r_min"], out["loo_r_max"] = np.nanmin(loo["r"], 0), np.nanmax(loo["r"], 0)
+        out["loo_p_min"], out["loo_p_max"] = np.nanmin(loo["p_perm"], 0), np.nanmax(loo["p_perm"], 0)
+    out["robust"] = np.where(judged, [not f for f in flips], np.nan)
     out["loo_flips"] = [", ".join(f) for f in flips]
     for i in out.index[out.loo_flips != ""]:
-        _add_notes(out, i, [Note(NoteKind.FRAGILE, "a Holm verdict changes with one run left out: "
+        _add_notes(out, i, [Note(NoteKind.FRAGILE, "one run moves r by more than half its interval: "
                                  + out.at[i, "loo_flips"])])
     return out
-
-
-def _raw_of(holm_column: str) -> str:
-    return {"p_holm": "p_perm", "partial_p_holm": "partial_p_perm"}[holm_column]
 
 
 def _independent(C: np.ndarray) -> list[int]:
@@ -458,16 +491,32 @@ def _independent(C: np.ndarray) -> list[int]:
             independent_controls(pd.DataFrame(C, columns=list(map(str, range(C.shape[1])))))]
 
 
-def _holm_array(p: np.ndarray, families: list[np.ndarray]) -> np.ndarray:
-    """Holm-adjusted p within each family (positions), over the finite p only (as :func:`holm`)."""
-    out = np.full(len(p), np.nan)
-    for fam in families:
-        idx = fam[np.isfinite(p[fam])]
-        if not len(idx):
-            continue
-        order = idx[np.argsort(p[idx], kind="stable")]
-        m = len(order)
-        out[order] = np.minimum(1, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+def compare_r2(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, labels: pd.Series | None, n_boot: int,
+               seed: int | None) -> pd.DataFrame:
+    """The paper's "A relates to the target more than B" (:data:`~ncanalyze.analyzer.schema.COMPARISONS`), per
+    scale where both were measured: on the rows where both are, R²(A) - R²(B) with the percentile interval and the
+    share of resamples <= 0 of a paired bootstrap over whole runs (the same resamples for both:
+    :func:`~ncanalyze.analyzer.resample.paired_bootstrap`), on A's row (``vs_metric`` names B)."""
+    cols = ("d_r2", "d_r2_ci_low", "d_r2_ci_high", "d_r2_p_le0", "d_r2_mc_error", "d_r2_dropped", "d_r2_n_boot")
+    out = out.assign(vs_metric="", **{c: np.nan for c in cols})
+    if n_boot <= 0:
+        return out
+    for a, b in COMPARISONS:
+        for scale in ("raw", "log"):
+            if (a, scale) not in X.columns or (b, scale) not in X.columns:
+                continue
+            ok = (X[a, scale].notna() & X[b, scale].notna()).to_numpy()
+            codes = run_codes(None if labels is None else labels.to_numpy()[ok], int(ok.sum()))
+            i = out.index[(out.metric == a) & (out.scale == scale)]
+            if codes.max(initial=-1) + 1 <= MIN_N or not len(i):
+                continue
+            res = paired_bootstrap(y.to_numpy(float)[ok], X[a, scale].to_numpy(float)[ok],
+                                   X[b, scale].to_numpy(float)[ok], codes, n_boot, seed)
+            out.loc[i[0], "vs_metric"] = b
+            out.loc[i[0], list(cols)] = [res[c] for c in cols]
+            if res["d_r2_dropped"]:
+                _add_notes(out, i[0], [Note(NoteKind.LEFT_OUT, f"R² against {b}: {res['d_r2_dropped']} of {n_boot} "
+                                        "resamples of runs left out (a metric without spread in them)")])
     return out
 
 
@@ -533,8 +582,9 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed, scheme) if n >= MIN_N else None
     n_distinct = scheme.n_distinct
     few = ([Note(NoteKind.FEW_PERMUTATIONS, f"only {n_distinct} distinct permutations of {scheme.name} "
-                 f"({scheme.n_units} {_unit_name(scheme)}): no p below 1/{n_distinct} = {1 / n_distinct:.3g}")]
-           if res and n_perm > 0 and n_distinct <= 1 / ALPHA else [])
+                 f"({scheme.n_units} {_unit_name(scheme)}): no equal-tailed p below 2/{n_distinct} = "
+                 f"{2 / n_distinct:.3g}")]
+           if res and n_perm > 0 and n_distinct <= 2 / ALPHA else [])
     rows = []
     for j, (metric, scale) in enumerate(X.columns):
         row = dict(metric=metric, scale=scale, n=n, r=np.nan, r2=np.nan, rho=np.nan, p_perm=np.nan, rho_p=np.nan,
@@ -574,6 +624,9 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
     if x.nunique() < 2 or y.nunique() < 2:
         return [Note(NoteKind.CONSTANT, ("metric" if x.nunique() < 2 else "target") + " constant over the selected checkpoints")]
     r = float(res["r"][j])
+    if not np.isfinite(r):
+        what = "target" if y.std() <= 1e-9 * y.abs().max() else "metric"
+        return [Note(NoteKind.CONSTANT, f"{what} constant over the selected checkpoints, up to rounding")]
     row.update(r=r, r2=r * r, rho=float(res["rho"][j]), p_perm=res["p_perm"][j], rho_p=res["rho_p"][j],
                r_null=res["r_null"][j], rho_null=res["rho_null"][j],
                n_perm=res["n_perm"], exact=res["exact"], p_param_iid=float(pearsonr(x, y).pvalue),
@@ -605,29 +658,32 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
 
 
 def p_floor(n_distinct: float, n_perm: int, exact: bool) -> float:
-    """The smallest permutation p a scheme can give: 1/N when all N distinct permutations are enumerated, else
-    1/(1 + B) for B drawn (Phipson & Smyth)."""
-    return 1 / n_distinct if exact else 1 / (1 + n_perm)
+    """The smallest equal-tailed permutation p a scheme can give (twice the smallest tail, the identity always in
+    it): 2/N when all N distinct permutations are enumerated, else 2/(1 + B) for B drawn (Phipson & Smyth)."""
+    return min(1.0, 2 / n_distinct if exact else 2 / (1 + n_perm))
 
 
 def unreachable(stats: pd.DataFrame, column: str = "p_perm", alpha: float = ALPHA) -> pd.DataFrame:
     """The Holm families (tag, family, scale) of ``stats`` in which no adjusted ``column`` can fall below
     ``alpha`` whatever the data: Holm multiplies the smallest of m p-values by m, and no p falls below the
-    scheme's floor, so none survives where m x floor >= alpha.
+    scheme's floor, so none survives where m x floor >= alpha. A family's floor, permutations and units are those
+    of its row with the largest floor (one source: a metric missing at one checkpoint has fewer rows and may have
+    fewer permutations than the rest).
 
     Returns
     -------
     pd.DataFrame
-        One row per such family: its keys, m (metrics with a p), p_floor, n_distinct_perms, perm_unit, n_units.
+        One row per such family: its keys, m (metrics with a p), p_floor, n_distinct_perms, n_perm, exact,
+        perm_unit, n_units.
     """
     tested = stats[np.isfinite(stats[column].astype(float)) & (stats.n_perm > 0)]
     keys = holm_families(tested)
+    cols = ["p_floor", "n_distinct_perms", "n_perm", "exact", "perm_unit", "n_units"]
     if tested.empty:
-        return pd.DataFrame(columns=[*keys, "m", "p_floor", "n_distinct_perms", "perm_unit", "n_units"])
-    g = tested.groupby(keys, dropna=False, sort=False).agg(
-        m=(column, "size"), p_floor=("p_floor", "min"), n_distinct_perms=("n_distinct_perms", "min"),
-        perm_unit=("perm_unit", "first"), n_units=("n_units", "min")).reset_index()
-    return g[g.m * g.p_floor >= alpha].reset_index(drop=True)
+        return pd.DataFrame(columns=[*keys, "m", *cols])
+    top = tested.sort_values("p_floor", ascending=False, kind="stable").groupby(keys, dropna=False, sort=False)
+    g = top[cols].first().join(top[column].size().rename("m")).reset_index()
+    return g[g.m * g.p_floor >= alpha][[*keys, "m", *cols]].reset_index(drop=True)
 
 
 # ---------------------------------------------------------------- what is pooled: tags, runs
@@ -712,8 +768,8 @@ def permutation_text(stats: pd.DataFrame, seed: int | None = None) -> str:
                    f"in step order), {many} distinct permutations" if u.perm_scheme != ROWS else
                    f"rows ({u.n_units} checkpoints, each its own unit), {many} distinct permutations")
                 + (", all enumerated (exact p)" if u.exact else f", {int(u.n_perm)} drawn at random (seed {seed})"))
-        if n <= 1 / ALPHA:
-            text += f"; no p can fall below 1/{int(n)} = {1 / n:.3g}, so none reaches {ALPHA:g}"
+        if n <= 2 / ALPHA:
+            text += f"; no equal-tailed p can fall below 2/{int(n)} = {2 / n:.3g}, so none reaches {ALPHA:g}"
         parts.append(text)
     return ("Permutations (rows of one run are not independent, so runs with several checkpoints are permuted "
             "whole, as exchangeability blocks; Winkler et al. 2014): " + "; ".join(parts) + ".")

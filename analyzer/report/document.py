@@ -14,8 +14,9 @@ from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
 from ncanalyze.analyzer.report.tables import (code, control_robustness, controls_text, design_factors_text, family_name,
-                                               fragility_lines, interval_table, no_control, no_control_text, notes,
-                                               questions_table, summary, survivors, target_note, unreachable_lines)
+                                               fragility_lines, interval_table, intervals_how, no_control,
+                                               no_control_text, notes, questions_table, summary, survivors,
+                                               target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.report.precision import budget_lines, error_lines
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
@@ -83,35 +84,44 @@ def _design_said(o: ReportOptions, stats: pd.DataFrame) -> str:
             "scale control)")
 
 
+LICENSE = ("What licenses a claim: the permutation test. A metric is related to the target where its permutation "
+           "p (after Holm, within its family) is small, against the null's centre (null r: what the shared design "
+           "alone yields, e.g. a trend every run shares). An interval of r that excludes 0 while p is large says that "
+           "the shared design, not the metric, carries r. Each claim answers one question: between models (r across "
+           "runs at one step), within training beyond what all runs share at a step (the fixed-effects r), or the "
+           "pooled r, which mixes both. Where a scale control is held fixed, say whether the association survives it "
+           "(partial r, p FL).")
+
+
 def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
-    """The claims a reader may draw, said with what they rest on: the two questions apart (between models at each
-    step, within training) beside the pooled r, the intervals over runs with the null's centre and
-    leave-one-run-out, the runs whose removal flips a verdict, and the partial r under each scale control."""
-    md = []
+    """The claims a reader may draw, said with what they rest on: what licenses a claim, the two questions apart
+    (between models at each step, within training beyond the shared trend) beside the pooled r, the intervals over
+    runs with the null's centre and leave-one-run-out, the runs that move r, the paper's comparisons and the partial
+    r under each scale control."""
+    md = ["### Claims", "", LICENSE, ""]
     q = questions_table(stats)
     if len(q):
         md += ["### Between models and within training", "",
                "The pooled r mixes two questions. Between models: r across runs at one step (every step at least 4 "
                "runs share; p: permutations of the runs at that step, equal-tailed); the range over those steps and "
-               "their count. Within training: the mean over runs of each run's own r over its checkpoints, with a "
-               "95% interval from resampling runs. Per step: `by_step.csv`.", "",
+               "their count. Within training, beyond what all runs share at a step: the two-way fixed-effects r "
+               "(metric and target less each run's level and each step's value common to all runs), so a trend every "
+               "run follows (the training clock) carries no weight; p: whole runs permuted (equal-tailed), null r its "
+               "centre; the 95% interval from the jackknife over runs. Per step: `by_step.csv`.", "",
                q.to_markdown(index=False, disable_numparse=True), ""]
-    boot = stats[stats.n_boot > 0] if "n_boot" in stats else stats.iloc[:0]
-    how = (f"95% {boot.boot_method.iloc[0]} intervals from {int(boot.n_boot.iloc[0])} bootstrap resamples of whole "
-           f"{boot.boot_unit.iloc[0]} (seed {stats.attrs.get('seed')})" if len(boot) else
-           "no intervals (fewer than 4 runs to resample, or none asked for)")
+    md += undefined_lines(stats)
     table = interval_table(stats)
     if len(table):
-        md += ["### Intervals over runs, the null and fragility", "",
-               f"{how}: a run's checkpoints are drawn together, so the interval respects the design (the `_iid` "
-               "intervals in stats.csv do not). null r: the mean r over the permutations, what the shared design "
-               "alone yields (a trend all runs share stays paired in every permutation), the centre to read r "
-               "against. r without one run: its range with each run left out in turn; Holm verdicts hold: whether "
-               "every Holm verdict (r and partial r at 0.05) stays the same under each single drop.", "",
+        md += ["### Intervals over runs, the null and one run's influence", "",
+               f"{intervals_how(stats)}. R²'s interval is r's squared (from 0 where r's holds 0). null r: the mean r "
+               "over the permutations, the centre to read r against. Without one run: r's and p's range with each "
+               "run left out in turn; one run moves it: whether leaving out some run moves r (or the partial r) by "
+               "more than half its interval.", "",
                table.to_markdown(index=False, disable_numparse=True), ""]
     fragile = fragility_lines(stats)
     if fragile:
-        md += ["Fragile claims (one run decides them):", ""] + [f"- {f}" for f in fragile] + [""]
+        md += ["Claims one run moves (leave-one-run-out):", ""] + [f"- {f}" for f in fragile] + [""]
+    md += comparison_lines(stats)
     ctrl = control_robustness(rows, FIGURES["fig1_nc_vs_loss"][1], r.target)
     if len(ctrl):
         md += ["### Figure 1's metrics under each scale control", "",
@@ -121,6 +131,34 @@ def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> li
                "several runs or checkpoints, else a dash).", "",
                ctrl.to_markdown(index=False, disable_numparse=True), ""]
     return md
+
+
+def undefined_lines(stats: pd.DataFrame) -> list[str]:
+    """One line per question that has no estimand here (one run, one step, copies of one run), or nothing."""
+    out = []
+    for col, what in (("claims_why", "Intervals and verdicts"), ("within_why", "Within training")):
+        why = stats[col].dropna().astype(str) if col in stats else pd.Series([], dtype=str)
+        why = why[why != ""]
+        if len(why) and len(why) == len(stats[stats.r.notna()]) and why.nunique() == 1:
+            out += [f"**{what}: not defined here** ({md_text(why.iloc[0])}).", ""]
+    return out
+
+
+def comparison_lines(stats: pd.DataFrame) -> list[str]:
+    """The paper's "A relates to the target more than B", each from a paired bootstrap of R²(A) - R²(B)."""
+    rows = stats[stats.vs_metric.fillna("") != ""] if "vs_metric" in stats else stats.iloc[:0]
+    if rows.empty:
+        return []
+    md = ["### Does one metric relate more than another?", "",
+          "R²(A) - R²(B) on the same checkpoints, with its 95% percentile interval from a paired bootstrap of whole "
+          "runs (each resample draws the same runs for both) and the share of resamples where the difference is <= "
+          "0; the interval's ends carry a Monte-Carlo error from the number of resamples.", ""]
+    for _, s in rows.iterrows():
+        said = ("more" if s.d_r2_ci_low > 0 else "less" if s.d_r2_ci_high < 0 else "not clearly more or less")
+        md.append(f"- `{s.metric}` against `{s.vs_metric}` ({s.scale}): ΔR² {s.d_r2:+.3f} [{s.d_r2_ci_low:+.3f}, "
+                  f"{s.d_r2_ci_high:+.3f}], P(ΔR² <= 0) = {s.d_r2_p_le0:.3f} over {int(s.d_r2_n_boot)} resamples "
+                  f"(Monte-Carlo error of the ends ±{s.d_r2_mc_error:.3f}): {s.metric} relates {said}.")
+    return md + [""]
 
 
 def tag_stats(stats: pd.DataFrame, tag: str | None) -> pd.DataFrame:
@@ -204,8 +242,10 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None, formats: Seq
     md += ["## Files", "", "- `metrics.csv`: one row per checkpoint",
            "- `stats.csv`: every statistic, with its Holm `family`, the unit permuted (`perm_unit`) and the floor of "
            "the permutation p (`p_floor`), the null's centre (`r_null`), the intervals over runs (`*_ci_low`, "
-           "`*_ci_high`, `n_boot`), the two questions (`between_*`, `within_*`) and leave-one-run-out (`loo_r_min`, "
-           "`loo_r_max`, `robust`, `loo_flips`); columns ending in `_iid` assume independent rows",
+           "`*_ci_high`, `ci_method`, `ci_units`), the two questions (`between_*`; `within_*`, the fixed-effects r "
+           "beyond what all runs share at a step), leave-one-run-out (`loo_r_min`, `loo_r_max`, `loo_p_min`, "
+           "`loo_p_max`, `robust`, `loo_flips`) and the paired comparisons of R² (`vs_metric`, `d_r2*`); columns "
+           "ending in `_iid` assume independent rows",
            "- `by_step.csv`: between models, r across runs at each step that at least 4 runs share",
            "- `tables.tex`: the tables for LaTeX, a raw and a log10 table per tag (needs "
            "`\\usepackage{booktabs,graphicx}`)"]

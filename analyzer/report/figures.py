@@ -229,7 +229,8 @@ def _no_values(ax, m: str) -> None:
 def design_text(s: pd.Series, runs: pd.Series) -> str:
     """What a panel's R² rests on, for its legend: the runs and checkpoints, and the permutation p with its unit
     (``p_runs`` where whole runs, or runs of one checkpoint, are permuted; ``p_rows`` where rows of one run are) and
-    its floor where every permutation was counted (exact p), e.g. "p_runs = 0.250 (min 1/24)\n4 runs × 4 ckpts".
+    its floor where every permutation was counted (exact p: 2/N, equal-tailed), e.g. "p_runs = 0.250 (min 2/24)\n4 runs ×
+    4 ckpts".
 
     Parameters
     ----------
@@ -249,7 +250,7 @@ def design_text(s: pd.Series, runs: pd.Series) -> str:
     if not s.n_perm or not np.isfinite(s.p_perm):
         return f"no permutation p\n{design}"
     unit = "runs" if s.perm_scheme != "rows" or per_run.max() == 1 else "rows"
-    few = f" (min 1/{int(s.n_distinct_perms)})" if s.exact else ""  # every permutation counted: p's floor
+    few = f" (min 2/{int(s.n_distinct_perms)})" if s.exact else ""  # every permutation counted: p's floor
     return f"p_{unit} = {fmt_p(s.p_perm)}{few}\n{design}"
 
 
@@ -561,7 +562,7 @@ def depth_files(df: pd.DataFrame, table: pd.DataFrame | None, out: Path,
 def step_r_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence[str], title: str) -> Figure:
     """Between models, step by step: the r across runs at each step of each metric (log scale where it has one),
     filled where its permutation p < 0.05; a dashed line at the pooled r; a metric whose sign flips says so in
-    the legend.
+    the legend, which also gives within training beyond what all runs share at a step (the fixed-effects r, p).
 
     Parameters
     ----------
@@ -587,7 +588,10 @@ def step_r_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence[st
         if d.r.notna().sum() == 0:
             continue
         colour = RUN_COLOURS[i % len(RUN_COLOURS)]
-        name = m + (" (log)" if scale == "log" else "") + (": sign flips" if m in flipped else "")
+        row = stats[(stats.metric == m) & (stats.scale == scale)]
+        within = (f"; within beyond the shared trend r {row.within_r.iloc[0]:+.2f} (p {fmt_p(row.within_p.iloc[0])})"
+                  if len(row) and "within_p" in row and np.isfinite(row.within_p.iloc[0]) else "")
+        name = m + (" (log)" if scale == "log" else "") + (": sign flips" if m in flipped else "") + within
         ax.plot(d.step, d.r, "-", color=colour, label=name)
         sig = d.p_perm.astype(float) < 0.05
         ax.plot(d.step[sig], d.r[sig], "o", color=colour)

@@ -40,7 +40,8 @@ STATS_COLUMNS = (("n", "n", "{:d}"), ("R²", "r2", fmt), ("r", "r", fmt), ("rho"
                  # the claims (issue 39): intervals over runs, the null's centre, the two questions, one run left out
                  ("r CI low", "r_ci_low", fmt), ("r CI high", "r_ci_high", fmt), ("null r", "r_null", fmt),
                  ("partial r CI low", "partial_r_ci_low", fmt), ("partial r CI high", "partial_r_ci_high", fmt),
-                 ("r across runs, last step", "between_r_last", fmt), ("within-run r", "within_r", fmt),
+                 ("r across runs, last step", "between_r_last", fmt), ("within r beyond the shared trend", "within_r", fmt),
+                 ("p within", "within_p", fmt_p),
                  ("r without one run, min", "loo_r_min", fmt), ("max", "loo_r_max", fmt))
 
 

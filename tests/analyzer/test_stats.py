@@ -400,7 +400,8 @@ def test_one_checkpoint_per_run_is_the_row_permutation_test():
     df = study(n_runs=9, per_run=1, seed=2)
     rows = correlations(df, ["nc1_cdnv", "nc2_norm_cv"], n_perm=500, seed=3)
     runs = correlations(df, ["nc1_cdnv", "nc2_norm_cv"], n_perm=500, seed=3, runs="run")
-    units = ["note", "note_kinds", "boot_unit", "loo_r_min", "loo_r_max", "robust", "loo_flips"]  # runs name them
+    units = ["note", "note_kinds", "within_why", "loo_r_min", "loo_r_max", "loo_p_min", "loo_p_max", "robust",
+             "loo_flips"]  # runs name them
     pd.testing.assert_frame_equal(rows.drop(columns=units), runs.drop(columns=units), check_dtype=False)
     assert (runs.perm_scheme == "rows").all() and (runs.n_distinct_perms == math.factorial(9)).all()
     no_run_column = correlations(df.drop(columns="run"), ["nc1_cdnv"], n_perm=500, seed=3, runs="run")
@@ -430,11 +431,13 @@ def test_a_related_metric_is_found_across_runs():
 def test_too_few_runs_say_that_no_p_can_reach_alpha():
     df = runs_study([4, 4, 4], seed=1)  # 3! = 6 permutations of whole runs
     out = correlations(df, ["nc1_cdnv"], n_perm=1000, runs="run")
-    assert (out.n_distinct_perms == 6).all() and out.exact.all() and (out.p_perm >= 1 / 6 - 1e-12).all()
-    assert out.note.str.contains("only 6 distinct permutations of whole runs \\(3 runs\\): no p below 1/6").all()
+    assert (out.n_distinct_perms == 6).all() and out.exact.all() and (out.p_perm >= 2 / 6 - 1e-12).all()
+    assert (out.p_floor == 2 / 6).all()  # equal-tailed: twice the smallest tail, the identity in it
+    assert out.note.str.contains("only 6 distinct permutations of whole runs \\(3 runs\\): no equal-tailed p below "
+                                 "2/6").all()
     text = permutation_text(out)
     assert "whole runs (3 runs" in text and "6 distinct permutations, all enumerated (exact p)" in text
-    assert "no p can fall below 1/6 = 0.167, so none reaches 0.05" in text
+    assert "no equal-tailed p can fall below 2/6 = 0.333, so none reaches 0.05" in text
     lone = correlations(runs_study([2, 3, 4], seed=1), ["nc1_cdnv"], n_perm=1000, runs="run")
     assert (lone.n_distinct_perms == 1).all() and (lone.p_perm == 1).all()  # no run has a partner: no test
 
@@ -544,8 +547,8 @@ def test_weighted_r_rho_and_partial_r_equal_numpy_scipy_pingouin_on_each_resampl
             assert p[b, j] == pytest.approx(pg.partial_corr(d, "x", "y", ["c0", "c1"])["r"].iloc[0], abs=1e-10)
 
 
-def test_bootstrap_draws_whole_runs_and_bca_falls_back_to_percentile_without_bias():
-    from ncanalyze.analyzer.resample import bca_interval, bootstrap_weights, percentile_interval
+def test_bootstrap_draws_whole_runs():
+    from ncanalyze.analyzer.resample import bootstrap_weights, percentile_interval
     codes = np.array([0, 0, 1, 1, 1, 2, 3, 3])
     W = bootstrap_weights(codes, 200, 1)
     assert (W.sum(1) > 0).all() and all(len(set(w[codes == c])) == 1 for w in W for c in range(4))  # runs whole
@@ -553,40 +556,38 @@ def test_bootstrap_draws_whole_runs_and_bca_falls_back_to_percentile_without_bia
     s = np.random.default_rng(0).normal(size=(4001, 1))
     lo, hi, _ = percentile_interval(s)
     assert (lo[0], hi[0]) == pytest.approx(tuple(np.quantile(s[:, 0], [0.025, 0.975])), abs=1e-12)
-    med = np.median(s, 0)  # no bias (z0 = 0), no acceleration (a symmetric jackknife): BCa = percentile
-    blo, bhi, _ = bca_interval(s, med, np.array([[1.0], [-1.0]]))
-    assert (blo[0], bhi[0]) == pytest.approx((lo[0], hi[0]), abs=1e-3)
 
 
-def test_bca_does_not_turn_on_the_last_bit_of_the_estimate():
-    """With few runs many resamples draw every run once: their statistic is the estimate, computed another way, so
-    it equals it only up to rounding. Those ties count half below whichever way the rounding falls, so moving the
-    estimate by one ulp leaves the interval as it was (counted as strictly below or above, it moved the bound)."""
-    from ncanalyze.analyzer.resample import bca_interval
-    rng = np.random.default_rng(4)
-    theta = np.array([0.8123456789])
-    s = np.concatenate([rng.normal(0.75, 0.08, 700), theta[0] * (1 + rng.choice([-1, 1], 300) * 2.2e-16)])[:, None]
-    jack = rng.normal(0.8, 0.05, (4, 1))
-    at = [bca_interval(s, t, jack)[:2] for t in (theta, np.nextafter(theta, 1), np.nextafter(theta, 0))]
-    for lo, hi in at[1:]:
-        assert (lo[0], hi[0]) == (at[0][0][0], at[0][1][0])
-    below = (s[:, 0] < 0.8123456789 - 1e-9).mean() + 0.5 * 0.3  # the bias the ties give: half of them below
-    from scipy.stats import norm
-    z0, z = norm.ppf(below), norm.ppf(0.975)
-    d = jack.mean() - jack[:, 0]
-    a = (d ** 3).sum() / (6 * (d ** 2).sum() ** 1.5)
-    q = norm.cdf(z0 + (z0 + z) / (1 - a * (z0 + z)))
-    assert at[0][1][0] == pytest.approx(np.quantile(s[:, 0], q), abs=1e-12)  # the upper bound, by hand
+def test_fisher_and_jackknife_intervals_equal_their_formulas_by_hand():
+    from ncanalyze.analyzer.questions import intervals
+    rng = np.random.default_rng(5)
+    y, X, C = rng.normal(size=12), rng.normal(size=(12, 2)), rng.normal(size=(12, 1))
+    X[:, 0] += y
+    one = intervals(y, X, C, np.arange(12))  # a row per run: Fisher's z
+    r = np.corrcoef(X[:, 0], y)[0, 1]
+    assert one["ci_method"] == "Fisher z"
+    assert one["r_ci_low"][0] == pytest.approx(np.tanh(np.arctanh(r) - 1.959963984540054 / 3), abs=1e-12)
+    rho = sps.spearmanr(X[:, 0], y).statistic
+    se = np.sqrt((1 + rho ** 2 / 2) / 9)  # Bonett & Wright
+    assert one["rho_ci_high"][0] == pytest.approx(np.tanh(np.arctanh(rho) + 1.959963984540054 * se), abs=1e-12)
+    d = pd.DataFrame({"x": X[:, 0], "y": y, "c": C[:, 0]})
+    pr = pg.partial_corr(d, "x", "y", ["c"])["r"].iloc[0]
+    assert one["partial_r_ci_low"][0] == pytest.approx(np.tanh(np.arctanh(pr) - 1.959963984540054 / np.sqrt(8)),
+                                                       abs=1e-12)
+    codes = np.repeat(np.arange(4), 3)  # 4 runs of 3 rows: the jackknife over runs on Fisher's z, t with 3 df
+    jk = intervals(y, X, C, codes)
+    zj = np.array([np.arctanh(np.corrcoef(X[codes != i, 0], y[codes != i])[0, 1]) for i in range(4)])
+    half = sps.t.ppf(0.975, 3) * np.sqrt(3 / 4 * ((zj - zj.mean()) ** 2).sum())
+    assert jk["ci_method"].startswith("jackknife over runs")
+    assert (jk["r_ci_low"][0], jk["r_ci_high"][0]) == pytest.approx((np.tanh(np.arctanh(r) - half),
+                                                                      np.tanh(np.arctanh(r) + half)), abs=1e-12)
 
 
-def test_holm_of_leave_one_out_equals_pingouin():
-    from ncanalyze.analyzer.stats import _holm_array
-    p = np.array([0.01, 0.04, np.nan, 0.03, 0.2, 0.001])
-    fams = [np.array([0, 1, 2, 3]), np.array([4, 5])]
-    got = _holm_array(p, fams)
-    np.testing.assert_allclose(got[[0, 1, 3]], pg.multicomp(p[[0, 1, 3]], method="holm")[1], atol=1e-15)
-    np.testing.assert_allclose(got[[4, 5]], pg.multicomp(p[[4, 5]], method="holm")[1], atol=1e-15)
-    assert np.isnan(got[2])
+def test_r2_interval_starts_at_0_where_r_s_spans_it():
+    from ncanalyze.analyzer.resample import r2_interval
+    lo, hi = r2_interval(np.array([-0.81, 0.2, -0.9]), np.array([0.58, 0.7, -0.3]))
+    np.testing.assert_allclose(lo, [0, 0.04, 0.09])
+    np.testing.assert_allclose(hi, [0.81 ** 2, 0.49, 0.81])
 
 
 def test_leave_one_run_out_range_of_r_equals_brute_force():
@@ -596,9 +597,13 @@ def test_leave_one_run_out_range_of_r_equals_brute_force():
         (name, df[df.run != name]) for name in df.run.unique())]
     assert out.loc["raw", "loo_r_min"] == pytest.approx(min(rs), abs=1e-12)
     assert out.loc["raw", "loo_r_max"] == pytest.approx(max(rs), abs=1e-12)
-    assert out.loc["raw", "robust"] in (0, 1) and out.loc["raw", "n_boot"] == 200
-    assert out.loc["raw", "boot_method"] == "BCa" and out.loc["raw", "boot_unit"] == "runs"
+    assert out.loc["raw", "robust"] in (0, 1) and out.loc["raw", "ci_units"] == 6
+    assert out.loc["raw", "ci_method"].startswith("jackknife over runs") and out.loc["raw", "ci_unit"] == "runs"
     assert out.loc["raw", "r_ci_low"] <= out.loc["raw", "r"] <= out.loc["raw", "r_ci_high"]
+    ps = [perm_test(g.eval_loss.to_numpy(), g[["nc1_trace"]].to_numpy(), None, 200, 0,
+                    Scheme.whole_blocks(g.run, g.global_step))["p_perm"][0]
+          for g in (df[df.run != name] for name in df.run.unique())]
+    assert (out.loc["raw", "loo_p_min"], out.loc["raw", "loo_p_max"]) == pytest.approx((min(ps), max(ps)), abs=1e-12)
 
 
 def test_design_controls_are_the_architecture_factors_that_vary():
