@@ -577,8 +577,7 @@ def _group_stats(y: pd.Series, X: pd.DataFrame, C: pd.DataFrame, notes: dict, un
     """Statistics of the columns of X, which all have the same rows, against y given controls C, permuting under
     ``scheme``; ``notes`` say why a column has none, ``unused`` is said of every column."""
     n = len(y)
-    ctrl = independent_controls(C) if n else []
-    dropped = [c for c in C.columns if c not in ctrl]
+    ctrl, dropped = control_choice(C) if n else ([], {})
     res = perm_test(y.to_numpy(), X.to_numpy(), C[ctrl].to_numpy(), n_perm, seed, scheme) if n >= MIN_N else None
     n_distinct = scheme.n_distinct
     few = ([Note(NoteKind.FEW_PERMUTATIONS, f"only {n_distinct} distinct permutations of {scheme.name} "
@@ -613,7 +612,7 @@ def _as_float(count: int) -> float:
 
 
 def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | None, j: int,
-          dropped: list[str]) -> list[str]:
+          dropped: dict[str, str]) -> list[str]:
     """Put column j's r, R², rho, p-values and partial r (pingouin) into ``row``; return notes on what is
     missing."""
     import pingouin as pg  # seconds to import: not at the CLI's start
@@ -631,7 +630,7 @@ def _fill(row: dict, x: pd.Series, y: pd.Series, C: pd.DataFrame, res: dict | No
                r_null=res["r_null"][j], rho_null=res["rho_null"][j],
                n_perm=res["n_perm"], exact=res["exact"], p_param_iid=float(pearsonr(x, y).pvalue),
                p_floor=p_floor(res["n_distinct"], res["n_perm"], res["exact"]) if res["n_perm"] else np.nan)
-    note = [Note(NoteKind.CONTROLS, f"partial r ignores {', '.join(dropped)} (constant or collinear here)")] \
+    note = [Note(NoteKind.CONTROLS, "partial r ignores " + ", ".join(f"{c} ({why})" for c, why in dropped.items()))] \
         if dropped else []
     if n < k + MIN_N:
         return note + [Note(NoteKind.TOO_FEW, f"n={n} too few for a partial r with {k} control(s) (needs >= {k + MIN_N})")]

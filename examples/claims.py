@@ -4,11 +4,14 @@
 
 Each of the paper's statements is answered for the question it asks. Its Figure 1 (230 models at the end of
 training) asks *between models*: at one step, do the runs with more collapse have the lower loss? Here that is the
-grid's final models (`final/`, one row per run) and, at every step all runs share, `all/by_step.csv`. *Within
-training* (as one run trains, does its loss move with its metric?) and the *pooled* r of every checkpoint (both
-mixed) are said beside it, from `all/stats.csv`, with the 95% intervals of the bootstrap over whole runs. Its Table 1
-(seed replicas of one architecture) is `seeds/`. Every figure in the text comes from those files; the README quotes
-findings.md verbatim (tests/e2e/test_examples.py checks both).
+grid's final models (`final/`, one row per run) and, at every step all runs share, `all/by_step.csv`; each verdict
+carries the partial r given the design (depth, width) and says whether the association survives it. *Within
+training, beyond what all runs share at a step* (as one run trains, does its loss move with its metric more than
+every run's does?: the two-way fixed-effects r, tested by permuting whole runs) and the *pooled* r of every
+checkpoint (both mixed) are said beside it, from `all/stats.csv`, with their 95% intervals over runs. The paper's
+"A relates more than B" is a paired bootstrap of the difference in R². Its Table 1 (seed replicas of one
+architecture) is `seeds/`. Every figure in the text comes from those files; the README quotes findings.md verbatim
+(tests/e2e/test_examples.py checks both).
 """
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ def row(stats: pd.DataFrame, metric: str, scale: str) -> pd.Series:
 
 
 def verdict(s: pd.Series, sign: int) -> str:
-    """Between models: reproduced where Holm's p is under ALPHA with the paper's sign and the run-bootstrap interval
-    excludes 0 (where one was drawn); the opposite sign, or no association beyond chance, said as such."""
+    """Between models: reproduced where Holm's p is under ALPHA with the paper's sign and the interval over runs
+    excludes 0 (where there is one); the opposite sign, or no association beyond chance, said as such."""
     r, p, low, high = s.r, s.p_holm, s.r_ci_low, s.r_ci_high
     if not (np.isfinite(r) and np.isfinite(p)) or p >= ALPHA:
         return "not reproduced (no association beyond chance after Holm)"
@@ -80,14 +83,26 @@ def verdict(s: pd.Series, sign: int) -> str:
     return "**reproduced**" if np.sign(r) == sign else "**opposite sign** to the paper's"
 
 
+def design(s: pd.Series) -> str:
+    """The partial r given the design beside a verdict, and whether the association survives the design."""
+    if not isinstance(s.get("controls"), str) or not s.controls or not np.isfinite(s.partial_r):
+        return "no design factor varies here, so nothing to control"
+    holm = s.get("partial_p_holm", np.nan)
+    said = ("it survives the design" if np.isfinite(holm) and holm < ALPHA else
+            "it does not survive the design (size explains it as well)")
+    return (f"given the design ({s.controls}) partial r {ci(s.partial_r, s.partial_r_ci_low, s.partial_r_ci_high)}, "
+            f"p {p_text(s.partial_p_perm)}, Holm {p_text(holm)}: {said}")
+
+
 def direction(s: pd.Series, sign: int) -> str:
-    """Within training: whether the interval of the mean within-run r lies on the paper's side of 0."""
-    low, high = s.within_ci_low, s.within_ci_high
-    if not (np.isfinite(low) and np.isfinite(high)):
-        return "no interval"
-    if low <= 0 <= high:
-        return "undecided (the interval holds 0)"
-    return "the paper's direction" if np.sign(low) == sign else "the opposite direction"
+    """Within training beyond the shared trend: the paper's direction where the fixed-effects r's whole-run
+    permutation p is under ALPHA with the paper's sign, the opposite where with the other, else undecided."""
+    r, p = s.within_r, s.within_p
+    if not (np.isfinite(r) and np.isfinite(p)):
+        return "not defined here"
+    if p >= ALPHA:
+        return f"undecided (p {p_text(p)})"
+    return ("the paper's direction" if np.sign(r) == sign else "the opposite direction") + f" (p {p_text(p)})"
 
 
 def flipped(flips: str, runs: int) -> str:
@@ -96,19 +111,20 @@ def flipped(flips: str, runs: int) -> str:
 
     by_run = loo_flip_runs(flips)
     if len(by_run) > 3:
-        return f"dropping any one of {len(by_run)} of its {runs} runs changes a Holm verdict"
+        return f"leaving out any one of {len(by_run)} of its {runs} runs moves r by more than half its interval"
     from ncanalyze.analyzer.report.escape import md_name
 
-    return "; ".join(f"dropping {md_name(run)} changes the Holm verdict of its {' and '.join(what)}"
+    return "; ".join(f"leaving out {md_name(run)} moves its {' and '.join(what)} by more than half the interval"
                      for run, what in by_run.items())
 
 
 def fragility(s: pd.Series) -> str:
-    """Leave one run out: the range of r, and whether a Holm verdict rests on one run."""
+    """Leave one run out: the range of r and of p, and whether one run moves r by more than half its interval."""
     if not np.isfinite(s.loo_r_min):
         return ""
-    held = "every Holm verdict holds" if s.robust == 1 else flipped(s.loo_flips, int(s.n_units))
-    return f"; without any one run r {s.loo_r_min:+.2f} to {s.loo_r_max:+.2f}, {held}"
+    held = "no run moves r by more than half its interval" if s.robust == 1 else flipped(s.loo_flips, int(s.n_units))
+    return (f"; without any one run r {s.loo_r_min:+.2f} to {s.loo_r_max:+.2f} (p {p_text(s.loo_p_min)} to "
+            f"{p_text(s.loo_p_max)}), {held}")
 
 
 def between(final: pd.Series, every: pd.Series, sign: int | None) -> str:
@@ -119,15 +135,17 @@ def between(final: pd.Series, every: pd.Series, sign: int | None) -> str:
              if every.between_steps > 0 else "")
     r = ci(final.r, final.r_ci_low, final.r_ci_high)
     return (f"between models at the final step ({int(final.n)} models): r {r}, "
-            f"R² {final.r2:.2f}, p {p_text(final.p_perm)}, Holm {p_text(final.p_holm)}"
-            + (f": {verdict(final, sign)}" if sign else "") + steps)
+            f"R² {ci(final.r2, final.r2_ci_low, final.r2_ci_high, '')}, p {p_text(final.p_perm)}, Holm "
+            f"{p_text(final.p_holm)}" + (f": {verdict(final, sign)}; {design(final)}" if sign else "") + steps)
 
 
 def within_and_pooled(every: pd.Series, sign: int) -> str:
-    """Within training (mean within-run r, its interval, its direction) and the pooled r with its interval."""
-    within = (f"within training: mean within-run r {ci(every.within_r, every.within_ci_low, every.within_ci_high)} "
-              f"over {int(every.within_n_runs)} runs, {direction(every, sign)}" if np.isfinite(every.within_r) else
-              "within training: no run has enough checkpoints")
+    """Within training beyond what all runs share at a step (the fixed-effects r, its interval, p and null centre,
+    its direction) and the pooled r with its interval."""
+    within = (f"within training, beyond what all runs share at a step: r "
+              f"{ci(every.within_r, every.within_ci_low, every.within_ci_high)} (null {every.within_r_null:+.2f}) over "
+              f"{int(every.within_n_runs)} runs, {direction(every, sign)}" if np.isfinite(every.within_r) else
+              f"within training: not defined here ({every.within_why})")
     return (f"{within}; pooled ({int(every.n)} checkpoints): r {ci(every.r, every.r_ci_low, every.r_ci_high)}, "
             f"R² {every.r2:.2f}{fragility(every)}")
 
@@ -149,7 +167,7 @@ def headline(metric: str, paper: Paper, st: dict[str, pd.DataFrame]) -> str:
             + sign_note(every))
 
 
-def seeds_lines(st: dict[str, pd.DataFrame], design: dict) -> list[str]:
+def seeds_lines(st: dict[str, pd.DataFrame], facts: dict) -> list[str]:
     """Table 1: each Figure 1 metric on the seed replicas beside the paper's p, and the metrics that survive Holm."""
     seeds = st["seeds"][st["seeds"].scale == "raw"]
     out = []
@@ -167,9 +185,9 @@ def seeds_lines(st: dict[str, pd.DataFrame], design: dict) -> list[str]:
                      + ("" if s.robust == 1 else f"; {flipped(s.loo_flips, int(s.n_units))}") + ")"
                      for _, s in survive.iterrows())
     floor = row(st["seeds"], "nc1_cdnv", "raw")
-    lines = [f"- **Seed replicas** (the paper's Table 1; {design['replicas']} runs of {design['replica_arch']}, "
-             f"one row each, {floor.n_distinct_perms:.3g} distinct permutations, so p can reach "
-             f"{p_text(floor.p_floor)}; their losses {design['replica_loss']}): {said}. " + "; ".join(out) + ". "
+    lines = [f"- **Seed replicas** (the paper's Table 1; {facts['replicas']} runs of {facts['replica_arch']}, "
+             f"one row each, {floor.n_distinct_perms:.3g} distinct permutations, so an equal-tailed p can reach "
+             f"{p_text(floor.p_floor)}; their losses {facts['replica_loss']}): {said}. " + "; ".join(out) + ". "
              + ("Every metric that survives Holm (either family): " + kept + "." if kept else
                 "No metric survives Holm.")]
     return lines
@@ -177,16 +195,21 @@ def seeds_lines(st: dict[str, pd.DataFrame], design: dict) -> list[str]:
 
 def comparison(st: dict[str, pd.DataFrame], a: str, b: str, claim: str) -> str:
     """One of the paper's 'A relates to loss more than B' statements, on the final models and over every
-    checkpoint, with R²'s intervals over runs."""
+    checkpoint: R²(A) - R²(B) from a paired bootstrap of whole runs (stats.csv's d_r2 columns), reproduced between
+    models where its interval lies above 0."""
     parts = []
     for key, where in (("final", "final models"), ("all", "every checkpoint")):
         x, y = row(st[key], a, "raw"), row(st[key], b, "raw")
+        d = (f", ΔR² {x.d_r2:+.2f} [{x.d_r2_ci_low:+.2f}, {x.d_r2_ci_high:+.2f}], P(ΔR² <= 0) {x.d_r2_p_le0:.3f}"
+             if x.get("vs_metric") == b and np.isfinite(x.d_r2) else "")
         parts.append(f"{where}: R² {ci(x.r2, x.r2_ci_low, x.r2_ci_high, '')} against "
-                     f"{ci(y.r2, y.r2_ci_low, y.r2_ci_high, '')}")
-    x, y = row(st["final"], a, "raw"), row(st["final"], b, "raw")
-    apart = np.isfinite(x.r2_ci_low) and np.isfinite(y.r2_ci_high) and x.r2_ci_low > y.r2_ci_high
-    said = ("**reproduced** between models (the intervals do not overlap)" if apart else
-            "higher between models, the intervals overlapping" if x.r2 > y.r2 else "not reproduced between models")
+                     f"{ci(y.r2, y.r2_ci_low, y.r2_ci_high, '')}{d}")
+    x = row(st["final"], a, "raw")
+    low, high = x.get("d_r2_ci_low", np.nan), x.get("d_r2_ci_high", np.nan)
+    said = ("**reproduced** between models (ΔR²'s interval lies above 0)" if np.isfinite(low) and low > 0 else
+            "the opposite between models (ΔR²'s interval lies below 0)" if np.isfinite(high) and high < 0 else
+            "not reproduced between models (ΔR²'s interval holds 0)" if np.isfinite(low) else
+            "not tested between models (no paired bootstrap)")
     return f"- *{claim}* (`{a}` against `{b}`): {said}; " + "; ".join(parts) + "."
 
 
@@ -226,7 +249,9 @@ def findings(folder: Path) -> str:
     st = {k: pd.read_csv(folder / k / "stats.csv") for k in ("all", "final", "seeds")}
     st = {k: v[v.tag.isna()] if "tag" in v and v.tag.notna().any() else v for k, v in st.items()}
     d = design_facts(folder)
-    lines = [HEADER, "", design_line(d), "", "**Figure 1: NC and generalization across scale.**", ""]
+    lines = [HEADER, "", design_line(d), "", "**Figure 1: NC and generalization across scale.**", "",
+             "The paper's R² rests on its own design's spread (230 models over a wide range of sizes and losses); an "
+             "R² here rests on this grid's, so compare signs, tests and intervals, not the R² values.", ""]
     lines += [headline(metric, paper, st) for metric, paper in PAPER.items()]
     lines += ["", "**The paper's other statements.**", "", equinorm(st),
               comparison(st, "unc3_cos_cv", "nc3_cos_mean", "UNC3 relates to loss more than NC3"),

@@ -157,7 +157,7 @@ def comparison_lines(stats: pd.DataFrame) -> list[str]:
         said = ("more" if s.d_r2_ci_low > 0 else "less" if s.d_r2_ci_high < 0 else "not clearly more or less")
         md.append(f"- `{s.metric}` against `{s.vs_metric}` ({s.scale}): ΔR² {s.d_r2:+.3f} [{s.d_r2_ci_low:+.3f}, "
                   f"{s.d_r2_ci_high:+.3f}], P(ΔR² <= 0) = {s.d_r2_p_le0:.3f} over {int(s.d_r2_n_boot)} resamples "
-                  f"(Monte-Carlo error of the ends ±{s.d_r2_mc_error:.3f}): {s.metric} relates {said}.")
+                  f"(Monte-Carlo error of the ends ±{s.d_r2_mc_error:.2g}): {s.metric} relates {said}.")
     return md + [""]
 
 

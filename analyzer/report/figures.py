@@ -250,7 +250,8 @@ def design_text(s: pd.Series, runs: pd.Series) -> str:
     if not s.n_perm or not np.isfinite(s.p_perm):
         return f"no permutation p\n{design}"
     unit = "runs" if s.perm_scheme != "rows" or per_run.max() == 1 else "rows"
-    few = f" (min 2/{int(s.n_distinct_perms)})" if s.exact else ""  # every permutation counted: p's floor
+    few = ((" (min 1)" if s.p_floor >= 1 else f" (min 2/{int(s.n_distinct_perms)})") if s.exact  # p's floor
+           else "")
     return f"p_{unit} = {fmt_p(s.p_perm)}{few}\n{design}"
 
 

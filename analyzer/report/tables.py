@@ -236,7 +236,9 @@ def unreachable_lines(stats: pd.DataFrame, alpha: float = ALPHA) -> list[str]:
         u = g.sort_values("p_floor", ascending=False, kind="stable").iloc[0]  # one row: the largest floor
         floor, exact = float(u.p_floor), bool(u.exact)
         unit = f"{'whole runs' if u.perm_unit == 'runs' else 'rows'} permuted ({units(u.n_units, u.perm_unit)})"
-        why = (f"{unit} have only {int(u.n_distinct_perms)} distinct permutations, so no equal-tailed p falls "
+        why = (f"{unit} have only {units(u.n_distinct_perms, 'distinct permutations')}, so every equal-tailed p is 1"
+               if exact and floor >= 1 else
+               f"{unit} have only {int(u.n_distinct_perms)} distinct permutations, so no equal-tailed p falls "
                f"below 2/{int(u.n_distinct_perms)} = {floor:.3g}" if exact else
                f"only {int(u.n_perm)} permutations were drawn, so no equal-tailed p falls below {floor:.3g}")
         fix = (f"runs of one length need at least {_runs_needed(m, alpha)} of them" if exact and
@@ -406,7 +408,8 @@ def design_caption(stats: pd.DataFrame) -> str:
     for _, u in used.iterrows():
         unit = "whole runs" if u.perm_scheme != "rows" else "rows"
         count = "all enumerated, exact" if u.exact else f"{int(u.n_perm)} drawn"
-        floor = f"2/{int(u.n_distinct_perms)} = {fmt_p(u.p_floor)}" if u.exact else fmt_p(u.p_floor)
+        floor = (fmt_p(u.p_floor) if u.p_floor >= 1 or not u.exact else
+                 f"2/{int(u.n_distinct_perms)} = {fmt_p(u.p_floor)}")
         parts.append(f"{unit} permuted ({units(u.n_units, u.perm_unit)}; {count}), so p >= {floor}")
     return "; ".join(parts)
 

@@ -39,12 +39,15 @@ STATS_COLUMNS = {"metric", "family", "scale", "n", "r", "r2", "p_perm", "p_param
                  "note", "note_kinds", "perm_unit", "p_floor",
                  "p_holm", "partial_p_holm", "rho", "rho_p", "rho_p_holm", "perm_scheme", "n_units", "n_distinct_perms",
                  "tag",
-                 # issue 39: the null's centre, the intervals over runs, the two questions, leave one run out
-                 "r_null", "rho_null", "partial_r_null", "n_boot", "boot_unit", "boot_method", "r_ci_low", "r_ci_high",
+                 # issues 39, 47: the null's centre, the intervals over runs, the two questions, leave one run out,
+                 # the paired comparisons of R²
+                 "r_null", "rho_null", "partial_r_null", "ci_method", "ci_unit", "ci_units", "r_ci_low", "r_ci_high",
                  "r2_ci_low", "r2_ci_high", "rho_ci_low", "rho_ci_high", "partial_r_ci_low", "partial_r_ci_high",
-                 "within_r", "within_ci_low", "within_ci_high", "within_n_runs", "between_steps", "between_r_min",
-                 "between_r_max", "between_step_last", "between_r_last", "between_p_last", "loo_r_min", "loo_r_max",
-                 "robust", "loo_flips"}
+                 "within_r", "within_p", "within_r_null", "within_ci_low", "within_ci_high", "within_n_runs",
+                 "within_why", "claims_why", "between_steps", "between_r_min", "between_r_max", "between_step_last",
+                 "between_r_last", "between_p_last", "loo_r_min", "loo_r_max", "loo_p_min", "loo_p_max", "robust",
+                 "loo_flips", "vs_metric", "d_r2", "d_r2_ci_low", "d_r2_ci_high", "d_r2_p_le0", "d_r2_mc_error",
+                 "d_r2_dropped", "d_r2_n_boot"}
 SUMMARY_HEADER = ["metric", "n", "rho", "p rho", "R²", "r", "p", "p Holm", "partial r", "p FL", "p FL Holm", "R² (log)", "r (log)",
                   "p (log)", "p Holm (log)", "partial r (log)", "p FL (log)", "p FL Holm (log)"]
 
@@ -179,11 +182,11 @@ def test_latex_tables(synthetic_report, tmp_path):
     compile_latex(files["tex"], tmp_path)
     fit = r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%" + "\n\\begin{tabular}"
     specs = re.findall(r"\\begin\{tabular\}\{(\w+)\}", tex)
-    assert [len(c) for c in specs] == [11, 9, 9] and tex.count(fit) == 3  # shrunk to the line where wider
+    assert [len(c) for c in specs] == [11, 9, 10] and tex.count(fit) == 3  # shrunk to the line where wider
     assert tex.count("\\end{tabular}}") == 3
     captions = re.findall(r"\\caption\{(.*)\}", tex)
     # 5 runs of 6 checkpoints: whole runs permuted, 5! = 120, all of them (500 asked for)
-    assert all("whole runs permuted (5 runs; all enumerated, exact), so p $\\geq$ 1/120 = 0.00833" in c
+    assert all("whole runs permuted (5 runs; all enumerated, exact), so p $\\geq$ 2/120 = 0.0167" in c
                for c in captions), captions
     body = tex[tex.index("\\midrule"):tex.index("\\end{tabular}")]
     rule = body.index("\\midrule\nwithin\\_erank &")  # the Holm families apart: NC above, geometry below

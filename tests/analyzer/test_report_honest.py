@@ -144,11 +144,12 @@ def test_report_md_has_a_section_per_tag_with_its_permutations_and_figures(tagge
     assert "holds 3 tags" in text and "never pooled" in text and "tag.isna()" in text
     for tag in ("`a`", "`b`", "(untagged)"):
         assert f"## Correlation with eval_loss, tag {tag}" in text
-    assert text.count("whole runs (4 runs") == 2 and "24 distinct permutations, all enumerated (exact p)" in text
-    assert "no p can fall below 1/6" in text and "no p can fall below 1/24" not in text  # when <= 1/alpha: 3!
-    top = text[:text.index("## Correlation")]  # but Holm over 2 metrics needs p < 0.025: 1/24 cannot, said first
+    assert text.count("whole runs (4 runs;") == 2 and "24 distinct permutations, all enumerated (exact p)" in text
+    assert "no equal-tailed p can fall below 2/6" in text  # when N <= 2/alpha: 3! and 4!
+    assert "no equal-tailed p can fall below 2/24 = 0.0833, so none reaches 0.05" in text
+    top = text[:text.index("## Correlation")]  # and Holm over 2 metrics needs p < 0.025: 2/24 cannot, said first
     assert "- tag `a`, NC metrics (raw, log scale): Holm multiplies the smallest of 2 p-values by 2" in top
-    assert "only 24 distinct permutations, so no p falls below 1/24 = 0.0417" in top
+    assert "only 24 distinct permutations, so no equal-tailed p falls below 2/24 = 0.0833" in top
     for stem in ("fig1_nc_vs_loss__a", "fig1_nc_vs_loss__b", "fig1_nc_vs_loss__untagged"):
         assert (out / f"{stem}.png").is_file() and (out / f"{stem}.pdf").is_file() and f"({stem}.png)" in text
     assert not (out / "fig1_nc_vs_loss.png").exists()
