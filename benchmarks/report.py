@@ -7,9 +7,9 @@ report.html over the same checkpoints at 9 layers each.
 
 Prints the median time of (1) the permutation tests alone (r and Freedman-Lane partial r for the 23 metrics on
 both scales: one matrix product per chunk of permutations), (2) all statistics (adds pingouin's partial
-correlations, the parametric and the Holm-adjusted p-values, the bootstrap over runs with 2,000 resamples, the r
-across runs at each of the 10 steps with its permutations, and leave-one-run-out: 20 more permutation tests and
-Holm's adjustments) and (3) the whole report: CSVs, five figures (Figures 1-3, the training dynamics and the
+correlations, the parametric and the Holm-adjusted p-values, the intervals over runs, the paired bootstrap of the
+R² comparisons (10^4 resamples), the within-training fixed-effects r with its whole-run permutations, the r across
+runs at each of the 10 steps with its permutations, and leave-one-run-out: 20 more permutation tests) and (3) the whole report: CSVs, five figures (Figures 1-3, the training dynamics and the
 per-step r) each as PNG, PDF and SVG, report.md and tables.tex. Target (issue 39): under 30 s on a 2-core machine
 with the bootstrap and leave-one-run-out (under 10 s without them before).
 

@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--results", type=Path, help="copy the reports, the comparison and a summary table here "
                    "(examples/results for the committed study)")
     p.add_argument("--restate", action="store_true", help="with --results: only the statistics again, from the "
-                   "committed metrics.csv of all/, final/ and seeds/ (no training or extraction: the metrics are "
+                   "committed metrics.csv of all/, final/, seeds/ and depth/ (no training or extraction: the metrics are "
                    "those the last full run measured), then summary.md and findings.md")
     return p
 
@@ -305,10 +305,10 @@ def write_summaries(results: Path) -> None:
 
 
 def restate(results: Path, args: argparse.Namespace) -> None:
-    """The statistics of a published study again (``--restate``): each of all/, final/ and seeds/ reported anew from
+    """The statistics of a published study again (``--restate``): each of all/, final/, seeds/ and depth/ reported anew from
     its own metrics.csv, its statistics, figures and report.md replacing the old ones (the store's own sections,
     the per-token, min_count and budget tables, stay as the full run wrote them); then the summaries."""
-    for name in ("all", "final", "seeds"):
+    for name in ("all", "final", "seeds", "depth"):
         folder = results / name
         fresh = results / f".{name}-restated"
         shutil.rmtree(fresh, ignore_errors=True)

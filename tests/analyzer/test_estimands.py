@@ -162,3 +162,12 @@ def test_without_permutations_no_sign_is_called_a_flip():
     df["noise"] = np.random.default_rng(9).normal(size=len(df))
     st = correlations(df, ["noise", "flat", "unrelated"], "eval_loss", (), n_perm=0, runs="run", n_boot=0)
     assert not st.note_kinds.fillna("").str.contains("sign_flip").any()
+
+
+def test_a_bootstrap_too_small_for_its_tails_is_refused_in_one_line(tmp_path):
+    from conftest import run_cli
+    df = worked_shape(0, n_runs=6)
+    df.to_csv(tmp_path / "metrics.csv", index=False)
+    r = run_cli("report", tmp_path / "metrics.csv", "--out", tmp_path / "out", "--bootstrap", "1", ok=False)
+    error = [line for line in r.output.splitlines() if "Error" in line or "error" in line]
+    assert r.exit_code != 0 and len(error) == 1 and "at least 1000" in error[0] and "Traceback" not in r.output
