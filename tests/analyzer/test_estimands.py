@@ -171,3 +171,17 @@ def test_a_bootstrap_too_small_for_its_tails_is_refused_in_one_line(tmp_path):
     r = run_cli("report", tmp_path / "metrics.csv", "--out", tmp_path / "out", "--bootstrap", "1", ok=False)
     error = [line for line in r.output.splitlines() if "Error" in line or "error" in line]
     assert r.exit_code != 0 and len(error) == 1 and "at least 1000" in error[0] and "Traceback" not in r.output
+
+
+def test_a_metric_the_same_in_every_run_at_a_step_gets_no_r_there():
+    """1/global_step computed per run with a rounding spread (each run's own arithmetic): no r across runs at a
+    step, not '+0.00 (p 0.883)' from the last bits."""
+    df = worked_shape(2)
+    odd = df.run.str[3:].astype(int) % 2 == 1
+    df["clock"] = np.where(odd, np.nextafter(1 / df.global_step, 1), 1 / df.global_step)  # one ulp apart
+    assert df.groupby("global_step").clock.nunique().max() > 1  # the rounding spread is there
+    st = correlations(df, ["clock"], "eval_loss", (), n_perm=200, runs="run", n_boot=0)
+    assert st.between_steps.eq(0).all() or st.between_r_min.isna().all()
+    from ncanalyze.analyzer.stats import by_step
+    steps = by_step(df, ["clock"], "eval_loss", n_perm=200)
+    assert len(steps) and steps.r.isna().all()
