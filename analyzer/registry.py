@@ -25,7 +25,7 @@ N_BOOT = 10_000  # resamples of the paired bootstrap over whole runs behind the 
 MIN_BOOT = 1000  # the fewest that a 95% percentile interval's 2.5% tails rest on (25 resamples beyond each end)
 
 
-def _enough_resamples(n: int) -> int:
+def enough_resamples(n: int) -> int:
     """0 (no bootstrap) or at least :data:`MIN_BOOT` resamples."""
     if 0 < n < MIN_BOOT:
         raise ValueError(f"must be 0 (none) or at least {MIN_BOOT}: the 2.5% tails of a 95% interval need 25 "
@@ -264,7 +264,7 @@ class ReportSettings:
         "Permutations per p-value (0: none). Runs with several checkpoints are permuted whole; all permutations, and "
         "an exact p, where there are no more than this."))
     n_boot: int = setting(N_BOOT, section="Statistics", flag="--bootstrap", minimum=0, maximum=10 ** 6,
-                          check=_enough_resamples, help=(
+                          check=enough_resamples, help=(
         "Resamples of the paired bootstrap over whole runs behind the comparisons \"A relates more than B\" (R²'s "
         f"difference; its interval's Monte-Carlo error is said); 0: none, else at least {MIN_BOOT}. The intervals of "
         "r, R², rho and the partial r need no resamples: Fisher's z, or the jackknife over runs."))

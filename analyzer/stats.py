@@ -67,7 +67,7 @@ from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, residual_r, sign_notes
 from ncanalyze.analyzer.resample import paired_bootstrap, run_codes
-from ncanalyze.analyzer.registry import N_BOOT, N_PERM
+from ncanalyze.analyzer.registry import N_BOOT, N_PERM, enough_resamples
 from ncanalyze.analyzer.schema import (COMPARISONS, CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS,
                                        SCALARS, SCALE_DEPENDENT)
 
@@ -314,6 +314,10 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         with a missing or infinite target, or a missing metric or control, are left out of that metric's
         statistics (an infinite target is said in the notes).
     """
+    try:
+        enough_resamples(n_boot)
+    except ValueError as e:
+        raise UserError(f"n_boot (--bootstrap) {e}, got {n_boot}") from None
     lacking, C_all = _lacking_controls(df, metrics, target, controls)
     if lacking.any():  # a checkpoint without a step: in r, not in partial r
         return _partial_apart(df, lacking, C_all, metrics, target, controls, n_perm, seed, runs, step, n_boot)
