@@ -16,7 +16,7 @@ from matplotlib import colormaps
 from matplotlib.colors import LogNorm, Normalize, to_hex
 
 from ncanalyze.analyzer.report.depth import has_depth, last_layer
-from ncanalyze.analyzer.report.document import header, tag_stats
+from ncanalyze.analyzer.report.document import LICENSE, header, tag_stats
 from ncanalyze.analyzer.report.escape import plotly_text
 from ncanalyze.analyzer.report.figures import FIGURES, MARKERS, RUN_COLOURS, design_text, label, r2_text
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
@@ -199,10 +199,15 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
             "colours": colours, "r2": _r2(r.selected, r.stats, r.target)}
 
 
+WITHIN = ("Within training (the table's \"within r beyond the shared trend\"): the two-way fixed-effects r, metric "
+          "and target less each run's level and each step's value common to all runs, tested by permuting whole runs "
+          "(\"p within\"); a trend every run follows carries no weight in it.")
+
+
 def caveats(r: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> list[str]:
     """report.md's own sentences on what the numbers rest on: per tag the permutations (unit and count), Holm's
     survivors and the notes; the thin-class warning; the depth figure's gaps; the token notes; the skipped."""
-    out = []
+    out = [LICENSE, WITHIN]
     tags = split_tags(r.selected)
     for tag, _ in tags:
         stats = tag_stats(r.stats, tag)
