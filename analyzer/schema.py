@@ -1,6 +1,7 @@
 """The names everything else agrees on, defined once: a checkpoint dataset's variables (SPEC section 3), the metric
 names (section 4) and the descriptive columns of a metrics table (section 5); and the one builder of a checkpoint
-dataset, used by extraction (``ncanalyze.store``) and by :func:`ncanalyze.analyzer.class_stats`.
+dataset, used by extraction (``ncanalyze.store``) and by :func:`ncanalyze.analyzer.class_stats`. The metric
+families come from the metric records (``metric_records.py``).
 
 Light on purpose (numpy only; xarray when a dataset is built), so the CLI and the report can import the names without the metrics'
 compiled code.
@@ -11,27 +12,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ncanalyze.analyzer.metric_records import GEOMETRY, NC, RECORDS
+
 if TYPE_CHECKING:  # xarray loads in stats_dataset: the CLI's --help reads these names without it
     import xarray as xr
 
-# the neural-collapse metrics, in SPEC order (section 4, first table); each is a function of the same name in metrics.py
 # The metrics' definitions' version: bumped whenever a definition of SPEC section 4 changes (2: erank's rounding cut,
 # rankme, alpha-ReQ's weighted fit, CDNV over classes with a variance, coefficients of variation only where defined;
 # 3: a coefficient of variation only where its mean is 3 standard errors above 0, classes whose means differ by less
 # than rounding of the within-class spread refused). A group measured under another version is measured again by
 # `ncanalyze measure` and `report`.
 METRICS_VERSION = 3
-NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
-              "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
-              "nc4_agreement")
+# the neural-collapse metrics, in SPEC order (section 4, first table), from their records (metric_records.py); each is a
+# function of the same name in metrics.py
+NC_METRICS = tuple(r.name for r in RECORDS if r.family == NC)
 # metrics whose value is not scale-free, each with what is said wherever it is printed: outside the "lower is more
 # collapse" reading and outside the NC Holm family (a family of their own; SPEC section 4)
-SCALE_DEPENDENT = {"nc1_cdnv_p2": "scales as 1/length² (||mu_c - mu_c'||^4 in the denominator, the paper's code's "
-                                  "form: doubling the features divides it by 4), so across widths it mostly follows "
-                                  "the feature norm: not read as more or less collapse, and outside the NC Holm family"}
+SCALE_DEPENDENT = {r.name: r.scale for r in RECORDS if r.scale}
 # the representation geometry beyond NC (section 4, second table); each is a function of the same name in spectral.py
-GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "eigen_decay", "lidar", "anisotropy",
-                    "head_erank", "nc1_cdnv_freq", "gnc2_log_mean_freq")
+GEOMETRY_METRICS = tuple(r.name for r in RECORDS if r.family == GEOMETRY)
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
 # (stats.METRICS is SCALARS). NC_METRICS (less SCALE_DEPENDENT, each a family of its own) and GEOMETRY_METRICS are
 # two Holm families (per scale and tag, stats.family): the geometry does not make the NC metrics' adjusted p-values

@@ -5,11 +5,12 @@ import click
 import cloup
 from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.registry import MEASURE_SECTIONS, MeasureSettings
+from ncanalyze.analyzer.metric_records import RECORDS
 from ncanalyze.analyzer.schema import SCALARS
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option, setting_groups, settings_of, store_positional
 
-SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
+SHOWN = tuple(r.name for r in RECORDS if r.shown)  # the columns printed: the records marked shown
 
 
 RUN_CONTROL = [  # where it works and whether it starts again: the command's own, not settings of the measuring

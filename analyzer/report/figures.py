@@ -20,6 +20,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from ncanalyze.analyzer.metric_records import RECORDS  # noqa: E402
 from ncanalyze.analyzer.registry import FIGURE_FORMATS  # noqa: E402
 from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
 from ncanalyze.analyzer.report.escape import write_csv  # noqa: E402
@@ -33,16 +34,8 @@ from ncanalyze.analyzer.report.ticks import (  # noqa: E402
     set_ticks,
 )
 
-LABELS = {  # panel titles
-    "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV over distance⁴ (scales as 1/length²)",
-    "nc1_trace": "NC1: Tr(Σ_W Σ_B⁺)/K", "nc2_norm_cv": "NC2: equinorm (CV of norms)",
-    "nc2_lognorm_std": "NC2: std of log norms", "nc2_cos_mean": "NC2: mean cosine",
-    "nc2_cos_std": "NC2: equiangularity (std of cosines)", "nc2_etf_error": "NC2: distance to simplex ETF",
-    "gnc2_log_mean": "GNC2: mean log inverse distance", "gnc2_log_std": "GNC2: hyperspherical uniformity",
-    "nc3_cos_mean": "NC3: self-duality (mean cosine)", "unc3_cos_cv": "UNC3: uniform duality (CV of cosines)",
-    "nc3_dual_error": "NC3: distance to self-dual ETF", "nc4_agreement": "NC4: agreement with nearest class mean",
-    "eval_loss": "validation loss", "val_loss": "validation loss (ncanalyze)",
-}
+LABELS = {r.name: r.label for r in RECORDS if r.label} | {  # panel titles: the metrics' records', then the targets'
+    "eval_loss": "validation loss", "val_loss": "validation loss (ncanalyze)"}
 FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
     "fig1_nc_vs_loss": ("NC properties against {target}",
                         ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")),
