@@ -160,7 +160,10 @@ def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path) -> Pat
             line, = ax.plot(x, y, "-o", ms=3, lw=1, label=f"{run}/{checkpoint}")
             band = np.isfinite(e)
             ax.fill_between(x[band], (y - e)[band], (y + e)[band], color=line.get_color(), alpha=0.2, lw=0)
-        ax.set_xscale("log", base=2)
+        if np.isfinite(table[m].to_numpy(float)).any():  # a log axis over no point cannot be drawn
+            ax.set_xscale("log", base=2)
+        else:
+            ax.text(0.5, 0.5, "undefined at every budget", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(m, fontsize=9)
         ax.set_xlabel("train tokens (log scale)")
         ax.grid(alpha=0.3)
