@@ -30,6 +30,8 @@ Compute the neural-collapse metrics of every checkpoint in STORE not yet measure
     class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
     when its statistics or --min-count change. --device auto runs the pairwise sums and the d x d work in torch
     float64 on CUDA where torch sees a GPU (equal to the CPU's numba path to 1e-12), else on the CPU.
+    It prints {", ".join(SHOWN)} per checkpoint
+    (the metric records marked shown; every metric's card: the documentation's Metrics page).
     """)
 @store_positional
 @setting_groups(MEASURE_SECTIONS, "measure", MeasureSettings, more={"Run control": RUN_CONTROL})

@@ -1,7 +1,7 @@
 """What a report's numbers rest on: per checkpoint the kept classes, the singletons among them and the train and
 validation token counts (metrics.csv's ``n_kept``, ``n_singletons``, ``n_thin``, ``train_tokens``,
-``val_tokens``), which direction of each metric is "more collapse" (its record's), and the warning when many kept classes rest on
-a handful of tokens."""
+``val_tokens``), which direction of each metric is "more collapse" (its record's), and the warning when many kept
+classes rest on a handful of tokens."""
 from __future__ import annotations
 
 import math

@@ -12,7 +12,13 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ncanalyze.analyzer.report.figures import error_bars  # noqa: E402
-from ncanalyze.analyzer.report.precision import budget_lines, error_lines, errors_latex, final_rows  # noqa: E402
+from ncanalyze.analyzer.report.precision import (  # noqa: E402
+    budget_figure,
+    budget_lines,
+    error_lines,
+    errors_latex,
+    final_rows,
+)
 
 
 def table() -> pd.DataFrame:
@@ -48,3 +54,14 @@ def test_budget_lines_name_the_unsettled_metric():
     md = "\n".join(budget_lines(t, ["x: no folds"], ["nc1_cdnv", "unc3_cos_cv"]))
     assert "`unc3_cos_cv` has not settled at 400 tokens" in md and "raise --max-train-tokens" in md
     assert "`nc1_cdnv` has not" not in md and "- x: no folds" in md
+
+
+def test_the_budget_figure_draws_a_metric_undefined_at_every_budget(tmp_path):
+    """A metric NaN at every budget (unc3_cos_cv of a near-random head: its mean cosine not above its noise) is an
+    empty panel saying so; the others keep their log axis (the report once stopped with matplotlib's 'Data cannot
+    be log-scaled')."""
+    t = pd.DataFrame({"run": "a", "checkpoint": "c", "folds": [1, 2, 4], "tokens": [100, 200, 400],
+                      "nc1_cdnv": [1.0, 2.0, 2.01], "nc1_cdnv_se": [math.nan, 0.1, 0.1],
+                      "unc3_cos_cv": math.nan, "unc3_cos_cv_se": math.nan})
+    path = budget_figure(t, ["nc1_cdnv", "unc3_cos_cv"], tmp_path)
+    assert path == tmp_path / "budget.png" and path.stat().st_size > 0
