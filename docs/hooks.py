@@ -33,16 +33,16 @@ MIN_COUNT = ("reads the kept classes (count >= min_count); not in the worked stu
              "gives Figure 1's metrics at other min_counts in min_count.csv).")
 
 
-def on_config(config):
+def lay_out_package() -> None:
     """Lays the package out as it installs (``ncanalyze/analyzer`` for ``analyzer/`` ...: setup.cfg's package_dir) in
-    ``build/api/``, links to the sources, where mkdocstrings reads it (``paths`` in mkdocs.yml)."""
+    ``build/api/``, links to the sources, where mkdocstrings reads it (``paths`` in mkdocs.yml). Run when mkdocs loads
+    this module, before the plugins resolve their paths (a path that does not exist yet is dropped)."""
     pkg = ROOT / "build" / "api" / "ncanalyze"
     pkg.mkdir(parents=True, exist_ok=True)
     for name, src in {**{p.name: p for p in (ROOT / "ncanalyze").glob("*.py")},
                       **{sub: ROOT / sub for sub in PACKAGES}}.items():
         if not (pkg / name).is_symlink():
             (pkg / name).symlink_to(src)
-    return config
 
 
 def on_files(files: Files, config) -> Files:
@@ -144,3 +144,6 @@ def house_map() -> str:
             first = " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
             rows.append(f"| `{name}` | {first} |")
     return "\n".join(rows) + "\n"
+
+
+lay_out_package()
