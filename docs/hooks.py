@@ -41,8 +41,10 @@ def lay_out_package() -> None:
     pkg.mkdir(parents=True, exist_ok=True)
     for name, src in {**{p.name: p for p in (ROOT / "ncanalyze").glob("*.py")},
                       **{sub: ROOT / sub for sub in PACKAGES}}.items():
-        if not (pkg / name).is_symlink():
+        try:
             (pkg / name).symlink_to(src)
+        except FileExistsError:  # laid out by an earlier build (or a concurrent one: two test workers)
+            pass
 
 
 def on_files(files: Files, config) -> Files:
