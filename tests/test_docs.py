@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import make_corpus, run_cli, train_sweep
+from conftest import _load_example, make_corpus, run_cli, train_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -57,17 +57,18 @@ def test_the_readme_is_a_front_page_whose_setup_is_what_ci_runs():
 
 
 OTHER_TOOLS = {"--strict": "mkdocs build", "--safe_serialization": "zero_to_fp32.py", "--scheduler-file": "dask",
-               "--resources": "dask worker", "--nthreads": "dask worker", "--bind": "mount",
-               "--results": "examples/recipe_cpu.py", "--help": "every command"}
+               "--resources": "dask worker", "--nthreads": "dask worker", "--bind": "mount", "--help": "every command"}
 
 
 def test_every_flag_the_pages_name_is_an_option_of_a_command():
-    """A flag the hand-written pages or the README mention is an option of an ncanalyze command, of the tutorial's
-    training script, or of another tool named here: a renamed or removed option cannot linger in the prose."""
+    """A flag the hand-written pages or the README mention is an option of an ncanalyze command, of the example
+    scripts (the tutorial's training, the worked study's recipe), or of another tool named here: a renamed or removed
+    option cannot linger in the prose."""
     from ncanalyze.cli.main import main
 
     ours = {o for c in [main, *main.commands.values()] for p in c.params for o in (*p.opts, *p.secondary_opts)}
-    ours |= {o for a in train_sweep._parser()._actions for o in a.option_strings}
+    for script in (train_sweep, _load_example("recipe_cpu")):
+        ours |= {o for a in script._parser()._actions for o in a.option_strings}
     for page in [README, *(ROOT / "docs").rglob("*.md")]:
         named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", page.read_text()))
         assert named <= ours | set(OTHER_TOOLS), (page.name, named - ours - set(OTHER_TOOLS))
