@@ -78,6 +78,23 @@ def test_every_flag_the_pages_name_is_an_option_of_a_command():
 
 
 @pytest.mark.slow
+def test_the_site_builds_strict_with_every_page_of_the_nav(site):
+    """The fixture's strict build raised on any warning (a broken link or anchor, an API object not found); every
+    page of the navigation is written, the generated ones with their generated parts."""
+    import yaml
+
+    def pages(nav):
+        for item in nav:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            yield from pages(value) if isinstance(value, list) else [value]
+
+    nav = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)["nav"]
+    for md in pages(nav):
+        built = site / ("" if md == "index.md" else md.removesuffix(".md")) / "index.html"
+        assert built.is_file() and "-- ncanalyze:" not in built.read_text(), md  # every marker replaced
+
+
+@pytest.mark.slow
 def test_every_option_of_every_command_is_in_the_reference_as_help_prints_it(site):
     """The command reference is each command's --help, line for line, so every option is there."""
     from ncanalyze.cli.main import main
