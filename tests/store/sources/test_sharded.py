@@ -124,9 +124,9 @@ def test_fsdp_extraction_equals_the_whole_models(fsdp_run, extracted_store, corp
 
 
 @pytest.mark.parametrize("opt_in, deepspeed, words", [
-    (False, True, ["zero_to_fp32.py", "--allow-pickle", "global_step60"]),
-    (True, False, ["zero_to_fp32.py", "deepspeed is not installed"]),
-    (True, True, ["cannot consolidate", "zero_to_fp32.py"]),
+    (False, True, ["python -m deepspeed.utils.zero_to_fp32", "--allow-pickle", "global_step60"]),
+    (True, False, ["python -m deepspeed.utils.zero_to_fp32", "deepspeed is not installed"]),
+    (True, True, ["cannot consolidate", "python -m deepspeed.utils.zero_to_fp32"]),
 ])
 def test_zero_shards_are_one_line_naming_the_command_and_the_flag(trained_run, corpus, tmp_path, monkeypatch,
                                                                    opt_in, deepspeed, words):
@@ -141,6 +141,23 @@ def test_zero_shards_are_one_line_naming_the_command_and_the_flag(trained_run, c
                 *(["--allow-pickle"] if opt_in else []), ok=False)
     assert all(w in r.output for w in words), r.output
     assert "Traceback" not in r.output and not (tmp_path / "s.zarr").exists()
+    assert "zero_to_fp32.py" not in r.output  # never a script from the untrusted folder
+
+
+@pytest.mark.parametrize("name", ["my run", "$(touch PWNED)", "a'b; touch PWNED"])
+def test_the_zero_command_pastes_safely_into_a_shell(trained_run, corpus, tmp_path, name):
+    """The consolidation command in the refusal, pasted into bash, gives DeepSpeed's installed module the folder as
+    one argument each time (a space, ``$(...)`` or a quote in its name runs nothing)."""
+    run = tmp_path / name
+    zero_checkpoint(trained_run / "checkpoint-60", run / "checkpoint-60")
+    r = run_cli("extract", run, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr", ok=False)
+    command = r.output.split("`")[1]
+    assert command.startswith("python -m deepspeed.utils.zero_to_fp32 "), r.output
+    echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {command.removeprefix('python ')}"], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    folder = str(run / "checkpoint-60")
+    assert echoed == ["-m", "deepspeed.utils.zero_to_fp32", folder, folder, "--safe_serialization"]
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
 
 # what the Trainer does under DeepSpeed ZeRO-3 without gathering: engine.save_checkpoint(checkpoint folder) beside
