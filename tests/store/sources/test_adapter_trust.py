@@ -42,13 +42,13 @@ def drop_tensor(folder: Path) -> Path:
 
 def bad_pickle(folder: Path) -> Path:
     """The adapter's weights as a torch.save pickle holding an object peft's weights-only load refuses."""
-    from collections import Counter
+    from datetime import date
 
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "adapter_model.safetensors"))
     (folder / "adapter_model.safetensors").unlink()
-    torch.save({**weights, "extra": Counter("ab")}, folder / "adapter_model.bin")
+    torch.save({**weights, "saved": date(2026, 1, 1)}, folder / "adapter_model.bin")
     return folder
 
 
