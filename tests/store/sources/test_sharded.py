@@ -205,3 +205,26 @@ def test_zero_shards_consolidate_with_deepspeeds_own_function(trained_run, tmp_p
     assert a.keys() == b.keys()
     for k in b:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_a_corrupt_fsdp_shard_fails_alone(fsdp_run, trained_run, corpus, tmp_path):
+    """One rank's .distcp file cut short: torch.distributed.checkpoint raises CheckpointException (a BaseException);
+    that checkpoint fails in one line and the whole checkpoint beside it is extracted."""
+    from ncanalyze.store.extraction.checkpoint import Outcome
+    from ncanalyze.store.extraction.settings import ExtractConfig
+    from ncanalyze.store.runs.local import extract
+
+    run = tmp_path / "neo-2x32"
+    shutil.copytree(trained_run / "checkpoint-40", run / "checkpoint-40")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_run / f, run / f)
+    bad = shutil.copytree(fsdp_run / "checkpoint-60", run / "checkpoint-60")
+    shard = sorted((bad / "pytorch_model_fsdp_0").glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cfg = ExtractConfig(dataset=str(corpus["train"]), allow_pickle=True, max_train_tokens=2048, max_val_tokens=1024)
+    result = extract(run, tmp_path / "s.zarr", cfg)
+    assert result.statuses == {"neo-2x32/checkpoint-40": Outcome.DONE, "neo-2x32/checkpoint-60": Outcome.FAILED}
+    why = result.why["neo-2x32/checkpoint-60"]
+    assert "pytorch_model_fsdp_0" in why or "FSDP" in why, why
+    assert "\n" not in why and list(ncanalyze.store.open(tmp_path / "s.zarr")["neo-2x32"].children) == ["checkpoint-40"]
