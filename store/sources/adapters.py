@@ -37,7 +37,10 @@ def adapter_config(path: Path) -> dict:
     where = path / ADAPTER_CONFIG
     try:
         config = json.loads(where.read_text())
-    except (OSError, ValueError, RecursionError):  # unreadable, not JSON, nested past Python's recursion limit
+    except RecursionError:
+        raise CheckpointError(f"{where} is nested deeper than Python's recursion limit allows, which no peft config "
+                              "is; save the adapter again with peft") from None
+    except (OSError, ValueError):  # unreadable, not JSON (or not UTF-8)
         config = None
     if not isinstance(config, dict) or not isinstance(config.get("base_model_name_or_path"), str) \
             or not config["base_model_name_or_path"]:

@@ -64,7 +64,7 @@ DAMAGES = {
     "dora": (lambda f: edit_config(f, use_dora=True), ["use_dora", "no DoRA magnitudes"]),
     "rank": (lambda f: edit_config(f, r=8), ["rank 8", "rank 4", "does not match its weights"]),
     "huge_rank": (lambda f: edit_config(f, r=1_000_000), ["rank 1000000", "largest dimension"]),
-    "nested": (nested, ["adapter_config.json"]),
+    "nested": (nested, ["adapter_config.json", "nested deeper"]),
     "rank_pattern_list": (lambda f: edit_config(f, rank_pattern=[1, 2]), ["rank_pattern", "list"]),
     "pickle": (bad_pickle, ["UnpicklingError"]),
     "regex": (lambda f: edit_config(f, target_modules="(.|.)*Z"), ["(.|.)*Z", "matches no module"]),
