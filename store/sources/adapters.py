@@ -177,18 +177,36 @@ def apply(base: torch.nn.Module, path: Path, dtype: torch.dtype, allow_pickle: b
     return unwrap(model.to(dtype)).eval()
 
 
-def check_covered(model: torch.nn.Module, path: Path) -> None:
-    """Refuse an adapted model some of whose adapter tensors the weight file did not hold (left empty, on the meta
-    device, by ``low_cpu_mem_usage``): missing tensors, or ``use_dora`` turned on over LoRA weights."""
-    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if any("lora_magnitude_vector" in n for n in empty):
-        raise CheckpointError(f"{path / ADAPTER_CONFIG} turns use_dora on, but its weights hold no DoRA magnitudes "
-                              f"(e.g. {empty[0]}): the config does not match its weights; set use_dora as it was "
-                              "trained, or save the adapter again with peft")
-    if empty:
-        raise CheckpointError(f"the adapter weights in {path} lack {len(empty)} of its config's tensors (e.g. "
-                              f"{empty[0]}); they are incomplete or saved under another config: save the adapter "
-                              "again with peft")
+def check_covered(model, path: Path) -> None:
+    """Refuse an adapted model whose weight file does not hold exactly the tensors its config makes (peft's own state
+    dict of it): tensors missing (left empty on the meta device by ``low_cpu_mem_usage``, or a module to save left as
+    the base's), tensors no layer takes, ``use_dora`` turned on over LoRA weights or off over DoRA weights."""
+    from peft import get_peft_model_state_dict
+
+    saved = _saved_keys(path)
+    missing = sorted(set(get_peft_model_state_dict(model, save_embedding_layers=False)) - saved)
+    missing = missing or [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    unused = sorted(saved - set(get_peft_model_state_dict(model, save_embedding_layers=True)))
+    dora = next((n for n in missing + unused if "lora_magnitude_vector" in n), None)
+    if dora:
+        turned = "on, but its weights hold no DoRA magnitudes" if dora in missing else "off, but its weights are DoRA's"
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} turns use_dora {turned} (e.g. {dora}): the config does not "
+                              "match its weights; set use_dora as it was trained, or save the adapter again with peft")
+    if missing or unused:
+        what = f"lack {len(missing)} of" if missing else f"hold {len(unused)} tensors beyond"
+        raise CheckpointError(f"the adapter weights in {path} {what} its config's tensors (e.g. {(missing or unused)[0]}"
+                              "); they are incomplete or saved under another config: save the adapter again with peft")
+
+
+def _saved_keys(path: Path) -> set[str]:
+    """The names of the tensors in the adapter's weight file (a safetensors header; a pickle, allowed, read by peft)."""
+    from peft.utils import load_peft_weights
+    from safetensors import safe_open
+
+    if (path / ADAPTER_WEIGHTS[0]).is_file():
+        with safe_open(str(path / ADAPTER_WEIGHTS[0]), framework="pt") as f:
+            return set(f.keys())
+    return set(load_peft_weights(str(path), device="cpu"))
 
 
 def _first_line(e: BaseException) -> str:

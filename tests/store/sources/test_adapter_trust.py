@@ -115,6 +115,31 @@ def test_a_damaged_adapter_is_a_checkpoint_error(adapter, tmp_path, damage):
     assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("how", ["dora_off", "module_to_save"])
+def test_weights_beyond_or_short_of_the_config_are_refused(base, tmp_path, how):
+    """A DoRA adapter saved by peft whose config turns use_dora off (its magnitudes would go unused), and a LoRA
+    whose module to save (lm_head) is left out of its file (it would be the base's head): one line each."""
+    from ncanalyze.analyzer.errors import CheckpointError
+    from ncanalyze.store.sources.discover import discover
+    from ncanalyze.store.sources.load import load_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    extra = {"use_dora": True} if how == "dora_off" else {"modules_to_save": ["lm_head"]}
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **extra)
+    torch.manual_seed(0)
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), config).save_pretrained(str(tmp_path / "a"))
+    if how == "dora_off":
+        edit_config(tmp_path / "a", use_dora=False)
+    else:
+        file = str(tmp_path / "a" / "adapter_model.safetensors")
+        save_file({k: v for k, v in load_file(file).items() if k != "base_model.model.lm_head.weight"}, file)
+    with pytest.raises(CheckpointError) as e:
+        load_model(discover(tmp_path / "a")[0], "float32", torch.device("cpu"))
+    words = ["use_dora off", "DoRA's"] if how == "dora_off" else ["lm_head.weight"]
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
 BOUNDED = textwrap.dedent("""
     import resource, sys, torch
     from ncanalyze.analyzer.errors import CheckpointError
