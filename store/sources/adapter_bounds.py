@@ -2,8 +2,9 @@
 peft would match with Python's backtracking ``re`` (a string ``target_modules`` or ``exclude_modules``, the keys of
 ``rank_pattern`` and ``alpha_pattern``) is matched here on RE2, the linear-time engine ``--where`` uses, and replaced
 by the module names it matches; the other names peft puts inside a regular expression (``modules_to_save``,
-``layers_pattern``) must be plain module names; and each rank is checked against the shape of the layer it adapts and
-against the adapter's weight file (its safetensors header: nothing is allocated), so a forged ``r`` is one line.
+``layers_pattern``, the keys of the other ``*_pattern`` fields) must be plain module names; and each rank is checked
+against the shape of the layer it adapts and against the adapter's weight file (its safetensors header: nothing is
+allocated), so a forged ``r`` is one line.
 """
 from __future__ import annotations
 
@@ -64,10 +65,13 @@ def bounded(config, base: torch.nn.Module, path: Path):
 
 
 def _plain_only(config, where: Path) -> None:
-    """Refuse a name peft would put inside a regular expression unless it is a plain module name."""
-    for field in ("modules_to_save", "layers_pattern"):
-        value = getattr(config, field, None)
-        for name in [value] if isinstance(value, str) else value or []:
+    """Refuse a name peft would put inside a regular expression unless it is a plain module name: those of
+    ``modules_to_save`` and ``layers_pattern``, and the keys of the other ``*_pattern`` fields (FourierFT's
+    ``n_frequency_pattern``, C3A's ``block_size_pattern`` ...)."""
+    for field, value in vars(config).items():
+        if field != "modules_to_save" and not field.endswith("_pattern") or field in PATTERNS or not value:
+            continue
+        for name in [value] if isinstance(value, str) else value:  # a list's items, a dict's keys
             if not isinstance(name, str) or not PLAIN.fullmatch(name):
                 raise CheckpointError(f"{where}: {field} holds {str(name)[:80]!r}, not a module name (letters, "
                                       "digits, _ . -); write the plain names of the modules")

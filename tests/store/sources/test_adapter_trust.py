@@ -69,6 +69,8 @@ DAMAGES = {
     "pickle": (bad_pickle, ["UnpicklingError"]),
     "regex": (lambda f: edit_config(f, target_modules="(.|.)*Z"), ["(.|.)*Z", "matches no module"]),
 }
+FORGED = {**DAMAGES, "module_regex": (lambda f: edit_config(f, modules_to_save=["(.|.)*Z"]),
+                                      ["modules_to_save", "not a module name"])}
 
 
 @pytest.fixture
@@ -158,12 +160,13 @@ BOUNDED = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["regex", "huge_rank"])
+@pytest.mark.parametrize("damage", ["regex", "module_regex", "huge_rank"])
 def test_a_forged_config_neither_hangs_nor_allocates(adapter, base, tmp_path, damage):
-    """A backtracking target_modules regex is matched in linear time (RE2) and refused as matching nothing; r =
+    """A backtracking target_modules regex is matched in linear time (RE2) and refused as matching nothing, one in
+    modules_to_save (which peft puts inside a regex) refused as no module name; r =
     1,000,000 on the width-32 model is refused before peft builds a layer (its peak memory grows < 100 MiB: peft
     allocated 1.5 GB for it); each within 60 s, in a process of its own."""
-    fn, words = DAMAGES[damage]
+    fn, words = FORGED[damage]
     bad = fn(shutil.copytree(adapter, tmp_path / "bad"))
     out = subprocess.run([sys.executable, "-c", BOUNDED, str(bad), str(base)], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.splitlines()
