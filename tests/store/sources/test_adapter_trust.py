@@ -143,7 +143,7 @@ def test_weights_beyond_or_short_of_the_config_are_refused(base, tmp_path, how):
 
 
 BOUNDED = textwrap.dedent("""
-    import resource, sys, torch
+    import resource, sys, peft, torch
     from ncanalyze.analyzer.errors import CheckpointError
     from ncanalyze.store.sources.discover import discover
     from ncanalyze.store.sources.load import load_model
@@ -163,15 +163,15 @@ BOUNDED = textwrap.dedent("""
 @pytest.mark.parametrize("damage", ["regex", "module_regex", "huge_rank"])
 def test_a_forged_config_neither_hangs_nor_allocates(adapter, base, tmp_path, damage):
     """A backtracking target_modules regex is matched in linear time (RE2) and refused as matching nothing, one in
-    modules_to_save (which peft puts inside a regex) refused as no module name; r =
-    1,000,000 on the width-32 model is refused before peft builds a layer (its peak memory grows < 100 MiB: peft
-    allocated 1.5 GB for it); each within 60 s, in a process of its own."""
+    modules_to_save (which peft puts inside a regex) is refused as no module name, and r = 1,000,000 on the width-32
+    model is refused before peft builds a layer (peak memory grows < 200 MiB, imports included; peft allocated
+    1.5 GB for it): each within 60 s, in a process of its own."""
     fn, words = FORGED[damage]
     bad = fn(shutil.copytree(adapter, tmp_path / "bad"))
     out = subprocess.run([sys.executable, "-c", BOUNDED, str(bad), str(base)], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.splitlines()
     assert all(w in out[0] for w in words), out
-    assert int(out[-1].split()[0]) < 100, out
+    assert int(out[-1].split()[0]) < 200, out
 
 
 def test_a_regex_config_gives_peft_s_own_model(base, tmp_path):
