@@ -68,7 +68,7 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]}
     record = {**hashed, "layers": list(plan.layers), "cap_mode": cap_mode(cfg), "val_dataset": val_spec,
               "val_split": val_split, "val_held_out": held_out, "block_size": block_size, "device_type": device.type,
-              "weights": weights or weights_fingerprint(ckpt.path)}
+              "weights": weights or weights_fingerprint(ckpt.path, ckpt.base)}
     if held_out is not None:
         record["split"] = f"{cfg.split}[{held_out}%:]"
     record |= {"dataset": data_name(cfg.dataset), "val_dataset": data_name(val_spec),  # by content, not by path

@@ -155,6 +155,11 @@ class ExtractConfig:
         "another --min-count reports NC4 as nan)."))
     seed: int = registry.shared("seed", hashed=True, section="Statistics", help=(
         "Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread)."))
+    # where, not what: the base's weights are in each adapter's weights fingerprint (the record's weights)
+    base: str | None = extract_setting(hashed=False, section="Model", metavar="PATH", help=(
+        "The base model of PEFT adapters (a model folder, or a Hub id in the local Hub cache), in place of the "
+        "base_model_name_or_path of their adapter_config.json [default: that, a relative path read from the "
+        "adapter's folder]."))
     allow_pickle: bool = extract_setting(False, hashed=False, section="Model", help=(
         "Load pickle weights (pytorch_model.bin); only for trusted files."))
     trust_remote_code: bool = extract_setting(False, hashed=False, section="Model", help=(

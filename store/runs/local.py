@@ -31,6 +31,7 @@ from ncanalyze.store.extraction.estimate import (
 )
 from ncanalyze.store.resume import DeferredInterrupt
 from ncanalyze.store.runs import shards as sh
+from ncanalyze.store.sources.adapters import check_one_base
 from ncanalyze.store.sources.discover import (
     Checkpoint,
     discover,
@@ -151,7 +152,7 @@ def announcer_over(paths: list, store: Store, jobs: Jobs) -> Callable[..., None]
     callable
         As :func:`announcer`'s.
     """
-    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag)]
+    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag, jobs.cfg.base)]
     return announcer(todo(store, ckpts, jobs), jobs, store, local=True)
 
 
@@ -231,8 +232,9 @@ def extract(path: str | Path, store: str | Path | Store, settings: ExtractConfig
     """
     store, jobs = Store.at(store), Jobs.of(settings)
     result = ExtractResult(str(path), str(store))
-    ckpts = tagged(discover(path), jobs.cfg.tag)
+    ckpts = tagged(discover(path), jobs.cfg.tag, jobs.cfg.base)
     check_settings(jobs.cfg, store, shards)
+    check_one_base(ckpts)
     announce = announce or announcer(todo(store, ckpts, jobs), jobs, store, local=True)
     return each_checkpoint(store, result, [(c.group, c) for c in ckpts],
                            lambda ckpt, interrupt: _one(jobs(ckpt), store, announce, interrupt, shards))
