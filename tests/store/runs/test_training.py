@@ -361,7 +361,7 @@ def test_bad_settings_are_one_line_before_training(corpus, tmp_path):
         NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), every=0)
     with pytest.raises(UserError, match="needs train_data"):
         NeuralCollapseCallback(tmp_path / "s.zarr")
-    for bad, message in ({"batch_size": 0}, "batch_size (--batch-size) must be >= 1, got 0"), (
+    for bad, message in ({"batch_size": 0}, "batch_size (--batch-size) must be between 1 and 65536, got 0"), (
             {"layers": ""}, "layers (--layers) names no layer: pass last, all, or indices like 0,-1, got ''"):
         with pytest.raises(UserError) as e:  # the library's one line, the same as the command's (test_settings.py)
             NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), **bad)
