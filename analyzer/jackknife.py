@@ -71,6 +71,38 @@ def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
                              val=val or None, attrs={**ds.attrs, "folds": len(folds)}, **head)
 
 
+FOLD_RTOL = 1e-9  # fold sums merged vs the totals: float64 rounding over a merge is ~1e-15 of the largest value
+REEXTRACT = "extract it again (ncanalyze extract ... --overwrite)"  # the fix of a damaged group
+
+
+def fold_problems(ds: xr.Dataset) -> list[str]:
+    """Where a group's fold sums do not add up to its totals, each in a few words (none: they do). The counts must
+    sum exactly (``sum(fold_count) == count``, the validation counts too); the folds merged (Chan) must give the
+    totals' mean, variance, within-class covariance and unit sum to float64 rounding (:data:`FOLD_RTOL` of each
+    variable's largest value). A forged fold, or a merge that counted a block twice, is found here."""
+    if "fold_count" not in ds:
+        return []
+    out = []
+    for n in ("count", *VAL_COUNTS):
+        if f"fold_{n}" in ds and n in ds:
+            summed, total = np.asarray(ds[f"fold_{n}"].values).sum(0), np.asarray(ds[n].values)
+            if summed.shape != total.shape or not np.array_equal(summed, total):
+                out.append(f"fold_{n} sums to {int(summed.sum()):,}, {n} to {int(total.sum()):,}")
+    if out:
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = merged(ds, range(n_folds(ds)))
+    for n in ("mean", "variance", "within_covariance", "unit_sum"):
+        if n in ds and n in whole:
+            a, b = np.asarray(whole[n].values, np.float64), np.asarray(ds[n].values, np.float64)
+            scale = np.nanmax(np.abs(b), initial=0.0)
+            if not np.allclose(a, b, rtol=0, atol=FOLD_RTOL * scale, equal_nan=True):
+                out.append(f"the folds merged differ from {n} by up to {np.nanmax(np.abs(a - b)) / (scale or 1):.2g} "
+                           f"of its largest value")
+    return out
+
+
 def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[pd.DataFrame, list[str]]:
     """Each leave-one-out set of ``folds``' scalar metrics (rows: the fold left out; nan where not measurable, why in
     the notes), measured by ``measure`` as the point value is."""
@@ -110,6 +142,10 @@ def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = No
     nan = {se_name(m): math.nan for m in SCALARS}
     if len(folds) < 2:
         return nan, ["no folds: extracted with --folds 1 (or by hand), so no jackknife error"]
+    damaged = fold_problems(ds)
+    if damaged:
+        return nan, [f"the fold sums do not add up to the totals ({'; '.join(damaged)}): the group is damaged, so no "
+                     f"jackknife error; {REEXTRACT}"]
     counts = np.asarray(ds["fold_count"].values)[folds].sum(1)
     if (counts == 0).any():
         empty = [f for f, c in zip(folds, counts) if c == 0]
