@@ -88,8 +88,9 @@ def _folder(out: str | Path) -> Path:
 
 # files a report writes: these, and the figures (FIGURES' stems, fig4_dynamics, fig5_r_by_step, depth and
 # budget; per tag with __<tag>) as PNG, PDF and SVG
+MANIFEST = ".ncanalyze-report"  # the names of the files the last report in --out wrote, one a line
 OUTPUTS = ("metrics.csv", "stats.csv", "by_step.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex",
-           "report.md", "report.html", "budget.csv")
+           "report.md", "report.html", "budget.csv", MANIFEST)
 _STEMS = (*FIGURES, DYNAMICS[0], BY_STEP[0], "depth", "budget")
 _FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, _STEMS))})(__[A-Za-z0-9._-]+)?"
                           rf"\.({'|'.join(FORMATS)})")
@@ -98,6 +99,30 @@ _FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, _STEMS))})(__[A-Za-z0-9._
 def _written_by_report(name: str) -> bool:
     """Whether a report writes a file of this name (it would overwrite one there)."""
     return name in OUTPUTS or bool(_FIGURE_FILE.fullmatch(name))
+
+
+def _earlier(out: Path) -> set[str]:
+    """The files an earlier report in ``out`` wrote: its manifest's names, else (a report from before the manifest,
+    whose report.md :func:`_folder` found ours) the names a report writes that are there."""
+    try:
+        return set((out / MANIFEST).read_text(encoding="utf-8").splitlines()) - {"", MANIFEST}
+    except (OSError, UnicodeDecodeError):
+        return {e.name for e in os.scandir(out) if _written_by_report(e.name)} - {MANIFEST}
+
+
+def _sweep(out: Path, earlier: set[str], r: ReportResult, formats) -> list[str]:
+    """Remove the files of ``earlier`` that this report did not write (a report.html after --no-html, a budget, a
+    figure or a table this selection has none of), never a link or another name; write the manifest of this
+    report's files. Returns the names removed."""
+    written = {p.name for p in r.files.values()}
+    written |= {f"{p.stem}.{ext}" for p in r.files.values() if p.suffix == ".png" for ext in formats
+                if (out / f"{p.stem}.{ext}").is_file()}
+    gone = sorted(n for n in earlier - written if _written_by_report(n) and (out / n).is_file()
+                  and not (out / n).is_symlink())
+    for name in gone:
+        (out / name).unlink()
+    (out / MANIFEST).write_text("".join(f"{n}\n" for n in sorted(written)), encoding="utf-8")
+    return gone
 
 
 def _budget_files(r: ReportResult, out: Path) -> dict[str, Path]:
@@ -191,6 +216,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
         r.depth, r.depth_notes = depth_table(every_layer), undefined(every_layer)
 
     out = _folder(out)
+    earlier = _earlier(out)
     _write_tables(r, out)
     r.figures = _figures(r, options, out)
     r.files |= r.figures
@@ -201,4 +227,5 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls) + "\n" + errors_latex(sel))
     if options.html:
         r.files["html"] = write_html(r, options, out, skipped=skipped)
+    _sweep(out, earlier, r, options.formats)
     return r

@@ -1,0 +1,43 @@
+"""Issue 49 (the report's files and messages) and issue 51's first-hour friction, on a real store from the conftest's
+Trainer run through the real CLI: a second report into the same --out leaves none of the first one's files it did
+not write (and every file of the user's), warnings where statistics are undefined become notes naming the metric,
+and the minor ones."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def measured(extracted_store, tmp_path_factory) -> Path:
+    """A private copy of ``extracted_store``, measured."""
+    store = tmp_path_factory.mktemp("reports") / "s.zarr"
+    shutil.copytree(extracted_store, store)
+    run_cli("measure", store)
+    return store
+
+
+def names(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+@pytest.mark.slow
+def test_a_second_report_removes_the_files_of_the_first_it_does_not_write(measured, tmp_path):
+    """report.html, min_count.csv, budget.*, tokens.csv and fig4_dynamics.* of a first report survived a second one
+    that wrote none of them; now --out holds what a fresh report writes, and the user's own files."""
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    run_cli("report", measured, "--out", out, "--tokens", "the", "--permutations", 0, "--formats", "png,pdf")
+    assert {"report.html", "min_count.csv", "budget.csv", "budget.png", "tokens.csv", "fig4_dynamics.png",
+            "fig4_dynamics.pdf"} <= names(out)
+    (out / "notes.txt").write_text("mine")
+    (out / "fig9_mine.png").write_bytes(b"mine")
+    table = shutil.copy(out / "metrics.csv", tmp_path / "metrics.csv")
+    second = ("report", table, "--permutations", 0, "--per-run", "last", "--no-html", "--formats", "png")
+    run_cli(*second, "--out", out)
+    run_cli(*second, "--out", fresh)
+    assert names(out) == names(fresh) | {"notes.txt", "fig9_mine.png"}
+    assert not {"report.html", "min_count.csv", "budget.csv", "fig4_dynamics.png", "fig1_nc_vs_loss.pdf"} & names(out)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "fig9_mine.png").read_bytes() == b"mine"
