@@ -122,7 +122,7 @@ def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> li
     if fragile:
         md += ["Claims one run moves (leave-one-run-out):", ""] + [f"- {f}" for f in fragile] + [""]
     md += comparison_lines(stats)
-    ctrl = control_robustness(rows, FIGURES["fig1_nc_vs_loss"][1], r.target)
+    ctrl, undefined = control_robustness(rows, FIGURES["fig1_nc_vs_loss"][1], r.target)
     if len(ctrl):
         md += ["### Figure 1's metrics under each scale control", "",
                "The partial r with the target, by what stands for model scale (each beside log1p(step), training "
@@ -130,6 +130,8 @@ def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> li
                "one fixed effect per architecture (n_layers, hidden_size, n_params; where an architecture has "
                "several runs or checkpoints, else a dash).", "",
                ctrl.to_markdown(index=False, disable_numparse=True), ""]
+    if undefined:
+        md += ["Notes:", ""] + [f"- {n}" for n in undefined] + [""]
     return md
 
 
