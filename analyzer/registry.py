@@ -240,7 +240,9 @@ FIGURE_FORMATS = ("png", "pdf", "svg")  # every format a report's figures can be
 
 
 def _formats(value: tuple[str, ...]) -> tuple[str, ...]:
-    """Figure formats among :data:`FIGURE_FORMATS`, PNG always (report.md shows it), each once, in their order."""
+    """Figure formats among :data:`FIGURE_FORMATS` (white space around each ignored: ``"png, pdf"``), PNG always
+    (report.md shows it), each once, in their order."""
+    value = tuple(v.strip().lower() for v in value)
     wrong = [v for v in value if v not in FIGURE_FORMATS]
     if wrong or "png" not in value:
         raise ValueError("must be png and any of pdf, svg, comma-separated")
@@ -304,3 +306,6 @@ class ReportSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.checkpoints and not self.tokens:
+            raise UserError("--checkpoint (ReportOptions.checkpoints) picks the checkpoints of the per-token table, "
+                            "and without --tokens there is none: pass --tokens too, or leave --checkpoint out")

@@ -336,6 +336,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     out.insert(1, "family", out.metric.map(family))
     for i in out.index[out.metric.isin(list(SCALE_DEPENDENT))]:  # said wherever the row is printed
         _add_notes(out, i, [Note(NoteKind.SCALE_DEPENDENT, SCALE_DEPENDENT[out.metric[i]])])
+    _note_left_out(out, X, df)
     rank = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)
@@ -414,6 +415,20 @@ def _with_claims(out: pd.DataFrame, extra: list[tuple[pd.DataFrame, pd.DataFrame
         if extra_notes:
             _add_notes(out, i, extra_notes)
     return out
+
+
+def _note_left_out(out: pd.DataFrame, X: pd.DataFrame, df: pd.DataFrame) -> None:
+    """A ``left_out`` note on each row whose metric has no finite value on some usable checkpoints (a metric nan
+    for one run), naming the first of them."""
+    for i in out.index:
+        lost = X[out.metric[i], "raw"].isna()
+        if 0 < lost.sum() < len(lost):
+            rows = df.loc[lost.index[lost]]
+            named = (rows["run"].astype(str) + "/" + rows["checkpoint"].astype(str) if {"run", "checkpoint"} <=
+                     set(df.columns) else rows.index.astype(str)).tolist()
+            more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+            _add_notes(out, i, [Note(NoteKind.LEFT_OUT, f"{len(named)} checkpoint(s) without a finite "
+                                     f"{out.metric[i]} left out: {', '.join(named[:5])}{more}")])
 
 
 def _add_notes(out: pd.DataFrame, i: int, extra: list[Note]) -> None:

@@ -21,7 +21,7 @@ from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
 from ncanalyze.store.io import CHUNK_ERRORS
 from ncanalyze.store.store import Store
-from tqdm.auto import tqdm
+from ncanalyze.store.bars import progress_bar
 
 WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
 
@@ -89,7 +89,7 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
     with client(scheduler, workers=WORKER_WAIT_S if todo else None), threads.policy(threads_setting):
-        for g in tqdm(todo, desc="measuring", unit="group", disable=None):
+        for g in progress_bar(todo, desc="measuring", unit="group", disable=None):
             threads.tick()  # --threads auto: the load measured again between groups
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

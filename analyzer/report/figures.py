@@ -23,7 +23,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from ncanalyze.analyzer.metric_records import RECORDS  # noqa: E402
 from ncanalyze.analyzer.registry import FIGURE_FORMATS  # noqa: E402
 from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
-from ncanalyze.analyzer.report.escape import write_csv  # noqa: E402
+from ncanalyze.analyzer.report.escape import drawn, write_csv  # noqa: E402
 from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
 from ncanalyze.analyzer.report.ticks import (  # noqa: E402
     DPI,
@@ -164,7 +164,7 @@ class _Style:
             handles = [Line2D([], [], ls="-", lw=0.8, marker=MARKERS[i % len(MARKERS)], ms=6,
                               color="0.35" if neutral else RUN_COLOURS[i % len(RUN_COLOURS)],
                               mec="black", mew=0.3) for i in range(len(self.runs))]
-            fig.legend(handles, self.runs, loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
+            fig.legend(handles, [drawn(r) for r in self.runs], loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
                        title="runs" + (f" ({self.size_note})" if self.size_note else "")
                        + ("; ringed: each run's last step" if self.ringed else ""), title_fontsize=8,
                        bbox_to_anchor=(0.5, 0.0))

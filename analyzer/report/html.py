@@ -17,7 +17,7 @@ from matplotlib.colors import LogNorm, Normalize, to_hex
 
 from ncanalyze.analyzer.report.depth import has_depth, last_layer
 from ncanalyze.analyzer.report.document import LICENSE, header, tag_stats
-from ncanalyze.analyzer.report.escape import plotly_text
+from ncanalyze.analyzer.report.escape import drawn, plotly_text
 from ncanalyze.analyzer.report.figures import FIGURES, MARKERS, RUN_COLOURS, design_text, label, r2_text
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
@@ -187,7 +187,7 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     rows["run"] = list(run)
     for c in ("run", "checkpoint", "tag"):  # as plotly draws them: text, not its label markup
         if c in rows:
-            rows["_shown_" + c] = [None if v is None else plotly_text(v) for v in rows[c]]
+            rows["_shown_" + c] = [None if v is None else plotly_text(drawn(v)) for v in rows[c]]
     rows["_last"] = [bool(x) for x in df.index.isin(last_layer(df).index)]
     rows["_tag"] = _tag_keys(df)
     colours = _colours(df, run)

@@ -38,7 +38,7 @@ from ncanalyze.store.sources.discover import (
     tagged,
 )
 from ncanalyze.store.store import Status, Store
-from tqdm.auto import tqdm
+from ncanalyze.store.bars import progress_bar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -274,7 +274,7 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
     total = len(todo) if total is None else total
     try:
         with DeferredInterrupt() if defer else contextlib.nullcontext() as interrupt:
-            for i, (group, item) in enumerate(tqdm(todo, total=total, desc=desc, unit=unit, disable=total < 2), 1):
+            for i, (group, item) in enumerate(progress_bar(todo, total=total, desc=desc, unit=unit, disable=total < 2), 1):
                 at = f"({i}/{total})"
                 try:
                     outcome = one(item, interrupt)
