@@ -41,3 +41,29 @@ def test_a_second_report_removes_the_files_of_the_first_it_does_not_write(measur
     assert names(out) == names(fresh) | {"notes.txt", "fig9_mine.png"}
     assert not {"report.html", "min_count.csv", "budget.csv", "fig4_dynamics.png", "fig1_nc_vs_loss.pdf"} & names(out)
     assert (out / "notes.txt").read_text() == "mine" and (out / "fig9_mine.png").read_bytes() == b"mine"
+
+
+EXTRACT_SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1)
+
+
+@pytest.mark.slow
+def test_quiet_draws_no_progress_bar(trained_run, corpus, tmp_path):
+    """Issue 51: ``-q`` prints only warnings and errors, as the docs say; it drew the progress bars (a 20 KB log)."""
+    args = ("extract", trained_run / "checkpoint-20", "--dataset", corpus["train"], *EXTRACT_SMALL)
+    loud = run_cli(*args, "--store", tmp_path / "loud.zarr").output
+    assert "%|" in loud and "batch" in loud  # tqdm's bars: the tokenizing pass and the extraction pass
+    quiet = run_cli("-q", *args, "--store", tmp_path / "quiet.zarr").output
+    assert "%|" not in quiet and "it/s" not in quiet and "batch/s" not in quiet, quiet
+    assert (tmp_path / "quiet.zarr").is_dir()
+
+
+@pytest.mark.slow
+def test_a_run_folder_named_with_white_space_alone_is_refused(trained_run, corpus, tmp_path):
+    run = tmp_path / " "
+    shutil.copytree(trained_run / "checkpoint-20", run / "checkpoint-20")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_run / f, run / f)
+    r = run_cli("extract", run, "--dataset", corpus["train"], *EXTRACT_SMALL, "--store", tmp_path / "s.zarr",
+                ok=False)
+    assert "is only white space (invisible wherever it is shown)" in r.output and "rename the folder" in r.output
+    assert not (tmp_path / "s.zarr").exists()
