@@ -156,12 +156,13 @@ def by_path(group: str, attrs: dict) -> dict:
 
 def same_weights(groups: dict[str, dict]) -> dict[str, str]:
     """The groups that are another group's measurement under another name (the same configuration hash: the same
-    weights, data and settings; and the same layer), with why, naming the first."""
+    weights, data and settings; and the same layer), with why, naming the first. The training callback's groups
+    are left alone: their hash names the run's settings, not its weights (the model being trained has no file)."""
     first: dict[tuple, str] = {}
     out = {}
     for g, a in groups.items():
         key = (a.get("config_hash"), a.get(LAYER, a.get("n_layers")))
-        if key[0] is None:
+        if key[0] is None or a.get("source") == "training":
             continue
         if key in first:
             out[g] = (f"the same model, data and settings as {first[key]}, measured twice under two names: both are "
