@@ -76,7 +76,7 @@ class ReportResult:
     depth_notes
         The depth figure's undefined values (e.g. layer 0's infinite CDNV), said in report.md.
     min_count
-        Figure 1's metrics of each run's latest checkpoint at min_count 2, 5 and 20 (min_count.csv;
+        Figure 1's metrics of each run's latest checkpoint at min_count 1, 2, 5 and 20 (min_count.csv;
         :func:`~ncanalyze.analyzer.report.mincount.min_count_table`), or None without a store.
     min_count_notes
         Its notes: the cap on runs, and measure's warnings at those min_counts (NC4's kept set among them).

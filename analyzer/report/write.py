@@ -170,7 +170,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     never pooled: each tag's statistics (Holm within the tag) and figures are its own. Runs with several
     checkpoints are permuted whole (:func:`ncanalyze.analyzer.stats.correlations`). Tokens resolved other than as
     written, given twice or not one token are logged as warnings now and said in report.md. With a store, Figure
-    1's metrics of each run's latest checkpoint are measured again at min_count 2, 5 and 20 (at most 12 runs;
+    1's metrics of each run's latest checkpoint are measured again at min_count 1, 2, 5 and 20 (at most 12 runs;
     :mod:`~ncanalyze.analyzer.report.mincount`).
 
     Parameters
