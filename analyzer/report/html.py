@@ -66,6 +66,20 @@ def md_inline(text: str) -> str:
     return "".join(out)
 
 
+def blocks(lines: list[str]) -> list[tuple[str, list[str]]]:
+    """report.md's lines as HTML blocks: ``("ul", items)`` for each run of bullets (``- ...``), ``("p", [text])`` for
+    every other line that is not empty; each as :func:`md_inline`."""
+    out: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith("- "):
+            if not out or out[-1][0] != "ul":
+                out.append(("ul", []))
+            out[-1][1].append(md_inline(line[2:]))
+        elif line:
+            out.append(("p", [md_inline(line)]))
+    return out
+
+
 def _values(s: pd.Series) -> list:
     """A column as JSON values: numbers where numeric (null where missing or infinite), else strings (null where
     missing)."""
@@ -363,7 +377,7 @@ def write_html(r: ReportResult, options: ReportOptions, out: Path, skipped: dict
     md = header(r, options, split_tags(r.selected))
     data = payload(r, options)
     text = page.render(
-        title=md[0].lstrip("# "), intro=[md_inline(p) for p in md[1:] if p],
+        title=md[0].lstrip("# "), intro=blocks(md[1:]),
         caveats=[md_inline(c) for c in caveats(r, options, skipped)], data=_json(data),
         metrics=data["metrics"], labels=data["labels"], layers=data["layers"], tags=data["tags"],
         stats=step_figure_html(r) + stats_table(r.stats), tokens=token_tables(r.tokens), plotly_js=get_plotlyjs(),

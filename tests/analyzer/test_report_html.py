@@ -177,6 +177,24 @@ def test_the_page_is_one_file_that_opens_offline_and_draws_every_row(real, brows
 
 
 @pytest.mark.slow
+def test_the_opening_warning_is_a_list_and_the_page_fits_1400_pixels(real, browser):
+    """Issue 51: the warning's bullets were paragraphs starting "- ", and the page needed a horizontal scrollbar at
+    1,400 px (the statistics table)."""
+    bullets = [line[2:] for line in (real / "report.md").read_text().split("\n\n## ")[0].splitlines()
+               if line.startswith("- ")]
+    assert len(bullets) >= 2  # report.md's opening warning: one bullet per Holm family that no p can pass
+    open_page(browser, real / "report.html")
+    assert browser.execute_script("return window.innerWidth") == 1400
+    items = browser.execute_script("return Array.from(document.querySelectorAll('body > ul > li'), e => e.innerHTML)")
+    assert items == [md_inline(b) for b in bullets]
+    assert not browser.execute_script(
+        "return Array.from(document.querySelectorAll('p'), e => e.textContent).filter(t => t.startsWith('- '))")
+    wide, seen = browser.execute_script("return [document.documentElement.scrollWidth, "
+                                        "document.documentElement.clientWidth]")
+    assert wide <= seen, (wide, seen)  # no horizontal scrollbar
+
+
+@pytest.mark.slow
 def test_hovering_a_point_says_its_run_checkpoint_step_size_values_and_kept_classes(real, browser):
     open_page(browser, real / "report.html")
     metrics = read_csv(real / "metrics.csv").set_index(["run", "checkpoint"])
