@@ -66,7 +66,7 @@ def md_inline(text: str) -> str:
     return "".join(out)
 
 
-def blocks(lines: list[str]) -> list[tuple[str, list[str]]]:
+def md_blocks(lines: list[str]) -> list[tuple[str, list[str]]]:
     """report.md's lines as HTML blocks: ``("ul", items)`` for each run of bullets (``- ...``), ``("p", [text])`` for
     every other line that is not empty; each as :func:`md_inline`."""
     out: list[tuple[str, list[str]]] = []
@@ -377,7 +377,7 @@ def write_html(r: ReportResult, options: ReportOptions, out: Path, skipped: dict
     md = header(r, options, split_tags(r.selected))
     data = payload(r, options)
     text = page.render(
-        title=md[0].lstrip("# "), intro=blocks(md[1:]),
+        title=md[0].lstrip("# "), intro=md_blocks(md[1:]),
         caveats=[md_inline(c) for c in caveats(r, options, skipped)], data=_json(data),
         metrics=data["metrics"], labels=data["labels"], layers=data["layers"], tags=data["tags"],
         stats=step_figure_html(r) + stats_table(r.stats), tokens=token_tables(r.tokens), plotly_js=get_plotlyjs(),
