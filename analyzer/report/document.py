@@ -257,8 +257,8 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None, formats: Seq
     if r.tokens is not None:
         md += ["- `tokens.csv`: the per-token table"]
     if r.min_count is not None:
-        md += ["- `min_count.csv`: Figure 1's metrics of each run's latest checkpoint at min_count 1, 2, 5 and 20, with "
-               "the kept classes at each (`value_<m>`, `n_kept_<m>`) and the relative change (`rel_change`)"]
+        md += ["- `min_count.csv`: Figure 1's metrics of each run's latest checkpoint at min_count 1, 2, 5 and 20, "
+               "with the kept classes at each (`value_<m>`, `n_kept_<m>`) and the relative change (`rel_change`)"]
     return md
 
 

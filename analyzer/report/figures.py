@@ -164,7 +164,8 @@ class _Style:
             handles = [Line2D([], [], ls="-", lw=0.8, marker=MARKERS[i % len(MARKERS)], ms=6,
                               color="0.35" if neutral else RUN_COLOURS[i % len(RUN_COLOURS)],
                               mec="black", mew=0.3) for i in range(len(self.runs))]
-            fig.legend(handles, [drawn(r) for r in self.runs], loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
+            fig.legend(handles, [drawn(r) for r in self.runs], loc="lower center", ncol=self.legend_cols(),
+                       fontsize=8, frameon=False,
                        title="runs" + (f" ({self.size_note})" if self.size_note else "")
                        + ("; ringed: each run's last step" if self.ringed else ""), title_fontsize=8,
                        bbox_to_anchor=(0.5, 0.0))

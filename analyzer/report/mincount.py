@@ -107,10 +107,10 @@ def min_count_lines(table: pd.DataFrame, notes: list[str], min_counts: Sequence[
     md = ["## How the headline metrics move with min_count", "",
           f"Figure 1's metrics of each selected run's latest checkpoint (its last layer), measured again at min_count "
           f"{ms} (`measure(ds, min_count=m)`): each value with the kept classes it rests on (count ≥ m), and the "
-          f"relative change (max - min) / |value at {min_counts[0]}| over the {len(min_counts)} (empty where a value is not "
-          "finite). NC4's decisions were counted at extraction over the kept set of its `--min-count` and, in the "
-          "same validation pass, over those of min_count 1, 2, 5 and 20, so it is measured at each; a store "
-          "extracted before that has NC4 at its own `--min-count` only (nan elsewhere, with the note below). "
+          f"relative change (max - min) / |value at {min_counts[0]}| over the {len(min_counts)} (empty where a "
+          "value is not finite). NC4's decisions were counted at extraction over the kept set of its `--min-count` "
+          "and, in the same validation pass, over those of min_count 1, 2, 5 and 20, so it is measured at each; a "
+          "store extracted before that has NC4 at its own `--min-count` only (nan elsewhere, with the note below). "
           "The same numbers, unrounded, in `min_count.csv`.", ""]
     if not table.empty:
         show = table.copy()

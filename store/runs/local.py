@@ -274,7 +274,8 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
     total = len(todo) if total is None else total
     try:
         with DeferredInterrupt() if defer else contextlib.nullcontext() as interrupt:
-            for i, (group, item) in enumerate(progress_bar(todo, total=total, desc=desc, unit=unit, disable=total < 2), 1):
+            bars = progress_bar(todo, total=total, desc=desc, unit=unit, disable=total < 2)
+            for i, (group, item) in enumerate(bars, 1):
                 at = f"({i}/{total})"
                 try:
                     outcome = one(item, interrupt)

@@ -28,7 +28,8 @@ REFUSED = [  # (command, the library's settings, a value as the library takes it
      "per_run (--per-run) must be one of all, last, got 'first'"),
     ("report", ReportOptions, dict(seed=-1), ["--seed", "-1"],
      "seed (--seed) must be between 0 and 9223372036854775807, got -1"),
-    ("report", MeasureSettings, dict(min_count=0), ["--min-count", "0"], f"min_count (--min-count) must be between 1 and {2**53}, got 0"),
+    ("report", MeasureSettings, dict(min_count=0), ["--min-count", "0"],
+     f"min_count (--min-count) must be between 1 and {2**53}, got 0"),
     # issue 49: a maximum for every number (a 36 TiB bootstrap, a MemoryError, an int64 overflow), the rule said
     ("report", ReportOptions, dict(n_boot=10**12), ["--bootstrap", str(10**12)],
      "n_boot (--bootstrap) must be between 0 and 1000000, got 1000000000000"),

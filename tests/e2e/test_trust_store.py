@@ -87,7 +87,8 @@ def test_fold_sums_that_do_not_add_up_name_the_group_and_its_fix(store):
     z = zarr.open_group(store, path=g[20], mode="r+")
     n, m, fn, fm = (np.asarray(z[v][...], np.float64) for v in ("count", "mean", "fold_count", "fold_mean"))
     assert fn.shape[0] > 1 and np.array_equal(fn.sum(0), n)
-    np.testing.assert_allclose((fn[..., None] * fm).sum(0), n[:, None] * m, rtol=0, atol=1e-12 * np.abs(n[:, None] * m).max())
+    weighted = n[:, None] * m
+    np.testing.assert_allclose((fn[..., None] * fm).sum(0), weighted, rtol=0, atol=1e-12 * np.abs(weighted).max())
     c = int(np.argmax(fn[0]))  # the most frequent class of fold 0
     z["fold_mean"][0, c] = fm[0, c] + 1.0  # forged
     z40 = zarr.open_group(store, path=g[40], mode="r+")

@@ -23,7 +23,8 @@ BAD = [  # (setting, value as the library takes it, as the command line gives it
                                          "got 100"),
     ("dtype", "int8", "int8", "dtype (--dtype) must be one of float32, bfloat16, float16, float64, got 'int8'"),
     ("layers", ",", ",", "layers (--layers) names no layer: pass last, all, or indices like 0,-1, got ','"),
-    ("layers_per_pass", "0", "0", "layers_per_pass (--layers-per-pass) must be auto or an integer from 1 to 4096, got '0'"),
+    ("layers_per_pass", "0", "0",
+     "layers_per_pass (--layers-per-pass) must be auto or an integer from 1 to 4096, got '0'"),
     ("state_memory", "12 parsecs", "12 parsecs", "state_memory (--state-memory) is not a size: pass a number of bytes, "
                                                  "or a number and a unit: kB, MB, GB, TB (powers of 1000) or KiB, MiB, "
                                                  "GiB, TiB (powers of 1024), in any case but a lowercase b (bits: 3Mb is "
