@@ -531,6 +531,8 @@ def compare_r2(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, labels: pd.Seri
                 continue
             res = paired_bootstrap(y.to_numpy(float)[ok], X[a, scale].to_numpy(float)[ok],
                                    X[b, scale].to_numpy(float)[ok], codes, n_boot, seed)
+            if not np.isfinite(res["d_r2"]):  # a metric or the target constant: no R² to compare
+                continue
             out.loc[i[0], "vs_metric"] = b
             out.loc[i[0], list(cols)] = [res[c] for c in cols]
             if res["d_r2_dropped"]:

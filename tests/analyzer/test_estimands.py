@@ -188,3 +188,9 @@ def test_a_metric_the_same_in_every_run_at_a_step_gets_no_r_there():
     from ncanalyze.analyzer.stats import by_step
     steps = by_step(df, ["clock"], "eval_loss", n_perm=200)
     assert len(steps) and steps.r.isna().all()
+
+
+def test_a_constant_target_gets_no_comparison_and_no_crash():
+    df = worked_shape(0, n_runs=8).assign(eval_loss=3.0, unc3_cos_cv=lambda d: d.own, nc3_cos_mean=lambda d: d.flat)
+    st = correlations(df, ["unc3_cos_cv", "nc3_cos_mean"], "eval_loss", (), n_perm=50, runs="run", n_boot=1000)
+    assert st.d_r2.isna().all() and (st.vs_metric == "").all() and st.note.str.contains("target constant").all()
