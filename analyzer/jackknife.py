@@ -59,7 +59,8 @@ def n_folds(ds: xr.Dataset) -> int:
 
 def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     """The dataset of the tokens of ``folds`` alone: their statistics merged (Chan, in the order given) into the
-    variables the metrics read, with ``ds``'s head and attributes."""
+    variables the metrics read, with ``ds``'s head, attributes and ``split_count`` (the debiased metrics' class set
+    is the split's, the same for every subset of folds)."""
     from ncanalyze.analyzer.accumulate import merged_stats
 
     parts = ({n: np.asarray(ds[f"fold_{n}"].values[f]) for n in FOLD_STATS if f"fold_{n}" in ds} for f in folds)
@@ -68,7 +69,8 @@ def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
     with np.errstate(invalid="ignore", divide="ignore"):
         return stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, unit_sum=acc.unit_sum,
-                             val=val or None, attrs={**ds.attrs, "folds": len(folds)}, **head)
+                             val=val or None, attrs={**ds.attrs, "folds": len(folds)},
+                             split_count=ds["split_count"].values if "split_count" in ds else None, **head)
 
 
 def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[pd.DataFrame, list[str]]:

@@ -9,7 +9,7 @@ from ncanalyze.analyzer.schema import SCALARS
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option, setting_groups, settings_of, store_positional
 
-SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
+SHOWN = ("nc1_cdnv", "nc1_cdnv_debiased", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
 
 
 RUN_CONTROL = [  # where it works and whether it starts again: the command's own, not settings of the measuring

@@ -34,7 +34,8 @@ from ncanalyze.analyzer.report.ticks import (  # noqa: E402
 )
 
 LABELS = {  # panel titles
-    "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV over distance⁴ (scales as 1/length²)",
+    "nc1_cdnv": "NC1: within-class variability (CDNV)",
+    "nc1_cdnv_debiased": "NC1: CDNV, debiased (budget-stable)", "nc1_cdnv_p2": "NC1: CDNV over distance⁴ (scales as 1/length²)",
     "nc1_trace": "NC1: Tr(Σ_W Σ_B⁺)/K", "nc2_norm_cv": "NC2: equinorm (CV of norms)",
     "nc2_lognorm_std": "NC2: std of log norms", "nc2_cos_mean": "NC2: mean cosine",
     "nc2_cos_std": "NC2: equiangularity (std of cosines)", "nc2_etf_error": "NC2: distance to simplex ETF",

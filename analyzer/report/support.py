@@ -24,6 +24,7 @@ DIRECTION = {  # metric: which way is more collapse (None: no collapse direction
     "unc3_cos_cv": LOWER, "nc3_dual_error": LOWER, "nc4_agreement": HIGHER, "nc1_cdnv_freq": LOWER,
     "gnc2_log_mean_freq": LOWER, "within_erank": None, "between_erank": None, "total_erank": None,
     "eigen_decay": None, "lidar": None, "anisotropy": None, "head_erank": None, "rankme": None,
+    "nc1_cdnv_debiased": LOWER,
 }
 
 
