@@ -283,7 +283,7 @@ def vlog(y: np.ndarray) -> np.ndarray:
 
 @numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False,
             cache=True)
-def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, rj, bj, vj, pj, aj, sj, zj, fj, c, diag, acc, rows, cols):
+def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, k1, k2, rj, bj, vj, pj, aj, sj, zj, fj, _k1, _k2, c, diag, acc, rows, cols):
     """Accumulate one Gram block's pair sums into acc (SUMS order), rows and cols (see tile_sums); on a diagonal
     block only the pairs j > i.
 
@@ -295,11 +295,13 @@ def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, rj, bj, vj, pj, aj, sj, zj, fj, c, 
     1/(e (2 + f)) gives both 1/e and musl's
     s = f/(2 + f). Reductions may be reordered (fastmath reassoc), which is what lets the loop vectorise; every
     term is float64. The debiased CDNV (pairs.py) reads D = e r r' and a second division, over the pairs of the
-    fixed class set (f_i f_j = 1; s the unbiased variances, z the means' noise).
+    fixed class set (f_i f_j = 1; s the unbiased variances, z the means' noise, k1 and k2 its second-order constants,
+    the same in every column).
     """
     g_max = 1.0 - COINCIDENT / 2                                  # T = 2 - 2g < COINCIDENT
     col = np.zeros(G.shape[1])                                    # sum_i (v_i + v_j) / D_ij
     bad = xx = l1 = l2 = cdnv = p2 = cdnv_f = l_f = deb = unres = 0.0
+    c1, c2 = (k1[0], k2[0]) if ri.size else (0.0, 0.0)
     for i in range(G.shape[0]):
         r_i, b_i, v_i, a_i, s_i, z_i, f_i = ri[i], bi[i], vi[i], ai[i], si[i], zi[i], fi[i]
         lo = i + 1 if diag else 0
@@ -331,8 +333,11 @@ def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, rj, bj, vj, pj, aj, sj, zj, fj, c, 
             nz = z_i + z_j[j]                                     # the two means' noise
             den = max(d - nz, nz)
             fixed = f_i * f_j[j] > 0.0
-            deb += ((s_i + s_j[j]) / den if den > 0.0 else np.inf) if fixed else 0.0
-            unres += 1.0 if fixed and d < 2.0 * nz else 0.0
+            inv_d = 1.0 / den
+            resolved = d > 2.0 * nz
+            second = max(1.0 - (c1 * den * nz + c2 * nz * nz) * inv_d * inv_d, 0.0) if resolved else 1.0
+            deb += ((s_i + s_j[j]) * inv_d * second if den > COINCIDENT * r_i * r_j[j] else np.inf) if fixed else 0.0
+            unres += 1.0 if fixed and not resolved else 0.0
         rows[i] += b_i * row
         cdnv += b_i * row
         p2 += b_i * b_i * row2

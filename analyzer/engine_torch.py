@@ -210,7 +210,7 @@ def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
     x = T/t0 - 1 = (c - 1) - c g (c = 2/t0, in g's place),
     l = log1p(x); the logs of coincident directions (-inf or nan) are not used (the metrics are inf or nan there).
     """
-    (ri, bi, vi, pi, ai, si, zi, fi), (rj, bj, vj, pj, aj, sj, zj, fj) = Si, Sj
+    (ri, bi, vi, pi, ai), (rj, bj, vj, pj, aj) = Si[:5], Sj[:5]
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     e = torch.addmm(g, torch.stack([ri, bi], 1), torch.stack([bj, rj]), beta=-2)   # D/(r r')
     deb, unres = _debiased_block(e, Si, Sj, diag)
@@ -247,17 +247,22 @@ def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
 
 def _debiased_block(e, Si, Sj, diag: bool):
     """One block's debiased CDNV sum and its count of unresolved pairs (pairs.reference_tile_sums): over the pairs
-    of the fixed class set (f f' = 1), (v* + v*') / max(D - z - z', z + z'), D = e r r'; +inf where that is 0."""
-    (ri, _, _, _, _, si, zi, fi), (rj, _, _, _, _, sj, zj, fj) = Si, Sj
+    of the fixed class set (f f' = 1), (v* + v*') / max(D - z - z', z + z') with its second-order factor where
+    resolved, D = e r r'; +inf where the denominator is below COINCIDENT r r'."""
+    (ri, _, _, _, _, si, zi, fi, k1, k2), (rj, _, _, _, _, sj, zj, fj, _, _) = Si, Sj
     fixed = (fi[:, None] * fj[None, :]) > 0
     if diag:
         fixed.triu_(1)
     D = e * ri[:, None] * rj[None, :]
     noise = zi[:, None] + zj[None, :]
     den = torch.maximum(D - noise, noise)
-    unres = (fixed & (D < 2 * noise)).sum().to(e.dtype)
+    resolved = D > 2 * noise
+    unres = (fixed & ~resolved).sum().to(e.dtype)
     num = torch.where(fixed, si[:, None] + sj[None, :], 0.0)
-    q = torch.where(fixed & (den <= 0), math.inf, num / torch.where(den > 0, den, 1.0))
+    tiny = den <= COINCIDENT * ri[:, None] * rj[None, :]             # coincident means without variance: +inf
+    inv = torch.where(tiny, 1.0, den).reciprocal()
+    second = torch.where(resolved, (1 - (k1[0] * den * noise + k2[0] * noise * noise) * inv * inv).clamp(min=0), 1.0)
+    q = torch.where(fixed & tiny, math.inf, num * inv * second)
     return q.sum(), unres
 
 

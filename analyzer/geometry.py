@@ -172,27 +172,43 @@ def fixed_set(ds: xr.Dataset, K: np.ndarray, count: np.ndarray) -> tuple[np.ndar
     """The debiased metrics' class set over K, their per-class rows and a note on the classes it leaves out.
 
     The set is fixed by the train split, not by the sample: the classes whose share of the split's labels
-    (``split_count``, counted from the token ids at extraction; the sample's ``count`` where the dataset has none,
-    e.g. :func:`class_stats`) is at least DEBIAS_SHARE. Of those, a class with fewer than 2 tokens in the sample (no
-    variance) or outside K (min_count) is left out, named in the note. Rows (pairs.side_of): v*_c = var_c
+    (``split_count``, counted from the token ids at extraction) is at least DEBIAS_SHARE, within K (a min_count above 2 narrows it, as asked). Of
+    those, a class with fewer than 2 tokens in the sample (no variance) is left out, named in the note. A dataset
+    without ``split_count`` (:func:`class_stats`' plain arrays, a text split read as a stream) takes the classes with
+    2 or more tokens in the sample: the sample is then the population, and the set is not budget-stable. Rows (pairs.side_of): v*_c = var_c
     n_c/(n_c - 1) (the unbiased variance), z_c = v*_c / n_c (the noise E||mu^_c - mu_c||^2 of the class mean), b_c.
     """
-    split = np.asarray(ds["split_count"].values if "split_count" in ds else count, dtype=np.float64)
-    wanted = split >= DEBIAS_SHARE * split.sum()
+    if "split_count" in ds:
+        split = np.asarray(ds["split_count"].values, dtype=np.float64)
+        wanted = split >= DEBIAS_SHARE * split.sum()
+    else:                                                          # no split: the sample is all there is
+        wanted = np.asarray(count) >= 2
     n = count[K].astype(np.float64)
     fixed = wanted[K] & (n >= 2)
     var = np.asarray(ds["variance"].values)[K].astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         vs = np.where(fixed, var * n / (n - 1), 0.0)
         z = np.where(fixed, vs / n, 0.0)
-    out = np.setdiff1d(np.flatnonzero(wanted), K[fixed])
+    out = np.flatnonzero(wanted & (np.asarray(count) < 2))
     note = None
     if out.size:
-        where = "the train split" if "split_count" in ds else "the sample"
         note = (f"{out.size} of the {int(wanted.sum())} classes of the fixed set (share >= {DEBIAS_SHARE:.3g} of "
-                f"{where}'s labels) are left out, with fewer than 2 train tokens in the sample or below min_count "
+                f"the train split's labels) are left out, with fewer than 2 train tokens in the sample "
                 f"({', '.join(map(str, out[:8].tolist()))}{' ...' if out.size > 8 else ''}): extract more tokens")
-    return fixed, (vs, z, fixed), note
+    return fixed, (vs, z, fixed, *second_order(ds)), note
+
+
+def second_order(ds: xr.Dataset) -> tuple[float, float]:
+    """The debiased CDNV's second-order constants (pairs.py): k1 = 4/d and k2 = 2/d_eff, d_eff = tr(Sigma_W)^2 /
+    tr(Sigma_W^2) the participation ratio of the pooled within-class covariance (d without one): the variance of a
+    sample squared distance is k1 D N + k2 N^2 where the means' noise has the pooled shape and the distance a
+    direction at random to it."""
+    d = ds.sizes["hidden"]
+    if "within_covariance" not in ds:
+        return 4 / d, 2 / d
+    S = np.asarray(ds["within_covariance"].values, dtype=np.float64)
+    tr, tr2 = float(np.trace(S)), float(np.sum(S * S))
+    return 4 / d, (2 * tr2 / tr ** 2 if tr > 0 else 2 / d)
 
 
 def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:

@@ -45,11 +45,12 @@ def nc1_cdnv_debiased(g: Geometry) -> float:
     section 4, "Budget-stable estimates"): mean over the pairs of the fixed set (geometry.fixed_set: split share >=
     DEBIAS_SHARE, 2 or more tokens in the sample) of (v*_c + v*_c') / (2 D*_cc'), v*_c = var_c n_c/(n_c - 1) the
     unbiased variance and D* = ||mu^_c - mu^_c'||^2 - v*_c/n_c - v*_c'/n_c' the squared distance less the two means'
-    noise (E||mu^_c - mu^_c'||^2 = ||mu_c - mu_c'||^2 + tr Sigma_c/n_c + tr Sigma_c'/n_c'). A pair whose corrected
-    distance is not clearly positive (D* below the noise it removed, i.e. the plug-in distance below twice that
-    noise: the sample does not resolve the pair) takes the noise as its distance, a floor that keeps its term finite
-    and errs low; such pairs are counted (``n_pairs_unresolved``, a warning where any). nan, with a warning, where
-    fewer than 2 classes of the set are measured."""
+    noise (E||mu^_c - mu^_c'||^2 = ||mu_c - mu_c'||^2 + tr Sigma_c/n_c + tr Sigma_c'/n_c'), and 1/D* with its
+    second-order (delta-method) term, which assumes Gaussian noise of the pooled within-class shape (pairs.py). A pair
+    whose corrected distance is not clearly positive (D* below the noise it removed, i.e. the plug-in distance below
+    twice that noise: the sample does not resolve the pair) takes the noise as its distance, a floor that keeps its
+    term finite and errs low; such pairs are counted (``n_pairs_unresolved``, a warning where any). nan, with a
+    warning, where fewer than 2 classes of the set are measured."""
     n = int(g.fixed.sum()) if g.fixed is not None else 0
     return g.pairs.cdnv_deb / (n * (n - 1)) if n >= 2 else math.nan
 

@@ -38,7 +38,7 @@ GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "e
 # Where no sound correction exists, the plug-in metric's docstring says so (metrics.py, spectral.py).
 DEBIASED_METRICS = ("nc1_cdnv_debiased",)
 # the debiased metrics' class set: the classes whose share of the train split's labels (``split_count``, counted from
-# the token ids at extraction; the sample's own counts where a dataset has none) is at least this, and that have 2 or
+# the token ids at extraction) is at least this, and that have 2 or
 # more train tokens in the sample (a class of the set with fewer is left out, said in a warning). 2^-12: at the
 # smallest budget worth measuring (32,768 tokens) such a class expects 8 tokens.
 DEBIAS_SHARE = 2.0 ** -12
