@@ -167,16 +167,20 @@ def nested_budgets(ds: xr.Dataset, measure: Measure, whole: Mapping[str, float] 
     return pd.DataFrame(rows)
 
 
-def unsettled(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
+def unsettled(table: pd.DataFrame, metrics: Sequence[str], more: bool | None = None) -> list[str]:
     """The ``metrics`` still moving between the last two budgets of a :func:`nested_budgets` table by more than their
-    error at the last one (jackknife): each as a line naming the tokens."""
+    sampling error at the last one (jackknife): each as a line naming the tokens, and what to do: raise
+    --max-train-tokens where the split holds more tokens (``more``; None: not known), else compare at this budget or
+    use the debiased number."""
     if len(table) < 2:
         return []
     last, before = table.iloc[-1], table.iloc[-2]
+    advice = {True: "raise --max-train-tokens", None: "raise --max-train-tokens if the split holds more tokens",
+              False: "the whole split was read: compare at this budget, or use the debiased number where there is one"}
     lines = []
     for m in metrics:
         move, se = abs(last[m] - before[m]), last[se_name(m)]
         if np.isfinite(move) and np.isfinite(se) and move > se:
             lines.append(f"`{m}` has not settled at {int(last['tokens']):,} tokens (it moved {move:.3g} from "
-                         f"{int(before['tokens']):,} tokens, more than its error {se:.3g}): raise --max-train-tokens")
+                         f"{int(before['tokens']):,} tokens, more than its sampling error {se:.3g}): {advice[more]}")
     return lines
