@@ -1,0 +1,127 @@
+"""The token budget's bias, shown: one Trainer checkpoint measured at growing train-token budgets, the paper's plug-in
+CDNV beside the debiased one (issue 48's table).
+
+    python benchmarks/budget.py                          # kjv.txt from ../shared/data where present, else generated text
+    python benchmarks/budget.py --text FILE --budgets 32768,524288 --steps 600
+
+It trains a GPT-Neo (2 layers, width 64, a 1,024-token byte-level BPE trained on the text) with transformers.Trainer
+on the text's first 95% of lines (the last 5% its validation split), extracts its final checkpoint with
+``ncanalyze extract`` once per budget (``--max-train-tokens``; blocks spread over the whole split, so the smaller
+sample is not a prefix), each into a store of its own, and prints one markdown row per budget: the train tokens, the
+plug-in nc1_cdnv and its jackknife error, nc1_cdnv_debiased and its error, gnc2_log_std, nc4_agreement, and the
+classes and unresolved pairs the debiased number rests on; then the move of each CDNV between the first budget and
+the last. Without a text file it writes one: sentences over a 3,000-word Zipf vocabulary in which each word's
+successor depends on it (so classes differ in context, as a language's do).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
+COLUMNS = ("nc1_cdnv", "nc1_cdnv_se", "nc1_cdnv_debiased", "nc1_cdnv_debiased_se", "gnc2_log_std", "nc4_agreement")
+
+
+def sweep():
+    """examples/train_sweep.py (the tokenizer and the Trainer run the tests use)."""
+    spec = importlib.util.spec_from_file_location("train_sweep", ROOT / "examples" / "train_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["train_sweep"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def generated(path: Path, lines: int = 60_000, seed: int = 0) -> Path:
+    """Text over a Zipf vocabulary where each word draws its successor from a few words of its own."""
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(3000)]
+    p = 1 / np.arange(1, 3001) ** 1.05
+    p /= p.sum()
+    follow = rng.choice(3000, size=(3000, 8), p=p)
+    with open(path, "w") as f:
+        for _ in range(lines):
+            w, out = rng.choice(3000, p=p), []
+            for _ in range(rng.integers(6, 16)):
+                out.append(words[w])
+                w = follow[w, rng.integers(8)] if rng.random() < 0.8 else rng.choice(3000, p=p)
+            f.write(" ".join(out) + " .\n")
+    return path
+
+
+def split(text: Path, folder: Path) -> tuple[Path, Path]:
+    """The text's first 95% of lines and the rest, as train.txt and validation.txt."""
+    lines = text.read_text(encoding="utf-8").splitlines(keepends=True)
+    cut = int(0.95 * len(lines))
+    (folder / "train.txt").write_text("".join(lines[:cut]), encoding="utf-8")
+    (folder / "validation.txt").write_text("".join(lines[cut:]), encoding="utf-8")
+    return folder / "train.txt", folder / "validation.txt"
+
+
+def extract(ckpt: Path, train: Path, store: Path, tokens: int, val_tokens: int) -> None:
+    from click.testing import CliRunner
+
+    from ncanalyze.cli.main import main
+
+    args = ["extract", str(ckpt), "--dataset", str(train), "--store", str(store), "--max-train-tokens", str(tokens),
+            "--max-val-tokens", str(val_tokens), "--samples-per-class", "1", "--batch-size", "16"]
+    r = CliRunner().invoke(main, args)
+    if r.exit_code != 0:
+        raise SystemExit(r.output)
+
+
+def measured(store: Path) -> dict[str, float]:
+    import ncanalyze.store
+    from ncanalyze.analyzer import measure
+
+    tree = ncanalyze.store.open(store)
+    group = next(p for p, node in tree.subtree_with_keys if "count" in node.ds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return measure(tree[group].to_dataset().load(), se=True) | {"train_tokens": tree[group].attrs["train_tokens"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text", type=Path, default=KJV if KJV.is_file() else None)
+    ap.add_argument("--budgets", default="32768,131072,524288")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--val-tokens", type=int, default=32768)
+    a = ap.parse_args()
+    ts = sweep()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        text = a.text or generated(tmp / "generated.txt")
+        train, val = split(text, tmp)
+        started = time.perf_counter()
+        ts.train_tokenizer([train], vocab_size=1024, out_dir=tmp / "tok")
+        run = ts.train([train], [val], tmp / "tok", tmp / "neo-2x64", n_layer=2, width=64, n_head=4, block_size=128,
+                       batch_size=16, max_steps=a.steps, save_steps=a.steps, seed=0)
+        ckpt = max(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        print(f"text: {text.name if a.text else 'generated'}; trained {ckpt.name} in {time.perf_counter() - started:.0f} s")
+        rows = []
+        for tokens in (int(x) for x in a.budgets.split(",")):
+            store = tmp / f"b{tokens}.zarr"
+            extract(ckpt, train, store, tokens, a.val_tokens)
+            rows.append(measured(store))
+    print("\n| train tokens | " + " | ".join(COLUMNS) + " | classes (debiased) | unresolved pairs |")
+    print("|---" * (len(COLUMNS) + 3) + "|")
+    for m in rows:
+        print(f"| {int(m['train_tokens']):,} | " + " | ".join(f"{m[c]:.4g}" for c in COLUMNS)
+              + f" | {int(m['n_classes_debiased'])} | {int(m['n_pairs_unresolved'])} |")
+    for c in ("nc1_cdnv", "nc1_cdnv_debiased"):
+        first, last = rows[0][c], rows[-1][c]
+        print(f"{c}: {first:.4g} -> {last:.4g} ({(last / first - 1):+.1%}; "
+              f"{abs(last - first) / math.hypot(rows[0][c + '_se'], rows[-1][c + '_se']):.1f} errors)")
+
+
+if __name__ == "__main__":
+    main()
