@@ -232,18 +232,18 @@ def spread(blocks: Blocks, seed: int) -> Blocks:
     Parameters
     ----------
     blocks
-        The blocks, capped as a prefix (``max_blocks`` None: no cap, returned as they are).
+        The blocks, capped as a prefix (``max_blocks`` None: no cap, returned as they are, their own ``whole``).
     seed
         The seed.
 
     Returns
     -------
     Blocks
-        The chosen blocks.
+        The chosen blocks, ``whole`` the split they are drawn from.
     """
     m = blocks.max_blocks
-    if m is None:
-        return blocks
+    if m is None:  # the whole split: it is its own whole (split_counts.label_counts)
+        return dataclasses.replace(blocks, whole=blocks.whole or blocks)
 
     def chosen(picks: np.ndarray) -> Iterator[np.ndarray]:
         if blocks.at is not None:
@@ -270,7 +270,7 @@ def spread(blocks: Blocks, seed: int) -> Blocks:
                  "count them, then again for the %d spread over it that the cap allows", blocks.spec, m)
         return spread_picks(sum(1 for _ in blocks._iter()), m, seed)
 
-    return dataclasses.replace(whole, max_blocks=m, _iter=lambda: chosen(counted()), at=None)
+    return dataclasses.replace(whole, max_blocks=m, _iter=lambda: chosen(counted()), at=None, whole=whole)
 
 
 def _max_blocks(max_tokens: int | None, block_size: int) -> int | None:
