@@ -167,6 +167,11 @@ def drift_row(t: pd.DataFrame, m: str) -> dict[str, str]:
             "reading": "drifts with the budget (bias)" if drifts else "only scatters (noise)", "compare": compare}
 
 
+def _said(row: dict[str, str]) -> str:
+    """A :func:`drift_row` as a line of report.md."""
+    return f"{row['metric']}: {row['reading']}; {row['move']}; compare {row['compare']}"
+
+
 def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[str] = HEADLINE) -> list[str]:
     """report.md's token-budget section: per checkpoint and metric (the debiased forms beside), whether it drifts
     with the budget or only scatters, and which number to compare; each metric that has not settled (it moved
@@ -186,13 +191,13 @@ def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[st
     for (run, checkpoint), t in (table.groupby(["run", "checkpoint"], sort=True) if not table.empty else []):
         t = t.reset_index(drop=True)
         shown = [m for m in with_debiased(metrics) if m in t]
-        rows += [{"checkpoint": md_name(f"{run}/{checkpoint}", table=True), **drift_row(t, m)} for m in shown]
+        rows += [f"- {md_name(f'{run}/{checkpoint}')} {line}" for line in map(_said, (drift_row(t, m) for m in shown))]
         split = t["split_tokens"].iloc[-1] if "split_tokens" in t else math.nan
         more = None if not np.isfinite(split) else bool(split > t["tokens"].iloc[-1])
         moving += [f"- {md_name(f'{run}/{checkpoint}')}: {line}" for line in unsettled(t, shown, more)]
         unknown += [code(m) for m in shown if not np.isfinite(t[f"{m}_se"].iloc[-1])]
     if not table.empty:
-        lines += ["", "![token budget](budget.png)", "", pd.DataFrame(rows).to_markdown(index=False), ""]
+        lines += ["", "![token budget](budget.png)", "", *rows, ""]
         lines += moving
         if unknown:
             lines += [f"Whether {', '.join(dict.fromkeys(unknown))} settled is not known: no sampling error at the "
