@@ -294,8 +294,8 @@ def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, k1, k2, rj, bj, vj, pj, aj, sj, zj,
     variance: 1, else 0), and a coincident pair outside them is 0, not inf. The log shares that division:
     1/(e (2 + f)) gives both 1/e and musl's
     s = f/(2 + f). Reductions may be reordered (fastmath reassoc), which is what lets the loop vectorise; every
-    term is float64. The debiased CDNV (pairs.py) reads D = e r r' and a second division, over the pairs of the
-    fixed class set (f_i f_j = 1; s the unbiased variances, z the means' noise, k1 and k2 its second-order constants,
+    term is float64. The debiased CDNV (pairs.py) reads D = e r r' and shares the same division (1/(e (2 + f) den)
+    gives 1/(e (2 + f)) and 1/den, den = max(D - N, N) > 0 wherever e is), over the pairs of the fixed class set (f_i f_j = 1; s the unbiased variances, z the means' noise, k1 and k2 its second-order constants,
     the same in every column).
     """
     g_max = 1.0 - COINCIDENT / 2                                  # T = 2 - 2g < COINCIDENT
@@ -315,7 +315,13 @@ def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, k1, k2, rj, bj, vj, pj, aj, sj, zj,
             xx += x * x
             k, f = _reduce(x + 1.0)
             e = r_i * b_j[j] + b_i * r_j[j] - 2.0 * g             # D/(r r')
-            inv = 1.0 / (e * (2.0 + f))
+            rr = r_i * r_j[j]
+            d = e * rr                                            # D
+            nz = z_i + z_j[j]                                     # the two means' noise (0 outside the fixed set)
+            den = max(d - nz, nz)                                 # the debiased CDNV's distance (D outside the set)
+            ef = e * (2.0 + f)
+            one = 1.0 / (ef * den)                                # the pass's one division
+            inv = one * den                                       # 1 / (e (2 + f))
             l = _log_reduced(k, f, f * e * inv)                   # log(T/t0)
             l1 += l
             l2 += l * l
@@ -329,14 +335,11 @@ def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, k1, k2, rj, bj, vj, pj, aj, sj, zj,
             row2 += t * qb                                        # (v + v') r^2 / D^2
             row_f += p_j[j] * t
             col_j[j] += t * b_i
-            d = e * r_i * r_j[j]                                  # D
-            nz = z_i + z_j[j]                                     # the two means' noise
-            den = max(d - nz, nz)
             fixed = f_i * f_j[j] > 0.0
-            inv_d = 1.0 / den
+            q = nz * one * ef                                     # N / den
             resolved = d > 2.0 * nz
-            second = max(1.0 - (c1 * den * nz + c2 * nz * nz) * inv_d * inv_d, 0.0) if resolved else 1.0
-            deb += ((s_i + s_j[j]) * inv_d * second if den > COINCIDENT * r_i * r_j[j] else np.inf) if fixed else 0.0
+            second = max(1.0 - q * (c1 + c2 * q), 0.0) if resolved else 1.0   # 1 - V / den^2
+            deb += ((s_i + s_j[j]) * one * ef * second if den > COINCIDENT * rr else np.inf) if fixed else 0.0
             unres += 1.0 if fixed and not resolved else 0.0
         rows[i] += b_i * row
         cdnv += b_i * row
