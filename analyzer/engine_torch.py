@@ -261,7 +261,8 @@ def _debiased_block(e, Si, Sj, diag: bool):
     num = torch.where(fixed, si[:, None] + sj[None, :], 0.0)
     tiny = den <= COINCIDENT * ri[:, None] * rj[None, :]             # coincident means without variance: +inf
     inv = torch.where(tiny, 1.0, den).reciprocal()
-    second = torch.where(resolved, (1 - (k1[0] * den * noise + k2[0] * noise * noise) * inv * inv).clamp(min=0), 1.0)
+    q = noise * inv                                                # N / den: scale-free (no square of a distance)
+    second = torch.where(resolved, (1 - q * (k1[0] + k2[0] * q)).clamp(min=0), 1.0)
     q = torch.where(fixed & tiny, math.inf, num * inv * second)
     return q.sum(), unres
 

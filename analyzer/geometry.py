@@ -207,6 +207,8 @@ def second_order(ds: xr.Dataset) -> tuple[float, float]:
     if "within_covariance" not in ds:
         return 4 / d, 2 / d
     S = np.asarray(ds["within_covariance"].values, dtype=np.float64)
+    top = float(np.abs(S).max())
+    S = S / top if top > 0 else S                                 # scale-free: the squares neither overflow nor vanish
     tr, tr2 = float(np.trace(S)), float(np.sum(S * S))
     return 4 / d, (2 * tr2 / tr ** 2 if tr > 0 else 2 / d)
 

@@ -96,7 +96,8 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
     fixed = (np.outer(bi, bj) > 0) & pair                          # pairs of the fixed class set
     den = np.maximum(D - noise, noise)                             # ~0 only for coincident means without variance
     with np.errstate(divide="ignore", invalid="ignore"):
-        second = np.where(D > 2 * noise, np.maximum(1 - (k1[0] * den * noise + k2[0] * noise ** 2) / den ** 2, 0), 1)
+        h = noise / den                                            # 1 - V / den^2 = 1 - h (k1 + k2 h)
+        second = np.where(D > 2 * noise, np.maximum(1 - h * (k1[0] + k2[0] * h), 0), 1)
         qd = np.where(den > COINCIDENT * np.outer(ri, rj), (si[:, None] + sj[None, :]) / den * second, np.inf)
     sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
             np.sum(q[pair]), np.sum(q2[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair]), np.sum(qd[fixed]),
