@@ -62,10 +62,10 @@ FORMATS = FIGURE_FORMATS  # every format a figure can be saved in (ReportSetting
 
 
 def estimated(metrics: Sequence[str], estimates: str, table: pd.DataFrame) -> tuple[str, ...]:
-    """``metrics`` as ``report --estimates`` draws them: with ``debiased``, each plug-in metric that has a debiased
-    form with values in ``table`` (schema.PLUGIN_OF) gives way to that form; with ``plugin``, the debiased forms are
-    left out."""
-    has = {d for d in PLUGIN_OF if d in table and table[d].notna().any()}
+    """``metrics`` as ``report --estimates`` draws them: with ``debiased``, each plug-in metric whose debiased form
+    (schema.PLUGIN_OF) is among ``metrics`` too, with values in ``table``, gives way to that form; with ``plugin``, the
+    debiased forms are left out."""
+    has = {d for d in PLUGIN_OF if d in metrics and d in table and table[d].notna().any()}
     if estimates == "plugin":
         return tuple(m for m in metrics if m not in PLUGIN_OF)
     plugins = {PLUGIN_OF[d] for d in has}

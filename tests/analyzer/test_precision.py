@@ -105,6 +105,8 @@ def test_estimates_choose_the_number_the_figures_and_claims_use():
     assert chosen(fig1, estimated(every, "plugin", has)) == ["nc1_cdnv", "gnc2_log_std"]
     older = pd.DataFrame({"nc1_cdnv": [1.0], "nc1_cdnv_debiased": [math.nan]})   # measured before the debiased form
     assert chosen(fig1, estimated(every, "debiased", older)) == ["nc1_cdnv", "gnc2_log_std"]
+    asked = ("nc1_cdnv", "gnc2_log_std")                                     # --metrics without the debiased form
+    assert chosen(fig1, estimated(asked, "debiased", has)) == ["nc1_cdnv", "gnc2_log_std"]
     assert ReportOptions().estimates == "debiased"
     with pytest.raises(UserError, match="estimates"):
         ReportOptions(estimates="both")
