@@ -59,7 +59,8 @@ def n_folds(ds: xr.Dataset) -> int:
 
 def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     """The dataset of the tokens of ``folds`` alone: their statistics merged (Chan, in the order given) into the
-    variables the metrics read, with ``ds``'s head and attributes."""
+    variables the metrics read, with ``ds``'s head, attributes and ``split_count`` (the debiased metrics' class set
+    is the split's, the same for every subset of folds)."""
     from ncanalyze.analyzer.accumulate import merged_stats
 
     parts = ({n: np.asarray(ds[f"fold_{n}"].values[f]) for n in FOLD_STATS if f"fold_{n}" in ds} for f in folds)
@@ -68,7 +69,8 @@ def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
     with np.errstate(invalid="ignore", divide="ignore"):
         return stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, unit_sum=acc.unit_sum,
-                             val=val or None, attrs={**ds.attrs, "folds": len(folds)}, **head)
+                             val=val or None, attrs={**ds.attrs, "folds": len(folds)},
+                             split_count=ds["split_count"].values if "split_count" in ds else None, **head)
 
 
 FOLD_RTOL = 1e-9  # fold sums merged vs the totals: float64 rounding over a merge is ~1e-15 of the largest value
@@ -201,16 +203,20 @@ def nested_budgets(ds: xr.Dataset, measure: Measure, whole: Mapping[str, float] 
     return pd.DataFrame(rows)
 
 
-def unsettled(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
+def unsettled(table: pd.DataFrame, metrics: Sequence[str], more: bool | None = None) -> list[str]:
     """The ``metrics`` still moving between the last two budgets of a :func:`nested_budgets` table by more than their
-    error at the last one (jackknife): each as a line naming the tokens."""
+    sampling error at the last one (jackknife): each as a line naming the tokens, and what to do: raise
+    --max-train-tokens where the split holds more tokens (``more``; None: not known), else compare at this budget or
+    use the debiased number."""
     if len(table) < 2:
         return []
     last, before = table.iloc[-1], table.iloc[-2]
+    advice = {True: "raise --max-train-tokens", None: "raise --max-train-tokens if the split holds more tokens",
+              False: "the whole split was read: compare at this budget, or use the debiased number where there is one"}
     lines = []
     for m in metrics:
         move, se = abs(last[m] - before[m]), last[se_name(m)]
         if np.isfinite(move) and np.isfinite(se) and move > se:
             lines.append(f"`{m}` has not settled at {int(last['tokens']):,} tokens (it moved {move:.3g} from "
-                         f"{int(before['tokens']):,} tokens, more than its error {se:.3g}): raise --max-train-tokens")
+                         f"{int(before['tokens']):,} tokens, more than its sampling error {se:.3g}): {advice[more]}")
     return lines

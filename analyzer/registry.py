@@ -41,6 +41,7 @@ MEASURE_SECTIONS = ("Measuring", "Run control")  # ``measure --help``, in order
 REPORT_SECTIONS = ("Selection", "Statistics", "Per-token table", "Output", "Measuring")  # ``report --help``
 PER_RUN = ("all", "last")
 MAX_TILE = 2**16  # classes per tile at most: a tile's pairwise sums are tile x tile float64 (32 GiB here)
+ESTIMATES = ("debiased", "plugin")  # report --estimates: which number of a metric with a debiased form is drawn
 
 
 def setting(default: Any = None, *, required: bool = False, section: str, help: str, kind: type | None = None,
@@ -299,6 +300,10 @@ class ReportSettings:
         "'last': each run's latest checkpoint only (one row per run, per tag)."))
     html: bool = setting(True, section="Output", help=(
         "Also write report.html, one self-contained interactive page (see above); --no-html: not."))
+    estimates: str = setting("debiased", section="Statistics", choices=ESTIMATES, metavar="[debiased|plugin]", help=(
+        "Which number of a metric that has a budget-stable form (nc1_cdnv_debiased beside nc1_cdnv) the figures and "
+        "Figure 1's claims use: 'debiased' (the one to compare across token budgets or with the paper), or 'plugin' "
+        "(the paper's own estimator at this sample). stats.csv and metrics.csv keep both."))
     formats: tuple[str, ...] = setting(FIGURE_FORMATS, kind=tuple, section="Output", check=_formats, help=(
         "Comma-separated formats of the figures: png (always: report.md shows it), pdf (fonts embedded), svg. "
         "Leaving pdf and svg out halves the figures' time; a figure's files of a format left out, from an earlier "

@@ -18,7 +18,8 @@ from matplotlib.colors import LogNorm, Normalize, to_hex
 from ncanalyze.analyzer.report.depth import has_depth, last_layer
 from ncanalyze.analyzer.report.document import LICENSE, header, tag_stats
 from ncanalyze.analyzer.report.escape import drawn, plotly_text
-from ncanalyze.analyzer.report.figures import FIGURES, MARKERS, RUN_COLOURS, design_text, label, r2_text
+from ncanalyze.analyzer.report.figures import (FIGURES, MARKERS, RUN_COLOURS, chosen, design_text, estimated, label,
+                                               r2_text)
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
 from ncanalyze.analyzer.report.tables import fmt, fmt_p, notes, survivors
@@ -208,7 +209,7 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     rows["_step_colour"] = colours.pop("step")
     layers = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna().astype(int))) if has_depth(df) else []
     return {"rows": rows, "target": r.target, "labels": {c: label(c) for c in [r.target, *metrics]},
-            "metrics": _metric_groups(metrics), "fig1": [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics],
+            "metrics": _metric_groups(metrics), "fig1": chosen(FIGURES["fig1_nc_vs_loss"][1], estimated(metrics, options.estimates, r.selected)),
             "tags": list(dict.fromkeys(rows["_tag"])), "layers": layers,
             "colours": colours, "r2": _r2(r.selected, r.stats, r.target)}
 

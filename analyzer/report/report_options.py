@@ -45,6 +45,10 @@ class ReportOptions(ReportSettings):
         Resamples of the bootstrap over whole runs behind the 95% intervals (seeded by ``seed``; 0: none).
     formats
         The figures' formats (``--formats``): PNG always, PDF and SVG by default.
+    estimates
+        ``"debiased"`` (default): the figures and Figure 1's claims use a metric's budget-stable form where the table
+        has it (schema.PLUGIN_OF: nc1_cdnv_debiased for nc1_cdnv); ``"plugin"``: the paper's estimator
+        (``--estimates``).
     """
 
     store: str | Path | None = None

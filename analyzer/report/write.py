@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +13,7 @@ from ncanalyze.analyzer.report.depth import depth_table, has_depth, last_layer, 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.escape import write_csv
-from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures,
+from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures, estimated,
                                                draw_step_figure, tag_suffix)
 from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.mincount import HEADLINE, min_count_table
@@ -52,14 +53,15 @@ def _selection(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader
 def _figures(r: ReportResult, options: ReportOptions, out: Path) -> dict[str, Path]:
     """Figures 1-4 of each tag apart (never pooled); stems suffixed with the tag where there are several."""
     tags = split_tags(r.selected)
+    metrics = estimated(options.metrics, options.estimates, r.selected)
     figures = {}
     for tag, rows in tags:
         stats = r.stats[r.stats.tag.isna()] if tag is None else r.stats[r.stats.tag == tag]
         suffix = tag_suffix(tag) if len(tags) > 1 else ""
-        figures |= draw_figures(rows, options.metrics, r.target, stats, out, suffix, options.formats)
+        figures |= draw_figures(rows, metrics, r.target, stats, out, suffix, options.formats)
         if r.by_step is not None:
             steps = r.by_step[r.by_step.tag.isna()] if tag is None else r.by_step[r.by_step.tag == tag]
-            figures |= draw_step_figure(steps, stats, options.metrics, r.target, out, suffix, options.formats)
+            figures |= draw_step_figure(steps, stats, metrics, r.target, out, suffix, options.formats)
     return figures
 
 
@@ -125,12 +127,13 @@ def _sweep(out: Path, earlier: set[str], r: ReportResult, formats) -> list[str]:
     return gone
 
 
-def _budget_files(r: ReportResult, out: Path) -> dict[str, Path]:
-    """budget.csv and budget.png, where there is a token budget (a store whose checkpoints have folds)."""
+def _budget_files(r: ReportResult, out: Path, formats: Sequence[str]) -> dict[str, Path]:
+    """budget.csv and the budget figure in ``formats``, where there is a token budget (a store whose checkpoints have
+    folds)."""
     if r.budget is None or r.budget.empty:
         return {}
     write_csv(r.budget, out / "budget.csv")
-    png = budget_figure(r.budget, HEADLINE, out)
+    png = budget_figure(r.budget, HEADLINE, out, formats)
     return {"budget": out / "budget.csv"} | ({"fig_budget": png} if png else {})
 
 
@@ -221,7 +224,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     r.figures = _figures(r, options, out)
     r.files |= r.figures
     r.files |= depth_files(every_layer, r.depth, out, options.formats)
-    r.files |= _budget_files(r, out)
+    r.files |= _budget_files(r, out, options.formats)
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}
     r.files["report"].write_text(markdown(r, options, skipped=skipped))
     r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls) + "\n" + errors_latex(sel))

@@ -152,4 +152,5 @@ def cached(folder: Path, blocks: Blocks, key: str) -> Blocks:
         _write(blocks, path)
     arr = np.load(path, mmap_mode="r", allow_pickle=False)
     at = lambda i: np.asarray(arr[i], dtype=np.int64)  # noqa: E731
-    return Blocks(blocks.spec, blocks.block_size, None, arr.shape[0], lambda: map(at, range(arr.shape[0])), at=at)
+    return Blocks(blocks.spec, blocks.block_size, None, arr.shape[0], lambda: map(at, range(arr.shape[0])), at=at,
+                  source=path)

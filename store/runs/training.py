@@ -26,6 +26,7 @@ from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import check_name
+from ncanalyze.store.data.split_counts import label_counts
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import differences
@@ -316,6 +317,7 @@ class NeuralCollapseCallback(TrainerCallback):
                             files.layers if rank == 0 else None, folds=folds)
             if rank == 0:
                 ex.start()
+                ex.split_count = label_counts(setup.train, classifier.shape[0])
             if world > 1 and not self._shared(model, setup, ex, rank, group):
                 return None
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),

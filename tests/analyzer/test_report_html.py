@@ -149,7 +149,8 @@ def real(extracted_store, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("html-real")
     store = tmp / "study.zarr"
     shutil.copytree(extracted_store, store)  # report measures into the store: leave the session's one as it is
-    run_cli("report", store, "--out", tmp / "report", "--tokens", "the,red,5", "--permutations", 200)
+    run_cli("report", store, "--out", tmp / "report", "--tokens", "the,red,5", "--permutations", 200,
+            "--estimates", "plugin")  # Figure 1 with the paper's plug-in nc1_cdnv, as these tests read it
     return tmp / "report"
 
 
@@ -318,7 +319,7 @@ def layered(tmp_path_factory) -> Path:
     table.loc[table.layer == 0, "nc1_cdnv"] = np.inf
     table["tag"] = np.where(table.run == "r2", "kjv", None)
     out = tmp_path_factory.mktemp("html-layers")
-    write_report(table, out, ReportOptions(formats="png", n_perm=100, seed=1))
+    write_report(table, out, ReportOptions(formats="png", n_perm=100, seed=1, estimates="plugin"))  # nc1_cdnv in Fig. 1
     return out
 
 
