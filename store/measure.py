@@ -214,11 +214,11 @@ def _unwritable(store: Path) -> str | None:
         return e.strerror or type(e).__name__
 
 
-def _some(groups: list[str], shown: int = 3) -> str:
-    """'N checkpoint(s): a, b, c and M more'."""
+def _some(groups: list[str], most: int = 3) -> str:
+    """'N checkpoint(s): a, b, c and M more', each name safe to print (:func:`~ncanalyze.analyzer.names.shown`)."""
     groups = sorted(groups)
-    more = f" and {len(groups) - shown} more" if len(groups) > shown else ""
-    return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(groups[:shown]) + more
+    more = f" and {len(groups) - most} more" if len(groups) > most else ""
+    return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(map(shown, groups[:most])) + more
 
 
 def load_table(source: str, min_count: int, scheduler: str | None

@@ -208,6 +208,11 @@ def _support_section(r: ReportResult, o: ReportOptions) -> list[str]:
         md += [f"Per checkpoint (metrics.csv): {span('n_kept')} kept classes (`n_kept`), {span('n_singletons')} of "
                f"them seen once (`n_singletons`), {span('n_thin')} with fewer than {THIN} train tokens (`n_thin`); "
                f"{span('train_tokens')} train tokens, {span('val_tokens')} validation tokens.", ""]
+        if "n_pairs_unresolved" in sel and sel["n_pairs_unresolved"].notna().any():
+            md += [f"`nc1_cdnv_debiased` rests on {span('n_classes_debiased')} classes of the set fixed by the split's "
+                   f"token frequencies (`n_classes_debiased`); {span('n_pairs_unresolved')} of their pairs are not "
+                   "resolved by the sample (`n_pairs_unresolved`: their means' distance below twice its noise, "
+                   "floored at it, so their terms err low; more train tokens resolve them).", ""]
     else:
         md += ["The kept-class and token counts are not in this table (a metrics CSV without them): report from the "
                "store to see them.", ""]

@@ -291,3 +291,11 @@ def test_a_nested_store_is_not_read_as_groups_by_open(store, extracted_store):
     with pytest.warns(UserWarning, match="inner.zarr: a store nested in"):
         tree = ncanalyze.store.open(store)
     assert list(tree.children) == [RUN] and sum("mean" in n.data_vars for n in tree.subtree) == 3
+
+
+def test_the_checkpoints_a_measure_warning_names_are_shown_escaped():
+    """A warning that measure gathers over checkpoints ('3 checkpoints: a, b, c') names them escaped, as every other
+    line does (a debiased-CDNV caveat once printed a run's terminal escape raw)."""
+    from ncanalyze.store.measure import _some
+    text = _some(["neo\x1b]0;owned\x07\u202ekcatta/checkpoint-20", "ok/checkpoint-1"])
+    assert "\x1b" not in text and "\u202e" not in text and "\\x1b" in text and "\\u202e" in text

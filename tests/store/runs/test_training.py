@@ -16,6 +16,9 @@ import torch
 from conftest import run_cli, train_sweep
 
 STEPS, EVERY = 20, 10
+# the one caveat these tiny budgets (a few thousand train tokens) rightly get: the debiased CDNV's fixed class set
+# (a share of 2^-12 of the split's labels, 8 expected tokens at 32k) holds classes the sample saw fewer than twice
+TINY_BUDGET = "warning: UserWarning: nc1_cdnv_debiased: "
 OPTS = {"max_train_tokens": 2048, "max_val_tokens": 1024, "batch_size": 4, "samples_per_class": 2}
 CLI_OPTS = ("--max-train-tokens", 2048, "--max-val-tokens", 1024, "--batch-size", 4, "--samples-per-class", 2)
 
@@ -138,7 +141,8 @@ def test_measure_on_the_callbacks_store_says_nothing_is_wrong(measured, tmp_path
     store = shutil.copytree(measured["live"], tmp_path / "live.zarr")
     for force in ((), ("--force",)):
         out = run_cli("measure", store, *force).output
-        assert "warning" not in out.lower() and "left out" not in out and "skipped" not in out, out
+        rest = "\n".join(line for line in out.splitlines() if not line.startswith(TINY_BUDGET))
+        assert "warning" not in rest.lower() and "left out" not in rest and "skipped" not in rest, out
     assert "measured 2 of 2 checkpoints" in out, out
 
 
@@ -275,7 +279,8 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
                             f"in {c.measured_s:,.1f} s, against {c.trained_s:,.1f} s of training"), costs
     for force in ((), ("--force",)):  # issue 51: four warnings and "4 left out" though nothing was wrong
         out = run_cli("measure", tmp_path / "s.zarr", *force).output
-        assert "warning" not in out.lower() and "left out" not in out and "skipped" not in out, out
+        rest = "\n".join(line for line in out.splitlines() if not line.startswith(TINY_BUDGET))
+        assert "warning" not in rest.lower() and "left out" not in rest and "skipped" not in rest, out
     assert f": {c.measured_s / c.trained_s:.0%} of the training time" in costs
 
 
