@@ -8,7 +8,8 @@ already says is written twice:
 - ``<!-- ncanalyze:cli -->``: every command's ``--help``, as click renders it;
 - ``<!-- ncanalyze:map -->``: every module of the house with the first line of its docstring;
 - ``<!-- ncanalyze:file PATH -->``: a file of the repository, verbatim (the worked study's generated blocks,
-  benchmarks/RESULTS.md).
+  benchmarks/RESULTS.md);
+- ``<!-- ncanalyze:results -->``: every run a benchmark recorded with ``--record`` (benchmarks/results/*.md).
 
 The worked study's figures are copied into the site by :func:`on_files`.
 """
@@ -62,8 +63,15 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         kind, arg = m.group(1), m.group(2)
         if kind == "file":
             return (ROOT / arg).read_text()
-        return {"metric-cards": metric_cards, "cli": cli_reference, "map": house_map}[kind]()
+        return {"metric-cards": metric_cards, "cli": cli_reference, "map": house_map, "results": recorded_runs}[kind]()
     return MARKER.sub(part, markdown)
+
+
+def recorded_runs() -> str:
+    """Every run a benchmark recorded (``--record``: benchmarks/results/*.md, written by benchmarks/record.py), in
+    name order; a line saying there is none yet otherwise."""
+    runs = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+    return "\n".join(p.read_text() for p in runs) if runs else "No benchmark has recorded a run yet (`--record`)."
 
 
 # ---------------------------------------------------------------- metrics
