@@ -64,6 +64,7 @@ class _Setup:
     val: Blocks | None
     tokenizer: object | None
     tokenizer_name: str | None  # where it came from (the group's attribute ``tokenizer``)
+    decoded: list[str] | None = None  # each token's string, decoded once (the group's vocabulary coordinate)
 
 
 @contextlib.contextmanager
@@ -374,8 +375,9 @@ class NeuralCollapseCallback(TrainerCallback):
                                      setup.tokenizer_name, dtype=str(classifier.dtype).removeprefix("torch."),
                                      device=device, source="training", extra={"output_dir": self.output_dir})
             norm = final_norm(model)
-            ds, others = ex.datasets(classifier, bias, decoded_tokens(setup.tokenizer, classifier.shape[0]), attrs,
-                                     norm and norm[0])
+            if setup.decoded is None or len(setup.decoded) != classifier.shape[0]:
+                setup.decoded = decoded_tokens(setup.tokenizer, classifier.shape[0])
+            ds, others = ex.datasets(classifier, bias, setup.decoded, attrs, norm and norm[0])
             done = [("nc/", group, self._timed_metrics(ds, cfg.min_count, group))]
 
             def measured() -> Iterator[tuple[int, object]]:
