@@ -214,9 +214,10 @@ class NeuralCollapseCallback(TrainerCallback):
     def _default_caps(self, args, state, model) -> None:
         """Caps for a callback given none (:func:`~.cost.default_caps`): the tokens the training reads between two
         measurements (``every``, else the evaluation interval), said once; every block where that is unknown."""
-        interval = self.every or (state.eval_steps if str(args.eval_strategy).endswith("steps") else
+        strategy = getattr(args.eval_strategy, "value", args.eval_strategy)  # an IntervalStrategy, or its value
+        interval = self.every or (state.eval_steps if strategy == "steps" else
                                   state.max_steps // max(1, math.ceil(args.num_train_epochs))
-                                  if str(args.eval_strategy).endswith("epoch") else None)
+                                  if strategy == "epoch" else None)
         block = self.cfg.block_size or (default_block_size(model.config) if model is not None else None)
         sequences = args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
         caps = cost.default_caps(int(interval or 0), sequences, block or 0)

@@ -269,7 +269,8 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
 @pytest.mark.slow
 def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_path, caplog):
     """Text data (tokenized once, at the first measurement) and no caps: the caps are the tokens trained between two
-    measurements (5 steps x 8 sequences x 32 tokens) and a quarter of them, recorded as a cap given so; the set-up
+    measurements (5 steps x 8 sequences x 32 tokens with every=5, 10 steps' at evaluations every 10 steps) and a
+    quarter of them, recorded as a cap given so; the set-up
     (the job resolved, the text tokenized) lies outside every measurement's counted work; the cost, said at the
     second measurement, counts that one's work alone against the training between the first's end and its start;
     its parts lie within it, and its class counts are the stored ones."""
@@ -288,11 +289,14 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
             finally:
                 self.resolved = time.perf_counter()
 
-    cb = Watched(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5, batch_size=4,
-                 samples_per_class=2, block_size=32)
+    settings = {"batch_size": 4, "samples_per_class": 2, "block_size": 32}
+    cb = Watched(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5, **settings)
+    at_evaluations = NeuralCollapseCallback(tmp_path / "e.zarr", str(corpus["train"]), str(corpus["val"]), **settings)
     with said(caplog) as lines:
-        trainer = train(corpus, tmp_path / "neo", [cb], eval_strategy="no")
+        trainer = train(corpus, tmp_path / "neo", [cb, at_evaluations])
     assert (cb.cfg.max_train_tokens, cb.cfg.max_val_tokens) == (5 * 8 * 32, 5 * 8 * 32 // 4)
+    caps = (at_evaluations.cfg.max_train_tokens, at_evaluations.cfg.max_val_tokens)
+    assert caps == (EVERY * 8 * 32, EVERY * 8 * 32 // 4)  # evaluations every 10 steps
     tree = ncanalyze.store.open(tmp_path / "s.zarr")
     group = tree["neo/step-10"]
     config = json.loads(group.attrs["config"])
@@ -307,8 +311,9 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
     assert c.trained_s == second[1] - first[2] and c.steps == 5
     assert 0 < c.passes_s and 0 < c.metrics_s and c.passes_s + c.metrics_s <= c.measured_s
     np.testing.assert_array_equal(c.counts, group["count"].values)
-    (costs,) = [line for line in lines if "of the training time at this interval" in line]
-    assert costs.startswith("ncanalyze: neo/step-10 measured 1,280 train + 320 val tokens"), costs
+    costs = [line for line in lines if "of the training time at this interval" in line]
+    assert costs[0].startswith("ncanalyze: neo/step-10 measured 1,280 train + 320 val tokens"), costs
+    assert costs[1].startswith("ncanalyze: neo/step-20 measured 2,560 train + 640 val tokens"), costs
     assert trainer.state.global_step == STEPS
 
 
