@@ -144,7 +144,10 @@ class NeuralCollapseCallback(TrainerCallback):
         The validation data (None: as ``--val-dataset``'s default, the validation split beside ``train_data``).
     max_train_tokens, max_val_tokens
         Caps on the tokens read: whole blocks spread over the whole split (``cap_mode="prefix"``: its first blocks),
-        the same blocks at every measurement and as ``ncanalyze extract`` reads them with the same settings.
+        the same blocks at every measurement and as ``ncanalyze extract`` reads them with the same settings. With
+        neither given: the tokens the training reads between two measurements (``every`` or the evaluation interval,
+        x the sequences of a step x ``block_size``) and a quarter of them (cost.default_caps), said in the log;
+        every block where the interval is unknown (pass a cap above the data's size to read it all).
     layers
         ``last``, ``all`` or comma-separated indices, as ``--layers``.
     every
@@ -226,8 +229,8 @@ class NeuralCollapseCallback(TrainerCallback):
         self.cfg.max_train_tokens, self.cfg.max_val_tokens = caps
         if ddp.rank_world()[0] == 0:
             log.info("ncanalyze: no caps given: max_train_tokens=%s, max_val_tokens=%s, the tokens trained between two "
-                     "measurements (%s steps of %s sequences of %s tokens) and a quarter of them (pass both caps to "
-                     "choose; the same to `ncanalyze extract` reads the same blocks)", f"{caps[0]:,}", f"{caps[1]:,}",
+                     "measurements (%s steps of %s sequences of %s tokens) and a quarter of them (pass the caps to "
+                     "choose; `ncanalyze extract` given the same caps reads the same blocks)", f"{caps[0]:,}", f"{caps[1]:,}",
                      interval, sequences, block)
 
     # --- one measurement ---
@@ -365,9 +368,9 @@ class NeuralCollapseCallback(TrainerCallback):
                             files.layers if rank == 0 else None, folds=folds)
             if rank == 0:
                 ex.start()
+            timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):
                 return None
-            timer = time.perf_counter()
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
                        group)
             self.parts = {"passes": time.perf_counter() - timer, "metrics": 0.0,
