@@ -26,6 +26,7 @@ from scipy.stats import binom
 
 OVERHEAD = 0.10  # the share of training time a measurement should stay within
 VAL_SHARE = 4    # the default validation cap is this many times smaller than the train cap
+BUDGET = 0.25    # a callback given neither caps nor ``every`` skips what would take it above this share of training
 
 
 @dataclass(frozen=True)
@@ -115,3 +116,9 @@ def default_caps(interval: int | None, sequences: int, block_size: int) -> tuple
         return None
     train = int(interval * sequences * block_size)
     return train, max(block_size, train // VAL_SHARE)
+
+
+def over_budget(spent: float, next_s: float, trained: float, share: float = BUDGET) -> bool:
+    """Whether one more measurement of ``next_s`` seconds, after ``spent`` seconds of measuring, would take the
+    callback above ``share`` of the ``trained`` seconds of training so far (a callback at its defaults then skips it)."""
+    return spent + next_s > share * trained

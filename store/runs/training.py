@@ -151,7 +151,8 @@ class NeuralCollapseCallback(TrainerCallback):
     layers
         ``last``, ``all`` or comma-separated indices, as ``--layers``.
     every
-        Measure every this many steps instead of at each evaluation.
+        Measure every this many steps instead of at each evaluation. With neither ``every`` nor a cap given, a step is
+        skipped where measuring it would take the callback above :data:`~.cost.BUDGET` of the training time so far.
     trainer
         The Trainer, when known: the scalar metrics then go through ``trainer.log`` to every integration (TensorBoard,
         W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
@@ -178,6 +179,10 @@ class NeuralCollapseCallback(TrainerCallback):
                                  max_train_tokens=max_train_tokens, max_val_tokens=max_val_tokens, layers=layers,
                                  **settings)
         self.every, self.trainer = every, trainer
+        self.budgeted = max_train_tokens is None and max_val_tokens is None and every is None  # the defaults
+        self.skips: list[tuple[int, float, float, float]] = []  # (step, spent, next, trained) of each step skipped
+        self.checks: list[tuple[int, float, float, float]] = []  # the same of each measurement the budget let through
+        self.t0: float | None = None  # perf_counter when training began
         self.setup: _Setup | None = None
         self.off: str | None = None  # why measuring stopped (bad input that every later step would meet again)
         self.done: set[int] = set()
@@ -197,6 +202,7 @@ class NeuralCollapseCallback(TrainerCallback):
         """The callback's lines (the time of each measurement, a refusal) are shown under any logging set-up
         (:func:`show_info`), run_clm's included."""
         show_info(log)
+        self.t0 = time.perf_counter()
         if self.cfg.max_train_tokens is None and self.cfg.max_val_tokens is None and not self.setup:
             self._default_caps(args, state, kwargs.get("model"))
 
@@ -242,6 +248,8 @@ class NeuralCollapseCallback(TrainerCallback):
         if self.off or step in self.done:
             return
         self.done.add(step)
+        if self._skip(step):
+            return
         refused = refuse_sharded(args)
         if refused:
             self._stop(f"{refused}: train with DDP (torchrun) or on one device to measure neural collapse while "
@@ -279,6 +287,25 @@ class NeuralCollapseCallback(TrainerCallback):
             return
         self._said(group, step, args, state, (began, started, time.perf_counter()))
         self._log(state, step, scalars)
+
+    def _skip(self, step: int) -> bool:
+        """At the defaults (neither caps nor ``every`` given), whether to skip this step: measuring again, as long as
+        the last measurement took, would take the callback above :data:`~.cost.BUDGET` of the training time so far
+        (said at the first skip; the ranks follow rank 0). Given caps or ``every``, every measurement is made."""
+        if not (self.budgeted and self.setup is not None and self.t0 is not None):
+            return False
+        rank, world = ddp.rank_world()
+        spent = sum(end - called for called, _, end in self.spans)
+        numbers = (step, spent, self.seconds[-1] if self.seconds else 0.0, time.perf_counter() - self.t0 - spent)
+        why = f"step-{step}" if rank == 0 and self.seconds and cost.over_budget(*numbers[1:]) else None
+        if world > 1:
+            why = ddp.agree(why)
+        (self.skips if why else self.checks).append(numbers)
+        if why and len(self.skips) == 1 and rank == 0:
+            log.info("ncanalyze: %s not measured, nor any later step while measuring would take the callback above "
+                     "%.0f%% of the training time (%.1f s measured, %.1f s trained): pass caps or every= to measure "
+                     "at every one", why, 100 * cost.BUDGET, spent, numbers[3])
+        return why is not None
 
     def _said(self, group: str, step: int, args, state, span: tuple[float, float, float]) -> None:
         """A measurement's time logged, its ``span`` (called, work started, ended) kept; the first also says its

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ncanalyze.store.runs.cost import Cost, default_caps
+from ncanalyze.store.runs.cost import BUDGET, Cost, default_caps, over_budget
 
 
 def test_within_budget_is_said_so():
@@ -67,3 +67,9 @@ def test_a_write_above_the_share_advises_measuring_less_often():
 def test_default_caps_are_the_tokens_trained_between_measurements():
     assert default_caps(20, 16, 128) == (40_960, 10_240)
     assert default_caps(None, 16, 128) is None and default_caps(0, 16, 128) is None
+
+
+def test_a_measurement_over_the_budget_is_skipped_at_the_defaults():
+    """10 s measured and 3 s more due against 50 s trained: 13 > 25% x 50 = 12.5, skipped; 2 s more fits."""
+    assert BUDGET == 0.25
+    assert over_budget(10.0, 3.0, 50.0) and not over_budget(10.0, 2.0, 50.0)
