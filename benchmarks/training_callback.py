@@ -9,8 +9,8 @@
 
 Trains a randomly initialised GPT-Neo with the stock Trainer on a token file, evaluating every ``--every`` steps on
 the validation blocks, with ``NeuralCollapseCallback`` measuring ``--train-tokens`` train and ``--val-tokens``
-validation tokens (``--defaults``: no caps given, the callback's own; the train file then holds exactly the tokens
-trained, one epoch); prints, for each evaluation, the Trainer's ``eval_runtime`` beside the callback's time, then the
+validation tokens (``--defaults``: no caps given, the callback's own, and its budget, which skips a measurement that
+would take it above 25% of the training; the train file then holds exactly the tokens trained, one epoch); prints, for each evaluation, the Trainer's ``eval_runtime`` beside the callback's time, then the
 callback's overhead on the training: the measurements' recurring seconds (the set-up done once said apart) over the
 training's own (the run's ``train_runtime`` less every measurement), and the line the callback logs at its second
 measurement (its cost against the training between the two, and the caps that keep it within 10%).
@@ -96,8 +96,9 @@ def run(a) -> tuple[float, NeuralCollapseCallback]:
     measured = sum(cb.seconds)
     trained = out.metrics["train_runtime"] - measured - cb.setup_s
     overhead = measured / trained
+    skipped = f", {len(cb.skips)} skipped by its budget" if cb.skips else ""
     print(f"training {trained:.1f} s (its evaluations included), the callback {measured:.1f} s over "
-          f"{len(cb.seconds)} measurements of {cb.cfg.max_train_tokens:,} + {cb.cfg.max_val_tokens:,} tokens "
+          f"{len(cb.seconds)} measurements{skipped} of {cb.cfg.max_train_tokens:,} + {cb.cfg.max_val_tokens:,} tokens "
           f"(+ {cb.setup_s:.1f} s set-up done once): overhead {overhead:.1%}; load average {os.getloadavg()[0]:.1f}",
           flush=True)
     if cb.cost is not None:
