@@ -13,6 +13,8 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import kept_classes
 from ncanalyze.analyzer.schema import NC4_MIN_COUNT, NC4_MIN_COUNTS, VAL_AT, stats_dataset
 
+MAX_FOLDS = 64  # as extraction's --folds
+
 
 def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: Any = None,
                 classifier_bias: Any = None, val_embeddings: Any = None, val_labels: Any = None,
@@ -27,6 +29,7 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
     """
     from ncanalyze.analyzer.accumulate import ClassStats, FoldStats
 
+    folds, block_size = _whole("folds", folds, MAX_FOLDS), _whole("block_size", block_size, 2**63 - 1)
     acc, parts, start = None, None, 0
     for h, y in _batches(embeddings, labels, batch_size, num_classes, "embeddings"):
         if acc is None:
@@ -60,11 +63,18 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
     return ds
 
 
+def _whole(name: str, value: Any, maximum: int) -> int:
+    """``value`` as a whole number from 1 to ``maximum``; else a UserError in one line naming ``name``."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 1 <= value <= maximum:
+        return int(value)
+    raise UserError(f"class_stats {name} must be a whole number from 1 to {maximum}, got {value!r}")
+
+
 def _fold(start: int, n: int, block_size: int, folds: int):
     """The fold of rows ``start .. start + n - 1``: block row // block_size, fold block mod folds."""
     import torch
 
-    return (torch.arange(start, start + n) // max(1, int(block_size))) % folds
+    return (torch.arange(start, start + n) // block_size) % folds
 
 
 def _numpy(x: Any, shape: tuple[int, ...], what: str) -> np.ndarray:

@@ -45,7 +45,7 @@ def auto_tile(n: int, threads: int | None = None, budget: float = 0.1) -> int:
 
 
 def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
-                tile: int | None) -> dict[str, Any]:
+                tile: int | None, debias: tuple | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, on the host: numpy, then the numba pair
     sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.engine_torch.device_parts`."""
     M, var, r, mu_G = _centred_means(ds, K)
@@ -56,7 +56,7 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
     tile = int(tile or auto_tile(K.size))
     small = ds["count"].size <= 2 * tile  # every class within two tiles: a handful of tasks, run in this thread
     with _blas_controller().limit(limits=1, user_api="blas"):
-        (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile)),
+        (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias),
                                                           _moments(ds, K, M, mu_G, W, sigma_w, tile),
                                                           scheduler="sync" if small else None)  # the same sums
     return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0), "pairs": pairs,
@@ -151,20 +151,20 @@ def _rows(var: xr.DataArray, K: np.ndarray) -> np.ndarray:
 
 
 def pair_sums(U: np.ndarray, r: np.ndarray, var: np.ndarray, p: np.ndarray, a: np.ndarray, t0: float,
-              spans: list[slice]) -> Delayed:
+              spans: list[slice], debias: tuple | None = None) -> Delayed:
     """A dask task for the sums over the pairs c < c' of the kept classes (``SUMS``: the coincident count; x^2, l,
     l^2; (v_c + v_c')/D, (v_c + v_c')/D^2 for the CDNV; and p_c p_c' (v_c + v_c')/D, p_c p_c' l), per class its
     CDNV sum over the others, and a few of the pairs whose directions coincide (:func:`~ncanalyze.analyzer.pairs.examples`).
 
     ``U`` holds the unit centred means, ``r`` their norms, ``var`` the class variances, ``p`` the token frequencies,
     ``a`` 1 where a class has a variance (2 or more train tokens; the CDNV terms read only pairs of such classes),
-    else 0, and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is
+    else 0, ``debias`` the debiased CDNV's (v*, z, b) (side_of), and ``t0`` the mean of T over the pairs; one task per pair of row blocks i <= j of ``spans``. The graph is
     written as a plain dask graph (a dict of tasks): built through dask.delayed it took ~0.7 ms a task, a tenth of
     the whole run at K = 8,192, d = 256.
     """
     token = uuid.uuid4().hex
     data, out = f"unit-side-{token}", f"pair_sums-{token}"
-    graph: dict = {data: (U, side_of(r, var, p, a))}              # per class: u_c; r_c, 1/r_c, var_c, p_c, a_c
+    graph: dict = {data: (U, side_of(r, var, p, a, debias))}      # per class: u_c; side_of's rows
     pairs = [(i, j) for i in range(len(spans)) for j in range(i, len(spans))]
     for i, j in pairs:
         graph[(f"tile_sums-{token}", i, j)] = (_tile, data, spans[i], spans[j], t0)
@@ -283,7 +283,7 @@ def vlog(y: np.ndarray) -> np.ndarray:
 
 @numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False,
             cache=True)
-def _pass(G, ri, bi, vi, pi, ai, rj, bj, vj, pj, aj, c, diag, acc, rows, cols):
+def _pass(G, ri, bi, vi, pi, ai, si, zi, fi, k1, k2, rj, bj, vj, pj, aj, sj, zj, fj, _k1, _k2, c, diag, acc, rows, cols):
     """Accumulate one Gram block's pair sums into acc (SUMS order), rows and cols (see tile_sums); on a diagonal
     block only the pairs j > i.
 
@@ -294,15 +294,19 @@ def _pass(G, ri, bi, vi, pi, ai, rj, bj, vj, pj, aj, c, diag, acc, rows, cols):
     variance: 1, else 0), and a coincident pair outside them is 0, not inf. The log shares that division:
     1/(e (2 + f)) gives both 1/e and musl's
     s = f/(2 + f). Reductions may be reordered (fastmath reassoc), which is what lets the loop vectorise; every
-    term is float64.
+    term is float64. The debiased CDNV (pairs.py) reads D = e r r' and shares the same division (1/(e (2 + f) den)
+    gives 1/(e (2 + f)) and 1/den, den = max(D - N, N) > 0 wherever e is), over the pairs of the fixed class set (f_i f_j = 1; s the unbiased variances, z the means' noise, k1 and k2 its second-order constants,
+    the same in every column).
     """
     g_max = 1.0 - COINCIDENT / 2                                  # T = 2 - 2g < COINCIDENT
     col = np.zeros(G.shape[1])                                    # sum_i (v_i + v_j) / D_ij
-    bad = xx = l1 = l2 = cdnv = p2 = cdnv_f = l_f = 0.0
+    bad = xx = l1 = l2 = cdnv = p2 = cdnv_f = l_f = deb = unres = 0.0
+    c1, c2 = (k1[0], k2[0]) if ri.size else (0.0, 0.0)
     for i in range(G.shape[0]):
-        r_i, b_i, v_i, a_i = ri[i], bi[i], vi[i], ai[i]
+        r_i, b_i, v_i, a_i, s_i, z_i, f_i = ri[i], bi[i], vi[i], ai[i], si[i], zi[i], fi[i]
         lo = i + 1 if diag else 0
         g_row, r_j, b_j, v_j, p_j, a_j, col_j = G[i, lo:], rj[lo:], bj[lo:], vj[lo:], pj[lo:], aj[lo:], col[lo:]
+        s_j, z_j, f_j = sj[lo:], zj[lo:], fj[lo:]
         row = row2 = row_f = l_row = 0.0
         for j in range(g_row.size):
             g = g_row[j]
@@ -311,7 +315,13 @@ def _pass(G, ri, bi, vi, pi, ai, rj, bj, vj, pj, aj, c, diag, acc, rows, cols):
             xx += x * x
             k, f = _reduce(x + 1.0)
             e = r_i * b_j[j] + b_i * r_j[j] - 2.0 * g             # D/(r r')
-            inv = 1.0 / (e * (2.0 + f))
+            rr = r_i * r_j[j]
+            d = e * rr                                            # D
+            nz = z_i + z_j[j]                                     # the two means' noise (0 outside the fixed set)
+            den = max(d - nz, nz)                                 # the debiased CDNV's distance (D outside the set)
+            ef = e * (2.0 + f)
+            one = 1.0 / (ef * den)                                # the pass's one division
+            inv = one * den                                       # 1 / (e (2 + f))
             l = _log_reduced(k, f, f * e * inv)                   # log(T/t0)
             l1 += l
             l2 += l * l
@@ -325,10 +335,16 @@ def _pass(G, ri, bi, vi, pi, ai, rj, bj, vj, pj, aj, c, diag, acc, rows, cols):
             row2 += t * qb                                        # (v + v') r^2 / D^2
             row_f += p_j[j] * t
             col_j[j] += t * b_i
+            fixed = f_i * f_j[j] > 0.0
+            q = nz * one * ef                                     # N / den
+            resolved = d > 2.0 * nz
+            second = max(1.0 - q * (c1 + c2 * q), 0.0) if resolved else 1.0   # 1 - V / den^2
+            deb += ((s_i + s_j[j]) * one * ef * second if den > COINCIDENT * rr else np.inf) if fixed else 0.0
+            unres += 1.0 if fixed and not resolved else 0.0
         rows[i] += b_i * row
         cdnv += b_i * row
         p2 += b_i * b_i * row2
         cdnv_f += pi[i] * b_i * row_f
         l_f += pi[i] * l_row
     cols += col
-    acc += np.array([bad, xx, l1, l2, cdnv, p2, cdnv_f, l_f])
+    acc += np.array([bad, xx, l1, l2, cdnv, p2, cdnv_f, l_f, deb, unres])

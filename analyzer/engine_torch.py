@@ -28,7 +28,7 @@ HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 
 
 def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
-                 device: str, panel: int | None = None) -> dict[str, Any]:
+                 device: str, panel: int | None = None, debias: tuple | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, computed in torch float64 on ``device``.
 
     Parameters
@@ -47,6 +47,8 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
         A torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
     panel
         Classes per row panel of the pairwise sums (default: TORCH_CELLS Gram cells over |K|).
+    debias
+        The debiased CDNV's per-class rows (v*, z, b; pairs.side_of), or None.
 
     Returns
     -------
@@ -81,7 +83,7 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
     s = U.sum(0)
     out["s"] = s.cpu().numpy()
     out["t0"] = pair_mean(out["s"], K.size)
-    side = torch.as_tensor(side_of(r_host, var, p, has_var), device=dev)
+    side = torch.as_tensor(side_of(r_host, var, p, has_var, debias), device=dev)
     out["pairs"], out["row_cdnv"], out["coincident"] = torch_pair_sums(U, side, out["t0"], panel)
     out["us"] = (U @ s).cpu().numpy()
     delta = mom.pop("delta")
@@ -155,7 +157,7 @@ def torch_pair_sums(U, side, t0: float, panel: int | None = None
     U
         The unit centred means u_c, a float64 tensor (n x d) on the device.
     side
-        pairs.side_of's rows r, 1/r, var, p as a float64 tensor (4 x n) on the same device.
+        pairs.side_of's rows as a float64 tensor (8 x n) on the same device.
     t0
         The mean of T over the pairs.
     panel
@@ -208,9 +210,10 @@ def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
     x = T/t0 - 1 = (c - 1) - c g (c = 2/t0, in g's place),
     l = log1p(x); the logs of coincident directions (-inf or nan) are not used (the metrics are inf or nan there).
     """
-    (ri, bi, vi, pi, ai), (rj, bj, vj, pj, aj) = Si, Sj
+    (ri, bi, vi, pi, ai), (rj, bj, vj, pj, aj) = Si[:5], Sj[:5]
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     e = torch.addmm(g, torch.stack([ri, bi], 1), torch.stack([bj, rj]), beta=-2)   # D/(r r')
+    deb, unres = _debiased_block(e, Si, Sj, diag)
     bad, same = g > 1 - COINCIDENT / 2, e <= COINCIDENT            # T < COINCIDENT; coincident means
     h = e.reciprocal_()                                            # r r'/D
     h.masked_fill_(same, 0.0)                                      # their CDNV terms are inf (below) or left out
@@ -238,8 +241,30 @@ def _torch_block(Ui, Si, Uj, Sj, t0: float, diag: bool):
     l = x.log1p_()                                                 # log(T/t0)
     lr = l @ torch.stack([torch.ones_like(pj), pj]).T
     sums = torch.stack([bad.sum().to(g.dtype), xx, lr[:, 0].sum(), torch.dot(l.view(-1), l.view(-1)), rows.sum(),
-                        cdnv_p2, cdnv_freq, pi @ lr[:, 1], n_same])
+                        cdnv_p2, cdnv_freq, pi @ lr[:, 1], deb, unres, n_same])
     return sums, rows, cols
+
+
+def _debiased_block(e, Si, Sj, diag: bool):
+    """One block's debiased CDNV sum and its count of unresolved pairs (pairs.reference_tile_sums): over the pairs
+    of the fixed class set (f f' = 1), (v* + v*') / max(D - z - z', z + z') with its second-order factor where
+    resolved, D = e r r'; +inf where the denominator is below COINCIDENT r r'."""
+    (ri, _, _, _, _, si, zi, fi, k1, k2), (rj, _, _, _, _, sj, zj, fj, _, _) = Si, Sj
+    fixed = (fi[:, None] * fj[None, :]) > 0
+    if diag:
+        fixed.triu_(1)
+    D = e * ri[:, None] * rj[None, :]
+    noise = zi[:, None] + zj[None, :]
+    den = torch.maximum(D - noise, noise)
+    resolved = D > 2 * noise
+    unres = (fixed & ~resolved).sum().to(e.dtype)
+    num = torch.where(fixed, si[:, None] + sj[None, :], 0.0)
+    tiny = den <= COINCIDENT * ri[:, None] * rj[None, :]             # coincident means without variance: +inf
+    inv = torch.where(tiny, 1.0, den).reciprocal()
+    q = noise * inv                                                # N / den: scale-free (no square of a distance)
+    second = torch.where(resolved, (1 - q * (k1[0] + k2[0] * q)).clamp(min=0), 1.0)
+    q = torch.where(fixed & tiny, math.inf, num * inv * second)
+    return q.sum(), unres
 
 
 # ---------------------------------------------------------------- the d x d linear algebra in torch

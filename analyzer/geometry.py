@@ -21,7 +21,7 @@ from ncanalyze.analyzer.engines import engine_device, kept_parts
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_covariance
 from ncanalyze.analyzer.pairs import COINCIDENT, PairSums
-from ncanalyze.analyzer.schema import NC4_MIN_COUNT, VAL_AT
+from ncanalyze.analyzer.schema import DEBIAS_SHARE, NC4_MIN_COUNT, VAL_AT
 
 DECAY_RANKS = (4, 100)  # eigen_decay's fit range of ranks, as Agrawal et al. fit alpha-ReQ (Stringer et al. 2019)
 
@@ -90,6 +90,8 @@ class Geometry:
     anisotropy_nan_because: str | None = None
     head_nan_because: str | None = None   # the classifier holds NaN or Inf, and where
     decay_ranks: tuple[int, int] = DECAY_RANKS
+    fixed: np.ndarray | None = None        # per kept class: in the debiased metrics' fixed class set (fixed_set)
+    debias_note: str | None = None         # the fixed set's classes left out here, and why
 
     @property
     def n(self) -> int:
@@ -147,12 +149,14 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
     sigma_w = np.asarray(ds["within_covariance"].values, dtype=np.float64) if "within_covariance" in ds else None
     check_covariance(sigma_w)
     has_var = count[K] >= 2
-    parts = kept_parts(ds, K, p, has_var, sigma_w, on, tile)
+    fixed, debias, note = fixed_set(ds, K, count)
+    parts = kept_parts(ds, K, p, has_var, sigma_w, on, tile, debias)
     mom = parts.pop("mom")
     if parts["coincident"]:
         _warn_coincident(parts["coincident"], K, bool(np.isinf(parts["pairs"].cdnv)))
     g = Geometry(K=K, p=p, has_var=has_var, MtM=mom["MtM"], lam=mom["lam"], V=mom["V"], spectra=mom["spectra"],
-                 n_tokens=int(count.sum()), sigma_w=sigma_w, vsv=mom.get("vsv"), **parts)
+                 n_tokens=int(count.sum()), sigma_w=sigma_w, vsv=mom.get("vsv"), fixed=fixed, debias_note=note,
+                 **parts)
     if "wn" in mom:
         dead = np.flatnonzero(mom["wn"] == 0)
         if dead.size:
@@ -162,6 +166,51 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
     _validation(g, ds, min_count)
     _unit_sum(g, ds)
     return g
+
+
+def fixed_set(ds: xr.Dataset, K: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, tuple, str | None]:
+    """The debiased metrics' class set over K, their per-class rows and a note on the classes it leaves out.
+
+    The set is fixed by the train split, not by the sample: the classes whose share of the split's labels
+    (``split_count``, counted from the token ids at extraction) is at least DEBIAS_SHARE, within K (a min_count above 2 narrows it, as asked). Of
+    those, a class with fewer than 2 tokens in the sample (no variance) is left out, named in the note. A dataset
+    without ``split_count`` (:func:`class_stats`' plain arrays, a text split read as a stream) takes the classes with
+    2 or more tokens in the sample: the sample is then the population, and the set is not budget-stable. Rows (pairs.side_of): v*_c = var_c
+    n_c/(n_c - 1) (the unbiased variance), z_c = v*_c / n_c (the noise E||mu^_c - mu_c||^2 of the class mean), b_c.
+    """
+    if "split_count" in ds:
+        split = np.asarray(ds["split_count"].values, dtype=np.float64)
+        wanted = split >= DEBIAS_SHARE * split.sum()
+    else:                                                          # no split: the sample is all there is
+        wanted = np.asarray(count) >= 2
+    n = count[K].astype(np.float64)
+    fixed = wanted[K] & (n >= 2)
+    var = np.asarray(ds["variance"].values)[K].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        vs = np.where(fixed, var * n / (n - 1), 0.0)
+        z = np.where(fixed, vs / n, 0.0)
+    out = np.flatnonzero(wanted & (np.asarray(count) < 2))
+    note = None
+    if out.size:
+        note = (f"{out.size} of the {int(wanted.sum())} classes of the fixed set (share >= {DEBIAS_SHARE:.3g} of "
+                f"the train split's labels) are left out, with fewer than 2 train tokens in the sample "
+                f"({', '.join(map(str, out[:8].tolist()))}{' ...' if out.size > 8 else ''}): extract more tokens")
+    return fixed, (vs, z, fixed, *second_order(ds)), note
+
+
+def second_order(ds: xr.Dataset) -> tuple[float, float]:
+    """The debiased CDNV's second-order constants (pairs.py): k1 = 4/d and k2 = 2/d_eff, d_eff = tr(Sigma_W)^2 /
+    tr(Sigma_W^2) the participation ratio of the pooled within-class covariance (d without one): the variance of a
+    sample squared distance is k1 D N + k2 N^2 where the means' noise has the pooled shape and the distance a
+    direction at random to it."""
+    d = ds.sizes["hidden"]
+    if "within_covariance" not in ds:
+        return 4 / d, 2 / d
+    S = np.asarray(ds["within_covariance"].values, dtype=np.float64)
+    top = float(np.abs(S).max())
+    S = S / top if top > 0 else S                                 # scale-free: the squares neither overflow nor vanish
+    tr, tr2 = float(np.trace(S)), float(np.sum(S * S))
+    return 4 / d, (2 * tr2 / tr ** 2 if tr > 0 else 2 / d)
 
 
 def _validation(g: Geometry, ds: xr.Dataset, min_count: int) -> None:

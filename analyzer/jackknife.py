@@ -59,7 +59,8 @@ def n_folds(ds: xr.Dataset) -> int:
 
 def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     """The dataset of the tokens of ``folds`` alone: their statistics merged (Chan, in the order given) into the
-    variables the metrics read, with ``ds``'s head and attributes."""
+    variables the metrics read, with ``ds``'s head, attributes and ``split_count`` (the debiased metrics' class set
+    is the split's, the same for every subset of folds)."""
     from ncanalyze.analyzer.accumulate import merged_stats
 
     parts = ({n: np.asarray(ds[f"fold_{n}"].values[f]) for n in FOLD_STATS if f"fold_{n}" in ds} for f in folds)
@@ -68,7 +69,40 @@ def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
     with np.errstate(invalid="ignore", divide="ignore"):
         return stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, unit_sum=acc.unit_sum,
-                             val=val or None, attrs={**ds.attrs, "folds": len(folds)}, **head)
+                             val=val or None, attrs={**ds.attrs, "folds": len(folds)},
+                             split_count=ds["split_count"].values if "split_count" in ds else None, **head)
+
+
+FOLD_RTOL = 1e-9  # fold sums merged vs the totals: float64 rounding over a merge is ~1e-15 of the largest value
+REEXTRACT = "extract it again (ncanalyze extract ... --overwrite)"  # the fix of a damaged group
+
+
+def fold_problems(ds: xr.Dataset) -> list[str]:
+    """Where a group's fold sums do not add up to its totals, each in a few words (none: they do). The counts must
+    sum exactly (``sum(fold_count) == count``, the validation counts too); the folds merged (Chan) must give the
+    totals' mean, variance, within-class covariance and unit sum to float64 rounding (:data:`FOLD_RTOL` of each
+    variable's largest value). A forged fold, or a merge that counted a block twice, is found here."""
+    if "fold_count" not in ds:
+        return []
+    out = []
+    for n in ("count", *VAL_COUNTS):
+        if f"fold_{n}" in ds and n in ds:
+            summed, total = np.asarray(ds[f"fold_{n}"].values).sum(0), np.asarray(ds[n].values)
+            if summed.shape != total.shape or not np.array_equal(summed, total):
+                out.append(f"fold_{n} sums to {int(summed.sum()):,}, {n} to {int(total.sum()):,}")
+    if out:
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = merged(ds, range(n_folds(ds)))
+    for n in ("mean", "variance", "within_covariance", "unit_sum"):
+        if n in ds and n in whole:
+            a, b = np.asarray(whole[n].values, np.float64), np.asarray(ds[n].values, np.float64)
+            scale = np.nanmax(np.abs(b), initial=0.0)
+            if not np.allclose(a, b, rtol=0, atol=FOLD_RTOL * scale, equal_nan=True):
+                out.append(f"the folds merged differ from {n} by up to {np.nanmax(np.abs(a - b)) / (scale or 1):.2g} "
+                           f"of its largest value")
+    return out
 
 
 def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[pd.DataFrame, list[str]]:
@@ -110,6 +144,10 @@ def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = No
     nan = {se_name(m): math.nan for m in SCALARS}
     if len(folds) < 2:
         return nan, ["no folds: extracted with --folds 1 (or by hand), so no jackknife error"]
+    damaged = fold_problems(ds)
+    if damaged:
+        return nan, [f"the fold sums do not add up to the totals ({'; '.join(damaged)}): the group is damaged, so no "
+                     f"jackknife error; {REEXTRACT}"]
     counts = np.asarray(ds["fold_count"].values)[folds].sum(1)
     if (counts == 0).any():
         empty = [f for f, c in zip(folds, counts) if c == 0]
@@ -165,16 +203,20 @@ def nested_budgets(ds: xr.Dataset, measure: Measure, whole: Mapping[str, float] 
     return pd.DataFrame(rows)
 
 
-def unsettled(table: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
+def unsettled(table: pd.DataFrame, metrics: Sequence[str], more: bool | None = None) -> list[str]:
     """The ``metrics`` still moving between the last two budgets of a :func:`nested_budgets` table by more than their
-    error at the last one (jackknife): each as a line naming the tokens."""
+    sampling error at the last one (jackknife): each as a line naming the tokens, and what to do: raise
+    --max-train-tokens where the split holds more tokens (``more``; None: not known), else compare at this budget or
+    use the debiased number."""
     if len(table) < 2:
         return []
     last, before = table.iloc[-1], table.iloc[-2]
+    advice = {True: "raise --max-train-tokens", None: "raise --max-train-tokens if the split holds more tokens",
+              False: "the whole split was read: compare at this budget, or use the debiased number where there is one"}
     lines = []
     for m in metrics:
         move, se = abs(last[m] - before[m]), last[se_name(m)]
         if np.isfinite(move) and np.isfinite(se) and move > se:
             lines.append(f"`{m}` has not settled at {int(last['tokens']):,} tokens (it moved {move:.3g} from "
-                         f"{int(before['tokens']):,} tokens, more than its error {se:.3g}): raise --max-train-tokens")
+                         f"{int(before['tokens']):,} tokens, more than its sampling error {se:.3g}): {advice[more]}")
     return lines

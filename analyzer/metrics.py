@@ -40,17 +40,37 @@ def nc1_cdnv_p2(g: Geometry) -> float:
     return g.pairs.cdnv_p2 / (2 * g.n_var_pairs) if g.n_var >= 2 else math.nan
 
 
+def nc1_cdnv_debiased(g: Geometry) -> float:
+    """nc1_cdnv as the whole population of tokens would give it, over a class set fixed by the train split (SPEC
+    section 4, "Budget-stable estimates"): mean over the pairs of the fixed set (geometry.fixed_set: split share >=
+    DEBIAS_SHARE, 2 or more tokens in the sample) of (v*_c + v*_c') / (2 D*_cc'), v*_c = var_c n_c/(n_c - 1) the
+    unbiased variance and D* = ||mu^_c - mu^_c'||^2 - v*_c/n_c - v*_c'/n_c' the squared distance less the two means'
+    noise (E||mu^_c - mu^_c'||^2 = ||mu_c - mu_c'||^2 + tr Sigma_c/n_c + tr Sigma_c'/n_c'), and 1/D* with its
+    second-order (delta-method) term, which assumes Gaussian noise of the pooled within-class shape (pairs.py). A pair
+    whose corrected distance is not clearly positive (D* below the noise it removed, i.e. the plug-in distance below
+    twice that noise: the sample does not resolve the pair) takes the noise as its distance, a floor that keeps its
+    term finite and errs low; such pairs are counted (``n_pairs_unresolved``, a warning where any). nan, with a
+    warning, where fewer than 2 classes of the set are measured."""
+    n = int(g.fixed.sum()) if g.fixed is not None else 0
+    return g.pairs.cdnv_deb / (n * (n - 1)) if n >= 2 else math.nan
+
+
 @needs("sigma_w")
 def nc1_trace(g: Geometry) -> float:
     """Tr(Sigma_W Sigma_B^+) / |K| (Papyan, Han & Donoho 2020), Sigma_B = M^T M / n. With M^T M = V diag(lam) V^T,
     Sigma_B^+ = n V diag(1/lam) V^T over lam > d eps max(lam) (numpy's pinv cut), so the value is
-    sum_i v_i^T Sigma_W v_i / lam_i (``vsv``, computed with the spectra: on the device where they are)."""
+    sum_i v_i^T Sigma_W v_i / lam_i (``vsv``, computed with the spectra: on the device where they are).
+    No debiased form: the class means' noise adds sum_c Sigma_c / (n_c |K|) to Sigma_B, which needs each class's
+    covariance (the store keeps the pooled Sigma_W and each class's trace only), and a pseudo-inverse of a corrected
+    Sigma_B is not an unbiased estimate; like the CDNV it drifts with the budget (the report's token budget says)."""
     keep = g.lam > g.lam.size * np.finfo(float).eps * g.lam.max()
     return float(np.sum(g.vsv[keep] / g.lam[keep]))
 
 
 def nc2_norm_cv(g: Geometry) -> float:
-    """std / mean of ||m_c|| over K: equinorm (Papyan, Han & Donoho 2020)."""
+    """std / mean of ||m_c|| over K: equinorm (Papyan, Han & Donoho 2020). No debiased form: E||m^_c||^2 exceeds
+    ||m_c||^2 by z_c (1 - 2/|K|) + sum_c' z_c'/|K|^2 (z_c = v*_c/n_c), but a std/mean of square roots of corrected
+    squares is not unbiased, and a corrected square may be negative for a class near mu_G."""
     return coefficient_of_variation(g.r, "nc2_norm_cv", "||m_c||")
 
 
@@ -85,7 +105,9 @@ def gnc2_log_mean(g: Geometry) -> float:
 
 def gnc2_log_std(g: Geometry) -> float:
     """std over P of log(1/||u_c - u_c'||) = std(l) / 2: hyperspherical uniformity (GNC2, Wu & Papyan 2024).
-    Undefined (nan) when two directions coincide: the spread of a set holding +inf."""
+    Undefined (nan) when two directions coincide: the spread of a set holding +inf. No debiased form: the log of a
+    distance between unit vectors is not linear in the means' noise (their noise moves both the directions and the
+    norms that normalise them), so no term can be removed exactly; the report's token budget says how it drifts."""
     if g.coincident:
         return math.nan
     ml = g.pairs.l / g.n_pairs
@@ -255,12 +277,32 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
                       "classes have 2 or more train tokens (a class seen once has no variance); extract more tokens",
                       stacklevel=2)
     scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
-    scalars |= {"n_classes": float(g.n), "n_classes_var": float(g.n_var)}
+    n_fixed = int(g.fixed.sum())
+    scalars |= {"n_classes": float(g.n), "n_classes_var": float(g.n_var), "n_classes_debiased": float(n_fixed),
+                "n_pairs_unresolved": float(g.pairs.unresolved)}
+    _warn_debiased(g, n_fixed)
     per = {name: f(g) for name, f in PER_CLASS_DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
     if se:
         scalars |= _errors(ds, scalars, dict(min_count=min_count, tile=tile, device=device, engine=engine,
                                              decay_ranks=decay_ranks))
     return scalars, _per_class(ds, g.K, per)
+
+
+def _warn_debiased(g: Geometry, n_fixed: int) -> None:
+    """Say what nc1_cdnv_debiased rests on where it is not the whole fixed set with every pair resolved: the classes
+    of the set left out (fewer than 2 tokens in the sample), the pairs floored, or why it is nan."""
+    if n_fixed < 2:
+        warnings.warn(f"nc1_cdnv_debiased is nan: only {n_fixed} class(es) of the fixed set have 2 or more train "
+                      f"tokens{'; ' + g.debias_note if g.debias_note else ''}", stacklevel=3)
+        return
+    if g.debias_note:
+        warnings.warn(f"nc1_cdnv_debiased: {g.debias_note}", stacklevel=3)
+    if g.pairs.unresolved:
+        pairs = n_fixed * (n_fixed - 1) / 2
+        warnings.warn(f"nc1_cdnv_debiased: {int(g.pairs.unresolved):,} of its {int(pairs):,} pairs "
+                      f"({g.pairs.unresolved / pairs:.1%}) are not resolved by the sample (the distance between their "
+                      "means is below twice the means' noise): their distance is floored at that noise, so their terms "
+                      "err low; extract more tokens to resolve them", stacklevel=3)
 
 
 def _errors(ds: xr.Dataset, scalars: dict[str, float], kw: dict) -> dict[str, float]:

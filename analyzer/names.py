@@ -24,7 +24,8 @@ def _escape(ch: str) -> str:
 
 def shown(name: object) -> str:
     """``name`` safe to print on a terminal or in a text file: every control, format (bidi override, zero-width)
-    and line- or paragraph-separator character escaped as ``\\x1b`` or ``\\u202e``; other text as it is.
+    and line- or paragraph-separator character escaped as ``\\x1b`` or ``\\u202e``, and a name of white space
+    alone escaped whole (``\\x20``); other text as it is.
 
     Parameters
     ----------
@@ -37,13 +38,16 @@ def shown(name: object) -> str:
         The name, escaped where it must be.
     """
     text = str(name)
+    if text and not text.strip():  # white space alone (a run named " "): every character shown
+        return "".join(_escape(c) for c in text)
     return "".join(_escape(c) if unicodedata.category(c) in _HIDDEN else c for c in text)
 
 
 def name_problem(name: str, controls: bool = True) -> str | None:
     """Why ``name`` cannot be one level of the store (a run's or a checkpoint's name), or None: empty, ``.`` or
     ``..``, starting with ``.`` (the store hides those), holding a path separator (``/`` or ``\\``) or a control
-    or invisible formatting character (what :func:`shown` escapes: a terminal escape, a bidi override).
+    or invisible formatting character (what :func:`shown` escapes: a terminal escape, a bidi override), or only
+    white space.
 
     Parameters
     ----------
@@ -66,6 +70,8 @@ def name_problem(name: str, controls: bool = True) -> str | None:
         return "starts with . (the store hides such names)"
     if "/" in name or "\\" in name:
         return "holds a path separator (/ or \\)"
+    if controls and not name.strip():
+        return "is only white space (invisible wherever it is shown)"
     if controls and any(unicodedata.category(c) in _HIDDEN for c in name):
         return "holds a control or invisible formatting character (a terminal escape, a bidi control)"
     return None

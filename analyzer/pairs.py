@@ -10,6 +10,15 @@ the sums the metrics need (SPEC section 4):
   whose classes both have a variance, a_c a_c' = 1: a class seen once has none);
 - the same CDNV and log terms weighted by w = p_c p_c', p_c the classes' token frequencies (nc1_cdnv_freq,
   gnc2_log_mean_freq);
+- the debiased CDNV (nc1_cdnv_debiased) over the pairs of the fixed class set (b_c b_c' = 1): with the unbiased
+  variances v*_c = var_c n_c/(n_c - 1) and each mean's noise z_c = v*_c / n_c (E||mu^_c - mu_c||^2), the term
+  (v*_c + v*_c') / D* (1 - V / D*^2), D* = D - z_c - z_c': the squared distance less the two means' noise, with
+  the second-order (delta-method) term of 1/D*, V = k1 D* N + k2 N^2 (N = z_c + z_c') the variance of the sample
+  distance under Gaussian noise whose covariance has the pooled within-class shape (k1 = 4/d, k2 = 2/d_eff, d_eff =
+  tr(Sigma_W)^2 / tr(Sigma_W^2)), the factor floored at 0. Where the corrected distance is not clearly positive
+  (D below twice the noise: the pair is not resolved by the sample) the term is (v*_c + v*_c') / N, the noise taken
+  as the distance; such pairs are counted in ``unresolved``; finite even for coincident means, except two without any
+  variance (den below COINCIDENT r r': +inf, as the plug-in);
 - the count of pairs whose directions coincide (T below COINCIDENT), where those logs are meaningless (the
   metrics that read them are then inf or nan by definition; a few such pairs are kept to name in a warning). Two
   coincident means (D below COINCIDENT r r') make their CDNV terms +inf.
@@ -39,6 +48,8 @@ class PairSums(NamedTuple):
     cdnv_p2: float      # sum a a' (var_c + var_c') / D^2
     cdnv_freq: float    # sum a a' w (var_c + var_c') / D, w = p_c p_c'
     l_freq: float       # sum w l
+    cdnv_deb: float     # sum b b' (v*_c + v*_c') / max(D - z_c - z_c', z_c + z_c')  (b_c = 1 in the fixed class set)
+    unresolved: float   # #{b b' = 1 and D <= 2 (z_c + z_c')}: pairs whose corrected distance is floored
 
 
 SUMS = PairSums._fields
@@ -49,10 +60,17 @@ def blocks(n: int, tile: int) -> list[slice]:
     return [slice(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
-def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray, a: np.ndarray | None = None) -> np.ndarray:
-    """The per-class rows the passes read: r, 1/r, var, p and a (1 where the class has a variance, else 0; default
-    every class) (5 x n)."""
-    return np.stack([r, 1 / r, var, p, np.ones_like(r) if a is None else np.asarray(a, dtype=np.float64)])
+def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray, a: np.ndarray | None = None,
+            debias: tuple | None = None) -> np.ndarray:
+    """The per-class rows the passes read: r, 1/r, var, p, a (1 where the class has a variance, else 0; default
+    every class), then the debiased CDNV's v* (unbiased variance), z (its mean's noise v*/n), b (1 in the fixed
+    class set, else 0) and its second-order constants k1, k2 (the same in every column); ``debias`` (v*, z, b, k1,
+    k2), default none in the set (10 x n). Outside the set v* and z are 0."""
+    a = np.ones_like(r) if a is None else np.asarray(a, dtype=np.float64)
+    vs, z, b, k1, k2 = (0.0,) * 5 if debias is None else debias
+    b = np.broadcast_to(np.asarray(b, dtype=np.float64), r.shape)
+    return np.stack([r, 1 / r, var, p, a, np.where(b > 0, vs, 0.0), np.where(b > 0, z, 0.0), b,
+                     np.full_like(r, k1), np.full_like(r, k2)])
 
 
 def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.ndarray, t0: float,
@@ -61,7 +79,7 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
     the meaning of coincident pairs: the CDNV terms of two coincident means (D below COINCIDENT r r', including
     0/0 for two zero variances) are +inf, and the logs of coincident directions are not used. The CDNV terms read
     only the pairs whose classes both have a variance (a a' = 1)."""
-    (ri, _, vi, pi, ai), (rj, _, vj, pj, aj) = side_i, side_j
+    (ri, _, vi, pi, ai, si, zi, bi, k1, k2), (rj, _, vj, pj, aj, sj, zj, bj, _, _) = side_i, side_j
     g = Ui @ Uj.T                                                  # cos(m_c, m_c')
     T = 2 - 2 * g                                                  # ||u_c - u_c'||^2
     D = ri[:, None] ** 2 + rj[None, :] ** 2 - 2 * np.outer(ri, rj) * g   # ||m_c - m_c'||^2 = ||mu_c - mu_c'||^2
@@ -74,8 +92,16 @@ def reference_tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side
     w = np.outer(pi, pj)                                           # p_c p_c'
     both = np.outer(ai, aj) > 0                                    # both classes have a variance
     q, q2 = np.where(both, q, 0.0), np.where(both, q2, 0.0)
+    noise = zi[:, None] + zj[None, :]                              # z_c + z_c'
+    fixed = (np.outer(bi, bj) > 0) & pair                          # pairs of the fixed class set
+    den = np.maximum(D - noise, noise)                             # ~0 only for coincident means without variance
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = noise / den                                            # 1 - V / den^2 = 1 - h (k1 + k2 h)
+        second = np.where(D > 2 * noise, np.maximum(1 - h * (k1[0] + k2[0] * h), 0), 1)
+        qd = np.where(den > COINCIDENT * np.outer(ri, rj), (si[:, None] + sj[None, :]) / den * second, np.inf)
     sums = [np.sum(T[pair] < COINCIDENT), np.sum(x[pair] ** 2), np.sum(l[pair]), np.sum(l[pair] ** 2),
-            np.sum(q[pair]), np.sum(q2[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair])]
+            np.sum(q[pair]), np.sum(q2[pair]), np.sum((w * q)[pair]), np.sum((w * l)[pair]), np.sum(qd[fixed]),
+            np.sum(~(D[fixed] > 2 * noise[fixed]))]
     q = np.where(pair, q, 0.0)
     return np.array(sums, dtype=np.float64), q.sum(1), q.sum(0)
 

@@ -2,7 +2,7 @@
 validation, its flag, its help and its ``--help`` section. The commands generate their click options from the
 fields (ncanalyze.cli.options.setting_option); the library checks every value when the settings are made
 (:func:`check_fields`), so the library, the training callback and the CLI refuse a bad value with the same line:
-``batch_size (--batch-size) must be >= 1, got 0``.
+``batch_size (--batch-size) must be between 1 and 65536, got 0``.
 
 Here too: the settings several commands share (:data:`SHARED`: ``min_count``, ``seed``, ``device``, each default
 written once), :class:`MeasureSettings` (``ncanalyze measure``, and report's measuring), :class:`ReportSettings`
@@ -25,12 +25,14 @@ N_BOOT = 10_000  # resamples of the paired bootstrap over whole runs behind the 
 MIN_BOOT = 1000  # the fewest that a 95% percentile interval's 2.5% tails rest on (25 resamples beyond each end)
 
 
-def _enough_resamples(n: int) -> int:
+def enough_resamples(n: int) -> int:
     """0 (no bootstrap) or at least :data:`MIN_BOOT` resamples."""
     if 0 < n < MIN_BOOT:
         raise ValueError(f"must be 0 (none) or at least {MIN_BOOT}: the 2.5% tails of a 95% interval need 25 "
                          "resamples beyond each end")
     return n
+MAX_PERM = 10_000_000  # at most (1000 x the default): drawn in chunks, so a bound on time, not memory
+MAX_TOKENS = 2**53  # the most tokens any count or cap may say: exact in float64 (what the statistics hold)
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # model dtypes (extract --dtype)
 STORED_DTYPES = tuple(d for d in DTYPES if d != "bfloat16")  # what numpy and Zarr store (--embeddings-dtype)
 CAP_MODES = ("spread", "prefix")  # how a token cap reads a split (extract --cap-mode)
@@ -38,6 +40,8 @@ DEVICE_RULE = "auto, cpu, cuda or cuda:N"
 MEASURE_SECTIONS = ("Measuring", "Run control")  # ``measure --help``, in order
 REPORT_SECTIONS = ("Selection", "Statistics", "Per-token table", "Output", "Measuring")  # ``report --help``
 PER_RUN = ("all", "last")
+MAX_TILE = 2**16  # classes per tile at most: a tile's pairwise sums are tile x tile float64 (32 GiB here)
+ESTIMATES = ("debiased", "plugin")  # report --estimates: which number of a metric with a debiased form is drawn
 
 
 def setting(default: Any = None, *, required: bool = False, section: str, help: str, kind: type | None = None,
@@ -97,21 +101,38 @@ def _device(value: str) -> str:
     return value.strip().lower()
 
 
-def parse_threads(value: int | str | None) -> int | str:
-    """``auto`` (None too) or a positive integer (an int, or its digits): ``--threads`` (ncanalyze.analyzer.threads).
+def whole_number(value: int | str, maximum: int) -> int:
+    """A whole number from 1 to ``maximum``: an int, or its ASCII digits (``"²"`` and other Unicode digits are not
+    digits here, as the command line means them).
 
     Raises
     ------
     ValueError
-        "must be auto or a positive integer" (said in one line with the flag).
+        "must be auto or an integer from 1 to MAXIMUM" (said in one line with the flag).
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
+        return value
+    text = value.strip() if isinstance(value, str) else ""
+    if re.fullmatch(r"[0-9]{1,19}", text) and 1 <= int(text) <= maximum:
+        return int(text)
+    raise ValueError(f"must be auto or an integer from 1 to {maximum}")
+
+
+MAX_THREADS = 1024  # --threads N: more is no machine's core count, and torch's pool allocates per thread
+
+
+def parse_threads(value: int | str | None) -> int | str:
+    """``auto`` (None too) or a whole number from 1 to :data:`MAX_THREADS` (an int, or its digits): ``--threads``
+    (ncanalyze.analyzer.threads).
+
+    Raises
+    ------
+    ValueError
+        "must be auto or an integer from 1 to 1024" (said in one line with the flag).
     """
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
-        return int(value)
-    raise ValueError("must be auto or a positive integer")
+    return whole_number(value, MAX_THREADS)
 
 
 THREADS_HELP = ("Threads of torch's CPU kernels: auto (the cores other processes leave idle, within this process's "
@@ -120,10 +141,10 @@ THREADS_HELP = ("Threads of torch's CPU kernels: auto (the cores other processes
                 "restored afterwards.")
 
 SHARED: dict[str, dict[str, Any]] = {  # the settings of several commands: flag, default and rule, once
-    "min_count": dict(default=1, minimum=1),
+    "min_count": dict(default=1, minimum=1, maximum=MAX_TOKENS),
     "seed": dict(default=0, minimum=0, maximum=2**63 - 1),
     "device": dict(default="auto", check=_device),
-    "threads": dict(default="auto", kind=str, metavar="auto|N", check=parse_threads),
+    "threads": dict(default="auto", kind=str, metavar="auto|N", check=parse_threads, maximum=MAX_THREADS),
 }
 
 
@@ -138,7 +159,7 @@ def flag_of(f) -> str:
 
 
 def refused(f, reason: str, value: Any) -> UserError:
-    """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be >= 1, got 0``."""
+    """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be between 1 and 65536, got 0``."""
     return UserError(f"{f.name} ({flag_of(f)}) {reason}, got {value!r}")
 
 
@@ -183,10 +204,8 @@ def checked(f, value: Any) -> Any:
         if not isinstance(value, ok) or (kind is not bool and isinstance(value, bool)):
             raise refused(f, f"must be {'a' if kind is not int else 'an'} {kind.__name__}", value)
     low, high, choices = meta["minimum"], meta["maximum"], meta["choices"]
-    if low is not None and high is not None and not low <= value <= high:
+    if low is not None and high is not None and not low <= value <= high:  # nan too
         raise refused(f, f"must be between {low} and {high}", value)
-    if low is not None and value < low:
-        raise refused(f, f"must be >= {low}", value)
     if choices is not None and value not in choices:
         raise refused(f, f"must be one of {', '.join(choices)}", value)
     if check is not None:
@@ -204,7 +223,7 @@ class MeasureSettings:
     min_count: int = shared("min_count", section="Measuring", help=(
         "Keep only classes with at least this many train tokens."), helps={
         "report": "Keep only classes with at least this many train tokens (when measuring what is new)."})
-    tile: int | None = setting(section="Measuring", kind=int, minimum=1, help=(
+    tile: int | None = setting(section="Measuring", kind=int, minimum=1, maximum=MAX_TILE, help=(
         "Classes per tile of the pairwise sums [default: from the available memory, at most 2048]."))
     device: str = shared("device", section="Measuring", help=(
         "Where the pairwise sums and the d x d work run: auto (torch float64 on CUDA when present, else the numba "
@@ -222,7 +241,9 @@ FIGURE_FORMATS = ("png", "pdf", "svg")  # every format a report's figures can be
 
 
 def _formats(value: tuple[str, ...]) -> tuple[str, ...]:
-    """Figure formats among :data:`FIGURE_FORMATS`, PNG always (report.md shows it), each once, in their order."""
+    """Figure formats among :data:`FIGURE_FORMATS` (white space around each ignored: ``"png, pdf"``), PNG always
+    (report.md shows it), each once, in their order."""
+    value = tuple(v.strip().lower() for v in value)
     wrong = [v for v in value if v not in FIGURE_FORMATS]
     if wrong or "png" not in value:
         raise ValueError("must be png and any of pdf, svg, comma-separated")
@@ -260,11 +281,12 @@ class ReportSettings:
         "Comma-separated expressions over the columns held fixed by the partial correlation (the same allowed syntax "
         "as --where; \"\" for none)."))
     where: str | None = setting(section="Selection", help=_WHERE)
-    n_perm: int = setting(N_PERM, section="Statistics", flag="--permutations", minimum=0, help=(
+    n_perm: int = setting(N_PERM, section="Statistics", flag="--permutations", minimum=0,
+                         maximum=MAX_PERM, help=(
         "Permutations per p-value (0: none). Runs with several checkpoints are permuted whole; all permutations, and "
         "an exact p, where there are no more than this."))
     n_boot: int = setting(N_BOOT, section="Statistics", flag="--bootstrap", minimum=0, maximum=10 ** 6,
-                          check=_enough_resamples, help=(
+                          check=enough_resamples, help=(
         "Resamples of the paired bootstrap over whole runs behind the comparisons \"A relates more than B\" (R²'s "
         f"difference; its interval's Monte-Carlo error is said); 0: none, else at least {MIN_BOOT}. The intervals of "
         "r, R², rho and the partial r need no resamples: Fisher's z, or the jackknife over runs."))
@@ -278,6 +300,10 @@ class ReportSettings:
         "'last': each run's latest checkpoint only (one row per run, per tag)."))
     html: bool = setting(True, section="Output", help=(
         "Also write report.html, one self-contained interactive page (see above); --no-html: not."))
+    estimates: str = setting("debiased", section="Statistics", choices=ESTIMATES, metavar="[debiased|plugin]", help=(
+        "Which number of a metric that has a budget-stable form (nc1_cdnv_debiased beside nc1_cdnv) the figures and "
+        "Figure 1's claims use: 'debiased' (the one to compare across token budgets or with the paper), or 'plugin' "
+        "(the paper's own estimator at this sample). stats.csv and metrics.csv keep both."))
     formats: tuple[str, ...] = setting(FIGURE_FORMATS, kind=tuple, section="Output", check=_formats, help=(
         "Comma-separated formats of the figures: png (always: report.md shows it), pdf (fonts embedded), svg. "
         "Leaving pdf and svg out halves the figures' time; a figure's files of a format left out, from an earlier "
@@ -285,3 +311,6 @@ class ReportSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.checkpoints and not self.tokens:
+            raise UserError("--checkpoint (ReportOptions.checkpoints) picks the checkpoints of the per-token table, "
+                            "and without --tokens there is none: pass --tokens too, or leave --checkpoint out")

@@ -187,8 +187,9 @@ def paired_bootstrap(y: np.ndarray, a: np.ndarray, b: np.ndarray, codes: np.ndar
     d = r[:, 0] ** 2 - r[:, 1] ** 2
     ok = np.isfinite(d)
     lo, hi, _ = percentile_interval(d[:, None])
-    ends = np.array([percentile_interval(part[np.isfinite(part)][:, None])[:2]
-                     for part in np.array_split(d, _BATCHES) if np.isfinite(part).sum() > 1])[:, :, 0]
+    ends = [percentile_interval(part[np.isfinite(part)][:, None])[:2]
+            for part in np.array_split(d, _BATCHES) if np.isfinite(part).sum() > 1]
+    ends = np.array(ends)[:, :, 0] if ends else np.empty((0, 2))
     mc = float(ends.std(0, ddof=1).max() / np.sqrt(len(ends))) if len(ends) > 1 else np.nan
     return dict(d_r2=float(est[0] - est[1]), d_r2_ci_low=float(lo[0]), d_r2_ci_high=float(hi[0]),
                 d_r2_p_le0=float((d[ok] <= 0).mean()) if ok.any() else np.nan, d_r2_mc_error=mc,

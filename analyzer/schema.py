@@ -1,6 +1,7 @@
 """The names everything else agrees on, defined once: a checkpoint dataset's variables (SPEC section 3), the metric
 names (section 4) and the descriptive columns of a metrics table (section 5); and the one builder of a checkpoint
-dataset, used by extraction (``ncanalyze.store``) and by :func:`ncanalyze.analyzer.class_stats`.
+dataset, used by extraction (``ncanalyze.store``) and by :func:`ncanalyze.analyzer.class_stats`. The metric
+families come from the metric records (``metric_records.py``).
 
 Light on purpose (numpy only; xarray when a dataset is built), so the CLI and the report can import the names without the metrics'
 compiled code.
@@ -11,32 +12,42 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ncanalyze.analyzer.metric_records import DEBIASED, GEOMETRY, NC, RECORDS
+
 if TYPE_CHECKING:  # xarray loads in stats_dataset: the CLI's --help reads these names without it
     import xarray as xr
 
-# the neural-collapse metrics, in SPEC order (section 4, first table); each is a function of the same name in metrics.py
 # The metrics' definitions' version: bumped whenever a definition of SPEC section 4 changes (2: erank's rounding cut,
 # rankme, alpha-ReQ's weighted fit, CDNV over classes with a variance, coefficients of variation only where defined;
 # 3: a coefficient of variation only where its mean is 3 standard errors above 0, classes whose means differ by less
-# than rounding of the within-class spread refused). A group measured under another version is measured again by
+# than rounding of the within-class spread refused; 4: nc1_cdnv_debiased, the class counts it rests on). A group measured under another version is measured again by
 # `ncanalyze measure` and `report`.
-METRICS_VERSION = 3
-NC_METRICS = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
-              "nc2_etf_error", "gnc2_log_mean", "gnc2_log_std", "nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
-              "nc4_agreement")
+METRICS_VERSION = 4
+# the neural-collapse metrics, in SPEC order (section 4, first table), from their records (metric_records.py); each is a
+# function of the same name in metrics.py
+NC_METRICS = tuple(r.name for r in RECORDS if r.family == NC)
 # metrics whose value is not scale-free, each with what is said wherever it is printed: outside the "lower is more
 # collapse" reading and outside the NC Holm family (a family of their own; SPEC section 4)
-SCALE_DEPENDENT = {"nc1_cdnv_p2": "scales as 1/length² (||mu_c - mu_c'||^4 in the denominator, the paper's code's "
-                                  "form: doubling the features divides it by 4), so across widths it mostly follows "
-                                  "the feature norm: not read as more or less collapse, and outside the NC Holm family"}
+SCALE_DEPENDENT = {r.name: r.scale for r in RECORDS if r.scale}
 # the representation geometry beyond NC (section 4, second table); each is a function of the same name in spectral.py
-GEOMETRY_METRICS = ("within_erank", "between_erank", "total_erank", "rankme", "eigen_decay", "lidar", "anisotropy",
-                    "head_erank", "nc1_cdnv_freq", "gnc2_log_mean_freq")
+GEOMETRY_METRICS = tuple(r.name for r in RECORDS if r.family == GEOMETRY)
+# the budget-stable estimates beside the paper's plug-in values (SPEC section 4, "Budget-stable estimates"): each
+# estimates what the whole population of tokens would give over a class set fixed by the split's token frequencies
+# (DEBIAS_SHARE), so it does not drift with the token budget; each is a family of its own in the report's tests.
+# Where no sound correction exists, the plug-in metric's docstring says so (metrics.py, spectral.py).
+DEBIASED_METRICS = tuple(r.name for r in RECORDS if r.family == DEBIASED)
+# the debiased metrics' class set: the classes whose share of the train split's labels (``split_count``, counted from
+# the token ids at extraction) is at least this, and that have 2 or
+# more train tokens in the sample (a class of the set with fewer is left out, said in a warning). 2^-12: at the
+# smallest budget worth measuring (32,768 tokens) such a class expects 8 tokens.
+DEBIAS_SHARE = 2.0 ** -12
+# the debiased estimate beside each plug-in metric it corrects: which column to compare across budgets or with the paper
+PLUGIN_OF = {r.name: r.plugin_of for r in RECORDS if r.plugin_of}
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
 # (stats.METRICS is SCALARS). NC_METRICS (less SCALE_DEPENDENT, each a family of its own) and GEOMETRY_METRICS are
 # two Holm families (per scale and tag, stats.family): the geometry does not make the NC metrics' adjusted p-values
 # more conservative.
-SCALARS = NC_METRICS + GEOMETRY_METRICS
+SCALARS = NC_METRICS + GEOMETRY_METRICS + DEBIASED_METRICS
 # the columns held fixed by the report's partial correlations by default (``--controls``): scale and training time.
 # ``design`` stands for the architecture factors that vary among the selected runs (DESIGN_FACTORS, read from the
 # stored config), so the scale control matches the design rather than one fixed expression (stats.expand_design)
@@ -47,8 +58,9 @@ COMPARISONS = (("unc3_cos_cv", "nc3_cos_mean"),  # the paper's "A relates to los
                ("gnc2_log_std", "nc2_cos_std"))  # each tested by a paired bootstrap of R²(A) - R²(B) (stats.csv d_r2*)
 DESIGN_FACTORS = {"log(n_layers)": "depth", "log(hidden_size)": "width", "log(n_params)": "parameters"}
 # how many classes the metrics rest on, beside them in measure's results and metrics.csv (not metrics: no tests):
-# the kept classes K, and those of them with a variance (n_c >= 2), which the CDNV family reads
-CLASS_COUNTS = ("n_classes", "n_classes_var")
+# the kept classes K, and those of them with a variance (n_c >= 2), which the CDNV family reads; the fixed class set of
+# the debiased metrics (those of it measured) and its pairs whose corrected distance is not clearly positive
+CLASS_COUNTS = ("n_classes", "n_classes_var", "n_classes_debiased", "n_pairs_unresolved")
 # each scalar metric's delete-one-fold jackknife error (analyzer/jackknife.py; SPEC section 5), after the metrics
 ERRORS = tuple(f"{m}_se" for m in SCALARS)
 # the per-class views (vocab), written back into each group by `ncanalyze measure`
@@ -68,7 +80,7 @@ VAL_AT = ("val_correct_at", "val_ncc_agree_at")
 # coordinates of the checkpoint group that its layer groups inherit (store/classifier.py); a data variable elsewhere
 HEAD = ("classifier", "classifier_bias")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)
-MEASURED = ("count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS, *VAL_AT)
+MEASURED = ("count", "split_count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS, *VAL_AT)
 # the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
 LAYER = "layer"
 
@@ -84,7 +96,7 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
                   classifier_bias: Any = None, val: dict[str, Any] | None = None, samples: Any = None,
                   n_samples: Any = None, sample_position: Any = None, tokens: list[str] | None = None,
                   attrs: dict | None = None, embeddings: Any = None, embedding_label: Any = None,
-                  embedding_position: Any = None, unit_sum: Any = None) -> xr.Dataset:
+                  embedding_position: Any = None, unit_sum: Any = None, split_count: Any = None) -> xr.Dataset:
     """One checkpoint's dataset with the store's variables and dimensions (vocab, hidden, hidden2, slot).
 
     Arrays keep their dtype (extraction passes the classifier as float32, as the model holds it); ``val`` maps the names in
@@ -92,7 +104,8 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
     ``sample_position`` is the reservoir; ``tokens`` adds the decoded ``token`` coordinate. ``embeddings`` (position x
     hidden; numpy or dask, kept lazy) with ``embedding_label`` (the next token) and ``embedding_position`` (the index
     coordinate ``position``: the stream position) are raw features of the first train positions. ``unit_sum``
-    (hidden, float64) is the sum of the unit-normalised train features (anisotropy)."""
+    (hidden, float64) is the sum of the unit-normalised train features (anisotropy); ``split_count`` (vocab, int64)
+    the labels' counts over the whole train split (the debiased metrics' class set, DEBIAS_SHARE)."""
     import xarray as xr
 
     mean = _np(mean)
@@ -102,6 +115,8 @@ def stats_dataset(count: Any, mean: Any, variance: Any, within_covariance: Any, 
         "variance": ("vocab", _np(variance)),
         "within_covariance": (("hidden", "hidden2"), _np(within_covariance)),
     }
+    if split_count is not None:
+        data["split_count"] = ("vocab", _np(split_count).astype(np.int64))
     if unit_sum is not None:
         data["unit_sum"] = ("hidden", _np(unit_sum))
     if classifier is not None:

@@ -26,7 +26,7 @@ def erank(lam: np.ndarray) -> float:
     spectrum holding NaN.
 
     The weights are sqrt(lambda) (singular values), as Roy & Vetterli and RankMe define it; LiDAR's entropy weighs
-    lambda itself (:func:`lidar`), which counts fewer directions for the same spectrum (README: how much)."""
+    lambda itself (:func:`lidar`), which counts fewer directions for the same spectrum (the docs' metric cards: how much)."""
     lam = np.asarray(lam, dtype=np.float64)
     if lam.size == 0 or not np.isfinite(lam).all() or lam.max() <= 0:
         return math.nan
@@ -92,7 +92,7 @@ def lidar(g: Geometry) -> float:
     (Sigma_W + delta I)^(-1/2) Sigma_B (Sigma_W + delta I)^(-1/2), delta = 1e-4 tr(Sigma_W) / d: the effective
     rank of the class means measured in units of the within-class noise (the LDA matrix). nan without
     within-class noise. The published code adds a fixed delta (1e-4 or 1e-6); relative to tr(Sigma_W)/d, ours is
-    the same at every feature scale (the README gives the gap at a 1e-3 feature scale)."""
+    the same at every feature scale (its metric card gives the gap at a 1e-3 feature scale)."""
     return eigen_entropy_rank(g.spectra["lidar"])
 
 

@@ -67,7 +67,7 @@ from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, residual_r, sign_notes
 from ncanalyze.analyzer.resample import paired_bootstrap, run_codes
-from ncanalyze.analyzer.registry import N_BOOT, N_PERM
+from ncanalyze.analyzer.registry import N_BOOT, N_PERM, enough_resamples
 from ncanalyze.analyzer.schema import (COMPARISONS, CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS,
                                        SCALARS, SCALE_DEPENDENT)
 
@@ -314,6 +314,10 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
         with a missing or infinite target, or a missing metric or control, are left out of that metric's
         statistics (an infinite target is said in the notes).
     """
+    try:
+        enough_resamples(n_boot)
+    except ValueError as e:
+        raise UserError(f"n_boot (--bootstrap) {e}, got {n_boot}") from None
     lacking, C_all = _lacking_controls(df, metrics, target, controls)
     if lacking.any():  # a checkpoint without a step: in r, not in partial r
         return _partial_apart(df, lacking, C_all, metrics, target, controls, n_perm, seed, runs, step, n_boot)
@@ -332,6 +336,7 @@ def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str
     out.insert(1, "family", out.metric.map(family))
     for i in out.index[out.metric.isin(list(SCALE_DEPENDENT))]:  # said wherever the row is printed
         _add_notes(out, i, [Note(NoteKind.SCALE_DEPENDENT, SCALE_DEPENDENT[out.metric[i]])])
+    _note_left_out(out, X, df)
     rank = {m: i for i, m in enumerate(metrics)}
     out = out.sort_values(["metric", "scale"], key=lambda s: s.map(rank) if s.name == "metric" else s != "raw")
     out = out.reset_index(drop=True)
@@ -410,6 +415,20 @@ def _with_claims(out: pd.DataFrame, extra: list[tuple[pd.DataFrame, pd.DataFrame
         if extra_notes:
             _add_notes(out, i, extra_notes)
     return out
+
+
+def _note_left_out(out: pd.DataFrame, X: pd.DataFrame, df: pd.DataFrame) -> None:
+    """A ``left_out`` note on each row whose metric has no finite value on some usable checkpoints (a metric nan
+    for one run), naming the first of them."""
+    for i in out.index:
+        lost = X[out.metric[i], "raw"].isna()
+        if 0 < lost.sum() < len(lost):
+            rows = df.loc[lost.index[lost]]
+            named = (rows["run"].astype(str) + "/" + rows["checkpoint"].astype(str) if {"run", "checkpoint"} <=
+                     set(df.columns) else rows.index.astype(str)).tolist()
+            more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+            _add_notes(out, i, [Note(NoteKind.LEFT_OUT, f"{len(named)} checkpoint(s) without a finite "
+                                     f"{out.metric[i]} left out: {', '.join(named[:5])}{more}")])
 
 
 def _add_notes(out: pd.DataFrame, i: int, extra: list[Note]) -> None:
@@ -512,6 +531,8 @@ def compare_r2(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, labels: pd.Seri
                 continue
             res = paired_bootstrap(y.to_numpy(float)[ok], X[a, scale].to_numpy(float)[ok],
                                    X[b, scale].to_numpy(float)[ok], codes, n_boot, seed)
+            if not np.isfinite(res["d_r2"]):  # a metric or the target constant: no R² to compare
+                continue
             out.loc[i[0], "vs_metric"] = b
             out.loc[i[0], list(cols)] = [res[c] for c in cols]
             if res["d_r2_dropped"]:

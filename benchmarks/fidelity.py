@@ -1,5 +1,6 @@
-"""Where our definitions depart from the published code, and by how much (the figures in README.md, "Representation
-geometry beyond NC"): each departure measured on a planted dataset, ours against the published variant.
+"""Where our definitions depart from the published code, and by how much (the figures in the metric records,
+analyzer/metric_records.py, shown on the docs' metric cards): each departure measured on a planted dataset, ours
+against the published variant.
 
     python benchmarks/fidelity.py
 

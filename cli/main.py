@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 
@@ -91,6 +92,19 @@ def main(debug: bool, verbose: int, quiet: int) -> None:
     root.handlers[:] = [handler]
     root.propagate = False
     root.setLevel(logging.INFO + 10 * (quiet - verbose))
+    if quiet > verbose:
+        _quiet_libraries()
+
+
+def _quiet_libraries() -> None:
+    """``-q``: no progress bars of the Hub's downloads and of datasets' passes either (ours: ncanalyze.store.bars):
+    their switches where they are loaded, else the variables they read when they load."""
+    for module, variable in (("huggingface_hub.utils", "HF_HUB_DISABLE_PROGRESS_BARS"),
+                             ("datasets", "HF_DATASETS_DISABLE_PROGRESS_BARS")):
+        if module in sys.modules:
+            sys.modules[module].disable_progress_bars()
+        else:
+            os.environ[variable] = "1"
 
 
 main.add_command(extract)

@@ -5,11 +5,12 @@ import click
 import cloup
 from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.registry import MEASURE_SECTIONS, MeasureSettings
+from ncanalyze.analyzer.metric_records import RECORDS
 from ncanalyze.analyzer.schema import SCALARS
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option, setting_groups, settings_of, store_positional
 
-SHOWN = ("nc1_cdnv", "nc1_trace", "nc2_etf_error", "gnc2_log_mean", "nc3_dual_error", "nc4_agreement")
+SHOWN = tuple(r.name for r in RECORDS if r.shown)  # the columns printed: the records marked shown
 
 
 RUN_CONTROL = [  # where it works and whether it starts again: the command's own, not settings of the measuring
@@ -29,6 +30,8 @@ Compute the neural-collapse metrics of every checkpoint in STORE not yet measure
     class_cdnv, class_interference, class_duality and class_nc4; a checkpoint is measured again
     when its statistics or --min-count change. --device auto runs the pairwise sums and the d x d work in torch
     float64 on CUDA where torch sees a GPU (equal to the CPU's numba path to 1e-12), else on the CPU.
+    It prints {", ".join(SHOWN)} per checkpoint
+    (the metric records marked shown; every metric's card: the documentation's Metrics page).
     """)
 @store_positional
 @setting_groups(MEASURE_SECTIONS, "measure", MeasureSettings, more={"Run control": RUN_CONTROL})

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 import cloup
-from ncanalyze.analyzer.registry import flag_of
+from ncanalyze.analyzer.registry import flag_of, refused
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 
@@ -97,7 +97,7 @@ def setting_option(f: dataclasses.Field, command: str | None = None) -> Callable
     if kind is tuple:
         default = ",".join(default)
     choices = meta["choices"] and "[" + "|".join(meta["choices"]) + "]"
-    typ = {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
+    typ = SettingNumber(f) if kind in (int, float) else click.STRING
     return click.option(flag, name, cls=SettingOption, type=typ, default=default,
                         show_default=meta["shown"] or default not in (None, ""),
                         required=f.default is dataclasses.MISSING, metavar=meta["metavar"] or choices, help=text,
@@ -110,6 +110,27 @@ def _bounds(meta: dict) -> str | None:
     if low is None:
         return None
     return f"x>={low}" if high is None or high > 2**32 else f"{low}<=x<={high}"
+
+
+class SettingNumber(click.ParamType):
+    """A number setting's value from the command line: ASCII digits only (``²`` and other Unicode digits are not
+    numbers here), else refused with the setting's rule in its one line, as the library refuses a value."""
+
+    def __init__(self, f: dataclasses.Field):
+        self.f, self.kind = f, f.metadata["kind"]
+        self.name = "integer" if self.kind is int else "float"
+
+    def convert(self, value: Any, param, ctx) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            if not value.isascii():
+                raise ValueError(value)
+            return int(value) if self.kind is int else float(value)
+        except ValueError:
+            low, high = self.f.metadata["minimum"], self.f.metadata["maximum"]
+            what = "an integer" if self.kind is int else "a number"
+            raise refused(self.f, f"must be {what} from {low} to {high}", value) from None
 
 
 class SettingOption(click.Option):

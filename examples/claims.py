@@ -11,7 +11,7 @@ every run's does?: the two-way fixed-effects r, tested by permuting whole runs) 
 checkpoint (both mixed) are said beside it, from `all/stats.csv`, with their 95% intervals over runs. The paper's
 "A relates more than B" is a paired bootstrap of the difference in R². Its Table 1 (seed replicas of one
 architecture) is `seeds/`. Every figure in the text comes from those files; the README quotes findings.md verbatim
-(tests/e2e/test_examples.py checks both).
+(tests/e2e/test_examples.py checks it) and the docs' results page includes it.
 """
 from __future__ import annotations
 

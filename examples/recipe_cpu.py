@@ -14,7 +14,7 @@
 5. one replica trained again with ncanalyze.training.NeuralCollapseCallback (its step-N groups measured during
    training), its checkpoints extracted into the same store, and the two compared metric by metric
 6. examples/explore_store.py on the store; with --results, the reports copied there with a summary table
-   (summary.md) and the findings (findings.md, examples/claims.py) that the README's results section quotes
+   (summary.md) and the findings (findings.md, examples/claims.py) that the README and the docs' results page quote
 
 Each step prints the equivalent shell command. Finished work is skipped when the command runs again (trained
 runs, extracted and measured checkpoints), so an interrupted recipe continues. Wall times are appended to
@@ -279,7 +279,7 @@ def publish(out: Path, results: Path, compare: Path) -> None:
     """The reports into ``results`` (all, final, seeds, depth, explore; report.html of all/ only), the callback
     comparison, every invocation's timings, summary.md (the statistics of every checkpoint, of the final models and
     of the seed replicas) and findings.md (the paper's statements answered question by question, examples/claims.py),
-    as the README quotes them."""
+    as the README and the docs' results page quote them."""
     for name, src in (("all", "report-all"), ("final", "report-final"), ("seeds", "report-seeds"),
                       ("depth", "report-depth"), ("explore", "explore")):
         shutil.rmtree(results / name, ignore_errors=True)

@@ -23,17 +23,25 @@ ACCESSOR = "ncanalyze.analyzer.accessor"
 
 
 class _AfterXarray(MetaPathFinder):
-    """Finds ``xarray`` as the other finders do, and registers the accessor once its module has run."""
+    """Finds ``xarray`` as the other finders do, and registers the accessor once its module has run. It stays on
+    ``sys.meta_path`` until then: a library that only probes for xarray (``importlib.util.find_spec("xarray")``, as
+    transformers and peft do) imports nothing, and the import that follows must still register the accessor."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "xarray":
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        at = sys.meta_path.index(self)
+        sys.meta_path.remove(self)  # the other finders, not this one again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(at, self)
         if spec is not None and spec.loader is not None:
             run = spec.loader.exec_module
 
             def exec_module(module):
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
                 run(module)
                 import_module(ACCESSOR)
 

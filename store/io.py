@@ -26,7 +26,7 @@ import xarray as xr
 import zarr
 import zarr.errors
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.jackknife import FOLD_VARS
+from ncanalyze.analyzer.jackknife import FOLD_VARS, fold_problems
 from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
@@ -260,9 +260,13 @@ def read_statistics(path: str | Path, group: str, head: xr.Dataset | None = None
     if shared and head is not None:
         ds = ds.assign_coords({h: head[h].variable for h in HEAD if h in head.variables})
     try:
-        return ds[[v for v in (*MEASURED, *FOLD_VARS) if v in ds]].load()
+        ds = ds[[v for v in (*MEASURED, *FOLD_VARS) if v in ds]].load()
     except CHUNK_ERRORS as e:
         raise UserError(f"{group} holds corrupt data ({type(e).__name__}: {e}): {fix}") from None
+    damaged = fold_problems(ds)
+    if damaged:  # a forged fold or a block counted twice: neither its errors nor its totals can be trusted
+        raise UserError(f"{group} is damaged: its fold sums do not add up to its totals ({'; '.join(damaged)}): {fix}")
+    return ds
 
 
 CORRUPT = (ValueError, zarr.errors.MetadataValidationError, zarr.errors.NodeTypeValidationError)  # bad zarr.json

@@ -21,7 +21,7 @@ from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
 from ncanalyze.store.io import CHUNK_ERRORS
 from ncanalyze.store.store import Store
-from tqdm.auto import tqdm
+from ncanalyze.store.bars import progress_bar
 
 WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
 
@@ -89,7 +89,7 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     raised: dict[tuple[type[Warning], str], list[str]] = {}  # (category, message) -> the groups that raised it
     heads: dict[str, object] = {}  # the head of the checkpoint being measured, read once for all its layer groups
     with client(scheduler, workers=WORKER_WAIT_S if todo else None), threads.policy(threads_setting):
-        for g in tqdm(todo, desc="measuring", unit="group", disable=None):
+        for g in progress_bar(todo, desc="measuring", unit="group", disable=None):
             threads.tick()  # --threads auto: the load measured again between groups
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -156,12 +156,13 @@ def by_path(group: str, attrs: dict) -> dict:
 
 def same_weights(groups: dict[str, dict]) -> dict[str, str]:
     """The groups that are another group's measurement under another name (the same configuration hash: the same
-    weights, data and settings; and the same layer), with why, naming the first."""
+    weights, data and settings; and the same layer), with why, naming the first. The training callback's groups
+    are left alone: their hash names the run's settings, not its weights (the model being trained has no file)."""
     first: dict[tuple, str] = {}
     out = {}
     for g, a in groups.items():
         key = (a.get("config_hash"), a.get(LAYER, a.get("n_layers")))
-        if key[0] is None:
+        if key[0] is None or a.get("source") == "training":
             continue
         if key in first:
             out[g] = (f"the same model, data and settings as {first[key]}, measured twice under two names: both are "

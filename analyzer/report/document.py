@@ -9,7 +9,7 @@ import pandas as pd
 
 from ncanalyze.analyzer.report.depth import TITLE as DEPTH_TITLE
 from ncanalyze.analyzer.report.escape import md_name, md_names, md_text
-from ncanalyze.analyzer.report.figures import FIGURES, TITLES, tag_suffix, title_target
+from ncanalyze.analyzer.report.figures import FIGURES, TITLES, chosen, estimated, tag_suffix, title_target
 from ncanalyze.analyzer.report.mincount import min_count_lines
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import THIN, direction_lines, thin_warning
@@ -19,6 +19,7 @@ from ncanalyze.analyzer.report.tables import (code, control_robustness, controls
                                                target_note, unreachable_lines)
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.report.precision import budget_lines, error_lines
+from ncanalyze.analyzer.schema import PLUGIN_OF
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, MIN_N, NC, permutation_text, split_tags
 
 
@@ -93,11 +94,11 @@ LICENSE = ("What licenses a claim: the permutation test. A metric is related to 
            "(partial r, p FL).")
 
 
-def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
+def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame, estimates: str = "debiased") -> list[str]:
     """The claims a reader may draw, said with what they rest on: what licenses a claim, the two questions apart
     (between models at each step, within training beyond the shared trend) beside the pooled r, the intervals over
     runs with the null's centre and leave-one-run-out, the runs that move r, the paper's comparisons and the partial
-    r under each scale control."""
+    r under each scale control (of Figure 1's metrics as ``--estimates`` chooses them)."""
     md = ["### Claims", "", LICENSE, ""]
     q = questions_table(stats)
     if len(q):
@@ -122,7 +123,8 @@ def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> li
     if fragile:
         md += ["Claims one run moves (leave-one-run-out):", ""] + [f"- {f}" for f in fragile] + [""]
     md += comparison_lines(stats)
-    ctrl = control_robustness(rows, FIGURES["fig1_nc_vs_loss"][1], r.target)
+    fig1 = FIGURES["fig1_nc_vs_loss"][1]
+    ctrl, undefined = control_robustness(rows, chosen(fig1, estimated((*fig1, *PLUGIN_OF), estimates, rows)), r.target)
     if len(ctrl):
         md += ["### Figure 1's metrics under each scale control", "",
                "The partial r with the target, by what stands for model scale (each beside log1p(step), training "
@@ -130,6 +132,8 @@ def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame) -> li
                "one fixed effect per architecture (n_layers, hidden_size, n_params; where an architecture has "
                "several runs or checkpoints, else a dash).", "",
                ctrl.to_markdown(index=False, disable_numparse=True), ""]
+    if undefined:
+        md += ["Notes:", ""] + [f"- {n}" for n in undefined] + [""]
     return md
 
 
@@ -178,7 +182,7 @@ def _correlation_section(r: ReportResult, o: ReportOptions, tag: str | None, row
     if len(rows) < MIN_N:
         md += [f"**Only {len(rows)} checkpoint(s): correlations need at least {MIN_N}.**", ""]
     md += [permutation_text(stats, o.seed), ""]
-    md += claims_lines(r, stats, rows)
+    md += claims_lines(r, stats, rows, o.estimates)
     if survivors(stats):
         md += ["Multiple comparisons (Holm, family-wise error 0.05):", ""] + [f"- {s}" for s in survivors(stats)]
         md += [""]
@@ -255,8 +259,8 @@ def _files_section(r: ReportResult, skipped: dict[str, str] | None, formats: Seq
     if r.tokens is not None:
         md += ["- `tokens.csv`: the per-token table"]
     if r.min_count is not None:
-        md += ["- `min_count.csv`: Figure 1's metrics of each run's latest checkpoint at min_count 2, 5 and 20, with "
-               "the kept classes at each (`value_<m>`, `n_kept_<m>`) and the relative change (`rel_change`)"]
+        md += ["- `min_count.csv`: Figure 1's metrics of each run's latest checkpoint at min_count 1, 2, 5 and 20, "
+               "with the kept classes at each (`value_<m>`, `n_kept_<m>`) and the relative change (`rel_change`)"]
     return md
 
 

@@ -12,17 +12,28 @@ from pathlib import Path
 import pandas as pd
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # OWASP's CSV injection: a cell a spreadsheet reads as a formula
+_INVISIBLE = ("Zs", "Cc", "Cf", "Zl", "Zp")  # white space, controls, format characters (U+200B, U+FEFF)
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
 
 
 def visible(text: str) -> str:
     """``text`` with its control and format characters (newline, escape, bidi overrides: Unicode categories Cc, Cf,
-    Zl, Zp) shown as escapes (``\\n``, ``\\x1b``, ``\\u202e``); other text, accents included, as it is."""
+    Zl, Zp) shown as escapes (``\\n``, ``\\x1b``, ``\\u202e``), and text of white space alone as escapes
+    (``\\x20``); other text, accents included, as it is."""
     def shown(c: str) -> str:
         if unicodedata.category(c) not in ("Cc", "Cf", "Zl", "Zp"):
             return c
         return c.encode("unicode_escape").decode("ascii") if c in "\n\r\t" or ord(c) < 0x100 else f"\\u{ord(c):04x}"
+    if str(text) and not str(text).strip():  # only white space: each character shown (a run named " ")
+        return "".join(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" for c in str(text))
     return "".join(shown(c) for c in str(text))
+
+
+def drawn(name) -> str:
+    """A name as a figure or a plot draws it: white space alone (a run named ``" "``) as escapes (:func:`visible`),
+    so its legend entry is not blank; any other name as it is."""
+    text = str(name)
+    return visible(text) if text and not text.strip() else text
 
 
 def md_name(name, table: bool = False) -> str:
@@ -92,7 +103,13 @@ def write_csv(df: pd.DataFrame, path: Path) -> None:
 
 
 def _cell(v):
-    if isinstance(v, str) and v.startswith(FORMULA_START) and not _NUMBER.fullmatch(v):
+    """A text cell guarded: one starting with a formula's sign (:data:`FORMULA_START`), also after white space or
+    invisible characters (a space, U+00A0, U+200B, a BOM: a spreadsheet may skip them), unless a plain number."""
+    if not isinstance(v, str):
+        return v
+    bare = v.lstrip("".join(c for c in v[:64] if unicodedata.category(c) in _INVISIBLE))
+    if v.startswith(FORMULA_START) and not _NUMBER.fullmatch(v) or \
+            bare.startswith(FORMULA_START) and not _NUMBER.fullmatch(bare):
         return "'" + v
     return v
 

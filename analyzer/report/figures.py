@@ -20,9 +20,11 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from ncanalyze.analyzer.metric_records import RECORDS  # noqa: E402
 from ncanalyze.analyzer.registry import FIGURE_FORMATS  # noqa: E402
+from ncanalyze.analyzer.schema import PLUGIN_OF  # noqa: E402
 from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
-from ncanalyze.analyzer.report.escape import write_csv  # noqa: E402
+from ncanalyze.analyzer.report.escape import drawn, write_csv  # noqa: E402
 from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
 from ncanalyze.analyzer.report.ticks import (  # noqa: E402
     DPI,
@@ -33,16 +35,8 @@ from ncanalyze.analyzer.report.ticks import (  # noqa: E402
     set_ticks,
 )
 
-LABELS = {  # panel titles
-    "nc1_cdnv": "NC1: within-class variability (CDNV)", "nc1_cdnv_p2": "NC1: CDNV over distance⁴ (scales as 1/length²)",
-    "nc1_trace": "NC1: Tr(Σ_W Σ_B⁺)/K", "nc2_norm_cv": "NC2: equinorm (CV of norms)",
-    "nc2_lognorm_std": "NC2: std of log norms", "nc2_cos_mean": "NC2: mean cosine",
-    "nc2_cos_std": "NC2: equiangularity (std of cosines)", "nc2_etf_error": "NC2: distance to simplex ETF",
-    "gnc2_log_mean": "GNC2: mean log inverse distance", "gnc2_log_std": "GNC2: hyperspherical uniformity",
-    "nc3_cos_mean": "NC3: self-duality (mean cosine)", "unc3_cos_cv": "UNC3: uniform duality (CV of cosines)",
-    "nc3_dual_error": "NC3: distance to self-dual ETF", "nc4_agreement": "NC4: agreement with nearest class mean",
-    "eval_loss": "validation loss", "val_loss": "validation loss (ncanalyze)",
-}
+LABELS = {r.name: r.label for r in RECORDS if r.label} | {  # panel titles: the metrics' records', then the targets'
+    "eval_loss": "validation loss", "val_loss": "validation loss (ncanalyze)"}
 FIGURES = {  # file stem: (title, metrics); the paper's Figures 1-3
     "fig1_nc_vs_loss": ("NC properties against {target}",
                         ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement")),
@@ -57,6 +51,25 @@ TARGET_TITLES = {"eval_loss": "the Trainer's validation loss", "val_loss": "the 
 BY_STEP = ("fig5_r_by_step", "Between models: r across runs at each step of Figure 1's metrics with {target}")
 TITLES = {stem: title for stem, (title, _) in FIGURES.items()} | {DYNAMICS[0]: DYNAMICS[1], BY_STEP[0]: BY_STEP[1]}
 FORMATS = FIGURE_FORMATS  # every format a figure can be saved in (ReportSettings.formats picks)
+
+
+def estimated(metrics: Sequence[str], estimates: str, table: pd.DataFrame) -> tuple[str, ...]:
+    """``metrics`` as ``report --estimates`` draws them: with ``debiased``, each plug-in metric whose debiased form
+    (schema.PLUGIN_OF) is among ``metrics`` too, with values in ``table``, gives way to that form; with ``plugin``, the
+    debiased forms are left out."""
+    has = {d for d in PLUGIN_OF if d in metrics and d in table and table[d].notna().any()}
+    if estimates == "plugin":
+        return tuple(m for m in metrics if m not in PLUGIN_OF)
+    plugins = {PLUGIN_OF[d] for d in has}
+    return tuple(m for m in metrics if m not in plugins or m in PLUGIN_OF)
+
+
+def chosen(fig_metrics: Sequence[str], metrics: Sequence[str]) -> list[str]:
+    """A figure's metrics among ``metrics``, a plug-in shown as its debiased form where ``metrics`` holds that form
+    instead (:func:`estimated`)."""
+    debiased = {p: d for d, p in PLUGIN_OF.items()}
+    return [m if m in metrics else debiased[m] for m in fig_metrics
+            if m in metrics or debiased.get(m) in metrics]
 
 MAX_MARKED_RUNS = 10  # up to this many runs, each gets its own marker (and colour when all sizes are equal)
 MARKERS = "osD^v<>pPXh*"
@@ -171,7 +184,8 @@ class _Style:
             handles = [Line2D([], [], ls="-", lw=0.8, marker=MARKERS[i % len(MARKERS)], ms=6,
                               color="0.35" if neutral else RUN_COLOURS[i % len(RUN_COLOURS)],
                               mec="black", mew=0.3) for i in range(len(self.runs))]
-            fig.legend(handles, self.runs, loc="lower center", ncol=self.legend_cols(), fontsize=8, frameon=False,
+            fig.legend(handles, [drawn(r) for r in self.runs], loc="lower center", ncol=self.legend_cols(),
+                       fontsize=8, frameon=False,
                        title="runs" + (f" ({self.size_note})" if self.size_note else "")
                        + ("; ringed: each run's last step" if self.ringed else ""), title_fontsize=8,
                        bbox_to_anchor=(0.5, 0.0))
@@ -522,11 +536,11 @@ def draw_figures(sel: pd.DataFrame, metrics: Sequence[str], target: str, stats: 
     """
     figures = {}
     for stem, (title, fig_metrics) in FIGURES.items():
-        shown = [m for m in fig_metrics if m in metrics]
+        shown = chosen(fig_metrics, metrics)
         if shown:
             fig = scatter_figure(sel, shown, target, stats, title.format(target=title_target(target)))
             figures[stem + suffix] = save_figure(fig, out, stem + suffix, formats)
-    shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics]
+    shown = chosen(FIGURES["fig1_nc_vs_loss"][1], metrics)
     if "global_step" in sel and pd.to_numeric(sel.global_step, errors="coerce").nunique() >= 2:  # else no dynamics
         stem, title = DYNAMICS
         fig = dynamics_figure(sel, shown, target, stats, title.format(target=title_target(target)))
@@ -612,7 +626,7 @@ def draw_step_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence
                      suffix: str = "", formats: Sequence[str] = FORMATS) -> dict[str, Path]:
     """The per-step r figure (:func:`step_r_figure`) of Figure 1's metrics among ``metrics``, saved in ``formats``
     (:func:`save_figure`); nothing where no step is shared by enough runs."""
-    shown = [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics and m in set(steps.metric)]
+    shown = [m for m in chosen(FIGURES["fig1_nc_vs_loss"][1], metrics) if m in set(steps.metric)]
     if not shown or steps.r.notna().sum() == 0:
         return {}
     stem, title = BY_STEP

@@ -16,9 +16,10 @@ from matplotlib import colormaps
 from matplotlib.colors import LogNorm, Normalize, to_hex
 
 from ncanalyze.analyzer.report.depth import has_depth, last_layer
-from ncanalyze.analyzer.report.document import header, tag_stats
-from ncanalyze.analyzer.report.escape import plotly_text
-from ncanalyze.analyzer.report.figures import FIGURES, MARKERS, RUN_COLOURS, design_text, label, r2_text
+from ncanalyze.analyzer.report.document import LICENSE, header, tag_stats
+from ncanalyze.analyzer.report.escape import drawn, plotly_text
+from ncanalyze.analyzer.report.figures import (FIGURES, MARKERS, RUN_COLOURS, chosen, design_text, estimated, label,
+                                               r2_text)
 from ncanalyze.analyzer.report.report_options import ReportOptions, ReportResult
 from ncanalyze.analyzer.report.support import thin_warning
 from ncanalyze.analyzer.report.tables import fmt, fmt_p, notes, survivors
@@ -64,6 +65,20 @@ def md_inline(text: str) -> str:
         else:
             out.append(re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", html.escape(part, quote=False)))
     return "".join(out)
+
+
+def md_blocks(lines: list[str]) -> list[tuple[str, list[str]]]:
+    """report.md's lines as HTML blocks: ``("ul", items)`` for each run of bullets (``- ...``), ``("p", [text])`` for
+    every other line that is not empty; each as :func:`md_inline`."""
+    out: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith("- "):
+            if not out or out[-1][0] != "ul":
+                out.append(("ul", []))
+            out[-1][1].append(md_inline(line[2:]))
+        elif line:
+            out.append(("p", [md_inline(line)]))
+    return out
 
 
 def _values(s: pd.Series) -> list:
@@ -187,22 +202,27 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     rows["run"] = list(run)
     for c in ("run", "checkpoint", "tag"):  # as plotly draws them: text, not its label markup
         if c in rows:
-            rows["_shown_" + c] = [None if v is None else plotly_text(v) for v in rows[c]]
+            rows["_shown_" + c] = [None if v is None else plotly_text(drawn(v)) for v in rows[c]]
     rows["_last"] = [bool(x) for x in df.index.isin(last_layer(df).index)]
     rows["_tag"] = _tag_keys(df)
     colours = _colours(df, run)
     rows["_step_colour"] = colours.pop("step")
     layers = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna().astype(int))) if has_depth(df) else []
     return {"rows": rows, "target": r.target, "labels": {c: label(c) for c in [r.target, *metrics]},
-            "metrics": _metric_groups(metrics), "fig1": [m for m in FIGURES["fig1_nc_vs_loss"][1] if m in metrics],
+            "metrics": _metric_groups(metrics), "fig1": chosen(FIGURES["fig1_nc_vs_loss"][1], estimated(metrics, options.estimates, r.selected)),
             "tags": list(dict.fromkeys(rows["_tag"])), "layers": layers,
             "colours": colours, "r2": _r2(r.selected, r.stats, r.target)}
+
+
+WITHIN = ("Within training (the table's \"within r beyond the shared trend\"): the two-way fixed-effects r, metric "
+          "and target less each run's level and each step's value common to all runs, tested by permuting whole runs "
+          "(\"p within\"); a trend every run follows carries no weight in it.")
 
 
 def caveats(r: ReportResult, options: ReportOptions, skipped: dict[str, str] | None = None) -> list[str]:
     """report.md's own sentences on what the numbers rest on: per tag the permutations (unit and count), Holm's
     survivors and the notes; the thin-class warning; the depth figure's gaps; the token notes; the skipped."""
-    out = []
+    out = [LICENSE, WITHIN]
     tags = split_tags(r.selected)
     for tag, _ in tags:
         stats = tag_stats(r.stats, tag)
@@ -358,7 +378,7 @@ def write_html(r: ReportResult, options: ReportOptions, out: Path, skipped: dict
     md = header(r, options, split_tags(r.selected))
     data = payload(r, options)
     text = page.render(
-        title=md[0].lstrip("# "), intro=[md_inline(p) for p in md[1:] if p],
+        title=md[0].lstrip("# "), intro=md_blocks(md[1:]),
         caveats=[md_inline(c) for c in caveats(r, options, skipped)], data=_json(data),
         metrics=data["metrics"], labels=data["labels"], layers=data["layers"], tags=data["tags"],
         stats=step_figure_html(r) + stats_table(r.stats), tokens=token_tables(r.tokens), plotly_js=get_plotlyjs(),

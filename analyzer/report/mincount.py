@@ -1,5 +1,5 @@
 """How much Figure 1's metrics move with ``min_count``: each selected run's latest checkpoint (its last layer, the
-checkpoint group) measured by :func:`~ncanalyze.analyzer.metrics.measure` at min_count 2, 5 and 20, with the kept
+checkpoint group) measured by :func:`~ncanalyze.analyzer.metrics.measure` at min_count 1, 2, 5 and 20, with the kept
 classes at each and the relative change (report.md's section and ``min_count.csv``; a store only)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ncanalyze.analyzer.report.figures import FIGURES
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
 from ncanalyze.analyzer.schema import MEASURED
 
-MIN_COUNTS = (2, 5, 20)  # the min_counts compared
+MIN_COUNTS = (1, 2, 5, 20)  # the min_counts compared (1: the value every other table uses)
 MAX_RUNS = 12  # at most this many runs (the first by name): one measure per (run's latest checkpoint, min_count)
 HEADLINE = FIGURES["fig1_nc_vs_loss"][1]  # Figure 1's metrics
 NEEDED = ("mean", "variance")  # what measure cannot do without (beside count)
@@ -107,10 +107,10 @@ def min_count_lines(table: pd.DataFrame, notes: list[str], min_counts: Sequence[
     md = ["## How the headline metrics move with min_count", "",
           f"Figure 1's metrics of each selected run's latest checkpoint (its last layer), measured again at min_count "
           f"{ms} (`measure(ds, min_count=m)`): each value with the kept classes it rests on (count ≥ m), and the "
-          f"relative change (max - min) / |value at {min_counts[0]}| over the three (empty where a value is not "
-          "finite). NC4's decisions were counted at extraction over the kept set of its `--min-count` and, in the "
-          "same validation pass, over those of min_count 1, 2, 5 and 20, so it is measured at each; a store "
-          "extracted before that has NC4 at its own `--min-count` only (nan elsewhere, with the note below). "
+          f"relative change (max - min) / |value at {min_counts[0]}| over the {len(min_counts)} (empty where a "
+          "value is not finite). NC4's decisions were counted at extraction over the kept set of its `--min-count` "
+          "and, in the same validation pass, over those of min_count 1, 2, 5 and 20, so it is measured at each; a "
+          "store extracted before that has NC4 at its own `--min-count` only (nan elsewhere, with the note below). "
           "The same numbers, unrounded, in `min_count.csv`.", ""]
     if not table.empty:
         show = table.copy()

@@ -1,7 +1,9 @@
 """How sure the report's numbers are: each final checkpoint's headline metrics with their delete-one-fold jackknife
 errors (report.md, tables.tex), and the token budget (the metrics on the first 1, 2, 4, ..., F folds of each run's
-latest checkpoint: ``budget.csv``, ``budget.png`` and a line in report.md for each metric that has not settled).
-The correlation statistics rest on the point values; the errors are shown where the numbers are read."""
+latest checkpoint, the plug-in and the debiased number side by side: ``budget.csv``, the ``budget`` figure, and in
+report.md, per metric, whether it drifts with the budget (bias) or only scatters (noise), which number to compare,
+and each that has not settled). The correlation statistics rest on the point values; the errors are shown where the
+numbers are read. The "±" is the sampling error (the token sample's noise), never how sure a drifting number is."""
 from __future__ import annotations
 
 import math
@@ -13,10 +15,15 @@ import numpy as np
 import pandas as pd
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.registry import FIGURE_FORMATS as FORMATS
 from ncanalyze.analyzer.report.escape import md_name, md_text
 from ncanalyze.analyzer.report.mincount import HEADLINE, MAX_RUNS
 from ncanalyze.analyzer.report.tables import code, fmt, tex_escape
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
+from ncanalyze.analyzer.schema import PLUGIN_OF
+
+DRIFT = 2  # a metric drifts where it moved from the smallest budget with an error to the whole sample by more than
+# this many of that budget's sampling errors (the nested samples' difference has a smaller error than that one)
 
 STATED = "The correlation statistics rest on the point values; the errors are not propagated into them."
 
@@ -85,8 +92,9 @@ def final_budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequ
 
     Returns
     -------
-    table, notes : one row per (checkpoint, budget): run, checkpoint, folds, tokens, each metric and ``<m>_se``;
-        the notes: checkpoints without folds, or that could not be read.
+    table, notes : one row per (checkpoint, budget): run, checkpoint, folds, tokens, each metric and ``<m>_se``
+        (the debiased forms of those that have one beside them), ``split_tokens`` (the train split's labels, nan
+        where not recorded); the notes: checkpoints without folds, or that could not be read.
     """
     from ncanalyze.analyzer import jackknife
     from ncanalyze.analyzer.metrics import measure_all
@@ -108,8 +116,9 @@ def final_budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequ
             warnings.simplefilter("ignore")
             t = jackknife.nested_budgets(ds, lambda d: measure_all(d, min_count=min_count, device="cpu")[0], whole)
         run, _, checkpoint = g.partition("/")
-        keep = ["folds", "tokens", *(c for m in metrics for c in (m, f"{m}_se"))]
-        frames.append(t[keep].assign(run=run, checkpoint=checkpoint))
+        keep = ["folds", "tokens", *(c for m in with_debiased(metrics) for c in (m, f"{m}_se"))]
+        split = int(ds["split_count"].sum()) if "split_count" in ds else math.nan  # the split's train labels
+        frames.append(t[keep].assign(run=run, checkpoint=checkpoint, split_tokens=split))
     if not frames:
         return pd.DataFrame(), notes
     table = pd.concat(frames, ignore_index=True)
@@ -126,29 +135,86 @@ def stored_metrics(attrs: dict) -> dict[str, float] | None:
     return metrics_row(attrs) if current and set(ERRORS) <= set(attrs["metrics"] or {}) else None
 
 
+def with_debiased(metrics: Sequence[str]) -> list[str]:
+    """``metrics``, each followed by its debiased form where it has one (schema.PLUGIN_OF)."""
+    debiased = {p: d for d, p in PLUGIN_OF.items()}
+    return [x for m in metrics for x in (m, debiased.get(m)) if x is not None]
+
+
+def drift_row(t: pd.DataFrame, m: str) -> dict[str, str]:
+    """One checkpoint's reading of metric ``m`` over its budgets: from the smallest budget with a sampling error to
+    the whole sample, the move in errors of that budget, and whether it drifts (bias), only scatters (noise) or has
+    no error to tell; with the number to compare."""
+    has = t[np.isfinite(t[f"{m}_se"].to_numpy(float)) & (t[f"{m}_se"].to_numpy(float) > 0)]
+    last = t.iloc[-1]
+    if len(has) < 1 or not np.isfinite(last[f"{m}_se"]) or len(t) < 2:
+        return {"metric": code(m), "move": "–", "reading": "no sampling error (fewer blocks than folds?): not known",
+                "compare": "–"}
+    first = has.iloc[0]
+    moves = (last[m] - first[m]) / first[f"{m}_se"]
+    drifts = abs(moves) > DRIFT and first["tokens"] < last["tokens"]
+    debiased = {p: d for d, p in PLUGIN_OF.items()}
+    if not drifts:
+        compare = "this number, across budgets (within its sampling error)"
+    elif m in debiased:
+        compare = f"{code(debiased[m])} across budgets and with the paper; this one at equal budgets only"
+    elif m in PLUGIN_OF:
+        compare = "drifts even debiased: at equal budgets only"
+    else:
+        compare = "at equal budgets only (no debiased form: see its documentation)"
+    return {"metric": code(m), "move": f"{fmt(first[m])} → {fmt(last[m])} ({moves:+.1f} errors, "
+            f"{int(first['tokens']):,} → {int(last['tokens']):,} tokens)",
+            "reading": "drifts with the budget (bias)" if drifts else "only scatters (noise)", "compare": compare}
+
+
+def _said(row: dict[str, str]) -> str:
+    """A :func:`drift_row` as a line of report.md."""
+    return f"{row['metric']}: {row['reading']}; {row['move']}; compare {row['compare']}"
+
+
 def budget_lines(table: pd.DataFrame, notes: Sequence[str], metrics: Sequence[str] = HEADLINE) -> list[str]:
-    """report.md's token-budget section: each metric that has not settled (it moved between the last two budgets
-    by more than its error), or that every one has; and the notes."""
+    """report.md's token-budget section: per checkpoint and metric (the debiased forms beside), whether it drifts
+    with the budget or only scatters, and which number to compare; each metric that has not settled (it moved
+    between the last two budgets by more than its sampling error), with "raise --max-train-tokens" only where the
+    split holds more tokens; "settled" only where every metric shown has an error at the last budget; the notes."""
     from ncanalyze.analyzer.jackknife import unsettled
 
     if table.empty and not notes:
         return []
     lines = ["## Token budget", "",
-             "Each run's latest checkpoint measured on the first 1, 2, 4, ..., F folds of its tokens (budget.csv, "
-             "budget.png, with the jackknife band)."]
-    moving = []
+             "Each run's latest checkpoint measured on the first 1, 2, 4, ..., F folds of its tokens (budget.csv and "
+             "the budget figure: the paper's plug-in numbers solid, the debiased ones dashed, each with its "
+             "sampling-error band). The ± is the sampling error (the noise of the token sample); a number that "
+             f"drifts with the budget (a move beyond {DRIFT} sampling errors) is biased by the budget, and its ± does "
+             "not say how far it is from the population's value."]
+    moving, rows, unknown = [], [], []
     for (run, checkpoint), t in (table.groupby(["run", "checkpoint"], sort=True) if not table.empty else []):
-        moving += [f"- {md_name(f'{run}/{checkpoint}')}: {line}"
-                   for line in unsettled(t.reset_index(drop=True), metrics)]
+        t = t.reset_index(drop=True)
+        shown = [m for m in with_debiased(metrics) if m in t]
+        rows += [f"- {md_name(f'{run}/{checkpoint}')} {line}" for line in map(_said, (drift_row(t, m) for m in shown))]
+        split = t["split_tokens"].iloc[-1] if "split_tokens" in t else math.nan
+        more = None if not np.isfinite(split) else bool(split > t["tokens"].iloc[-1])
+        moving += [f"- {md_name(f'{run}/{checkpoint}')}: {line}" for line in unsettled(t, shown, more)]
+        unknown += [code(m) for m in shown if not np.isfinite(t[f"{m}_se"].iloc[-1])]
     if not table.empty:
-        lines += ["", "![token budget](budget.png)", ""]
-        lines += moving or ["Every metric shown moved less than its error between the last two budgets."]
+        lines += ["", "![token budget](budget.png)", "", *rows, ""]
+        lines += moving
+        if unknown:
+            lines += [f"Whether {', '.join(dict.fromkeys(unknown))} settled is not known: no sampling error at the "
+                      "last budget (a fold without tokens, e.g. more --folds than blocks)."]
+        elif not moving:
+            lines += ["Every metric shown moved less than its sampling error between the last two budgets."]
     return lines + [f"- {md_text(n)}" for n in notes] + [""]
 
 
-def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path) -> Path | None:
-    """budget.png: each metric against the train tokens used, one line per checkpoint, its jackknife band."""
+def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path,
+                  formats: Sequence[str] = FORMATS) -> Path | None:
+    """The budget figure (budget.png and the other ``formats``): each metric against the train tokens used, one line
+    per checkpoint, its debiased form (where it has one) dashed in the same panel, each with its sampling-error
+    band."""
     import matplotlib.pyplot as plt
+
+    from ncanalyze.analyzer.report.figures import save_figure
 
     if table.empty:
         return None
@@ -156,19 +222,25 @@ def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path) -> Pat
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.0), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         for (run, checkpoint), t in table.groupby(["run", "checkpoint"], sort=True):
-            x, y, e = t["tokens"].to_numpy(float), t[m].to_numpy(float), t[f"{m}_se"].to_numpy(float)
-            line, = ax.plot(x, y, "-o", ms=3, lw=1, label=f"{run}/{checkpoint}")
-            band = np.isfinite(e)
-            ax.fill_between(x[band], (y - e)[band], (y + e)[band], color=line.get_color(), alpha=0.2, lw=0)
-        ax.set_xscale("log", base=2)
-        ax.set_title(m, fontsize=9)
+            colour = None
+            for k, c in enumerate(x for x in with_debiased([m]) if x in t):
+                x, y, e = t["tokens"].to_numpy(float), t[c].to_numpy(float), t[f"{c}_se"].to_numpy(float)
+                line, = ax.plot(x, y, "-o" if k == 0 else "--s", ms=3, lw=1, color=colour,
+                                label=f"{run}/{checkpoint}" + (" debiased" if k else ""))
+                colour = line.get_color()
+                band = np.isfinite(e)
+                ax.fill_between(x[band], (y - e)[band], (y + e)[band], color=colour, alpha=0.2, lw=0)
+        shown = [x for x in with_debiased([m]) if x in table]
+        if np.isfinite(table[shown].to_numpy(float)).any():  # a log axis over no point cannot be drawn
+            ax.set_xscale("log", base=2)
+        else:
+            ax.text(0.5, 0.5, "undefined at every budget", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(" / ".join(shown), fontsize=8)
         ax.set_xlabel("train tokens (log scale)")
         ax.grid(alpha=0.3)
     if table.groupby(["run", "checkpoint"]).ngroups <= 8:
         axes[0][0].legend(fontsize=6)
-    fig.suptitle("Token budget: the metrics on the first 1, 2, 4, ..., F folds (band: ± jackknife error)", fontsize=9)
+    fig.suptitle("Token budget: the metrics on the first 1, 2, 4, ..., F folds (solid: the paper's plug-in; dashed: "
+                 "debiased; band: ± sampling error)", fontsize=9)
     fig.tight_layout()
-    path = Path(out) / "budget.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, Path(out), "budget", formats)

@@ -45,6 +45,10 @@ class ReportOptions(ReportSettings):
         Resamples of the bootstrap over whole runs behind the 95% intervals (seeded by ``seed``; 0: none).
     formats
         The figures' formats (``--formats``): PNG always, PDF and SVG by default.
+    estimates
+        ``"debiased"`` (default): the figures and Figure 1's claims use a metric's budget-stable form where the table
+        has it (schema.PLUGIN_OF: nc1_cdnv_debiased for nc1_cdnv); ``"plugin"``: the paper's estimator
+        (``--estimates``).
     """
 
     store: str | Path | None = None
@@ -76,7 +80,7 @@ class ReportResult:
     depth_notes
         The depth figure's undefined values (e.g. layer 0's infinite CDNV), said in report.md.
     min_count
-        Figure 1's metrics of each run's latest checkpoint at min_count 2, 5 and 20 (min_count.csv;
+        Figure 1's metrics of each run's latest checkpoint at min_count 1, 2, 5 and 20 (min_count.csv;
         :func:`~ncanalyze.analyzer.report.mincount.min_count_table`), or None without a store.
     min_count_notes
         Its notes: the cap on runs, and measure's warnings at those min_counts (NC4's kept set among them).

@@ -1,7 +1,7 @@
 """What a report's numbers rest on: per checkpoint the kept classes, the singletons among them and the train and
 validation token counts (metrics.csv's ``n_kept``, ``n_singletons``, ``n_thin``, ``train_tokens``,
-``val_tokens``), which direction of each metric is "more collapse", and the warning when many kept classes rest on
-a handful of tokens."""
+``val_tokens``), which direction of each metric is "more collapse" (its record's), and the warning when many kept
+classes rest on a handful of tokens."""
 from __future__ import annotations
 
 import math
@@ -10,21 +10,13 @@ import numpy as np
 import pandas as pd
 
 from ncanalyze.analyzer.report.tokens import GroupReader
-from ncanalyze.analyzer.schema import SCALE_DEPENDENT
+from ncanalyze.analyzer.metric_records import BY_NAME, RECORDS
 
 SUPPORT = ("n_kept", "n_singletons", "n_thin", "train_tokens", "val_tokens")
 THIN = 5  # a kept class with fewer train tokens than this is "thin": its mean and variance are noise
 THIN_SHARE = 0.25  # report.md warns where more than this share of the kept classes is thin
 
-LOWER, HIGHER = "lower", "higher"
-DIRECTION = {  # metric: which way is more collapse (None: no collapse direction; SCALE_DEPENDENT's say why)
-    "nc1_cdnv": LOWER, "nc1_cdnv_p2": None, "nc1_trace": LOWER, "nc2_norm_cv": LOWER, "nc2_lognorm_std": LOWER,
-    "nc2_cos_mean": "closer to -1/(K-1), i.e. to 0 for many classes", "nc2_cos_std": LOWER,
-    "nc2_etf_error": LOWER, "gnc2_log_mean": LOWER, "gnc2_log_std": LOWER, "nc3_cos_mean": HIGHER,
-    "unc3_cos_cv": LOWER, "nc3_dual_error": LOWER, "nc4_agreement": HIGHER, "nc1_cdnv_freq": LOWER,
-    "gnc2_log_mean_freq": LOWER, "within_erank": None, "between_erank": None, "total_erank": None,
-    "eigen_decay": None, "lidar": None, "anisotropy": None, "head_erank": None, "rankme": None,
-}
+DIRECTION = {r.name: r.direction for r in RECORDS}  # metric: which way is more collapse (None: no direction)
 
 
 def _counts(ds) -> dict[str, float]:
@@ -84,9 +76,7 @@ def direction_lines(metrics: list[str]) -> list[str]:
     """
     out = []
     for m in metrics:
-        d = DIRECTION.get(m)
-        said = (SCALE_DEPENDENT[m] if m in SCALE_DEPENDENT else f"{d} is more collapse" if d
-                else "not an NC property (no collapse direction)")
+        said = BY_NAME[m].direction_text if m in BY_NAME else "not an NC property (no collapse direction)"
         out.append(f"- `{m}`: {said}")
     return out
 

@@ -3,6 +3,7 @@ tables.tex (LaTeX, booktabs); report.md is composed in :mod:`.document`."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -669,8 +670,39 @@ def design_factors_text(controls: Sequence[str]) -> str:
     return ", ".join(f"{c} ({DESIGN_FACTORS[c]})" for c in controls if c in DESIGN_FACTORS)
 
 
+def undefined_note(sel: pd.DataFrame, metric: str, target: str) -> str:
+    """Why ``metric``'s correlations over ``sel`` are not defined, in a sentence naming it (numpy warned)."""
+    values = lambda c: pd.to_numeric(sel[c], errors="coerce").dropna()  # noqa: E731
+    if values(target).nunique() <= 1:
+        return f"{md_name(target)} is constant over these checkpoints, so no r with it is defined (a dash)"
+    if values(metric).nunique() <= 1:
+        return f"{md_name(metric)} is constant over these checkpoints, so its r is not defined (a dash)"
+    return (f"{md_name(metric)}: a control leaves it (or the target) nothing to vary, so its partial r is not defined "
+            "(a dash)")
+
+
+def per_metric(compute: Callable[[str], pd.DataFrame], metrics: Sequence[str], sel: pd.DataFrame,
+               target: str) -> tuple[pd.DataFrame, list[str]]:
+    """``compute(metric)`` of each metric, concatenated, with the RuntimeWarnings of numpy and pingouin where a
+    statistic is undefined (a constant metric: a division by a zero spread) caught and said as notes naming the
+    metric (:func:`undefined_note`), each once; other warnings pass on as they were."""
+    frames, notes = [], []
+    for m in metrics:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            frames.append(compute(m))
+        for w in caught:
+            if issubclass(w.category, RuntimeWarning):
+                notes.append(undefined_note(sel, m, target))
+            else:
+                warnings.warn(w.message, w.category, stacklevel=2)
+    table = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else \
+        pd.DataFrame()
+    return table, list(dict.fromkeys(notes))
+
+
 def control_robustness(sel: pd.DataFrame, metrics: Sequence[str], target: str,
-                       step: str = "global_step") -> pd.DataFrame:
+                       step: str = "global_step") -> tuple[pd.DataFrame, list[str]]:
     """Figure 1's metrics' partial r under each scale control, each beside log1p(step) where the step varies: none
     at all (r), log parameters, the design factors that vary (``design``), and architecture fixed effects (a
     dummy per (n_layers, hidden_size, n_params); where an architecture has several runs or checkpoints).
@@ -688,15 +720,16 @@ def control_robustness(sel: pd.DataFrame, metrics: Sequence[str], target: str,
 
     Returns
     -------
-    pandas.DataFrame
-        Formatted strings, one row per metric and scale; empty without the columns.
+    table, notes
+        Formatted strings, one row per metric and scale (empty without the columns); where a statistic is not
+        defined (a constant metric), a note naming the metric (:func:`per_metric`).
     """
     from ncanalyze.analyzer.stats import control_table
     from ncanalyze.analyzer.schema import DESIGN
     from ncanalyze.analyzer.stats import eval_controls, expand_design
     ms = [m for m in metrics if m in sel.columns]
     if not ms or target not in sel.columns or len(sel) < 4:
-        return pd.DataFrame()
+        return pd.DataFrame(), []
     varies = lambda c: c in sel and pd.to_numeric(sel[c], errors="coerce").nunique() > 1  # noqa: E731
     progress = eval_controls(sel, [f"log1p({step})"]) if varies(step) else pd.DataFrame(index=sel.index)
     design = expand_design(sel, [DESIGN])
@@ -709,11 +742,11 @@ def control_robustness(sel: pd.DataFrame, metrics: Sequence[str], target: str,
              "design: " + (design_factors_text(design) or "none varies") + plus:
                  eval_controls(sel, design) if design else None,
              "architecture fixed effects" + plus: fe}
-    table = control_table(sel, ms, target, scale, progress)
+    table, notes = per_metric(lambda m: control_table(sel, [m], target, scale, progress), ms, sel, target)
     if table.empty:
-        return table
+        return table, notes
     out = pd.DataFrame({"metric": [m + (" (log)" if s == "log" else "") for m, s in zip(table.metric, table.scale)],
                         "n": table.n.astype(str), "no control (r)": table["none"].map(lambda v: fmt(v, 2))})
     for name in scale:
         out[name] = table[name].map(lambda v: fmt(v, 2))
-    return out
+    return out, notes

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +13,7 @@ from ncanalyze.analyzer.report.depth import depth_table, has_depth, last_layer, 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.escape import write_csv
-from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures,
+from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures, estimated,
                                                draw_step_figure, tag_suffix)
 from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.mincount import HEADLINE, min_count_table
@@ -52,14 +53,15 @@ def _selection(df: pd.DataFrame, options: ReportOptions, read_group: GroupReader
 def _figures(r: ReportResult, options: ReportOptions, out: Path) -> dict[str, Path]:
     """Figures 1-4 of each tag apart (never pooled); stems suffixed with the tag where there are several."""
     tags = split_tags(r.selected)
+    metrics = estimated(options.metrics, options.estimates, r.selected)
     figures = {}
     for tag, rows in tags:
         stats = r.stats[r.stats.tag.isna()] if tag is None else r.stats[r.stats.tag == tag]
         suffix = tag_suffix(tag) if len(tags) > 1 else ""
-        figures |= draw_figures(rows, options.metrics, r.target, stats, out, suffix, options.formats)
+        figures |= draw_figures(rows, metrics, r.target, stats, out, suffix, options.formats)
         if r.by_step is not None:
             steps = r.by_step[r.by_step.tag.isna()] if tag is None else r.by_step[r.by_step.tag == tag]
-            figures |= draw_step_figure(steps, stats, options.metrics, r.target, out, suffix, options.formats)
+            figures |= draw_step_figure(steps, stats, metrics, r.target, out, suffix, options.formats)
     return figures
 
 
@@ -88,8 +90,9 @@ def _folder(out: str | Path) -> Path:
 
 # files a report writes: these, and the figures (FIGURES' stems, fig4_dynamics, fig5_r_by_step, depth and
 # budget; per tag with __<tag>) as PNG, PDF and SVG
+MANIFEST = ".ncanalyze-report"  # the names of the files the last report in --out wrote, one a line
 OUTPUTS = ("metrics.csv", "stats.csv", "by_step.csv", "tokens.csv", "layers.csv", "min_count.csv", "tables.tex",
-           "report.md", "report.html", "budget.csv")
+           "report.md", "report.html", "budget.csv", MANIFEST)
 _STEMS = (*FIGURES, DYNAMICS[0], BY_STEP[0], "depth", "budget")
 _FIGURE_FILE = re.compile(rf"({'|'.join(map(re.escape, _STEMS))})(__[A-Za-z0-9._-]+)?"
                           rf"\.({'|'.join(FORMATS)})")
@@ -100,12 +103,37 @@ def _written_by_report(name: str) -> bool:
     return name in OUTPUTS or bool(_FIGURE_FILE.fullmatch(name))
 
 
-def _budget_files(r: ReportResult, out: Path) -> dict[str, Path]:
-    """budget.csv and budget.png, where there is a token budget (a store whose checkpoints have folds)."""
+def _earlier(out: Path) -> set[str]:
+    """The files an earlier report in ``out`` wrote: its manifest's names, else (a report from before the manifest,
+    whose report.md :func:`_folder` found ours) the names a report writes that are there."""
+    try:
+        return set((out / MANIFEST).read_text(encoding="utf-8").splitlines()) - {"", MANIFEST}
+    except (OSError, UnicodeDecodeError):
+        return {e.name for e in os.scandir(out) if _written_by_report(e.name)} - {MANIFEST}
+
+
+def _sweep(out: Path, earlier: set[str], r: ReportResult, formats) -> list[str]:
+    """Remove the files of ``earlier`` that this report did not write (a report.html after --no-html, a budget, a
+    figure or a table this selection has none of), never a link or another name; write the manifest of this
+    report's files. Returns the names removed."""
+    written = {p.name for p in r.files.values()}
+    written |= {f"{p.stem}.{ext}" for p in r.files.values() if p.suffix == ".png" for ext in formats
+                if (out / f"{p.stem}.{ext}").is_file()}
+    gone = sorted(n for n in earlier - written if _written_by_report(n) and (out / n).is_file()
+                  and not (out / n).is_symlink())
+    for name in gone:
+        (out / name).unlink()
+    (out / MANIFEST).write_text("".join(f"{n}\n" for n in sorted(written)), encoding="utf-8")
+    return gone
+
+
+def _budget_files(r: ReportResult, out: Path, formats: Sequence[str]) -> dict[str, Path]:
+    """budget.csv and the budget figure in ``formats``, where there is a token budget (a store whose checkpoints have
+    folds)."""
     if r.budget is None or r.budget.empty:
         return {}
     write_csv(r.budget, out / "budget.csv")
-    png = budget_figure(r.budget, HEADLINE, out)
+    png = budget_figure(r.budget, HEADLINE, out, formats)
     return {"budget": out / "budget.csv"} | ({"fig_budget": png} if png else {})
 
 
@@ -145,7 +173,7 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
     never pooled: each tag's statistics (Holm within the tag) and figures are its own. Runs with several
     checkpoints are permuted whole (:func:`ncanalyze.analyzer.stats.correlations`). Tokens resolved other than as
     written, given twice or not one token are logged as warnings now and said in report.md. With a store, Figure
-    1's metrics of each run's latest checkpoint are measured again at min_count 2, 5 and 20 (at most 12 runs;
+    1's metrics of each run's latest checkpoint are measured again at min_count 1, 2, 5 and 20 (at most 12 runs;
     :mod:`~ncanalyze.analyzer.report.mincount`).
 
     Parameters
@@ -191,14 +219,16 @@ def write_report(df: pd.DataFrame, out: str | Path, options: ReportOptions = Rep
         r.depth, r.depth_notes = depth_table(every_layer), undefined(every_layer)
 
     out = _folder(out)
+    earlier = _earlier(out)
     _write_tables(r, out)
     r.figures = _figures(r, options, out)
     r.files |= r.figures
     r.files |= depth_files(every_layer, r.depth, out, options.formats)
-    r.files |= _budget_files(r, out)
+    r.files |= _budget_files(r, out, options.formats)
     r.files |= {"report": out / "report.md", "tex": out / "tables.tex"}
     r.files["report"].write_text(markdown(r, options, skipped=skipped))
     r.files["tex"].write_text(latex(r.stats, r.tokens, target, options.controls) + "\n" + errors_latex(sel))
     if options.html:
         r.files["html"] = write_html(r, options, out, skipped=skipped)
+    _sweep(out, earlier, r, options.formats)
     return r

@@ -55,6 +55,8 @@ class Blocks:
     rows_from_file: bool = False  # the block length is the width of a 2-D token array, not --block-size
     text_rows: Rows | None = None  # text: its rows read so far, of how many
     at: Callable[[int], np.ndarray] | None = None  # block i (of n_blocks) read directly, where the data allows
+    whole: Blocks | None = None  # the whole split the cap draws from, where at hand (split_counts.label_counts)
+    source: Path | None = None  # the token cache file these blocks are read from, if any
 
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         """Batches of blocks (b x block_size); a resume reads the batches it holds again, to check them."""
@@ -147,27 +149,7 @@ def _open(spec: str, split: str, block_size: int, max_tokens: int | None, text_c
           keep_linebreaks: bool) -> Blocks:
     """:func:`open_blocks` with the cap read as a prefix (``max_blocks``)."""
     if is_token_file(spec):
-        arr = _token_array(spec)
-        if arr.ndim == 2:
-            block_size = arr.shape[1]
-        start, stop = slice_bounds(split, len(arr) // block_size if arr.ndim == 1 else arr.shape[0])
-        n = stop - start  # the blocks of the split's slice (all of them without one), in order
-        if arr.ndim == 1:
-            at = lambda i: np.asarray(arr[(start + i) * block_size:(start + i + 1) * block_size], dtype=np.int64)
-            what = f"{len(arr)} tokens"
-        else:
-            at = lambda i: np.asarray(arr[start + i], dtype=np.int64)
-            what = f"{arr.shape[0]} rows"
-        rows = lambda: (at(i) for i in range(n))
-        _check_cap(max_tokens, block_size, spec, cap_flag, arr.ndim == 2)
-        if n == 0:
-            sliced = f" (split {split!r}, blocks {start}:{stop})" if "[" in split else ""
-            raise UserError(f"{spec}{sliced} holds no full block of {block_size} tokens (it has {what}): it is empty "
-                            f"or shorter than the block; pass more tokens"
-                            f"{'' if arr.ndim == 2 else ' or a smaller --block-size'}"
-                            f"{' or a larger --val-split-percentage' if sliced else ''}")
-        return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), n, rows, rows_from_file=arr.ndim == 2,
-                      at=at)
+        return _token_blocks(spec, split, block_size, max_tokens, cap_flag)
     _check_cap(max_tokens, block_size, spec, cap_flag, False)
     if tokenize is None:
         raise UserError(f"{spec} is text and needs a tokenizer: none was found beside the checkpoint or its run; "
@@ -187,6 +169,32 @@ def _open(spec: str, split: str, block_size: int, max_tokens: int | None, text_c
                             "shorter than one block; pass more text or a smaller --block-size")
 
     return Blocks(spec, block_size, _max_blocks(max_tokens, block_size), None, grouped, text_rows=text_rows)
+
+
+def _token_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, cap_flag: str | None) -> Blocks:
+    """A token file's blocks (1-D ids cut whole, or the rows of a 2-D array), capped as a prefix; ``whole`` the
+    uncapped split."""
+    arr = _token_array(spec)
+    if arr.ndim == 2:
+        block_size = arr.shape[1]
+    start, stop = slice_bounds(split, len(arr) // block_size if arr.ndim == 1 else arr.shape[0])
+    n = stop - start  # the blocks of the split's slice (all of them without one), in order
+    if arr.ndim == 1:
+        at = lambda i: np.asarray(arr[(start + i) * block_size:(start + i + 1) * block_size], dtype=np.int64)
+        what = f"{len(arr)} tokens"
+    else:
+        at = lambda i: np.asarray(arr[start + i], dtype=np.int64)
+        what = f"{arr.shape[0]} rows"
+    rows = lambda: (at(i) for i in range(n))
+    _check_cap(max_tokens, block_size, spec, cap_flag, arr.ndim == 2)
+    if n == 0:
+        sliced = f" (split {split!r}, blocks {start}:{stop})" if "[" in split else ""
+        raise UserError(f"{spec}{sliced} holds no full block of {block_size} tokens (it has {what}): it is empty "
+                        f"or shorter than the block; pass more tokens"
+                        f"{'' if arr.ndim == 2 else ' or a smaller --block-size'}"
+                        f"{' or a larger --val-split-percentage' if sliced else ''}")
+    whole = Blocks(spec, block_size, None, n, rows, rows_from_file=arr.ndim == 2, at=at)
+    return dataclasses.replace(whole, max_blocks=_max_blocks(max_tokens, block_size), whole=whole)
 
 
 def spread_picks(n: int, m: int, seed: int) -> np.ndarray:
@@ -224,18 +232,18 @@ def spread(blocks: Blocks, seed: int) -> Blocks:
     Parameters
     ----------
     blocks
-        The blocks, capped as a prefix (``max_blocks`` None: no cap, returned as they are).
+        The blocks, capped as a prefix (``max_blocks`` None: no cap, returned as they are, their own ``whole``).
     seed
         The seed.
 
     Returns
     -------
     Blocks
-        The chosen blocks.
+        The chosen blocks, ``whole`` the split they are drawn from.
     """
     m = blocks.max_blocks
-    if m is None:
-        return blocks
+    if m is None:  # the whole split: it is its own whole (split_counts.label_counts)
+        return dataclasses.replace(blocks, whole=blocks.whole or blocks)
 
     def chosen(picks: np.ndarray) -> Iterator[np.ndarray]:
         if blocks.at is not None:
@@ -262,7 +270,7 @@ def spread(blocks: Blocks, seed: int) -> Blocks:
                  "count them, then again for the %d spread over it that the cap allows", blocks.spec, m)
         return spread_picks(sum(1 for _ in blocks._iter()), m, seed)
 
-    return dataclasses.replace(whole, max_blocks=m, _iter=lambda: chosen(counted()), at=None)
+    return dataclasses.replace(whole, max_blocks=m, _iter=lambda: chosen(counted()), at=None, whole=whole)
 
 
 def _max_blocks(max_tokens: int | None, block_size: int) -> int | None:

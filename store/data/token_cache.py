@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.data.blocks import Blocks
-from tqdm.auto import tqdm
+from ncanalyze.store.bars import progress_bar
 
 VERSION = 3  # 3: text grouped per 1,000 rows as run_clm's group_texts; bump when the cache's format or the tokenization recipe changes
 
@@ -91,8 +91,9 @@ def _write(blocks: Blocks, path: Path, batch: int = 256) -> None:
     try:
         n = 0
         rows = blocks.text_rows if blocks.total is None and blocks.text_rows else None  # no block count: count rows
-        with os.fdopen(fd, "wb") as f, tqdm(total=rows.total if rows else blocks.total, unit="row" if rows else "block",
-                                             desc=f"tokenizing {blocks.spec}", leave=False) as bar:
+        with os.fdopen(fd, "wb") as f, progress_bar(total=rows.total if rows else blocks.total,
+                                                    unit="row" if rows else "block",
+                                                    desc=f"tokenizing {blocks.spec}", leave=False) as bar:
             for b in blocks.batches(batch):
                 f.write(np.ascontiguousarray(b, dtype="<i4").tobytes())
                 n += len(b)
@@ -151,4 +152,5 @@ def cached(folder: Path, blocks: Blocks, key: str) -> Blocks:
         _write(blocks, path)
     arr = np.load(path, mmap_mode="r", allow_pickle=False)
     at = lambda i: np.asarray(arr[i], dtype=np.int64)  # noqa: E731
-    return Blocks(blocks.spec, blocks.block_size, None, arr.shape[0], lambda: map(at, range(arr.shape[0])), at=at)
+    return Blocks(blocks.spec, blocks.block_size, None, arr.shape[0], lambda: map(at, range(arr.shape[0])), at=at,
+                  source=path)

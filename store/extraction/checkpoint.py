@@ -29,6 +29,7 @@ from ncanalyze.store.extraction.memory import (
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.layout import CheckpointFiles
+from ncanalyze.store.data.split_counts import label_counts
 from ncanalyze.store.resume import (
     DeferredInterrupt,
     Phase,
@@ -150,6 +151,7 @@ def _passes_and_write(job: Job, store: Store, files: CheckpointFiles, loaded: Lo
     ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
                     run.device, files.layers, folds=folds)
     outcome = _resume(ex, files.state, job, train, val)
+    ex.split_count = label_counts(train, classifier.shape[0])
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     store.ensure()  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)

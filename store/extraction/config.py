@@ -68,7 +68,7 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]}
     record = {**hashed, "layers": list(plan.layers), "cap_mode": cap_mode(cfg), "val_dataset": val_spec,
               "val_split": val_split, "val_held_out": held_out, "block_size": block_size, "device_type": device.type,
-              "weights": weights or weights_fingerprint(ckpt.path)}
+              "weights": weights or weights_fingerprint(ckpt.path, ckpt.base)}
     if held_out is not None:
         record["split"] = f"{cfg.split}[{held_out}%:]"
     record |= {"dataset": data_name(cfg.dataset), "val_dataset": data_name(val_spec),  # by content, not by path
@@ -367,12 +367,12 @@ def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: Extrac
     check_block_size(blocks.block_size, model_positions(config), blocks.spec, blocks.rows_from_file)
     if store is None or not cfg.token_cache or tokenizer is None or is_token_file(spec):
         return spread(blocks, cfg.seed) if cfg.cap_mode == "spread" else blocks
-    if cfg.cap_mode == "prefix":  # the cache holds the first blocks only
+    if cfg.cap_mode == "prefix":  # the cache holds the first blocks only (not the whole split: no split counts)
         return tokens.cached(store.layout.tokens, blocks, tokens.cache_key(spec, split, cfg.text_column, tokenizer,
                                                                           block_size, cap, cfg.keep_linebreaks))
     whole = tokens.cached(store.layout.tokens, dataclasses.replace(blocks, max_blocks=None), tokens.cache_key(
         spec, split, cfg.text_column, tokenizer, block_size, None, cfg.keep_linebreaks))  # the whole split, once
-    return spread(dataclasses.replace(whole, max_blocks=blocks.max_blocks), cfg.seed)
+    return spread(dataclasses.replace(whole, max_blocks=blocks.max_blocks, whole=whole), cfg.seed)
 
 
 def open_inputs(store: Store | None, cfg: ExtractConfig, run: Resolved, tokenizer,

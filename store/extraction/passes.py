@@ -25,7 +25,7 @@ from ncanalyze.store.extraction.loss import NextTokenLoss, matches_model
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.resume import Phase, Saver
 from ncanalyze.store.sources.anatomy import FINAL_NORMS, LogitTransform, features, final_norm, hidden_forward
-from tqdm.auto import tqdm
+from ncanalyze.store.bars import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
     forward = forward or hidden_forward(model, tuple(ex.layers), ex.plan.last)
     total = blocks.total and -(-blocks.total // batch_size)
     digest, seen = hashlib.sha256(), 0
-    with tqdm(total=total, initial=ex.batches, desc=desc, unit="batch", leave=False) as bar:
+    with progress_bar(total=total, initial=ex.batches, desc=desc, unit="batch", leave=False) as bar:
         for batch in blocks.batches(batch_size):
             digest.update(batch.tobytes())
             seen += 1

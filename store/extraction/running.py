@@ -98,6 +98,7 @@ class Extraction:
         self.vocab = vocab
         self.pass_index, self.phase, self.batches, self.stream = 0, Phase.TRAIN, 0, ""
         self.transform: LogitTransform | None = None
+        self.split_count: np.ndarray | None = None  # the train split's label counts (split_counts.label_counts)
         self.layers = self._fresh()
         self.embeddings: Embeddings | None = None
 
@@ -264,7 +265,8 @@ class Extraction:
         def make(l: int, s: LayerState) -> xr.Dataset:
             emb = {} if self.embeddings is None else self.embeddings.variables(l, written)
             where = {"layer": l, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))"}
-            return s.dataset(classifier, bias, tokens, {**attrs, **where}, **emb)
+            ds = s.dataset(classifier, bias, tokens, {**attrs, **where}, **emb)
+            return ds if self.split_count is None else ds.assign(split_count=("vocab", self.split_count))
 
         others = ((l, make(l, s)) for l, s in self.finished() if l != self.plan.last)
         return make(self.plan.last, self.main()), others

@@ -11,10 +11,15 @@ from typing import Any
 
 from ncanalyze.analyzer import registry
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.registry import CAP_MODES, DTYPES, STORED_DTYPES
+from ncanalyze.analyzer.registry import CAP_MODES, DTYPES, MAX_TOKENS, STORED_DTYPES, whole_number
 
 SECTIONS = ("Data", "Model", "Statistics", "Layers", "Hub", "Run control", "Cluster")  # ``extract --help``, in order
 AUTO = "auto"  # --layers-per-pass auto
+MAX_BLOCK = 2**20  # tokens per block at most (a million: above every model's context)
+MAX_BATCH = 2**16  # blocks per forward pass at most
+MAX_SAMPLES = 2**16  # raw features kept per class at most
+MAX_LAYERS = 2**12  # layers per pass at most (above every model's depth)
+MAX_STATE_EVERY = 86_400.0 * 365  # seconds between saves at most (a year)
 PREFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 SIZE_RULE = ("a number of bytes, or a number and a unit: kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
              "of 1024), in any case but a lowercase b (bits: 3Mb is refused), e.g. 40GB, 512MiB, 1e9")
@@ -33,7 +38,7 @@ def extract_flag(name: str) -> str:
 
 
 def extract_refusal(name: str, reason: str, value: Any) -> UserError:
-    """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be >= 1, got 0``."""
+    """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be between 1 and 65536, got 0``."""
     return registry.refused(registry.field_of(ExtractConfig, name), reason, value)
 
 
@@ -92,11 +97,7 @@ def _per_pass(value: int | str | None) -> int | str:
     """``auto`` (None too: one pass where it fits) or a positive integer, as an int (so the record hashes alike)."""
     if value is None or value == AUTO:
         return AUTO
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    if isinstance(value, str) and value.isdigit() and int(value) >= 1:
-        return int(value)
-    raise ValueError("must be auto or a positive integer")
+    return whole_number(value, MAX_LAYERS)
 
 
 _VAL_HELP = ("Validation data (NC4, val_loss), any form --dataset takes. Default: a sibling file (val.bin beside "
@@ -124,11 +125,14 @@ class ExtractConfig:
         "or the first P% of the blocks (.npy/.bin). 0: validate on --val-split of --dataset (a token file "
         "without a sibling is then refused)."))
     text_column: str = extract_setting("text", hashed=True, section="Data", help="Column holding the text.")
-    block_size: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=2, help=(
+    block_size: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=2,
+                                                 maximum=MAX_BLOCK, help=(
         "Block length for 1-D streams and text [default: the model's context, at most 1024]."))
-    max_train_tokens: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=0, help=(
+    max_train_tokens: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=0,
+                                                   maximum=MAX_TOKENS, help=(
         "Cap on train tokens read: whole blocks, spread over the whole split (see --cap-mode)."))
-    max_val_tokens: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=0, help=(
+    max_val_tokens: int | None = extract_setting(hashed=True, section="Data", kind=int, minimum=0,
+                                                 maximum=MAX_TOKENS, help=(
         "Cap on validation tokens read (as --max-train-tokens); 0 skips NC4."))
     # recorded resolved: None without a cap (config_record, cap_mode)
     cap_mode: str = extract_setting("spread", hashed=True, section="Data", choices=CAP_MODES, help=(
@@ -136,13 +140,15 @@ class ExtractConfig:
         "stretches, N the blocks the cap allows; drawn with --seed, the same for every checkpoint and across a resume; "
         "text is tokenized whole into the token cache first); 'prefix', its first blocks. Recorded where a cap is set "
         "(attribute cap_mode; spread also in the config hash)."))
-    batch_size: int = extract_setting(8, hashed=True, section="Statistics", minimum=1, help="Blocks per forward pass.")
+    batch_size: int = extract_setting(8, hashed=True, section="Statistics", minimum=1,
+                                     maximum=MAX_BATCH, help="Blocks per forward pass.")
     # only its type is hashed, as device_type
     device: str = registry.shared("device", hashed=False, section="Model", help=(
         "auto (CUDA when present, else CPU), cpu, cuda, cuda:N."))
     dtype: str = extract_setting("float32", hashed=True, section="Model", choices=DTYPES, help=(
         "Model dtype; statistics are always accumulated in float64."))
-    samples_per_class: int = extract_setting(8, hashed=True, section="Statistics", minimum=0, help=(
+    samples_per_class: int = extract_setting(8, hashed=True, section="Statistics", minimum=0, maximum=MAX_SAMPLES,
+                                             help=(
         "Raw features kept per class (uniform reservoir sample)."))
     folds: int = extract_setting(8, hashed=True, section="Statistics", minimum=1, maximum=64, help=(
         "Disjoint folds of whole token blocks (block i -> fold i mod F) whose statistics are kept beside the totals, "
@@ -155,11 +161,17 @@ class ExtractConfig:
         "another --min-count reports NC4 as nan)."))
     seed: int = registry.shared("seed", hashed=True, section="Statistics", help=(
         "Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread)."))
+    # where, not what: the base's weights are in each adapter's weights fingerprint (the record's weights)
+    base: str | None = extract_setting(hashed=False, section="Model", metavar="PATH", help=(
+        "The base model of PEFT adapters (a model folder, or a Hub id in the local Hub cache), in place of the "
+        "base_model_name_or_path of their adapter_config.json [default: that, a relative path read from the "
+        "adapter's folder]."))
     allow_pickle: bool = extract_setting(False, hashed=False, section="Model", help=(
         "Load pickle weights (pytorch_model.bin); only for trusted files."))
     trust_remote_code: bool = extract_setting(False, hashed=False, section="Model", help=(
         "Allow custom model or tokenizer code from the checkpoint."))
-    state_every: float = extract_setting(120.0, hashed=False, section="Run control", minimum=0, help=(
+    state_every: float = extract_setting(120.0, hashed=False, section="Run control", minimum=0,
+                                         maximum=MAX_STATE_EVERY, help=(
         "Seconds between saves of the resume state (a killed run continues from the last save)."))
     keep_linebreaks: bool = extract_setting(True, hashed=True, section="Data", help=(
         "Plain text files (.txt, folders of them) keep each line's line break, as run_clm reads them; "
@@ -176,13 +188,15 @@ class ExtractConfig:
         "norm, the checkpoint group itself), negative from the end. Others are stored at "
         "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm)."))
     layers_per_pass: int | str | None = extract_setting(AUTO, hashed=True, section="Layers", kind=str,
-                                                metavar="auto|K", check=_per_pass, help=(
+                                                metavar="auto|K", check=_per_pass,
+                                                maximum=MAX_LAYERS, help=(
         "At most K layers' state at a time: several passes over the data (exact either way); auto: as many as "
         "--state-memory holds, the deepest layers together."))
     state_memory: str | None = extract_setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
         f"Memory the float64 state may take under --layers-per-pass auto: {SIZE_RULE} [default: the device's free "
         "memory after the model, less a tenth (at least 1 GiB)]."))
-    save_embeddings: int = extract_setting(0, hashed=True, section="Layers", metavar="N", minimum=0, help=(
+    save_embeddings: int = extract_setting(0, hashed=True, section="Layers", metavar="N", minimum=0,
+                                           maximum=MAX_TOKENS, help=(
         "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "
         "(position, hidden) with label (position)."))
     embeddings_dtype: str = extract_setting("float32", hashed=True, section="Layers",

@@ -68,8 +68,9 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, setti
     check_address(address)  # before anything is created
     result = ex.ExtractResult(", ".join(map(str, paths)), str(store))
     store = Store.at(store).absolute()
-    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag)]
+    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag, jobs.cfg.base)]
     ex.check_settings(jobs.cfg, store, shards)
+    ex.check_one_base(ckpts)
     if jobs.restart:  # here, once: a task run again after its worker died must resume, not restart
         from ncanalyze.store.resume import drop_state  # torch: see below
 

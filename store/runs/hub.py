@@ -119,8 +119,8 @@ def extract_hub(repo: str, revisions: list[str], store: str | Path | Store, sett
     result = ExtractResult(repo, str(store))
     check_settings(jobs.cfg, store)
     name = repo.split("/")[-1]
-    ckpts = {r: tagged([Snapshot(repo, check_revision(r), Path("."), False).checkpoint(name)], jobs.cfg.tag)[0]
-             for r in revisions}
+    ckpts = {r: tagged([Snapshot(repo, check_revision(r), Path("."), False).checkpoint(name)], jobs.cfg.tag,
+                       jobs.cfg.base)[0] for r in revisions}
     check_groups(repo, revisions, {r: c.group for r, c in ckpts.items()}, store)
     announce = announcer(todo(store, list(ckpts.values()), jobs), jobs, store)
 
@@ -147,7 +147,7 @@ def _revision(repo: str, rev: str, name: str, store: Store, jobs: Jobs, delete_d
         log.error("%s", errors[-1])
         return None
     try:
-        job = jobs(tagged([snap.checkpoint(name)], jobs.cfg.tag)[0])
+        job = jobs(tagged([snap.checkpoint(name)], jobs.cfg.tag, jobs.cfg.base)[0])
         return extract_checkpoint(job, store, announce, interrupt, extra_attrs=snap.attrs())
     except UserError as e:
         errors.append(f"{repo}@{rev}: {e}")

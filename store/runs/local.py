@@ -31,13 +31,14 @@ from ncanalyze.store.extraction.estimate import (
 )
 from ncanalyze.store.resume import DeferredInterrupt
 from ncanalyze.store.runs import shards as sh
+from ncanalyze.store.sources.adapters import check_one_base
 from ncanalyze.store.sources.discover import (
     Checkpoint,
     discover,
     tagged,
 )
 from ncanalyze.store.store import Status, Store
-from tqdm.auto import tqdm
+from ncanalyze.store.bars import progress_bar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,7 +152,7 @@ def announcer_over(paths: list, store: Store, jobs: Jobs) -> Callable[..., None]
     callable
         As :func:`announcer`'s.
     """
-    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag)]
+    ckpts = [c for p in paths for c in tagged(discover(p), jobs.cfg.tag, jobs.cfg.base)]
     return announcer(todo(store, ckpts, jobs), jobs, store, local=True)
 
 
@@ -231,8 +232,9 @@ def extract(path: str | Path, store: str | Path | Store, settings: ExtractConfig
     """
     store, jobs = Store.at(store), Jobs.of(settings)
     result = ExtractResult(str(path), str(store))
-    ckpts = tagged(discover(path), jobs.cfg.tag)
+    ckpts = tagged(discover(path), jobs.cfg.tag, jobs.cfg.base)
     check_settings(jobs.cfg, store, shards)
+    check_one_base(ckpts)
     spans = announce is not None  # an estimate over more PATHS: its time left is followed past this one
     announce = announce or announcer(todo(store, ckpts, jobs), jobs, store, local=True)
     return each_checkpoint(store, result, [(c.group, c) for c in ckpts],
@@ -278,7 +280,8 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
     total = len(todo) if total is None else total
     try:
         with DeferredInterrupt() if defer else contextlib.nullcontext() as interrupt:
-            for i, (group, item) in enumerate(tqdm(todo, total=total, desc=desc, unit=unit, disable=total < 2), 1):
+            bars = progress_bar(todo, total=total, desc=desc, unit=unit, disable=total < 2)
+            for i, (group, item) in enumerate(bars, 1):
                 at = f"({i}/{total})"
                 try:
                     outcome = one(item, interrupt)

@@ -27,6 +27,7 @@ from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import check_name
+from ncanalyze.store.data.split_counts import label_counts
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import differences
@@ -65,6 +66,7 @@ class _Setup:
     tokenizer: object | None
     tokenizer_name: str | None  # where it came from (the group's attribute ``tokenizer``)
     decoded: list[str] | None = None  # each token's string, decoded once (the group's vocabulary coordinate)
+    split_count: np.ndarray | None = None  # the whole train split's label counts, counted once
 
 
 @contextlib.contextmanager
@@ -395,6 +397,9 @@ class NeuralCollapseCallback(TrainerCallback):
                             files.layers if rank == 0 else None, folds=folds)
             if rank == 0:
                 ex.start()
+                if setup.split_count is None:  # the whole split's label counts: the same at every measurement
+                    setup.split_count = label_counts(setup.train, classifier.shape[0])
+                ex.split_count = setup.split_count
             timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):
                 return None

@@ -7,15 +7,20 @@ them; the group records the base's and the adapter's identity (:func:`identity`)
 from __future__ import annotations
 
 import json
+import logging
+import shlex
 from pathlib import Path
 
 import torch
 from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.store.sources.adapter_bounds import bounded
 from ncanalyze.store.sources.discover import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Checkpoint, layout
 from ncanalyze.store.sources.fingerprint import files_fingerprint, plain_fingerprint
 
 EXTRA = "pip install 'ncanalyze[peft]'"
 LIVE = "live"  # an adapter being trained: its weights are no file
+log = logging.getLogger(__name__)
+_SAID: set[tuple[str, Path]] = set()  # (adapter, base folder) already said in the log
 
 
 def require_peft():
@@ -32,7 +37,10 @@ def adapter_config(path: Path) -> dict:
     where = path / ADAPTER_CONFIG
     try:
         config = json.loads(where.read_text())
-    except (OSError, ValueError):
+    except RecursionError:
+        raise CheckpointError(f"{where} is nested deeper than Python's recursion limit allows, which no peft config "
+                              "is; save the adapter again with peft") from None
+    except (OSError, ValueError):  # unreadable, not JSON (or not UTF-8)
         config = None
     if not isinstance(config, dict) or not isinstance(config.get("base_model_name_or_path"), str) \
             or not config["base_model_name_or_path"]:
@@ -41,44 +49,88 @@ def adapter_config(path: Path) -> dict:
     return config
 
 
-def base_of(path: Path) -> tuple[Path, str, str | None]:
+def base_of(path: Path, base: str | None = None) -> tuple[Path, str, str | None]:
     """Where the base model of the adapter in ``path`` is: (its folder, its name as the adapter names it, its revision:
-    the Hub commit for a Hub id, else None)."""
+    the Hub commit for a Hub id, else None); ``base`` (``--base``) names it instead of the adapter's config."""
+    if base is not None:
+        return locate_base(base, None, str(path), flag=True)
     config = adapter_config(path)
-    return locate_base(config["base_model_name_or_path"], config.get("revision"), str(path))
+    revision = config.get("revision")
+    return locate_base(config["base_model_name_or_path"], revision if isinstance(revision, str) else None, str(path),
+                       against=path)
 
 
-def locate_base(name: str, revision: str | None, adapter: str) -> tuple[Path, str, str | None]:
-    """The base model ``name`` (at ``revision``) of ``adapter``, as :func:`base_of`: a local folder holding a model,
-    or a Hub id read from the local Hub cache only."""
+def locate_base(name: str, revision: str | None, adapter: str, against: Path | None = None,
+                flag: bool = False) -> tuple[Path, str, str | None]:
+    """The base model ``name`` (at ``revision``) of ``adapter``, as :func:`base_of`: a local folder holding a model (a
+    relative ``name`` read from the folder ``against``, the adapter's; said once in the log), or a Hub id read from
+    the local Hub cache only; ``flag``: ``name`` came from ``--base``."""
+    named = f"--base {name}" if flag else f"the base model of the adapter in {adapter}, {name!r}"
     local = Path(name).expanduser()
+    if against is not None and not local.is_absolute():
+        local = against / local
     if local.is_dir():
         folder = local.resolve()
         if layout(folder) in (None, "adapter"):
-            raise CheckpointError(f"the base model of the adapter in {adapter}, {folder}, holds no model of its own "
-                                  "(an adapter of an adapter?); merge the first adapter into its base and save it")
-        return folder, name, None
+            raise CheckpointError(f"{named}: {folder} holds no model of its own (an adapter of an adapter?); "
+                                  "merge the first adapter into its base and save it")
+        relative = not Path(name).expanduser().is_absolute()
+        if (flag or relative) and (adapter, folder) not in _SAID:
+            _SAID.add((adapter, folder))
+            how = "--base" if flag else f"{name} resolved against the adapter's folder"
+            log.info("the base model of the adapter in %s is %s (%s)", adapter, folder, how)
+        return folder, str(folder) if relative else name, None
+    folder = folder_in_cache(name, revision, named, local if against is not None else None)
+    return folder, name, folder.name
+
+
+def folder_in_cache(name: str, revision: str | None, named: str, tried: Path | None) -> Path:
+    """The Hub id ``name``'s snapshot in the local Hub cache, or a one-line CheckpointError whose fix downloads it only
+    where ``name`` can be a Hub id (never ``hf download`` of a path)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    fix = "pass --base with the base model's folder" + ("" if tried is None else " (or write its absolute path in "
+                                                          f"base_model_name_or_path of {ADAPTER_CONFIG})")
+    hub = not name.startswith((".", "/", "~")) and name.count("/") <= 1 and "\\" not in name
     try:
-        folder = Path(snapshot_download(name, revision=revision or None, local_files_only=True))
+        return Path(snapshot_download(name, revision=revision or None, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
-        raise CheckpointError(f"the base model of the adapter in {adapter}, {name!r}"
-                              f"{f' at revision {revision}' if revision else ''}, is neither a local folder nor in "
-                              f"the local Hub cache: download it (`hf download {name}`) or name the base model's "
-                              f"folder in base_model_name_or_path of its {ADAPTER_CONFIG}") from None
-    return folder, name, folder.name
+        where = f" (no folder {tried})" if tried is not None else ""
+        download = f", or if it is a Hub id download it (`hf download {shlex.quote(name)}`)" if hub else ""
+        raise CheckpointError(f"{named}{f' at revision {revision}' if revision else ''} is neither a local folder"
+                              f"{where} nor in the local Hub cache: {fix}{download}") from None
 
 
 def base_checkpoint(ckpt: Checkpoint) -> Checkpoint:
     """The base model of adapter ``ckpt`` as a checkpoint of its own (to load its config and weights)."""
-    folder = base_of(ckpt.path)[0]
+    folder = base_of(ckpt.path, ckpt.base)[0]
     return Checkpoint(folder.name, folder.name, folder, folder)
 
 
-def apply(base: torch.nn.Module, path: Path, dtype: torch.dtype, allow_pickle: bool) -> torch.nn.Module:
-    """``base`` with the adapter in ``path`` applied by ``peft``, in eval mode, its adapter weights in ``dtype``.
+def check_one_base(ckpts: list[Checkpoint]) -> None:
+    """Refuse, in one line before any work, a run whose adapters name different base models: one run is one
+    trajectory of one model (an adapter whose base is not found fails alone at its turn)."""
+    first: dict[str, tuple[Path, str]] = {}
+    for c in ckpts:
+        if layout(c.path) != "adapter":
+            continue
+        try:
+            folder = base_of(c.path, c.base)[0]
+        except CheckpointError:
+            continue
+        seen, name = first.setdefault(c.run, (folder, c.name))
+        if seen != folder:
+            raise UserError(f"the adapters of run {c.run} name different base models ({name}: {seen}; {c.name}: "
+                            f"{folder}), so they are no one trajectory: move each base's adapters into a run folder "
+                            "of their own, or pass --base to measure them all on one base")
+
+
+def apply(base: torch.nn.Module, path: Path, dtype: torch.dtype, allow_pickle: bool,
+          base_name: str | None = None) -> torch.nn.Module:
+    """``base`` with the adapter in ``path`` applied by ``peft``, in eval mode, its adapter weights in ``dtype``: its
+    config made safe and checked first (:func:`~adapter_bounds.bounded`), its layers built empty and filled from its
+    weight file (``low_cpu_mem_usage``), and refused where the file does not cover them (:func:`check_covered`).
 
     Parameters
     ----------
@@ -90,6 +142,8 @@ def apply(base: torch.nn.Module, path: Path, dtype: torch.dtype, allow_pickle: b
         The extraction's dtype (the adapter's weights are cast to it, as the base's were).
     allow_pickle
         A pickled ``adapter_model.bin`` may be read.
+    base_name
+        The base as it was found (:func:`base_of`), recorded as the adapter's base model.
 
     Returns
     -------
@@ -103,15 +157,60 @@ def apply(base: torch.nn.Module, path: Path, dtype: torch.dtype, allow_pickle: b
                               "if you trust the file")
     try:
         config = peft.PeftConfig.from_pretrained(str(path))
-        if config.is_prompt_learning:
-            raise CheckpointError(f"{path} is a {config.peft_type} adapter (prompt learning), which changes the input "
-                                  "rather than the model's layers; extract a LoRA-type adapter")
-        model = peft.PeftModel.from_pretrained(base, str(path), is_trainable=False)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"cannot apply the adapter in {path} to its base model: "
-                              f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__} "
-                              "(is it the base the adapter was trained on?)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} is not a valid peft config: {_first_line(e)}; save the "
+                              "adapter again with peft") from None
+    if config.is_prompt_learning:
+        raise CheckpointError(f"{path} is a {config.peft_type} adapter (prompt learning), which changes the input "
+                              "rather than the model's layers; extract a LoRA-type adapter")
+    config.base_model_name_or_path = base_name or config.base_model_name_or_path
+    try:
+        model = peft.PeftModel.from_pretrained(base, str(path), config=bounded(config, base, path),
+                                               is_trainable=False, low_cpu_mem_usage=True)
+    except RuntimeError as e:
+        if "size mismatch" not in str(e):
+            raise
+        line = next(x for x in str(e).splitlines() if "size mismatch" in x).strip().rstrip(".")
+        raise CheckpointError(f"the adapter in {path} does not fit its base model ({line}): is it the base the "
+                              "adapter was trained on? (--base names another)") from None
+    check_covered(model, path)
     return unwrap(model.to(dtype)).eval()
+
+
+def check_covered(model, path: Path) -> None:
+    """Refuse an adapted model whose weight file does not hold exactly the tensors its config makes (peft's own state
+    dict of it): tensors missing (left empty on the meta device by ``low_cpu_mem_usage``, or a module to save left as
+    the base's), tensors no layer takes, ``use_dora`` turned on over LoRA weights or off over DoRA weights."""
+    from peft import get_peft_model_state_dict
+
+    saved = _saved_keys(path)
+    missing = sorted(set(get_peft_model_state_dict(model, save_embedding_layers=False)) - saved)
+    missing = missing or [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    unused = sorted(saved - set(get_peft_model_state_dict(model, save_embedding_layers=True)))
+    dora = next((n for n in missing + unused if "lora_magnitude_vector" in n), None)
+    if dora:
+        turned = "on, but its weights hold no DoRA magnitudes" if dora in missing else "off, but its weights are DoRA's"
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} turns use_dora {turned} (e.g. {dora}): the config does not "
+                              "match its weights; set use_dora as it was trained, or save the adapter again with peft")
+    if missing or unused:
+        what = f"lack {len(missing)} of" if missing else f"hold {len(unused)} tensors beyond"
+        raise CheckpointError(f"the adapter weights in {path} {what} its config's tensors (e.g. {(missing or unused)[0]}"
+                              "); they are incomplete or saved under another config: save the adapter again with peft")
+
+
+def _saved_keys(path: Path) -> set[str]:
+    """The names of the tensors in the adapter's weight file (a safetensors header; a pickle, allowed, read by peft)."""
+    from peft.utils import load_peft_weights
+    from safetensors import safe_open
+
+    if (path / ADAPTER_WEIGHTS[0]).is_file():
+        with safe_open(str(path / ADAPTER_WEIGHTS[0]), framework="pt") as f:
+            return set(f.keys())
+    return set(load_peft_weights(str(path), device="cpu"))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -30,6 +30,7 @@ class Checkpoint:
     name: str         # "checkpoint-N", or "final" for a model saved at the run's root
     path: Path        # the folder holding config.json and the weights
     run_dir: Path     # the run folder (trainer_state.json, eval_results.json, tokenizer)
+    base: str | None = None  # an adapter's base model as --base names it (None: as its adapter_config.json does)
 
     @property
     def group(self) -> str:
@@ -372,8 +373,8 @@ def training_metadata(ckpt: Checkpoint) -> dict:
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
-def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
-    """The checkpoints as ``--tag`` places them.
+def tagged(ckpts: list[Checkpoint], tag: str | None, base: str | None = None) -> list[Checkpoint]:
+    """The checkpoints as ``--tag`` places them (and ``--base``: the base model of every adapter among them).
 
     Parameters
     ----------
@@ -381,6 +382,8 @@ def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
         The checkpoints.
     tag
         A plain name, or None.
+    base
+        ``--base``, or None.
 
     Returns
     -------
@@ -388,6 +391,8 @@ def tagged(ckpts: list[Checkpoint], tag: str | None) -> list[Checkpoint]:
         With ``tag``, each checkpoint's run becomes ``<run>@<tag>``: the group ``<run>@<tag>/<checkpoint>`` (and its
         resume state) is distinct from the untagged ``<run>/<checkpoint>`` and from other tags.
     """
+    if base is not None:
+        ckpts = [replace(c, base=base) for c in ckpts]
     if tag is None:
         return ckpts
     if not _TAG.match(tag):

@@ -53,8 +53,21 @@ def quiet_loading() -> Iterator[None]:
         hub.setLevel(hub_level)
 
 
-def _first_line(e: Exception) -> str:
+def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+@contextlib.contextmanager
+def failing_alone(what: str) -> Iterator[None]:
+    """Any error inside, BaseException subclasses too (torch.distributed.checkpoint's CheckpointException), as one
+    line ``what: Type: message``, a CheckpointError: that checkpoint fails alone. KeyboardInterrupt, SystemExit and
+    GeneratorExit go on, as does a UserError (already one line)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, UserError):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- peft, torch and DeepSpeed raise any type on a bad file
+        raise CheckpointError(f"{what}: {type(e).__name__}: {_first_line(e)}") from None
 
 
 def load_config(ckpt: Checkpoint, trust_remote_code: bool = False):
@@ -83,14 +96,18 @@ def load_model(ckpt: Checkpoint, dtype: str, device: torch.device, allow_pickle:
         from ncanalyze.store.sources import adapters
 
         adapters.require_peft()  # before the base model loads
-        base = load_model(adapters.base_checkpoint(ckpt), dtype, device, allow_pickle, trust_remote_code)
-        with quiet_loading():
-            return adapters.apply(base, ckpt.path, DTYPES[dtype], allow_pickle).to(device)
+        folder, name, _ = adapters.base_of(ckpt.path, ckpt.base)
+        base = load_model(Checkpoint(folder.name, folder.name, folder, folder), dtype, device, allow_pickle,
+                          trust_remote_code)
+        with quiet_loading(), failing_alone(f"cannot apply the adapter in {ckpt.path}"):
+            return adapters.apply(base, ckpt.path, DTYPES[dtype], allow_pickle, name).to(device)
     if kind in ("fsdp", "zero"):
         from ncanalyze.store.sources import sharded
 
         read = sharded.fsdp_state_dict if kind == "fsdp" else sharded.zero_state_dict
-        return _from_state_dict(ckpt, read(ckpt.path, allow_pickle), dtype, trust_remote_code).to(device).eval()
+        with failing_alone(f"cannot read the {kind.upper()} shards in {ckpt.path}"):
+            state = read(ckpt.path, allow_pickle)
+        return _from_state_dict(ckpt, state, dtype, trust_remote_code).to(device).eval()
     return _load_whole(ckpt, dtype, device, allow_pickle, trust_remote_code)
 
 
@@ -152,7 +169,7 @@ def find_tokenizer(ckpt: Checkpoint, name: str | None = None, trust_remote_code:
     if name is None and layout(ckpt.path) == "adapter":
         from ncanalyze.store.sources import adapters
 
-        places += (adapters.base_of(ckpt.path)[0],)
+        places += (adapters.base_of(ckpt.path, ckpt.base)[0],)
     where = name or next((str(p) for p in places if any((p / f).is_file() for f in files)), None)
     if where is None:
         return None, None
@@ -172,11 +189,12 @@ def decoded_tokens(tokenizer, vocab: int) -> list[str] | None:
     return tokenizer.batch_decode([[i] for i in range(n)]) + [""] * (vocab - n)
 
 
-def weights_fingerprint(path: Path) -> str:
+def weights_fingerprint(path: Path, base: str | None = None) -> str:
     """Size plus the first and last MiB of each weight file (fingerprint.py): cheap, and different for every
-    checkpoint. An adapter's is its own files' with its base model's; sharded checkpoints' are their shards'."""
+    checkpoint. An adapter's is its own files' with its base model's (``base``: as ``--base`` names it); sharded
+    checkpoints' are their shards'."""
     if layout(path) == "adapter":
         from ncanalyze.store.sources import adapters
 
-        return f"{adapters.adapter_fingerprint(path)}+{plain_fingerprint(adapters.base_of(path)[0])}"
+        return f"{adapters.adapter_fingerprint(path)}+{plain_fingerprint(adapters.base_of(path, base)[0])}"
     return plain_fingerprint(path)

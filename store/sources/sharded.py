@@ -6,6 +6,7 @@ training library's own utilities: FSDP's sharded state dict (``pytorch_model_fsd
 """
 from __future__ import annotations
 
+import shlex
 import warnings
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def zero_state_dict(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
     Parameters
     ----------
     path
-        The checkpoint folder (config.json, ``global_step<N>/``, ``latest`` and the copied ``zero_to_fp32.py``).
+        The checkpoint folder (config.json, ``global_step<N>/`` and ``latest``).
     allow_pickle
         The shards may be read: they are pickles.
 
@@ -72,18 +73,18 @@ def zero_state_dict(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
         Parameter name to tensor.
     """
     steps = zero_dirs(path)
-    command = f"python {path / 'zero_to_fp32.py'} {path} {path} --safe_serialization"
+    command = consolidation(path)
     if not allow_pickle:
         raise CheckpointError(f"{path} holds only DeepSpeed ZeRO shards ({steps[-1].name}/), which are pickles that "
-                              f"can run code when loaded: consolidate them with `{command}` (the script DeepSpeed "
-                              f"copied there) and extract again, or pass {PICKLE_FLAG} with deepspeed installed if "
-                              "you trust the files")
+                              "can run code when loaded: if you trust the files, consolidate them with DeepSpeed's "
+                              f"installed module (`{command}`) and extract again, or pass {PICKLE_FLAG} with "
+                              "deepspeed installed")
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError:
         raise CheckpointError(f"{path} holds only DeepSpeed ZeRO shards ({steps[-1].name}/) and deepspeed is not "
-                              f"installed: consolidate them with `{command}` (the script DeepSpeed copied there) "
-                              f"and extract again, or pip install deepspeed (with {PICKLE_FLAG})") from None
+                              f"installed: pip install deepspeed, then pass {PICKLE_FLAG} again (or consolidate them "
+                              f"with `{command}` and extract again)") from None
     tag = None if (path / "latest").is_file() else steps[-1].name
     try:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag))
@@ -92,5 +93,13 @@ def zero_state_dict(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
                               f"`{command}`") from None
 
 
-def _first_line(e: Exception) -> str:
+def consolidation(path: Path) -> str:
+    """The shell command that consolidates the ZeRO shards in ``path`` into ``model.safetensors`` beside them with
+    DeepSpeed's installed module (never the copy of its script in the untrusted folder), the path quoted for a POSIX
+    shell (a space or ``$(...)`` in a folder name pastes as part of the path)."""
+    folder = shlex.quote(str(path))
+    return f"python -m deepspeed.utils.zero_to_fp32 {folder} {folder} --safe_serialization"
+
+
+def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -101,6 +101,8 @@ def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
     "import ncanalyze, xarray",  # the accessor registers the moment xarray loads
     "import xarray, ncanalyze",  # or at once when it is already loaded
     "import ncanalyze.analyzer, xarray",  # a subpackage imports the package, which registers it
+    # a library that probes for xarray first (transformers, peft) imports nothing: the import after it registers
+    "import ncanalyze, importlib.util; importlib.util.find_spec('xarray'); import xarray",
 ])
 def test_importing_ncanalyze_registers_the_accessor(code, tmp_path):
     check = (f"{code}; import sys; assert hasattr(xarray.Dataset, 'nc') and hasattr(xarray.DataTree, 'nc'); "

@@ -18,10 +18,11 @@ def test_log_is_within_one_ulp_of_numpy():
     assert vlog(np.array([1.0]))[0] == 0.0
 
 
-def brute(U, r, v, p, t0, pairs, a=None):
+def brute(U, r, v, p, t0, pairs, a=None, deb=None):
     """Every sum of one tile in float64 from explicit loops over its pairs (i, j); the CDNV terms only where both
-    classes have a variance (a = 1)."""
+    classes have a variance (a = 1); the debiased CDNV's over the pairs of the fixed set (deb: v*, z, b per side)."""
     a = a or [np.ones(len(U[0])), np.ones(len(U[1]))]
+    vs, z, b, k1, k2 = deb or ([np.zeros(len(u)) for u in U],) * 3 + (0.0, 0.0)
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(U[0])), np.zeros(len(U[1]))
     for i, j in pairs:
         g = float(U[0][i] @ U[1][j])
@@ -29,8 +30,11 @@ def brute(U, r, v, p, t0, pairs, a=None):
         D = float(np.sum((r[0][i] * U[0][i] - r[1][j] * U[1][j]) ** 2))
         c = (v[0][i] + v[1][j]) / D if a[0][i] and a[1][j] else 0.0
         w = p[0][i] * p[1][j]
+        fixed, noise = b[0][i] and b[1][j], z[0][i] + z[1][j]
+        second = max(1 - (k1 * (D - noise) * noise + k2 * noise ** 2) / (D - noise) ** 2, 0) if D > 2 * noise else 1
+        cd = (vs[0][i] + vs[1][j]) / max(D - noise, noise) * second if fixed else 0.0
         acc += [g > 1 - COINCIDENT / 2, (T / t0 - 1) ** 2, np.log(T / t0), np.log(T / t0) ** 2, c, c and c / D, w * c,
-                w * np.log(T / t0)]
+                w * np.log(T / t0), cd, bool(fixed and D < 2 * noise)]
         rows[i] += c
         cols[j] += c
     return acc, rows, cols
@@ -50,20 +54,25 @@ def test_tile_sums_match_loops_over_pairs(diag, panel_rows, singletons):
     v = [rng.uniform(0, 2, n) for n in (ni, nj)]
     p = [rng.uniform(0.01, 0.2, n) for n in (ni, nj)]
     a = [(rng.random(n) < 0.7 if singletons else np.ones(n)).astype(float) for n in (ni, nj)]  # has a variance
+    vs = [x * rng.uniform(1, 1.5, len(x)) for x in v]                # unbiased variances
+    z = [x / rng.integers(2, 4, len(x)) for x in vs]                # their means' noise: some pairs not resolved
+    b = [x * (rng.random(len(x)) < 0.8) for x in a]                 # the fixed set
     if diag:
-        r[1], v[1], p[1], a[1] = r[0], v[0], p[0], a[0]
+        r[1], v[1], p[1], a[1], vs[1], z[1], b[1] = r[0], v[0], p[0], a[0], vs[0], z[0], b[0]
     t0 = 1.7
-    side = [side_of(r[k], v[k], p[k], a[k]) for k in (0, 1)]
+    side = [side_of(r[k], v[k], p[k], a[k], (vs[k], z[k], b[k], 0.2, 0.5)) for k in (0, 1)]
     got = tile_sums(U[0], side[0], U[1], side[1], t0, diag, panel_cells=panel_rows * nj)
     pairs = [(i, j) for i in range(ni) for j in range(nj) if j > i or not diag]
     assert not singletons or 0 < got[0][SUMS.index("cdnv")] < brute(U, r, v, p, t0, pairs)[0][SUMS.index("cdnv")]
-    for g, w in zip(got, brute(U, r, v, p, t0, pairs, a)):
+    want = brute(U, r, v, p, t0, pairs, a, (vs, z, b, 0.2, 0.5))
+    assert want[0][SUMS.index("unresolved")] > 0 and want[0][SUMS.index("cdnv_deb")] > 0
+    for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
 
 
 def test_coincident_directions_are_counted():
     u = np.array([[1.0, 0.0], [np.cos(1e-6), np.sin(1e-6)], [0.0, 1.0]])     # T = 1e-12 between the first two
-    side = np.ones((5, 3))
+    side = np.ones((10, 3))
     acc, _, _ = tile_sums(u, side, u, side, 1.0, True)
     assert acc[SUMS.index("coincident")] == 1
 
@@ -78,7 +87,9 @@ def test_fast_pass_equals_the_numpy_reference_tile_by_tile(tile):
     M -= M.mean(0)
     r = np.linalg.norm(M, axis=1)
     U = M / r[:, None]
-    side = side_of(r, rng.uniform(0.1, 3, n), rng.dirichlet(np.ones(n)), rng.random(n) < 0.8)
+    v = rng.uniform(0.1, 3, n)
+    side = side_of(r, v, rng.dirichlet(np.ones(n)), rng.random(n) < 0.8, (v * 1.2, v / rng.integers(2, 9, n),
+                                                                          rng.random(n) < 0.7, 0.1, 0.3))
     s = U.sum(0)
     t0 = 2 - 2 * (s @ s - n) / (n * (n - 1))
     spans = blocks(n, tile)

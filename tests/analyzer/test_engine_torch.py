@@ -170,7 +170,8 @@ def _block_case(rng, ni: int, nj: int, d: int, coincide: bool):
     if coincide:                                                   # shared directions, one with the same mean too
         U[1][:3] = U[0][:3] * [[1.0], [2.5], [1.0]]
     U = [u / np.linalg.norm(u, axis=1, keepdims=True) for u in U]
-    side = [side_of(rng.uniform(0.5, 3, n), rng.uniform(0, 2, n), rng.uniform(0.01, 0.2, n)) for n in (ni, nj)]
+    side = [side_of(rng.uniform(0.5, 3, n), v := rng.uniform(0, 2, n), rng.uniform(0.01, 0.2, n), None,
+                    (v * 1.2, v / rng.integers(2, 5, n), rng.random(n) < 0.8, 0.1, 0.3)) for n in (ni, nj)]
     if coincide:
         side[1][:2, 0] = side[0][:2, 0]                            # pair (0, 0): the same r, so the same mean
     return U, side
@@ -187,13 +188,14 @@ def test_torch_block_is_the_reference_tile(diag, coincide):
         if coincide:              # within the block: 2 and 5 one mean and no variance (0/0), 3 and 8 one direction
             U[0][[5, 8]] = U[0][[2, 3]]
             side[0][:, 5] = side[0][:, 2]
-            side[0][2, [2, 5]] = 0.0
+            side[0][np.ix_([2, 5, 6], [2, 5])] = 0.0   # no variance, plug-in or unbiased
+            side[0][7, [2, 5]] = 1.0
         U[1], side[1] = U[0], side[0]
     t0 = 1.3
     want = reference_tile_sums(U[0], side[0], U[1], side[1], t0, diag)
     T = [torch.from_numpy(x) for x in (U[0], side[0], U[1], side[1])]
     sums, rows, cols = (x.numpy() for x in _torch_block(*T, t0, diag))
-    keep = [0, 1, 4, 5, 6] if coincide else range(len(SUMS))   # the logs at T ~ 0 are not used
+    keep = [0, 1, 4, 5, 6, 8, 9] if coincide else range(len(SUMS))   # the logs at T ~ 0 are not used
     np.testing.assert_allclose(sums[list(keep)], want[0][list(keep)], rtol=SAME, atol=1e-14)
     np.testing.assert_allclose(rows, want[1], rtol=SAME, atol=1e-14)
     np.testing.assert_allclose(cols, want[2], rtol=SAME, atol=1e-14)
@@ -202,6 +204,7 @@ def test_torch_block_is_the_reference_tile(diag, coincide):
         i, j = (2, 5) if diag else (0, 0)
         assert sums[0] == (2 if diag else 3) and np.isinf(rows[i]) and np.isinf(cols[j])
         assert np.isinf(sums[[SUMS.index("cdnv"), SUMS.index("cdnv_p2"), SUMS.index("cdnv_freq")]]).all()
+        assert np.isinf(sums[SUMS.index("cdnv_deb")]) == diag    # finite where the coincident means have a variance
         assert np.isfinite(np.delete(rows, i)).all() and np.isfinite(np.delete(cols, j)).all()
 
 

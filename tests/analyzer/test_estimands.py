@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 import statsmodels.formula.api as smf
 
-from ncanalyze.analyzer.stats import correlations, control_choice
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.stats import control_choice, correlations
 
 STEPS = (120, 240, 360, 480)
 PLANTED = ("own", "between", "unrelated", "flat", "clock")
@@ -145,14 +146,14 @@ def test_nearly_collinear_design_controls_are_reduced_and_said():
 
 def test_no_estimand_no_interval_or_verdict():
     one_run = worked_shape(0, n_runs=1)
-    st = correlations(one_run, ["own"], "eval_loss", (), n_perm=100, runs="run", n_boot=100)
+    st = correlations(one_run, ["own"], "eval_loss", (), n_perm=100, runs="run", n_boot=1000)
     assert st.r_ci_low.isna().all() and st.within_r.isna().all() and st.robust.isna().all()
     assert st.claims_why.str.contains("1 distinct run").all() and "undefined" in st.note_kinds.iloc[0]
     one_step = worked_shape(0)[lambda d: d.global_step == 480]
-    st = correlations(one_step, ["own"], "eval_loss", (), n_perm=100, runs="run", n_boot=100)
+    st = correlations(one_step, ["own"], "eval_loss", (), n_perm=100, runs="run", n_boot=1000)
     assert st.within_r.isna().all() and (st.within_why == "one checkpoint per run").all()
     copies = pd.concat([worked_shape(0, n_runs=1).assign(run=f"copy{i}") for i in range(5)])
-    st = correlations(copies, ["own"], "eval_loss", (), n_perm=100, runs="run", n_boot=100)
+    st = correlations(copies, ["own"], "eval_loss", (), n_perm=100, runs="run", n_boot=1000)
     assert st.r_ci_low.isna().all() and st.robust.isna().all() and st.d_r2.isna().all()
     assert st.claims_why.str.contains("the runs hold the same numbers").all()
 
@@ -168,6 +169,8 @@ def test_a_bootstrap_too_small_for_its_tails_is_refused_in_one_line(tmp_path):
     from conftest import run_cli
     df = worked_shape(0, n_runs=6)
     df.to_csv(tmp_path / "metrics.csv", index=False)
+    with pytest.raises(UserError, match="at least 1000"):
+        correlations(df, ["own"], "eval_loss", (), n_perm=0, runs="run", n_boot=999)
     r = run_cli("report", tmp_path / "metrics.csv", "--out", tmp_path / "out", "--bootstrap", "1", ok=False)
     error = [line for line in r.output.splitlines() if "Error" in line or "error" in line]
     assert r.exit_code != 0 and len(error) == 1 and "at least 1000" in error[0] and "Traceback" not in r.output
@@ -185,3 +188,9 @@ def test_a_metric_the_same_in_every_run_at_a_step_gets_no_r_there():
     from ncanalyze.analyzer.stats import by_step
     steps = by_step(df, ["clock"], "eval_loss", n_perm=200)
     assert len(steps) and steps.r.isna().all()
+
+
+def test_a_constant_target_gets_no_comparison_and_no_crash():
+    df = worked_shape(0, n_runs=8).assign(eval_loss=3.0, unc3_cos_cv=lambda d: d.own, nc3_cos_mean=lambda d: d.flat)
+    st = correlations(df, ["unc3_cos_cv", "nc3_cos_mean"], "eval_loss", (), n_perm=50, runs="run", n_boot=1000)
+    assert st.d_r2.isna().all() and (st.vs_metric == "").all() and st.note.str.contains("target constant").all()

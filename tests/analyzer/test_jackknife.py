@@ -14,7 +14,8 @@ from test_metrics import brute_force, brute_nc4, random_study
 
 from ncanalyze.analyzer import SCALARS, class_stats, measure
 from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, fold_of
-from ncanalyze.analyzer.jackknife import budgets, jackknife, merged, nested_budgets, unsettled
+from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.jackknife import budgets, fold_problems, jackknife, merged, nested_budgets, unsettled
 from ncanalyze.analyzer.metrics import measure_all
 
 FOLDS, BLOCK, MIN = 4, 16, 20
@@ -109,6 +110,42 @@ def test_without_folds_or_with_an_empty_fold_the_error_is_nan_with_a_note():
         warnings.simplefilter("ignore")
         np.testing.assert_equal(measure(plain, min_count=MIN, device="cpu"), measure(  # folds change no metric
             class_stats(h, y, 60, min_count=MIN, folds=FOLDS, block_size=BLOCK), min_count=MIN, device="cpu"))
+
+
+def test_fold_sums_are_checked_against_the_totals(folded):
+    """Issue 49: the counts must sum exactly and the folds merged must give the totals to float64 rounding; a forged
+    fold mean, a doubled fold count or a count moved between classes is found, and every error is nan with a note
+    naming the fix, never a changed number."""
+    h, y, W, b, hv, yv, ds = folded
+    measure = lambda d: measure_all(d, min_count=MIN, device="cpu")[0]  # noqa: E731
+    assert fold_problems(ds) == []
+    assert np.array_equal(ds["fold_count"].values.sum(0), ds["count"].values)  # the invariant, brute force
+    fine, notes = jackknife(ds, measure)
+    assert notes == [] or all("fold sums" not in n for n in notes)
+    assert np.isfinite(fine["nc1_cdnv_se"])
+    c = int(np.argmax(ds["fold_count"].values[0]))
+    forged, doubled, moved, nudged = (ds.copy(deep=True) for _ in range(4))
+    forged["fold_mean"].values[0, c] += 0.5
+    doubled["fold_count"].values[1] *= 2
+    moved["fold_count"].values[2, c] -= 1
+    moved["fold_count"].values[2, c + 1] += 1  # the same total, another class's
+    nudged["fold_mean"].values[0, c] *= 1 + 1e-6  # far above rounding
+    for bad, why in ((forged, "differ from mean"), (doubled, "fold_count sums to"), (moved, "fold_count sums to"),
+                     (nudged, "differ from mean")):
+        assert any(why in p for p in fold_problems(bad)), fold_problems(bad)
+        se, notes = jackknife(bad, measure)
+        assert all(math.isnan(v) for v in se.values()), se
+        assert "fold sums do not add up" in notes[0] and "--overwrite" in notes[0], notes
+
+
+@pytest.mark.parametrize("folds, block_size, bad", [(4, 0, "block_size"), (4, -3, "block_size"),
+                                                    (4, 2.5, "block_size"), (2.5, 16, "folds"),
+                                                    (0, 16, "folds"), (65, 16, "folds"), (True, 16, "folds")])
+def test_class_stats_refuses_a_bad_fold_setting_in_one_line(folds, block_size, bad):
+    """Issue 49: block_size 0, -3 or 2.5 were accepted silently, folds=2.5 raised a TypeError."""
+    h, y = np.zeros((8, 2)), np.arange(8) % 2
+    with pytest.raises(UserError, match=rf"^class_stats {bad} must be a whole number from 1 to \d+, got "):
+        class_stats(h, y, 2, folds=folds, block_size=block_size)
 
 
 def planted(rng: np.random.Generator, n: int, centres: np.ndarray, spread: np.ndarray, p: np.ndarray):

@@ -9,10 +9,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ncanalyze.analyzer.report.figures import error_bars  # noqa: E402
-from ncanalyze.analyzer.report.precision import budget_lines, error_lines, errors_latex, final_rows  # noqa: E402
+from ncanalyze.analyzer.report.precision import (  # noqa: E402
+    budget_figure,
+    budget_lines,
+    error_lines,
+    errors_latex,
+    final_rows,
+)
 
 
 def table() -> pd.DataFrame:
@@ -48,3 +55,75 @@ def test_budget_lines_name_the_unsettled_metric():
     md = "\n".join(budget_lines(t, ["x: no folds"], ["nc1_cdnv", "unc3_cos_cv"]))
     assert "`unc3_cos_cv` has not settled at 400 tokens" in md and "raise --max-train-tokens" in md
     assert "`nc1_cdnv` has not" not in md and "- x: no folds" in md
+
+
+def test_the_budget_figure_draws_a_metric_undefined_at_every_budget(tmp_path):
+    """A metric NaN at every budget (unc3_cos_cv of a near-random head: its mean cosine not above its noise) is an
+    empty panel saying so; the others keep their log axis (the report once stopped with matplotlib's 'Data cannot
+    be log-scaled')."""
+    t = pd.DataFrame({"run": "a", "checkpoint": "c", "folds": [1, 2, 4], "tokens": [100, 200, 400],
+                      "nc1_cdnv": [1.0, 2.0, 2.01], "nc1_cdnv_se": [math.nan, 0.1, 0.1],
+                      "unc3_cos_cv": math.nan, "unc3_cos_cv_se": math.nan})
+    path = budget_figure(t, ["nc1_cdnv", "unc3_cos_cv"], tmp_path)
+    assert path == tmp_path / "budget.png" and path.stat().st_size > 0
+
+
+def drifting(split_tokens: float, last_se: float = 0.1) -> pd.DataFrame:
+    """A checkpoint whose plug-in CDNV doubles over the budgets while its debiased form scatters within its error."""
+    return pd.DataFrame({"run": "a", "checkpoint": "c", "folds": [1, 2, 4, 8], "tokens": [100, 200, 400, 800],
+                         "nc1_cdnv": [1.0, 1.4, 1.8, 2.0], "nc1_cdnv_se": [math.nan, 0.1, 0.1, last_se],
+                         "nc1_cdnv_debiased": [2.1, 1.95, 2.05, 2.0],
+                         "nc1_cdnv_debiased_se": [math.nan, 0.2, 0.15, last_se],
+                         "split_tokens": split_tokens})
+
+
+def test_budget_lines_say_which_metric_drifts_and_which_number_to_compare():
+    md = "\n".join(budget_lines(drifting(800), [], ["nc1_cdnv"]))
+    row = next(line for line in md.splitlines() if line.startswith("- `a/c` `nc1_cdnv`:"))
+    assert "drifts with the budget (bias)" in row and "+6.0 errors" in row and "`nc1_cdnv_debiased` across budgets" in row
+    row = next(line for line in md.splitlines() if line.startswith("- `a/c` `nc1_cdnv_debiased`:"))
+    assert "only scatters (noise)" in row and "+0.3 errors" in row   # (2.0 - 1.95) / 0.2
+    assert "sampling error" in md and "how sure" not in md
+
+
+def test_raise_the_budget_only_where_the_split_holds_more_tokens():
+    read_all = "\n".join(budget_lines(drifting(800), [], ["nc1_cdnv"]))
+    assert "`nc1_cdnv` has not settled at 800 tokens" in read_all and "raise --max-train-tokens" not in read_all
+    assert "the whole split was read: compare at this budget, or use the debiased number" in read_all
+    more = "\n".join(budget_lines(drifting(10_000), [], ["nc1_cdnv"]))
+    assert "raise --max-train-tokens" in more and "whole split was read" not in more
+
+
+def test_settled_needs_errors():
+    """--folds 64 over 10 blocks: the last budgets' errors are nan, so nothing is said to have settled."""
+    md = "\n".join(budget_lines(drifting(800, last_se=math.nan), [], ["nc1_cdnv"]))
+    assert "moved less than its" not in md
+    assert "Whether `nc1_cdnv`, `nc1_cdnv_debiased` settled is not known" in md
+
+
+@pytest.mark.slow
+def test_the_budget_figure_draws_both_numbers_in_every_format(tmp_path):
+    from ncanalyze.analyzer.report.precision import budget_figure
+
+    png = budget_figure(drifting(800), ["nc1_cdnv"], tmp_path, ("png", "pdf", "svg"))
+    assert png == tmp_path / "budget.png"
+    assert {p.name for p in tmp_path.iterdir()} == {"budget.png", "budget.pdf", "budget.svg"}
+    assert "nc1_cdnv_debiased" in (tmp_path / "budget.svg").read_text()   # the dashed line's legend
+
+
+def test_estimates_choose_the_number_the_figures_and_claims_use():
+    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.analyzer.report import ReportOptions
+    from ncanalyze.analyzer.report.figures import FIGURES, chosen, estimated
+
+    fig1, every = FIGURES["fig1_nc_vs_loss"][1], ("nc1_cdnv", "nc1_cdnv_debiased", "gnc2_log_std")
+    has = pd.DataFrame({"nc1_cdnv": [1.0], "nc1_cdnv_debiased": [2.0]})
+    assert chosen(fig1, estimated(every, "debiased", has)) == ["nc1_cdnv_debiased", "gnc2_log_std"]
+    assert chosen(fig1, estimated(every, "plugin", has)) == ["nc1_cdnv", "gnc2_log_std"]
+    older = pd.DataFrame({"nc1_cdnv": [1.0], "nc1_cdnv_debiased": [math.nan]})   # measured before the debiased form
+    assert chosen(fig1, estimated(every, "debiased", older)) == ["nc1_cdnv", "gnc2_log_std"]
+    asked = ("nc1_cdnv", "gnc2_log_std")                                     # --metrics without the debiased form
+    assert chosen(fig1, estimated(asked, "debiased", has)) == ["nc1_cdnv", "gnc2_log_std"]
+    assert ReportOptions().estimates == "debiased"
+    with pytest.raises(UserError, match="estimates"):
+        ReportOptions(estimates="both")

@@ -413,7 +413,8 @@ def test_report_on_a_real_store(extracted_store, corpus, tmp_path):
     assert tokens["mean CDNV"][0] == pytest.approx(float(ds.class_cdnv[ids[0]]))
     token_tables = [t for t in tables if t[0][:3] == ["token", "id", "count"]]  # after the claims' tables (issue 39)
     assert len(token_tables) == 1 and token_tables[0][-1][0] == AVERAGE_TOKEN
-    min_count = [t for t in tables if t[0][3:6] == ["min_count 2 (kept)", "min_count 5 (kept)", "min_count 20 (kept)"]]
+    min_count = [t for t in tables if t[0][3:7] == ["min_count 1 (kept)", "min_count 2 (kept)", "min_count 5 (kept)",
+                                                    "min_count 20 (kept)"]]
     assert len(min_count) == 1  # test_report_mincount.py
     assert tables[-1][0][:3] == ["run", "checkpoint", "`nc1_cdnv`"] and " ± " in tables[-1][1][2]  # the final errors
 

@@ -149,7 +149,8 @@ def real(extracted_store, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("html-real")
     store = tmp / "study.zarr"
     shutil.copytree(extracted_store, store)  # report measures into the store: leave the session's one as it is
-    run_cli("report", store, "--out", tmp / "report", "--tokens", "the,red,5", "--permutations", 200)
+    run_cli("report", store, "--out", tmp / "report", "--tokens", "the,red,5", "--permutations", 200,
+            "--estimates", "plugin")  # Figure 1 with the paper's plug-in nc1_cdnv, as these tests read it
     return tmp / "report"
 
 
@@ -174,6 +175,24 @@ def test_the_page_is_one_file_that_opens_offline_and_draws_every_row(real, brows
         assert len(points(browser, plot)) == len(metrics) == drawn_markers(browser, plot)
     assert not browser.execute_script("return document.getElementById('depth')")  # one layer: no depth figure
     assert screenshot(browser, tmp_path, "real_store").exists()
+
+
+@pytest.mark.slow
+def test_the_opening_warning_is_a_list_and_the_page_fits_1400_pixels(real, browser):
+    """Issue 51: the warning's bullets were paragraphs starting "- ", and the page needed a horizontal scrollbar at
+    1,400 px (the statistics table)."""
+    bullets = [line[2:] for line in (real / "report.md").read_text().split("\n\n## ")[0].splitlines()
+               if line.startswith("- ")]
+    assert len(bullets) >= 2  # report.md's opening warning: one bullet per Holm family that no p can pass
+    open_page(browser, real / "report.html")
+    assert browser.execute_script("return window.innerWidth") == 1400
+    items = browser.execute_script("return Array.from(document.querySelectorAll('body > ul > li'), e => e.innerHTML)")
+    assert items == [md_inline(b) for b in bullets]
+    assert not browser.execute_script(
+        "return Array.from(document.querySelectorAll('p'), e => e.textContent).filter(t => t.startsWith('- '))")
+    wide, seen = browser.execute_script("return [document.documentElement.scrollWidth, "
+                                        "document.documentElement.clientWidth]")
+    assert wide <= seen, (wide, seen)  # no horizontal scrollbar
 
 
 @pytest.mark.slow
@@ -300,7 +319,7 @@ def layered(tmp_path_factory) -> Path:
     table.loc[table.layer == 0, "nc1_cdnv"] = np.inf
     table["tag"] = np.where(table.run == "r2", "kjv", None)
     out = tmp_path_factory.mktemp("html-layers")
-    write_report(table, out, ReportOptions(formats="png", n_perm=100, seed=1))
+    write_report(table, out, ReportOptions(formats="png", n_perm=100, seed=1, estimates="plugin"))  # nc1_cdnv in Fig. 1
     return out
 
 

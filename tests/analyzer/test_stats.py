@@ -592,7 +592,7 @@ def test_r2_interval_starts_at_0_where_r_s_spans_it():
 
 def test_leave_one_run_out_range_of_r_equals_brute_force():
     df = study(n_runs=6, per_run=4, seed=3)
-    out = correlations(df, ["nc1_trace"], n_perm=200, runs="run", n_boot=200).set_index("scale")
+    out = correlations(df, ["nc1_trace"], n_perm=200, runs="run", n_boot=0).set_index("scale")
     rs = [np.corrcoef(g.nc1_trace, g.eval_loss)[0, 1] for _, g in (
         (name, df[df.run != name]) for name in df.run.unique())]
     assert out.loc["raw", "loo_r_min"] == pytest.approx(min(rs), abs=1e-12)

@@ -68,9 +68,9 @@ def test_allowed_cores_take_the_least_of_affinity_quota_and_omp():
 
 @pytest.mark.parametrize("value", [0, -1, "0", "two", 1.5, True])
 def test_a_bad_setting_is_one_line_in_every_registry(value):
-    with pytest.raises(UserError, match=r"threads \(--threads\) must be auto or a positive integer"):
+    with pytest.raises(UserError, match=r"threads \(--threads\) must be auto or an integer from 1 to 1024"):
         ExtractConfig(dataset="x", threads=value)
-    with pytest.raises(UserError, match=r"threads \(--threads\) must be auto or a positive integer"):
+    with pytest.raises(UserError, match=r"threads \(--threads\) must be auto or an integer from 1 to 1024"):
         MeasureSettings(threads=value)
     assert ExtractConfig(dataset="x", threads="3").threads == 3
     assert MeasureSettings(threads="AUTO").threads == "auto"
@@ -133,5 +133,5 @@ def test_the_commands_take_the_flag_and_refuse_a_bad_value_in_one_line(command, 
 
     args = ["extract", tmp_path, "--dataset", tmp_path / "x.npy"] if command == "extract" else ["measure", tmp_path]
     out = run_cli(*args, "--threads", "0", ok=False).output
-    assert "threads (--threads) must be auto or a positive integer, got '0'" in out, out
+    assert "threads (--threads) must be auto or an integer from 1 to 1024, got '0'" in out, out
     assert "--threads auto|N" in run_cli(command, "--help").output

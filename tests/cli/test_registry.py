@@ -20,15 +20,27 @@ REFUSED = [  # (command, the library's settings, a value as the library takes it
     ("measure", MeasureSettings, dict(device="tpu"), ["--device", "tpu"],
      "device (--device) must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     ("measure", MeasureSettings, dict(min_count=0), ["--min-count", "0"],
-     "min_count (--min-count) must be >= 1, got 0"),
-    ("measure", MeasureSettings, dict(tile=0), ["--tile", "0"], "tile (--tile) must be >= 1, got 0"),
+     f"min_count (--min-count) must be between 1 and {2**53}, got 0"),
+    ("measure", MeasureSettings, dict(tile=0), ["--tile", "0"], "tile (--tile) must be between 1 and 65536, got 0"),
     ("report", ReportOptions, dict(n_perm=-1), ["--permutations", "-1"],
-     "n_perm (--permutations) must be >= 0, got -1"),
+     "n_perm (--permutations) must be between 0 and 10000000, got -1"),
     ("report", ReportOptions, dict(per_run="first"), ["--per-run", "first"],
      "per_run (--per-run) must be one of all, last, got 'first'"),
     ("report", ReportOptions, dict(seed=-1), ["--seed", "-1"],
      "seed (--seed) must be between 0 and 9223372036854775807, got -1"),
-    ("report", MeasureSettings, dict(min_count=0), ["--min-count", "0"], "min_count (--min-count) must be >= 1, got 0"),
+    ("report", MeasureSettings, dict(min_count=0), ["--min-count", "0"],
+     f"min_count (--min-count) must be between 1 and {2**53}, got 0"),
+    # issue 49: a maximum for every number (a 36 TiB bootstrap, a MemoryError, an int64 overflow), the rule said
+    ("report", ReportOptions, dict(n_boot=10**12), ["--bootstrap", str(10**12)],
+     "n_boot (--bootstrap) must be between 0 and 1000000, got 1000000000000"),
+    ("measure", MeasureSettings, dict(threads="100000"), ["--threads", "100000"],
+     "threads (--threads) must be auto or an integer from 1 to 1024, got '100000'"),
+    ("measure", MeasureSettings, dict(threads="²"), ["--threads", "²"],
+     "threads (--threads) must be auto or an integer from 1 to 1024, got '²'"),
+    ("measure", MeasureSettings, dict(threads="9" * 20), ["--threads", "9" * 20],
+     f"threads (--threads) must be auto or an integer from 1 to 1024, got '{'9' * 20}'"),
+    ("measure", MeasureSettings, dict(min_count=10**20), ["--min-count", str(10**20)],
+     f"min_count (--min-count) must be between 1 and {2**53}, got {10**20}"),
 ]
 EXTRACT_REFUSED = [  # ExtractConfig, as the training callback makes it, and ``ncanalyze extract``
     (dict(layers="foo"), ["--layers", "foo"],
@@ -58,6 +70,35 @@ def test_extract_settings_are_refused_when_made(value, args, line, tmp_path):
     r = run_cli("extract", tmp_path, "--dataset", "d.txt", *args, "--store", tmp_path / "s.zarr", ok=False)
     assert r.exit_code == 1 and r.output.strip() == f"Error: {line}", r.output
     assert not (tmp_path / "s.zarr").exists()
+
+
+NUMBERS = [(cls, f) for cls in (MeasureSettings, ReportSettings, ExtractConfig) for f in dataclasses.fields(cls)
+           if f.metadata.get("kind") in (int, float) or f.name in ("threads", "layers_per_pass")]
+
+
+@pytest.mark.parametrize("cls, f", NUMBERS, ids=[f.name for _, f in NUMBERS])
+def test_every_number_has_a_maximum_said_in_one_line(cls, f):
+    """Issue 49: every numeric setting has a maximum; one above it is refused in the setting's line, never an
+    allocation, a MemoryError or an int64 overflow."""
+    high = f.metadata["maximum"]
+    assert high is not None and high <= 2**63 - 1, f.name
+    made = (lambda **v: cls(dataset="d.txt", **v)) if cls is ExtractConfig else cls
+    made(**{f.name: high})  # the maximum itself is a value
+    with pytest.raises(UserError, match=rf"^{f.name} \({flag_of(f)}\) must be .*, got "):
+        made(**{f.name: high + 1 if isinstance(high, int) else high * 2})
+
+
+@pytest.mark.parametrize("command, args", [
+    ("report", ["--bootstrap", "²"]), ("report", ["--permutations", "1e3"]), ("measure", ["--tile", "٣"]),
+    ("extract", ["--batch-size", "²", "--dataset", "d.txt"]), ("extract", ["--state-every", "½", "--dataset", "d"])])
+def test_a_number_that_does_not_parse_gets_the_settings_rule(command, args, tmp_path):
+    """``²`` (a Unicode digit, which Python's int() half-takes), ``1e3`` for an integer: the setting's rule in its
+    one line, not int()'s or click's message."""
+    r = run_cli(command, tmp_path / "nowhere.zarr", *args, ok=False)
+    flag, value = args[0], args[1]
+    assert re.fullmatch(rf"Error: \w+ \({flag}\) must be (an integer|a number) from [0-9.]+ to [0-9.]+, got "
+                        rf"'{re.escape(value)}'", r.output.strip()), r.output
+    assert not (tmp_path / "nowhere.zarr").exists()
 
 
 @pytest.mark.slow  # its first import of transformers
@@ -108,21 +149,25 @@ def test_help_has_every_setting_in_its_section(command, titles, registry):
     assert where["--min-count"] == "Measuring"
     if command == "report":
         assert where["--out"] == where["--html"] == "Output"
-        assert "[default: 10000; x>=0]" in re.sub(r"\s+", " ", out)
+        assert "[default: 10000; 0<=x<=10000000]" in re.sub(r"\s+", " ", out)
         assert "--help" not in where or where["--help"] == "Other options"
 
 
 def test_each_default_is_written_once():
-    """The permutation count is written in the registry only (the statistics' defaults read N_PERM)."""
+    """The permutation and bootstrap counts are written in the registry only, once each (the statistics' defaults
+    read N_PERM and N_BOOT)."""
+    from ncanalyze.analyzer.registry import N_BOOT
     written = {f.relative_to(ROOT).as_posix(): n for pkg in ("analyzer", "store", "cli")
                for f in (ROOT / pkg).rglob("*.py") if (n := len(re.findall(r"\b10_?000\b", f.read_text())))}
-    assert written == {"analyzer/registry.py": 1} and N_PERM == 10_000, written
-    assert ReportOptions().n_perm == N_PERM
+    assert written == {"analyzer/registry.py": 2} and N_PERM == 10_000 and N_BOOT == 10_000, written
+    assert ReportOptions().n_perm == N_PERM and ReportOptions().n_boot == N_BOOT
     from ncanalyze.analyzer.permute import perm_test
     from ncanalyze.analyzer.stats import correlations, correlations_by_tag
     import inspect
     for f in (perm_test, correlations, correlations_by_tag):
         assert inspect.signature(f).parameters["n_perm"].default == N_PERM, f.__name__
+    for f in (correlations, correlations_by_tag):
+        assert inspect.signature(f).parameters["n_boot"].default == N_BOOT, f.__name__
     lists = {f.relative_to(ROOT).as_posix() for pkg in ("analyzer", "store", "cli") for f in (ROOT / pkg).rglob("*.py")
              if re.search(r'"float16",\s*"float64"', f.read_text())}
     assert lists == {"analyzer/registry.py"}, lists  # one list of dtypes (the store's a part of it, load's mapped)

@@ -76,6 +76,36 @@ def test_each_damaged_group_is_named_with_its_fix_and_the_others_go_on(store, tm
 
 
 @pytest.mark.slow
+def test_fold_sums_that_do_not_add_up_name_the_group_and_its_fix(store):
+    """Issue 49: a forged fold_mean and a doubled fold_count changed `_se` silently. The real store's folds add up
+    (counts exactly, the count-weighted means to float64 rounding: a brute force over the arrays here); a group
+    whose folds do not is left out, named with its fix, nothing stored for it; the others are measured."""
+    import numpy as np
+
+    run = run_of(store)
+    g = {s: f"{run}/checkpoint-{s}" for s in (20, 40, 60, 80, 100)}
+    z = zarr.open_group(store, path=g[20], mode="r+")
+    n, m, fn, fm = (np.asarray(z[v][...], np.float64) for v in ("count", "mean", "fold_count", "fold_mean"))
+    assert fn.shape[0] > 1 and np.array_equal(fn.sum(0), n)
+    weighted = n[:, None] * m
+    np.testing.assert_allclose((fn[..., None] * fm).sum(0), weighted, rtol=0, atol=1e-12 * np.abs(weighted).max())
+    c = int(np.argmax(fn[0]))  # the most frequent class of fold 0
+    z["fold_mean"][0, c] = fm[0, c] + 1.0  # forged
+    z40 = zarr.open_group(store, path=g[40], mode="r+")
+    z40["fold_count"][1] = 2 * np.asarray(z40["fold_count"][1])  # a block counted twice
+
+    r = run_cli("measure", store)
+    for s, why in [(20, "the folds merged differ from mean"), (40, "fold_count sums to")]:
+        line = next((line for line in r.output.splitlines() if f"{g[s]}: skipped" in line), "")
+        assert "fold sums do not add up to its totals" in line and why in line and "--overwrite" in line, r.output
+        assert "metrics" not in zarr.open_group(store, path=g[s], mode="r").attrs  # no `_se` stored as if fine
+    assert "measured 3 of 5 checkpoints" in r.output, r.output
+    for s in (60, 80, 100):
+        se = zarr.open_group(store, path=g[s], mode="r").attrs["metrics"]["nc1_cdnv_se"]
+        assert np.isfinite(se) and se > 0
+
+
+@pytest.mark.slow
 def test_a_deleted_head_is_named_by_ls_and_measure(store):
     run = run_of(store)
     g = f"{run}/checkpoint-40"

@@ -17,19 +17,20 @@ from ncanalyze.store.extraction.settings import extract_flag as flag_of
 
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 BAD = [  # (setting, value as the library takes it, as the command line gives it, the refusal)
-    ("batch_size", 0, "0", "batch_size (--batch-size) must be >= 1, got 0"),
-    ("samples_per_class", -1, "-1", "samples_per_class (--samples-per-class) must be >= 0, got -1"),
+    ("batch_size", 0, "0", "batch_size (--batch-size) must be between 1 and 65536, got 0"),
+    ("samples_per_class", -1, "-1", "samples_per_class (--samples-per-class) must be between 0 and 65536, got -1"),
     ("val_split_percentage", 100, "100", "val_split_percentage (--val-split-percentage) must be between 0 and 99, "
                                          "got 100"),
     ("dtype", "int8", "int8", "dtype (--dtype) must be one of float32, bfloat16, float16, float64, got 'int8'"),
     ("layers", ",", ",", "layers (--layers) names no layer: pass last, all, or indices like 0,-1, got ','"),
-    ("layers_per_pass", "0", "0", "layers_per_pass (--layers-per-pass) must be auto or a positive integer, got '0'"),
+    ("layers_per_pass", "0", "0",
+     "layers_per_pass (--layers-per-pass) must be auto or an integer from 1 to 4096, got '0'"),
     ("state_memory", "12 parsecs", "12 parsecs", "state_memory (--state-memory) is not a size: pass a number of bytes, "
                                                  "or a number and a unit: kB, MB, GB, TB (powers of 1000) or KiB, MiB, "
                                                  "GiB, TiB (powers of 1024), in any case but a lowercase b (bits: 3Mb is "
                                                  "refused), e.g. 40GB, 512MiB, 1e9, got '12 parsecs'"),
-    ("block_size", 1, "1", "block_size (--block-size) must be >= 2, got 1"),
-    ("min_count", 0, "0", "min_count (--min-count) must be >= 1, got 0"),
+    ("block_size", 1, "1", "block_size (--block-size) must be between 2 and 1048576, got 1"),
+    ("min_count", 0, "0", f"min_count (--min-count) must be between 1 and {2**53}, got 0"),
 ]
 
 

@@ -132,6 +132,19 @@ def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measu
 
 
 @pytest.mark.slow
+def test_measure_on_the_callbacks_store_says_nothing_is_wrong(measured, tmp_path):
+    """Issue 51: ``measure`` on a store of callback groups printed four warnings and "4 left out" though nothing was
+    wrong (the groups are measured where they were written)."""
+    import shutil
+
+    store = shutil.copytree(measured["live"], tmp_path / "live.zarr")
+    for force in ((), ("--force",)):
+        out = run_cli("measure", store, *force).output
+        assert "warning" not in out.lower() and "left out" not in out and "skipped" not in out, out
+    assert "measured 2 of 2 checkpoints" in out, out
+
+
+@pytest.mark.slow
 def test_a_measurement_leaves_the_model_and_every_generator_as_it_was(measured, corpus, tmp_path):
     """Planted: train mode, dropout on, every RNG advanced to a known state; after a measurement all are the same."""
     from ncanalyze.training import NeuralCollapseCallback
@@ -263,6 +276,9 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     assert costs.startswith(f"ncanalyze: neo/step-10 measured {c.train_tokens:,} train + {c.val_tokens:,} val tokens "
                             f"in {c.measured_s:,.1f} s; the set-up done once before the first took "
                             f"{c.setup_s:,.1f} s more, against {c.trained_s:,.1f} s of training"), costs
+    for force in ((), ("--force",)):  # issue 51: four warnings and "4 left out" though nothing was wrong
+        out = run_cli("measure", tmp_path / "s.zarr", *force).output
+        assert "warning" not in out.lower() and "left out" not in out and "skipped" not in out, out
     assert f": {c.measured_s / c.trained_s:.0%} of the training time" in costs
 
 
@@ -423,7 +439,7 @@ def test_bad_settings_are_one_line_before_training(corpus, tmp_path):
         NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), every=0)
     with pytest.raises(UserError, match="needs train_data"):
         NeuralCollapseCallback(tmp_path / "s.zarr")
-    for bad, message in ({"batch_size": 0}, "batch_size (--batch-size) must be >= 1, got 0"), (
+    for bad, message in ({"batch_size": 0}, "batch_size (--batch-size) must be between 1 and 65536, got 0"), (
             {"layers": ""}, "layers (--layers) names no layer: pass last, all, or indices like 0,-1, got ''"):
         with pytest.raises(UserError) as e:  # the library's one line, the same as the command's (test_settings.py)
             NeuralCollapseCallback(tmp_path / "s.zarr", str(corpus["train"]), **bad)

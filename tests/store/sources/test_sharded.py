@@ -124,9 +124,9 @@ def test_fsdp_extraction_equals_the_whole_models(fsdp_run, extracted_store, corp
 
 
 @pytest.mark.parametrize("opt_in, deepspeed, words", [
-    (False, True, ["zero_to_fp32.py", "--allow-pickle", "global_step60"]),
-    (True, False, ["zero_to_fp32.py", "deepspeed is not installed"]),
-    (True, True, ["cannot consolidate", "zero_to_fp32.py"]),
+    (False, True, ["python -m deepspeed.utils.zero_to_fp32", "--allow-pickle", "global_step60"]),
+    (True, False, ["python -m deepspeed.utils.zero_to_fp32", "deepspeed is not installed"]),
+    (True, True, ["cannot consolidate", "python -m deepspeed.utils.zero_to_fp32"]),
 ])
 def test_zero_shards_are_one_line_naming_the_command_and_the_flag(trained_run, corpus, tmp_path, monkeypatch,
                                                                    opt_in, deepspeed, words):
@@ -141,6 +141,23 @@ def test_zero_shards_are_one_line_naming_the_command_and_the_flag(trained_run, c
                 *(["--allow-pickle"] if opt_in else []), ok=False)
     assert all(w in r.output for w in words), r.output
     assert "Traceback" not in r.output and not (tmp_path / "s.zarr").exists()
+    assert "zero_to_fp32.py" not in r.output  # never a script from the untrusted folder
+
+
+@pytest.mark.parametrize("name", ["my run", "$(touch PWNED)", "a'b; touch PWNED"])
+def test_the_zero_command_pastes_safely_into_a_shell(trained_run, corpus, tmp_path, name):
+    """The consolidation command in the refusal, pasted into bash, gives DeepSpeed's installed module the folder as
+    one argument each time (a space, ``$(...)`` or a quote in its name runs nothing)."""
+    run = tmp_path / name
+    zero_checkpoint(trained_run / "checkpoint-60", run / "checkpoint-60")
+    r = run_cli("extract", run, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr", ok=False)
+    command = r.output.split("`")[1]
+    assert command.startswith("python -m deepspeed.utils.zero_to_fp32 "), r.output
+    echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {command.removeprefix('python ')}"], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    folder = str(run / "checkpoint-60")
+    assert echoed == ["-m", "deepspeed.utils.zero_to_fp32", folder, folder, "--safe_serialization"]
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
 
 # what the Trainer does under DeepSpeed ZeRO-3 without gathering: engine.save_checkpoint(checkpoint folder) beside
@@ -188,3 +205,26 @@ def test_zero_shards_consolidate_with_deepspeeds_own_function(trained_run, tmp_p
     assert a.keys() == b.keys()
     for k in b:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_a_corrupt_fsdp_shard_fails_alone(fsdp_run, trained_run, corpus, tmp_path):
+    """One rank's .distcp file cut short: torch.distributed.checkpoint raises CheckpointException (a BaseException);
+    that checkpoint fails in one line and the whole checkpoint beside it is extracted."""
+    from ncanalyze.store.extraction.checkpoint import Outcome
+    from ncanalyze.store.extraction.settings import ExtractConfig
+    from ncanalyze.store.runs.local import extract
+
+    run = tmp_path / "neo-2x32"
+    shutil.copytree(trained_run / "checkpoint-40", run / "checkpoint-40")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained_run / f, run / f)
+    bad = shutil.copytree(fsdp_run / "checkpoint-60", run / "checkpoint-60")
+    shard = sorted((bad / "pytorch_model_fsdp_0").glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cfg = ExtractConfig(dataset=str(corpus["train"]), allow_pickle=True, max_train_tokens=2048, max_val_tokens=1024)
+    result = extract(run, tmp_path / "s.zarr", cfg)
+    assert result.statuses == {"neo-2x32/checkpoint-40": Outcome.DONE, "neo-2x32/checkpoint-60": Outcome.FAILED}
+    why = result.why["neo-2x32/checkpoint-60"]
+    assert "pytorch_model_fsdp_0" in why or "FSDP" in why, why
+    assert "\n" not in why and list(ncanalyze.store.open(tmp_path / "s.zarr")["neo-2x32"].children) == ["checkpoint-40"]
