@@ -119,7 +119,12 @@ def suite(p: argparse.ArgumentParser) -> None:
     advised = cb.cost.within() if cb.cost is not None else None
     if advised and advised != (capped.train_tokens, capped.val_tokens):
         again = p.parse_args(f"--steps 60 --every 20 --train-tokens {advised[0]} --val-tokens {advised[1]}".split())
-        results.append((f"its advised caps {advised[0]:,} + {advised[1]:,}", 0.10, run(again)[0]))
+        over, mine = run(again)
+        results.append((f"its advised caps {advised[0]:,} + {advised[1]:,}", 0.10, over))
+        predicted, took = cb.cost.seconds_at(cb.cost.scale()), float(np.median(mine.seconds[1:] or mine.seconds))
+        print(f"at the advised caps a measurement took {took:.2f} s (median after the first), predicted "
+              f"{predicted:.2f} s (10% of the training between the capped run's measurements): {took / predicted:.2f}x "
+              "(the advice's error, free of the two runs' different training speeds under a changing load)")
     elif cb.cost is not None:
         print("no caps advised: " + ("within 10% already" if advised else cb.cost.line("step")))
     print(f"{'run':<40} {'overhead':>9} {'aim':>6}")
