@@ -92,7 +92,13 @@ def run_once(args) -> float:
     """One multi-checkpoint extraction: prints its estimate line and the ratio, returns estimate / actual."""
     lines: list[str] = []
     handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
+    said: list[float] = []  # when the estimate line came (perf_counter)
+
+    def emit(record) -> None:
+        lines.append(record.getMessage())
+        if lines[-1].startswith("estimate:") and not said:
+            said.append(time.perf_counter())
+    handler.emit = emit
     logger = logging.getLogger("ncanalyze.store.runs.local")  # the CLI sets the handlers of "ncanalyze" itself
     logger.addHandler(handler)
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +117,8 @@ def run_once(args) -> float:
             if args.load_at is not None:
                 threading.Thread(target=_load_later, args=(args, lines, start, stack, finished), daemon=True).start()
             cli(["extract", *command], standalone_mode=False)
-            actual = time.perf_counter() - start
+            end = time.perf_counter()
+            actual = end - start
     logger.removeHandler(handler)
     (line,) = [x for x in lines if x.startswith("estimate:")]  # one line over every run
     est = seconds(line)
@@ -119,7 +126,8 @@ def run_once(args) -> float:
     n = args.checkpoints * len(args.widths)
     print(f"{n} checkpoints (widths {', '.join(map(str, args.widths))}) x {args.train_tokens:,} train + "
           f"{args.val_tokens:,} val tokens: estimated {est:,.1f} s, took {actual:,.1f} s; estimate / actual = "
-          f"{est / actual:.2f} (aim: 0.7-1.3)", flush=True)
+          f"{est / actual:.2f} (aim: 0.7-1.3); from the line to the end {end - said[0]:,.1f} s: "
+          f"{est / (end - said[0]):.2f}", flush=True)
     _refreshed(progress.last(), actual)
     return est / actual
 

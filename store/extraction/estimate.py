@@ -33,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head
+from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.extraction.settings import ExtractConfig
+from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.layers import Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
-from ncanalyze.store.extraction.memory import group_bytes, state_bytes
+from ncanalyze.store.extraction.memory import fit_folds, group_bytes, state_bytes
 from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.progress import Tracker, duration, pass_depth, track
 from ncanalyze.store.extraction.running import LayerState
@@ -62,8 +62,8 @@ class Costs:
     load: float     # loading its model and tokenizer
     forward: float  # a batch's forward pass
     train: float    # a layer's part of a train batch: its float64 statistics and reservoir
-    decide: float   # a layer's part of a validation batch: NC4's decisions over the kept classes
-    loss: float     # the loss's part of a validation batch (measured at the last layer only)
+    decide: float   # a layer's part of a validation batch below the last: NC4's decisions over the kept classes
+    loss: float     # the last layer's part of a validation batch: the loss, NC4's decisions read from its logits
     write_rate: float | None  # bytes per second into the store (None: not measurable, e.g. a full disk)
 
     def train_batch(self, k: int, depth: float = 1.0) -> float:
@@ -73,7 +73,7 @@ class Costs:
     def val_batch(self, k: int, last: bool, depth: float = 1.0) -> float:
         """A validation batch with ``k`` layers, the last layer among them if ``last``, its forward running the
         fraction ``depth`` of the blocks."""
-        return depth * self.forward + k * self.decide + (self.loss if last else 0.0)
+        return depth * self.forward + (k - last) * self.decide + (self.loss if last else 0.0)
 
     def left(self, progress: tuple[int, Phase, int], passes: list[int], n_train: int, n_val: int,
              depths: list[float] | None = None) -> float:
@@ -125,13 +125,18 @@ def progress(state: Path) -> tuple[int, Phase, int]:
         return START
 
 
-def count_kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
-    """How many classes the train pass will keep for NC4 (``count >= min_count``), counted from the labels."""
+def train_counts(train: Blocks, vocab: int) -> np.ndarray:
+    """Each class's train tokens as labels (the counts the train pass will make), from the labels alone."""
     counts = np.zeros(vocab, dtype=np.int64)
     for batch in train.batches(4096):
         y = batch[:, 1:].ravel()
         counts += np.bincount(y[(y >= 0) & (y < vocab)], minlength=vocab)
-    return int((counts >= min_count).sum())
+    return counts
+
+
+def count_kept_classes(train: Blocks, vocab: int, min_count: int) -> int:
+    """How many classes the train pass will keep for NC4 (``count >= min_count``), counted from the labels."""
+    return int((train_counts(train, vocab) >= min_count).sum())
 
 
 def _seconds(run, device: torch.device, budget: float = 0.25, at_most: int = 7) -> float:
@@ -169,50 +174,65 @@ def _per_rows(run, rows: int, cols: int, dim: int, device: torch.device) -> floa
     return (once if once >= CHEAP else _seconds(lambda: run(m), device, budget=4 * CHEAP)) * rows / m
 
 
-def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, n_kept: int, seed: int,
-                  validation: bool = True) -> tuple[float, float, float, float]:
+def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.ndarray, min_count: int, seed: int,
+                  validation: bool = True, folds: int = 1) -> tuple[float, float, float, float]:
     """Seconds, for the batch ``ids`` (b x L), of the forward pass, of a layer's part of the train pass (float64
-    statistics, reservoir), of a layer's part of the validation pass (NC4's decisions over ``n_kept`` classes) and
-    of the loss (the last two 0 without ``validation``); each by the extraction's own code on a scratch state, the
-    last three on a slice of the positions, scaled (:func:`_per_rows`)."""
+    statistics and, with ``folds`` > 1, the fold sums beside them; the reservoir), of a layer's part of the validation
+    pass below the last layer (NC4's decisions over the classes of ``counts`` >= ``min_count``, and over each
+    NC4_MIN_COUNTS kept set, into the fold counts too) and of the last layer's part (the loss, its decisions read from
+    the loss's logits; the last two 0 without ``validation``); each by the extraction's own code on a scratch state,
+    the last three on a slice of the positions, scaled (:func:`_per_rows`)."""
     device = ids.device
     classifier, bias = head(model)
     vocab, dim = classifier.shape
     h = features(model, ids)
     labels = ids[:, 1:].reshape(-1)
     h, y = h.reshape(-1, dim), labels.cpu().numpy()
-    ex = LayerState(vocab, dim, samples_per_class, seed, device)
+    ex = LayerState(vocab, dim, samples_per_class, seed, device, folds)
+    fold = fold_of(0, ids.shape[0], ids.shape[1] - 1, folds, device) if folds > 1 else None
     offset = iter(range(0, 1 << 40, len(y)))  # fresh stream positions for every reservoir call
 
     def train_step(m: int) -> None:
-        ex.stats.update(h[:m], labels[:m])
+        ex.stats.update(h[:m], labels[:m], Groups(labels[:m]))
+        if fold is not None:
+            ex.folds.update(h[:m], labels[:m], fold[:m])
         ex.reservoir.update(h[:m], y[:m], next(offset) + np.arange(m))
 
     forward = _seconds(lambda: features(model, ids), device)
     train = _per_rows(train_step, len(y), 1, dim, device)
     if not validation:
         return forward, train, 0.0, 0.0
-    kept = torch.arange(max(1, n_kept), device=device)
+    count = torch.from_numpy(counts).to(device)
+    kept = torch.nonzero(count >= min_count).squeeze(1)
     shared = float64_head(classifier, bias, device)  # one float64 head for both, as the validation pass has it
-    counts = DecisionCounts(classifier, bias, ex.stats.mean, kept, head=shared)
+    decisions = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val, head=shared, folds=ex.fold_val,
+                               train_count=count)
     loss = NextTokenLoss(*shared, LogitTransform.of(model.config))
-    decide = _per_rows(lambda m: counts.update(h[:m], labels[:m]), len(y), len(kept), dim, device)
-    return forward, train, decide, _per_rows(lambda m: loss.update(h[:m], labels[:m]), len(y), vocab, dim, device)
+
+    def step(run, m: int) -> None:
+        decisions.begin(None if fold is None else fold[:m])
+        run(m)
+    decide = _per_rows(lambda m: step(lambda m: decisions.update(h[:m], labels[:m]), m), len(y), max(1, len(kept)),
+                       dim, device)
+    last = _per_rows(lambda m: step(lambda m: loss.update(h[:m], labels[:m], decisions.count_logits), m), len(y),
+                     vocab, dim, device)
+    return forward, train, decide, last
 
 
 def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch_size: int, samples_per_class: int,
-                  min_count: int, seed: int, store: Store) -> Costs | None:
-    """The :class:`Costs` of a checkpoint like ``model`` (loaded in ``loaded`` seconds), timed on the first train
-    batch (None without one: the train pass then says the data is empty); the write rate is timed in a scratch
-    folder beside ``store`` (:meth:`Store.write_rate`)."""
+                  min_count: int, seed: int, store: Store, folds: int = 1) -> Costs | None:
+    """The :class:`Costs` of a checkpoint like ``model`` (loaded in ``loaded`` seconds, its fixed set-up included),
+    timed on the first train batch (None without one: the train pass then says the data is empty) with ``folds``
+    folds; the write rate is timed in a scratch folder beside ``store`` (:meth:`Store.write_rate`)."""
     weight, _ = head(model)
     batch = next(train.batches(batch_size), None)
     if batch is None:
         return None
-    n_kept = count_kept_classes(train, weight.shape[0], min_count)
+    counts = train_counts(train, weight.shape[0])
     check_ids(batch, weight.shape[0], train.spec)
     ids = torch.from_numpy(batch).to(weight.device)
-    timed = batch_seconds(model, ids, samples_per_class, n_kept, seed, validation=val is not None)
+    timed = batch_seconds(model, ids, samples_per_class, counts, min_count, seed, validation=val is not None,
+                          folds=folds)
     sample = weight[: max(1, (4 << 20) // weight.shape[1])].float().cpu().numpy()
     return Costs(loaded, *timed, store.write_rate(sample))
 
@@ -381,8 +401,12 @@ def timed_arch(model, loaded: float, train: Blocks, val: Blocks | None, plan: Pl
         Unnamed, without checkpoints (:func:`per_architecture` adds them).
     """
     known = train.total is not None and (val is None or val.total is not None)
+    vocab, dim = head(model)[0].shape
+    device = next(model.parameters()).device
+    folds = fit_folds(cfg.folds, vocab, dim, cfg.samples_per_class, plan.widest_pass, device,
+                      parse_size(cfg.state_memory))
     costs = measure_costs(model, loaded, train, val, cfg.batch_size, cfg.samples_per_class, cfg.min_count, cfg.seed,
-                          store) if known else None
+                          store, folds) if known else None
     return Arch("", costs, train, val, *head(model)[0].shape, [len(p) for p in plan.passes], plan.save_embeddings,
                 plan.embeddings_dtype, folds=cfg.folds, depths=depths(plan))
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.store.extraction import progress as time_left
 from ncanalyze.store.extraction.job import Jobs
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.runs.hub import extract_hub
@@ -73,7 +74,10 @@ def extract_paths(paths: Sequence[str | Path], store: str | Path | Store, cfg: E
 
         add(extract_on_cluster(local, store, jobs, scheduler, shards))
     elif local:
-        announce = announcer_over(local, store, jobs)  # one estimate over every PATH
-        for path in local:
-            add(extract(path, store, jobs, shards=shards, announce=announce))
+        announce = announcer_over(local, store, jobs)  # one estimate over every PATH, its time left followed to the end
+        try:
+            for path in local:
+                add(extract(path, store, jobs, shards=shards, announce=announce))
+        finally:
+            time_left.track(None)
     return results

@@ -235,14 +235,17 @@ def extract(path: str | Path, store: str | Path | Store, settings: ExtractConfig
     ckpts = tagged(discover(path), jobs.cfg.tag, jobs.cfg.base)
     check_settings(jobs.cfg, store, shards)
     check_one_base(ckpts)
+    spans = announce is not None  # an estimate over more PATHS: its time left is followed past this one
     announce = announce or announcer(todo(store, ckpts, jobs), jobs, store, local=True)
     return each_checkpoint(store, result, [(c.group, c) for c in ckpts],
-                           lambda ckpt, interrupt: _one(jobs(ckpt), store, announce, interrupt, shards))
+                           lambda ckpt, interrupt: _one(jobs(ckpt), store, announce, interrupt, shards),
+                           untrack=not spans)
 
 
 def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[str, T]],
                     one: Callable[[T, DeferredInterrupt | None], Outcome | None], *, total: int | None = None,
-                    desc: str = "checkpoints", unit: str = "ckpt", defer: bool = True) -> ExtractResult:
+                    desc: str = "checkpoints", unit: str = "ckpt", defer: bool = True,
+                    untrack: bool = True) -> ExtractResult:
     """The per-checkpoint loop of every run (local folders, Hub revisions, a cluster's tasks as they complete): each
     ``one(item, interrupt)`` in turn, with a progress bar, each outcome recorded and logged with where it is in the
     run; the folders of work in progress pruned at the end, however it ends.
@@ -265,6 +268,9 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
     defer
         Run under one Ctrl-C guard whose pending Ctrl-C ``one`` takes at a batch boundary (this process's work);
         False: Ctrl-C stops the loop at once (a cluster's tasks, waited for here).
+    untrack
+        Follow the run's time left no further at the end (False: the estimate spans more PATHS, whose caller ends
+        it, :func:`extract_paths`).
 
     Returns
     -------
@@ -288,7 +294,8 @@ def each_checkpoint(store: Store, result: ExtractResult, todo: Iterable[tuple[st
                     result.add(group, outcome, at=at)
     finally:
         store.prune()
-        time_left.track(None)  # the run's time left is followed no further
+        if untrack:
+            time_left.track(None)  # the run's time left is followed no further
     return result
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import shutil
 import time
@@ -38,7 +39,7 @@ from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.runs import cost
 from ncanalyze.store.runs import training_ddp as ddp
 from ncanalyze.store.sources import adapters
-from ncanalyze.store.sources.anatomy import final_norm, finite_head, head, n_layers
+from ncanalyze.store.sources.anatomy import default_block_size, final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
 from ncanalyze.store.store import Store
 from transformers import TrainerCallback
@@ -64,6 +65,8 @@ class _Setup:
     val: Blocks | None
     tokenizer: object | None
     tokenizer_name: str | None  # where it came from (the group's attribute ``tokenizer``)
+    decoded: list[str] | None = None  # each token's string, decoded once (the group's vocabulary coordinate)
+    split_count: np.ndarray | None = None  # the whole train split's label counts, counted once
 
 
 @contextlib.contextmanager
@@ -143,11 +146,15 @@ class NeuralCollapseCallback(TrainerCallback):
         The validation data (None: as ``--val-dataset``'s default, the validation split beside ``train_data``).
     max_train_tokens, max_val_tokens
         Caps on the tokens read: whole blocks spread over the whole split (``cap_mode="prefix"``: its first blocks),
-        the same blocks at every measurement and as ``ncanalyze extract`` reads them with the same settings.
+        the same blocks at every measurement and as ``ncanalyze extract`` reads them with the same settings. With
+        neither given: the tokens the training reads between two measurements (``every`` or the evaluation interval,
+        x the sequences of a step x ``block_size``) and a quarter of them (cost.default_caps), said in the log;
+        every block where the interval is unknown (pass a cap above the data's size to read it all).
     layers
         ``last``, ``all`` or comma-separated indices, as ``--layers``.
     every
-        Measure every this many steps instead of at each evaluation.
+        Measure every this many steps instead of at each evaluation. With neither ``every`` nor a cap given, a step is
+        skipped where measuring it would take the callback above :data:`~.cost.BUDGET` of the training time so far.
     trainer
         The Trainer, when known: the scalar metrics then go through ``trainer.log`` to every integration (TensorBoard,
         W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
@@ -174,13 +181,20 @@ class NeuralCollapseCallback(TrainerCallback):
                                  max_train_tokens=max_train_tokens, max_val_tokens=max_val_tokens, layers=layers,
                                  **settings)
         self.every, self.trainer = every, trainer
+        self.budgeted = max_train_tokens is None and max_val_tokens is None and every is None  # the defaults
+        self.skips: list[tuple[int, float, float, float]] = []  # (step, spent, next, trained) of each step skipped
+        self.checks: list[tuple[int, float, float, float]] = []  # the same of each measurement the budget let through
+        self.t0: float | None = None  # perf_counter when training began
         self.setup: _Setup | None = None
         self.off: str | None = None  # why measuring stopped (bad input that every later step would meet again)
         self.done: set[int] = set()
         self.pending = False
-        self.seconds: list[float] = []
-        self.began: tuple[float, int] | None = None  # (perf_counter, global step) when training began
-        self.cost: cost.Cost | None = None  # the first measurement against the training before it
+        self.seconds: list[float] = []  # each measurement's recurring work
+        self.spans: list[tuple[float, float, float]] = []  # perf_counter at each one's call, its work's start, its end
+        self.last: tuple[float, int, int] | None = None  # (perf_counter, step, tokens seen) at the last measurement's end
+        self.setup_s = 0.0  # the set-up done once, at the first measurement
+        self.parts: dict = {}  # the last measurement's passes and metrics seconds, and its classes' train tokens
+        self.cost: cost.Cost | None = None  # the second measurement against the training since the first
         self.n_train: int | None = None  # train batches in all (DDP shares them out)
         self.output_dir: str | None = None  # the run's output folder, resolved: which run a group is of
 
@@ -190,7 +204,9 @@ class NeuralCollapseCallback(TrainerCallback):
         """The callback's lines (the time of each measurement, a refusal) are shown under any logging set-up
         (:func:`show_info`), run_clm's included."""
         show_info(log)
-        self.began = (time.perf_counter(), state.global_step)  # the training the first measurement is set against
+        self.t0 = time.perf_counter()
+        if self.cfg.max_train_tokens is None and self.cfg.max_val_tokens is None and not self.setup:
+            self._default_caps(args, state, kwargs.get("model"))
 
     def on_step_end(self, args, state, control, **kwargs):
         """Every ``every`` steps: measure now, or at this step's evaluation if one comes (to record its loss)."""
@@ -206,6 +222,25 @@ class NeuralCollapseCallback(TrainerCallback):
             self.pending = False
             self._measure(args, state, kwargs, (metrics or {}).get("eval_loss"))
 
+    def _default_caps(self, args, state, model) -> None:
+        """Caps for a callback given none (:func:`~.cost.default_caps`): the tokens the training reads between two
+        measurements (``every``, else the evaluation interval), said once; every block where that is unknown."""
+        strategy = getattr(args.eval_strategy, "value", args.eval_strategy)  # an IntervalStrategy, or its value
+        interval = self.every or (state.eval_steps if strategy == "steps" else
+                                  state.max_steps // max(1, math.ceil(args.num_train_epochs))
+                                  if strategy == "epoch" else None)
+        block = self.cfg.block_size or (default_block_size(model.config) if model is not None else None)
+        sequences = args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
+        caps = cost.default_caps(int(interval or 0), sequences, block or 0)
+        if caps is None:
+            return
+        self.cfg.max_train_tokens, self.cfg.max_val_tokens = caps
+        if ddp.rank_world()[0] == 0:
+            log.info("ncanalyze: no caps given: max_train_tokens=%s, max_val_tokens=%s, the tokens trained between two "
+                     "measurements (%s steps of %s sequences of %s tokens) and a quarter of them (pass the caps to "
+                     "choose; `ncanalyze extract` given the same caps reads the same blocks)", f"{caps[0]:,}", f"{caps[1]:,}",
+                     interval, sequences, block)
+
     # --- one measurement ---
 
     def _measure(self, args, state, kwargs: dict, eval_loss: float | None) -> None:
@@ -215,6 +250,8 @@ class NeuralCollapseCallback(TrainerCallback):
         if self.off or step in self.done:
             return
         self.done.add(step)
+        if self._skip(step):
+            return
         refused = refuse_sharded(args)
         if refused:
             self._stop(f"{refused}: train with DDP (torchrun) or on one device to measure neural collapse while "
@@ -227,9 +264,10 @@ class NeuralCollapseCallback(TrainerCallback):
             return
         self.output_dir = str(Path(args.output_dir).resolve())
         files = self.store.group_files(group)
-        started = time.perf_counter()
+        began = time.perf_counter()
         if not self._ready(kwargs["model"], self._tokenizer(kwargs), group):
             return
+        started = time.perf_counter()  # the set-up done once (the blocks read or tokenized, the job) is said apart
         try:
             scalars = self.write(kwargs["model"], group,
                                  {"global_step": step, "epoch": state.epoch, "eval_loss": eval_loss})
@@ -249,13 +287,55 @@ class NeuralCollapseCallback(TrainerCallback):
                 torch.cuda.empty_cache()
         if scalars is None:  # a rank other than the first: its share is in rank 0's group
             return
-        self.seconds.append(time.perf_counter() - started)
-        log.info("ncanalyze: %s measured in %.2f s", group, self.seconds[-1])
-        if len(self.seconds) == 1 and self.began is not None:  # its cost against the training, said once
-            self.cost = cost.against(self.seconds[0], self.setup.train, self.setup.val, self.began, started, step,
-                                     args, state.num_input_tokens_seen)
-            log.info("ncanalyze: %s", self.cost.line(group))
+        self._said(group, step, args, state, (began, started, time.perf_counter()))
         self._log(state, step, scalars)
+
+    def _skip(self, step: int) -> bool:
+        """At the defaults (neither caps nor ``every`` given), whether to skip this step: measuring again, as long as
+        the last measurement took, would take the callback above :data:`~.cost.BUDGET` of the training time so far
+        (said at the first skip; the ranks follow rank 0). Given caps or ``every``, every measurement is made."""
+        if not (self.budgeted and self.setup is not None and self.t0 is not None):
+            return False
+        rank, world = ddp.rank_world()
+        spent = sum(end - called for called, _, end in self.spans)
+        numbers = (step, spent, self.seconds[-1] if self.seconds else 0.0, time.perf_counter() - self.t0 - spent)
+        why = f"step-{step}" if rank == 0 and self.seconds and cost.over_budget(*numbers[1:]) else None
+        if world > 1:
+            why = ddp.agree(why)
+        (self.skips if why else self.checks).append(numbers)
+        if why and len(self.skips) == 1 and rank == 0:
+            log.info("ncanalyze: %s not measured, nor any later step while measuring would take the callback above "
+                     "%.0f%% of the training time (%.1f s measured, %.1f s trained): pass caps or every= to measure "
+                     "at every one", why, 100 * cost.BUDGET, spent, numbers[3])
+        return why is not None
+
+    def _said(self, group: str, step: int, args, state, span: tuple[float, float, float]) -> None:
+        """A measurement's time logged, its ``span`` (called, work started, ended) kept; the first also says its
+        set-up, the second its cost against the training since the first (:class:`~.cost.Cost`)."""
+        self.spans.append(span)
+        self.seconds.append(span[2] - span[1])
+        if len(self.seconds) == 1:
+            self.setup_s = span[1] - span[0]
+            log.info("ncanalyze: %s measured in %.2f s, after %.2f s of set-up done once (the blocks read, the job "
+                     "resolved); its cost against the training is said at the next measurement, which repeats only "
+                     "the work that recurs", group, self.seconds[-1], self.setup_s)
+        else:
+            log.info("ncanalyze: %s measured in %.2f s", group, self.seconds[-1])
+        if len(self.seconds) == 2 and self.last is not None:  # its cost against the training, said once
+            self.cost = self._cost(span[1], step, args, state)
+            log.info("ncanalyze: %s", self.cost.line(group))
+        self.last = (span[2], step, state.num_input_tokens_seen or 0)
+
+    def _cost(self, started: float, step: int, args, state) -> cost.Cost:
+        """This measurement (the second) against the training since the first ended."""
+        (ended, before, seen), parts = self.last, self.parts
+        train, val = self.setup.train, self.setup.val
+        tokens = [0 if b is None or b.total is None else b.total * b.block_size for b in (train, val)]
+        steps = step - before
+        sequences = steps * args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
+        return cost.Cost(self.seconds[-1], *tokens, started - ended, steps, sequences,
+                         (state.num_input_tokens_seen or 0) - seen or None, parts["passes"], parts["metrics"],
+                         parts["counts"], self.cfg.min_count, self.setup_s)
 
     def _ready(self, model, tokenizer, group: str) -> bool:
         """The configuration and data resolved (rank 0 first, so that text is tokenized into the cache once, then the
@@ -317,23 +397,29 @@ class NeuralCollapseCallback(TrainerCallback):
                             files.layers if rank == 0 else None, folds=folds)
             if rank == 0:
                 ex.start()
-                ex.split_count = label_counts(setup.train, classifier.shape[0])
+                if setup.split_count is None:  # the whole split's label counts: the same at every measurement
+                    setup.split_count = label_counts(setup.train, classifier.shape[0])
+                ex.split_count = setup.split_count
+            timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):
                 return None
             run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
                        group)
+            self.parts = {"passes": time.perf_counter() - timer, "metrics": 0.0,
+                          "counts": ex.first().stats.count.cpu().numpy()}
             attrs = group_attributes(group, when, model, ex, classifier, cfg, setup.job.run, setup.tokenizer,
                                      setup.tokenizer_name, dtype=str(classifier.dtype).removeprefix("torch."),
                                      device=device, source="training", extra={"output_dir": self.output_dir})
             norm = final_norm(model)
-            ds, others = ex.datasets(classifier, bias, decoded_tokens(setup.tokenizer, classifier.shape[0]), attrs,
-                                     norm and norm[0])
-            done = [("nc/", group, _metrics(ds, cfg.min_count, group))]
+            if setup.decoded is None or len(setup.decoded) != classifier.shape[0]:
+                setup.decoded = decoded_tokens(setup.tokenizer, classifier.shape[0])
+            ds, others = ex.datasets(classifier, bias, setup.decoded, attrs, norm and norm[0])
+            done = [("nc/", group, self._timed_metrics(ds, cfg.min_count, group))]
 
             def measured() -> Iterator[tuple[int, object]]:
                 for l, lds in others:  # measured as each is made: one layer's dataset in memory at a time
                     where = f"{group}/layers/{l}"
-                    done.append((f"nc/layer_{l}/", where, _metrics(lds, cfg.min_count, where)))
+                    done.append((f"nc/layer_{l}/", where, self._timed_metrics(lds, cfg.min_count, where)))
                     yield l, lds
             self.store.write_checkpoint(group, ds, layers=measured())
             ex.cleanup()
@@ -345,6 +431,14 @@ class NeuralCollapseCallback(TrainerCallback):
             if attrs.get(k) is not None:
                 scalars[f"nc/{k}"] = attrs[k]
         return scalars
+
+    def _timed_metrics(self, ds, min_count: int, where: str):
+        """:func:`_metrics`, its seconds added to this measurement's ``parts`` (they grow with the kept classes)."""
+        timer = time.perf_counter()
+        try:
+            return _metrics(ds, min_count, where)
+        finally:
+            self.parts["metrics"] += time.perf_counter() - timer
 
     def _shared(self, model, setup: _Setup, ex: Extraction, rank: int, group: str) -> bool:
         """Under DDP: this rank's share of the train pass, merged into rank 0's ``ex`` (the default plan; a plan of

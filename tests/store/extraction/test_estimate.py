@@ -19,6 +19,7 @@ from conftest import EXTRACT_OPTS, run_cli, tmpfs, train_sweep
 from ncanalyze.store import io
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction import estimate as est
+from ncanalyze.store.extraction import progress as progress_of_run
 from ncanalyze.store.extraction.estimate import (
     START,
     Arch,
@@ -41,14 +42,16 @@ from ncanalyze.store.sources.discover import Checkpoint
 COSTS = Costs(load=7.0, forward=1.0, train=2.0, decide=3.0, loss=5.0, write_rate=1.0)
 
 
-@pytest.mark.parametrize("at, passes, want", [
-    (START, [1], 10 * (1 + 2) + 4 * (1 + 3 + 5)),                     # 66: the default extraction from the start
-    ((0, Phase.TRAIN, 4), [1], 6 * 3 + 4 * 9),                       # 4 train batches done
-    ((0, Phase.VALIDATION, 1), [1], 3 * 9),                          # in the validation pass
+@pytest.mark.parametrize("at, passes, want", [  # the last layer's validation part is the loss alone (its decisions
+    # read from the loss's logits): a batch there 1 + 5, a batch of k layers below it 1 + 3k
+    (START, [1], 10 * (1 + 2) + 4 * (1 + 5)),                         # 54: the default extraction from the start
+    ((0, Phase.TRAIN, 4), [1], 6 * 3 + 4 * 6),                       # 4 train batches done
+    ((0, Phase.VALIDATION, 1), [1], 3 * 6),                          # in the validation pass
     ((0, Phase.DONE, 0), [1], 0),                                    # only the write is left
-    (START, [2, 2, 1], 2 * (10 * (1 + 4) + 4 * (1 + 6)) + 10 * 3 + 4 * 9),  # 5 layers in 3 passes, loss in the last
-    ((1, Phase.VALIDATION, 2), [2, 2, 1], 2 * (1 + 6) + 10 * 3 + 4 * 9),
-    ((2, Phase.TRAIN, 10), [2, 2, 1], 4 * 9),
+    (START, [2, 2, 1], 2 * (10 * (1 + 4) + 4 * (1 + 6)) + 10 * 3 + 4 * 6),  # 5 layers in 3 passes, loss in the last
+    ((1, Phase.VALIDATION, 2), [2, 2, 1], 2 * (1 + 6) + 10 * 3 + 4 * 6),
+    ((2, Phase.TRAIN, 10), [2, 2, 1], 4 * 6),
+    (START, [3], 10 * (1 + 6) + 4 * (1 + 2 * 3 + 5)),                # 3 layers in one pass: 2 below the last
 ])
 def test_seconds_left_of_planted_costs(at, passes, want):
     assert COSTS.left(at, passes, n_train=10, n_val=4) == want
@@ -61,10 +64,10 @@ def test_passes_below_the_last_layer_cost_the_blocks_they_run():
     assert depths(plan("2", None, 0, "float32", 8)) == [1.0]  # layers 2 and 8 in one pass: the whole forward
     assert depths(plan("0,8", 1, 0, "float32", 8)) == [0.0, 1.0]  # the embedding output alone: no block runs
     # by hand, 10 train and 4 validation batches: pass 0: 10 x (3/8 + 4 x 2) + 4 x (3/8 + 4 x 3) = 133.25;
-    # pass 1: 10 x (7/8 + 8) + 4 x (7/8 + 12) = 140.25; the last pass: 10 x (1 + 2) + 4 x (1 + 3 + 5) = 66
-    assert COSTS.left(START, [4, 4, 1], 10, 4, depths(fixed)) == 133.25 + 140.25 + 66
-    assert COSTS.left((1, Phase.VALIDATION, 2), [4, 4, 1], 10, 4, depths(fixed)) == 2 * 12.875 + 66
-    assert COSTS.left(START, [4, 4, 1], 10, 4) == 2 * (10 * 9 + 4 * 13) + 66  # without depths: every forward whole
+    # pass 1: 10 x (7/8 + 8) + 4 x (7/8 + 12) = 140.25; the last pass: 10 x (1 + 2) + 4 x (1 + 5) = 54
+    assert COSTS.left(START, [4, 4, 1], 10, 4, depths(fixed)) == 133.25 + 140.25 + 54
+    assert COSTS.left((1, Phase.VALIDATION, 2), [4, 4, 1], 10, 4, depths(fixed)) == 2 * 12.875 + 54
+    assert COSTS.left(START, [4, 4, 1], 10, 4) == 2 * (10 * 9 + 4 * 13) + 54  # without depths: every forward whole
 
 
 def test_estimate_line_adds_load_passes_and_write_for_every_checkpoint(tmp_path):
@@ -75,11 +78,11 @@ def test_estimate_line_adds_load_passes_and_write_for_every_checkpoint(tmp_path)
     disk = group_bytes(50, 8, 2)
     at = [START, (0, Phase.VALIDATION, 1), START]
     line = estimate([Arch("a", COSTS, train, val, 50, 8, at=at)], 4, 2, tmp_path / "s.zarr")
-    want = 3 * (7 + disk) + 66 + 27 + 66
+    want = 3 * (7 + disk) + 54 + 18 + 54  # each checkpoint's load and write, and its passes left
     took = re.search(r"~([\d.,]+) (s|min|h) in all", line)
     assert float(took[1].replace(",", "")) * {"s": 1, "min": 60, "h": 3600}[took[2]] == pytest.approx(want, rel=0.05)
     assert line.startswith("3 checkpoint(s) to do (1 partly done) x 640 train tokens + 256 val tokens")
-    assert "train pass 30.0 s, validation 36.0 s" in line
+    assert "train pass 30.0 s, validation 24.0 s" in line
     unknown = estimate([Arch("a", None, train, val, 50, 8, at=[START])], 4, 2, tmp_path / "s.zarr")
     assert "unknown" in unknown and "in all" not in unknown
 
@@ -180,12 +183,12 @@ def test_each_architecture_timed_once_and_one_total_of_planted_costs(tmp_path):
     assert archs[0].name.startswith("gpt_neo L2 d8 V50 h4") and archs[1].name.startswith("gpt_neo L2 d4 V60 h2 ff16")
     assert "not timed: c/c1 did not load" in archs[2].name and archs[2].costs is first.costs
     line = estimate(archs[:2], 4, 2, tmp_path / "s.zarr")
-    # A: 3 x (load 7 + write 4) + 66 + 66 + 27 (a2 in its validation pass) = 192;
-    # B: 3 x (load 1 + write 2) + 3 x (10 x (0.5 + 1) + 4 x (0.5 + 2 + 1)) = 9 + 87 = 96; in all 288 s = 4.8 min
+    # A: 3 x (load 7 + write 4) + 54 + 54 + 18 (a2 in its validation pass) = 159;
+    # B: 3 x (load 1 + write 2) + 3 x (10 x (0.5 + 1) + 4 x (0.5 + 1)) = 9 + 63 = 72; in all 231 s = 3.9 min
     assert line.startswith("6 checkpoint(s) to do (1 partly done) in 2 architectures x 640 train tokens + 256 val "
-                           "tokens; ~4.8 min in all. Per checkpoint, timed on the first of each architecture: ")
-    assert "V50 h4 float32 block 16 (3): load 7.0 s, train pass 30.0 s, validation 36.0 s, write 4.0 s; " in line
-    assert "ff16 float32 block 16 (3): load 1.0 s, train pass 15.0 s, validation 14.0 s, write 2.0 s; " in line
+                           "tokens; ~3.9 min in all. Per checkpoint, timed on the first of each architecture: ")
+    assert "V50 h4 float32 block 16 (3): load 7.0 s, train pass 30.0 s, validation 24.0 s, write 4.0 s; " in line
+    assert "ff16 float32 block 16 (3): load 1.0 s, train pass 15.0 s, validation 6.0 s, write 2.0 s; " in line
     assert f"~{bytes_text(3 * (group_bytes(50, 8, 2) + group_bytes(60, 4, 2)))} (before compression)" in line
 
 
@@ -216,7 +219,7 @@ def test_the_timing_is_bounded_at_a_gpt2_vocabulary():
                                            attention_types=[[["global"], 1]], max_position_embeddings=256)).eval()
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, 50_257, (8, 256)))
     started, cpu = time.perf_counter(), time.process_time()
-    forward, train, decide, loss = batch_seconds(model, ids, 4, 50_257, seed=0)
+    forward, train, decide, loss = batch_seconds(model, ids, 4, np.ones(50_257, dtype=np.int64), 1, seed=0, folds=8)
     took, cpu = time.perf_counter() - started, time.process_time() - cpu
     # a whole batch's decisions against 50,257 classes take ~4-8 s here; the old timing ran them 4 times (~12 s). The
     # bound is on the CPU time (these 2 cores are shared: the wall time follows the load)
@@ -242,3 +245,6 @@ def test_one_line_over_two_runs_of_different_widths(trained_run, corpus, tmp_pat
     took = re.search(r"~([\d.,]+) (s|min|h) in all", line)
     shown = float(took[1].replace(",", "")) * {"s": 1, "min": 60, "h": 3600}[took[2]]
     assert shown == pytest.approx(total, rel=0.05, abs=1.0)  # the total is the sum of each architecture's parts
+    tracker = progress_of_run.last()  # the run's time left followed to its end, over both PATHS
+    assert tracker.done == pytest.approx(tracker.total, rel=1e-9), (tracker.done, tracker.total)
+    assert progress_of_run.current() is None  # and no further once the command ends

@@ -4,10 +4,12 @@ is bit-identical with and without it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -271,17 +273,77 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
     assert seen == {5, 10, 15, 20}, rec.logs
     timed = [line for line in lines if "measured in" in line]
     assert len(timed) == 4 and all(" s" in line for line in timed), lines
-    (costs,) = [line for line in lines if "of the training time at this interval" in line]  # said once, the first
+    (costs,) = [line for line in lines if "of the training time at this interval" in line]  # said once, the second
     c, blocks = cb.cost, cb.setup.train
-    assert (c.measured_s, c.steps, c.train_tokens) == (cb.seconds[0], 5, blocks.total * blocks.block_size)
+    assert (c.measured_s, c.steps, c.train_tokens) == (cb.seconds[1], 5, blocks.total * blocks.block_size)
     assert c.sequences == 5 * trainer.args.train_batch_size * trainer.args.gradient_accumulation_steps
-    assert costs.startswith(f"ncanalyze: neo/step-5 measured {c.train_tokens:,} train + {c.val_tokens:,} val tokens "
-                            f"in {c.measured_s:,.1f} s, against {c.trained_s:,.1f} s of training"), costs
+    assert costs.startswith(f"ncanalyze: neo/step-10 measured {c.train_tokens:,} train + {c.val_tokens:,} val tokens "
+                            f"in {c.measured_s:,.1f} s; the set-up done once before the first took "
+                            f"{c.setup_s:,.1f} s more, against {c.trained_s:,.1f} s of training"), costs
     for force in ((), ("--force",)):  # issue 51: four warnings and "4 left out" though nothing was wrong
         out = run_cli("measure", tmp_path / "s.zarr", *force).output
         rest = "\n".join(line for line in out.splitlines() if not line.startswith(TINY_BUDGET))
         assert "warning" not in rest.lower() and "left out" not in rest and "skipped" not in rest, out
     assert f": {c.measured_s / c.trained_s:.0%} of the training time" in costs
+
+
+@pytest.mark.slow
+def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_path, caplog):
+    """Text data (tokenized once, at the first measurement) and no caps: the caps are the tokens trained between two
+    measurements (5 steps x 8 sequences x 32 tokens with every=5, 10 steps' at evaluations every 10 steps) and a
+    quarter of them, recorded as a cap given so; the set-up
+    (the job resolved, the text tokenized) lies outside every measurement's counted work; the cost, said at the
+    second measurement, counts that one's work alone against the training between the first's end and its start;
+    its parts lie within it, and its class counts are the stored ones."""
+    import ncanalyze.store
+    from ncanalyze.store.runs.cost import over_budget
+
+    from ncanalyze.training import NeuralCollapseCallback
+
+    class Watched(NeuralCollapseCallback):
+        resolves = 0
+
+        def _resolve(self, *a):
+            self.resolves += 1
+            self.resolving = time.perf_counter()
+            try:
+                return super()._resolve(*a)
+            finally:
+                self.resolved = time.perf_counter()
+
+    settings = {"batch_size": 4, "samples_per_class": 2, "block_size": 32}
+    cb = Watched(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5, **settings)
+    at_evaluations = NeuralCollapseCallback(tmp_path / "e.zarr", str(corpus["train"]), str(corpus["val"]), **settings)
+    with said(caplog) as lines:
+        trainer = train(corpus, tmp_path / "neo", [cb, at_evaluations])
+    assert (cb.cfg.max_train_tokens, cb.cfg.max_val_tokens) == (5 * 8 * 32, 5 * 8 * 32 // 4)
+    caps = (at_evaluations.cfg.max_train_tokens, at_evaluations.cfg.max_val_tokens)
+    assert caps == (EVERY * 8 * 32, EVERY * 8 * 32 // 4)  # evaluations every 10 steps
+    tree = ncanalyze.store.open(tmp_path / "s.zarr")
+    group = tree["neo/step-10"]
+    config = json.loads(group.attrs["config"])
+    assert (config["max_train_tokens"], config["max_val_tokens"]) == (1280, 320)
+    assert group.attrs["train_tokens"] <= 1280
+    first, second = cb.spans[:2]
+    assert first[0] <= cb.resolving < cb.resolved <= first[1]  # the set-up before the first's counted work
+    assert cb.resolves == 1 and len(cb.spans) == 4  # resolved once: no set-up in the later measurements
+    assert cb.setup_s == first[1] - first[0] and cb.seconds[0] == first[2] - first[1]
+    c = cb.cost
+    assert c.measured_s == cb.seconds[1] == second[2] - second[1]
+    assert c.trained_s == second[1] - first[2] and c.steps == 5
+    assert 0 < c.passes_s and 0 < c.metrics_s and c.passes_s + c.metrics_s <= c.measured_s
+    np.testing.assert_array_equal(c.counts, group["count"].values)
+    costs = [line for line in lines if "of the training time at this interval" in line]
+    assert costs[0].startswith("ncanalyze: neo/step-10 measured 1,280 train + 320 val tokens"), costs
+    # at its defaults a step is measured only while the time spent measuring stays within the budget: each decision
+    # follows from the numbers it was made on, and every evaluation is either a group or a skip
+    measured = [int(g.removeprefix("step-")) for g in ncanalyze.store.open(tmp_path / "e.zarr")["neo"].children]
+    assert not cb.skips and cb.budgeted is False  # every= given: every step measured
+    assert at_evaluations.budgeted and sorted(measured + [k[0] for k in at_evaluations.skips]) == [10, 20]
+    assert all(over_budget(*k[1:]) for k in at_evaluations.skips)
+    assert not any(over_budget(*k[1:]) for k in at_evaluations.checks if k[2] > 0)
+    assert [k[0] for k in at_evaluations.checks] == measured[1:]  # the first is always measured
+    assert trainer.state.global_step == STEPS
 
 
 @pytest.mark.slow
