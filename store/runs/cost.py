@@ -26,7 +26,7 @@ from scipy.stats import binom
 
 OVERHEAD = 0.10  # the share of training time a measurement should stay within
 VAL_SHARE = 4    # the default validation cap is this many times smaller than the train cap
-BUDGET = 0.25    # a callback given neither caps nor ``every`` skips what would take it above this share of training
+BUDGET = 0.25    # a share of training a callback may be held to (its max_share; by default none: every step measured)
 
 
 @dataclass(frozen=True)
@@ -120,5 +120,6 @@ def default_caps(interval: int | None, sequences: int, block_size: int) -> tuple
 
 def over_budget(spent: float, next_s: float, trained: float, share: float = BUDGET) -> bool:
     """Whether one more measurement of ``next_s`` seconds, after ``spent`` seconds of measuring, would take the
-    callback above ``share`` of the ``trained`` seconds of training so far (a callback at its defaults then skips it)."""
+    callback above ``share`` of the ``trained`` seconds of training so far (a callback given that max_share then skips
+    it)."""
     return spent + next_s > share * trained

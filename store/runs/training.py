@@ -153,8 +153,11 @@ class NeuralCollapseCallback(TrainerCallback):
     layers
         ``last``, ``all`` or comma-separated indices, as ``--layers``.
     every
-        Measure every this many steps instead of at each evaluation. With neither ``every`` nor a cap given, a step is
-        skipped where measuring it would take the callback above :data:`~.cost.BUDGET` of the training time so far.
+        Measure every this many steps instead of at each evaluation.
+    max_share
+        Skip a step where measuring it would take the callback above this share of the training time so far (e.g.
+        :data:`~.cost.BUDGET`, 0.25; said at the first skip). None (the default): every step of the schedule is
+        measured, as the SPEC's schedule says; the default caps above bound the cost instead.
     trainer
         The Trainer, when known: the scalar metrics then go through ``trainer.log`` to every integration (TensorBoard,
         W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
@@ -166,7 +169,7 @@ class NeuralCollapseCallback(TrainerCallback):
     def __init__(self, store: str | Path | Store | None = None, train_data: str | None = None,
                  val_data: str | None = None, max_train_tokens: int | None = None, layers: str = "last",
                  every: int | None = None, *,
-                 max_val_tokens: int | None = None, trainer=None, **settings):
+                 max_val_tokens: int | None = None, trainer=None, max_share: float | None = None, **settings):
         if train_data is None:
             raise UserError("NeuralCollapseCallback needs train_data (any form --dataset takes)")
         known = {f.name for f in fields(ExtractConfig)} - {"dataset", "val_dataset", "max_train_tokens",
@@ -181,7 +184,11 @@ class NeuralCollapseCallback(TrainerCallback):
                                  max_train_tokens=max_train_tokens, max_val_tokens=max_val_tokens, layers=layers,
                                  **settings)
         self.every, self.trainer = every, trainer
-        self.budgeted = max_train_tokens is None and max_val_tokens is None and every is None  # the defaults
+        if max_share is not None and not (isinstance(max_share, (int, float)) and 0 < max_share < 1):
+            raise UserError(f"max_share={max_share!r}: pass a share of the training time between 0 and 1 (e.g. 0.25), "
+                            "or None to measure at every step of the schedule")
+        self.max_share = max_share
+        self.budgeted = max_share is not None  # asked for: a step may be skipped to keep the callback's share
         self.skips: list[tuple[int, float, float, float]] = []  # (step, spent, next, trained) of each step skipped
         self.checks: list[tuple[int, float, float, float]] = []  # the same of each measurement the budget let through
         self.t0: float | None = None  # perf_counter when training began
@@ -291,22 +298,23 @@ class NeuralCollapseCallback(TrainerCallback):
         self._log(state, step, scalars)
 
     def _skip(self, step: int) -> bool:
-        """At the defaults (neither caps nor ``every`` given), whether to skip this step: measuring again, as long as
-        the last measurement took, would take the callback above :data:`~.cost.BUDGET` of the training time so far
-        (said at the first skip; the ranks follow rank 0). Given caps or ``every``, every measurement is made."""
+        """With ``max_share`` given, whether to skip this step: measuring again, as long as the last measurement took,
+        would take the callback above that share of the training time so far (said at the first skip; the ranks
+        follow rank 0). Without it (the default), every step of the schedule is measured."""
         if not (self.budgeted and self.setup is not None and self.t0 is not None):
             return False
         rank, world = ddp.rank_world()
         spent = sum(end - called for called, _, end in self.spans)
         numbers = (step, spent, self.seconds[-1] if self.seconds else 0.0, time.perf_counter() - self.t0 - spent)
-        why = f"step-{step}" if rank == 0 and self.seconds and cost.over_budget(*numbers[1:]) else None
+        why = (f"step-{step}" if rank == 0 and self.seconds and cost.over_budget(*numbers[1:], self.max_share)
+               else None)
         if world > 1:
             why = ddp.agree(why)
         (self.skips if why else self.checks).append(numbers)
         if why and len(self.skips) == 1 and rank == 0:
             log.info("ncanalyze: %s not measured, nor any later step while measuring would take the callback above "
-                     "%.0f%% of the training time (%.1f s measured, %.1f s trained): pass caps or every= to measure "
-                     "at every one", why, 100 * cost.BUDGET, spent, numbers[3])
+                     "%.0f%% of the training time (%.1f s measured, %.1f s trained): max_share=None measures at "
+                     "every one", why, 100 * self.max_share, spent, numbers[3])
         return why is not None
 
     def _said(self, group: str, step: int, args, state, span: tuple[float, float, float]) -> None:

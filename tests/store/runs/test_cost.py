@@ -69,7 +69,8 @@ def test_default_caps_are_the_tokens_trained_between_measurements():
     assert default_caps(None, 16, 128) is None and default_caps(0, 16, 128) is None
 
 
-def test_a_measurement_over_the_budget_is_skipped_at_the_defaults():
-    """10 s measured and 3 s more due against 50 s trained: 13 > 25% x 50 = 12.5, skipped; 2 s more fits."""
+def test_a_measurement_over_a_max_share_is_skipped():
+    """max_share=0.25: 10 s measured and 3 s more due against 50 s trained: 13 > 25% x 50 = 12.5, skipped; 2 s
+    more fits (without a max_share nothing is skipped: test_training.py)."""
     assert BUDGET == 0.25
     assert over_budget(10.0, 3.0, 50.0) and not over_budget(10.0, 2.0, 50.0)

@@ -296,7 +296,7 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
     second measurement, counts that one's work alone against the training between the first's end and its start;
     its parts lie within it, and its class counts are the stored ones."""
     import ncanalyze.store
-    from ncanalyze.store.runs.cost import over_budget
+    from ncanalyze.store.runs.cost import BUDGET, over_budget
 
     from ncanalyze.training import NeuralCollapseCallback
 
@@ -313,7 +313,9 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
 
     settings = {"batch_size": 4, "samples_per_class": 2, "block_size": 32}
     cb = Watched(tmp_path / "s.zarr", str(corpus["train"]), str(corpus["val"]), every=5, **settings)
-    at_evaluations = NeuralCollapseCallback(tmp_path / "e.zarr", str(corpus["train"]), str(corpus["val"]), **settings)
+    at_evaluations = NeuralCollapseCallback(tmp_path / "e.zarr", str(corpus["train"]), str(corpus["val"]),
+                                            max_share=BUDGET, **settings)
+    assert not NeuralCollapseCallback(tmp_path / "d.zarr", str(corpus["train"]), **settings).budgeted  # the default
     with said(caplog) as lines:
         trainer = train(corpus, tmp_path / "neo", [cb, at_evaluations])
     assert (cb.cfg.max_train_tokens, cb.cfg.max_val_tokens) == (5 * 8 * 32, 5 * 8 * 32 // 4)
@@ -335,10 +337,10 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
     np.testing.assert_array_equal(c.counts, group["count"].values)
     costs = [line for line in lines if "of the training time at this interval" in line]
     assert costs[0].startswith("ncanalyze: neo/step-10 measured 1,280 train + 320 val tokens"), costs
-    # at its defaults a step is measured only while the time spent measuring stays within the budget: each decision
-    # follows from the numbers it was made on, and every evaluation is either a group or a skip
+    # given max_share, a step is measured only while the time spent measuring stays within it: each decision
+    # follows from the numbers it was made on, and every evaluation is either a group or a skip (by default none is)
     measured = [int(g.removeprefix("step-")) for g in ncanalyze.store.open(tmp_path / "e.zarr")["neo"].children]
-    assert not cb.skips and cb.budgeted is False  # every= given: every step measured
+    assert not cb.skips and cb.budgeted is False  # no max_share: every step measured
     assert at_evaluations.budgeted and sorted(measured + [k[0] for k in at_evaluations.skips]) == [10, 20]
     assert all(over_budget(*k[1:]) for k in at_evaluations.skips)
     assert not any(over_budget(*k[1:]) for k in at_evaluations.checks if k[2] > 0)
