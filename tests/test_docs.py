@@ -57,7 +57,8 @@ def test_the_readme_is_a_front_page_whose_setup_is_what_ci_runs():
 
 
 OTHER_TOOLS = {"--strict": "mkdocs build", "--safe_serialization": "zero_to_fp32.py", "--scheduler-file": "dask",
-               "--resources": "dask worker", "--nthreads": "dask worker", "--bind": "mount", "--help": "every command"}
+               "--resources": "dask worker", "--nthreads": "dask worker", "--bind": "mount", "--help": "every command",
+               "--record": "benchmarks/budget.py (benchmarks/record.py)"}
 
 
 def test_every_flag_the_pages_name_is_an_option_of_a_command():
