@@ -258,3 +258,26 @@ def tmpfs(path: Path, options: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)])
+
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1400,1000")
+
+
+def headless_chromium(profile: Path):
+    """Headless Chromium (Debian's, as .ci/run installs it) with its console and network logs, a profile of its own;
+    the test skips, saying how to install it, where it is missing."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip("headless Chromium is not installed (/usr/bin/chromium, /usr/bin/chromedriver): "
+                    "apt-get install -y chromium chromium-driver, as .ci/run does")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    return webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import _load_example, make_corpus, run_cli, train_sweep
+from conftest import _load_example, headless_chromium, make_corpus, run_cli, train_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -143,9 +143,6 @@ def test_the_results_page_is_the_committed_study(site):
 
 # ---------------------------------------------------------------- in a browser
 
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--window-size=1400,1000")
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +158,7 @@ def served(site):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip("headless Chromium is not installed (/usr/bin/chromium, /usr/bin/chromedriver): "
-                    "apt-get install -y chromium chromium-driver, as .ci/run does")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS + (f"--user-data-dir={tmp_path_factory.mktemp('chromium-docs')}",):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver = headless_chromium(tmp_path_factory.mktemp("chromium-docs"))
     yield driver
     driver.quit()
 

@@ -16,16 +16,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import run_cli
+from conftest import headless_chromium, run_cli
 from test_stats import study
 
 from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.analyzer.report.html import md_inline
 from ncanalyze.analyzer.stats import METRICS
 
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1000")
 LOCAL = ("file:", "data:", "blob:", "about:")
 
 
@@ -34,18 +31,7 @@ LOCAL = ("file:", "data:", "blob:", "about:")
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     """Headless Chromium with the browser's console and network logs, its network off for every page."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip("headless Chromium is not installed (/usr/bin/chromium, /usr/bin/chromedriver): "
-                    "apt-get install -y chromium chromium-driver, as .ci/run does")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS + (f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver = headless_chromium(tmp_path_factory.mktemp("chromium-profile"))
     driver.set_network_conditions(offline=True, latency=0, throughput=0)
     yield driver
     driver.quit()
