@@ -1,6 +1,6 @@
 """An extraction's configuration: the settings (``ExtractConfig``), the record of those that determine the numbers and
 its hash, what they resolve to for one checkpoint, the data they open, and what a checkpoint already on disk means
-under them (:func:`checkpoint_status`: skip, refuse, resume or start fresh).
+under them (:func:`refusal`, where :func:`ncanalyze.store.store.decide` refuses it).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config, resolve_device, weights_fingerprint
-from ncanalyze.store.store import Status, Store, decide
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -407,32 +407,8 @@ def open_inputs(store: Store | None, cfg: ExtractConfig, run: Resolved, tokenize
     return train, val
 
 
-def checkpoint_status(existing: dict | None, record: dict, state: Path, overwrite: bool = False,
-                      restart: bool = False) -> Status:
-    """The one decision of what to do with a checkpoint (store.decide, on ``record``'s hash; a running extraction
-    asks its ``Store.status``).
-
-    Parameters
-    ----------
-    existing
-        The attributes of its group in the store (None: not there).
-    record
-        The configuration record it would be extracted under.
-    state
-        Its resume state's path.
-    overwrite, restart
-        As for store.decide.
-
-    Returns
-    -------
-    Status
-        SKIP, REFUSE, RESUME or FRESH.
-    """
-    return decide(existing, config_hash(record), state, overwrite, restart)
-
-
 def refusal(group: str, store: Store, existing: dict, record: dict, tag: str | None) -> UserError:
-    """The error for a checkpoint that :func:`checkpoint_status` refuses, naming the settings that differ.
+    """The error for a checkpoint that :func:`ncanalyze.store.store.decide` refuses, naming the settings that differ.
 
     Parameters
     ----------

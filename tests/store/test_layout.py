@@ -15,13 +15,9 @@ import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, ROOT, run_cli
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.extraction.config import (
-    checkpoint_status,
-    config_hash,
-    refusal,
-)
+from ncanalyze.store.extraction.config import config_hash, refusal
 from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout, default_store
-from ncanalyze.store.store import Status
+from ncanalyze.store.store import Status, decide
 from ncanalyze.store.resume import Phase, save_state
 from ncanalyze.store.extraction.checkpoint import Outcome
 from ncanalyze.store.runs.local import ExtractResult
@@ -167,7 +163,9 @@ def test_one_default_store(tmp_path, monkeypatch, extracted_store):
 
 
 def test_one_decision_of_a_checkpoint_status(tmp_path):
+    """store.decide on a configuration record's hash: skip, refuse, resume or start fresh."""
     record = {"dataset": "d.txt", "seed": 0}
+    checkpoint_status = lambda existing, record, state, **kw: decide(existing, config_hash(record), state, **kw)  # noqa
     same = {"complete": True, "config_hash": config_hash(record), "config": json.dumps(record)}
     other_record = {"dataset": "e.txt", "seed": 0}
     other = {"complete": True, "config_hash": config_hash(other_record), "config": json.dumps(other_record)}
