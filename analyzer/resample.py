@@ -36,7 +36,7 @@ from scipy.stats import norm, t as student_t
 
 LEVEL = 0.95
 UNDEFINED = 1e-10  # a variable's spread in a resample at most this fraction of its size there: no statistic
-_CHUNK_ELEMS = 2 ** 22  # resamples x rows x columns per chunk of the rank computation
+_CHUNK_ELEMS = 2 ** 22  # resamples x rows x columns per chunk (the centred moments, the paired bootstrap)
 _BATCHES = 10  # batch means of the Monte-Carlo error
 FISHER, JACKKNIFE = "Fisher z", "jackknife over runs (Fisher z, t)"  # stats.csv's ci_method
 
@@ -66,12 +66,17 @@ def loo_weights(codes: np.ndarray) -> np.ndarray:
 
 def _moments(W: np.ndarray, A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Weighted means (B x p) and covariances (B x p x p) of the columns of A (n x p) under each row of W, the
-    columns centred on each resample's own mean first (no cancellation where the spread is small)."""
+    columns centred on each resample's own mean first (no cancellation where the spread is small); the centred
+    copies (resamples x n x p) made a chunk of at most :data:`_CHUNK_ELEMS` at a time."""
     sw = W.sum(1)
+    cov = np.empty((len(W), A.shape[1], A.shape[1]))
+    step = max(1, _CHUNK_ELEMS // max(1, A.size))
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = (W @ A) / sw[:, None]
-        D = A[None, :, :] - mean[:, None, :]
-        cov = np.einsum("bn,bni,bnj->bij", W, D, D, optimize=True) / sw[:, None, None]
+        for i in range(0, len(W), step):
+            D = A[None, :, :] - mean[i:i + step, None, :]
+            cov[i:i + step] = np.einsum("bn,bni,bnj->bij", W[i:i + step], D, D, optimize=True)
+        cov /= sw[:, None, None]
     return mean, cov
 
 
