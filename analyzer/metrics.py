@@ -21,7 +21,7 @@ import xarray as xr
 from ncanalyze.analyzer import spectral
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
-from ncanalyze.analyzer.schema import CLASS_COUNTS, PER_CLASS, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, LABELS, NEXT_TOKEN, NO_CLASSIFIER, PER_CLASS, SCALARS
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)
 # Each takes the Geometry and returns a float; `needs` names the Geometry field it requires (the metric is left out
@@ -245,8 +245,10 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
     missing = [k for k in DEFINITIONS if k not in scalars]
     if missing:
         needs = sorted({str(getattr(DEFINITIONS[k], "needs", "")) for k in missing} - {""})
-        warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
-                      stacklevel=2)
+        labels = ds.attrs.get(LABELS, NEXT_TOKEN)
+        why = (f"{NO_CLASSIFIER} (labels {labels})" if labels.startswith("file:") else
+               f"the dataset lacks what they need ({', '.join(needs)})")
+        warnings.warn(f"{', '.join(missing)} are nan: {why}", stacklevel=2)
     errors = tuple(f"{m}_se" for m in DEFINITIONS) if se else ()
     return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS, *errors)}
 

@@ -83,6 +83,12 @@ HEAD = ("classifier", "classifier_bias")
 MEASURED = ("count", "split_count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS, *VAL_AT)
 # the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
 LAYER = "layer"
+# the metrics table's label column (after LAYER): what a position's class is, the group's ``labels`` attribute as the
+# extraction's --labels wrote it (``current``, ``file:PATH``), ``next`` (the paper's) where none is recorded; the class
+# axis keeps its name ``vocab`` whatever the classes are
+LABELS, NEXT_TOKEN = "labels", "next"
+# why NC3, UNC3, NC4 and the head metrics are nan for classes that are not the vocabulary (a label file)
+NO_CLASSIFIER = "no classifier for these classes"
 
 
 def _np(x: Any) -> np.ndarray:

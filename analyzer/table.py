@@ -10,9 +10,9 @@ from typing import Any
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LAYER, METRICS_VERSION, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LABELS, LAYER, METRICS_VERSION, NEXT_TOKEN, SCALARS
 
-COLUMNS = (*INFO, LAYER, *CLASS_COUNTS, *SCALARS, *ERRORS)
+COLUMNS = (*INFO, LAYER, LABELS, *CLASS_COUNTS, *SCALARS, *ERRORS)
 
 
 def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
@@ -25,7 +25,7 @@ def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """One group's row: its descriptive attributes, its layer (a checkpoint group without ``layer`` is its last,
-    ``n_layers``), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
+    ``n_layers``), its labels (``next`` where none are recorded), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
     as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
 
     Parameters
@@ -43,7 +43,7 @@ def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
               for k in (*CLASS_COUNTS, *SCALARS, *ERRORS)}
     info = {k: attrs.get(k) for k in INFO}
     info["global_step"] = _step(info.get("global_step"))
-    return {**info, LAYER: attrs.get(LAYER, attrs.get("n_layers")), **floats}
+    return {**info, LAYER: attrs.get(LAYER, attrs.get("n_layers")), LABELS: attrs.get(LABELS, NEXT_TOKEN), **floats}
 
 
 def _step(value: Any) -> Any:

@@ -102,22 +102,24 @@ def final_norm(model) -> tuple[str, torch.nn.Module] | None:
 
 
 @torch.inference_mode()
-def features(model, ids: torch.Tensor) -> torch.Tensor:
+def features(model, ids: torch.Tensor, end: int | None = -1) -> torch.Tensor:
     """The last layer's features.
 
     Parameters
     ----------
     model : a transformers causal LM (only its base model runs: no logits are formed).
     ids : token ids, b x L.
+    end : the positions kept, ``[:, :end]``: -1 every position but the last (next-token labels), None all.
 
     Returns
     -------
     Tensor : the last hidden state after the final norm, at every position but the last: (b, L-1, d).
     """
-    return model.base_model(input_ids=ids).last_hidden_state[:, :-1]
+    return model.base_model(input_ids=ids).last_hidden_state[:, :end]
 
 
-def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def hidden_forward(model, layers: tuple[int, ...], last: int, end: int | None = -1
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The forward pass of a pass's layers. The last layer is ``last_hidden_state``; with only the last layer asked
     (the default plan), no hidden states are formed. A pass below the last layer runs the model only up to its
     deepest layer (:func:`cut_forward`), or, where the model cannot be cut, the whole forward with a note.
@@ -127,21 +129,22 @@ def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch
     model : a transformers causal LM.
     layers : the pass's layers, indices into hidden_states.
     last : the last layer's index.
+    end : the positions kept (:func:`features`).
 
     Returns
     -------
     callable : ids (b x L) -> the layers' features at every position but the last, stacked: (k, b, L-1, d).
     """
     if layers == (last,):
-        return lambda ids: features(model, ids)[None]
+        return lambda ids: features(model, ids, end)[None]
 
     @torch.inference_mode()
     def forward(ids: torch.Tensor) -> torch.Tensor:
         out = model.base_model(input_ids=ids, output_hidden_states=True)
-        return torch.stack([(out.last_hidden_state if l == last else out.hidden_states[l])[:, :-1] for l in layers])
+        return torch.stack([(out.last_hidden_state if l == last else out.hidden_states[l])[:, :end] for l in layers])
     if last in layers:
         return forward
-    return cut_forward(model, layers, forward) or forward
+    return cut_forward(model, layers, forward, end) or forward
 
 
 # where models keep their blocks, on the base model (GPT-2/GPT-Neo/Falcon/BLOOM, Llama/Mistral/Gemma/Qwen/OLMo/
@@ -175,7 +178,7 @@ def blocks_of(model) -> torch.nn.ModuleList | None:
     return None
 
 
-def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], torch.Tensor]
+def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], torch.Tensor], end: int | None = -1
                 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The features of ``layers`` (all below the last) from a forward that stops before block ``max(layers)``: each
     ``hidden_states[l]`` is taken as block l's input by a forward pre-hook, and the deepest one's hook ends the
@@ -188,6 +191,7 @@ def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], t
     model : a transformers causal LM.
     layers : the pass's layers, all below the last.
     full : the whole forward (``output_hidden_states``), as :func:`hidden_forward` makes it.
+    end : the positions kept (:func:`features`).
 
     Returns
     -------
@@ -218,7 +222,7 @@ def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], t
         finally:
             for handle in handles:
                 handle.remove()
-        return torch.stack([got[l][:, :-1] for l in layers])
+        return torch.stack([got[l][:, :end] for l in layers])
 
     checked: list[Callable[[torch.Tensor], torch.Tensor]] = []
 
