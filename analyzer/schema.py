@@ -91,6 +91,12 @@ LABELS, NEXT_TOKEN = "labels", "next"
 NO_CLASSIFIER = "no classifier for these classes"
 
 
+def vocabulary_classes(attrs: dict) -> bool:
+    """Whether a group's classes are the vocabulary (the next or the current token), so that it holds the model's head
+    as their classifier and NC4's counts; a label file's classes (``labels`` ``file:PATH``) have neither."""
+    return not str(attrs.get(LABELS, NEXT_TOKEN)).startswith("file:")
+
+
 def _np(x: Any) -> np.ndarray:
     """A torch tensor (any device) or array-like as a numpy array."""
     if hasattr(x, "detach"):
