@@ -27,8 +27,7 @@ from ncanalyze.store.data.blocks import (
 )
 from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.extraction import layers
-from ncanalyze.store.extraction.labels import Labels
-from ncanalyze.store.extraction.labels import resolve as resolve_labels
+from ncanalyze.store.extraction.labels import Labels, resolve_labels
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint

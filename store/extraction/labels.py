@@ -21,7 +21,7 @@ from ncanalyze.store.extraction.settings import CURRENT, FILE, NEXT
 
 
 
-class Rows(NamedTuple):
+class Kept(NamedTuple):
     """A batch's kept positions: their labels, their positions in the train stream (each block's token index,
     block i at i * block_size) and which of the batch's b x width positions they are (None: all)."""
     y: np.ndarray
@@ -67,19 +67,19 @@ class Labels:
         """The class axis's length."""
         return vocab if self.classes is None else self.classes
 
-    def rows(self, batch: np.ndarray, marks: np.ndarray | None, first: int) -> Rows:
+    def rows(self, batch: np.ndarray, marks: np.ndarray | None, first: int) -> Kept:
         """The kept positions of ``batch`` (b x L token ids, blocks ``first``.. of the stream; ``marks`` the file's
         classes aligned with it) and their labels."""
         b, L = batch.shape
         w = self.width(L)
         pos = ((first + np.arange(b))[:, None] * L + np.arange(w)).ravel()
         if self.setting == NEXT:
-            return Rows(batch[:, 1:].ravel(), pos, None)
+            return Kept(batch[:, 1:].ravel(), pos, None)
         if self.setting == CURRENT:
-            return Rows(batch.ravel(), pos, None)
+            return Kept(batch.ravel(), pos, None)
         marks = marks.ravel()
         keep = marks >= 0
-        return Rows(marks[keep].astype(np.int64), pos[keep], keep)
+        return Kept(marks[keep].astype(np.int64), pos[keep], keep)
 
     def next_token_features(self, h: torch.Tensor, blocks: int) -> torch.Tensor:
         """Of features read at this setting's positions (b * width, d), those of the positions that have a next
@@ -97,7 +97,7 @@ class Labels:
         return {"labels": FILE + data_name(self.path), "labels_sha256": data_sha256(self.path)}
 
 
-def resolve(setting: str, dataset: str) -> Labels:
+def resolve_labels(setting: str, dataset: str) -> Labels:
     """The setting checked against the train data ``dataset``: a label file must be an integer ``.npy`` of the
     token array's shape, its classes -1 (left out) or more, with at least one class. Once per file content."""
     if not setting.startswith(FILE):

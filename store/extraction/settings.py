@@ -106,7 +106,7 @@ NEXT, CURRENT, FILE = "next", "current", "file:"  # --labels (store/extraction/l
 
 def _labels(value: str) -> str:
     """``next``, ``current`` or ``file:PATH`` of an existing file; its content is checked against the train data
-    when the job is resolved (labels.resolve)."""
+    when the job is resolved (labels.resolve_labels)."""
     if not isinstance(value, str) or not (value in (NEXT, CURRENT) or value.startswith(FILE)):
         raise ValueError(f"is not one of {NEXT}, {CURRENT}, {FILE}PATH")
     path = value[len(FILE):]
