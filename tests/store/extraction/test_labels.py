@@ -191,3 +191,52 @@ def test_a_bad_label_file_is_one_line_before_any_work(case, kept_store, trained_
         dataset = corpus["train"]
     spec = f"file:{tmp_path / 'none.npy'}" if case == "missing" else f"file:{bad}"
     fails_cleanly(["extract", trained_run / "checkpoint-20", "--dataset", dataset, "--labels", spec], kept_store, words)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["current", "file"])
+def test_the_callback_takes_the_labels_and_equals_extract(kind, trained_run, corpus, data, tmp_path):
+    """The stock Trainer trains the fixture's last checkpoint 2 more steps with the callback under ``labels``: its
+    group equals ``ncanalyze extract`` of the checkpoint saved at that step, under the same labels."""
+    from conftest import train_sweep
+    from ncanalyze.training import NeuralCollapseCallback
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    labels = "current" if kind == "current" else f"file:{data['file']}"
+    tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
+    lm = train_sweep.lm_datasets([corpus["train"]], [corpus["val"]], tok, 32)
+    opts = {"batch_size": 8, "samples_per_class": 2, "labels": labels, "max_train_tokens": 1024, "max_val_tokens": 512}
+    cb = NeuralCollapseCallback(tmp_path / "live.zarr", str(data["dir"] / "train.npy"), str(data["dir"] / "val.npy"),
+                                **opts)
+    args = TrainingArguments(output_dir=str(tmp_path / "neo"), per_device_train_batch_size=8, max_steps=2,
+                             eval_strategy="steps", eval_steps=2, save_steps=2, seed=0, report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / "checkpoint-60"))
+    Trainer(model=model, args=args, train_dataset=lm["train"], eval_dataset=lm["validation"].select(range(8)),
+            data_collator=default_data_collator, processing_class=tok, callbacks=[cb]).train()
+    run_cli("extract", tmp_path / "neo" / "checkpoint-2", *data["args"][:4], "--batch-size", 8, "--samples-per-class",
+            2, "--labels", labels, "--max-train-tokens", 1024, "--max-val-tokens", 512, "--store", tmp_path / "ckpt.zarr")
+    a = ncanalyze.store.open(tmp_path / "live.zarr")["neo/step-2"].to_dataset()
+    b = ncanalyze.store.open(tmp_path / "ckpt.zarr")["neo/checkpoint-2"].to_dataset()
+    assert a.attrs["labels"] == b.attrs["labels"] == labels and a.sizes["vocab"] == b.sizes["vocab"]
+    np.testing.assert_array_equal(a["count"].values, b["count"].values)
+    for name in ("mean", "variance", "within_covariance"):
+        np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
+    assert a.attrs["val_loss"] == pytest.approx(b.attrs["val_loss"], abs=1e-12)
+    assert ("val_count" in a) == ("val_count" in b) == (kind == "current")
+
+
+@pytest.mark.slow
+def test_a_capped_read_takes_each_blocks_own_classes(study, data, tmp_path):
+    """Under a spread cap the label file is read block for block with the token ids: the counts are those of the
+    planted classes of the blocks the cap draws (spread_picks, seed 0), and a prefix cap's those of the first."""
+    from ncanalyze.store.data.blocks import spread_picks
+
+    for mode, picks in (("spread", spread_picks(BLOCKS, 16, 0)), ("prefix", np.arange(16))):
+        store = tmp_path / f"{mode}.zarr"
+        run_cli("extract", study["ck"], *data["args"], "--labels", f"file:{data['file']}", "--max-train-tokens", 512,
+                "--cap-mode", mode, "--store", store)
+        ds = ncanalyze.store.open(store)[f"{study['ck'].parent.name}/checkpoint-60"].to_dataset()
+        marks = data["marks"][picks].ravel()
+        np.testing.assert_array_equal(ds["count"].values, np.bincount(marks[marks >= 0], minlength=5), err_msg=mode)
+        assert not np.array_equal(picks, np.arange(16)) or mode == "prefix"
