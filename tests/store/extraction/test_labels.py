@@ -240,3 +240,23 @@ def test_a_capped_read_takes_each_blocks_own_classes(study, data, tmp_path):
         marks = data["marks"][picks].ravel()
         np.testing.assert_array_equal(ds["count"].values, np.bincount(marks[marks >= 0], minlength=5), err_msg=mode)
         assert not np.array_equal(picks, np.arange(16)) or mode == "prefix"
+
+
+@pytest.mark.slow
+def test_the_split_counts_of_text_are_counted_per_label_kind(trained_run, corpus, tmp_path):
+    """Text under a spread cap: the whole split's counts (split_count, cached beside the token cache) are each kind's
+    own, the next tokens' and the current tokens' kept apart, both counted from the cached ids here."""
+    store = tmp_path / "s.zarr"
+    args = ("extract", trained_run / "checkpoint-60", "--dataset", corpus["train"], "--max-train-tokens", 1024,
+            "--max-val-tokens", 512, "--store", store)
+    run_cli(*args)
+    run_cli(*args, "--labels", "current", "--tag", "current")
+    tokens = store.parent / f"{store.name}.tokens"
+    (cache,) = {c.name.split(".")[0] for c in tokens.glob("*.current.counts")}  # the train split's, counted apart
+    cache = tokens / f"{cache}.npy"  # the whole train split, tokenized once
+    ids = np.load(cache)
+    tree = ncanalyze.store.open(store)
+    nxt, cur = (tree[f"{trained_run.name}{t}/checkpoint-60"].to_dataset() for t in ("", "@current"))
+    V = nxt.sizes["vocab"]
+    np.testing.assert_array_equal(nxt["split_count"].values, np.bincount(ids[:, 1:].ravel(), minlength=V))
+    np.testing.assert_array_equal(cur["split_count"].values, np.bincount(ids.ravel(), minlength=V))
