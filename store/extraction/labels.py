@@ -81,10 +81,17 @@ class Labels:
         keep = marks >= 0
         return Kept(marks[keep].astype(np.int64), pos[keep], keep)
 
-    def next_token_features(self, h: torch.Tensor, blocks: int) -> torch.Tensor:
-        """Of features read at this setting's positions (b * width, d), those of the positions that have a next
-        token (the model's own loss)."""
-        return h if self.end == -1 else h.reshape(blocks, -1, h.shape[-1])[:, :-1].reshape(-1, h.shape[-1])
+    @property
+    def val_end(self) -> int | None:
+        """The positions the validation pass reads: NC4's where the classes have a classifier (the vocabulary), else
+        those of the model's own loss alone (every position but the last)."""
+        return self.end if self.vocabulary else -1
+
+    @staticmethod
+    def next_token_features(h: torch.Tensor, blocks: int, end: int | None) -> torch.Tensor:
+        """Of features read at the positions ``[:, :end]`` of ``blocks`` blocks (n x d), those of the positions that
+        have a next token (the model's own loss)."""
+        return h if end == -1 else h.reshape(blocks, -1, h.shape[-1])[:, :-1].reshape(-1, h.shape[-1])
 
     def record(self) -> dict:
         """What the configuration record holds (nothing for the default, whose records and hashes stay as they

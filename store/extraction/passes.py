@@ -2,11 +2,12 @@
 filling its running state (running.py).
 
 For each pass of the plan (``--layers-per-pass``; one for the default): the train pass, whose features are each
-layer's hidden state at every position but the last of each block (the last layer's is the last hidden state after
-the final norm, the output layer's input), labels the next tokens, into exact float64 class statistics merged batch by
-batch (Chan, in ``ncanalyze.analyzer.accumulate``) and a reservoir of raw features; then the validation pass, NC4's
-decision counts over the classes kept at extraction and, at the last layer, the model's own loss. Both skip the batches
-a resumed state already holds.
+layer's hidden state (the last layer's is the last hidden state after the final norm, the output layer's input) at the
+positions ``--labels`` keeps, labelled as it says (labels.py; by default every position but the last of each block,
+labelled with the next token), into exact float64 class statistics merged batch by batch (Chan, in
+``ncanalyze.analyzer.accumulate``) and a reservoir of raw features; then the validation pass, NC4's decision counts
+over the classes kept at extraction (none for classes that are not the vocabulary) and, at the last layer, the model's
+own next-token loss. Both skip the batches a resumed state already holds.
 """
 from __future__ import annotations
 
@@ -197,7 +198,8 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
              min_count: int, batch_size: int, saver: Saver, desc: str) -> LogitTransform | None:
     """NC4's decision counts of every layer of the pass over the classes kept at extraction (count >= ``min_count``,
     the same at every layer) and over the kept set of each ``schema.NC4_MIN_COUNTS`` (``val_*_at``), the linear decision through the logit lens (the model's final norm) below the last
-    layer; at the last layer, the model's own full-vocabulary loss and accuracy (:func:`model_loss`).
+    layer; at the last layer, the model's own full-vocabulary loss and accuracy (:func:`model_loss`), whatever the
+    labels (a label file's classes have no classifier: the loss alone).
 
     Parameters
     ----------
@@ -222,21 +224,21 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
         # the last layer's decisions read the kept columns of the logits the loss forms: formed once
         counts[last].count_logits(hc, yc, logits)
-    end = labels.end if labels.vocabulary else -1  # file labels: the loss alone, at the next-token positions
+    end = labels.val_end
     for h, batch, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation", end=end):
         width = blocks.block_size - (end == -1)
         fold = fold_of(ex.batches * batch_size, len(batch), width, ex.n_folds, ex.device) if ex.n_folds > 1 else None
-        y = torch.from_numpy(labels.rows(batch, None, 0).y if counts else batch[:, 1:].ravel()).to(ex.device)
-        shared = loss is not None and end == -1 and counts  # NC4 at the last layer reads the loss's logits
+        nxt = torch.from_numpy(batch[:, 1:].ravel()).to(ex.device)  # the model's own loss: the next tokens
+        y = nxt if labels.end == -1 or not counts else torch.from_numpy(labels.rows(batch, None, 0).y).to(ex.device)
+        shared = loss is not None and labels.end == -1  # NC4 at the last layer reads the loss's logits (same rows)
         for c in counts:
             c.begin(fold)
         for i, (c, hl) in enumerate(zip(counts, h)):
             if not (shared and i == last):
                 c.update(hl, y)
         if loss:
-            nxt = y if end == -1 and counts else torch.from_numpy(batch[:, 1:].ravel()).to(ex.device)
-            loss.update(labels.next_token_features(h[last], len(batch)) if end is None else h[last], nxt,
-                        count_decisions if shared else None)
+            loss.update(labels.next_token_features(h[last], len(batch), end), nxt,
+                        count_decisions if shared and counts else None)
     return transform
 
 
