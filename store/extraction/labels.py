@@ -7,7 +7,6 @@ label kind is a branch here (and, for classes that are not the vocabulary, :attr
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -15,10 +14,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data.blocks import Blocks, is_token_file
-
+from ncanalyze.store.data.blocks import is_token_file
+from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.extraction.settings import CURRENT, FILE, NEXT
-
 
 
 class Kept(NamedTuple):
@@ -100,7 +98,6 @@ class Labels:
             return {}
         if self.path is None:
             return {"labels": self.setting}
-        from ncanalyze.store.data.identity import data_name, data_sha256
         return {"labels": FILE + data_name(self.path), "labels_sha256": data_sha256(self.path)}
 
 
@@ -112,9 +109,12 @@ def resolve_labels(setting: str, dataset: str) -> Labels:
     path = setting[len(FILE):]
     if not is_token_file(dataset):
         raise UserError(f"--labels {setting} needs token ids as --dataset (a .npy or .bin it is aligned with); "
-                        f"{dataset} is text, whose token ids exist only once tokenized: save them as .npy "
+                        f"{dataset} is text (or a dataset), whose token ids exist only once tokenized: save them as .npy "
                         "(examples/prepare_text.py), align the labels with that file and pass it as --dataset")
-    st = os.stat(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise UserError(f"no such label file: {path}; pass --labels file:PATH of an existing .npy") from None
     return Labels(setting, _classes(path, dataset, st.st_size, st.st_mtime_ns))
 
 
@@ -141,6 +141,7 @@ def _classes(path: str, dataset: str, *stat) -> int:
 
 
 def _read(path: str) -> np.ndarray:
+    """The label file, memory-mapped, if it is a readable .npy of integers (else the one line saying how to save it)."""
     try:
         marks = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError, OSError) as e:
