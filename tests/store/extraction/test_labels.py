@@ -160,8 +160,9 @@ def test_shards_and_a_kill_carry_the_label_file(study, data, tmp_path):
         np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
     killed = tmp_path / "killed.zarr"
     state = killed.with_name(killed.name + ".partial") / f"{study['ck'].parent.name}@file" / "checkpoint-60.npz"
-    kill_when([*args[:-2], "--batch-size", 1, "--state-every", 0, "--tag", "file", "--store", killed], state,
-              batches=10)
+    for phase in (0, 1):  # killed in the train pass, then in the validation pass (which counts no NC4 decisions)
+        kill_when([*args[:-2], "--batch-size", 1, "--state-every", 0, "--tag", "file", "--store", killed], state,
+                  batches=10, at={"phase": phase})
     r = run_cli(*args[:-2], "--labels", "current", "--batch-size", 1, "--state-every", 0, "--tag", "file", "--store",
                 killed, ok=False)
     assert "another configuration" in r.output and "labels" in r.output
