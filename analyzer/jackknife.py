@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,18 +59,65 @@ def n_folds(ds: xr.Dataset) -> int:
 
 
 def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
-    """The dataset of the tokens of ``folds`` alone: their statistics merged (Chan, in the order given) into the
-    variables the metrics read, with ``ds``'s head, attributes and ``split_count`` (the debiased metrics' class set
-    is the split's, the same for every subset of folds)."""
-    from ncanalyze.analyzer.accumulate import merged_stats
+    """The dataset of the tokens of ``folds`` alone: their statistics merged in one step (the parallel form of
+    Chan's formula: n = sum_f n_f, mu = sum_f n_f mu_f / n, M2 = sum_f M2_f + n_f ||mu_f - mu||^2, the scatter
+    sum_f S_f + sum_{f,c} n_fc (mu_fc - mu_c)(mu_fc - mu_c)^T over the classes each fold holds; exact to rounding)
+    into the variables the metrics read, with ``ds``'s head, attributes and ``split_count`` (the debiased metrics'
+    class set is the split's, the same for every subset of folds)."""
+    folds = list(folds)
+    fold = {n: np.asarray(ds[f"fold_{n}"].values)[folds] for n in FOLD_STATS if f"fold_{n}" in ds}
+    nf = fold["count"].astype(np.float64)
+    count = fold["count"].sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(count[:, None] > 0, np.einsum("fv,fvd->vd", nf, fold["mean"]) / count[:, None], 0.0)
+    m2, scatter = fold["m2"].sum(0), fold["scatter"].sum(0) if "scatter" in fold else None
+    for f in range(len(folds)):                                    # each fold's spread about the merged means
+        held = np.flatnonzero(nf[f] > 0)
+        dev = (fold["mean"][f][held] - mean[held]) * np.sqrt(nf[f][held])[:, None]
+        m2[held] += np.einsum("cd,cd->c", dev, dev)
+        if scatter is not None:
+            scatter += dev.T @ dev
+    unit = fold["unit_sum"].sum(0) if "unit_sum" in fold else None
+    return _dataset(ds, count, mean, m2, scatter, unit, {n: np.asarray(ds[f"fold_{n}"].values)[folds].sum(0)
+                                                         for n in VAL_COUNTS if f"fold_{n}" in ds}, len(folds))
 
-    parts = ({n: np.asarray(ds[f"fold_{n}"].values[f]) for n in FOLD_STATS if f"fold_{n}" in ds} for f in folds)
-    acc = merged_stats(parts, ds.sizes["vocab"], ds.sizes["hidden"], scatter="fold_scatter" in ds)
-    val = {n: np.asarray(ds[f"fold_{n}"].values)[list(folds)].sum(0) for n in VAL_COUNTS if f"fold_{n}" in ds}
+
+def without(ds: xr.Dataset, i: int) -> xr.Dataset:
+    """The dataset of every fold but ``i``: the totals with fold i taken out, Chan's merge undone. For each class
+    with tokens on both sides, n' = n - n_i, mu' = (n mu - n_i mu_i) / n', M2' = M2 - M2_i - w ||mu_i - mu'||^2 and
+    the scatter S - S_i - sum_c w (mu_i - mu')(mu_i - mu')^T (w = n_i n' / n): O(|V| d + |V_i| d^2) where merging
+    the other F - 1 folds is O(F |V| d + ...), the same numbers to float64 rounding (a class left with one token
+    has M2' = 0, one left with none is empty). Variables as :func:`merged`'s."""
+    count, ni = np.asarray(ds["count"].values, np.int64), np.asarray(ds["fold_count"].values[i], np.int64)
+    rest = count - ni
+    mean = np.array(ds["mean"].values, np.float64)
+    m2 = np.where(count > 0, np.asarray(ds["variance"].values, np.float64) * count, 0.0)
+    both = np.flatnonzero((ni > 0) & (rest > 0))
+    n, n_i, n_r = (x[both].astype(np.float64)[:, None] for x in (count, ni, rest))
+    mean[both] = (n * mean[both] - n_i * np.asarray(ds["fold_mean"].values[i][both])) / n_r
+    delta = (np.asarray(ds["fold_mean"].values[i][both]) - mean[both]) * np.sqrt(n_i * n_r / n)
+    m2[both] -= np.asarray(ds["fold_m2"].values[i][both]) + np.einsum("cd,cd->c", delta, delta)
+    mean[rest == 0] = 0.0
+    m2 = np.where(rest > 1, np.maximum(m2, 0.0), 0.0)
+    scatter = None
+    if "fold_scatter" in ds:
+        scatter = (np.asarray(ds["within_covariance"].values, np.float64) * count.sum()
+                   - np.asarray(ds["fold_scatter"].values[i]) - delta.T @ delta)
+    unit = (np.asarray(ds["unit_sum"].values) - np.asarray(ds["fold_unit_sum"].values[i])
+            if "fold_unit_sum" in ds and "unit_sum" in ds else None)
+    val = {n: np.asarray(ds[n].values) - np.asarray(ds[f"fold_{n}"].values[i]) for n in VAL_COUNTS
+           if f"fold_{n}" in ds and n in ds}
+    return _dataset(ds, rest, mean, m2, scatter, unit, val, n_folds(ds) - 1)
+
+
+def _dataset(ds: xr.Dataset, count: np.ndarray, mean: np.ndarray, m2: np.ndarray, scatter: np.ndarray | None,
+             unit_sum: np.ndarray | None, val: dict, folds: int) -> xr.Dataset:
+    """A subset of folds' statistics as the dataset the metrics read (variance M2 / n, nan for an empty class; the
+    within-class covariance S / N), with ``ds``'s head, attributes and ``split_count``."""
     head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
     with np.errstate(invalid="ignore", divide="ignore"):
-        return stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, unit_sum=acc.unit_sum,
-                             val=val or None, attrs={**ds.attrs, "folds": len(folds)},
+        return stats_dataset(count, mean, m2 / count, None if scatter is None else scatter / count.sum(),
+                             unit_sum=unit_sum, val=val or None, attrs={**ds.attrs, "folds": folds},
                              split_count=ds["split_count"].values if "split_count" in ds else None, **head)
 
 
@@ -109,16 +157,17 @@ def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[
     """Each leave-one-out set of ``folds``' scalar metrics (rows: the fold left out; nan where not measurable, why in
     the notes), measured by ``measure`` as the point value is."""
     rows, notes = {}, []
+    whole = sorted(folds) == list(range(n_folds(ds)))             # leave-one-out of the totals: downdate them
     for i in folds:
         rest = [f for f in folds if f != i]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                rows[i] = measure(merged(ds, rest))
+                rows[i] = measure(without(ds, i) if whole else merged(ds, rest))
             except UserError as e:
                 rows[i] = {}
                 notes.append(f"without fold {i}: {e}")
-    return pd.DataFrame.from_dict(rows, orient="index").reindex(columns=list(SCALARS)).astype(float), notes
+    return _frame(rows), notes
 
 
 def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = None,
@@ -141,22 +190,42 @@ def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = No
     (se, notes) : ``<metric>_se`` -> error (nan where there is none), and why some are nan.
     """
     folds = list(range(n_folds(ds))) if folds is None else list(folds)
-    nan = {se_name(m): math.nan for m in SCALARS}
+    cannot = _cannot(ds, folds)
+    if cannot:
+        return {se_name(m): math.nan for m in SCALARS}, cannot
+    theta, notes = replicates(ds, folds, measure)
+    return _errors(ds, theta, point, min_count, notes)
+
+
+def _cannot(ds: xr.Dataset, folds: list[int]) -> list[str]:
+    """Why there is no jackknife error over ``folds`` (fewer than 2, damaged fold sums, a fold without a token),
+    or nothing."""
     if len(folds) < 2:
-        return nan, ["no folds: extracted with --folds 1 (or by hand), so no jackknife error"]
+        return ["no folds: extracted with --folds 1 (or by hand), so no jackknife error"]
     damaged = fold_problems(ds)
     if damaged:
-        return nan, [f"the fold sums do not add up to the totals ({'; '.join(damaged)}): the group is damaged, so no "
-                     f"jackknife error; {REEXTRACT}"]
+        return [f"the fold sums do not add up to the totals ({'; '.join(damaged)}): the group is damaged, so no "
+                f"jackknife error; {REEXTRACT}"]
     counts = np.asarray(ds["fold_count"].values)[folds].sum(1)
     if (counts == 0).any():
         empty = [f for f, c in zip(folds, counts) if c == 0]
-        return nan, [f"fold(s) {empty} hold no train token (fewer blocks than folds): no jackknife error; extract "
-                     "more tokens or fewer --folds"]
-    theta, notes = replicates(ds, folds, measure)
-    k = len(folds)
-    dev = theta - theta.mean()
-    se = np.sqrt((k - 1) / k * (dev ** 2).sum())
+        return [f"fold(s) {empty} hold no train token (fewer blocks than folds): no jackknife error; extract more "
+                "tokens or fewer --folds"]
+    return []
+
+
+def spread(theta: pd.DataFrame) -> pd.Series:
+    """The jackknife error of each column of the replicates ``theta`` (k rows): sqrt((k - 1)/k sum (theta_i -
+    mean)^2)."""
+    k = len(theta)
+    return np.sqrt((k - 1) / k * ((theta - theta.mean()) ** 2).sum())
+
+
+def _errors(ds: xr.Dataset, theta: pd.DataFrame, point: Mapping[str, float] | None, min_count: int,
+            notes: list[str]) -> tuple[dict[str, float], list[str]]:
+    """The errors of the replicates ``theta``, nan (with a note) where a replicate is not finite or the point value
+    is not (no note: its own warning says why)."""
+    se = spread(theta)
     undefined = [m for m in SCALARS if point is not None and not math.isfinite(point.get(m, math.nan))]
     bad = [m for m in SCALARS if not np.isfinite(theta[m]).all() and m not in undefined]
     mc, extract_min = int(min_count or 1), int(ds.attrs.get("min_count", 1))
@@ -220,3 +289,133 @@ def unsettled(table: pd.DataFrame, metrics: Sequence[str], more: bool | None = N
             lines.append(f"`{m}` has not settled at {int(last['tokens']):,} tokens (it moved {move:.3g} from "
                          f"{int(before['tokens']):,} tokens, more than its sampling error {se:.3g}): {advice[more]}")
     return lines
+
+
+# ---------------------------------------------------------------- the pair metrics' replicates over sampled pairs
+
+EXACT_UP_TO = 4096  # kept classes up to which every replicate sums every pair (the exact jackknife)
+PAIR_BLOCKS = 16    # blocks of sampled pairs, 1/(2 PAIR_BLOCKS) of the pairs (module doc)
+DRAWS = 32          # the wild bootstrap's draws of the sampling noise (the estimated errors' own sampling error)
+SEED = 0            # the fixed random order of the kept classes that cuts them into blocks, and the draws
+EXACT = "delete-one-fold jackknife, every metric measured exactly on each leave-one-fold-out set"
+
+
+def sampled_method(blocks: int) -> str:
+    """How the errors are made where the pairs are sampled (recorded beside the errors)."""
+    return (f"delete-one-fold jackknife; each leave-one-fold-out set's pair sums (the CDNV family, nc2_cos_std, "
+            f"gnc2_*) are the whole sample's exact sums plus their change on {blocks} blocks of sampled pairs "
+            f"(1/{2 * blocks} of the pairs, the same in every set) scaled to all pairs; every other metric is exact; "
+            f"each estimated error's own sampling error is the spread of the error over {DRAWS} draws of the "
+            "sampling noise (a wild bootstrap of the blocks' interaction contrasts)")
+
+
+def pair_blocks(n: int, blocks: int = PAIR_BLOCKS, seed: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The sampled pairs of n kept classes (indices 0..n-1): the classes in a fixed random order cut into 2
+    ``blocks`` chunks, block k every pair of chunk 2k with chunk 2k + 1 (each pair equally likely to be sampled,
+    each class paired with as many others, up to one), as its four quarters (each chunk halved): A1 x B1, A1 x B2,
+    A2 x B1, A2 x B2, in that order (4 ``blocks`` index pairs)."""
+    chunks = np.array_split(np.random.default_rng(SEED if seed is None else seed).permutation(n), 2 * blocks)
+    out = []
+    for k in range(blocks):
+        halves = [np.array_split(np.sort(chunks[2 * k + s]), 2) for s in (0, 1)]
+        out += [(a, b) for a in halves[0] for b in halves[1]]
+    return out
+
+
+def sample_design(ds: xr.Dataset, min_count: int, exact_up_to: int | None = None) -> list | None:
+    """The blocks of sampled pairs (:func:`pair_blocks` of the kept classes) where the errors sample the pairs: more
+    than ``exact_up_to`` (default :data:`EXACT_UP_TO`) kept classes and 2 or more folds; else None (the exact
+    jackknife)."""
+    from ncanalyze.analyzer.geometry import kept_classes
+
+    n = kept_classes(ds["count"].values, min_count).size
+    return pair_blocks(n) if n > (EXACT_UP_TO if exact_up_to is None else exact_up_to) and n_folds(ds) >= 2 else None
+
+
+def _within(blocks: list, K: np.ndarray, kept: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The blocks (indices into K) in the indices of ``kept`` (a subset of K), less the classes it has not."""
+    at = np.full(K.size, -1)
+    at[np.searchsorted(K, kept)] = np.arange(kept.size)
+    return [(at[a][at[a] >= 0], at[b][at[b] >= 0]) for a, b in blocks]
+
+
+Replicate = Callable[[xr.Dataset, list], tuple[np.ndarray, Callable[[Any], Mapping[str, float]]]]
+
+
+@dataclass
+class Sampled:
+    """What the jackknife over sampled pairs reads from the point measurement: its kept classes ``K``, the
+    ``blocks`` of pairs (:func:`pair_blocks`, indices into K), the exact sums over every pair (``whole``,
+    pairs.SUMS) and over each block (``whole_blocks``, blocks x SUMS), and ``replicate``: a leave-one-fold-out
+    dataset and its blocks -> the sums of its blocks and its scalar metrics given pair sums (metrics.py)."""
+    K: np.ndarray
+    blocks: list
+    whole: np.ndarray
+    whole_blocks: np.ndarray
+    replicate: Replicate
+    min_count: int = 1
+
+
+def sampled_jackknife(ds: xr.Dataset, sampled: Sampled, point: Mapping[str, float] | None = None
+                      ) -> tuple[dict[str, float], dict[str, float], list[str]]:
+    """:func:`jackknife` over every fold with the pair sums of each leave-one-fold-out set estimated from sampled
+    pairs (module doc): (errors, the sampling error of each estimated one, notes)."""
+    folds = list(range(n_folds(ds)))
+    cannot = _cannot(ds, folds)
+    if cannot:
+        return {se_name(m): math.nan for m in SCALARS}, {}, cannot
+    theta, drawn, notes = _sampled_replicates(ds, folds, sampled)
+    se, notes = _errors(ds, theta, point, sampled.min_count, notes)
+    draws = pd.DataFrame([spread(d) for d in drawn])               # the errors under drawn sampling noise
+    estimated = [m for m in SCALARS if any(not d[m].equals(theta[m]) for d in drawn)]   # the pair metrics
+    return se, {se_name(m): float(draws[m].std()) for m in estimated if math.isfinite(se[se_name(m)])}, notes
+
+
+def _sampled_replicates(ds: xr.Dataset, folds: list[int], sampled: Sampled
+                        ) -> tuple[pd.DataFrame, list[pd.DataFrame], list[str]]:
+    """Each leave-one-fold-out set's scalar metrics, its pair sums the whole sample's plus their change on the
+    sampled pairs scaled by 1 / their share (each pair is equally likely to be sampled, each class has as many
+    partners: the classes' own changes are summed in full, only the pairs' interactions are sampled); the same with
+    :data:`DRAWS` draws of that sampling noise added (:func:`_noise`); notes."""
+    from ncanalyze.analyzer.geometry import kept_classes
+    from ncanalyze.analyzer.pairs import PairSums
+
+    n = sampled.K.size
+    sizes = np.array([len(a) * len(b) for a, b in sampled.blocks], dtype=np.float64)
+    scale = n * (n - 1) / 2 / sizes.sum()
+    z = np.random.default_rng(SEED).standard_normal((DRAWS, len(sizes) // 4))
+    rows, drawn, notes = {}, [{} for _ in z], []
+    for i in folds:
+        rest = without(ds, i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                sums, at = sampled.replicate(rest, _within(sampled.blocks, sampled.K,
+                                                           kept_classes(rest["count"].values, sampled.min_count)))
+            except UserError as e:
+                rows[i] = {}
+                notes.append(f"without fold {i}: {e}")
+                continue
+            change = sums - sampled.whole_blocks
+            estimate = sampled.whole + scale * change.sum(0)
+            rows[i] = at(PairSums(*estimate))
+            noise = scale * z @ _noise(change, sizes)
+            for d, e in zip(drawn, noise):
+                d[i] = at(PairSums(*(estimate + e)))
+    return _frame(rows), [_frame(d) for d in drawn], notes
+
+
+def _noise(change: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per block, a draw's scale of the sampling noise of its summed change (blocks x SUMS): the interaction
+    contrast of its quarters' mean changes, c = m11 + m22 - m12 - m21, free of each class's own change (it cancels
+    between the quarters that share a half), whose variance is s^2 sum_q 1/q for pairs' interactions of variance
+    s^2, rescaled to the block's sum (variance s^2 sum_q q)."""
+    q = sizes.reshape(-1, 4)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = change.reshape(-1, 4, change.shape[1]) / q[:, :, None]
+        c = means[:, 0] - means[:, 1] - means[:, 2] + means[:, 3]
+        return np.nan_to_num(c * np.sqrt(q.sum(1) / (1 / q).sum(1))[:, None])
+
+
+def _frame(rows: dict) -> pd.DataFrame:
+    return pd.DataFrame.from_dict(rows, orient="index").reindex(columns=list(SCALARS)).astype(float)
