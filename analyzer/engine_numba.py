@@ -27,7 +27,8 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from ncanalyze.analyzer.moments import check_centred, check_finite, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, PairSums, block_hits, blocks, few, side_of
+from ncanalyze.analyzer.pairs import (COINCIDENT, CONTROLS, EXAMPLES, SUMS, PairSums, block_hits, blocks, control_block,
+                                      control_totals, few, side_of)
 
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
 MAX_TILE = 2048
@@ -63,6 +64,7 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
     if sample is not None:
         side = side_of(r, var, p, has_var, debias)
         work["sample_sums"] = dask.delayed(np.stack)([dask.delayed(_block_sums)(U, side, t0, a, b) for a, b in sample])
+        work["controls"] = dask.delayed(control_totals)(U, p, t0)
     with _blas_controller().limit(limits=1, user_api="blas"):
         got = dask.compute(work, scheduler="sync" if small else None)[0]  # the same sums
     pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
@@ -71,10 +73,12 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
 
 
 def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The pair sums (``SUMS``) over every pair of class ``a_k`` with class ``b_l`` (two disjoint index sets)."""
+    """The pair sums (``SUMS``, then pairs.CONTROLS) over every pair of class ``a_k`` with class ``b_l`` (two
+    disjoint index sets)."""
     if not (len(a) and len(b)):
-        return np.zeros(len(SUMS))
-    return tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0]
+        return np.zeros(len(SUMS) + len(CONTROLS))
+    return np.r_[tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0],
+                 control_block(U[a], side[3, a], U[b], side[3, b], t0)]
 
 
 @functools.cache

@@ -22,7 +22,8 @@ import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_centred, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, PairSums, examples, few, side_of
+from ncanalyze.analyzer.pairs import (COINCIDENT, CONTROLS, EXAMPLES, SUMS, PairSums, control_block, control_totals,
+                                      examples, few, side_of)
 
 HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 
@@ -95,6 +96,7 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
                                                          else (None, None, []))
     if sample is not None:
         out["sample_sums"] = np.stack([_sample_block(U, side, out["t0"], a, b) for a, b in sample])
+        out["controls"] = control_totals(U, side[3], out["t0"])
     out["us"] = (U @ s).cpu().numpy()
     delta = mom.pop("delta")
     mu = (mu_G + delta).cpu().numpy()
@@ -104,11 +106,13 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
 
 
 def _sample_block(U, side, t0: float, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The pair sums (``SUMS``) over every pair of class ``a_k`` with class ``b_l`` (two disjoint index sets)."""
+    """The pair sums (``SUMS``, then pairs.CONTROLS) over every pair of class ``a_k`` with class ``b_l`` (two
+    disjoint index sets)."""
     if not (len(a) and len(b)):
-        return np.zeros(len(SUMS))
+        return np.zeros(len(SUMS) + len(CONTROLS))
     a, b = (torch.as_tensor(i, device=U.device) for i in (a, b))
-    return _torch_block(U[a], side[:, a], U[b], side[:, b], t0, False)[0][:len(SUMS)].cpu().numpy()
+    return np.r_[_torch_block(U[a], side[:, a], U[b], side[:, b], t0, False)[0][:len(SUMS)].cpu().numpy(),
+                 control_block(U[a], side[3, a], U[b], side[3, b], t0)]
 
 
 def _gathered(var: xr.DataArray, rows: tuple[np.ndarray, ...], dev: torch.device) -> list[torch.Tensor]:

@@ -93,6 +93,7 @@ class Geometry:
     fixed: np.ndarray | None = None        # per kept class: in the debiased metrics' fixed class set (fixed_set)
     debias_note: str | None = None         # the fixed set's classes left out here, and why
     sample_sums: np.ndarray | None = None  # the pair sums over each block of sampled pairs (jackknife.py)
+    controls: list[float] | None = None    # with them, pairs.CONTROLS over every pair
 
     @property
     def n(self) -> int:

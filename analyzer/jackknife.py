@@ -294,31 +294,31 @@ def unsettled(table: pd.DataFrame, metrics: Sequence[str], more: bool | None = N
 # ---------------------------------------------------------------- the pair metrics' replicates over sampled pairs
 
 EXACT_UP_TO = 4096  # kept classes up to which every replicate sums every pair (the exact jackknife)
-PAIR_BLOCKS = 16    # blocks of sampled pairs, 1/(2 PAIR_BLOCKS) of the pairs (module doc)
-DRAWS = 32          # the wild bootstrap's draws of the sampling noise (the estimated errors' own sampling error)
-SEED = 0            # the fixed random order of the kept classes that cuts them into blocks, and the draws
+PAIR_BLOCKS = 32    # blocks of sampled pairs in each of the two samples, 1/(2 PAIR_BLOCKS) of the pairs each
+SEED = 0            # the fixed random orders of the kept classes that cut them into blocks
 EXACT = "delete-one-fold jackknife, every metric measured exactly on each leave-one-fold-out set"
 
 
 def sampled_method(blocks: int) -> str:
-    """How the errors are made where the pairs are sampled (recorded beside the errors)."""
+    """How the errors are made where the pairs are sampled (recorded beside the errors); ``blocks`` per sample."""
     return (f"delete-one-fold jackknife; each leave-one-fold-out set's pair sums (the CDNV family, nc2_cos_std, "
-            f"gnc2_*) are the whole sample's exact sums plus their change on {blocks} blocks of sampled pairs "
-            f"(1/{2 * blocks} of the pairs, the same in every set) scaled to all pairs; every other metric is exact; "
-            f"each estimated error's own sampling error is the spread of the error over {DRAWS} draws of the "
-            "sampling noise (a wild bootstrap of the blocks' interaction contrasts)")
+            f"gnc2_*) are the whole sample's exact sums plus their change, exact where d x d algebra gives it (the "
+            f"controls of pairs.py) and on two independent samples of pairs otherwise ({blocks} blocks, 1/{2 * blocks}"
+            " of the pairs each, the same in every set) scaled to all pairs; every other metric exact; what the "
+            "samples' noise adds to an error's square is estimated from the two samples' difference and taken off; "
+            "se_sampling_error: that noise's size, the estimated error's own sampling error")
 
 
 def pair_blocks(n: int, blocks: int = PAIR_BLOCKS, seed: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The sampled pairs of n kept classes (indices 0..n-1): the classes in a fixed random order cut into 2
-    ``blocks`` chunks, block k every pair of chunk 2k with chunk 2k + 1 (each pair equally likely to be sampled,
-    each class paired with as many others, up to one), as its four quarters (each chunk halved): A1 x B1, A1 x B2,
-    A2 x B1, A2 x B2, in that order (4 ``blocks`` index pairs)."""
-    chunks = np.array_split(np.random.default_rng(SEED if seed is None else seed).permutation(n), 2 * blocks)
+    """Two independent samples of the pairs of n kept classes (indices 0..n-1), ``blocks`` blocks each (2 ``blocks``
+    index pairs, the first sample's first): in each, the classes in a random order (from ``seed``, default
+    :data:`SEED`) cut into 2 ``blocks`` chunks, block k every pair of chunk 2k with chunk 2k + 1 (each pair equally
+    likely to be sampled, each class paired with as many others, up to one)."""
+    rng = np.random.default_rng(SEED if seed is None else seed)
     out = []
-    for k in range(blocks):
-        halves = [np.array_split(np.sort(chunks[2 * k + s]), 2) for s in (0, 1)]
-        out += [(a, b) for a in halves[0] for b in halves[1]]
+    for _ in range(2):
+        chunks = np.array_split(rng.permutation(n), 2 * blocks)
+        out += [(np.sort(chunks[2 * k]), np.sort(chunks[2 * k + 1])) for k in range(blocks)]
     return out
 
 
@@ -339,82 +339,96 @@ def _within(blocks: list, K: np.ndarray, kept: np.ndarray) -> list[tuple[np.ndar
     return [(at[a][at[a] >= 0], at[b][at[b] >= 0]) for a, b in blocks]
 
 
-Replicate = Callable[[xr.Dataset, list], tuple[np.ndarray, Callable[[Any], Mapping[str, float]]]]
+Replicate = Callable[[xr.Dataset, list], tuple[np.ndarray, np.ndarray, Callable[[Any], Mapping[str, float]]]]
+
+
+def _controlled() -> np.ndarray:
+    """Which pairs.CONTROLS each pair sum (pairs.SUMS) is sampled less of (SUMS x CONTROLS): x^2 is itself a control
+    (exact: nothing sampled), log(T/t0) = log(1 + x) less x - x^2/2, its square less x^2, the weighted log less
+    p p' (x - x^2/2)."""
+    from ncanalyze.analyzer.pairs import CONTROLS, SUMS
+
+    A = np.zeros((len(SUMS), len(CONTROLS)))
+    for name, weights in (("xx", {"xx": 1}), ("l", {"x": 1, "xx": -0.5}), ("ll", {"xx": 1}),
+                          ("l_freq", {"px": 1, "pxx": -0.5})):
+        for control, w in weights.items():
+            A[SUMS.index(name), CONTROLS.index(control)] = w
+    return A
 
 
 @dataclass
 class Sampled:
     """What the jackknife over sampled pairs reads from the point measurement: its kept classes ``K``, the
     ``blocks`` of pairs (:func:`pair_blocks`, indices into K), the exact sums over every pair (``whole``,
-    pairs.SUMS) and over each block (``whole_blocks``, blocks x SUMS), and ``replicate``: a leave-one-fold-out
-    dataset and its blocks -> the sums of its blocks and its scalar metrics given pair sums (metrics.py)."""
+    pairs.SUMS), the sums over each block (``whole_blocks``, blocks x (SUMS, CONTROLS)) and the controls over every
+    pair (``controls``), and ``replicate``: a leave-one-fold-out dataset and its blocks -> the same two of its own
+    and its scalar metrics given pair sums (metrics.py)."""
     K: np.ndarray
     blocks: list
     whole: np.ndarray
     whole_blocks: np.ndarray
+    controls: np.ndarray
     replicate: Replicate
     min_count: int = 1
 
 
 def sampled_jackknife(ds: xr.Dataset, sampled: Sampled, point: Mapping[str, float] | None = None
                       ) -> tuple[dict[str, float], dict[str, float], list[str]]:
-    """:func:`jackknife` over every fold with the pair sums of each leave-one-fold-out set estimated from sampled
-    pairs (module doc): (errors, the sampling error of each estimated one, notes)."""
+    """:func:`jackknife` over every fold with the pair sums of each leave-one-fold-out set estimated from two
+    samples of pairs (module doc): (errors, the sampling error of each estimated one, notes). With theta_i the
+    metrics of the two samples' mean sums and d_i those of their difference, the samples' noise adds
+    (F - 1)/F sum_i ((d_i - mean d) / 2)^2 to an error's square in expectation: taken off (not below 0), its square
+    root is the sampling error stated."""
     folds = list(range(n_folds(ds)))
     cannot = _cannot(ds, folds)
     if cannot:
         return {se_name(m): math.nan for m in SCALARS}, {}, cannot
-    theta, drawn, notes = _sampled_replicates(ds, folds, sampled)
+    theta, first, second, notes = _sampled_replicates(ds, folds, sampled)
     se, notes = _errors(ds, theta, point, sampled.min_count, notes)
-    draws = pd.DataFrame([spread(d) for d in drawn])               # the errors under drawn sampling noise
-    estimated = [m for m in SCALARS if any(not d[m].equals(theta[m]) for d in drawn)]   # the pair metrics
-    return se, {se_name(m): float(draws[m].std()) for m in estimated if math.isfinite(se[se_name(m)])}, notes
+    noise = spread((first - second) / 2)
+    sampling = {}
+    for m in SCALARS:
+        name = se_name(m)
+        if math.isfinite(se[name]) and not first[m].equals(second[m]):   # a pair metric
+            se[name] = math.sqrt(max(se[name] ** 2 - noise[m] ** 2, 0.0))
+            sampling[name] = float(noise[m])
+    return se, sampling, notes
 
 
 def _sampled_replicates(ds: xr.Dataset, folds: list[int], sampled: Sampled
-                        ) -> tuple[pd.DataFrame, list[pd.DataFrame], list[str]]:
-    """Each leave-one-fold-out set's scalar metrics, its pair sums the whole sample's plus their change on the
-    sampled pairs scaled by 1 / their share (each pair is equally likely to be sampled, each class has as many
-    partners: the classes' own changes are summed in full, only the pairs' interactions are sampled); the same with
-    :data:`DRAWS` draws of that sampling noise added (:func:`_noise`); notes."""
+                        ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str]]:
+    """Each leave-one-fold-out set's scalar metrics from its estimated pair sums: the whole sample's plus their
+    change, the exact change of their controls (:func:`_controlled`) plus the rest of the change on each sample's
+    pairs scaled by 1 / its share (each pair is equally likely to be sampled, each class has as many partners: the
+    classes' own changes are summed in full, only the pairs' interactions are sampled); from the mean of the two
+    samples' estimates, then from each alone; notes."""
     from ncanalyze.analyzer.geometry import kept_classes
     from ncanalyze.analyzer.pairs import PairSums
 
-    n = sampled.K.size
-    sizes = np.array([len(a) * len(b) for a, b in sampled.blocks], dtype=np.float64)
-    scale = n * (n - 1) / 2 / sizes.sum()
-    z = np.random.default_rng(SEED).standard_normal((DRAWS, len(sizes) // 4))
-    rows, drawn, notes = {}, [{} for _ in z], []
+    n, A = sampled.K.size, _controlled()
+    half = len(sampled.blocks) // 2
+    sizes = np.array([len(a) * len(b) for a, b in sampled.blocks], dtype=np.float64).reshape(2, half)
+    scale = n * (n - 1) / 2 / sizes.sum(1)
+    rows, notes = ({}, {}, {}), []
     for i in folds:
         rest = without(ds, i)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                sums, at = sampled.replicate(rest, _within(sampled.blocks, sampled.K,
-                                                           kept_classes(rest["count"].values, sampled.min_count)))
+                sums, controls, at = sampled.replicate(rest, _within(
+                    sampled.blocks, sampled.K, kept_classes(rest["count"].values, sampled.min_count)))
             except UserError as e:
-                rows[i] = {}
+                for r in rows:
+                    r[i] = {}
                 notes.append(f"without fold {i}: {e}")
                 continue
             change = sums - sampled.whole_blocks
-            estimate = sampled.whole + scale * change.sum(0)
-            rows[i] = at(PairSums(*estimate))
-            noise = scale * z @ _noise(change, sizes)
-            for d, e in zip(drawn, noise):
-                d[i] = at(PairSums(*(estimate + e)))
-    return _frame(rows), [_frame(d) for d in drawn], notes
-
-
-def _noise(change: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Per block, a draw's scale of the sampling noise of its summed change (blocks x SUMS): the interaction
-    contrast of its quarters' mean changes, c = m11 + m22 - m12 - m21, free of each class's own change (it cancels
-    between the quarters that share a half), whose variance is s^2 sum_q 1/q for pairs' interactions of variance
-    s^2, rescaled to the block's sum (variance s^2 sum_q q)."""
-    q = sizes.reshape(-1, 4)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        means = change.reshape(-1, 4, change.shape[1]) / q[:, :, None]
-        c = means[:, 0] - means[:, 1] - means[:, 2] + means[:, 3]
-        return np.nan_to_num(c * np.sqrt(q.sum(1) / (1 / q).sum(1))[:, None])
+            change = change[:, :len(A)] - change[:, len(A):] @ A.T  # less the controls' change on the same pairs
+            exact = sampled.whole + A @ (np.asarray(controls) - sampled.controls)
+            each = [exact + scale[s] * change[s * half:(s + 1) * half].sum(0) for s in (0, 1)]
+            for r, estimate in zip(rows, ((each[0] + each[1]) / 2, *each)):
+                r[i] = at(PairSums(*estimate))
+    return (*(_frame(r) for r in rows), notes)
 
 
 def _frame(rows: dict) -> pd.DataFrame:

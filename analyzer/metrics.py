@@ -323,7 +323,7 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list
     if sample is None:
         errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars, min_count=kw["min_count"])
     else:
-        sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums,
+        sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums, np.array(g.controls),
                           lambda d, blocks: _replicate(d, blocks, kw), kw["min_count"])
         errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)
         how = {"se_method": sampled_method(len(sampled.blocks)), "se_sampling_error": sampling}
@@ -333,8 +333,9 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list
 
 
 def _replicate(ds: xr.Dataset, blocks: list, kw: dict):
-    """A leave-one-fold-out set whose pairs are sampled (jackknife.py): the pair sums of its ``blocks``, and its
-    scalar metrics given estimated sums over every pair (all else exact, as :func:`measure_all` has it)."""
+    """A leave-one-fold-out set whose pairs are sampled (jackknife.py): the pair sums of its ``blocks``, the
+    controls over every pair (pairs.CONTROLS), and its scalar metrics given estimated sums over every pair (all else
+    exact, as :func:`measure_all` has it)."""
     g = geometry(ds, kw["min_count"], kw["tile"], kw["device"], kw["engine"], sample=blocks, all_pairs=False)
     g.decay_ranks = _ranks(kw["decay_ranks"])
 
@@ -342,7 +343,7 @@ def _replicate(ds: xr.Dataset, blocks: list, kw: dict):
         g.pairs = pairs  # a sampled pair whose directions coincide: the log metrics are inf or nan, as with all pairs
         g.coincident = [(-1, -1, False)] if pairs.coincident > 0 else []
         return _scalars(g)
-    return g.sample_sums, at
+    return g.sample_sums, g.controls, at
 
 
 def _ranks(decay_ranks: tuple[int, int]) -> tuple[int, int]:

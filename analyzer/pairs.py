@@ -131,3 +131,32 @@ def block_hits(G: np.ndarray, ri: np.ndarray, rj: np.ndarray, diag: bool,
     same = r1 * r1 + r2 * r2 - 2 * r1 * r2 * g <= COINCIDENT * r1 * r2
     first = np.r_[np.flatnonzero(same)[:EXAMPLES], np.flatnonzero(~same)[:EXAMPLES]]   # row-major: the first ones
     return few(list(zip((i[first] + offsets[0]).tolist(), (j[first] + offsets[1]).tolist(), same[first].tolist())))
+
+
+# ---------------------------------------------------------------- control sums (the jackknife's sampled pairs)
+#
+# With c = 2/t0, x = T/t0 - 1 = (c - 1) - c g is a quadratic in g, so the sums over pairs of x, x^2, p p' x and
+# p p' x^2 follow from d-dimensional algebra (sum g = u_a-sums' dot product, sum g^2 = <U_a^T U_a, U_b^T U_b>), over
+# every pair or over a block: jackknife.py samples the logs' change less these controls' (log(1 + x) - x + x^2/2 is
+# ~x^3/3), whose totals it knows exactly.
+
+CONTROLS = ("x", "xx", "px", "pxx")  # sum x, x^2, p p' x, p p' x^2
+
+
+def control_block(Ua, pa, Ub, pb, t0: float) -> list[float]:
+    """The :data:`CONTROLS` over every pair of the rows of ``Ua`` with those of ``Ub`` (two disjoint sets of unit
+    centred means, numpy or torch; ``pa``, ``pb`` their token frequencies)."""
+    c = 2 / t0
+    q, w = len(Ua) * len(Ub), float(pa.sum() * pb.sum())
+    g, pg = float(Ua.sum(0) @ Ub.sum(0)), float((pa @ Ua) @ (pb @ Ub))
+    gg, pgg = float(((Ua.T @ Ua) * (Ub.T @ Ub)).sum()), float((((Ua.T * pa) @ Ua) * ((Ub.T * pb) @ Ub)).sum())
+    return [(c - 1) * q - c * g, (c - 1) ** 2 * q - 2 * c * (c - 1) * g + c * c * gg,
+            (c - 1) * w - c * pg, (c - 1) ** 2 * w - 2 * c * (c - 1) * pg + c * c * pgg]
+
+
+def control_totals(U, p, t0: float) -> list[float]:
+    """The :data:`CONTROLS` over the pairs c < c' of all the rows of ``U``: half the sums over every ordered pair
+    less the n diagonal ones (g = 1, x = -1)."""
+    both = control_block(U, p, U, p, t0)
+    diag = [-float(len(U)), float(len(U)), -float((p * p).sum()), float((p * p).sum())]
+    return [(a - b) / 2 for a, b in zip(both, diag)]
