@@ -2,11 +2,29 @@
 the totals (SPEC section 3), and the metrics on nested token budgets (the first 1, 2, 4, ..., F folds).
 
 The folds are disjoint sets of whole token blocks (block i -> fold i mod F), so their statistics are exact sums: the
-statistics without fold i are the other F - 1 folds merged with Chan's formula (:class:`ClassStats.merge`, exact to
-rounding), never a resample of tokens. Each metric is recomputed on each leave-one-out set by the same code as the
-point value (``metrics.measure_all``), and its error is
+statistics without fold i are the totals with fold i taken out (:func:`without`, Chan's merge undone) and those of a
+subset of folds the folds merged (:func:`merged`), exact to rounding, never a resample of tokens. Each metric is
+measured on each leave-one-out set (theta_(i)) as the point value is, and its error is
 
     se = sqrt((F - 1) / F * sum_i (theta_(i) - theta_bar)^2)        (Efron & Stein 1981; Quenouille 1956).
+
+Up to :data:`EXACT_UP_TO` kept classes every leave-one-out set is measured by the same code as the point value
+(``metrics.measure_all``: the exact jackknife). Above it, a leave-one-out set costs what the pairs cost (|K|^2 d /
+2), so its pair sums (pairs.SUMS: the CDNV family, nc2_cos_std, gnc2_*) are estimated, and every other metric is
+still measured exactly on it (the d x d moments, the per-class algebra, NC3, NC4):
+
+- its sums are the whole sample's exact sums plus their change;
+- the change of x^2 (x = T/t0 - 1, the cosines' spread) and of the controls below is exact, from d x d algebra
+  (pairs.CONTROLS: sum x, x^2, p p' x, p p' x^2 over every pair);
+- the rest of the change (the logs less their controls x - x^2/2, x^2, p p' (x - x^2/2), whose remainder is ~x^3/3;
+  the CDNV terms whole) is summed on two independent samples of pairs, each 1/(2 PAIR_BLOCKS) of them in blocks
+  (:func:`pair_blocks`: every class with as many partners, so each class's own change is summed in full and only
+  the pairs' interactions are sampled), the same pairs in every leave-one-out set, scaled to all pairs (unbiased:
+  each pair is equally likely to be in a sample);
+- the metrics of the mean of the two samples' estimates give the error; the samples' noise adds
+  (F - 1)/F sum_i ((d_i - d_bar) / 2)^2 to its square in expectation (d_i: a metric from the first sample's sums less
+  from the second's), which is taken off (not below 0) and stated, its square root, as the error's own sampling
+  error (``se_sampling_error``, recorded with ``se_method`` where the errors are written).
 
 Each replicate keeps its own classes (``min_count`` of its own train tokens), as an independent sample would. NC4's
 decisions were counted at extraction with the full sample's means, so its error is that of the validation tokens
@@ -214,7 +232,7 @@ def _cannot(ds: xr.Dataset, folds: list[int]) -> list[str]:
     return []
 
 
-def spread(theta: pd.DataFrame) -> pd.Series:
+def jackknife_spread(theta: pd.DataFrame) -> pd.Series:
     """The jackknife error of each column of the replicates ``theta`` (k rows): sqrt((k - 1)/k sum (theta_i -
     mean)^2)."""
     k = len(theta)
@@ -225,7 +243,7 @@ def _errors(ds: xr.Dataset, theta: pd.DataFrame, point: Mapping[str, float] | No
             notes: list[str]) -> tuple[dict[str, float], list[str]]:
     """The errors of the replicates ``theta``, nan (with a note) where a replicate is not finite or the point value
     is not (no note: its own warning says why)."""
-    se = spread(theta)
+    se = jackknife_spread(theta)
     undefined = [m for m in SCALARS if point is not None and not math.isfinite(point.get(m, math.nan))]
     bad = [m for m in SCALARS if not np.isfinite(theta[m]).all() and m not in undefined]
     mc, extract_min = int(min_count or 1), int(ds.attrs.get("min_count", 1))
@@ -385,7 +403,7 @@ def sampled_jackknife(ds: xr.Dataset, sampled: Sampled, point: Mapping[str, floa
         return {se_name(m): math.nan for m in SCALARS}, {}, cannot
     theta, first, second, notes = _sampled_replicates(ds, folds, sampled)
     se, notes = _errors(ds, theta, point, sampled.min_count, notes)
-    noise = spread((first - second) / 2)
+    noise = jackknife_spread((first - second) / 2)
     sampling = {}
     for m in SCALARS:
         name = se_name(m)
