@@ -63,8 +63,10 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
         work["pairs"] = pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias)
     if sample is not None:
         side = side_of(r, var, p, has_var, debias)
-        work["sample_sums"] = dask.delayed(np.stack)([dask.delayed(_block_sums)(U, side, t0, a, b) for a, b in sample])
-        work["controls"] = dask.delayed(control_totals)(U, p, t0)
+        half = len(sample) // 2  # a task per half (each a few dozen Gram blocks): one hash of U each, not per block
+        work["sample_sums"] = dask.delayed(np.concatenate)([dask.delayed(_block_sums, pure=True)(U, side, t0, s)
+                                                            for s in (sample[:half], sample[half:])])
+        work["controls"] = dask.delayed(control_totals, pure=True)(U, p, t0)
     with _blas_controller().limit(limits=1, user_api="blas"):
         got = dask.compute(work, scheduler="sync" if small else None)[0]  # the same sums
     pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
@@ -72,13 +74,15 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
             "row_cdnv": row_cdnv, "coincident": coincident, **got}
 
 
-def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The pair sums (``SUMS``, then pairs.CONTROLS) over every pair of class ``a_k`` with class ``b_l`` (two
-    disjoint index sets)."""
-    if not (len(a) and len(b)):
-        return np.zeros(len(SUMS) + len(CONTROLS))
-    return np.r_[tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0],
-                 control_block(U[a], side[3, a], U[b], side[3, b], t0)]
+def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, sample: list) -> np.ndarray:
+    """Per block (a, b) of ``sample``, the pair sums (``SUMS``, then pairs.CONTROLS) over every pair of class
+    ``a_k`` with class ``b_l`` (two disjoint index sets): blocks x (SUMS + CONTROLS)."""
+    out = np.zeros((len(sample), len(SUMS) + len(CONTROLS)))
+    for k, (a, b) in enumerate(sample):
+        if len(a) and len(b):
+            out[k] = np.r_[tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0],
+                           control_block(U[a], side[3, a], U[b], side[3, b], t0)]
+    return out
 
 
 @functools.cache

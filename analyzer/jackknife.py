@@ -83,19 +83,23 @@ def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
     into the variables the metrics read, with ``ds``'s head, attributes and ``split_count`` (the debiased metrics'
     class set is the split's, the same for every subset of folds)."""
     folds = list(folds)
-    fold = {n: np.asarray(ds[f"fold_{n}"].values)[folds] for n in FOLD_STATS if f"fold_{n}" in ds}
-    nf = fold["count"].astype(np.float64)
-    count = fold["count"].sum(0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(count[:, None] > 0, np.einsum("fv,fvd->vd", nf, fold["mean"]) / count[:, None], 0.0)
-    m2, scatter = fold["m2"].sum(0), fold["scatter"].sum(0) if "scatter" in fold else None
-    for f in range(len(folds)):                                    # each fold's spread about the merged means
-        held = np.flatnonzero(nf[f] > 0)
-        dev = (fold["mean"][f][held] - mean[held]) * np.sqrt(nf[f][held])[:, None]
+    fold = {n: ds[f"fold_{n}"].values for n in FOLD_STATS if f"fold_{n}" in ds}   # read in place, fold by fold
+    nf = fold["count"][folds].astype(np.float64)
+    count = fold["count"][folds].sum(0)
+    mean = np.zeros(fold["mean"].shape[1:])
+    for f, n in zip(folds, nf):
+        held = np.flatnonzero(n > 0)
+        mean[held] += n[held, None] * fold["mean"][f][held]
+    held = count > 0
+    mean[held] /= count[held, None]
+    m2, scatter = fold["m2"][folds].sum(0), fold["scatter"][folds].sum(0) if "scatter" in fold else None
+    for f, n in zip(folds, nf):                                    # each fold's spread about the merged means
+        held = np.flatnonzero(n > 0)
+        dev = (fold["mean"][f][held] - mean[held]) * np.sqrt(n[held])[:, None]
         m2[held] += np.einsum("cd,cd->c", dev, dev)
         if scatter is not None:
             scatter += dev.T @ dev
-    unit = fold["unit_sum"].sum(0) if "unit_sum" in fold else None
+    unit = fold["unit_sum"][folds].sum(0) if "unit_sum" in fold else None
     return _dataset(ds, count, mean, m2, scatter, unit, {n: np.asarray(ds[f"fold_{n}"].values)[folds].sum(0)
                                                          for n in VAL_COUNTS if f"fold_{n}" in ds}, len(folds))
 

@@ -326,7 +326,7 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list
         sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums, np.array(g.controls),
                           lambda d, blocks: _replicate(d, blocks, kw), kw["min_count"])
         errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)
-        how = {"se_method": sampled_method(len(sampled.blocks)), "se_sampling_error": sampling}
+        how = {"se_method": sampled_method(len(sampled.blocks) // 2), "se_sampling_error": sampling}
     if notes:
         warnings.warn("jackknife errors: " + "; ".join(notes), stacklevel=3)
     return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}, how
