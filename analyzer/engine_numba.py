@@ -80,8 +80,8 @@ def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, sample: list) -> np.
     out = np.zeros((len(sample), len(SUMS) + len(CONTROLS)))
     for k, (a, b) in enumerate(sample):
         if len(a) and len(b):
-            out[k] = np.r_[tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0],
-                           control_block(U[a], side[3, a], U[b], side[3, b], t0)]
+            sums = tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0]
+            out[k] = np.r_[sums, control_block(U[a], side[3, a], U[b], side[3, b], t0, sums[1])]
     return out
 
 

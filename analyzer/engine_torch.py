@@ -111,8 +111,8 @@ def _sample_block(U, side, t0: float, a: np.ndarray, b: np.ndarray) -> np.ndarra
     if not (len(a) and len(b)):
         return np.zeros(len(SUMS) + len(CONTROLS))
     a, b = (torch.as_tensor(i, device=U.device) for i in (a, b))
-    return np.r_[_torch_block(U[a], side[:, a], U[b], side[:, b], t0, False)[0][:len(SUMS)].cpu().numpy(),
-                 control_block(U[a], side[3, a], U[b], side[3, b], t0)]
+    sums = _torch_block(U[a], side[:, a], U[b], side[:, b], t0, False)[0][:len(SUMS)].cpu().numpy()
+    return np.r_[sums, control_block(U[a], side[3, a], U[b], side[3, b], t0, sums[1])]
 
 
 def _gathered(var: xr.DataArray, rows: tuple[np.ndarray, ...], dev: torch.device) -> list[torch.Tensor]:
