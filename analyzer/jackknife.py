@@ -332,7 +332,7 @@ def unsettled(table: pd.DataFrame, metrics: Sequence[str], more: bool | None = N
 # ---------------------------------------------------------------- the pair metrics' replicates over sampled pairs
 
 EXACT_UP_TO = 4096  # kept classes up to which every replicate sums every pair (the exact jackknife)
-PAIR_BLOCKS = 32    # blocks of sampled pairs in each of the two samples, 1/(2 PAIR_BLOCKS) of the pairs each
+PAIR_BLOCKS = 64    # blocks of sampled pairs in each of the two samples, 1/(2 PAIR_BLOCKS) of the pairs each
 SEED = 0            # the fixed random orders of the kept classes that cut them into blocks
 EXACT = "delete-one-fold jackknife, every metric measured exactly on each leave-one-fold-out set"
 
