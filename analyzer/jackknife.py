@@ -127,8 +127,9 @@ def without(ds: xr.Dataset, i: int) -> xr.Dataset:
     m2 = np.where(count > 0, np.asarray(ds["variance"].values, np.float64) * count, 0.0)
     both = np.flatnonzero((ni > 0) & (rest > 0))
     n, n_i, n_r = (x[both].astype(np.float64)[:, None] for x in (count, ni, rest))
-    mean[both] = (n * mean[both] - n_i * np.asarray(ds["fold_mean"].values[i][both])) / n_r
-    delta = (np.asarray(ds["fold_mean"].values[i][both]) - mean[both]) * np.sqrt(n_i * n_r / n)
+    mu_i = np.asarray(ds["fold_mean"].values[i][both])
+    mean[both] = mu = (n * mean[both] - n_i * mu_i) / n_r
+    delta = (mu_i - mu) * np.sqrt(n_i * n_r / n)
     m2[both] -= np.asarray(ds["fold_m2"].values[i][both]) + np.einsum("cd,cd->c", delta, delta)
     mean[rest == 0] = 0.0
     m2 = np.where(rest > 1, np.maximum(m2, 0.0), 0.0)
@@ -332,7 +333,7 @@ def unsettled(table: pd.DataFrame, metrics: Sequence[str], more: bool | None = N
 # ---------------------------------------------------------------- the pair metrics' replicates over sampled pairs
 
 EXACT_UP_TO = 4096  # kept classes up to which every replicate sums every pair (the exact jackknife)
-PAIR_BLOCKS = 64    # blocks of sampled pairs in each of the two samples, 1/(2 PAIR_BLOCKS) of the pairs each
+PAIR_BLOCKS = 96    # blocks of sampled pairs in each of the two samples, 1/(2 PAIR_BLOCKS) of the pairs each
 SEED = 0            # the fixed random orders of the kept classes that cut them into blocks
 EXACT = "delete-one-fold jackknife, every metric measured exactly on each leave-one-fold-out set"
 
