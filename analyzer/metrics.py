@@ -304,8 +304,11 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
                 se: bool = False) -> tuple[dict[str, float], xr.Dataset]:
     """:func:`measure` and :func:`class_metrics` from one pass (the scalars: the metrics that are defined here, then
     schema.CLASS_COUNTS, then with ``se`` each metric's jackknife error ``<metric>_se``)."""
+    from ncanalyze.analyzer.jackknife import sample_design
+
     ranks = _ranks(decay_ranks)
-    g = geometry(ds, min_count, tile, device, engine)
+    sample = sample_design(ds, min_count) if se else None         # the pairs the errors sample, where they do
+    g = geometry(ds, min_count, tile, device, engine, sample=sample)
     g.decay_ranks = ranks
     for name, why in (("nc4_agreement", g.nc4_nan_because), ("anisotropy", g.anisotropy_nan_because),
                       ("head_erank", g.head_nan_because)):
@@ -315,7 +318,7 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
         warnings.warn(f"nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq, nc1_cdnv_pooled and class_cdnv are nan: only {g.n_var} of the {g.n} kept "
                       "classes have 2 or more train tokens (a class seen once has no variance); extract more tokens",
                       stacklevel=2)
-    scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    scalars = _scalars(g)
     if not vocabulary_classes(ds.attrs):
         warnings.warn(f"{', '.join(k for k in DEFINITIONS if k not in scalars)} are nan: {NO_CLASSIFIER} (labels "
                       f"{ds.attrs[LABELS]})", stacklevel=2)
@@ -324,10 +327,17 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
                 "n_pairs_unresolved": float(g.pairs.unresolved)}
     _warn_debiased(g, n_fixed)
     per = {name: f(g) for name, f in PER_CLASS_DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    per_class = _per_class(ds, g.K, per)
     if se:
-        scalars |= _errors(ds, scalars, dict(min_count=min_count, tile=tile, device=device, engine=engine,
-                                             decay_ranks=decay_ranks))
-    return scalars, _per_class(ds, g.K, per)
+        errors, per_class.attrs = _errors(ds, scalars, g, sample, dict(min_count=min_count, tile=tile, device=device,
+                                                                engine=engine, decay_ranks=decay_ranks))
+        scalars |= errors
+    return scalars, per_class
+
+
+def _scalars(g: Geometry) -> dict[str, float]:
+    """The scalar metrics defined on ``g`` (those whose Geometry fields are there)."""
+    return {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
 
 
 def _warn_debiased(g: Geometry, n_fixed: int) -> None:
@@ -343,15 +353,39 @@ def _warn_debiased(g: Geometry, n_fixed: int) -> None:
     # n_pairs_unresolved beside the metric and said by the report, not warned at every checkpoint
 
 
-def _errors(ds: xr.Dataset, scalars: dict[str, float], kw: dict) -> dict[str, float]:
-    """Each metric's jackknife error (jackknife.py), nan where its point value is not finite; the notes of the nan
-    ones in one warning."""
-    from ncanalyze.analyzer.jackknife import jackknife, se_name
+def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list | None,
+            kw: dict) -> tuple[dict[str, float], dict]:
+    """Each metric's jackknife error (jackknife.py), nan where its point value is not finite, and how they were made
+    (``se_method``; where the pairs are sampled, ``se_sampling_error``: each estimated error's own sampling error);
+    the notes of the nan ones in one warning. ``g``: the point value's geometry, with the sums of ``sample``'s
+    blocks of pairs where they are sampled."""
+    from ncanalyze.analyzer.jackknife import EXACT, Sampled, jackknife, sampled_jackknife, sampled_method, se_name
 
-    errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars, min_count=kw["min_count"])
+    how: dict = {"se_method": EXACT}
+    if sample is None:
+        errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars, min_count=kw["min_count"])
+    else:
+        sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums, np.array(g.controls),
+                          lambda d, blocks: _replicate(d, blocks, kw), kw["min_count"])
+        errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)
+        how = {"se_method": sampled_method(len(sampled.blocks) // 2), "se_sampling_error": sampling}
     if notes:
         warnings.warn("jackknife errors: " + "; ".join(notes), stacklevel=3)
-    return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}
+    return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}, how
+
+
+def _replicate(ds: xr.Dataset, blocks: list, kw: dict):
+    """A leave-one-fold-out set whose pairs are sampled (jackknife.py): the pair sums of its ``blocks``, the
+    controls over every pair (pairs.CONTROLS), and its scalar metrics given estimated sums over every pair (all else
+    exact, as :func:`measure_all` has it)."""
+    g = geometry(ds, kw["min_count"], kw["tile"], kw["device"], kw["engine"], sample=blocks, all_pairs=False)
+    g.decay_ranks = _ranks(kw["decay_ranks"])
+
+    def at(pairs) -> dict[str, float]:
+        g.pairs = pairs  # a sampled pair whose directions coincide: the log metrics are inf or nan, as with all pairs
+        g.coincident = [(-1, -1, False)] if pairs.coincident > 0 else []
+        return _scalars(g)
+    return g.sample_sums, g.controls, at
 
 
 def _ranks(decay_ranks: tuple[int, int]) -> tuple[int, int]:

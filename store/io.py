@@ -46,7 +46,8 @@ XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated me
 # 3: the record identifies the data by content (data_sha256) and names local data by its file's name, not its path; fold sums (the fold
 # dimension, attribute folds) beside the totals, for the jackknife errors
 FORMAT_KEY, FORMAT = "ncanalyze_format", 3
-RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version")
+RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version",
+          "metrics_se_method", "metrics_se_sampling_error")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
 STATISTICS = ("count", "mean", "variance", "within_covariance")  # every checkpoint group holds them
@@ -548,7 +549,9 @@ def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_c
     scalars
         The scalar metrics.
     per_class
-        The per-class metrics (schema.PER_CLASS).
+        The per-class metrics (schema.PER_CLASS); their attributes ``se_method`` and ``se_sampling_error`` (how the
+        errors were made, metrics.measure_all) go into the record as ``metrics_se_method`` and
+        ``metrics_se_sampling_error``.
     min_count
         The ``--min-count`` they were measured with.
     config_hash
@@ -572,5 +575,8 @@ def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_c
     record = {"metrics": {k: v if math.isfinite(v) else None for k, v in scalars.items()},
               "metrics_nonfinite": {k: str(v) for k, v in scalars.items() if not math.isfinite(v)},
               "metrics_min_count": min_count, "metrics_config_hash": config_hash, "metrics_version": METRICS_VERSION}
+    for k in ("se_method", "se_sampling_error"):  # how the errors were made (analyzer.jackknife), where they were
+        if k in per_class.attrs:
+            record[f"metrics_{k}"] = per_class.attrs[k]
     g.attrs.update(record)
     return record

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from conftest import tmpfs
 from test_metrics import assert_metrics, brute_force, random_study
 
+from ncanalyze.analyzer.jackknife import EXACT
 import ncanalyze.store
 import ncanalyze.store.client
 import ncanalyze.store.measure
@@ -81,6 +82,7 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
         assert all(np.isnan(stored_row[k]) for k in ERRORS)  # a hand-made group without folds: no errors
         assert {k: "nan" for k in ERRORS}.items() <= a["metrics_nonfinite"].items()
         assert (a["metrics_min_count"], a["metrics_config_hash"], a["complete"]) == (1, ds.attrs["config_hash"], True)
+        assert a["metrics_se_method"] == EXACT and "metrics_se_sampling_error" not in a  # how the errors are made
         stored = tree[g].to_dataset()
         K = np.flatnonzero(ds["count"].values >= 1)
         for name in PER_CLASS:
