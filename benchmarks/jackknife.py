@@ -5,7 +5,6 @@
     python benchmarks/jackknife.py whole [--vocab 50257] [--width 256] [--layers 2] [--train-tokens 131072]
                                          [--val-tokens 16384]
     python benchmarks/jackknife.py errors [--vocab 128256] [--seen 57000] [--width 128] [--folds 8] [--rounds 2]
-                                          [--record]
 
 ``calibrate``: the checkpoint's last-layer features of ``caps`` disjoint caps of whole blocks of the text (independent
 token samples of one checkpoint, each 80% train, 20% validation), each cap's statistics with 8 folds (class_stats, the
@@ -32,8 +31,8 @@ printed beside it.
 fold means around random centres; the totals merged from the folds as extraction's fold sums add up to them), then
 ``measure_all`` with and without ``se`` in alternating rounds (the median of the per-round ratios: the goal is <= 1.5),
 the peak resident memory of each above the memory before it (sampled every 5 ms), and how the errors were made, with
-each error's own sampling error where the pairs were sampled. ``--record`` writes what it printed to
-benchmarks/results/jackknife.md.
+each error's own sampling error where the pairs were sampled. ``python benchmarks/record.py jackknife.py errors``
+records its run in benchmarks/results/jackknife.md.
 """
 from __future__ import annotations
 
@@ -370,12 +369,8 @@ def main() -> None:
     e.add_argument("--folds", type=int, default=8)
     e.add_argument("--min-count", type=int, default=1)
     e.add_argument("--rounds", type=int, default=2)
-    e.add_argument("--record", action="store_true", help="also write the output to benchmarks/results/jackknife.md")
     args = p.parse_args()
-    from record import recorded  # benchmarks/record.py, beside this script
-
-    with recorded(getattr(args, "record", False)):
-        {"calibrate": calibrate, "cost": cost, "whole": whole, "errors": errors}[args.what](args)
+    {"calibrate": calibrate, "cost": cost, "whole": whole, "errors": errors}[args.what](args)
 
 
 if __name__ == "__main__":
