@@ -207,7 +207,8 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     rows["_tag"] = _tag_keys(df)
     colours = _colours(df, run)
     rows["_step_colour"] = colours.pop("step")
-    layers = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna().astype(int))) if has_depth(df) else []
+    at = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna())) if has_depth(df) else []
+    layers = [int(x) if float(x).is_integer() else float(x) for x in at]  # a sublayer site's B + 0.5 kept
     return {"rows": rows, "target": r.target, "labels": {c: label(c) for c in [r.target, *metrics]},
             "metrics": _metric_groups(metrics), "fig1": chosen(FIGURES["fig1_nc_vs_loss"][1], estimated(metrics, options.estimates, r.selected)),
             "tags": list(dict.fromkeys(rows["_tag"])), "layers": layers,
