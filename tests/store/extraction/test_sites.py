@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, OPTCo
 
 CK = "checkpoint-40"
 COMPARED = ("nc1_cdnv", "nc1_cdnv_p2", "nc1_trace", "nc2_norm_cv", "nc2_lognorm_std", "nc2_cos_mean", "nc2_cos_std",
-            *GEOMETRY_METRICS)
+            "nc3_cos_mean", "nc3_dual_error", *GEOMETRY_METRICS)
 
 
 def hooked(model, modules: dict[str, torch.nn.Module], blocks: np.ndarray, batch: int = 8) -> dict[str, np.ndarray]:
@@ -41,14 +41,14 @@ def hooked(model, modules: dict[str, torch.nn.Module], blocks: np.ndarray, batch
     return {k: np.concatenate(v) for k, v in got.items()}
 
 
-def assert_same_metrics(store, group: str, H: np.ndarray, y: np.ndarray, site: str) -> None:
-    """The group's NC1/NC2/geometry metrics equal (1e-9) class_stats + measure of the features ``H``; its attributes
-    name the site."""
+def assert_same_metrics(store, group: str, H: np.ndarray, y: np.ndarray, site: str, model) -> None:
+    """The group's NC1/NC2/NC3/geometry metrics equal (1e-9) class_stats + measure of the features ``H`` with the
+    model's head (as the store keeps it, float32); its attributes name the site."""
     ds = read_group(store, group)
     assert ds.attrs.get("site", f"resid:{ds.attrs.get('layer')}") == site
-    want = measure(class_stats(H, y, num_classes=ds.sizes["vocab"]))
-    with pytest.warns(UserWarning):  # NC4 at the extraction's min_count only; fine
-        got = ds.nc.measure() if False else measure(ds)
+    W = model.get_output_embeddings().weight.detach().float().double().numpy()
+    want = measure(class_stats(H, y, num_classes=ds.sizes["vocab"], classifier=W))
+    got = measure(ds)
     for m in COMPARED:
         assert got[m] == pytest.approx(want[m], rel=1e-9, nan_ok=True), (group, m)
     np.testing.assert_array_equal(ds["count"].values, np.bincount(y, minlength=ds.sizes["vocab"]))
@@ -75,17 +75,16 @@ def test_gpt_neo_sites_equal_plain_forward_hooks(neo_store, trained_run, corpus)
     assert sorted(tree[g]["sites"].children) == ["attn_0", "mlp_1"] and sorted(tree[g]["layers"].children) == ["1"]
     for group, site in ((f"{g}/sites/attn_0", "attn:0"), (f"{g}/sites/mlp_1", "mlp:1"), (f"{g}/layers/1", "resid:1"),
                         (g, "resid:2")):
-        assert_same_metrics(neo_store, group, feats[site], y, site)
+        assert_same_metrics(neo_store, group, feats[site], y, site, model)
     # the check can tell: the attention output is not the residual stream around it
     assert not np.allclose(feats["attn:0"], feats["resid:1"] - feats["resid:0"])
     from ncanalyze.store.measure import measure_store
 
     df = measure_store(neo_store).table
-    assert list(df.site) == ["resid:1", "attn:0" if False else "resid:1", ][:0] or \
-        list(df.site) == ["attn:0", "resid:1", "mlp:1", "resid:2"]
-    assert list(df.layer) == [0.5, 1, 1.5, 2]
+    assert list(df.site) == ["attn:0", "resid:1", "mlp:1", "resid:2"] and list(df.layer) == [0.5, 1, 1.5, 2]
 
 
+@pytest.mark.slow
 def test_residual_groups_are_bit_for_bit_those_of_layers(trained_run, corpus, tmp_path):
     """The same extraction with a sublayer site beside --layers 0: the checkpoint group and layers/0 bit for bit
     those of --layers 0 alone (attributes too, but the record naming the sites), several passes or one."""
@@ -106,6 +105,14 @@ def test_residual_groups_are_bit_for_bit_those_of_layers(trained_run, corpus, tm
             a.attrs.pop(k), b.attrs.pop(k)
         assert a.attrs == b.attrs
     assert read_group(sited, f"{g}/sites/mlp_0").attrs["site"] == "mlp:0"
+
+
+def checkpoint(store) -> str:
+    """The store's one checkpoint group."""
+    from ncanalyze.store.classifier import checkpoint_group
+    from ncanalyze.store.io import checkpoint_groups
+
+    return {checkpoint_group(g) for g in checkpoint_groups(store)[0]}.pop()
 
 
 def _tiny(config, path, seed: int = 0):
@@ -137,11 +144,9 @@ def test_llama_sites_equal_plain_forward_hooks(llama, tmp_path):
     train = np.load(llama["train"])
     feats = hooked(model, {"attn:1": layers[1].self_attn, "mlp:2": layers[2].mlp}, train)
     y = train[:, 1:].ravel()
-    g = "llama-3x16/llama-3x16" if (store / "llama-3x16" / "llama-3x16").exists() else \
-        next(iter(ncanalyze.store.open(store).children)) + "/" + \
-        next(iter(ncanalyze.store.open(store)[next(iter(ncanalyze.store.open(store).children))].children))
+    g = checkpoint(store)
     for group, site in ((f"{g}/sites/attn_1", "attn:1"), (f"{g}/sites/mlp_2", "mlp:2"), (f"{g}/layers/1", "resid:1")):
-        assert_same_metrics(store, group, feats[site], y, site)
+        assert_same_metrics(store, group, feats[site], y, site, model)
 
 
 @pytest.mark.parametrize("sites, words", [("ffn:0", ["ffn:0", "resid, attn, mlp"]),
@@ -172,12 +177,12 @@ def test_a_sublayer_site_resumes_bit_for_bit_after_a_kill(llama, tmp_path):
     ref = tmp_path / "ref.zarr"
     run_cli(*args, "--store", ref)
     store = tmp_path / "killed.zarr"
-    state = _state(store) / "llama-3x16" / "llama-3x16.npz"
+    state = _state(store) / "llama-3x16" / "final.npz"
     args += ["--state-every", 0]
     for pass_, phase in ((0, 0), (1, 1)):
         kill_when([*args, "--store", store], state, batches=3, at={"pass": pass_, "phase": phase})
     r = run_cli(*args, "--store", store)
     assert "1 resumed" in r.output
-    g = "llama-3x16/llama-3x16"
+    g = checkpoint(store)
     for group in (g, f"{g}/sites/attn_1"):
         assert_same_group(ref, store, group)
