@@ -186,3 +186,32 @@ def test_a_sublayer_site_resumes_bit_for_bit_after_a_kill(llama, tmp_path):
     g = checkpoint(store)
     for group in (g, f"{g}/sites/attn_1"):
         assert_same_group(ref, store, group)
+
+
+@pytest.mark.slow
+def test_report_with_sites_keeps_the_last_layers_statistics_and_draws_each_kind(tmp_path):
+    """A table with residual and sublayer rows (as measure_store gives them: attn:B, mlp:B at layer B + 0.5):
+    stats.csv equals the report of the last-layer rows alone, layers.csv carries the site, the depth figure draws
+    the sublayer kinds as lines of their own (dotted, dash-dotted)."""
+    import pandas as pd
+    from ncanalyze.analyzer.report import ReportOptions, write_report
+    from ncanalyze.analyzer.report.depth import depth_figure
+    from ncanalyze.analyzer.stats import METRICS
+    from test_stats import study
+
+    last = study(n_runs=3, per_run=4, seed=5).assign(n_layers=2)
+    rng = np.random.default_rng(0)
+    rows = [last.assign(layer=l, site=s, **{m: last[m] * rng.uniform(0.5, 2, len(last)) for m in METRICS})
+            for l, s in ((0, "resid:0"), (0.5, "attn:0"), (1.5, "mlp:1"))]
+    table = pd.concat([*rows, last.assign(layer=2, site="resid:2")], ignore_index=True)
+    opts = ReportOptions(formats="png", n_perm=200, seed=1)
+    plain = write_report(last.assign(layer=2, site="resid:2"), tmp_path / "plain", opts).files
+    deep = write_report(table, tmp_path / "deep", opts).files
+    pd.testing.assert_frame_equal(pd.read_csv(plain["stats"]), pd.read_csv(deep["stats"]))
+    layers = pd.read_csv(deep["layers"])
+    assert list(layers.columns[:5]) == ["run", "checkpoint", "global_step", "layer", "site"]
+    assert set(layers.groupby(["run", "checkpoint"]).site.apply(tuple)) == {("resid:0", "attn:0", "mlp:1", "resid:2")}
+    fig = depth_figure(table, metrics=["nc1_cdnv"])
+    styles = sorted({(line.get_linestyle(), len(line.get_xdata())) for line in fig.axes[0].lines})
+    assert styles == [("-", 2), ("-.", 1), (":", 1)]  # per checkpoint: resid 0 and 2; mlp:1; attn:0
+    assert "attn/mlp" in fig.axes[0].get_xlabel()
