@@ -82,6 +82,8 @@ def test_gpt_neo_sites_equal_plain_forward_hooks(neo_store, trained_run, corpus)
 
     df = measure_store(neo_store).table
     assert list(df.site) == ["attn:0", "resid:1", "mlp:1", "resid:2"] and list(df.layer) == [0.5, 1, 1.5, 2]
+    out = run_cli("measure", neo_store, "--force").output
+    assert all(s in out for s in ("attn:0", "mlp:1", "resid:1")), out
 
 
 @pytest.mark.slow
@@ -215,3 +217,30 @@ def test_report_with_sites_keeps_the_last_layers_statistics_and_draws_each_kind(
     styles = sorted({(line.get_linestyle(), len(line.get_xdata())) for line in fig.axes[0].lines})
     assert styles == [("-", 2), ("-.", 1), (":", 1)]  # per checkpoint: resid 0 and 2; mlp:1; attn:0
     assert "attn/mlp" in fig.axes[0].get_xlabel()
+
+
+@pytest.mark.slow
+def test_the_callback_measures_sites_as_extract_does(corpus, tmp_path):
+    """``NeuralCollapseCallback(..., sites=...)``: the sublayer groups of step 10 equal extract --sites of the
+    checkpoint saved then (1e-12), and their metrics reach the Trainer's logs as ``nc/<kind>_<B>/<metric>``."""
+    from test_training import train
+
+    from ncanalyze.training import NeuralCollapseCallback
+
+    small = {"max_train_tokens": 512, "max_val_tokens": 256, "batch_size": 4, "samples_per_class": 2}
+    cb = NeuralCollapseCallback(tmp_path / "live.zarr", str(corpus["train"]), str(corpus["val"]),
+                                sites="attn:0,mlp:1", **small)
+    trainer = train(corpus, tmp_path / "neo", [cb], steps=10, give_trainer=True)
+    run_cli("extract", tmp_path / "neo" / "checkpoint-10", "--dataset", corpus["train"], "--val-dataset",
+            corpus["val"], "--store", tmp_path / "ckpt.zarr", "--sites", "attn:0,mlp:1",
+            *(x for k, v in small.items() for x in (f"--{k.replace('_', '-')}", v)))
+    for site in ("attn_0", "mlp_1"):
+        a = read_group(tmp_path / "live.zarr", f"neo/step-10/sites/{site}")
+        b = read_group(tmp_path / "ckpt.zarr", f"neo/checkpoint-10/sites/{site}")
+        assert a.attrs["site"] == b.attrs["site"] == site.replace("_", ":")
+        np.testing.assert_array_equal(a["count"].values, b["count"].values)
+        np.testing.assert_array_equal(a["val_ncc_agree"].values, b["val_ncc_agree"].values)
+        for name in ("mean", "variance", "within_covariance"):
+            np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
+    logged = {k for e in trainer.state.log_history for k in e}
+    assert {"nc/attn_0/nc1_cdnv", "nc/mlp_1/nc1_cdnv"} <= logged, logged
