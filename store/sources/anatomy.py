@@ -163,10 +163,11 @@ def hidden_forward(model, layers: tuple, last) -> Callable[[torch.Tensor], torch
 
 
 def _keep(got: dict, site: tuple[str, int], stop: bool = False):
-    """A forward hook keeping a sublayer's output (its first element, where it returns a tuple) under ``site``;
-    with ``stop``, the forward ends there."""
+    """A forward hook keeping a copy of a sublayer's output (its first element, where it returns a tuple) under
+    ``site`` (a copy: Falcon's block adds the attention output into the MLP's in place); with ``stop``, the forward
+    ends there."""
     def hook(module, args, output):
-        got[site] = output[0] if isinstance(output, tuple) else output
+        got[site] = (output[0] if isinstance(output, tuple) else output).clone()
         if stop:
             raise _Cut
     return hook
