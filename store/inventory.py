@@ -93,7 +93,7 @@ class Entry:
     group: str
     status: str = "ok"      # ok | incomplete | corrupt: why | interrupted extraction | interrupted removal
     attrs: dict = field(default_factory=dict)
-    layers: list[int] = field(default_factory=list)
+    layers: list[int | str] = field(default_factory=list)  # the residual layers, then the sublayer sites (attn:1)
     measured: str = "no"    # min_count=N | no | stale | partly
     bytes: int = 0
 
@@ -147,8 +147,10 @@ def _checkpoint(store: Store, group: str, good: set[str], bad: dict[str, str]) -
     subs = sorted((g for g in [*good, *bad] if g.startswith((f"{group}/layers/", f"{group}/sites/"))),
                   key=lambda g: group_order(g, {}))
     own = entry.attrs.get(LAYER, entry.attrs.get("n_layers"))
-    entry.layers = sorted({int(g.rsplit("/", 1)[1]) for g in subs if g.rsplit("/", 1)[1].isdigit() and "/layers/" in g}
-                          | ({own} if isinstance(own, int) else set()))
+    names = [g.removeprefix(f"{group}/").split("/", 1) for g in subs]  # (layers, 3) or (sites, attn_1)
+    residual = {int(n) for kind, n in names if kind == "layers" and n.isdigit()} | ({own} if isinstance(own, int)
+                                                                                 else set())
+    entry.layers = [*sorted(residual), *(":".join(n.rsplit("_", 1)) for kind, n in names if kind == "sites")]
     problems = [f"{g.removeprefix(group + '/')} corrupt ({bad[g]})" for g in subs if g in bad]
     for g in (g for g in [group, *subs] if g in good):
         try:

@@ -54,6 +54,24 @@ def assert_same_metrics(store, group: str, H: np.ndarray, y: np.ndarray, site: s
     np.testing.assert_array_equal(ds["count"].values, np.bincount(y, minlength=ds.sizes["vocab"]))
 
 
+def test_one_parser_orders_sites_as_the_forward_reaches_them():
+    """--layers is the residual sites' short form; sites sort in forward order (resid:B, attn:B, mlp:B, resid:B+1);
+    the record lists residual sites as the indices --layers always recorded, so a store without sublayer sites keeps
+    its config hash; the passes saved for a resume read back as the same sites."""
+    import json
+
+    from ncanalyze.store.extraction.layers import plan
+    from ncanalyze.store.extraction.sites import Site
+
+    p = plan("0,2", "auto", 0, "float32", 3, "mlp:-1, ATTN:1,resid:2")
+    assert [str(s) for s in p.layers] == ["resid:0", "attn:1", "resid:2", "mlp:2", "resid:3"]
+    assert [s.recorded for s in p.layers] == [0, "attn:1", 2, "mlp:2", 3]
+    assert plan("0,2", n=3).layers == plan("last", n=3, sites="resid:0,resid:2").layers
+    assert [s.group for s in p.layers] == ["layers/0", "sites/attn_1", "layers/2", "sites/mlp_2", "layers/3"]
+    saved = json.loads(json.dumps([[s.recorded for s in g] for g in p.passes]))
+    assert [tuple(Site.of(x) for x in g) for g in saved] == p.passes
+
+
 @pytest.fixture(scope="module")
 def neo_store(trained_run, corpus, tmp_path_factory):
     store = tmp_path_factory.mktemp("sites") / "sites.zarr"
@@ -84,6 +102,7 @@ def test_gpt_neo_sites_equal_plain_forward_hooks(neo_store, trained_run, corpus)
     assert list(df.site) == ["attn:0", "resid:1", "mlp:1", "resid:2"] and list(df.layer) == [0.5, 1, 1.5, 2]
     out = run_cli("measure", neo_store, "--force").output
     assert all(s in out for s in ("attn:0", "mlp:1", "resid:1")), out
+    assert "1,2,attn:0,mlp:1" in run_cli("ls", neo_store).output
 
 
 @pytest.mark.slow
