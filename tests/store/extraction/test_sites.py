@@ -173,11 +173,27 @@ def test_llama_sites_equal_plain_forward_hooks(llama, tmp_path):
 @pytest.mark.parametrize("sites, words", [("ffn:0", ["ffn:0", "resid, attn, mlp"]),
                                           ("attn:2", ["attn:2", "0..1"]),
                                           ("mlp:-3", ["mlp:-3", "0..1"]),
-                                          ("resid:3", ["resid:3", "0..2"])])
-def test_bad_sites_are_one_line_before_any_work(sites, words, kept_store, trained_run, corpus):
-    fails_cleanly(["extract", trained_run / CK, "--dataset", corpus["train"], "--sites", sites], kept_store, words)
+                                          ("resid:3", ["resid:3", "0..2"]),
+                                          ("attn", ["--sites", "kind:index"]),
+                                          ("attn:one", ["--sites", "kind:index"])])
+def test_bad_sites_are_one_line(sites, words):
+    """An unknown kind, an index outside a 2-block model, a site that is not kind:index: one line naming it and
+    the fix (the syntax as the setting is made, the rest where the model's depth is known)."""
+    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.store.extraction.config import layer_plan
+    from ncanalyze.store.extraction.settings import ExtractConfig
+
+    with pytest.raises(UserError) as e:
+        layer_plan(ExtractConfig(dataset="d", sites=sites), 2)
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), e.value
 
 
+def test_a_bad_site_stops_extract_before_any_work(kept_store, trained_run, corpus):
+    fails_cleanly(["extract", trained_run / CK, "--dataset", corpus["train"], "--sites", "attn:0,mlp:2"], kept_store,
+                  ["mlp:2", "0..1"])
+
+
+@pytest.mark.slow
 def test_a_site_the_architecture_lacks_is_one_line_before_any_work(kept_store, llama, tmp_path):
     """OPT's MLP is two linear layers inline in its block, not a module: mlp:0 is refused, attn:0 is not."""
     opt = _tiny(OPTConfig(vocab_size=61, hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
