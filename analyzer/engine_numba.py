@@ -27,7 +27,8 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from ncanalyze.analyzer.moments import check_centred, check_finite, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, PairSums, block_hits, blocks, few, side_of
+from ncanalyze.analyzer.pairs import (COINCIDENT, EXAMPLES, SUMS, PairSums, block_hits, blocks, few, side_of,
+                                      subset_sums)
 
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
 MAX_TILE = 2048
@@ -59,7 +60,8 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
         (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias),
                                                           _moments(ds, K, M, mu_G, W, sigma_w, tile),
                                                           scheduler="sync" if small else None)  # the same sums
-    return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0), "pairs": pairs,
+    return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0), "m_sums": subset_sums(M, has_var, debias),
+            "pairs": pairs,
             "row_cdnv": row_cdnv, "coincident": coincident, "mom": mom}
 
 

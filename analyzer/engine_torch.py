@@ -22,7 +22,7 @@ import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_centred, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, PairSums, examples, few, side_of
+from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, PairSums, examples, few, side_of, subset_sums
 
 HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 
@@ -77,7 +77,8 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
     del A
     if "classifier" in ds:
         mom |= _classifier_moments(ds["classifier"], K, M, dev)
-    out = {"var": var, "r": r_host, "m_sum": M.sum(0).cpu().numpy()}
+    out = {"var": var, "r": r_host, "m_sum": M.sum(0).cpu().numpy(),
+           "m_sums": subset_sums(M, has_var, debias, lambda a: torch.as_tensor(a, device=dev)).cpu().numpy()}
     U = M.div_(r[:, None])                                        # u_c = m_c / r_c, in M's place: M is done
     del M
     s = U.sum(0)

@@ -92,6 +92,9 @@ class Geometry:
     decay_ranks: tuple[int, int] = DECAY_RANKS
     fixed: np.ndarray | None = None        # per kept class: in the debiased metrics' fixed class set (fixed_set)
     debias_note: str | None = None         # the fixed set's classes left out here, and why
+    m_sums: np.ndarray | None = None       # sum of m_c over the classes with a variance, and over the fixed set (2 x d)
+    vstar: np.ndarray | None = None        # the fixed set's unbiased variances v*_c (0 outside it)
+    noise: np.ndarray | None = None        # the fixed set's means' noise z_c = v*_c / n_c (0 outside it)
 
     @property
     def n(self) -> int:
@@ -156,7 +159,7 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
         _warn_coincident(parts["coincident"], K, bool(np.isinf(parts["pairs"].cdnv)))
     g = Geometry(K=K, p=p, has_var=has_var, MtM=mom["MtM"], lam=mom["lam"], V=mom["V"], spectra=mom["spectra"],
                  n_tokens=int(count.sum()), sigma_w=sigma_w, vsv=mom.get("vsv"), fixed=fixed, debias_note=note,
-                 **parts)
+                 vstar=debias[0], noise=debias[1], **parts)
     if "wn" in mom:
         dead = np.flatnonzero(mom["wn"] == 0)
         if dead.size:

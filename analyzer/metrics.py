@@ -55,6 +55,44 @@ def nc1_cdnv_debiased(g: Geometry) -> float:
     return g.pairs.cdnv_deb / (n * (n - 1)) if n >= 2 else math.nan
 
 
+def nc1_cdnv_pooled(g: Geometry) -> float:
+    """The CDNV of the pooled pairs: sum (var_c + var_c') / sum 2 ||mu_c - mu_c'||^2 over the pairs of kept classes
+    with a variance (nc1_cdnv's pairs): the pairs' mean variance over their mean squared distance, so no single
+    pair's near-zero distance rules it. In closed form over S (|S| = s, m_c the centred means):
+    (s - 1) sum var_c / (2 (s sum ||m_c||^2 - ||sum m_c||^2)). nan where fewer than 2 such classes."""
+    return pooled_cdnv(g.var, g.r, g.m_sums[0], 0.0, g.has_var)
+
+
+def nc1_cdnv_pooled_debiased(g: Geometry) -> float:
+    """nc1_cdnv_pooled as the whole population of tokens would give it, over the debiased metrics' fixed class set:
+    sum (v*_c + v*_c') / sum 2 D*_cc', v* the unbiased variances and D* the squared distances less the two means'
+    noise z_c = v*_c / n_c. Numerator and denominator are each unbiased sums over all pairs, so the ratio has no
+    pair whose noise dominates (``benchmarks/budget.py`` shows it beside nc1_cdnv_debiased, a mean of ratios that
+    moves with its unresolved pairs, on a real checkpoint at growing budgets). nan, with
+    a warning, where the corrected distances do not sum above 0 (the means are not resolved from their noise)."""
+    if g.fixed is None:
+        return math.nan
+    value = pooled_cdnv(g.vstar, g.r, g.m_sums[1], g.noise, g.fixed)
+    if value < 0:
+        warnings.warn("nc1_cdnv_pooled_debiased is nan: the class means' distances do not exceed their noise "
+                      "(extract more train tokens)", stacklevel=3)
+        return math.nan
+    return value
+
+
+def pooled_cdnv(var: np.ndarray, r: np.ndarray, m_sum: np.ndarray, noise: np.ndarray | float,
+                inside: np.ndarray) -> float:
+    """(s - 1) sum_S var / (2 (s sum_S r^2 - ||m_sum||^2 - (s - 1) sum_S noise)) over S = ``inside`` (s classes):
+    the pooled pairs' variance over their squared distance, each distance less its two means' ``noise``."""
+    s = int(np.count_nonzero(inside))
+    if s < 2:
+        return math.nan
+    inside = np.asarray(inside, dtype=bool)
+    pair_distance = s * float(np.sum(r[inside] ** 2)) - float(m_sum @ m_sum)
+    pair_noise = (s - 1) * float(np.sum(np.broadcast_to(noise, r.shape)[inside]))
+    return (s - 1) * float(np.sum(var[inside])) / (2 * (pair_distance - pair_noise))
+
+
 @needs("sigma_w")
 def nc1_trace(g: Geometry) -> float:
     """Tr(Sigma_W Sigma_B^+) / |K| (Papyan, Han & Donoho 2020), Sigma_B = M^T M / n. With M^T M = V diag(lam) V^T,
@@ -273,7 +311,7 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
         if why:
             warnings.warn(f"{name} is nan: {why}", stacklevel=2)
     if g.n_var < 2:
-        warnings.warn(f"nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and class_cdnv are nan: only {g.n_var} of the {g.n} kept "
+        warnings.warn(f"nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq, nc1_cdnv_pooled and class_cdnv are nan: only {g.n_var} of the {g.n} kept "
                       "classes have 2 or more train tokens (a class seen once has no variance); extract more tokens",
                       stacklevel=2)
     scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}

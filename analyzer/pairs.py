@@ -60,6 +60,14 @@ def blocks(n: int, tile: int) -> list[slice]:
     return [slice(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
+def subset_sums(M, has_var: np.ndarray, debias: tuple | None, to=np.asarray):
+    """The sums of the centred means m_c over the classes with a variance and over the fixed class set (2 x d; the
+    pooled CDNVs' ||sum_S m_c||^2); ``M`` numpy or torch, ``to`` makes its kind of array from numpy."""
+    b = np.zeros(len(has_var)) if debias is None else np.broadcast_to(np.asarray(debias[2], dtype=np.float64),
+                                                                        has_var.shape)
+    return to(np.stack([np.asarray(has_var, dtype=np.float64), b])) @ M
+
+
 def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray, a: np.ndarray | None = None,
             debias: tuple | None = None) -> np.ndarray:
     """The per-class rows the passes read: r, 1/r, var, p, a (1 where the class has a variance, else 0; default

@@ -43,6 +43,7 @@ DEBIASED_METRICS = tuple(r.name for r in RECORDS if r.family == DEBIASED)
 DEBIAS_SHARE = 2.0 ** -12
 # the debiased estimate beside each plug-in metric it corrects: which column to compare across budgets or with the paper
 PLUGIN_OF = {r.name: r.plugin_of for r in RECORDS if r.plugin_of}
+COMPANION = {r.name: r.companion for r in RECORDS if r.companion}  # the budget-stable number shown beside a metric
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
 # (stats.METRICS is SCALARS). NC_METRICS (less SCALE_DEPENDENT, each a family of its own) and GEOMETRY_METRICS are
 # two Holm families (per scale and tag, stats.family): the geometry does not make the NC metrics' adjusted p-values

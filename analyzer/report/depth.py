@@ -6,16 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.lines import Line2D
+from matplotlib.transforms import blended_transform_factory
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.colors import Normalize  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.transforms import blended_transform_factory  # noqa: E402
-
-from ncanalyze.analyzer.schema import LAYER, SITE  # noqa: E402
+from ncanalyze.analyzer.report.ticks import subplots
+from ncanalyze.analyzer.schema import LAYER, SITE
 
 DEPTH_METRICS = ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement",   # Figure 1's, then the geometry's
                  "total_erank", "eigen_decay", "lidar", "anisotropy")
@@ -101,12 +100,12 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
     styles = _run_styles(df)
     extra = 0.2 * (-(-len(styles) // 6) + 1) if len(styles) > 1 else 0.0  # inches for the legend of runs
     h = 4.0 * rows + extra
-    fig, axes = plt.subplots(rows, cols, figsize=(3.9 * cols + 1.2, h), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(3.9 * cols + 1.2, h), squeeze=False)
     for ax in axes.flat[k:]:
         ax.set_visible(False)
     steps = pd.to_numeric(df.get("global_step"), errors="coerce")
     norm = Normalize(steps.min(), steps.max() if steps.max() > steps.min() else steps.min() + 1)
-    cmap = plt.get_cmap("viridis")
+    cmap = matplotlib.colormaps["viridis"]
     kind = kinds(df)
     for ax, m in zip(axes.flat, metrics):
         for (run, ckpt, k), g in df.groupby(["run", "checkpoint", kind], sort=False):
@@ -125,7 +124,7 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
     bottom, top = (0.6 + extra) / h, 0.6 / h
     fig.subplots_adjust(left=0.06, right=0.9, bottom=bottom, top=1 - top, wspace=0.3, hspace=0.35)
     cax = fig.add_axes((0.92, bottom, 0.012, 1 - bottom - top))
-    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="global step")
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="global step")
     if len(styles) > 1:
         handles = [Line2D([], [], color="0.35", marker=mk, ls=ls, ms=5, mec="black", mew=0.3)
                    for mk, ls in styles.values()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ncanalyze.analyzer import registry
@@ -116,12 +116,11 @@ _VAL_HELP = ("Validation data (NC4, val_loss), any form --dataset takes. Default
              "--val-split-percentage of the train data held out (never the train tokens).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExtractConfig:
-    """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run; every value is
-    checked as it is set (:meth:`__setattr__`: when the configuration is made, by the library, the training callback
-    and the CLI alike, and when changed later), and the settings that must go together when it is made
-    (:meth:`__post_init__`)."""
+    """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run. Frozen: a changed
+    value is a new configuration (``dataclasses.replace``), so every value and the settings that must go together are
+    checked whenever one is made (:meth:`__post_init__`), by the library, the training callback and the CLI alike."""
     dataset: str = extract_setting(required=True, hashed=True, section="Data", metavar="SPEC", help=(
         "Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token ids in .npy "
         "(1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream)."))
@@ -220,12 +219,10 @@ class ExtractConfig:
     threads: int | str = registry.shared("threads", hashed=False, section="Run control",
                                          help=registry.THREADS_HELP)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Each value is checked as it is set: when the configuration is made, and when it is changed later."""
-        f = self.__dataclass_fields__.get(name)
-        super().__setattr__(name, value if f is None else registry.checked(f, value))
-
     def __post_init__(self) -> None:
+        """Each value checked and converted (registry.checked), then the rules across fields."""
+        for f in fields(self):
+            object.__setattr__(self, f.name, registry.checked(f, getattr(self, f.name)))
         if self.max_train_tokens is not None and self.min_count > self.max_train_tokens:
             fix = (f"raise --max-train-tokens to at least {self.min_count} (--min-count), or leave it out to read all"
                    if self.max_train_tokens < 1 or self.min_count == 1 else

@@ -11,6 +11,7 @@ log line naming the fix; training goes on and nothing in the store is lost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -241,7 +242,7 @@ class NeuralCollapseCallback(TrainerCallback):
         caps = cost.default_caps(int(interval or 0), sequences, block or 0)
         if caps is None:
             return
-        self.cfg.max_train_tokens, self.cfg.max_val_tokens = caps
+        self.cfg = dataclasses.replace(self.cfg, max_train_tokens=caps[0], max_val_tokens=caps[1])
         if ddp.rank_world()[0] == 0:
             log.info("ncanalyze: no caps given: max_train_tokens=%s, max_val_tokens=%s, the tokens trained between two "
                      "measurements (%s steps of %s sequences of %s tokens) and a quarter of them (pass the caps to "
@@ -462,11 +463,11 @@ class NeuralCollapseCallback(TrainerCallback):
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
         """The job of this model (make_job with the live model's config, device and weights: its record and plan),
         and the blocks; a store holding the run under other settings is refused."""
-        cfg = self.cfg  # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
         model = adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
+        # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
+        cfg = self.cfg = dataclasses.replace(self.cfg, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
         if cfg.tokenizer is not None:
             tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
-        cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.store.prepare()
         job = make_job(None, cfg, model_config=model.config, device=next(model.parameters()).device, weights=LIVE)
         self._check_run(group.split("/")[0], job, identity(model, self.output_dir))
