@@ -228,8 +228,10 @@ def test_a_sublayer_site_resumes_bit_for_bit_after_a_kill(llama, tmp_path):
 @pytest.mark.slow
 def test_report_with_sites_keeps_the_last_layers_statistics_and_draws_each_kind(tmp_path):
     """A table with residual and sublayer rows (as measure_store gives them: attn:B, mlp:B at layer B + 0.5):
-    stats.csv equals the report of the last-layer rows alone, layers.csv carries the site, the depth figure draws
-    the sublayer kinds as lines of their own (dotted, dash-dotted)."""
+    stats.csv equals the report of the last-layer rows alone, layers.csv and report.html carry the site, the depth
+    figure draws the sublayer kinds as lines of their own (dotted, dash-dotted)."""
+    import json
+
     import pandas as pd
     from ncanalyze.analyzer.report import ReportOptions, write_report
     from ncanalyze.analyzer.report.depth import depth_figure
@@ -248,6 +250,9 @@ def test_report_with_sites_keeps_the_last_layers_statistics_and_draws_each_kind(
     layers = pd.read_csv(deep["layers"])
     assert list(layers.columns[:5]) == ["run", "checkpoint", "global_step", "layer", "site"]
     assert set(layers.groupby(["run", "checkpoint"]).site.apply(tuple)) == {("resid:0", "attn:0", "mlp:1", "resid:2")}
+    page = deep["html"].read_text(encoding="utf-8")
+    data = json.loads(page.split('<script id="ncanalyze-data" type="application/json">')[1].split("</script>")[0])
+    assert data["layers"] == [0, 0.5, 1.5, 2] and data["rows"]["site"] == list(table.site)  # the page's depth plot
     fig = depth_figure(table, metrics=["nc1_cdnv"])
     styles = sorted({(line.get_linestyle(), len(line.get_xdata())) for line in fig.axes[0].lines})
     assert styles == [("-", 2), ("-.", 1), (":", 1)]  # per checkpoint: resid 0 and 2; mlp:1; attn:0
