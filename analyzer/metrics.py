@@ -21,7 +21,7 @@ import xarray as xr
 from ncanalyze.analyzer import spectral
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
-from ncanalyze.analyzer.schema import CLASS_COUNTS, PER_CLASS, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, LABELS, NO_CLASSIFIER, PER_CLASS, SCALARS, vocabulary_classes
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)
 # Each takes the Geometry and returns a float; `needs` names the Geometry field it requires (the metric is left out
@@ -283,8 +283,9 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
     missing = [k for k in DEFINITIONS if k not in scalars]
     if missing:
         needs = sorted({str(getattr(DEFINITIONS[k], "needs", "")) for k in missing} - {""})
-        warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
-                      stacklevel=2)
+        if vocabulary_classes(ds.attrs):  # else measure_all said why
+            warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
+                          stacklevel=2)
     errors = tuple(f"{m}_se" for m in DEFINITIONS) if se else ()
     return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS, *errors)}
 
@@ -315,6 +316,9 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
                       "classes have 2 or more train tokens (a class seen once has no variance); extract more tokens",
                       stacklevel=2)
     scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    if not vocabulary_classes(ds.attrs):
+        warnings.warn(f"{', '.join(k for k in DEFINITIONS if k not in scalars)} are nan: {NO_CLASSIFIER} (labels "
+                      f"{ds.attrs[LABELS]})", stacklevel=2)
     n_fixed = int(g.fixed.sum())
     scalars |= {"n_classes": float(g.n), "n_classes_var": float(g.n_var), "n_classes_debiased": float(n_fixed),
                 "n_pairs_unresolved": float(g.pairs.unresolved)}

@@ -87,6 +87,18 @@ MEASURED = ("count", "split_count", "mean", "variance", "within_covariance", "un
 LAYER = "layer"
 # then the site as written (--sites): resid:<layer> for the checkpoint and layer groups, attn:B, mlp:B (attribute site)
 SITE = "site"
+# the metrics table's label column (after SITE): what a position's class is, the group's ``labels`` attribute as the
+# extraction's --labels wrote it (``current``, ``file:PATH``), ``next`` (the paper's) where none is recorded; the class
+# axis keeps its name ``vocab`` whatever the classes are
+LABELS, NEXT_TOKEN = "labels", "next"
+# why NC3, UNC3, NC4 and the head metrics are nan for classes that are not the vocabulary (a label file)
+NO_CLASSIFIER = "no classifier for these classes"
+
+
+def vocabulary_classes(attrs: dict) -> bool:
+    """Whether a group's classes are the vocabulary (the next or the current token), so that it holds the model's head
+    as their classifier and NC4's counts; a label file's classes (``labels`` ``file:PATH``) have neither."""
+    return not str(attrs.get(LABELS, NEXT_TOKEN)).startswith("file:")
 
 
 def _np(x: Any) -> np.ndarray:

@@ -10,9 +10,10 @@ from typing import Any
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LAYER, METRICS_VERSION, SCALARS, SITE
+from ncanalyze.analyzer.schema import (CLASS_COUNTS, ERRORS, INFO, LABELS, LAYER, METRICS_VERSION, NEXT_TOKEN, SCALARS,
+                                      SITE)
 
-COLUMNS = (*INFO, LAYER, SITE, *CLASS_COUNTS, *SCALARS, *ERRORS)
+COLUMNS = (*INFO, LAYER, SITE, LABELS, *CLASS_COUNTS, *SCALARS, *ERRORS)
 
 
 def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
@@ -24,7 +25,8 @@ def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
 
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """One group's row: its descriptive attributes, its layer and site (:func:`where`), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
+    """One group's row: its descriptive attributes, its layer and site (:func:`where`), its labels (``next`` where none
+    are recorded), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
     as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
 
     Parameters
@@ -42,7 +44,7 @@ def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
               for k in (*CLASS_COUNTS, *SCALARS, *ERRORS)}
     info = {k: attrs.get(k) for k in INFO}
     info["global_step"] = _step(info.get("global_step"))
-    return {**info, **where(attrs), **floats}
+    return {**info, **where(attrs), LABELS: attrs.get(LABELS, NEXT_TOKEN), **floats}
 
 
 def where(attrs: Mapping[str, Any]) -> dict[str, Any]:

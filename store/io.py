@@ -27,7 +27,7 @@ import zarr
 import zarr.errors
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.jackknife import FOLD_VARS, fold_problems
-from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS
+from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS, vocabulary_classes
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
 from ncanalyze.store.layout import (
@@ -510,7 +510,8 @@ def damage(path: str | Path, group: str, only: Iterable[str] | None = None) -> l
         return [f"has corrupt array metadata ({'; '.join(corrupt[:3])})"]
     g = open_group(path, group)
     own = group == classifier.checkpoint_group(group)
-    need = [*STATISTICS, *(n for n in FROM_MODEL if "vocab_size" in g.attrs and (own or n not in HEAD))]
+    head = "vocab_size" in g.attrs and vocabulary_classes(g.attrs)  # a label file's classes have no head
+    need = [*STATISTICS, *(n for n in FROM_MODEL if head and (own or n not in HEAD))]
     lacking = [n for n in need if n not in names and (only is None or n in only)]
     problems = [f"lacks the array{'s' * (len(lacking) > 1)} ({', '.join(lacking)})"] if lacking else []
     short = missing_chunks(path, group, only)

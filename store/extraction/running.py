@@ -25,6 +25,7 @@ from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts, FoldStats
 from ncanalyze.analyzer.jackknife import fold_variables
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.analyzer.schema import stats_dataset
+from ncanalyze.store.extraction.labels import Labels
 from ncanalyze.store.extraction.layers import Embeddings, Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.reservoir import Reservoir
@@ -73,29 +74,34 @@ class LayerState:
             for k, v in counts.items():
                 v.copy_(torch.as_tensor(state[name][k]))
 
-    def dataset(self, classifier: np.ndarray, bias: np.ndarray | None, tokens: list[str] | None,
+    def dataset(self, classifier: np.ndarray | None, bias: np.ndarray | None, tokens: list[str] | None,
                 attrs: dict, **embeddings) -> xr.Dataset:
         """The layer's dataset (the store's schema), holding ``classifier`` and ``bias`` as given (no copy: every
-        layer's dataset shares them); ``embeddings``: stats_dataset's embedding arguments. Reservoir slots in key
-        order: the same however the stream was read (one pass or shards)."""
+        layer's dataset shares them; None: classes with no classifier, and no NC4 counts); ``embeddings``:
+        stats_dataset's embedding arguments. Reservoir slots in key order: the same however the stream was read (one
+        pass or shards)."""
         s, r = self.stats, self.reservoir.canonical()
         ds = stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier,
-                           classifier_bias=bias, val=self.val,
+                           classifier_bias=bias, val=None if classifier is None else self.val,
                            samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
                            attrs=attrs, unit_sum=s.unit_sum, **embeddings)
         ds.attrs["folds"] = 1 if self.folds is None else len(self.folds.parts)
-        return ds if self.folds is None else ds.assign(fold_variables(self.folds.state_dict(), self.fold_val))
+        fold_val = None if classifier is None else self.fold_val
+        return ds if self.folds is None else ds.assign(fold_variables(self.folds.state_dict(), fold_val))
 
 
 class Extraction:
     """The running state of one checkpoint's extraction under ``plan``: a :class:`LayerState` per layer of the
     current pass (``layers``), where the passes stand (``pass_index``, ``phase``, ``batches`` done in that phase,
     ``stream`` the sha256 of the blocks read so far in it), the model's logit transform once the validation pass has
-    checked it, and the staged embeddings. ``folder``: the staging folder (finished layers, embeddings)."""
+    checked it, and the staged embeddings. ``folder``: the staging folder (finished layers, embeddings). ``labels``:
+    what a position's class is (the class axis is ``labels.size(vocab)`` long; ``vocab``, the model's, bounds the
+    token ids)."""
 
     def __init__(self, plan: Plan, vocab: int, dim: int, k: int, seed: int, device: torch.device | str,
-                 folder: Path | None = None, folds: int = 1):
-        self.plan, self.folder, self.args, self.device = plan, folder, (vocab, dim, k, seed), torch.device(device)
+                 folder: Path | None = None, folds: int = 1, labels: Labels = Labels()):
+        self.plan, self.folder, self.device, self.labels = plan, folder, torch.device(device), labels
+        self.args = (labels.size(vocab), dim, k, seed)
         self.n_folds = folds  # disjoint folds of whole blocks (block i -> fold i mod folds); 1: none
         self.vocab = vocab
         self.pass_index, self.phase, self.batches, self.stream = 0, Phase.TRAIN, 0, ""
@@ -147,15 +153,16 @@ class Extraction:
 
     def reset(self) -> None:
         """Back to a fresh start (a discarded state)."""
-        self.__init__(self.plan, *self.args, self.device, self.folder, self.n_folds)
+        self.__init__(self.plan, self.vocab, *self.args[1:], self.device, self.folder, self.n_folds, self.labels)
         self.start()
 
-    def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str) -> None:
+    def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str, dense: bool = True) -> None:
         """Continue from a saved state (its digest checked by ``load_state``), after checking that it is one this
         extraction could have written: the same arrays with the same shapes and dtypes, a known pass and phase, the
         earlier passes' finished layers there, whole and fitting, and counts that add up to the batches done (a
         state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings, their
-        shapes and digests checked."""
+        shapes and digests checked. ``dense``: every batch counts at least one token (not so where a label file
+        leaves positions out, or the validation pass counts none)."""
         self._saved_groups(arrays)
         self._saved_folds(arrays)
         at = int(arrays["pass"]) if "pass" in arrays and arrays["pass"].shape == () else 0
@@ -174,7 +181,8 @@ class Extraction:
             done = arrays[prefix + ("val.val_count" if phase == Phase.VALIDATION else "stats.count")].sum()
             if phase == Phase.TRAIN or phase == Phase.VALIDATION:
                 low, high = max(0, batches - 1) * tokens_per_batch, batches * tokens_per_batch
-                consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high)
+                consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high if dense else
+                                               0 <= done <= high)
             else:
                 consistent = phase == Phase.DONE
             if prefix + "folds.count" in arrays:  # the fold sums add up to the totals
@@ -260,15 +268,20 @@ class Extraction:
         Under a layered plan each records ``layer`` (a sublayer site: ``site`` and ``block`` instead) and
         ``lens``: how NC4's linear decisions were made, "head(h)" at the last layer, "head(ln_f(h))" (``lens``, the
         final norm's path on the base model) at the others. The head is made float32 numpy once, and every layer's
-        dataset shares that one array (io.write_checkpoint stores it once, in the checkpoint group)."""
+        dataset shares that one array (io.write_checkpoint stores it once, in the checkpoint group). Classes that are
+        not the vocabulary (a label file) have no head, no NC4 counts and no token names; a setting other than
+        ``next`` is recorded as ``labels``."""
         written = int(self.main().stats.count.sum())
+        if not self.labels.vocabulary:
+            classifier, bias, tokens = None, None, None
         classifier, bias = (None if x is None else x.detach().to("cpu", torch.float32).numpy()
                             for x in (classifier, bias))
+        labels = {} if self.labels == Labels() else {"labels": self.labels.setting}
 
         def make(l: Site, s: LayerState) -> xr.Dataset:
             emb = {} if self.embeddings is None else self.embeddings.variables(l, written)
             at = {"layer": l.index} if l.residual else {"site": str(l), "block": l.index}
-            where = {**at, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))"}
+            where = {**at, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))", **labels}
             ds = s.dataset(classifier, bias, tokens, {**attrs, **where}, **emb)
             return ds if self.split_count is None else ds.assign(split_count=("vocab", self.split_count))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ncanalyze.analyzer import registry
@@ -111,6 +112,21 @@ def _per_pass(value: int | str | None) -> int | str:
     return whole_number(value, MAX_LAYERS)
 
 
+NEXT, CURRENT, FILE = "next", "current", "file:"  # --labels (store/extraction/labels.py)
+
+
+def _labels(value: str) -> str:
+    """``next``, ``current`` or ``file:PATH`` of an existing file; its content is checked against the train data
+    when the job is resolved (labels.resolve_labels)."""
+    if not isinstance(value, str) or not (value in (NEXT, CURRENT) or value.startswith(FILE)):
+        raise ValueError(f"is not one of {NEXT}, {CURRENT}, {FILE}PATH")
+    path = value[len(FILE):]
+    if value.startswith(FILE) and not Path(path).is_file():
+        raise ValueError(f"names no file ({path or 'no path given'}): pass file:PATH of an integer .npy aligned with "
+                         "the train data's token ids")
+    return value
+
+
 _VAL_HELP = ("Validation data (NC4, val_loss), any form --dataset takes. Default: a sibling file (val.bin beside "
              "train.bin, validation.txt beside train.txt), else the --val-split of --dataset where it has one, else "
              "--val-split-percentage of the train data held out (never the train tokens).")
@@ -210,6 +226,12 @@ class ExtractConfig:
     state_memory: str | None = extract_setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
         f"Memory the float64 state may take under --layers-per-pass auto: {SIZE_RULE} [default: the device's free "
         "memory after the model, less a tenth (at least 1 GiB)]."))
+    labels: str = extract_setting(NEXT, hashed=True, section="Statistics", metavar="next|current|file:PATH",
+                                  check=_labels, help=(  # recorded only when not next (labels.Labels.record)
+        "The class of a position: next, the next token (the paper's); current, the position's own token (every "
+        "position of a block, the last included); file:PATH, an integer .npy of the train token ids' shape "
+        "(token files only; -1 leaves a position out; classes 0..max), for which NC3, UNC3, NC4 and the head "
+        "metrics are nan (no classifier for these classes)."))
     save_embeddings: int = extract_setting(0, hashed=True, section="Layers", metavar="N", minimum=0,
                                            maximum=MAX_TOKENS, help=(
         "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "

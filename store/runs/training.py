@@ -404,11 +404,11 @@ class NeuralCollapseCallback(TrainerCallback):
             folds = ddp.agreed_folds(fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class,
                                                setup.job.plan.widest_pass, device, parse_size(cfg.state_memory)))
             ex = Extraction(setup.job.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
-                            files.layers if rank == 0 else None, folds=folds)
+                            files.layers if rank == 0 else None, folds=folds, labels=setup.job.run.labels)
             if rank == 0:
                 ex.start()
                 if setup.split_count is None:  # the whole split's label counts: the same at every measurement
-                    setup.split_count = label_counts(setup.train, classifier.shape[0])
+                    setup.split_count = label_counts(setup.train, ex.args[0], setup.job.run.labels)
                 ex.split_count = setup.split_count
             timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):

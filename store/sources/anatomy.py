@@ -102,19 +102,20 @@ def final_norm(model) -> tuple[str, torch.nn.Module] | None:
 
 
 @torch.inference_mode()
-def features(model, ids: torch.Tensor) -> torch.Tensor:
+def features(model, ids: torch.Tensor, end: int | None = -1) -> torch.Tensor:
     """The last layer's features.
 
     Parameters
     ----------
     model : a transformers causal LM (only its base model runs: no logits are formed).
     ids : token ids, b x L.
+    end : the positions kept, ``[:, :end]``: -1 every position but the last (next-token labels), None all.
 
     Returns
     -------
     Tensor : the last hidden state after the final norm, at every position but the last: (b, L-1, d).
     """
-    return model.base_model(input_ids=ids).last_hidden_state[:, :-1]
+    return model.base_model(input_ids=ids).last_hidden_state[:, :end]
 
 
 def _where(site) -> tuple[str, int]:
@@ -123,7 +124,7 @@ def _where(site) -> tuple[str, int]:
     return ("resid", int(site)) if isinstance(site, int) else (site.kind, site.index)
 
 
-def hidden_forward(model, layers: tuple, last) -> Callable[[torch.Tensor], torch.Tensor]:
+def hidden_forward(model, layers: tuple, last, end: int | None = -1) -> Callable[[torch.Tensor], torch.Tensor]:
     """The forward pass of a pass's sites. The last layer is ``last_hidden_state``; with only the last layer asked
     (the default plan), no hidden states are formed. The residual sites below it are ``hidden_states[l]``, the
     sublayer sites the outputs of their modules (:func:`sublayer`), taken by forward hooks. A pass without the last
@@ -135,6 +136,7 @@ def hidden_forward(model, layers: tuple, last) -> Callable[[torch.Tensor], torch
     model : a transformers causal LM.
     layers : the pass's sites in forward order: ``Site`` values, or ints (residual sites, hidden_states indices).
     last : the last layer (a residual site).
+    end : the positions kept (:func:`features`).
 
     Returns
     -------
@@ -142,7 +144,7 @@ def hidden_forward(model, layers: tuple, last) -> Callable[[torch.Tensor], torch
     """
     sites, last = [_where(s) for s in layers], _where(last)
     if sites == [last]:
-        return lambda ids: features(model, ids)[None]
+        return lambda ids: features(model, ids, end)[None]
     taps = {s: sublayer(model, *s) for s in sites if s[0] != "resid"}
     hidden = any(s[0] == "resid" and s != last for s in sites)
 
@@ -156,10 +158,10 @@ def hidden_forward(model, layers: tuple, last) -> Callable[[torch.Tensor], torch
             for handle in handles:
                 handle.remove()
         got[last] = out.last_hidden_state
-        return torch.stack([(got[s] if s in got else out.hidden_states[s[1]])[:, :-1] for s in sites])
+        return torch.stack([(got[s] if s in got else out.hidden_states[s[1]])[:, :end] for s in sites])
     if last in sites:
         return forward
-    return cut_forward(model, layers, forward) or forward
+    return cut_forward(model, layers, forward, end) or forward
 
 
 def _keep(got: dict, site: tuple[str, int], stop: bool = False):
@@ -229,7 +231,7 @@ def check_sites(model, sites) -> None:
                             "drop that site (resid sites work on every model)")
 
 
-def cut_forward(model, layers: tuple, full: Callable[[torch.Tensor], torch.Tensor]
+def cut_forward(model, layers: tuple, full: Callable[[torch.Tensor], torch.Tensor], end: int | None = -1
                 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The features of ``layers`` (sites, none of them the last layer) from a forward that stops at the deepest: each
     ``hidden_states[l]`` is taken as block l's input by a forward pre-hook, each sublayer's output by a forward hook,
@@ -242,6 +244,7 @@ def cut_forward(model, layers: tuple, full: Callable[[torch.Tensor], torch.Tenso
     model : a transformers causal LM.
     layers : the pass's sites in forward order (as :func:`hidden_forward`), none the last layer.
     full : the whole forward, as :func:`hidden_forward` makes it.
+    end : the positions kept (:func:`features`).
 
     Returns
     -------
@@ -274,7 +277,7 @@ def cut_forward(model, layers: tuple, full: Callable[[torch.Tensor], torch.Tenso
         finally:
             for handle in handles:
                 handle.remove()
-        return torch.stack([got[s][:, :-1] for s in sites])
+        return torch.stack([got[s][:, :end] for s in sites])
 
     checked: list[Callable[[torch.Tensor], torch.Tensor]] = []
 
