@@ -284,3 +284,24 @@ def test_the_callback_measures_sites_as_extract_does(corpus, tmp_path):
             np.testing.assert_allclose(a[name].values, b[name].values, rtol=0, atol=1e-12, err_msg=name)
     logged = {k for e in trainer.state.log_history for k in e}
     assert {"nc/attn_0/nc1_cdnv", "nc/mlp_1/nc1_cdnv"} <= logged, logged
+
+
+@pytest.mark.slow
+def test_a_sublayer_site_with_the_current_token_as_label(trained_run, corpus, tmp_path):
+    """--sites with --labels current: every position of a block (the last included), its own token the class, at the
+    attention output of block 1, equal to the hooked features' class_stats + measure (1e-9)."""
+    store = tmp_path / "current.zarr"
+    run_cli("extract", trained_run / CK, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS,
+            "--dtype", "float64", "--sites", "attn:1", "--labels", "current")
+    tok = AutoTokenizer.from_pretrained(str(trained_run))
+    train = text_blocks(corpus["train"], tok, EXTRACT_OPTS[1])
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float64).eval()
+    got = {}
+    hook = model.transformer.h[1].attn.register_forward_hook(lambda m, a, o: got.setdefault("h", []).append(o[0]))
+    with torch.no_grad():
+        for s in range(0, len(train), 8):
+            model(torch.from_numpy(train[s:s + 8]))
+    hook.remove()
+    H = torch.cat(got["h"]).reshape(-1, 32).double().numpy()
+    assert read_group(store, f"neo-2x32/{CK}/sites/attn_1").attrs["labels"] == "current"
+    assert_same_metrics(store, f"neo-2x32/{CK}/sites/attn_1", H, train.ravel(), "attn:1", model)
