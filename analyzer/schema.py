@@ -82,9 +82,12 @@ VAL_AT = ("val_correct_at", "val_ncc_agree_at")
 HEAD = ("classifier", "classifier_bias")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)
 MEASURED = ("count", "split_count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS, *VAL_AT)
-# the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
+# the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer;
+# a sublayer site of block B (attn:B, mlp:B) is at B + 0.5, between the block's input and output
 LAYER = "layer"
-# the metrics table's label column (after LAYER): what a position's class is, the group's ``labels`` attribute as the
+# then the site as written (--sites): resid:<layer> for the checkpoint and layer groups, attn:B, mlp:B (attribute site)
+SITE = "site"
+# the metrics table's label column (after SITE): what a position's class is, the group's ``labels`` attribute as the
 # extraction's --labels wrote it (``current``, ``file:PATH``), ``next`` (the paper's) where none is recorded; the class
 # axis keeps its name ``vocab`` whatever the classes are
 LABELS, NEXT_TOKEN = "labels", "next"

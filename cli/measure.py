@@ -53,7 +53,8 @@ def measure(store_positional, store, scheduler, force, **values):
         click.echo(f"all {_count(result, result.skipped)} in {shown(store)} already measured (min_count={min_count})"
                    f"{left_out}; --force measures them again")
         return
-    layer = ["layer"] if result.has_layers else []
+    sublayers = not result.new.site.fillna("resid:").str.startswith("resid:").all()  # --sites attn:B, mlp:B
+    layer = ["layer", *(["site"] * sublayers)] if result.has_layers else []
     labels = ["labels"] if (result.new["labels"] != "next").any() else []  # shown where some are not the next token
     table = result.new[["run", "checkpoint", *layer, *labels, "global_step", *SHOWN]].assign(  # names as text, never
         run=result.new.run.map(shown), checkpoint=result.new.checkpoint.map(shown),  # escapes

@@ -38,7 +38,7 @@ from ncanalyze.store.resume import (
     load_state,
     record_of,
 )
-from ncanalyze.store.sources.anatomy import final_norm, finite_head, head
+from ncanalyze.store.sources.anatomy import check_sites, final_norm, finite_head, head
 from ncanalyze.store.sources.discover import training_metadata
 from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model
 from ncanalyze.store.store import Status, Store
@@ -134,6 +134,7 @@ def load_checkpoint(job: Job) -> Loaded:
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
     finite_head(classifier, bias, ckpt.group)
+    check_sites(model, run.plan.layers)  # a sublayer the architecture lacks: before any work
     plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
     check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)

@@ -54,7 +54,8 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     block_size, val_spec, val_split
         The block size and the validation data, resolved.
     plan
-        The layer plan: ``layers`` is recorded as its indices (``--layers -1`` as the last layer's).
+        The layer plan: ``layers`` is recorded as its sites (Site.recorded: the residual ones as their indices,
+        ``--layers -1`` as the last layer's; ``--sites`` is recorded there, resolved, not as a setting of its own).
     weights
         The weights' fingerprint when already known.
     held_out
@@ -67,7 +68,7 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
         The record (JSON-serialisable).
     """
     hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"] and f.name != "labels"}
-    record = {**hashed, "layers": list(plan.layers), "cap_mode": cap_mode(cfg), "val_dataset": val_spec,
+    record = {**hashed, "layers": [s.recorded for s in plan.layers], "cap_mode": cap_mode(cfg), "val_dataset": val_spec,
               "val_split": val_split, "val_held_out": held_out, "block_size": block_size, "device_type": device.type,
               "weights": weights or weights_fingerprint(ckpt.path, ckpt.base)}
     if held_out is not None:
@@ -239,7 +240,7 @@ def layer_plan(cfg: ExtractConfig, n: int | None) -> layers.Plan:
     Parameters
     ----------
     cfg
-        The configuration (``layers``, ``layers_per_pass``, ``save_embeddings``, ``embeddings_dtype``).
+        The configuration (``layers``, ``sites``, ``layers_per_pass``, ``save_embeddings``, ``embeddings_dtype``).
     n
         The model's number of blocks (None: not known).
 
@@ -248,7 +249,7 @@ def layer_plan(cfg: ExtractConfig, n: int | None) -> layers.Plan:
     layers.Plan
         The plan.
     """
-    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n)
+    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n, cfg.sites)
 
 
 class Resolved(NamedTuple):

@@ -262,7 +262,7 @@ def run_passes(model, train: Blocks, val: Blocks | None, ex: Extraction, classif
     ex.transform = LogitTransform.of(model.config)
     while True:
         layers = tuple(ex.layers)
-        tag = f"{desc} layers {','.join(map(str, layers))}" if len(ex.plan.passes) > 1 else desc
+        tag = f"{desc} layers {','.join(str(s.recorded) for s in layers)}" if len(ex.plan.passes) > 1 else desc
         if ex.phase == Phase.TRAIN:
             train_pass(model, train, ex, batch_size, saver, tag)
             count = ex.first().stats.count

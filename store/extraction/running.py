@@ -4,8 +4,9 @@ resume state (names, checks, restore).
 One :class:`~ncanalyze.store.extraction.layers.Plan` drives it, the default's (the last layer alone) as ``--layers``'s. A layer's
 accumulators (:class:`LayerState`) are the float64 class statistics, the reservoir, NC4's decision counts and the
 model's loss sums; their states nest under their names (``stats``, ``reservoir``, ``val``, ``lm``) under
-``layer<l>``, and are flattened into the saved state's names by :func:`~ncanalyze.store.resume.flatten` alone:
-``layer3.stats.mean``. A finished pass's layers wait in the staging folder (``layer-<l>.npz``), off the device.
+``layer<key>`` (Site.key: the index of a residual site, ``attn_1`` for ``attn:1``), and are flattened into the
+saved state's names by :func:`~ncanalyze.store.resume.flatten` alone: ``layer3.stats.mean``. A finished pass's
+sites wait in the staging folder (``layer-<key>.npz``), off the device.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ncanalyze.store.extraction.labels import Labels
 from ncanalyze.store.extraction.layers import Embeddings, Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.reservoir import Reservoir
+from ncanalyze.store.extraction.sites import Site
 from ncanalyze.store.resume import (
     RESTART,
     Phase,
@@ -108,7 +110,7 @@ class Extraction:
         self.layers = self._fresh()
         self.embeddings: Embeddings | None = None
 
-    def _fresh(self) -> dict[int, LayerState]:
+    def _fresh(self) -> dict[Site, LayerState]:
         return {l: LayerState(*self.args, self.device, self.n_folds) for l in self.plan.passes[self.pass_index]}
 
     def first(self) -> LayerState:
@@ -125,13 +127,13 @@ class Extraction:
     def next_pass(self) -> None:
         """Put the current pass's layers in the staging folder and start the next pass's."""
         for l, s in self.layers.items():
-            save_state(self.folder / f"layer-{l}.npz", flatten(s.state_dict()))
+            save_state(self.folder / f"layer-{l.key}.npz", flatten(s.state_dict()))
         self.pass_index += 1
         self.next_phase(Phase.TRAIN)
         self.layers = self._fresh()
 
     def _nested(self) -> dict[str, Any]:
-        return {f"layer{l}": s.state_dict() for l, s in self.layers.items()}
+        return {f"layer{l.key}": s.state_dict() for l, s in self.layers.items()}
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
         """Everything needed to resume, as flat arrays (with the configuration ``record``)."""
@@ -140,7 +142,7 @@ class Extraction:
             self.embeddings.flush()
             emb = {"embeddings": self.embeddings.state_dict()}
         if self.plan.auto:  # the groups auto fitted to this machine's memory
-            emb["passes"] = json.dumps(self.plan.passes)
+            emb["passes"] = json.dumps([[s.recorded for s in p] for p in self.plan.passes])
         return flatten(self._nested() | emb | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
                                          "stream": self.stream, "config": json.dumps(record, sort_keys=True)})
 
@@ -208,18 +210,18 @@ class Extraction:
         if not self.plan.auto or "passes" not in arrays or arrays["passes"].shape != ():
             return
         try:
-            groups = tuple(tuple(int(l) for l in g) for g in json.loads(str(arrays["passes"])))
-        except (ValueError, TypeError):
+            groups = tuple(tuple(Site.of(l) for l in g) for g in json.loads(str(arrays["passes"])))
+        except (ValueError, TypeError, AttributeError):
             return
         if tuple(l for g in groups for l in g) == self.plan.layers and all(groups):
             self.plan = replace(self.plan, groups=groups)
 
-    def _finished_layer(self, l: int) -> dict[str, np.ndarray]:
+    def _finished_layer(self, l: Site) -> dict[str, np.ndarray]:
         """Layer ``l``'s state from an earlier pass, as saved in the staging folder: its digest checked, and every
         array there with the shape and kind a fresh layer has (else the one line naming ``--restart``)."""
-        path = self.folder / f"layer-{l}.npz"
+        path = self.folder / f"layer-{l.key}.npz"
         if not path.is_file():
-            raise CheckpointError(f"the finished layer {l} of an interrupted extraction is missing ({path}); {RESTART}")
+            raise CheckpointError(f"the finished site {l} of an interrupted extraction is missing ({path}); {RESTART}")
         arrays = load_state(path, needs=())
         bad = _misfits(arrays, flatten(LayerState(*self.args, "cpu", self.n_folds).state_dict()))
         if bad:
@@ -242,14 +244,14 @@ class Extraction:
         self.stream = str(nested["stream"])
         self.layers = self._fresh()
         for l, s in self.layers.items():
-            s.load_state_dict(nested[f"layer{l}"])
+            s.load_state_dict(nested[f"layer{l.key}"])
 
     def _open_embeddings(self, resume: bool, saved: dict | None = None) -> None:
         if self.plan.save_embeddings:
             self.embeddings = Embeddings(self.folder, self.plan.layers, self.plan.save_embeddings, self.args[1],
                                          self.plan.embeddings_dtype, resume, saved)
 
-    def finished(self) -> Iterator[tuple[int, LayerState]]:
+    def finished(self) -> Iterator[tuple[Site, LayerState]]:
         """Every layer's finished state, one at a time: the earlier passes' from the staging folder (on the CPU),
         then the last pass's."""
         for p in self.plan.passes[:-1]:
@@ -260,9 +262,10 @@ class Extraction:
         yield from self.layers.items()
 
     def datasets(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None, attrs: dict,
-                 lens: str | None) -> tuple[xr.Dataset, Iterator[tuple[int, xr.Dataset]]]:
-        """The checkpoint group's dataset (the last layer), and the other layers' ``(l, dataset)``, made one at a
-        time as they are written (none for the default plan). Under a layered plan each records ``layer`` and
+                 lens: str | None) -> tuple[xr.Dataset, Iterator[tuple[str, xr.Dataset]]]:
+        """The checkpoint group's dataset (the last layer), and the other sites' ``(group, dataset)`` (Site.group:
+        ``layers/<l>``, ``sites/attn_1``), made one at a time as they are written (none for the default plan).
+        Under a layered plan each records ``layer`` (a sublayer site: ``site`` and ``block`` instead) and
         ``lens``: how NC4's linear decisions were made, "head(h)" at the last layer, "head(ln_f(h))" (``lens``, the
         final norm's path on the base model) at the others. The head is made float32 numpy once, and every layer's
         dataset shares that one array (io.write_checkpoint stores it once, in the checkpoint group). Classes that are
@@ -275,13 +278,14 @@ class Extraction:
                             for x in (classifier, bias))
         labels = {} if self.labels == Labels() else {"labels": self.labels.setting}
 
-        def make(l: int, s: LayerState) -> xr.Dataset:
+        def make(l: Site, s: LayerState) -> xr.Dataset:
             emb = {} if self.embeddings is None else self.embeddings.variables(l, written)
-            where = {"layer": l, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))", **labels}
+            at = {"layer": l.index} if l.residual else {"site": str(l), "block": l.index}
+            where = {**at, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))", **labels}
             ds = s.dataset(classifier, bias, tokens, {**attrs, **where}, **emb)
             return ds if self.split_count is None else ds.assign(split_count=("vocab", self.split_count))
 
-        others = ((l, make(l, s)) for l, s in self.finished() if l != self.plan.last)
+        others = ((l.group, make(l, s)) for l, s in self.finished() if l != self.plan.last)
         return make(self.plan.last, self.main()), others
 
     def cleanup(self) -> None:

@@ -94,6 +94,17 @@ def _layers(value: str) -> str:
     return spec
 
 
+def _sites(value: str | None) -> str | None:
+    """Comma-separated ``kind:index`` (spaces and case free); which kinds and indices the model has is asked at
+    resolution (sites.parse_sites), where its depth and anatomy are known."""
+    if value is None or not str(value).strip(" ,"):
+        return None
+    items = [x.strip() for x in str(value).lower().split(",") if x.strip()]
+    if not all(re.fullmatch(r"[a-z]+\s*:\s*[-+]?\d+", x) for x in items):
+        raise ValueError("is not comma-separated sites kind:index, e.g. resid:2,attn:1,mlp:-1")
+    return ",".join(re.sub(r"\s", "", x) for x in items)
+
+
 def _per_pass(value: int | str | None) -> int | str:
     """``auto`` (None too: one pass where it fits) or a positive integer, as an int (so the record hashes alike)."""
     if value is None or value == AUTO:
@@ -202,6 +213,11 @@ class ExtractConfig:
         "Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after the final "
         "norm, the checkpoint group itself), negative from the end. Others are stored at "
         "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm)."))
+    # not hashed itself: recorded resolved, with --layers's sites, in the record's layers (config_record)
+    sites: str | None = extract_setting(hashed=False, section="Layers", metavar="SITE,...", check=_sites, help=(
+        "Sites to extract beside --layers: resid:L (hidden_states[L], as --layers L), attn:B and mlp:B (the output "
+        "of block B's attention and MLP sublayer, 0-based, before its residual add), negative from the end, e.g. "
+        "attn:0,mlp:-1. A sublayer site is stored at <run>/<checkpoint>/sites/<kind>_<B> (attribute site)."))
     layers_per_pass: int | str | None = extract_setting(AUTO, hashed=True, section="Layers", kind=str,
                                                 metavar="auto|K", check=_per_pass,
                                                 maximum=MAX_LAYERS, help=(

@@ -40,7 +40,7 @@ from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.runs import cost
 from ncanalyze.store.runs import training_ddp as ddp
 from ncanalyze.store.sources import adapters
-from ncanalyze.store.sources.anatomy import default_block_size, final_norm, finite_head, head, n_layers
+from ncanalyze.store.sources.anatomy import check_sites, default_block_size, final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
 from ncanalyze.store.store import Store
 from transformers import TrainerCallback
@@ -399,6 +399,7 @@ class NeuralCollapseCallback(TrainerCallback):
         with untouched(model), threads.policy(cfg.threads):  # training's own thread count comes back after
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
+            check_sites(model, setup.job.plan.layers)
             device = classifier.device
             folds = ddp.agreed_folds(fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class,
                                                setup.job.plan.widest_pass, device, parse_size(cfg.state_memory)))
@@ -425,11 +426,12 @@ class NeuralCollapseCallback(TrainerCallback):
             ds, others = ex.datasets(classifier, bias, setup.decoded, attrs, norm and norm[0])
             done = [("nc/", group, self._timed_metrics(ds, cfg.min_count, group))]
 
-            def measured() -> Iterator[tuple[int, object]]:
-                for l, lds in others:  # measured as each is made: one layer's dataset in memory at a time
-                    where = f"{group}/layers/{l}"
-                    done.append((f"nc/layer_{l}/", where, self._timed_metrics(lds, cfg.min_count, where)))
-                    yield l, lds
+            def measured() -> Iterator[tuple[str, object]]:
+                for sub, lds in others:  # measured as each is made: one layer's dataset in memory at a time
+                    where, (kind, name) = f"{group}/{sub}", sub.split("/", 1)  # layers/1: nc/layer_1/; sites/attn_0
+                    prefix = f"nc/layer_{name}/" if kind == "layers" else f"nc/{name}/"
+                    done.append((prefix, where, self._timed_metrics(lds, cfg.min_count, where)))
+                    yield sub, lds
             self.store.write_checkpoint(group, ds, layers=measured())
             ex.cleanup()
         for prefix, where, result in done:  # stored as `ncanalyze measure` stores them, once the group is in place
