@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, VAL_AT
+from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT
 from ncanalyze.analyzer.screen import Screen
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,8 @@ class DecisionCounts(Sums):
                  counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25,
                  lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 folds: dict[str, torch.Tensor] | None = None, train_count: torch.Tensor | None = None):
+                 folds: dict[str, torch.Tensor] | None = None, train_count: torch.Tensor | None = None,
+                 fold_stats: FoldStats | None = None, min_count: int = 1):
         device = mean.device
         self.folds, self._fold, self._at = folds, None, 0  # per fold counts (folds x vocab), updated in place
         self.kept = kept.to(device)
@@ -336,6 +337,8 @@ class DecisionCounts(Sums):
         self.sets = [(self.kept, self.counts)] + (self._at_min_counts(train_count) if VAL_AT[1] in self.counts else [])
         self.union = union = torch.unique(torch.cat([k for k, _ in self.sets]))
         self.ncc = Screen(self.mean, [k for k, _ in self.sets], budget)
+        self.without = self._leave_outs(fold_stats, min_count, budget) \
+            if fold_stats is not None and folds is not None and NC4_WITHOUT in folds else []
         self.chunk = max(1, budget // max(1, min(len(union), self.tile)))
 
     def _at_min_counts(self, train_count: torch.Tensor | None) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -350,6 +353,16 @@ class DecisionCounts(Sums):
             if len(kept):
                 out.append((kept, {"val_count": scratch, "val_correct": self.counts[VAL_AT[0]][i],
                                    "val_ncc_agree": self.counts[VAL_AT[1]][i]}))
+        return out
+
+    def _leave_outs(self, fold_stats: FoldStats, min_count: int, budget: int) -> list[tuple[torch.Tensor, Screen]]:
+        """Per fold f, the classes of ``min_count`` train tokens outside it and the screen of their means without it
+        (:class:`LeaveOut`), for ``folds[NC4_WITHOUT]``."""
+        n = fold_stats.count.sum(0)
+        out = []
+        for f in range(len(fold_stats.parts)):
+            kept = torch.nonzero(n - fold_stats.count[f] >= min_count).squeeze(1).to(self.mean.device)
+            out.append((kept, Screen(LeaveOut(fold_stats, self.mean, f), [kept], budget, shift=self.ncc.shift)))
         return out
 
     @classmethod
@@ -392,12 +405,15 @@ class DecisionCounts(Sums):
 
     def _per_set(self, best: torch.Tensor, rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                  ) -> list[torch.Tensor]:
-        """Each kept set's linear decisions from ``best`` (the first largest over a superset of it): ``best`` where it
-        is in the set (no earlier member can equal it), else ``rescore(rows, kept)`` over the set."""
+        """The linear decisions of each kept set, then of each leave-one-fold-out kept set, from ``best`` (the first
+        largest over a superset of them): ``best`` where it is in the set (no earlier member can equal it), else
+        ``rescore(rows, kept)`` over the set."""
         out = []
-        for (kept, _), inside in zip(self.sets, self.ncc.member):
-            d = best.clone()
-            out_rows = torch.nonzero(~inside[best]).squeeze(1)
+        for kept, inside in [(k, m) for (k, _), m in zip(self.sets, self.ncc.member)] + \
+                [(k, w.member[0]) for k, w in self.without]:
+            top = best if len(out) < len(self.sets) else out[0]  # a leave-one-out set is within the kept set
+            d = top.clone()
+            out_rows = torch.nonzero(~inside[top]).squeeze(1)
             if len(out_rows):
                 d[out_rows] = rescore(out_rows, kept)
             out.append(d)
@@ -440,6 +456,11 @@ class DecisionCounts(Sums):
         ncc = self.ncc.argmax(h)
         for (_, counts), lin, near in zip(self.sets, linear, ncc):
             _tally(counts, y, lin == y, lin == near)
+        if self.without and self._fold is not None:  # each replicate's: means and validation tokens without fold f
+            fold, agree = self._fold[self._at:self._at + len(y)], self.folds[NC4_WITHOUT]
+            for f, ((_, screen), lin) in enumerate(zip(self.without, linear[len(self.sets):])):
+                at = y[(fold != f) & (lin == screen.argmax(h)[0])]
+                agree[f].index_add_(0, at, torch.ones_like(at))
         self._count_folds(y, linear[0], ncc[0])
 
     def linear_decisions(self, logits: torch.Tensor) -> torch.Tensor:
@@ -450,6 +471,21 @@ class DecisionCounts(Sums):
     def sums(self) -> dict[str, torch.Tensor]:
         """The counts (merged across parts counted with the same head, means and kept classes)."""
         return self.counts
+
+
+class LeaveOut:
+    """The float64 class means without fold f, rows made on demand (``means[classes]``, as a Screen reads them):
+    (n_c mu_c - n_c^f mu_c^f) / (n_c - n_c^f), from the totals' means and the fold sums (not finite where every
+    train token of c is in fold f; such classes are not kept)."""
+
+    def __init__(self, fold_stats: FoldStats, mean: torch.Tensor, f: int):
+        self.n, self.mean = fold_stats.count.sum(0).to(mean.device), mean
+        self.nf, self.mf = fold_stats.count[f].to(mean.device), fold_stats.mean[f]
+        self.shape, self.device = mean.shape, mean.device
+
+    def __getitem__(self, c: torch.Tensor) -> torch.Tensor:
+        n, nf = self.n[c].to(torch.float64)[:, None], self.nf[c].to(torch.float64)[:, None]
+        return (n * self.mean[c] - nf * self.mf[c].to(self.device)) / (n - nf)
 
 
 def _tally(counts: dict[str, torch.Tensor], key: torch.Tensor, correct: torch.Tensor, agree: torch.Tensor) -> None:

@@ -9,8 +9,12 @@ point value (``metrics.measure_all``), and its error is
     se = sqrt((F - 1) / F * sum_i (theta_(i) - theta_bar)^2)        (Efron & Stein 1981; Quenouille 1956).
 
 Each replicate keeps its own classes (``min_count`` of its own train tokens), as an independent sample would. NC4's
-decisions were counted at extraction with the full sample's means, so its error is that of the validation tokens
-alone. A metric whose replicates are not all finite, or that rests on a fold without a token, has a nan error with a
+decisions are counted at extraction: its replicate without fold i reads ``fold_val_ncc_agree_without`` (the
+agreements of the validation tokens outside fold i with the nearest of the train means without fold i, over the
+classes of ``min_count`` train tokens outside it; ``schema.NC4_WITHOUT``), so its error holds the noise of the class
+means as well as that of the validation tokens. A group extracted before it (no such variable), and the nested
+budgets' jackknife over the first k < F folds, vary the validation folds alone (the means fixed: an error about 0.7
+of the spread over disjoint samples). A metric whose replicates are not all finite, or that rests on a fold without a token, has a nan error with a
 note: never a made-up number.
 """
 from __future__ import annotations
@@ -25,13 +29,13 @@ import pandas as pd
 import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import SCALARS, VAL_COUNTS, stats_dataset
+from ncanalyze.analyzer.schema import NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
 
 Measure = Callable[[xr.Dataset], Mapping[str, float]]  # a dataset's scalar metrics (metrics.measure_all's first)
 
 # the fold sums of a checkpoint group (dimension ``fold``): ClassStats' state per fold, and NC4's counts per fold
 FOLD_STATS = ("count", "mean", "m2", "scatter", "unit_sum")
-FOLD_VARS = (*(f"fold_{n}" for n in FOLD_STATS), *(f"fold_{n}" for n in VAL_COUNTS))
+FOLD_VARS = (*(f"fold_{n}" for n in FOLD_STATS), *(f"fold_{n}" for n in (*VAL_COUNTS, NC4_WITHOUT)))
 _DIMS = {"count": ("fold", "vocab"), "mean": ("fold", "vocab", "hidden"), "m2": ("fold", "vocab"),
          "scatter": ("fold", "hidden", "hidden2"), "unit_sum": ("fold", "hidden")}
 
@@ -57,15 +61,18 @@ def n_folds(ds: xr.Dataset) -> int:
     return int(ds.sizes.get("fold", 1)) if "fold_count" in ds else 1
 
 
-def merged(ds: xr.Dataset, folds: Sequence[int]) -> xr.Dataset:
+def merged(ds: xr.Dataset, folds: Sequence[int], without: int | None = None) -> xr.Dataset:
     """The dataset of the tokens of ``folds`` alone: their statistics merged (Chan, in the order given) into the
     variables the metrics read, with ``ds``'s head, attributes and ``split_count`` (the debiased metrics' class set
-    is the split's, the same for every subset of folds)."""
+    is the split's, the same for every subset of folds). ``without``: ``folds`` are every fold but this one, and
+    NC4's agreements are those counted with the means without it (``fold_val_ncc_agree_without``), where stored."""
     from ncanalyze.analyzer.accumulate import merged_stats
 
     parts = ({n: np.asarray(ds[f"fold_{n}"].values[f]) for n in FOLD_STATS if f"fold_{n}" in ds} for f in folds)
     acc = merged_stats(parts, ds.sizes["vocab"], ds.sizes["hidden"], scatter="fold_scatter" in ds)
     val = {n: np.asarray(ds[f"fold_{n}"].values)[list(folds)].sum(0) for n in VAL_COUNTS if f"fold_{n}" in ds}
+    if without is not None and f"fold_{NC4_WITHOUT}" in ds and "val_ncc_agree" in val:
+        val["val_ncc_agree"] = np.asarray(ds[f"fold_{NC4_WITHOUT}"].values)[without]
     head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
     with np.errstate(invalid="ignore", divide="ignore"):
         return stats_dataset(acc.count, acc.mean, acc.variance, acc.within_covariance, unit_sum=acc.unit_sum,
@@ -109,12 +116,13 @@ def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[
     """Each leave-one-out set of ``folds``' scalar metrics (rows: the fold left out; nan where not measurable, why in
     the notes), measured by ``measure`` as the point value is."""
     rows, notes = {}, []
+    every = list(folds) == list(range(n_folds(ds)))  # NC4's replicates with the means without fold i: all folds only
     for i in folds:
         rest = [f for f in folds if f != i]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                rows[i] = measure(merged(ds, rest))
+                rows[i] = measure(merged(ds, rest, i if every else None))
             except UserError as e:
                 rows[i] = {}
                 notes.append(f"without fold {i}: {e}")

@@ -68,10 +68,11 @@ class Screen:
     sets : each set's classes (ascending class ids).
     budget : (token, class) cells formed at a time.
     hold : hold the float32 rows (default: on the CPU), else make them per call (CUDA's way, testable on the CPU).
+    shift : g (d), default the sets' means averaged (any g gives the same decisions; it tightens the bound).
     """
 
     def __init__(self, means: torch.Tensor, sets: Sequence[torch.Tensor], budget: int = 1 << 25,
-                 hold: bool | None = None):
+                 hold: bool | None = None, shift: torch.Tensor | None = None):
         self.means, d, dev = means, means.shape[1], means.device
         self.member = torch.zeros(len(sets), means.shape[0], dtype=torch.bool, device=dev)
         for j, s in enumerate(sets):
@@ -83,23 +84,25 @@ class Screen:
             raise ValueError("Screen: the class sets must be nested")
         self.tile = max(1, min(len(self.union), budget // max(1, d)))
         self.half_sq = torch.zeros(means.shape[0], dtype=torch.float64, device=dev)  # today's ||mu_c||^2 / 2
-        self.shift = torch.zeros(d, dtype=torch.float64, device=dev)
-        for s, m in self._tiles():
+        if shift is None:
+            shift = torch.zeros(d, dtype=torch.float64, device=dev)
+            for _, m in self._tiles():
+                shift += m.sum(0)
+            shift /= max(1, len(self.union))
+        self.shift, keep = shift, (dev.type == "cpu" if hold is None else hold)
+        o, r32, top = [torch.zeros(0, dtype=torch.float64, device=dev)], [torch.zeros(0, d, device=dev)], 0.0
+        for s, m in self._tiles():  # the shifted rows, their offsets and (held) float32 copy, a tile at a time
             self.half_sq[self.union[s:s + len(m)]] = 0.5 * (m * m).sum(1)
-            self.shift += m.sum(0)
-        self.shift /= max(1, len(self.union))
-        o, top = [torch.zeros(0, dtype=torch.float64, device=dev)], 0.0
-        for _, m in self._tiles():  # the shifted rows' offsets, a tile of classes at a time
             r = m - self.shift
             o.append(-0.5 * (r * r).sum(1))
             top = max(top, float(r.abs().max()))
+            if keep:
+                r32.append(r.float())
         o = torch.cat(o)
         self.o32, self.O = o.float(), (float(o.abs().max()) if len(o) else 0.0)
-        # the shifted rows in float32, held on the CPU (made again per call they cost more than the GEMM there);
-        # on CUDA made per call, a tile at a time (the state stays lean; the copy is fast there)
-        self.r32 = None
-        if (dev.type == "cpu" if hold is None else hold) and len(self.union):
-            self.r32 = torch.cat([self._rows32(s) for s in range(0, len(self.union), self.tile)])
+        # the shifted rows in float32 held on the CPU (made again per call they cost more than the GEMM there); on
+        # CUDA made per call, a tile at a time (the state stays lean; the copy is fast there)
+        self.r32 = torch.cat(r32) if keep and len(self.union) else None
         self.R = (2 * self.O) ** 0.5
         sound = top <= LIMIT and (d + 1) * U32 <= 0.01
         self.coef = (1.02 * d + 4) * U32 if sound else torch.inf

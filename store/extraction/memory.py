@@ -160,9 +160,17 @@ def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.dev
                     f"but {bytes_text(free)} is free: {hint}")
 
 def fold_bytes(vocab: int, dim: int) -> int:
-    """Bytes one fold adds to a layer's running state: its float64 means (vocab x d), d x d scatter, count, M2 and
-    3 validation counts per class, and its unit-vector sum (accumulate.FoldStats, DecisionCounts' fold counts)."""
-    return vocab * dim * 8 + dim * dim * 8 + 5 * vocab * 8 + dim * 8
+    """Bytes one fold adds to a layer's running state and its group: its float64 means (vocab x d), d x d scatter,
+    count, M2, 3 validation counts and NC4's agreements under the means without it per class, and its unit-vector sum
+    (accumulate.FoldStats, DecisionCounts' fold counts)."""
+    return vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8
+
+
+def leave_out_bytes(vocab: int, dim: int, device: torch.device) -> int:
+    """Bytes one fold adds to a layer's validation pass beside :func:`fold_bytes`: the screen of the means without
+    it (accumulate.LeaveOut; :func:`screen_bytes` for one set, the float32 means on the CPU alone) and its kept
+    classes' indices (every class kept)."""
+    return vocab * (8 + 8 + 8 + 4 + 1 + 8) + dim * 8 + (vocab * dim * 4 if device.type == "cpu" else 0)
 
 def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: int, device: torch.device,
               state_memory: int | None = None, budget: int | None = None) -> int:
@@ -186,11 +194,12 @@ def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: 
         return 1
     per_layer, shared = state_bytes(vocab, dim, samples_per_class, device)
     room = (budget if budget is not None else state_budget(device, state_memory)) - shared - layers * per_layer
-    fits = max(0, room) // max(1, layers * fold_bytes(vocab, dim))
+    each = fold_bytes(vocab, dim) + leave_out_bytes(vocab, dim, device)
+    fits = max(0, room) // max(1, layers * each)
     if fits >= folds:
         return folds
     kept = int(fits) if fits >= 2 else 1
     log.warning("--folds %d: the fold statistics of %d layer(s) need ~%s but %s is left of the state's memory; "
-                "keeping %s (attribute folds)", folds, layers, bytes_text(folds * layers * fold_bytes(vocab, dim)),
+                "keeping %s (attribute folds)", folds, layers, bytes_text(folds * layers * each),
                 bytes_text(max(0, room)), f"{kept} folds" if kept > 1 else "no folds: no jackknife errors")
     return kept
