@@ -247,7 +247,8 @@ def test_a_validation_pass_counts_as_a_float64_brute_force_at_every_kept_set_and
                                                                                        monkeypatch):
     """The validation pass of a Trainer checkpoint (its NC4 decisions screened in float32, rechecked in float64)
     stores, count for count, what a numpy float64 brute force of the same features counts: val_*, each
-    NC4_MIN_COUNTS row of val_*_at and each fold's fold_val_*; the screen decided most tokens."""
+    NC4_MIN_COUNTS row of val_*_at, each fold's fold_val_* and, per fold f, the agreements outside f under the means
+    of the train features outside f (fold_val_ncc_agree_without); the screen decided most tokens."""
     from ncanalyze.analyzer.schema import NC4_MIN_COUNTS
     from ncanalyze.store.data.blocks import open_blocks
     from ncanalyze.store.extraction import passes
@@ -298,3 +299,17 @@ def test_a_validation_pass_counts_as_a_float64_brute_force_at_every_kept_set_and
     assert int(s.val["val_ncc_agree"].sum()) > 0 and int(s.val["val_count"].sum()) == y.size
     ncc = seen[0].ncc
     assert ncc.screened > 0.8 * (ncc.screened + ncc.rechecked)
+    train_ids = np.concatenate(list(train.batches(8)))
+    with torch.inference_mode():
+        Ht = features(model, torch.from_numpy(train_ids)).double().numpy().reshape(-1, d)
+    yt, ft = train_ids[:, 1:].ravel(), np.repeat(np.arange(len(train_ids)) % F, L - 1)
+    np.testing.assert_array_equal(np.bincount(yt, minlength=V), count)
+    for f in range(F):
+        n = np.bincount(yt[ft != f], minlength=V)
+        kept = np.nonzero(n >= 1)[0]
+        Mf = np.zeros((V, d))
+        np.add.at(Mf, yt[ft != f], Ht[ft != f])
+        Mf[kept] /= n[kept, None]
+        out = fold != f
+        want = _brute_nc4(H[out].reshape(-1, d), y[out].ravel(), Wn, bn, Mf, kept, V)["val_ncc_agree"]
+        np.testing.assert_array_equal(s.fold_val["val_ncc_agree_without"][f].numpy(), want, err_msg=f"without {f}")
