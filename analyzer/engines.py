@@ -4,13 +4,13 @@ on a device, CUDA's default). Nothing else imports an engine; the engines comput
 tests/analyzer/test_engine_torch.py), so the choice is about speed only."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.registry import device_of
 
 ENGINES = ("numba", "torch")
 
@@ -32,11 +32,9 @@ def engine_device(device: str | None = "auto", engine: str | None = None) -> str
     str or None
         The torch device, or None for numba.
     """
-    device = str(device or "auto").strip().lower()
+    device = device_of(device or "auto")
     if engine not in (None, *ENGINES):
         raise UserError(f"engine must be numba or torch (got {engine!r})")
-    if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
-        raise UserError(f"--device must be auto, cpu, cuda or cuda:N (got {device!r})")
     if device == "cpu" or (device == "auto" and engine == "numba"):
         return "cpu" if engine == "torch" else None
     import torch

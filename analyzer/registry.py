@@ -101,6 +101,15 @@ def _device(value: str) -> str:
     return value.strip().lower()
 
 
+def device_of(value: Any) -> str:
+    """A ``--device`` value checked as the settings check it (the one parser, the one message): ``auto``, ``cpu``,
+    ``cuda`` or ``cuda:N``, lower case; else ``device (--device) must be auto, cpu, cuda or cuda:N, got 'tpu'``."""
+    try:
+        return _device(value)
+    except ValueError as e:
+        raise UserError(f"device (--device) {e}, got {value!r}") from None
+
+
 def whole_number(value: int | str, maximum: int) -> int:
     """A whole number from 1 to ``maximum``: an int, or its ASCII digits (``"²"`` and other Unicode digits are not
     digits here, as the command line means them).

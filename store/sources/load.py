@@ -21,17 +21,14 @@ LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` is CUDA when present, else the CPU."""
+    """``auto`` is CUDA when present, else the CPU (the value checked by registry.device_of, the one parser)."""
+    device = registry.device_of(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+        raise UserError(f"--device {device}: torch sees no CUDA device (torch.cuda.is_available() is False); use "
+                        "--device auto or cpu")
     return dev
 
 

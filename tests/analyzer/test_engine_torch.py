@@ -239,9 +239,9 @@ def test_where_the_metrics_run():
     assert engine_device("auto", "numba") is None
     assert engine_device("auto") == ("cuda" if cuda else None)
     assert engine_device("auto", "torch") == ("cuda" if cuda else "cpu")
-    for device, engine, msg in [("gpu", None, "--device must be auto, cpu, cuda or cuda:N"),
+    for device, engine, msg in [("gpu", None, r"device \(--device\) must be auto, cpu, cuda or cuda:N, got 'gpu'"),
                                 ("cpu", "jax", "engine must be numba or torch"),
-                                ("cuda:x", None, "--device must be")]:
+                                ("cuda:x", None, r"\(--device\) must be")]:
         with pytest.raises(UserError, match=msg):
             engine_device(device, engine)
     if cuda:

@@ -171,3 +171,19 @@ def test_each_default_is_written_once():
     lists = {f.relative_to(ROOT).as_posix() for pkg in ("analyzer", "store", "cli") for f in (ROOT / pkg).rglob("*.py")
              if re.search(r'"float16",\s*"float64"', f.read_text())}
     assert lists == {"analyzer/registry.py"}, lists  # one list of dtypes (the store's a part of it, load's mapped)
+
+
+def test_one_device_parser_and_one_message_everywhere():
+    """The settings, the metrics' engine choice and the model loader read --device with one parser: one line."""
+    from ncanalyze.analyzer.engines import engine_device
+    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.store.extraction.settings import ExtractConfig
+    from ncanalyze.store.sources.load import resolve_device
+
+    want = "device (--device) must be auto, cpu, cuda or cuda:N, got 'tpu'"
+    for call in (lambda: engine_device("tpu"), lambda: resolve_device("tpu"),
+                 lambda: ExtractConfig(dataset="x.txt", device="tpu")):
+        with pytest.raises(UserError) as e:
+            call()
+        assert str(e.value) == want
+    assert engine_device(" CPU ") is None and str(resolve_device("Cpu")) == "cpu"
