@@ -183,8 +183,8 @@ class FoldStats(Accumulator):
     leading fold dimension (``count`` folds x vocab, ``mean`` folds x vocab x d, ``m2``, ``scatter`` folds x d x d,
     ``unit_sum`` folds x d); each fold is a :class:`ClassStats` over views of them (:attr:`parts`), so a fold's
     numbers are exactly what one ClassStats over its tokens alone gives. ``update(h, y, fold)`` deals each token to
-    its fold (``fold``: n fold indices). The totals are never derived from the folds (that would change rounding):
-    the extraction keeps its total ClassStats beside this."""
+    its fold (``fold``: n fold indices); :meth:`totals` merges the folds into the statistics of the whole stream, so
+    that each batch's per-class work is done once (the extraction's totals with folds, attribute ``totals``)."""
 
     def __init__(self, folds: int, num_classes: int, dim: int, device: str | torch.device = "cpu",
                  scatter: bool = True):
@@ -227,6 +227,18 @@ class FoldStats(Accumulator):
                 t0, c0 = t0 + nt, c0 + nc
         self.unit_sum.index_add_(0, fold, unit_rows(h))
         count[cells] += g.lengths
+
+    def totals(self, into: ClassStats | None = None) -> ClassStats:
+        """The statistics of every fold's tokens together: the folds merged in fold order 0, 1, ..., F - 1 with Chan's
+        formula (:meth:`ClassStats.merge`; equal to one pass over the stream to float64 rounding, counts exactly),
+        into ``into`` (its arrays overwritten in place, so views of them stay live) or a new ClassStats."""
+        folds, vocab, dim = self.mean.shape
+        acc = into if into is not None else ClassStats(vocab, dim, self.mean.device, scatter=self.scatter is not None)
+        for x in acc.state_dict().values():
+            x.zero_()
+        for part in self.parts:
+            acc.merge(part)
+        return acc
 
     def merge(self, other: "FoldStats") -> "FoldStats":
         """Fold in another stream's fold statistics, fold by fold (Chan, :meth:`ClassStats.merge`). Returns self."""

@@ -10,7 +10,7 @@ costs cancel, and the marginal rate is tokens / seconds of the difference, with 
 --repeats (the least disturbed by other load on a shared machine). Contenders, on the same batches:
 
 - ``extract``: ncanalyze's train pass (features, float64 Chan statistics with the pooled within-class covariance,
-  the reservoir), as ``ncanalyze extract`` runs it;
+  the fold sums at ``--folds`` (default 8, as ``ncanalyze extract``'s), the reservoir), as ``ncanalyze extract`` runs it;
 - ``extract, shard``: the same pass as one shard of a ``--shards`` run (it starts at a batch offset, positions
   global) plus the merge of its state into another (``merge_states``), the cluster's code path;
 - ``base-model forward``: ``model.transformer(ids)`` alone (no output layer), the reference (target >= 0.9);
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--long", type=int, default=11, help="batches of the long run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--samples-per-class", type=int, default=8)
+    p.add_argument("--folds", type=int, default=8, help="--folds of the extraction (default 8, ncanalyze's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--cuda", action="store_true", help="the GPU setting: width 1024, 12 layers, --device cuda "
@@ -93,8 +94,8 @@ def main() -> None:
 
         batches = [torch.from_numpy(b).to(device) for b in blocks(args.long).batches(args.batch_size)]
         saver = Saver(Path(tmp) / "state.npz", dict, every=float("inf"))
-        empty = LayerState(args.vocab, args.width, args.samples_per_class, 0, "cpu")
-        other = _arrays(empty.stats, empty.reservoir)
+        empty = LayerState(args.vocab, args.width, args.samples_per_class, 0, "cpu", args.folds)
+        other = _arrays(empty.stats, empty.reservoir, empty.folds)
 
         @torch.inference_mode()
         def forward(fn, n: int) -> float:
@@ -106,7 +107,7 @@ def main() -> None:
             return time.perf_counter() - t0
 
         def extract(n: int, shard: bool = False) -> float:
-            ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device)
+            ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device, folds=args.folds)
             data = blocks(n + shard)
             if shard:  # one shard of a --shards run: it starts at an offset (n batches after it), then is merged
                 ex.batches = 1
@@ -114,7 +115,8 @@ def main() -> None:
             t0 = time.perf_counter()
             train_pass(model, data, ex, args.batch_size, saver, "bench")
             if shard:
-                merge_states(_arrays(ex.main().stats, ex.main().reservoir), other, args.samples_per_class, 0)
+                merge_states(_arrays(ex.main().stats, ex.main().reservoir, ex.main().folds), other,
+                             args.samples_per_class, 0)
             sync()
             return time.perf_counter() - t0
 
@@ -156,7 +158,7 @@ def report(best: dict, args, device) -> None:
     rate = {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")
             for k, t in best.items()}
     print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
-          f"{args.block_size}, {device}, {args.dtype}; marginal over {args.long} - {args.short} batches "
+          f"{args.block_size}, {device}, {args.dtype}, --folds {args.folds}; marginal over {args.long} - {args.short} batches "
           f"({extra_tokens:,} tokens), minimum of {args.repeats}")
     for k, r in rate.items():
         print(f"  {k:>20}: " + (f"{r:>10,.0f} tokens/s" if r == r else "not measured: its longer run was not slower "

@@ -100,8 +100,8 @@ def _data_changed(blocks: Blocks, desc: str) -> None:
 
 
 def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str) -> None:
-    """Class statistics, the reservoir and the staged embeddings of every layer of the pass; a sample's position is
-    its token's index in the train stream.
+    """Class statistics (with folds, the fold sums, from which the totals are made), the reservoir and the staged
+    embeddings of every layer of the pass; a sample's position is its token's index in the train stream.
 
     Parameters
     ----------
@@ -117,12 +117,10 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
         first = ex.batches * batch_size
         pos = ((first + np.arange(len(batch)))[:, None] * L + np.arange(L - 1)).ravel()
         labels = batch[:, 1:].ravel()
-        groups = Groups(y.to(ex.device))  # the batch's labels grouped once for every layer
         fold = fold_of(first, len(batch), L - 1, ex.n_folds, ex.device) if ex.n_folds > 1 else None
+        groups = Groups(y.to(ex.device)) if fold is None else None  # the labels grouped once for every layer
         for i, s in enumerate(ex.layers.values()):
-            s.stats.update(h[i], y, groups)
-            if fold is not None:  # beside the totals, which stay as they are
-                s.folds.update(h[i], y, fold)
+            s.update(h[i], y, groups, fold)  # with folds, into the fold sums alone: the totals are made from them
             s.reservoir.update(h[i], labels, pos)
         if ex.embeddings is not None:
             ex.embeddings.write(first * (L - 1), dict(zip(ex.layers, h)), y, pos)
