@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--conditions", default="quiet", help="comma-separated: quiet (no load of ours), loaded "
                    "(--busy spinning processes per allowed core, bounded, ended by the script)")
     p.add_argument("--busy", type=int, default=1)
+    p.add_argument("--parts", action="store_true", help="first, where a train batch's time goes (parts())")
     p.add_argument("--text", help="a text file to tokenize (else Zipf-distributed random ids)")
     p.add_argument("--tokenizer", help="tokenizer folder for --text")
     args = p.parse_args()
@@ -126,7 +127,10 @@ def main() -> None:
             "base-model forward": lambda n: forward(model.transformer, n),
             "causal-LM forward": lambda n: forward(model, n),
         }
-        for condition in args.conditions.split(","):
+        if args.parts:
+            with threads.policy(args.threads):
+                parts(model, batches, args, device, sync)
+        for condition in filter(None, args.conditions.split(",")):  # "": the parts alone
             with ExitStack() as stack:
                 if condition == "loaded":
                     stack.enter_context(load(args.busy * int(threads.allowed_cores(threads.affinity(),
@@ -135,6 +139,50 @@ def main() -> None:
                 best = timed(contenders, args)
                 print(f"[{condition}: {policy.describe()}; load average {os.getloadavg()[0]:.1f}]")
             report(best, args, device)
+
+
+@torch.inference_mode()
+def parts(model, batches: list, args, device, sync) -> None:
+    """Where a train batch's time goes, against the base-model forward timed on the same batch just before (so a
+    burst of load hits both alike): the extraction's forward (features), its statistics as the train pass updates
+    them now (with folds: the fold sums alone) and as it did before (the totals batch by batch beside the fold sums,
+    ``ClassStats.update`` and ``FoldStats.update``), the reservoir; medians over the batches after the first two,
+    each a share of the forward's median. The totals made from the folds (once a pass and at each state save) are
+    timed after the last batch, in batches' worth of forward."""
+    from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, Groups, fold_of
+    from ncanalyze.store.sources.anatomy import features
+
+    now = LayerState(args.vocab, args.width, args.samples_per_class, 0, device, args.folds)
+    totals, folds = ClassStats(args.vocab, args.width, device), FoldStats(max(2, args.folds), args.vocab, args.width,
+                                                                           device)
+    took: dict[str, list[float]] = {}
+
+    def clock(name: str, fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        took.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    L = args.block_size
+    for i, b in enumerate(batches):
+        clock("base-model forward", lambda: model.transformer(b))
+        h = clock("features (the extraction's forward)", lambda: features(model, b)).reshape(-1, args.width)
+        y = b[:, 1:].reshape(-1)
+        fold = fold_of(i * args.batch_size, len(b), L - 1, args.folds, device) if args.folds > 1 else None
+        clock("statistics now", lambda: now.update(h, y, Groups(y) if fold is None else None, fold))
+        if fold is not None:
+            clock("statistics before (totals and folds)", lambda: (totals.update(h, y, Groups(y)),
+                                                                   folds.update(h, y, fold)))
+        pos = ((i * args.batch_size + np.arange(len(b)))[:, None] * L + np.arange(L - 1)).ravel()
+        clock("reservoir", lambda: now.reservoir.update(h, y.cpu().numpy(), pos))
+    clock("totals from the folds (once)", lambda: now.stats)
+    base = np.median(took["base-model forward"][2:])
+    print(f"parts of a train batch ({len(batches)} batches, --folds {args.folds}), medians against the base-model "
+          f"forward's {base * 1e3:.0f} ms; load average {os.getloadavg()[0]:.1f}")
+    for name, t in took.items():
+        print(f"  {name:>38}: {np.median(t[2:] or t) * 1e3:8.1f} ms  {np.median(t[2:] or t) / base:6.3f}")
 
 
 def timed(contenders: dict, args) -> dict:
