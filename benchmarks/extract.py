@@ -9,8 +9,9 @@ subtracted from the long one's, so start-up (allocations, first-call costs, the 
 costs cancel, and the marginal rate is tokens / seconds of the difference, with the minimum time of each length over
 --repeats (the least disturbed by other load on a shared machine). Contenders, on the same batches:
 
-- ``extract``: ncanalyze's train pass (features, float64 Chan statistics with the pooled within-class covariance,
-  the fold sums at ``--folds`` (default 8, as ``ncanalyze extract``'s), the reservoir), as ``ncanalyze extract`` runs it;
+- ``extract``: ncanalyze's train pass (features; float64 Chan statistics with the pooled within-class covariance, at
+  ``--folds`` 8 by default as ``ncanalyze extract``: the fold sums, the totals made from them; the reservoir), as
+  ``ncanalyze extract`` runs it (``--parts``: first, where a batch's time goes);
 - ``extract, shard``: the same pass as one shard of a ``--shards`` run (it starts at a batch offset, positions
   global) plus the merge of its state into another (``merge_states``), the cluster's code path;
 - ``base-model forward``: ``model.transformer(ids)`` alone (no output layer), the reference (target >= 0.9);
@@ -145,10 +146,10 @@ def main() -> None:
 def parts(model, batches: list, args, device, sync) -> None:
     """Where a train batch's time goes, against the base-model forward timed on the same batch just before (so a
     burst of load hits both alike): the extraction's forward (features), its statistics as the train pass updates
-    them now (with folds: the fold sums alone) and as it did before (the totals batch by batch beside the fold sums,
-    ``ClassStats.update`` and ``FoldStats.update``), the reservoir; medians over the batches after the first two,
-    each a share of the forward's median. The totals made from the folds (once a pass and at each state save) are
-    timed after the last batch, in batches' worth of forward."""
+    them (with folds: the fold sums alone) and, for comparison, the totals updated batch by batch beside the fold sums
+    (``ClassStats.update`` and ``FoldStats.update``, as the pass did before issue 52), the reservoir; medians over
+    the batches after the first two, each a share of the forward's median. The totals made from the folds (once a
+    pass and at each state save) are timed after the last batch, as a share of one batch's forward."""
     from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, Groups, fold_of
     from ncanalyze.store.sources.anatomy import features
 
@@ -171,9 +172,9 @@ def parts(model, batches: list, args, device, sync) -> None:
         h = clock("features (the extraction's forward)", lambda: features(model, b)).reshape(-1, args.width)
         y = b[:, 1:].reshape(-1)
         fold = fold_of(i * args.batch_size, len(b), L - 1, args.folds, device) if args.folds > 1 else None
-        clock("statistics now", lambda: now.update(h, y, Groups(y) if fold is None else None, fold))
+        clock("statistics (fold sums alone)", lambda: now.update(h, y, Groups(y) if fold is None else None, fold))
         if fold is not None:
-            clock("statistics before (totals and folds)", lambda: (totals.update(h, y, Groups(y)),
+            clock("totals beside the folds (before)", lambda: (totals.update(h, y, Groups(y)),
                                                                    folds.update(h, y, fold)))
         pos = ((i * args.batch_size + np.arange(len(b)))[:, None] * L + np.arange(L - 1)).ravel()
         clock("reservoir", lambda: now.reservoir.update(h, y.cpu().numpy(), pos))
@@ -206,7 +207,8 @@ def report(best: dict, args, device) -> None:
     rate = {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")
             for k, t in best.items()}
     print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
-          f"{args.block_size}, {device}, {args.dtype}, --folds {args.folds}; marginal over {args.long} - {args.short} batches "
+          f"{args.block_size}, {device}, {args.dtype}, --folds {args.folds}; marginal over {args.long} - {args.short} "
+          f"batches "
           f"({extra_tokens:,} tokens), minimum of {args.repeats}")
     for k, r in rate.items():
         print(f"  {k:>20}: " + (f"{r:>10,.0f} tokens/s" if r == r else "not measured: its longer run was not slower "
