@@ -184,6 +184,12 @@ def parts(model, batches: list, args, device, sync) -> None:
           f"forward's {base * 1e3:.0f} ms; load average {os.getloadavg()[0]:.1f}")
     for name, t in took.items():
         print(f"  {name:>38}: {np.median(t[2:] or t) * 1e3:8.1f} ms  {np.median(t[2:] or t) / base:6.3f}")
+    forward, reservoir = (np.array(took[k][2:]) for k in ("features (the extraction's forward)", "reservoir"))
+    for name in ("statistics (fold sums alone)", "totals beside the folds (before)"):
+        if name in took:  # each batch's own ratio, then their median: a burst of load is one batch's
+            ratio = np.array(took["base-model forward"][2:]) / (forward + np.array(took[name][2:]) + reservoir)
+            print(f"  train batch with {name} / base-model forward, median of per-batch ratios: "
+                  f"{np.median(ratio):.3f}")
 
 
 def timed(contenders: dict, args) -> dict:
