@@ -93,11 +93,13 @@ class LayerState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take a nested state."""
-        self._stats.load_state_dict(state["stats"])  # made from the saved folds when they were saved
+        self._stats.load_state_dict(state["stats"])
         self.reservoir.load_state_dict(state["reservoir"])
         if self.folds is not None:
             self.folds.load_state_dict(state["folds"])
-        self._stale = False
+        # with folds, the totals are made again from the saved folds when next read: the same bits as saved (made
+        # from them when saved), and made so too in a state an earlier version saved with totals of its own
+        self._stale = self.folds is not None
         for name, counts in (("val", self.val), ("lm", self.lm), ("fold_val", self.fold_val or {})):
             for k, v in counts.items():
                 v.copy_(torch.as_tensor(state[name][k]))

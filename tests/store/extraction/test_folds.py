@@ -106,3 +106,26 @@ def test_a_resume_keeps_the_saved_folds_and_refuses_fold_sums_that_miss_the_tota
     one = Extraction(plan(), 10, 3, 1, 0, "cpu", tmp_path / "d", folds=1)
     one.start()
     assert not [k for k in one.state({}) if ".folds." in k]  # --folds 1: the state of before
+
+
+def test_a_resumed_state_makes_its_totals_from_its_folds():
+    """A saved layer state with folds (this version's, or an earlier one's whose totals were accumulated batch by
+    batch beside them, here totals off by 1e-9) resumes with the totals made from its fold sums: the same bits as
+    the uninterrupted state's, and what the attribute totals (folds) says."""
+    from ncanalyze.store.extraction.running import LayerState
+    from ncanalyze.store.resume import flatten, unflatten
+
+    rng = np.random.default_rng(0)
+    live = LayerState(10, 3, 1, 0, "cpu", folds=3)
+    for b in range(4):
+        y = torch.from_numpy(rng.integers(0, 10, 32))
+        live.update(torch.from_numpy(rng.normal(size=(32, 3))).float(), y, None, torch.arange(32) // 8 % 3)
+    saved = {k: np.array(v) for k, v in flatten(live.state_dict()).items()}
+    earlier = dict(saved)
+    earlier["stats.mean"] = saved["stats.mean"] + 1e-9
+    for state in (saved, earlier):
+        resumed = LayerState(10, 3, 1, 0, "cpu", folds=3)
+        resumed.load_state_dict(unflatten(state))
+        assert resumed.totals == "folds"
+        for name, want in live.stats.state_dict().items():
+            np.testing.assert_array_equal(resumed.stats.state_dict()[name].numpy(), want.numpy(), err_msg=name)
