@@ -27,7 +27,8 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from ncanalyze.analyzer.moments import check_centred, check_finite, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, PairSums, block_hits, blocks, few, side_of
+from ncanalyze.analyzer.pairs import (COINCIDENT, CONTROLS, EXAMPLES, SUMS, PairSums, block_hits, blocks, control_block,
+                                      control_totals, few, side_of, subset_sums)
 
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
 MAX_TILE = 2048
@@ -45,9 +46,11 @@ def auto_tile(n: int, threads: int | None = None, budget: float = 0.1) -> int:
 
 
 def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
-                tile: int | None, debias: tuple | None = None) -> dict[str, Any]:
+                tile: int | None, debias: tuple | None = None, sample: list | None = None,
+                all_pairs: bool = True) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, on the host: numpy, then the numba pair
-    sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.engine_torch.device_parts`."""
+    sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.engine_torch.device_parts`
+    (``sample``, ``all_pairs``: as there)."""
     M, var, r, mu_G = _centred_means(ds, K)
     U = M / r[:, None]
     s = U.sum(0)
@@ -55,12 +58,32 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
     tile = int(tile or auto_tile(K.size))
     small = ds["count"].size <= 2 * tile  # every class within two tiles: a handful of tasks, run in this thread
+    work = {"mom": _moments(ds, K, M, mu_G, W, sigma_w, tile)}
+    if all_pairs:
+        work["pairs"] = pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias)
+    if sample is not None:
+        side = side_of(r, var, p, has_var, debias)
+        half = len(sample) // 2  # a task per half (each a few dozen Gram blocks): one hash of U each, not per block
+        work["sample_sums"] = dask.delayed(np.concatenate)([dask.delayed(_block_sums, pure=True)(U, side, t0, s)
+                                                            for s in (sample[:half], sample[half:])])
+        work["controls"] = dask.delayed(control_totals, pure=True)(U, p, t0)
     with _blas_controller().limit(limits=1, user_api="blas"):
-        (pairs, row_cdnv, coincident), mom = dask.compute(pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias),
-                                                          _moments(ds, K, M, mu_G, W, sigma_w, tile),
-                                                          scheduler="sync" if small else None)  # the same sums
-    return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0), "pairs": pairs,
-            "row_cdnv": row_cdnv, "coincident": coincident, "mom": mom}
+        got = dask.compute(work, scheduler="sync" if small else None)[0]  # the same sums
+    pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
+    return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0),
+            "m_sums": subset_sums(M, has_var, debias), "pairs": pairs,
+            "row_cdnv": row_cdnv, "coincident": coincident, **got}
+
+
+def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, sample: list) -> np.ndarray:
+    """Per block (a, b) of ``sample``, the pair sums (``SUMS``, then pairs.CONTROLS) over every pair of class
+    ``a_k`` with class ``b_l`` (two disjoint index sets): blocks x (SUMS + CONTROLS)."""
+    out = np.zeros((len(sample), len(SUMS) + len(CONTROLS)))
+    for k, (a, b) in enumerate(sample):
+        if len(a) and len(b):
+            sums = tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0]
+            out[k] = np.r_[sums, control_block(U[a], side[3, a], U[b], side[3, b], t0, sums[1])]
+    return out
 
 
 @functools.cache

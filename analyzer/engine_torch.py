@@ -22,13 +22,15 @@ import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_centred, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, PairSums, examples, few, side_of
+from ncanalyze.analyzer.pairs import (COINCIDENT, CONTROLS, EXAMPLES, SUMS, PairSums, control_block, control_totals,
+                                      examples, few, side_of, subset_sums)
 
 HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 
 
 def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
-                 device: str, panel: int | None = None, debias: tuple | None = None) -> dict[str, Any]:
+                 device: str, panel: int | None = None, debias: tuple | None = None, sample: list | None = None,
+                 all_pairs: bool = True) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, computed in torch float64 on ``device``.
 
     Parameters
@@ -49,6 +51,12 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
         Classes per row panel of the pairwise sums (default: TORCH_CELLS Gram cells over |K|).
     debias
         The debiased CDNV's per-class rows (v*, z, b; pairs.side_of), or None.
+    sample
+        Blocks of sampled pairs, each two disjoint arrays of indices into K (every pair of one with the other), or
+        None: their pair sums come back as ``sample_sums`` (blocks x SUMS).
+    all_pairs
+        Whether to sum over every pair (False: ``pairs`` and ``row_cdnv`` are None, for the jackknife's
+        replicates, whose pairs are sampled).
 
     Returns
     -------
@@ -77,20 +85,35 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
     del A
     if "classifier" in ds:
         mom |= _classifier_moments(ds["classifier"], K, M, dev)
-    out = {"var": var, "r": r_host, "m_sum": M.sum(0).cpu().numpy()}
+    out = {"var": var, "r": r_host, "m_sum": M.sum(0).cpu().numpy(),
+           "m_sums": subset_sums(M, has_var, debias, lambda a: torch.as_tensor(a, device=dev)).cpu().numpy()}
     U = M.div_(r[:, None])                                        # u_c = m_c / r_c, in M's place: M is done
     del M
     s = U.sum(0)
     out["s"] = s.cpu().numpy()
     out["t0"] = pair_mean(out["s"], K.size)
     side = torch.as_tensor(side_of(r_host, var, p, has_var, debias), device=dev)
-    out["pairs"], out["row_cdnv"], out["coincident"] = torch_pair_sums(U, side, out["t0"], panel)
+    out["pairs"], out["row_cdnv"], out["coincident"] = (torch_pair_sums(U, side, out["t0"], panel) if all_pairs
+                                                         else (None, None, []))
+    if sample is not None:
+        out["sample_sums"] = np.stack([_sample_block(U, side, out["t0"], a, b) for a, b in sample])
+        out["controls"] = control_totals(U, side[3], out["t0"])
     out["us"] = (U @ s).cpu().numpy()
     delta = mom.pop("delta")
     mu = (mu_G + delta).cpu().numpy()
     mom = {k: v.cpu().numpy() for k, v in mom.items()}
     out["mom"] = finish_moments(mom, sigma_w, delta.cpu().numpy(), mu, K.size, TorchLinalg(device))
     return out
+
+
+def _sample_block(U, side, t0: float, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The pair sums (``SUMS``, then pairs.CONTROLS) over every pair of class ``a_k`` with class ``b_l`` (two
+    disjoint index sets)."""
+    if not (len(a) and len(b)):
+        return np.zeros(len(SUMS) + len(CONTROLS))
+    a, b = (torch.as_tensor(i, device=U.device) for i in (a, b))
+    sums = _torch_block(U[a], side[:, a], U[b], side[:, b], t0, False)[0][:len(SUMS)].cpu().numpy()
+    return np.r_[sums, control_block(U[a], side[3, a], U[b], side[3, b], t0, sums[1])]
 
 
 def _gathered(var: xr.DataArray, rows: tuple[np.ndarray, ...], dev: torch.device) -> list[torch.Tensor]:

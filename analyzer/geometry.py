@@ -67,8 +67,8 @@ class Geometry:
     us: np.ndarray                         # u_c . s per kept class (class_interference)
     t0: float
     p: np.ndarray
-    pairs: PairSums
-    row_cdnv: np.ndarray
+    pairs: PairSums | None                 # None in a jackknife replicate whose pairs are sampled (sample_sums)
+    row_cdnv: np.ndarray | None
     MtM: np.ndarray
     lam: np.ndarray
     V: np.ndarray
@@ -92,6 +92,11 @@ class Geometry:
     decay_ranks: tuple[int, int] = DECAY_RANKS
     fixed: np.ndarray | None = None        # per kept class: in the debiased metrics' fixed class set (fixed_set)
     debias_note: str | None = None         # the fixed set's classes left out here, and why
+    m_sums: np.ndarray | None = None       # sum of m_c over the classes with a variance, and over the fixed set (2 x d)
+    vstar: np.ndarray | None = None        # the fixed set's unbiased variances v*_c (0 outside it)
+    noise: np.ndarray | None = None        # the fixed set's means' noise z_c = v*_c / n_c (0 outside it)
+    sample_sums: np.ndarray | None = None  # the pair sums over each block of sampled pairs (jackknife.py)
+    controls: list[float] | None = None    # with them, pairs.CONTROLS over every pair
 
     @property
     def n(self) -> int:
@@ -131,11 +136,13 @@ class Geometry:
 
 
 def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-             engine: str | None = None) -> Geometry:
+             engine: str | None = None, sample: list | None = None, all_pairs: bool = True) -> Geometry:
     """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra, the pairwise sums, the d x d moments
     and their spectra, by the engine engines.py chooses for ``device`` and ``engine`` (engine_numba.py: one dask
-    compute on the host, one BLAS thread per task; engine_torch.py: torch float64 on a device). Degenerate input
-    is a UserError naming it."""
+    compute on the host, one BLAS thread per task; engine_torch.py: torch float64 on a device). With ``sample``
+    (blocks of pairs, each two disjoint index arrays into K) also the pair sums of each block (``sample_sums``);
+    without ``all_pairs`` no sum over every pair (``pairs`` None: a jackknife replicate, jackknife.py). Degenerate
+    input is a UserError naming it."""
     K = kept_classes(ds["count"].values, min_count)
     n = K.size
     if n < 2:
@@ -150,13 +157,13 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
     check_covariance(sigma_w)
     has_var = count[K] >= 2
     fixed, debias, note = fixed_set(ds, K, count)
-    parts = kept_parts(ds, K, p, has_var, sigma_w, on, tile, debias)
+    parts = kept_parts(ds, K, p, has_var, sigma_w, on, tile, debias, sample, all_pairs)
     mom = parts.pop("mom")
     if parts["coincident"]:
-        _warn_coincident(parts["coincident"], K, bool(np.isinf(parts["pairs"].cdnv)))
+        _warn_coincident(parts["coincident"], K, bool(np.isinf(parts["pairs"].cdnv)))  # found with every pair
     g = Geometry(K=K, p=p, has_var=has_var, MtM=mom["MtM"], lam=mom["lam"], V=mom["V"], spectra=mom["spectra"],
                  n_tokens=int(count.sum()), sigma_w=sigma_w, vsv=mom.get("vsv"), fixed=fixed, debias_note=note,
-                 **parts)
+                 vstar=debias[0], noise=debias[1], **parts)
     if "wn" in mom:
         dead = np.flatnonzero(mom["wn"] == 0)
         if dead.size:

@@ -21,7 +21,7 @@ import xarray as xr
 from ncanalyze.analyzer import spectral
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
-from ncanalyze.analyzer.schema import CLASS_COUNTS, PER_CLASS, SCALARS
+from ncanalyze.analyzer.schema import CLASS_COUNTS, LABELS, NO_CLASSIFIER, PER_CLASS, SCALARS, vocabulary_classes
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)
 # Each takes the Geometry and returns a float; `needs` names the Geometry field it requires (the metric is left out
@@ -53,6 +53,44 @@ def nc1_cdnv_debiased(g: Geometry) -> float:
     warning, where fewer than 2 classes of the set are measured."""
     n = int(g.fixed.sum()) if g.fixed is not None else 0
     return g.pairs.cdnv_deb / (n * (n - 1)) if n >= 2 else math.nan
+
+
+def nc1_cdnv_pooled(g: Geometry) -> float:
+    """The CDNV of the pooled pairs: sum (var_c + var_c') / sum 2 ||mu_c - mu_c'||^2 over the pairs of kept classes
+    with a variance (nc1_cdnv's pairs): the pairs' mean variance over their mean squared distance, so no single
+    pair's near-zero distance rules it. In closed form over S (|S| = s, m_c the centred means):
+    (s - 1) sum var_c / (2 (s sum ||m_c||^2 - ||sum m_c||^2)). nan where fewer than 2 such classes."""
+    return pooled_cdnv(g.var, g.r, g.m_sums[0], 0.0, g.has_var)
+
+
+def nc1_cdnv_pooled_debiased(g: Geometry) -> float:
+    """nc1_cdnv_pooled as the whole population of tokens would give it, over the debiased metrics' fixed class set:
+    sum (v*_c + v*_c') / sum 2 D*_cc', v* the unbiased variances and D* the squared distances less the two means'
+    noise z_c = v*_c / n_c. Numerator and denominator are each unbiased sums over all pairs, so the ratio has no
+    pair whose noise dominates (``benchmarks/budget.py`` shows it beside nc1_cdnv_debiased, a mean of ratios that
+    moves with its unresolved pairs, on a real checkpoint at growing budgets). nan, with
+    a warning, where the corrected distances do not sum above 0 (the means are not resolved from their noise)."""
+    if g.fixed is None:
+        return math.nan
+    value = pooled_cdnv(g.vstar, g.r, g.m_sums[1], g.noise, g.fixed)
+    if value < 0:
+        warnings.warn("nc1_cdnv_pooled_debiased is nan: the class means' distances do not exceed their noise "
+                      "(extract more train tokens)", stacklevel=3)
+        return math.nan
+    return value
+
+
+def pooled_cdnv(var: np.ndarray, r: np.ndarray, m_sum: np.ndarray, noise: np.ndarray | float,
+                inside: np.ndarray) -> float:
+    """(s - 1) sum_S var / (2 (s sum_S r^2 - ||m_sum||^2 - (s - 1) sum_S noise)) over S = ``inside`` (s classes):
+    the pooled pairs' variance over their squared distance, each distance less its two means' ``noise``."""
+    s = int(np.count_nonzero(inside))
+    if s < 2:
+        return math.nan
+    inside = np.asarray(inside, dtype=bool)
+    pair_distance = s * float(np.sum(r[inside] ** 2)) - float(m_sum @ m_sum)
+    pair_noise = (s - 1) * float(np.sum(np.broadcast_to(noise, r.shape)[inside]))
+    return (s - 1) * float(np.sum(var[inside])) / (2 * (pair_distance - pair_noise))
 
 
 @needs("sigma_w")
@@ -245,8 +283,9 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
     missing = [k for k in DEFINITIONS if k not in scalars]
     if missing:
         needs = sorted({str(getattr(DEFINITIONS[k], "needs", "")) for k in missing} - {""})
-        warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
-                      stacklevel=2)
+        if vocabulary_classes(ds.attrs):  # else measure_all said why
+            warnings.warn(f"{', '.join(missing)} are nan: the dataset lacks what they need ({', '.join(needs)})",
+                          stacklevel=2)
     errors = tuple(f"{m}_se" for m in DEFINITIONS) if se else ()
     return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS, *errors)}
 
@@ -265,27 +304,40 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
                 se: bool = False) -> tuple[dict[str, float], xr.Dataset]:
     """:func:`measure` and :func:`class_metrics` from one pass (the scalars: the metrics that are defined here, then
     schema.CLASS_COUNTS, then with ``se`` each metric's jackknife error ``<metric>_se``)."""
+    from ncanalyze.analyzer.jackknife import sample_design
+
     ranks = _ranks(decay_ranks)
-    g = geometry(ds, min_count, tile, device, engine)
+    sample = sample_design(ds, min_count) if se else None         # the pairs the errors sample, where they do
+    g = geometry(ds, min_count, tile, device, engine, sample=sample)
     g.decay_ranks = ranks
     for name, why in (("nc4_agreement", g.nc4_nan_because), ("anisotropy", g.anisotropy_nan_because),
                       ("head_erank", g.head_nan_because)):
         if why:
             warnings.warn(f"{name} is nan: {why}", stacklevel=2)
     if g.n_var < 2:
-        warnings.warn(f"nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and class_cdnv are nan: only {g.n_var} of the {g.n} kept "
+        warnings.warn(f"nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq, nc1_cdnv_pooled and class_cdnv are nan: only {g.n_var} of the {g.n} kept "
                       "classes have 2 or more train tokens (a class seen once has no variance); extract more tokens",
                       stacklevel=2)
-    scalars = {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    scalars = _scalars(g)
+    if not vocabulary_classes(ds.attrs):
+        warnings.warn(f"{', '.join(k for k in DEFINITIONS if k not in scalars)} are nan: {NO_CLASSIFIER} (labels "
+                      f"{ds.attrs[LABELS]})", stacklevel=2)
     n_fixed = int(g.fixed.sum())
     scalars |= {"n_classes": float(g.n), "n_classes_var": float(g.n_var), "n_classes_debiased": float(n_fixed),
                 "n_pairs_unresolved": float(g.pairs.unresolved)}
     _warn_debiased(g, n_fixed)
     per = {name: f(g) for name, f in PER_CLASS_DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    per_class = _per_class(ds, g.K, per)
     if se:
-        scalars |= _errors(ds, scalars, dict(min_count=min_count, tile=tile, device=device, engine=engine,
-                                             decay_ranks=decay_ranks))
-    return scalars, _per_class(ds, g.K, per)
+        errors, per_class.attrs = _errors(ds, scalars, g, sample, dict(min_count=min_count, tile=tile, device=device,
+                                                                engine=engine, decay_ranks=decay_ranks))
+        scalars |= errors
+    return scalars, per_class
+
+
+def _scalars(g: Geometry) -> dict[str, float]:
+    """The scalar metrics defined on ``g`` (those whose Geometry fields are there)."""
+    return {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
 
 
 def _warn_debiased(g: Geometry, n_fixed: int) -> None:
@@ -301,15 +353,39 @@ def _warn_debiased(g: Geometry, n_fixed: int) -> None:
     # n_pairs_unresolved beside the metric and said by the report, not warned at every checkpoint
 
 
-def _errors(ds: xr.Dataset, scalars: dict[str, float], kw: dict) -> dict[str, float]:
-    """Each metric's jackknife error (jackknife.py), nan where its point value is not finite; the notes of the nan
-    ones in one warning."""
-    from ncanalyze.analyzer.jackknife import jackknife, se_name
+def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list | None,
+            kw: dict) -> tuple[dict[str, float], dict]:
+    """Each metric's jackknife error (jackknife.py), nan where its point value is not finite, and how they were made
+    (``se_method``; where the pairs are sampled, ``se_sampling_error``: each estimated error's own sampling error);
+    the notes of the nan ones in one warning. ``g``: the point value's geometry, with the sums of ``sample``'s
+    blocks of pairs where they are sampled."""
+    from ncanalyze.analyzer.jackknife import EXACT, Sampled, jackknife, sampled_jackknife, sampled_method, se_name
 
-    errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars, min_count=kw["min_count"])
+    how: dict = {"se_method": EXACT}
+    if sample is None:
+        errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars, min_count=kw["min_count"])
+    else:
+        sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums, np.array(g.controls),
+                          lambda d, blocks: _replicate(d, blocks, kw), kw["min_count"])
+        errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)
+        how = {"se_method": sampled_method(len(sampled.blocks) // 2), "se_sampling_error": sampling}
     if notes:
         warnings.warn("jackknife errors: " + "; ".join(notes), stacklevel=3)
-    return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}
+    return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}, how
+
+
+def _replicate(ds: xr.Dataset, blocks: list, kw: dict):
+    """A leave-one-fold-out set whose pairs are sampled (jackknife.py): the pair sums of its ``blocks``, the
+    controls over every pair (pairs.CONTROLS), and its scalar metrics given estimated sums over every pair (all else
+    exact, as :func:`measure_all` has it)."""
+    g = geometry(ds, kw["min_count"], kw["tile"], kw["device"], kw["engine"], sample=blocks, all_pairs=False)
+    g.decay_ranks = _ranks(kw["decay_ranks"])
+
+    def at(pairs) -> dict[str, float]:
+        g.pairs = pairs  # a sampled pair whose directions coincide: the log metrics are inf or nan, as with all pairs
+        g.coincident = [(-1, -1, False)] if pairs.coincident > 0 else []
+        return _scalars(g)
+    return g.sample_sums, g.controls, at
 
 
 def _ranks(decay_ranks: tuple[int, int]) -> tuple[int, int]:

@@ -60,6 +60,14 @@ def blocks(n: int, tile: int) -> list[slice]:
     return [slice(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
+def subset_sums(M, has_var: np.ndarray, debias: tuple | None, to=np.asarray):
+    """The sums of the centred means m_c over the classes with a variance and over the fixed class set (2 x d; the
+    pooled CDNVs' ||sum_S m_c||^2); ``M`` numpy or torch, ``to`` makes its kind of array from numpy."""
+    b = np.zeros(len(has_var)) if debias is None else np.broadcast_to(np.asarray(debias[2], dtype=np.float64),
+                                                                        has_var.shape)
+    return to(np.stack([np.asarray(has_var, dtype=np.float64), b])) @ M
+
+
 def side_of(r: np.ndarray, var: np.ndarray, p: np.ndarray, a: np.ndarray | None = None,
             debias: tuple | None = None) -> np.ndarray:
     """The per-class rows the passes read: r, 1/r, var, p, a (1 where the class has a variance, else 0; default
@@ -131,3 +139,33 @@ def block_hits(G: np.ndarray, ri: np.ndarray, rj: np.ndarray, diag: bool,
     same = r1 * r1 + r2 * r2 - 2 * r1 * r2 * g <= COINCIDENT * r1 * r2
     first = np.r_[np.flatnonzero(same)[:EXAMPLES], np.flatnonzero(~same)[:EXAMPLES]]   # row-major: the first ones
     return few(list(zip((i[first] + offsets[0]).tolist(), (j[first] + offsets[1]).tolist(), same[first].tolist())))
+
+
+# ---------------------------------------------------------------- control sums (the jackknife's sampled pairs)
+#
+# With c = 2/t0, x = T/t0 - 1 = (c - 1) - c g is linear in g, so the sums over pairs of x, x^2 and p p' x follow
+# from d-dimensional algebra (sum g: the sets' sums of u dotted; sum g^2 = ||U^T U||_F^2 over every pair), over
+# every pair or over a block: jackknife.py samples the logs' change less these controls' (log(1 + x) - x + x^2/2 is
+# ~x^3/3), whose totals it knows exactly.
+
+CONTROLS = ("x", "xx", "px")  # sum x, x^2, p p' x
+
+
+def control_block(Ua, pa, Ub, pb, t0: float, xx: float) -> list[float]:
+    """The :data:`CONTROLS` over every pair of the rows of ``Ua`` with those of ``Ub`` (two disjoint sets of unit
+    centred means, numpy or torch; ``pa``, ``pb`` their token frequencies), ``xx`` the pass's own sum of x^2 over
+    them (the block's Gram is not formed again)."""
+    c = 2 / t0
+    g, pg = float(Ua.sum(0) @ Ub.sum(0)), float((pa @ Ua) @ (pb @ Ub))
+    return [(c - 1) * len(Ua) * len(Ub) - c * g, xx, (c - 1) * float(pa.sum() * pb.sum()) - c * pg]
+
+
+def control_totals(U, p, t0: float) -> list[float]:
+    """The :data:`CONTROLS` over the pairs c < c' of all the rows of ``U``: half the sums over every ordered pair
+    less the n diagonal ones (g = 1, x = -1); sum g^2 over every ordered pair is ||U^T U||_F^2."""
+    c, n, pp = 2 / t0, len(U), float((p * p).sum())
+    s, ps, gram = U.sum(0), p @ U, U.T @ U
+    g, pg, gg = float(s @ s), float(ps @ ps), float((gram * gram).sum())
+    both = [(c - 1) * n * n - c * g, (c - 1) ** 2 * n * n - 2 * c * (c - 1) * g + c * c * gg,
+            (c - 1) * float(p.sum()) ** 2 - c * pg]
+    return [(both[0] + n) / 2, (both[1] - n) / 2, (both[2] + pp) / 2]

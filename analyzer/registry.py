@@ -229,7 +229,9 @@ class MeasureSettings:
         "Where the pairwise sums and the d x d work run: auto (torch float64 on CUDA when present, else the numba "
         "pass on the CPU), cpu, cuda, cuda:N."))
     se: bool = setting(True, section="Measuring", help=(
-        "Each metric's delete-one-fold jackknife error <metric>_se (F + 1 measurements per group with F folds); "
+        "Each metric's delete-one-fold jackknife error <metric>_se (F + 1 measurements per group with F folds; "
+        "above 4,096 kept classes the pair metrics' leave-one-out sums come from sampled pairs, each error's own "
+        "sampling error recorded beside it); "
         "--no-se leaves them nan (measure --force adds them later)."))
     threads: int | str = shared("threads", section="Measuring", help=THREADS_HELP)
 

@@ -43,6 +43,7 @@ DEBIASED_METRICS = tuple(r.name for r in RECORDS if r.family == DEBIASED)
 DEBIAS_SHARE = 2.0 ** -12
 # the debiased estimate beside each plug-in metric it corrects: which column to compare across budgets or with the paper
 PLUGIN_OF = {r.name: r.plugin_of for r in RECORDS if r.plugin_of}
+COMPANION = {r.name: r.companion for r in RECORDS if r.companion}  # the budget-stable number shown beside a metric
 # every scalar metric: the columns of metrics.csv and `tree.nc.table()`, and the metrics the report tests
 # (stats.METRICS is SCALARS). NC_METRICS (less SCALE_DEPENDENT, each a family of its own) and GEOMETRY_METRICS are
 # two Holm families (per scale and tag, stats.family): the geometry does not make the NC metrics' adjusted p-values
@@ -81,8 +82,23 @@ VAL_AT = ("val_correct_at", "val_ncc_agree_at")
 HEAD = ("classifier", "classifier_bias")
 # the variables the metrics read (the rest of a group, such as the samples, they never need)
 MEASURED = ("count", "split_count", "mean", "variance", "within_covariance", "unit_sum", *HEAD, *VAL_COUNTS, *VAL_AT)
-# the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer
+# the metrics table's depth column (after INFO): transformers' hidden_states index; a checkpoint group is its last layer;
+# a sublayer site of block B (attn:B, mlp:B) is at B + 0.5, between the block's input and output
 LAYER = "layer"
+# then the site as written (--sites): resid:<layer> for the checkpoint and layer groups, attn:B, mlp:B (attribute site)
+SITE = "site"
+# the metrics table's label column (after SITE): what a position's class is, the group's ``labels`` attribute as the
+# extraction's --labels wrote it (``current``, ``file:PATH``), ``next`` (the paper's) where none is recorded; the class
+# axis keeps its name ``vocab`` whatever the classes are
+LABELS, NEXT_TOKEN = "labels", "next"
+# why NC3, UNC3, NC4 and the head metrics are nan for classes that are not the vocabulary (a label file)
+NO_CLASSIFIER = "no classifier for these classes"
+
+
+def vocabulary_classes(attrs: dict) -> bool:
+    """Whether a group's classes are the vocabulary (the next or the current token), so that it holds the model's head
+    as their classifier and NC4's counts; a label file's classes (``labels`` ``file:PATH``) have neither."""
+    return not str(attrs.get(LABELS, NEXT_TOKEN)).startswith("file:")
 
 
 def _np(x: Any) -> np.ndarray:

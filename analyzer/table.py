@@ -10,9 +10,10 @@ from typing import Any
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import CLASS_COUNTS, ERRORS, INFO, LAYER, METRICS_VERSION, SCALARS
+from ncanalyze.analyzer.schema import (CLASS_COUNTS, ERRORS, INFO, LABELS, LAYER, METRICS_VERSION, NEXT_TOKEN, SCALARS,
+                                      SITE)
 
-COLUMNS = (*INFO, LAYER, *CLASS_COUNTS, *SCALARS, *ERRORS)
+COLUMNS = (*INFO, LAYER, SITE, LABELS, *CLASS_COUNTS, *SCALARS, *ERRORS)
 
 
 def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
@@ -24,8 +25,8 @@ def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
 
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """One group's row: its descriptive attributes, its layer (a checkpoint group without ``layer`` is its last,
-    ``n_layers``), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
+    """One group's row: its descriptive attributes, its layer and site (:func:`where`), its labels (``next`` where none
+    are recorded), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
     as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
 
     Parameters
@@ -43,7 +44,17 @@ def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
               for k in (*CLASS_COUNTS, *SCALARS, *ERRORS)}
     info = {k: attrs.get(k) for k in INFO}
     info["global_step"] = _step(info.get("global_step"))
-    return {**info, LAYER: attrs.get(LAYER, attrs.get("n_layers")), **floats}
+    return {**info, **where(attrs), LABELS: attrs.get(LABELS, NEXT_TOKEN), **floats}
+
+
+def where(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's ``layer`` and ``site``: a checkpoint group without ``layer`` is its last, ``n_layers``; a layer group
+    is ``resid:<layer>``; a sublayer site's group (attribute ``site``, ``attn:B``) is at layer ``block + 0.5``."""
+    if attrs.get(SITE) is not None:
+        block = attrs.get("block")
+        return {LAYER: block + 0.5 if isinstance(block, (int, float)) else math.nan, SITE: attrs[SITE]}
+    layer = attrs.get(LAYER, attrs.get("n_layers"))
+    return {LAYER: layer, SITE: None if layer is None else f"resid:{layer}"}
 
 
 def _step(value: Any) -> Any:
@@ -92,7 +103,7 @@ def same_model_and_step(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, st
         Group left out -> why (naming the group kept).
     """
     def model(a: Mapping[str, Any]) -> tuple:
-        return a.get("run"), a.get("global_step"), a.get(LAYER, a.get("n_layers"))
+        return a.get("run"), a.get("global_step"), a.get(SITE) or a.get(LAYER, a.get("n_layers"))
 
     def same(live: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
         if live.get("output_dir"):

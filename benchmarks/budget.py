@@ -14,12 +14,15 @@ the last, and at each budget the pair of the fixed set with the largest debiased
 means' noise). Without a text file it writes one: sentences over a 3,000-word Zipf vocabulary in which each word's
 successor depends on it (so classes differ in context, as a language's do).
 
-``--record`` writes what it printed to benchmarks/results/budget.md (the documentation's performance page shows it).
+``python benchmarks/record.py budget.py`` records its run in benchmarks/results/budget.md (the documentation's
+performance page shows it).
 What its table shows on a real text: the plug-in CDNV grows with the budget, the debiased one much less, over one
 fixed class set; the pairs the sample does not resolve fall as tokens grow. What remains is not noise: classes that
 follow the same contexts (on the KJV '.' and ':') have a sample distance at the size of its noise at every budget, so
 the population's distance is ~0 and its CDNV term, hence the mean over pairs, grows with every token. A mean of
-ratios has no budget-stable estimate where such pairs exist; the report says such a metric drifts.
+ratios has no budget-stable estimate where such pairs exist; the report says such a metric drifts. The pooled pairs'
+CDNV (nc1_cdnv_pooled_debiased: the pairs' summed variances over their summed corrected distances, two unbiased sums)
+is the number that holds still.
 """
 from __future__ import annotations
 
@@ -35,10 +38,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import recorded  # noqa: E402
 KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
-COLUMNS = ("nc1_cdnv", "nc1_cdnv_se", "nc1_cdnv_debiased", "nc1_cdnv_debiased_se", "gnc2_log_std", "nc4_agreement")
+COLUMNS = ("nc1_cdnv", "nc1_cdnv_se", "nc1_cdnv_debiased", "nc1_cdnv_debiased_se", "nc1_cdnv_pooled",
+           "nc1_cdnv_pooled_debiased", "nc1_cdnv_pooled_debiased_se", "gnc2_log_std", "nc4_agreement")
+MOVES = ("nc1_cdnv", "nc1_cdnv_debiased", "nc1_cdnv_pooled", "nc1_cdnv_pooled_debiased")
 
 
 def sweep():
@@ -118,10 +121,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--val-tokens", type=int, default=32768)
     ap.add_argument("--work", type=Path, help="a folder to keep the run and the stores in (default: a temporary one)")
-    ap.add_argument("--record", action="store_true", help="also write the output to benchmarks/results/budget.md")
-    a = ap.parse_args()
-    with recorded(a.record):
-        run_budgets(a)
+    run_budgets(ap.parse_args())
 
 
 def run_budgets(a: argparse.Namespace) -> None:
@@ -133,11 +133,14 @@ def run_budgets(a: argparse.Namespace) -> None:
         text = a.text or generated(tmp / "generated.txt")
         train, val = split(text, tmp)
         started = time.perf_counter()
-        ts.train_tokenizer([train], vocab_size=1024, out_dir=tmp / "tok")
-        run = ts.train([train], [val], tmp / "tok", tmp / "neo-2x64", n_layer=2, width=64, n_head=4, block_size=128,
-                       batch_size=16, max_steps=a.steps, save_steps=a.steps, seed=0)
+        run, trained = tmp / "neo-2x64", "kept from --work"
+        if not (run / f"checkpoint-{a.steps}").is_dir():                 # a kept --work folder is reused
+            ts.train_tokenizer([train], vocab_size=1024, out_dir=tmp / "tok")
+            run = ts.train([train], [val], tmp / "tok", run, n_layer=2, width=64, n_head=4, block_size=128,
+                           batch_size=16, max_steps=a.steps, save_steps=a.steps, seed=0)
+            trained = f"trained in {time.perf_counter() - started:.0f} s"
         ckpt = max(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-        print(f"text: {text.name if a.text else 'generated'}; trained {ckpt.name} in {time.perf_counter() - started:.0f} s")
+        print(f"text: {text.name if a.text else 'generated'}; {ckpt.name} {trained}")
         rows = []
         for tokens in (int(x) for x in a.budgets.split(",")):
             store = tmp / f"b{tokens}.zarr"
@@ -150,7 +153,7 @@ def run_budgets(a: argparse.Namespace) -> None:
               + f" | {int(m['n_classes_debiased'])} | {int(m['n_pairs_unresolved'])} |")
     for m in rows:
         print(f"{int(m['train_tokens']):,} tokens, the largest debiased term: {m['top_pair']}")
-    for c in ("nc1_cdnv", "nc1_cdnv_debiased"):
+    for c in MOVES:
         first, last = rows[0][c], rows[-1][c]
         print(f"{c}: {first:.4g} -> {last:.4g} ({(last / first - 1):+.1%}; "
               f"{abs(last - first) / math.hypot(rows[0][c + '_se'], rows[-1][c + '_se']):.1f} errors)")

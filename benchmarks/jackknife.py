@@ -4,6 +4,7 @@
     python benchmarks/jackknife.py cost [--vocab 50257] [--width 256] [--batches 12] [--repeats 3]
     python benchmarks/jackknife.py whole [--vocab 50257] [--width 256] [--layers 2] [--train-tokens 131072]
                                          [--val-tokens 16384]
+    python benchmarks/jackknife.py errors [--vocab 128256] [--seen 57000] [--width 128] [--folds 8] [--rounds 2]
 
 ``calibrate``: the checkpoint's last-layer features of ``caps`` disjoint caps of whole blocks of the text (independent
 token samples of one checkpoint, each 80% train, 20% validation), each cap's statistics with 8 folds (class_stats, the
@@ -24,6 +25,14 @@ loss, the group's write), with ``--folds`` 8 and 1 alternating, into a fresh sto
 checkpoint's time at most +10% with folds. The checkpoint's ratio depends on how its tokens split between the passes:
 the validation pass costs the same at any F, so the train pass's ratio is the bound as the validation tokens shrink,
 printed beside it.
+
+``errors``: what the errors cost `measure` at a Llama-shaped scale without a model: a checkpoint's fold sums planted
+(Zipf counts over ``vocab`` classes, about ``seen`` of them with a train token, split over the folds at random; Gaussian
+fold means around random centres; the totals merged from the folds as extraction's fold sums add up to them), then
+``measure_all`` with and without ``se`` in alternating rounds (the median of the per-round ratios: the goal is <= 1.5),
+the peak resident memory of each above the memory before it (sampled every 5 ms), and how the errors were made, with
+each error's own sampling error where the pairs were sampled. ``python benchmarks/record.py jackknife.py errors``
+records its run in benchmarks/results/jackknife.md.
 """
 from __future__ import annotations
 
@@ -232,6 +241,102 @@ def whole(args) -> None:
               + ("   (goal <= 1.10)" if k == "checkpoint" else ""))
 
 
+def planted_folds(vocab: int, seen: int, width: int, folds: int, seed: int = 0):
+    """A checkpoint's statistics with ``folds`` fold sums, planted (see ``errors``): counts Poisson with Zipf rates
+    (exponent 1.1) scaled so that about ``seen`` classes are expected to hold a token, dealt to the folds at random;
+    each fold's class means Gaussian around the class's centre with its own spread; the totals the folds merged."""
+    import xarray as xr
+    from scipy.optimize import brentq
+
+    from ncanalyze.analyzer.jackknife import merged
+
+    rng = np.random.default_rng(seed)
+    rate = np.arange(1, vocab + 1, dtype=np.float64) ** -1.1
+    scale = brentq(lambda a: float(np.sum(-np.expm1(-a * rate))) - seen, 1.0, 1e15)
+    count = rng.multinomial(rng.poisson(scale * rate), np.full(folds, 1 / folds)).T       # folds x vocab
+    centre, spread = rng.standard_normal((vocab, width)), 0.5 + rng.random(vocab)
+    mean = np.zeros((folds, vocab, width))
+    for f in range(folds):
+        n = count[f]
+        mean[f] = np.where(n[:, None] > 0, centre + rng.standard_normal((vocab, width)) * (spread / np.sqrt(
+            np.maximum(n, 1)))[:, None], 0.0)
+    m2 = spread ** 2 * width * np.maximum(count - 1, 0)
+    basis = rng.standard_normal((width, width)) / np.sqrt(width)
+    scatter = np.stack([basis @ basis.T * m2[f].sum() / width for f in range(folds)])
+    val = rng.poisson(0.1 * count)
+    fold = {"fold_count": count, "fold_mean": mean, "fold_m2": m2, "fold_scatter": scatter,
+            "fold_unit_sum": rng.standard_normal((folds, width)) * np.sqrt(count.sum(1))[:, None],
+            "fold_val_count": val, "fold_val_correct": rng.binomial(val, 0.3), "fold_val_ncc_agree": rng.binomial(val, 0.5)}
+    dims = {"fold_mean": ("fold", "vocab", "hidden"), "fold_scatter": ("fold", "hidden", "hidden2"),
+            "fold_unit_sum": ("fold", "hidden")}
+    ds = xr.Dataset({k: (dims.get(k, ("fold", "vocab")), v) for k, v in fold.items()}, attrs={"min_count": 1})
+    ds["classifier"] = (("vocab", "hidden"), (centre + rng.standard_normal((vocab, width))).astype(np.float32))
+    return merged(ds, range(folds)).assign(ds.data_vars)
+
+
+def _peak_rss(f) -> tuple[float, int]:
+    """Seconds ``f`` takes and the peak resident memory above the memory before it (sampled every 5 ms)."""
+    import threading
+
+    import psutil
+
+    proc, peak, done = psutil.Process(), [0], threading.Event()
+    base = proc.memory_info().rss
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    t = time.perf_counter()
+    f()
+    t = time.perf_counter() - t
+    done.set()
+    watcher.join()
+    return t, max(peak[0], proc.memory_info().rss) - base
+
+
+def errors(args) -> None:
+    import os
+    import statistics
+
+    from ncanalyze.analyzer.metrics import measure_all
+    from ncanalyze.analyzer.schema import SCALARS
+
+    t = time.perf_counter()
+    ds = planted_folds(args.vocab, args.seen, args.width, args.folds)
+    made = time.perf_counter() - t
+    kept = int((ds["count"].values >= args.min_count).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        measure_all(ds, args.min_count, device="cpu")  # warm-up: the compiled pass, the thread pools
+        times: dict[bool, list[float]] = {False: [], True: []}
+        peak: dict[bool, int] = {False: 0, True: 0}
+        got: dict = {}
+        for _ in range(args.rounds):  # alternating, so that a shared machine's slow spells hit both
+            for se in (False, True):
+                t, p = _peak_rss(lambda: got.__setitem__(se, measure_all(ds, args.min_count, device="cpu", se=se)))
+                times[se].append(t)
+                peak[se] = max(peak[se], p)
+    ratio = statistics.median(np.divide(times[True], times[False]))
+    print(f"planted: vocab {args.vocab:,}, {kept:,} kept classes (min_count {args.min_count}), width {args.width}, "
+          f"{args.folds} folds, {int(ds['count'].sum()):,} train tokens (made in {made:.0f} s); {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}; {args.rounds} alternating rounds")
+    print(f"  measure without errors: median {statistics.median(times[False]):.1f} s, peak +"
+          f"{peak[False] / 2**30:.2f} GiB")
+    print(f"  measure with errors:    median {statistics.median(times[True]):.1f} s, peak +"
+          f"{peak[True] / 2**30:.2f} GiB (the dataset itself: {ds.nbytes / 2**30:.2f} GiB)")
+    print(f"  with / without errors: {ratio:.2f} (median of the per-round ratios; goal <= 1.5)")
+    scalars, per_class = got[True]
+    method = per_class.attrs.get("se_method", "the exact jackknife (F + 1 full measurements)")
+    print(f"  errors: {method}")
+    sampling = per_class.attrs.get("se_sampling_error", {})
+    for m in SCALARS:
+        extra = f" (its sampling error {sampling[m + '_se']:.2g})" if m + "_se" in sampling else ""
+        print(f"    {m:>22} {scalars.get(m, float('nan')):>11.4g} +- {scalars.get(m + '_se', float('nan')):.3g}{extra}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -257,8 +362,15 @@ def main() -> None:
     k.add_argument("--short", type=int, default=2, help="batches of the short run")
     w.add_argument("--train-tokens", type=int, default=131072)
     w.add_argument("--val-tokens", type=int, default=16384)
+    e = sub.add_parser("errors")
+    e.add_argument("--vocab", type=int, default=128256)
+    e.add_argument("--seen", type=int, default=57000, help="classes expected to hold a train token")
+    e.add_argument("--width", type=int, default=128)
+    e.add_argument("--folds", type=int, default=8)
+    e.add_argument("--min-count", type=int, default=1)
+    e.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    {"calibrate": calibrate, "cost": cost, "whole": whole}[args.what](args)
+    {"calibrate": calibrate, "cost": cost, "whole": whole, "errors": errors}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
-"""A benchmark's run recorded (``--record``): what it printed, the command that reproduces it, when, and the machine's
-load, written to ``benchmarks/results/<script>.md``. The documentation's performance page includes every such file
-verbatim, so a figure quoted there is one a script wrote, not one typed by hand."""
+"""A benchmark's run recorded: what it printed, the command that reproduces it, when, and the machine's load, written
+to ``benchmarks/results/<script>.md``; then ``benchmarks/RESULTS.md``, every recorded run in name order, is written
+again from those files. The documentation's performance page includes them verbatim, so a figure quoted there or in
+RESULTS.md is one a script wrote, not one typed by hand.
+
+    python benchmarks/record.py extract.py --repeats 3       # any benchmark, its own arguments after its name
+    python benchmarks/record.py --index                      # RESULTS.md again from benchmarks/results/
+"""
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import runpy
 import shlex
 import sys
 import time
@@ -33,8 +39,8 @@ class _Tee(io.TextIOBase):
 
 @contextlib.contextmanager
 def recorded(record: bool) -> Iterator[None]:
-    """With ``record``, what the block prints also goes to ``benchmarks/results/<script>.md`` when it ends whole
-    (an interrupted or failed run writes nothing); without, nothing changes."""
+    """With ``record``, what the block prints also goes to ``benchmarks/results/<script>.md`` (``sys.argv[0]``'s name)
+    when it ends whole (an interrupted or failed run writes nothing); without, nothing changes."""
     if not record:
         yield
         return
@@ -46,9 +52,42 @@ def recorded(record: bool) -> Iterator[None]:
         yield
     finally:  # the run's own stdout back whatever happened; a run that raised records nothing (below is skipped)
         sys.stdout = before
-    command = shlex.join(["python", f"benchmarks/{script}", *(a for a in sys.argv[1:] if a != "--record")])
+    command = shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{Path(script).stem}.md").write_text(
         f"### `{command}`\n\nRun {start} on {os.cpu_count()} cores, load average {load:.1f} at its start and "
         f"{os.getloadavg()[0]:.1f} at its end (a shared machine: quote ratios, not rates).\n\n"
         f"```\n{printed.getvalue().rstrip()}\n```\n")
+    index()
+
+
+HEADER = ("# Benchmark results\n\nWritten by `benchmarks/record.py` from `benchmarks/results/` (do not edit): each "
+          "benchmark's latest recorded run, its command first. Ratios are measured within one run; these machines are "
+          "shared, so absolute rates vary. Figures from before the scripts recorded their runs are in "
+          "`benchmarks/EARLIER.md`.\n\n")
+
+
+def index() -> Path:
+    """benchmarks/RESULTS.md from every recorded run (benchmarks/results/*.md), in name order."""
+    runs = sorted(RESULTS.glob("*.md"))
+    out = RESULTS.parent / "RESULTS.md"
+    out.write_text(HEADER + ("\n".join(p.read_text() for p in runs) if runs else "No run recorded yet.\n"))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    """``SCRIPT [ARGS...]``: run benchmarks/SCRIPT with ARGS as its command line, recorded; ``--index``: RESULTS.md."""
+    if argv[:1] == ["--index"] or not argv:
+        print(index())
+        return
+    script = Path(__file__).resolve().parent / Path(argv[0]).name
+    if not script.is_file() or script.suffix != ".py" or script.name == "record.py":
+        raise SystemExit(f"record.py: no benchmark {argv[0]!r} in benchmarks/ (e.g. extract.py)")
+    sys.argv = [str(script), *argv[1:]]
+    sys.path.insert(0, str(script.parent))
+    with recorded(True):
+        runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -10,11 +10,11 @@ from ncanalyze.cli.options import store_argument
 from ncanalyze.store.sizes import bytes_text
 
 
-def _layers(layers: list[int]) -> str:
-    """[0, 1, 2, 6] as '0-2,6'."""
-    runs: list[list[int]] = []
+def _layers(layers: list[int | str]) -> str:
+    """[0, 1, 2, 6] as '0-2,6'; sublayer sites (``attn:1``) as they are."""
+    runs: list[list] = []
     for l in layers:
-        if runs and l == runs[-1][-1] + 1:
+        if runs and isinstance(l, int) and isinstance(runs[-1][-1], int) and l == runs[-1][-1] + 1:
             runs[-1].append(l)
         else:
             runs.append([l])

@@ -53,9 +53,12 @@ def measure(store_positional, store, scheduler, force, **values):
         click.echo(f"all {_count(result, result.skipped)} in {shown(store)} already measured (min_count={min_count})"
                    f"{left_out}; --force measures them again")
         return
-    layer = ["layer"] if result.has_layers else []
-    table = result.new[["run", "checkpoint", *layer, "global_step", *SHOWN]].assign(  # names as text, never escapes
-        run=result.new.run.map(shown), checkpoint=result.new.checkpoint.map(shown))
+    sublayers = not result.new.site.fillna("resid:").str.startswith("resid:").all()  # --sites attn:B, mlp:B
+    layer = ["layer", *(["site"] * sublayers)] if result.has_layers else []
+    labels = ["labels"] if (result.new["labels"] != "next").any() else []  # shown where some are not the next token
+    table = result.new[["run", "checkpoint", *layer, *labels, "global_step", *SHOWN]].assign(  # names as text, never
+        run=result.new.run.map(shown), checkpoint=result.new.checkpoint.map(shown),  # escapes
+        **{c: result.new[c].map(shown) for c in labels})
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         click.echo(table.to_string(index=False, float_format="{:.4g}".format))
     click.echo(f"measured {_count(result, result.measured, every)} in {shown(store)} (min_count={min_count}){left_out}"

@@ -8,8 +8,8 @@ already says is written twice:
 - ``<!-- ncanalyze:cli -->``: every command's ``--help``, as click renders it;
 - ``<!-- ncanalyze:map -->``: every module of the house with the first line of its docstring;
 - ``<!-- ncanalyze:file PATH -->``: a file of the repository, verbatim (the worked study's generated blocks,
-  benchmarks/RESULTS.md);
-- ``<!-- ncanalyze:results -->``: every run a benchmark recorded with ``--record`` (benchmarks/results/*.md).
+  benchmarks/EARLIER.md);
+- ``<!-- ncanalyze:results -->``: every run a benchmark recorded (``benchmarks/record.py SCRIPT``: benchmarks/results/*.md).
 
 The worked study's figures are copied into the site by :func:`on_files`.
 """
@@ -68,10 +68,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def recorded_runs() -> str:
-    """Every run a benchmark recorded (``--record``: benchmarks/results/*.md, written by benchmarks/record.py), in
+    """Every run a benchmark recorded (benchmarks/results/*.md, written by ``benchmarks/record.py SCRIPT``), in
     name order; a line saying there is none yet otherwise."""
     runs = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
-    return "\n".join(p.read_text() for p in runs) if runs else "No benchmark has recorded a run yet (`--record`)."
+    return "\n".join(p.read_text() for p in runs) if runs else "No benchmark has recorded a run yet (`python benchmarks/record.py SCRIPT`)."
 
 
 # ---------------------------------------------------------------- metrics

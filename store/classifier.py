@@ -16,10 +16,12 @@ import xarray as xr
 from ncanalyze.analyzer.schema import HEAD
 
 LAYERS = "layers"  # a checkpoint's layer groups are <run>/<checkpoint>/layers/<l>
+SITES = "sites"  # and its sublayer sites' <run>/<checkpoint>/sites/<kind>_<B> (store/extraction/sites.py)
 
 
 def checkpoint_group(group: str) -> str:
-    """The checkpoint group a group belongs to: ``run/ckpt`` for ``run/ckpt/layers/3``, and a checkpoint group itself.
+    """The checkpoint group a group belongs to: ``run/ckpt`` for ``run/ckpt/layers/3`` (or ``run/ckpt/sites/attn_1``),
+    and a checkpoint group itself.
 
     Parameters
     ----------
@@ -32,7 +34,10 @@ def checkpoint_group(group: str) -> str:
         Its checkpoint's group.
     """
     owner, sep, layer = group.strip("/").rpartition(f"/{LAYERS}/")
-    return owner if sep and layer.isdigit() else group.strip("/")
+    if sep and layer.isdigit():
+        return owner
+    owner, sep, site = group.strip("/").rpartition(f"/{SITES}/")
+    return owner if sep and "/" not in site and site.rpartition("_")[2].isdigit() else group.strip("/")
 
 
 def on_checkpoint(ds: xr.Dataset) -> xr.Dataset:

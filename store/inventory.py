@@ -20,6 +20,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.schema import LAYER
 from ncanalyze.store import io
+from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.layout import CheckpointFiles, group_order, probe_writable
 from ncanalyze.store.resume import drop_state
 from ncanalyze.store.store import Store
@@ -92,7 +93,7 @@ class Entry:
     group: str
     status: str = "ok"      # ok | incomplete | corrupt: why | interrupted extraction | interrupted removal
     attrs: dict = field(default_factory=dict)
-    layers: list[int] = field(default_factory=list)
+    layers: list[int | str] = field(default_factory=list)  # the residual layers, then the sublayer sites (attn:1)
     measured: str = "no"    # min_count=N | no | stale | partly
     bytes: int = 0
 
@@ -143,10 +144,13 @@ def _checkpoint(store: Store, group: str, good: set[str], bad: dict[str, str]) -
         entry.status = "incomplete: an interrupted write (extract again to finish, or rm it)"
         return entry
     entry.attrs = store.attrs(group)
-    subs = sorted((g for g in [*good, *bad] if g.startswith(f"{group}/layers/")), key=lambda g: group_order(g, {}))
+    subs = sorted((g for g in [*good, *bad] if g.startswith((f"{group}/layers/", f"{group}/sites/"))),
+                  key=lambda g: group_order(g, {}))
     own = entry.attrs.get(LAYER, entry.attrs.get("n_layers"))
-    entry.layers = sorted({int(g.rsplit("/", 1)[1]) for g in subs if g.rsplit("/", 1)[1].isdigit()}
-                          | ({own} if isinstance(own, int) else set()))
+    names = [g.removeprefix(f"{group}/").split("/", 1) for g in subs]  # (layers, 3) or (sites, attn_1)
+    residual = {int(n) for kind, n in names if kind == "layers" and n.isdigit()} | ({own} if isinstance(own, int)
+                                                                                 else set())
+    entry.layers = [*sorted(residual), *(":".join(n.rsplit("_", 1)) for kind, n in names if kind == "sites")]
     problems = [f"{g.removeprefix(group + '/')} corrupt ({bad[g]})" for g in subs if g in bad]
     for g in (g for g in [group, *subs] if g in good):
         try:
@@ -219,8 +223,8 @@ def plan_removal(store: str | Path | Store, names: list[str], tags: list[str] = 
             runs.append(name)
         elif name in groups:
             picked.append(name)
-        elif name.split("/layers/")[0] in groups:
-            raise UserError(f"{name} is a layer of {name.split('/layers/')[0]}, whose configuration names its layers: "
+        elif checkpoint_group(name) in groups:
+            raise UserError(f"{name} is a layer of {checkpoint_group(name)}, whose configuration names its layers: "
                             "remove the whole checkpoint, or extract it again with other --layers --overwrite")
         else:
             close = difflib.get_close_matches(name, [*runs_, *groups], n=3, cutoff=0.6)

@@ -27,7 +27,7 @@ import zarr
 import zarr.errors
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.jackknife import FOLD_VARS, fold_problems
-from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS
+from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS, vocabulary_classes
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
 from ncanalyze.store.layout import (
@@ -46,7 +46,8 @@ XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated me
 # 3: the record identifies the data by content (data_sha256) and names local data by its file's name, not its path; fold sums (the fold
 # dimension, attribute folds) beside the totals, for the jackknife errors
 FORMAT_KEY, FORMAT = "ncanalyze_format", 3
-RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version")
+RECORD = ("metrics", "metrics_nonfinite", "metrics_min_count", "metrics_config_hash", "metrics_version",
+          "metrics_se_method", "metrics_se_sampling_error")
 CHUNK_ERRORS = (RuntimeError, ValueError, OSError)  # what a garbage, truncated or bit-flipped chunk raises on read
 MISSING_GROUP = (FileNotFoundError, KeyError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError)
 STATISTICS = ("count", "mean", "variance", "within_covariance")  # every checkpoint group holds them
@@ -185,9 +186,9 @@ def checkpoint_groups(path: str | Path) -> tuple[list[str], dict[str, str]]:
 
 def _checkpoint_depth(rel: str) -> bool:
     """Whether a checkpoint group at ``rel`` is where a store keeps one: ``<run>/<checkpoint>`` or its layer
-    ``<run>/<checkpoint>/layers/<l>``."""
+    ``<run>/<checkpoint>/layers/<l>``, or its sublayer site ``<run>/<checkpoint>/sites/<kind>_<B>``."""
     parts = rel.split("/")
-    return len(parts) == 2 or len(parts) == 4 and parts[2] == classifier.LAYERS
+    return len(parts) == 2 or len(parts) == 4 and parts[2] in (classifier.LAYERS, classifier.SITES)
 
 
 def _bad_attrs(attrs) -> str | None:
@@ -390,12 +391,12 @@ def _encoding(ds: xr.Dataset) -> dict:
 
 
 def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: CheckpointFiles,
-                     layers: Iterable[tuple[int, xr.Dataset]] = ()) -> None:
+                     layers: Iterable[tuple[str, xr.Dataset]] = ()) -> None:
     """Write a finished checkpoint dataset as ``group``, replacing any group there, without a moment where neither
     the old group nor the new one is whole: the new group is written at ``files.staging`` (a folder on the store's own
     file system: beside it, or in it where it is a mount point, layout.py), marked complete, and then renamed into place; the old one is moved aside (``files.old``) first
     and removed last (``recover_swap`` puts it back if a crash comes between the two renames). The other ``layers``
-    ((l, dataset), made one at a time) go into the staged group at ``layers/<l>`` first, so they arrive with it,
+    ((path, dataset), made one at a time; path ``layers/<l>`` or ``sites/<kind>_<B>``) go into the staged group first, so they arrive with it,
     without the classifier, which is written once, as coordinates of the checkpoint group (classifier.py). Every
     chunk is written, even one of fill values only, so that a missing chunk can be told from an empty one.
 
@@ -410,7 +411,7 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
     files
         The checkpoint's files beside the store (layout.py): where it is staged and the old group moved aside.
     layers
-        The other layers' datasets, as (layer, dataset).
+        The other sites' datasets, as (their path below the checkpoint group, dataset).
     """
     dest, staging, old = Path(path) / group, files.staging, files.old
     shutil.rmtree(staging, ignore_errors=True)
@@ -418,10 +419,10 @@ def write_checkpoint(path: str | Path, group: str, ds: xr.Dataset, files: Checkp
     with zarr.config.set({"array.write_empty_chunks": True}):
         ds = classifier.on_checkpoint(ds)  # the head once, as coordinates the layer groups inherit
         ds.to_zarr(staging, mode="w", encoding=_encoding(ds), **XR)
-        for layer, lds in layers:
+        for sub, lds in layers:
             lds = classifier.without_head(lds)
             lds.attrs |= {"complete": True}
-            lds.to_zarr(staging, group=f"{classifier.LAYERS}/{layer}", mode="w", encoding=_encoding(lds), **XR)
+            lds.to_zarr(staging, group=sub, mode="w", encoding=_encoding(lds), **XR)
     zarr.open_group(staging, mode="r+", **ZARR).attrs["complete"] = True
     parent = group.rsplit("/", 1)[0] if "/" in group else ""
     ensure_group(path, parent)                                  # the run's group (and the root) exist
@@ -503,14 +504,15 @@ def damage(path: str | Path, group: str, only: Iterable[str] | None = None) -> l
         The problems; none for a whole group.
     """
     root = Path(path) / group
-    names = [d.name for d in sorted(root.iterdir()) if (d / "zarr.json").is_file() and d.name != classifier.LAYERS
+    names = [d.name for d in sorted(root.iterdir()) if (d / "zarr.json").is_file() and d.name not in (classifier.LAYERS, classifier.SITES)
              and (only is None or d.name in only)]
     corrupt = [f"{n}/zarr.json: {why}" for n in names for why in [metadata_problem(root / n / "zarr.json")] if why]
     if corrupt:
         return [f"has corrupt array metadata ({'; '.join(corrupt[:3])})"]
     g = open_group(path, group)
     own = group == classifier.checkpoint_group(group)
-    need = [*STATISTICS, *(n for n in FROM_MODEL if "vocab_size" in g.attrs and (own or n not in HEAD))]
+    head = "vocab_size" in g.attrs and vocabulary_classes(g.attrs)  # a label file's classes have no head
+    need = [*STATISTICS, *(n for n in FROM_MODEL if head and (own or n not in HEAD))]
     lacking = [n for n in need if n not in names and (only is None or n in only)]
     problems = [f"lacks the array{'s' * (len(lacking) > 1)} ({', '.join(lacking)})"] if lacking else []
     short = missing_chunks(path, group, only)
@@ -547,7 +549,9 @@ def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_c
     scalars
         The scalar metrics.
     per_class
-        The per-class metrics (schema.PER_CLASS).
+        The per-class metrics (schema.PER_CLASS); their attributes ``se_method`` and ``se_sampling_error`` (how the
+        errors were made, metrics.measure_all) go into the record as ``metrics_se_method`` and
+        ``metrics_se_sampling_error``.
     min_count
         The ``--min-count`` they were measured with.
     config_hash
@@ -571,5 +575,8 @@ def write_metrics(path: str | Path, group: str, scalars: dict[str, float], per_c
     record = {"metrics": {k: v if math.isfinite(v) else None for k, v in scalars.items()},
               "metrics_nonfinite": {k: str(v) for k, v in scalars.items() if not math.isfinite(v)},
               "metrics_min_count": min_count, "metrics_config_hash": config_hash, "metrics_version": METRICS_VERSION}
+    for k in ("se_method", "se_sampling_error"):  # how the errors were made (analyzer.jackknife), where they were
+        if k in per_class.attrs:
+            record[f"metrics_{k}"] = per_class.attrs[k]
     g.attrs.update(record)
     return record

@@ -14,7 +14,7 @@ from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
 from ncanalyze.analyzer.names import shown
-from ncanalyze.analyzer.schema import HEAD, LAYER
+from ncanalyze.analyzer.schema import HEAD, LAYER, SITE
 from ncanalyze.analyzer.registry import MeasureSettings
 from ncanalyze.analyzer.table import is_measured, metrics_table, same_model_and_step
 from ncanalyze.store.classifier import checkpoint_group
@@ -161,7 +161,7 @@ def same_weights(groups: dict[str, dict]) -> dict[str, str]:
     first: dict[tuple, str] = {}
     out = {}
     for g, a in groups.items():
-        key = (a.get("config_hash"), a.get(LAYER, a.get("n_layers")))
+        key = (a.get("config_hash"), a.get(SITE) or a.get(LAYER, a.get("n_layers")))
         if key[0] is None or a.get("source") == "training":
             continue
         if key in first:

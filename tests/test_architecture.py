@@ -134,7 +134,9 @@ def test_names_are_defined_once():
     from ncanalyze.analyzer import metrics, report, schema, stats, table
 
     assert stats.METRICS is schema.SCALARS and report.ID_COLUMNS is schema.INFO
-    assert table.COLUMNS == (*schema.INFO, schema.LAYER, *schema.CLASS_COUNTS, *schema.SCALARS, *schema.ERRORS)
+    assert table.COLUMNS == (*schema.INFO, schema.LAYER, schema.SITE, schema.LABELS, *schema.CLASS_COUNTS,
+                             *schema.SCALARS,
+                             *schema.ERRORS)
     assert list(metrics.DEFINITIONS) == list(schema.SCALARS)
     assert list(metrics.PER_CLASS_DEFINITIONS) == list(schema.PER_CLASS)
     for name, f in {**metrics.DEFINITIONS, **metrics.PER_CLASS_DEFINITIONS}.items():
@@ -161,7 +163,11 @@ def test_the_record_holds_every_hashed_setting_and_its_keys_move_with_the_format
     record = config_record(None, cfg, torch.device("cpu"), 32, "v.txt", "validation", layer_plan(cfg, 2),
                            weights="w")
     hashed = {f.name for f in dataclasses.fields(ExtractConfig) if f.metadata["hashed"]}
-    assert set(record) == hashed | {"val_held_out", "block_size", "device_type", "weights", "data_sha256"}
+    # --labels is recorded only where it is not its default (next): the stored groups' hashes stay as they were
+    assert set(record) == hashed - {"labels"} | {"val_held_out", "block_size", "device_type", "weights", "data_sha256"}
+    current = config_record(None, ExtractConfig(dataset="d.txt", labels="current"), torch.device("cpu"), 32, "v.txt",
+                            "validation", layer_plan(cfg, 2), weights="w")
+    assert current == record | {"labels": "current"}
     assert (record["layers"], record["cap_mode"], record["val_held_out"]) == ([2], None, None)  # resolved
     assert (store_io.FORMAT, sorted(record)) == (3, [
         "batch_size", "block_size", "cap_mode", "data_sha256", "dataset", "device_type", "dtype", "embeddings_dtype",

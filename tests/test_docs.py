@@ -57,8 +57,37 @@ def test_the_readme_is_a_front_page_whose_setup_is_what_ci_runs():
 
 
 OTHER_TOOLS = {"--strict": "mkdocs build", "--safe_serialization": "zero_to_fp32.py", "--scheduler-file": "dask",
-               "--resources": "dask worker", "--nthreads": "dask worker", "--bind": "mount", "--help": "every command",
-               "--record": "benchmarks/budget.py (benchmarks/record.py)"}
+               "--resources": "dask worker", "--nthreads": "dask worker", "--bind": "mount", "--help": "every command"}
+
+
+def test_the_benchmark_results_are_the_recorded_runs_and_a_run_records_itself(tmp_path, monkeypatch):
+    """benchmarks/RESULTS.md is what record.py writes from benchmarks/results/ (never typed by hand), and the runner
+    records a benchmark's output with the command that reproduces it (here a script of the test's own, in a copy)."""
+    record = _load_example_module(ROOT / "benchmarks" / "record.py")
+    runs = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+    assert runs and (ROOT / "benchmarks" / "RESULTS.md").read_text() == record.HEADER + "\n".join(
+        p.read_text() for p in runs)
+    copy = tmp_path / "benchmarks"
+    (copy / "results").mkdir(parents=True)
+    (copy / "toy.py").write_text("import sys\nprint('ratio', 0.5 * float(sys.argv[1]))\n")
+    monkeypatch.setattr(record, "RESULTS", copy / "results")
+    monkeypatch.setattr(record, "__file__", str(copy / "record.py"))
+    monkeypatch.setattr("sys.argv", ["record.py"])
+    record.main(["toy.py", "3"])
+    text = (copy / "results" / "toy.md").read_text()
+    assert text.startswith("### `python benchmarks/toy.py 3`") and "ratio 1.5" in text
+    assert (copy / "RESULTS.md").read_text() == record.HEADER + text
+    with pytest.raises(SystemExit, match="no benchmark 'nope.py'"):
+        record.main(["nope.py"])
+
+
+def _load_example_module(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem + "_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_every_flag_the_pages_name_is_an_option_of_a_command():

@@ -1,26 +1,33 @@
-"""NC across depth (``--layers``): which rows of a metrics table are the last layer, the depth figure (each Figure 1
-metric against the layer, one line per checkpoint, coloured by step) and the per-layer table."""
+"""NC across depth (``--layers``, ``--sites``): which rows of a metrics table are the last layer, the depth figure (each
+Figure 1 metric against the layer, one line per checkpoint and site kind, coloured by step; the attention and MLP
+sites of block B at B + 0.5, dotted and dash-dotted) and the per-layer table."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.lines import Line2D
+from matplotlib.transforms import blended_transform_factory
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.colors import Normalize  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.transforms import blended_transform_factory  # noqa: E402
-
-from ncanalyze.analyzer.schema import LAYER  # noqa: E402
+from ncanalyze.analyzer.report.ticks import subplots
+from ncanalyze.analyzer.schema import LAYER, SITE
 
 DEPTH_METRICS = ("nc1_cdnv", "gnc2_log_std", "unc3_cos_cv", "nc4_agreement",   # Figure 1's, then the geometry's
                  "total_erank", "eigen_decay", "lidar", "anisotropy")
 MARKERS, DASHES = "osD^v<>pPXh*", ("-", "--", ":", "-.")  # a run's marker, then its dash past 12 runs
 PANELS_PER_ROW = 3  # 3.9 in each: the figure stays within 2000 px at 150 dpi, as the report's others
 TITLE = "NC properties across depth (layer 0: embedding output; the last: after the final norm)"
+KIND_DASHES = {"attn": ":", "mlp": "-."}  # a sublayer site kind's line style (the residual sites keep the run's)
+
+
+def kinds(df: pd.DataFrame) -> pd.Series:
+    """Each row's site kind (``resid`` where the table has no site column or the row no site)."""
+    site = df[SITE] if SITE in df.columns else pd.Series(None, index=df.index, dtype=object)
+    return site.fillna("resid:").astype(str).str.split(":").str[0]
 
 
 def last_layer(df: pd.DataFrame) -> pd.DataFrame:
@@ -48,16 +55,18 @@ def undefined(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> list[
         v = pd.to_numeric(df[m], errors="coerce")
         bad = df.loc[~np.isfinite(v), LAYER]
         if len(bad):
-            kinds = " or ".join(k for k, hit in (("infinite", np.isinf(v).any()), ("undefined (nan)", v.isna().any()))
-                                if hit)
-            layers = ", ".join(str(int(x)) for x in sorted(set(pd.to_numeric(bad, errors="coerce").dropna())))
-            out.append(f"`{m}` is {kinds} at layer(s) {layers} ({len(bad)} of {len(df)} rows): a gap in its panel")
+            what = " or ".join(k for k, hit in (("infinite", np.isinf(v).any()), ("undefined (nan)", v.isna().any()))
+                               if hit)
+            at = pd.to_numeric(bad, errors="coerce").dropna()
+            layers = ", ".join(f"{x:g}" for x in sorted(set(at)))
+            out.append(f"`{m}` is {what} at layer(s) {layers} ({len(bad)} of {len(df)} rows): a gap in its panel")
     return out
 
 
 def depth_table(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS) -> pd.DataFrame:
-    """One row per checkpoint and layer: run, checkpoint, global_step, layer and ``metrics``, by run, step, layer."""
-    cols = [c for c in ("run", "checkpoint", "global_step", LAYER) if c in df.columns]
+    """One row per checkpoint and site: run, checkpoint, global_step, layer, site and ``metrics``, by run, step,
+    layer."""
+    cols = [c for c in ("run", "checkpoint", "global_step", LAYER, SITE) if c in df.columns]
     out = df[cols + [m for m in metrics if m in df.columns]]
     return out.sort_values([c for c in ("run", "global_step", LAYER) if c in cols], kind="stable", ignore_index=True)
 
@@ -91,29 +100,31 @@ def depth_figure(df: pd.DataFrame, metrics: Sequence[str] = DEPTH_METRICS, label
     styles = _run_styles(df)
     extra = 0.2 * (-(-len(styles) // 6) + 1) if len(styles) > 1 else 0.0  # inches for the legend of runs
     h = 4.0 * rows + extra
-    fig, axes = plt.subplots(rows, cols, figsize=(3.9 * cols + 1.2, h), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(3.9 * cols + 1.2, h), squeeze=False)
     for ax in axes.flat[k:]:
         ax.set_visible(False)
     steps = pd.to_numeric(df.get("global_step"), errors="coerce")
     norm = Normalize(steps.min(), steps.max() if steps.max() > steps.min() else steps.min() + 1)
-    cmap = plt.get_cmap("viridis")
+    cmap = matplotlib.colormaps["viridis"]
+    kind = kinds(df)
     for ax, m in zip(axes.flat, metrics):
-        for (run, ckpt), g in df.groupby(["run", "checkpoint"], sort=False):
+        for (run, ckpt, k), g in df.groupby(["run", "checkpoint", kind], sort=False):
             g = g.sort_values(LAYER)
             step = pd.to_numeric(g["global_step"], errors="coerce").iloc[0]
             values = pd.to_numeric(g[m], errors="coerce").replace([np.inf, -np.inf], np.nan)  # a gap, not a drop
             marker, dash = styles[str(run)]
-            ax.plot(g[LAYER], values, marker=marker, ls=dash, ms=3.5, lw=1.2, mec="black", mew=0.3,
-                    color=cmap(norm(step)) if np.isfinite(step) else "grey", gid=f"run:{run}")
+            ax.plot(g[LAYER], values, marker=marker, ls=KIND_DASHES.get(k, dash), ms=3.5, lw=1.2, mec="black",
+                    mew=0.3, color=cmap(norm(step)) if np.isfinite(step) else "grey", gid=f"run:{run}")
         _mark_gaps(ax, df, m)
         ax.set_title((labels or {}).get(m, m), fontsize=10)
-        ax.set_xlabel("layer (hidden_states index)")
+        ax.set_xlabel("layer (hidden_states index; a block's attn/mlp at +0.5)" if set(kind) - {"resid"} else
+                      "layer (hidden_states index)")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
     bottom, top = (0.6 + extra) / h, 0.6 / h
     fig.subplots_adjust(left=0.06, right=0.9, bottom=bottom, top=1 - top, wspace=0.3, hspace=0.35)
     cax = fig.add_axes((0.92, bottom, 0.012, 1 - bottom - top))
-    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="global step")
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, label="global step")
     if len(styles) > 1:
         handles = [Line2D([], [], color="0.35", marker=mk, ls=ls, ms=5, mec="black", mew=0.3)
                    for mk, ls in styles.values()]

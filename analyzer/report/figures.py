@@ -9,30 +9,29 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.axis import Axis
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.axis import Axis  # noqa: E402
-from ncanalyze.analyzer.stats import NoteKind, has_note  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-
-from ncanalyze.analyzer.metric_records import RECORDS  # noqa: E402
-from ncanalyze.analyzer.registry import FIGURE_FORMATS  # noqa: E402
-from ncanalyze.analyzer.schema import PLUGIN_OF  # noqa: E402
-from ncanalyze.analyzer.report.depth import depth_figure  # noqa: E402
-from ncanalyze.analyzer.report.escape import drawn, write_csv  # noqa: E402
-from ncanalyze.analyzer.report.tables import fmt_p  # noqa: E402
-from ncanalyze.analyzer.report.ticks import (  # noqa: E402
+from ncanalyze.analyzer.metric_records import RECORDS
+from ncanalyze.analyzer.registry import FIGURE_FORMATS
+from ncanalyze.analyzer.schema import PLUGIN_OF
+from ncanalyze.analyzer.report.depth import depth_figure
+from ncanalyze.analyzer.report.escape import drawn, write_csv
+from ncanalyze.analyzer.report.tables import fmt_p
+from ncanalyze.analyzer.stats import NoteKind, has_note
+from ncanalyze.analyzer.report.ticks import (
     DPI,
     TickedFigure,
     count_text,
     declutter,
     limits,
     set_ticks,
+    subplots,
 )
 
 LABELS = {r.name: r.label for r in RECORDS if r.label} | {  # panel titles: the metrics' records', then the targets'
@@ -73,7 +72,7 @@ def chosen(fig_metrics: Sequence[str], metrics: Sequence[str]) -> list[str]:
 
 MAX_MARKED_RUNS = 10  # up to this many runs, each gets its own marker (and colour when all sizes are equal)
 MARKERS = "osD^v<>pPXh*"
-RUN_COLOURS = plt.get_cmap("tab10").colors
+RUN_COLOURS = matplotlib.colormaps["tab10"].colors
 _MARGINS = dict(left=0.8, right=0.25, bottom=0.65, top=0.45)  # inches; a fixed layout draws fast
 _CBAR_W = 1.35  # inches to the right of the panels for a colour bar and its label
 MAX_WIDTH = 2000 / DPI  # inches: no figure is wider than 2000 px; more panels wrap onto further rows
@@ -141,7 +140,7 @@ class _Style:
         self.norm = LogNorm(sizes.min(), sizes.max()) if sizes.nunique() > 1 else None
         self.size_note = f"all {count_text(sizes.iloc[0])} parameters" if sizes.nunique() == 1 else None
         self.marked = len(self.runs) <= MAX_MARKED_RUNS
-        self.cmap = plt.get_cmap("viridis")
+        self.cmap = matplotlib.colormaps["viridis"]
         self.ringed = False  # some run's last step is ringed (last_steps)
 
     def groups(self, d: pd.DataFrame) -> Iterator[tuple]:
@@ -175,7 +174,7 @@ class _Style:
         if self.norm is not None:
             cax = fig.add_axes((1 - (_CBAR_W - 0.25) / w, margins["bottom"] / h, 0.15 / w,
                                 1 - (margins["bottom"] + margins["top"]) / h))
-            cb = fig.colorbar(plt.cm.ScalarMappable(self.norm, self.cmap), cax=cax)
+            cb = fig.colorbar(ScalarMappable(self.norm, self.cmap), cax=cax)
             cb.set_label("parameters (log scale)")
             set_ticks(cb.ax.yaxis, self.norm.vmin, self.norm.vmax, True, count_text)
             out.append(cb.ax.yaxis)
@@ -216,7 +215,7 @@ def _frame(k: int, style: _Style, title: str, panel_w: float = 3.9, gap: float =
     title = textwrap.fill(title, width=int(w * 72 / (12 * 0.55)))  # characters of 12 pt text across the width
     m["top"] += _TITLE_LINE * (title.count("\n") + 1)
     h = _PANEL_H * rows + _ROW_GAP * (rows - 1) + m["bottom"] + m["top"]
-    fig, axes = plt.subplots(rows, cols, figsize=(w, h), sharey=sharey, squeeze=False, FigureClass=TickedFigure)
+    fig, axes = subplots(rows, cols, TickedFigure, sharey=sharey, squeeze=False, figsize=(w, h))
     for ax in axes.flat[k:]:
         ax.remove()
     fig.subplots_adjust(left=m["left"] / w, right=1 - m["right"] / w, bottom=m["bottom"] / h, top=1 - m["top"] / h,
@@ -496,13 +495,12 @@ def save_figure(fig: Figure, out: Path, stem: str, formats: Sequence[str] = FORM
         The PNG's path.
     """
     undated = {"png": None, "pdf": {"CreationDate": None}, "svg": {"Date": None}}
-    with plt.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42, "svg.hashsalt": "ncanalyze"}):
+    with matplotlib.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42, "svg.hashsalt": "ncanalyze"}):
         for ext in FORMATS:
             if ext in formats:
                 fig.savefig(out / f"{stem}.{ext}", dpi=DPI if ext == "png" else "figure", metadata=undated[ext])
             else:
                 (out / f"{stem}.{ext}").unlink(missing_ok=True)
-    plt.close(fig)
     return out / f"{stem}.png"
 
 
@@ -594,7 +592,7 @@ def step_r_figure(steps: pd.DataFrame, stats: pd.DataFrame, metrics: Sequence[st
     -------
     matplotlib.figure.Figure
     """
-    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=DPI)
+    fig, ax = subplots(figsize=(7.5, 4.2), dpi=DPI)
     flipped = set(stats.metric[has_note(stats, NoteKind.SIGN_FLIP)]) if "note_kinds" in stats else set()
     for i, m in enumerate(metrics):
         mine = steps[steps.metric == m]

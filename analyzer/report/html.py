@@ -25,14 +25,14 @@ from ncanalyze.analyzer.report.support import thin_warning
 from ncanalyze.analyzer.report.tables import fmt, fmt_p, notes, survivors
 from ncanalyze.analyzer.report.ticks import count_text
 from ncanalyze.analyzer.report.tokens import token_rows
-from ncanalyze.analyzer.schema import GEOMETRY_METRICS, LAYER, NC_METRICS
+from ncanalyze.analyzer.schema import GEOMETRY_METRICS, LAYER, NC_METRICS, SITE
 from ncanalyze.analyzer.stats import permutation_text, split_tags
 
 UNTAGGED = "(untagged)"
 SYMBOLS = dict(zip(MARKERS, ("circle", "square", "diamond", "triangle-up", "triangle-down", "triangle-left",
                                    "triangle-right", "pentagon", "cross", "x", "hexagon", "star")))  # the PNG's
 DASHES = ("solid", "dash", "dot", "dashdot")  # a run's line past the 12 markers
-ROW_COLUMNS = ("run", "tag", "checkpoint", "global_step", "n_params", "n_kept", LAYER)  # hover and grouping
+ROW_COLUMNS = ("run", "tag", "checkpoint", "global_step", "n_params", "n_kept", LAYER, SITE)  # hover and grouping
 # the statistics table's columns: header, stats.csv's column, display (report.md's)
 STATS_COLUMNS = (("n", "n", "{:d}"), ("R²", "r2", fmt), ("r", "r", fmt), ("rho", "rho", fmt),
                  ("p rho", "rho_p", fmt_p), ("p", "p_perm", fmt_p), ("p Holm", "p_holm", fmt_p),
@@ -207,7 +207,8 @@ def payload(r: ReportResult, options: ReportOptions) -> dict:
     rows["_tag"] = _tag_keys(df)
     colours = _colours(df, run)
     rows["_step_colour"] = colours.pop("step")
-    layers = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna().astype(int))) if has_depth(df) else []
+    at = sorted(set(pd.to_numeric(df[LAYER], errors="coerce").dropna())) if has_depth(df) else []
+    layers = [int(x) if float(x).is_integer() else float(x) for x in at]  # a sublayer site's B + 0.5 kept
     return {"rows": rows, "target": r.target, "labels": {c: label(c) for c in [r.target, *metrics]},
             "metrics": _metric_groups(metrics), "fig1": chosen(FIGURES["fig1_nc_vs_loss"][1], estimated(metrics, options.estimates, r.selected)),
             "tags": list(dict.fromkeys(rows["_tag"])), "layers": layers,

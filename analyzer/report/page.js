@@ -145,12 +145,14 @@ function drawPicked(p) {
 }
 
 // The picked metric against the layer: a trace per run (its symbol and dash; the legend picks runs), a line per
-// checkpoint in it (a null between them), the markers coloured by step.
+// checkpoint and site kind in it (a null between them; a block's attn/mlp sites at B + 0.5), the markers coloured by
+// step.
 function drawDepth(p) {
   if (!D.layers.length) return Promise.resolve();
   const m = p.metric, checkpoints = new Map();
+  const kind = (i) => (R.site && R.site[i] ? String(R.site[i]).split(":")[0] : "resid");
   for (const i of rowsOf(p, true)) {
-    const key = R.run[i] + "/" + R.checkpoint[i];
+    const key = R.run[i] + "/" + R.checkpoint[i] + "/" + kind(i);
     (checkpoints.get(key) || checkpoints.set(key, []).get(key)).push(i);
   }
   const runs = new Map();

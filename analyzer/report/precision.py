@@ -20,7 +20,7 @@ from ncanalyze.analyzer.report.escape import md_name, md_text
 from ncanalyze.analyzer.report.mincount import HEADLINE, MAX_RUNS
 from ncanalyze.analyzer.report.tables import code, fmt, tex_escape
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
-from ncanalyze.analyzer.schema import PLUGIN_OF
+from ncanalyze.analyzer.schema import COMPANION, PLUGIN_OF
 
 DRIFT = 2  # a metric drifts where it moved from the smallest budget with an error to the whole sample by more than
 # this many of that budget's sampling errors (the nested samples' difference has a smaller error than that one)
@@ -136,30 +136,53 @@ def stored_metrics(attrs: dict) -> dict[str, float] | None:
 
 
 def with_debiased(metrics: Sequence[str]) -> list[str]:
-    """``metrics``, each followed by its debiased form where it has one (schema.PLUGIN_OF)."""
+    """``metrics``, each followed by its debiased form (schema.PLUGIN_OF) and its budget-stable companion
+    (schema.COMPANION) where it has them."""
     debiased = {p: d for d, p in PLUGIN_OF.items()}
-    return [x for m in metrics for x in (m, debiased.get(m)) if x is not None]
+    return list(dict.fromkeys(x for m in metrics for x in (m, debiased.get(m), COMPANION.get(m)) if x is not None))
+
+
+def _moves(t: pd.DataFrame, m: str) -> tuple[pd.Series, float, bool] | None:
+    """Metric ``m`` over one checkpoint's budgets: its first row with a sampling error, its move from there to the
+    whole sample in errors of that row, and whether that is a drift (beyond DRIFT errors); None without errors."""
+    if f"{m}_se" not in t:
+        return None
+    has = t[np.isfinite(t[f"{m}_se"].to_numpy(float)) & (t[f"{m}_se"].to_numpy(float) > 0)]
+    last = t.iloc[-1]
+    if len(has) < 1 or not np.isfinite(last[f"{m}_se"]) or len(t) < 2:
+        return None
+    first = has.iloc[0]
+    moves = (last[m] - first[m]) / first[f"{m}_se"]
+    return first, moves, bool(abs(moves) > DRIFT and first["tokens"] < last["tokens"])
+
+
+def _stable(t: pd.DataFrame, names: Sequence[str | None]) -> str | None:
+    """The first of ``names`` measured here whose sampling error says it does not drift."""
+    for n in names:
+        got = _moves(t, n) if n else None
+        if got is not None and not got[2]:
+            return n
+    return None
 
 
 def drift_row(t: pd.DataFrame, m: str) -> dict[str, str]:
     """One checkpoint's reading of metric ``m`` over its budgets: from the smallest budget with a sampling error to
     the whole sample, the move in errors of that budget, and whether it drifts (bias), only scatters (noise) or has
     no error to tell; with the number to compare."""
-    has = t[np.isfinite(t[f"{m}_se"].to_numpy(float)) & (t[f"{m}_se"].to_numpy(float) > 0)]
-    last = t.iloc[-1]
-    if len(has) < 1 or not np.isfinite(last[f"{m}_se"]) or len(t) < 2:
+    got = _moves(t, m)
+    if got is None:
         return {"metric": code(m), "move": "–", "reading": "no sampling error (fewer blocks than folds?): not known",
                 "compare": "–"}
-    first = has.iloc[0]
-    moves = (last[m] - first[m]) / first[f"{m}_se"]
-    drifts = abs(moves) > DRIFT and first["tokens"] < last["tokens"]
+    (first, moves, drifts), last = got, t.iloc[-1]
     debiased = {p: d for d, p in PLUGIN_OF.items()}
+    plugin = PLUGIN_OF.get(m, m)
+    instead = _stable(t, (debiased.get(m), COMPANION.get(plugin)))
     if not drifts:
         compare = "this number, across budgets (within its sampling error)"
-    elif m in debiased:
-        compare = f"{code(debiased[m])} across budgets and with the paper; this one at equal budgets only"
-    elif m in PLUGIN_OF:
-        compare = "drifts even debiased: at equal budgets only"
+    elif instead:
+        compare = f"{code(instead)} across budgets and with other studies; this one at equal budgets only"
+    elif m in PLUGIN_OF or m in debiased:
+        compare = "no form of it holds still here: at equal budgets only"
     else:
         compare = "at equal budgets only (no debiased form: see its documentation)"
     return {"metric": code(m), "move": f"{fmt(first[m])} → {fmt(last[m])} ({moves:+.1f} errors, "
@@ -212,21 +235,20 @@ def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path,
     """The budget figure (budget.png and the other ``formats``): each metric against the train tokens used, one line
     per checkpoint, its debiased form (where it has one) dashed in the same panel, each with its sampling-error
     band."""
-    import matplotlib.pyplot as plt
-
     from ncanalyze.analyzer.report.figures import save_figure
+    from ncanalyze.analyzer.report.ticks import subplots
 
     if table.empty:
         return None
     metrics = [m for m in metrics if m in table]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.0), squeeze=False)
+    fig, axes = subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.0), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         for (run, checkpoint), t in table.groupby(["run", "checkpoint"], sort=True):
             colour = None
             for k, c in enumerate(x for x in with_debiased([m]) if x in t):
                 x, y, e = t["tokens"].to_numpy(float), t[c].to_numpy(float), t[f"{c}_se"].to_numpy(float)
-                line, = ax.plot(x, y, "-o" if k == 0 else "--s", ms=3, lw=1, color=colour,
-                                label=f"{run}/{checkpoint}" + (" debiased" if k else ""))
+                line, = ax.plot(x, y, ("-o", "--s", ":^")[k], ms=3, lw=1, color=colour,
+                                label=f"{run}/{checkpoint}" + (f" {c}" if k else ""))
                 colour = line.get_color()
                 band = np.isfinite(e)
                 ax.fill_between(x[band], (y - e)[band], (y + e)[band], color=colour, alpha=0.2, lw=0)
@@ -241,6 +263,6 @@ def budget_figure(table: pd.DataFrame, metrics: Sequence[str], out: Path,
     if table.groupby(["run", "checkpoint"]).ngroups <= 8:
         axes[0][0].legend(fontsize=6)
     fig.suptitle("Token budget: the metrics on the first 1, 2, 4, ..., F folds (solid: the paper's plug-in; dashed: "
-                 "debiased; band: ± sampling error)", fontsize=9)
+                 "debiased; dotted: the budget-stable companion; band: ± sampling error)", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, Path(out), "budget", formats)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 from matplotlib.axis import Axis
-from matplotlib.backends.backend_agg import RendererAgg
+from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedFormatter, FixedLocator, LogLocator, MaxNLocator, NullFormatter, NullLocator
 
@@ -242,3 +242,12 @@ def _thin(axis: Axis) -> None:
         return
     keep = set(shown[::2])
     axis.set_major_formatter(FixedFormatter([t if i in keep else "" for i, t in enumerate(labels)]))
+
+
+def subplots(rows: int = 1, cols: int = 1, figure_class: type[Figure] = Figure, sharey: bool = False,
+             squeeze: bool = True, **figure_kw):
+    """pyplot's ``subplots`` without pyplot: no backend is chosen and no figure enters pyplot's registry; the figure
+    draws on an Agg canvas of its own (saving picks each format's renderer)."""
+    fig = figure_class(**figure_kw)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(rows, cols, sharey=sharey, squeeze=squeeze)

@@ -57,6 +57,7 @@ class Blocks:
     at: Callable[[int], np.ndarray] | None = None  # block i (of n_blocks) read directly, where the data allows
     whole: Blocks | None = None  # the whole split the cap draws from, where at hand (split_counts.label_counts)
     source: Path | None = None  # the token cache file these blocks are read from, if any
+    labels: Blocks | None = None  # --labels file:PATH, read as these blocks are, block for block (labels.labelled)
 
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         """Batches of blocks (b x block_size); a resume reads the batches it holds again, to check them."""
@@ -70,6 +71,13 @@ class Blocks:
                 buf = []
         if buf:
             yield np.stack(buf)
+
+    def labelled(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """(token ids, the label file's classes or None) of each batch, read block for block."""
+        if self.labels is None:
+            yield from ((b, None) for b in self.batches(batch_size))
+            return
+        yield from zip(self.batches(batch_size), self.labels.batches(batch_size))
 
     @property
     def total(self) -> int | None:

@@ -38,7 +38,7 @@ from ncanalyze.store.resume import (
     load_state,
     record_of,
 )
-from ncanalyze.store.sources.anatomy import final_norm, finite_head, head
+from ncanalyze.store.sources.anatomy import check_sites, final_norm, finite_head, head
 from ncanalyze.store.sources.discover import training_metadata
 from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model
 from ncanalyze.store.store import Status, Store
@@ -134,6 +134,7 @@ def load_checkpoint(job: Job) -> Loaded:
     loaded = time.perf_counter() - started
     classifier, bias = head(model)
     finite_head(classifier, bias, ckpt.group)
+    check_sites(model, run.plan.layers)  # a sublayer the architecture lacks: before any work
     plan = fit_plan(run.plan, *classifier.shape, cfg.samples_per_class, run.device, parse_size(cfg.state_memory))
     check_memory(state_bytes(*classifier.shape, cfg.samples_per_class, run.device), plan.widest_pass, run.device)
     return Loaded(model, tokenizer, tok_name, loaded, classifier, bias, plan)
@@ -145,13 +146,13 @@ def _passes_and_write(job: Job, store: Store, files: CheckpointFiles, loaded: Lo
     DONE or RESUMED."""
     ckpt, cfg, run = job.ckpt, job.cfg, job.run
     model, classifier, bias, record = loaded.model, loaded.classifier, loaded.bias, run.record
-    positions = None if train.total is None else train.total * (train.block_size - 1)
+    positions = None if train.total is None else train.total * run.labels.width(train.block_size)
     folds = fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class, loaded.plan.widest_pass, run.device,
                       parse_size(cfg.state_memory))
     ex = Extraction(layers.fit_embeddings(run.plan, positions), *classifier.shape, cfg.samples_per_class, cfg.seed,
-                    run.device, files.layers, folds=folds)
+                    run.device, files.layers, folds=folds, labels=run.labels)
     outcome = _resume(ex, files.state, job, train, val)
-    ex.split_count = label_counts(train, classifier.shape[0])
+    ex.split_count = label_counts(train, ex.args[0], run.labels)
     saver = Saver(files.state, lambda: ex.state(record), cfg.state_every, interrupt)
     store.ensure()  # the store appears now, its inputs all opened: a command that fails before leaves none
     run_passes(model, train, val, ex, classifier, bias, cfg.min_count, cfg.batch_size, saver, ckpt.group)
@@ -182,7 +183,8 @@ def _resume(ex: Extraction, spath: Path, job: Job, train: Blocks, val: Blocks | 
                             f"({differences(old, record)}); rerun with the same options to resume it, "
                             "or pass --overwrite to start again")
         blocks = val if int(arrays["phase"]) == Phase.VALIDATION and val is not None else train
-        ex.load(arrays, batch_size * (blocks.block_size - 1), str(spath))
+        labels = job.run.labels  # a label file may leave a batch's every position out, and has no NC4 counts
+        ex.load(arrays, batch_size * labels.width(blocks.block_size), str(spath), dense=labels.vocabulary)
     except UserError as e:
         if not job.overwrite:
             raise

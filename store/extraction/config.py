@@ -27,6 +27,7 @@ from ncanalyze.store.data.blocks import (
 )
 from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction.labels import Labels, resolve_labels
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.sources.anatomy import default_block_size, model_positions, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
@@ -53,7 +54,8 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     block_size, val_spec, val_split
         The block size and the validation data, resolved.
     plan
-        The layer plan: ``layers`` is recorded as its indices (``--layers -1`` as the last layer's).
+        The layer plan: ``layers`` is recorded as its sites (Site.recorded: the residual ones as their indices,
+        ``--layers -1`` as the last layer's; ``--sites`` is recorded there, resolved, not as a setting of its own).
     weights
         The weights' fingerprint when already known.
     held_out
@@ -65,15 +67,15 @@ def config_record(ckpt: Checkpoint | None, cfg: ExtractConfig, device: torch.dev
     dict
         The record (JSON-serialisable).
     """
-    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"]}
-    record = {**hashed, "layers": list(plan.layers), "cap_mode": cap_mode(cfg), "val_dataset": val_spec,
+    hashed = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["hashed"] and f.name != "labels"}
+    record = {**hashed, "layers": [s.recorded for s in plan.layers], "cap_mode": cap_mode(cfg), "val_dataset": val_spec,
               "val_split": val_split, "val_held_out": held_out, "block_size": block_size, "device_type": device.type,
               "weights": weights or weights_fingerprint(ckpt.path, ckpt.base)}
     if held_out is not None:
         record["split"] = f"{cfg.split}[{held_out}%:]"
     record |= {"dataset": data_name(cfg.dataset), "val_dataset": data_name(val_spec),  # by content, not by path
                "data_sha256": data_sha256(cfg.dataset, val_spec)}
-    return record
+    return record | Labels(cfg.labels).record()
 
 
 def cap_mode(cfg: ExtractConfig) -> str | None:
@@ -238,7 +240,7 @@ def layer_plan(cfg: ExtractConfig, n: int | None) -> layers.Plan:
     Parameters
     ----------
     cfg
-        The configuration (``layers``, ``layers_per_pass``, ``save_embeddings``, ``embeddings_dtype``).
+        The configuration (``layers``, ``sites``, ``layers_per_pass``, ``save_embeddings``, ``embeddings_dtype``).
     n
         The model's number of blocks (None: not known).
 
@@ -247,7 +249,7 @@ def layer_plan(cfg: ExtractConfig, n: int | None) -> layers.Plan:
     layers.Plan
         The plan.
     """
-    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n)
+    return layers.plan(cfg.layers, cfg.layers_per_pass, cfg.save_embeddings, cfg.embeddings_dtype, n, cfg.sites)
 
 
 class Resolved(NamedTuple):
@@ -261,6 +263,7 @@ class Resolved(NamedTuple):
     held_out: int | None      # the percentage held out as validation, or None
     record: dict              # config_record
     plan: layers.Plan         # layer_plan
+    labels: Labels = Labels()  # --labels, checked against the train data
 
 
 def rows_width(cfg: ExtractConfig) -> int | None:
@@ -320,6 +323,7 @@ def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, devi
         Device, model config, block size, train split, validation spec and split, the percentage held out,
         configuration record and layer plan.
     """
+    labels = resolve_labels(cfg.labels, cfg.dataset)  # a bad label file is said before any work
     device = device if device is not None else resolve_device(cfg.device)
     if known is not None:
         config, (depth, default) = model_config, known
@@ -331,7 +335,8 @@ def resolve(ckpt: Checkpoint | None, cfg: ExtractConfig, model_config=None, devi
     plan = layer_plan(cfg, depth)
     record = config_record(ckpt, cfg, device, block_size, val.spec, val.split, plan, weights=weights,
                            held_out=val.held_out)
-    return Resolved(device, config, block_size, val.train_split, val.spec, val.split, val.held_out, record, plan)
+    return Resolved(device, config, block_size, val.train_split, val.spec, val.split, val.held_out, record, plan,
+                    labels)
 
 
 def open_data(spec: str, split: str, cap: int | None, cap_flag: str, cfg: ExtractConfig, block_size: int, config,
@@ -402,6 +407,9 @@ def open_inputs(store: Store | None, cfg: ExtractConfig, run: Resolved, tokenize
     """
     train = open_data(cfg.dataset, run.split, cfg.max_train_tokens, flags[0], cfg, run.block_size, run.config,
                       tokenizer, store)
+    if run.labels.path is not None:  # read as the train data is: the same split, blocks and cap
+        train = dataclasses.replace(train, labels=open_data(run.labels.path, run.split, cfg.max_train_tokens,
+                                                            flags[0], cfg, run.block_size, run.config, None))
     val = None if run.val_spec is None or not validation else open_data(
         run.val_spec, run.val_split, cfg.max_val_tokens, flags[1], cfg, run.block_size, run.config, tokenizer, store)
     return train, val

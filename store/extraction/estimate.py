@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
 from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.store.data.split_counts import label_bincount
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.layers import Plan
@@ -127,11 +128,7 @@ def progress(state: Path) -> tuple[int, Phase, int]:
 
 def train_counts(train: Blocks, vocab: int) -> np.ndarray:
     """Each class's train tokens as labels (the counts the train pass will make), from the labels alone."""
-    counts = np.zeros(vocab, dtype=np.int64)
-    for batch in train.batches(4096):
-        y = batch[:, 1:].ravel()
-        counts += np.bincount(y[(y >= 0) & (y < vocab)], minlength=vocab)
-    return counts
+    return label_bincount(train, None, vocab)
 
 
 def count_kept_classes(train: Blocks, vocab: int, min_count: int) -> int:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from ncanalyze.analyzer.errors import CheckpointError, UserError
 from ncanalyze.store.chunks import position_chunk
+from ncanalyze.store.extraction.sites import RESID, Site, parse_sites
 from ncanalyze.store.resume import RESTART
 from ncanalyze.store.sizes import bytes_text
 
@@ -78,21 +79,21 @@ def resolve_layers(spec: str, n: int | None) -> list[int]:
 
 @dataclass(frozen=True)
 class Plan:
-    """What an extraction stores: ``layers`` (sorted, the last one always, as the checkpoint group), run in
-    ``passes`` of at most ``per_pass`` layers; the first ``save_embeddings`` positions' features. The default
+    """What an extraction stores: ``layers``, its sites (``Site`` values in forward order, the last layer always, as
+    the checkpoint group; the residual sites are ``--layers``'s), run in ``passes`` of at most ``per_pass`` sites; the first ``save_embeddings`` positions' features. The default
     extraction is the plan of the last layer alone without embeddings (:attr:`single`). ``auto``
     (``--layers-per-pass auto``): the passes are ``groups``, once :func:`auto_groups` has fitted them to the memory
     (one pass until then)."""
-    layers: tuple[int, ...]
-    last: int
+    layers: tuple[Site, ...]
+    last: Site
     per_pass: int
     save_embeddings: int
     embeddings_dtype: str
     auto: bool = False
-    groups: tuple[tuple[int, ...], ...] = ()
+    groups: tuple[tuple[Site, ...], ...] = ()
 
     @property
-    def passes(self) -> list[tuple[int, ...]]:
+    def passes(self) -> list[tuple[Site, ...]]:
         if self.groups:
             return list(self.groups)
         k = self.per_pass or len(self.layers)
@@ -109,29 +110,30 @@ class Plan:
 
 
 def plan(layers: str = "last", layers_per_pass: int | str | None = None, save_embeddings: int = 0,
-         embeddings_dtype: str = "float32", n: int | None = None) -> Plan:
-    """The plan of ``--layers``, ``--layers-per-pass``, ``--save-embeddings`` and ``--embeddings-dtype`` for a model of
-    ``n`` blocks (None: not known; only ``last`` is then possible).
+         embeddings_dtype: str = "float32", n: int | None = None, sites: str | None = None) -> Plan:
+    """The plan of ``--layers``, ``--sites``, ``--layers-per-pass``, ``--save-embeddings`` and ``--embeddings-dtype``
+    for a model of ``n`` blocks (None: not known; only ``last`` is then possible).
 
     Parameters
     ----------
-    layers : ``last``, ``all`` or comma-separated indices into hidden_states (negative from the end).
+    layers : ``last``, ``all`` or comma-separated indices into hidden_states (negative from the end): residual sites.
     layers_per_pass : at most this many layers per pass over the data (None or 0: all in one; ``auto``: as many as
         the memory holds, :func:`auto_groups`).
     save_embeddings : keep the first N labelled train positions' features of every layer.
     embeddings_dtype : their dtype on disk.
     n : the model's number of blocks.
+    sites : ``--sites``, comma-separated sites (sites.parse_sites), beside ``layers``'s.
 
     Returns
     -------
     Plan : the plan (:attr:`Plan.single` for the last layer alone without embeddings, the default).
     """
-    chosen = resolve_layers(layers, n)
-    last = n if n is not None else -1
+    chosen = {Site(RESID, l) for l in resolve_layers(layers, n)} | set(parse_sites(sites, n))
+    last = Site(RESID, n if n is not None else -1)
     auto = not layers_per_pass or layers_per_pass == AUTO
     if not auto and not (str(layers_per_pass).isdigit() and int(layers_per_pass) >= 1):
         raise UserError(f"--layers-per-pass {layers_per_pass!r} is not auto or a positive integer")
-    return Plan(tuple(sorted(set(chosen) | {last})), last, 0 if auto else int(layers_per_pass or 0),
+    return Plan(tuple(sorted(chosen | {last})), last, 0 if auto else int(layers_per_pass or 0),
                 int(save_embeddings), embeddings_dtype, auto)
 
 
@@ -192,10 +194,10 @@ class Embeddings:
     Each file's rows written so far carry a running sha256 (:meth:`state_dict`, saved in the resume state): a resume
     reads them again and refuses files whose rows are not the ones saved (``saved``: the state's ``embeddings``)."""
 
-    def __init__(self, folder: Path, layers: tuple[int, ...], n: int, dim: int, dtype: str, resume: bool,
+    def __init__(self, folder: Path, layers: tuple[Site, ...], n: int, dim: int, dtype: str, resume: bool,
                  saved: dict | None = None):
         folder.mkdir(parents=True, exist_ok=True)
-        files = {**{l: folder / f"embeddings-{l}.npy" for l in layers}, "label": folder / "label.npy",
+        files = {**{l: folder / f"embeddings-{l.key}.npy" for l in layers}, "label": folder / "label.npy",
                  "position": folder / "position.npy"}
         if resume and not all(f.is_file() for f in files.values()):
             raise CheckpointError(f"the saved embeddings of an interrupted extraction are missing from {folder}; "
@@ -204,7 +206,7 @@ class Embeddings:
         self.h = {l: _staged(files[l], np.dtype(dtype), (n, dim), resume) for l in layers}
         self.label = _staged(files["label"], np.dtype(np.int64), (n,), resume)
         self.position = _staged(files["position"], np.dtype(np.int64), (n,), resume)
-        self._maps = {str(l): m for l, m in self.h.items()} | {"label": self.label, "position": self.position}
+        self._maps = {l.key: m for l, m in self.h.items()} | {"label": self.label, "position": self.position}
         self._rows = dict.fromkeys(self._maps, 0)  # rows written, hashed and not
         self._done = dict.fromkeys(self._maps, 0)  # rows in the running digest
         self._sha = {k: hashlib.sha256() for k in self._maps}
@@ -223,8 +225,8 @@ class Embeddings:
                 raise CheckpointError(f"the staged embeddings {path} are not the ones saved (their first "
                                       f"{max(rows, 0)} rows fail the digest in the resume state); {RESTART}")
 
-    def write(self, row: int, layer_h: dict[int, torch.Tensor], y: torch.Tensor, pos: np.ndarray) -> None:
-        """Rows ``row``.. of the stream: features per layer, labels and positions (as much as fits in ``n``)."""
+    def write(self, row: int, layer_h: dict[Site, torch.Tensor], y: torch.Tensor, pos: np.ndarray) -> None:
+        """Rows ``row``.. of the stream: features per site, labels and positions (as much as fits in ``n``)."""
         take = min(self.n - row, len(pos))
         if take <= 0:
             return
@@ -233,7 +235,7 @@ class Embeddings:
                                                     else torch.float32).cpu().numpy()
         self.label[row:row + take] = y[:take].cpu().numpy()
         self.position[row:row + take] = pos[:take]
-        for k in (*map(str, layer_h), "label", "position"):
+        for k in (*(l.key for l in layer_h), "label", "position"):
             self._rows[k] = max(self._rows[k], row + take)
 
     def flush(self) -> None:
@@ -245,11 +247,11 @@ class Embeddings:
                 self._done[k] = self._rows[k]
 
     def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
-        """Per file (``<layer>``, ``label``, ``position``): the rows flushed and their sha256, for the resume state."""
+        """Per file (``<site key>``, ``label``, ``position``): the rows flushed and their sha256, for the resume state."""
         return {k: {"rows": np.array(self._done[k]), "sha256": np.array(self._sha[k].hexdigest())}
                 for k in self._maps}
 
-    def variables(self, layer: int, written: int) -> dict:
+    def variables(self, layer: Site, written: int) -> dict:
         """``stats_dataset``'s embedding arguments for ``layer``: a lazy dask array in ~32 MB chunks."""
         m = min(self.n, written)
         h = self.h[layer][:m]

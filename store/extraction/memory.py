@@ -133,7 +133,7 @@ def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: t
             fitted = by_host
     if len(fitted.passes) > 1:
         log.info("--layers-per-pass auto: %d passes of at most %d layers (%s)", len(fitted.passes),
-                 fitted.widest_pass, "; ".join(",".join(map(str, p)) for p in fitted.passes))
+                 fitted.widest_pass, "; ".join(",".join(str(s.recorded) for s in p) for p in fitted.passes))
     return fitted
 
 def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.device,

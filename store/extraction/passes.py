@@ -2,11 +2,12 @@
 filling its running state (running.py).
 
 For each pass of the plan (``--layers-per-pass``; one for the default): the train pass, whose features are each
-layer's hidden state at every position but the last of each block (the last layer's is the last hidden state after
-the final norm, the output layer's input), labels the next tokens, into exact float64 class statistics merged batch by
-batch (Chan, in ``ncanalyze.analyzer.accumulate``) and a reservoir of raw features; then the validation pass, NC4's
-decision counts over the classes kept at extraction and, at the last layer, the model's own loss. Both skip the batches
-a resumed state already holds.
+layer's hidden state (the last layer's is the last hidden state after the final norm, the output layer's input) at the
+positions ``--labels`` keeps, labelled as it says (labels.py; by default every position but the last of each block,
+labelled with the next token), into exact float64 class statistics merged batch by batch (Chan, in
+``ncanalyze.analyzer.accumulate``) and a reservoir of raw features; then the validation pass, NC4's decision counts
+over the classes kept at extraction (none for classes that are not the vocabulary) and, at the last layer, the model's
+own next-token loss. Both skip the batches a resumed state already holds.
 """
 from __future__ import annotations
 
@@ -53,26 +54,29 @@ def _check_finite(h: torch.Tensor, where: str) -> None:
 
 
 def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str,
-                   forward=None) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
-    """(features k x n x d, labels n, the batch of blocks) for every batch not yet done; after each is consumed it
-    counts as done and the state may be saved. ``forward(ids)`` (default: :func:`hidden_forward` of the pass's layers)
-    gives the features (its leading dimensions before (b, L-1, d) are kept).
+                   forward=None, end: int | None = -1
+                   ) -> Iterator[tuple[torch.Tensor, np.ndarray, np.ndarray | None]]:
+    """(features k x n x d, the batch of blocks, the label file's classes aligned with it or None) for every batch
+    not yet done; after each is consumed it counts as done and the state may be saved. ``forward(ids)`` (default:
+    :func:`hidden_forward` of the pass's layers at the positions ``[:, :end]``) gives the features (its leading
+    dimensions before (b, L-1, d) are kept).
 
     Parameters
     ----------
     model, blocks, ex, batch_size, saver, desc : as :func:`train_pass`.
     forward : ids -> features, as :func:`hidden_forward` gives.
+    end : the positions of each block read (:func:`~ncanalyze.store.sources.anatomy.features`).
 
     Returns
     -------
-    iterator of (Tensor, Tensor, ndarray) : features (k x n x d), labels (n) and the batch of blocks.
+    iterator of (Tensor, ndarray, ndarray or None) : features (k x n x d), the batch of blocks and its classes.
     """
     vocab, device = ex.vocab, ex.device
-    forward = forward or hidden_forward(model, tuple(ex.layers), ex.plan.last)
+    forward = forward or hidden_forward(model, tuple(ex.layers), ex.plan.last, end)
     total = blocks.total and -(-blocks.total // batch_size)
     digest, seen = hashlib.sha256(), 0
     with progress_bar(total=total, initial=ex.batches, desc=desc, unit="batch", leave=False) as bar:
-        for batch in blocks.batches(batch_size):
+        for batch, marks in blocks.labelled(batch_size):
             digest.update(batch.tobytes())
             seen += 1
             if seen <= ex.batches:  # done before a resume: read again only to check that the data is the same
@@ -83,7 +87,7 @@ def batch_features(model, blocks: Blocks, ex: Extraction, batch_size: int, saver
             ids = torch.from_numpy(batch).to(device)
             h = forward(ids)
             _check_finite(h, f"{desc}, batch {ex.batches}")
-            yield h.reshape(*h.shape[:-3], -1, h.shape[-1]), ids[:, 1:].reshape(-1), batch
+            yield h.reshape(*h.shape[:-3], -1, h.shape[-1]), batch, marks
             ex.batches, ex.stream = ex.batches + 1, digest.hexdigest()
             bar.update()
             progress.batch(ex, bar)  # the run's time left, at its measured rate
@@ -112,18 +116,19 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
     saver : saves the state at batch boundaries.
     desc : the checkpoint, for the progress bar and errors.
     """
-    L = blocks.block_size
-    for h, y, batch in batch_features(model, blocks, ex, batch_size, saver, f"{desc} train"):
+    L, labels = blocks.block_size, ex.labels
+    for h, batch, marks in batch_features(model, blocks, ex, batch_size, saver, f"{desc} train", end=labels.end):
         first = ex.batches * batch_size
-        pos = ((first + np.arange(len(batch)))[:, None] * L + np.arange(L - 1)).ravel()
-        labels = batch[:, 1:].ravel()
-        fold = fold_of(first, len(batch), L - 1, ex.n_folds, ex.device) if ex.n_folds > 1 else None
-        groups = Groups(y.to(ex.device)) if fold is None else None  # the labels grouped once for every layer
+        rows = labels.rows(batch, marks, first)  # the kept positions, their labels and stream positions
+        h, y, pos = rows.take(h), torch.from_numpy(rows.y).to(ex.device), rows.pos
+        row = first * labels.width(L) if rows.keep is None else ex.first().tokens  # rows so far
+        fold = rows.fold(fold_of(first, len(batch), labels.width(L), ex.n_folds, ex.device)) if ex.n_folds > 1 else None
+        groups = Groups(y) if fold is None else None  # the batch's labels grouped once for every layer
         for i, s in enumerate(ex.layers.values()):
             s.update(h[i], y, groups, fold)  # with folds, into the fold sums alone: the totals are made from them
-            s.reservoir.update(h[i], labels, pos)
+            s.reservoir.update(h[i], rows.y, pos)
         if ex.embeddings is not None:
-            ex.embeddings.write(first * (L - 1), dict(zip(ex.layers, h)), y, pos)
+            ex.embeddings.write(row, dict(zip(ex.layers, h)), y, pos)
     if ex.first().stats.count.sum() == 0:
         raise UserError(f"{blocks.spec} holds no full block of {L} tokens: the dataset is empty or shorter than "
                         "--block-size")
@@ -176,8 +181,10 @@ def val_state(ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | Non
     -------
     (counts, head) : each layer's :class:`DecisionCounts` (in the pass's order), and the float64 (weight, bias).
     """
-    kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
     head = float64_head(classifier, bias, ex.device)
+    if not ex.labels.vocabulary:  # no classifier for these classes: no NC4 decisions
+        return [], head
+    kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
     train_count = ex.first().stats.count  # the kept sets of NC4_MIN_COUNTS too (schema.VAL_AT), in the same pass
     counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=head, folds=s.fold_val,
                              lens=None if l == ex.plan.last else lens, train_count=train_count)
@@ -189,7 +196,8 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
              min_count: int, batch_size: int, saver: Saver, desc: str) -> LogitTransform | None:
     """NC4's decision counts of every layer of the pass over the classes kept at extraction (count >= ``min_count``,
     the same at every layer) and over the kept set of each ``schema.NC4_MIN_COUNTS`` (``val_*_at``), the linear decision through the logit lens (the model's final norm) below the last
-    layer; at the last layer, the model's own full-vocabulary loss and accuracy (:func:`model_loss`).
+    layer; at the last layer, the model's own full-vocabulary loss and accuracy (:func:`model_loss`), whatever the
+    labels (a label file's classes have no classifier: the loss alone).
 
     Parameters
     ----------
@@ -202,8 +210,8 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     LogitTransform or None : the transform the loss was measured with; None without the last layer in this pass,
     or where the transform does not reproduce the model's logits (then no loss).
     """
-    norm = final_norm(model)
-    if norm is None and any(l != ex.plan.last for l in ex.layers):
+    norm, labels = final_norm(model), ex.labels
+    if norm is None and labels.vocabulary and any(l != ex.plan.last for l in ex.layers):
         raise UserError(f"NC4 at layers other than the last needs the model's final norm, and none of "
                         f"{', '.join(FINAL_NORMS)} is on this model; pass --max-val-tokens 0 or --layers last")
     counts, head = val_state(ex, classifier, bias, min_count, norm[1] if norm else None)
@@ -214,16 +222,21 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
         # the last layer's decisions read the kept columns of the logits the loss forms: formed once
         counts[last].count_logits(hc, yc, logits)
-    for h, y, batch in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation"):
-        fold = (fold_of(ex.batches * batch_size, len(batch), blocks.block_size - 1, ex.n_folds, ex.device)
-                if ex.n_folds > 1 else None)
+    end = labels.val_end
+    for h, batch, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation", end=end):
+        width = blocks.block_size - (end == -1)
+        fold = fold_of(ex.batches * batch_size, len(batch), width, ex.n_folds, ex.device) if ex.n_folds > 1 else None
+        nxt = torch.from_numpy(batch[:, 1:].ravel()).to(ex.device)  # the model's own loss: the next tokens
+        y = nxt if labels.end == -1 or not counts else torch.from_numpy(labels.rows(batch, None, 0).y).to(ex.device)
+        shared = loss is not None and labels.end == -1  # NC4 at the last layer reads the loss's logits (same rows)
         for c in counts:
             c.begin(fold)
         for i, (c, hl) in enumerate(zip(counts, h)):
-            if not (loss and i == last):
+            if not (shared and i == last):
                 c.update(hl, y)
         if loss:
-            loss.update(h[last], y, count_decisions)
+            loss.update(labels.next_token_features(h[last], len(batch), end), nxt,
+                        count_decisions if shared and counts else None)
     return transform
 
 
@@ -247,7 +260,7 @@ def run_passes(model, train: Blocks, val: Blocks | None, ex: Extraction, classif
     ex.transform = LogitTransform.of(model.config)
     while True:
         layers = tuple(ex.layers)
-        tag = f"{desc} layers {','.join(map(str, layers))}" if len(ex.plan.passes) > 1 else desc
+        tag = f"{desc} layers {','.join(str(s.recorded) for s in layers)}" if len(ex.plan.passes) > 1 else desc
         if ex.phase == Phase.TRAIN:
             train_pass(model, train, ex, batch_size, saver, tag)
             count = ex.first().stats.count
@@ -260,7 +273,7 @@ def run_passes(model, train: Blocks, val: Blocks | None, ex: Extraction, classif
             saver.maybe()  # as at any batch boundary (every --state-every seconds): a forced save here cost a short
             # pass as much as its work (the state's bytes, 2.6x with folds), and a kill loses no more than that
         if ex.phase == Phase.VALIDATION:
-            if val is not None:
+            if val is not None and (ex.labels.vocabulary or ex.plan.last in layers):  # file labels: the loss alone
                 transform = val_pass(model, val, ex, classifier, bias, min_count, batch_size, saver, tag)
                 if ex.plan.last in layers:
                     ex.transform = transform

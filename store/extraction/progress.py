@@ -28,10 +28,10 @@ LOG_EVERY = 60.0  # seconds between the logged lines of the time left
 
 def pass_depth(plan, index: int) -> float:
     """The fraction of the model's blocks pass ``index`` of ``plan`` runs: a pass below the last layer stops before
-    the block of its deepest layer l (anatomy.cut_forward), so it runs l of the ``plan.last`` blocks; the pass of the
-    last layer runs them all."""
-    p = plan.passes[index]
-    return 1.0 if plan.last in p or plan.last <= 0 else max(p) / plan.last
+    the block of its deepest layer l (anatomy.cut_forward), so it runs l of the ``plan.last`` blocks (B + 1 for a
+    sublayer site of block B, Site.blocks); the pass of the last layer runs them all."""
+    p, n = plan.passes[index], plan.last.index
+    return 1.0 if plan.last in p or n <= 0 else max(p).blocks / n
 
 
 def duration(secs: float) -> str:

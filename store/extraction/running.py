@@ -4,8 +4,9 @@ resume state (names, checks, restore).
 One :class:`~ncanalyze.store.extraction.layers.Plan` drives it, the default's (the last layer alone) as ``--layers``'s. A layer's
 accumulators (:class:`LayerState`) are the float64 class statistics, the reservoir, NC4's decision counts and the
 model's loss sums; their states nest under their names (``stats``, ``reservoir``, ``val``, ``lm``) under
-``layer<l>``, and are flattened into the saved state's names by :func:`~ncanalyze.store.resume.flatten` alone:
-``layer3.stats.mean``. A finished pass's layers wait in the staging folder (``layer-<l>.npz``), off the device.
+``layer<key>`` (Site.key: the index of a residual site, ``attn_1`` for ``attn:1``), and are flattened into the
+saved state's names by :func:`~ncanalyze.store.resume.flatten` alone: ``layer3.stats.mean``. A finished pass's
+sites wait in the staging folder (``layer-<key>.npz``), off the device.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts, FoldStats,
 from ncanalyze.analyzer.jackknife import fold_variables
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.analyzer.schema import stats_dataset
+from ncanalyze.store.extraction.labels import Labels
 from ncanalyze.store.extraction.layers import Embeddings, Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.reservoir import Reservoir
+from ncanalyze.store.extraction.sites import Site
 from ncanalyze.store.resume import (
     RESTART,
     Phase,
@@ -71,6 +74,11 @@ class LayerState:
         self._stats, self._stale = stats, False
 
     @property
+    def tokens(self) -> int:
+        """The train tokens counted so far (from the fold sums with folds: the totals are not made for it)."""
+        return int((self._stats if self.folds is None else self.folds).count.sum())
+
+    @property
     def totals(self) -> str:
         """How the totals were made (the group's attribute ``totals``): ``folds`` (the fold sums merged in fold
         order) or ``batches`` (Chan's update batch by batch, without folds)."""
@@ -104,30 +112,35 @@ class LayerState:
             for k, v in counts.items():
                 v.copy_(torch.as_tensor(state[name][k]))
 
-    def dataset(self, classifier: np.ndarray, bias: np.ndarray | None, tokens: list[str] | None,
+    def dataset(self, classifier: np.ndarray | None, bias: np.ndarray | None, tokens: list[str] | None,
                 attrs: dict, **embeddings) -> xr.Dataset:
         """The layer's dataset (the store's schema), holding ``classifier`` and ``bias`` as given (no copy: every
-        layer's dataset shares them); ``embeddings``: stats_dataset's embedding arguments. Reservoir slots in key
-        order: the same however the stream was read (one pass or shards)."""
+        layer's dataset shares them; None: classes with no classifier, and no NC4 counts); ``embeddings``:
+        stats_dataset's embedding arguments. Reservoir slots in key order: the same however the stream was read (one
+        pass or shards)."""
         s, r = self.stats, self.reservoir.canonical()
         ds = stats_dataset(s.count, s.mean, s.variance, s.within_covariance, classifier=classifier,
-                           classifier_bias=bias, val=self.val,
+                           classifier_bias=bias, val=None if classifier is None else self.val,
                            samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
                            attrs=attrs, unit_sum=s.unit_sum, **embeddings)
         ds.attrs["folds"] = 1 if self.folds is None else len(self.folds.parts)
         ds.attrs["totals"] = self.totals
-        return ds if self.folds is None else ds.assign(fold_variables(self.folds.state_dict(), self.fold_val))
+        fold_val = None if classifier is None else self.fold_val
+        return ds if self.folds is None else ds.assign(fold_variables(self.folds.state_dict(), fold_val))
 
 
 class Extraction:
     """The running state of one checkpoint's extraction under ``plan``: a :class:`LayerState` per layer of the
     current pass (``layers``), where the passes stand (``pass_index``, ``phase``, ``batches`` done in that phase,
     ``stream`` the sha256 of the blocks read so far in it), the model's logit transform once the validation pass has
-    checked it, and the staged embeddings. ``folder``: the staging folder (finished layers, embeddings)."""
+    checked it, and the staged embeddings. ``folder``: the staging folder (finished layers, embeddings). ``labels``:
+    what a position's class is (the class axis is ``labels.size(vocab)`` long; ``vocab``, the model's, bounds the
+    token ids)."""
 
     def __init__(self, plan: Plan, vocab: int, dim: int, k: int, seed: int, device: torch.device | str,
-                 folder: Path | None = None, folds: int = 1):
-        self.plan, self.folder, self.args, self.device = plan, folder, (vocab, dim, k, seed), torch.device(device)
+                 folder: Path | None = None, folds: int = 1, labels: Labels = Labels()):
+        self.plan, self.folder, self.device, self.labels = plan, folder, torch.device(device), labels
+        self.args = (labels.size(vocab), dim, k, seed)
         self.n_folds = folds  # disjoint folds of whole blocks (block i -> fold i mod folds); 1: none
         self.vocab = vocab
         self.pass_index, self.phase, self.batches, self.stream = 0, Phase.TRAIN, 0, ""
@@ -136,7 +149,7 @@ class Extraction:
         self.layers = self._fresh()
         self.embeddings: Embeddings | None = None
 
-    def _fresh(self) -> dict[int, LayerState]:
+    def _fresh(self) -> dict[Site, LayerState]:
         return {l: LayerState(*self.args, self.device, self.n_folds) for l in self.plan.passes[self.pass_index]}
 
     def first(self) -> LayerState:
@@ -153,13 +166,13 @@ class Extraction:
     def next_pass(self) -> None:
         """Put the current pass's layers in the staging folder and start the next pass's."""
         for l, s in self.layers.items():
-            save_state(self.folder / f"layer-{l}.npz", flatten(s.state_dict()))
+            save_state(self.folder / f"layer-{l.key}.npz", flatten(s.state_dict()))
         self.pass_index += 1
         self.next_phase(Phase.TRAIN)
         self.layers = self._fresh()
 
     def _nested(self) -> dict[str, Any]:
-        return {f"layer{l}": s.state_dict() for l, s in self.layers.items()}
+        return {f"layer{l.key}": s.state_dict() for l, s in self.layers.items()}
 
     def state(self, record: dict) -> dict[str, np.ndarray]:
         """Everything needed to resume, as flat arrays (with the configuration ``record``)."""
@@ -168,7 +181,7 @@ class Extraction:
             self.embeddings.flush()
             emb = {"embeddings": self.embeddings.state_dict()}
         if self.plan.auto:  # the groups auto fitted to this machine's memory
-            emb["passes"] = json.dumps(self.plan.passes)
+            emb["passes"] = json.dumps([[s.recorded for s in p] for p in self.plan.passes])
         return flatten(self._nested() | emb | {"pass": self.pass_index, "phase": int(self.phase), "batches": self.batches,
                                          "stream": self.stream, "config": json.dumps(record, sort_keys=True)})
 
@@ -179,15 +192,16 @@ class Extraction:
 
     def reset(self) -> None:
         """Back to a fresh start (a discarded state)."""
-        self.__init__(self.plan, *self.args, self.device, self.folder, self.n_folds)
+        self.__init__(self.plan, self.vocab, *self.args[1:], self.device, self.folder, self.n_folds, self.labels)
         self.start()
 
-    def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str) -> None:
+    def load(self, arrays: Mapping[str, np.ndarray], tokens_per_batch: int, where: str, dense: bool = True) -> None:
         """Continue from a saved state (its digest checked by ``load_state``), after checking that it is one this
         extraction could have written: the same arrays with the same shapes and dtypes, a known pass and phase, the
         earlier passes' finished layers there, whole and fitting, and counts that add up to the batches done (a
         state that fails is refused, never continued into wrong numbers); then reopen the staged embeddings, their
-        shapes and digests checked."""
+        shapes and digests checked. ``dense``: every batch counts at least one token (not so where a label file
+        leaves positions out, or the validation pass counts none)."""
         self._saved_groups(arrays)
         self._saved_folds(arrays)
         at = int(arrays["pass"]) if "pass" in arrays and arrays["pass"].shape == () else 0
@@ -206,7 +220,8 @@ class Extraction:
             done = arrays[prefix + ("val.val_count" if phase == Phase.VALIDATION else "stats.count")].sum()
             if phase == Phase.TRAIN or phase == Phase.VALIDATION:
                 low, high = max(0, batches - 1) * tokens_per_batch, batches * tokens_per_batch
-                consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high)
+                consistent = batches >= 0 and (done == 0 if batches == 0 else low < done <= high if dense else
+                                               0 <= done <= high)
             else:
                 consistent = phase == Phase.DONE
             if prefix + "folds.count" in arrays:  # the fold sums add up to the totals
@@ -234,18 +249,18 @@ class Extraction:
         if not self.plan.auto or "passes" not in arrays or arrays["passes"].shape != ():
             return
         try:
-            groups = tuple(tuple(int(l) for l in g) for g in json.loads(str(arrays["passes"])))
-        except (ValueError, TypeError):
+            groups = tuple(tuple(Site.of(l) for l in g) for g in json.loads(str(arrays["passes"])))
+        except (ValueError, TypeError, AttributeError):
             return
         if tuple(l for g in groups for l in g) == self.plan.layers and all(groups):
             self.plan = replace(self.plan, groups=groups)
 
-    def _finished_layer(self, l: int) -> dict[str, np.ndarray]:
+    def _finished_layer(self, l: Site) -> dict[str, np.ndarray]:
         """Layer ``l``'s state from an earlier pass, as saved in the staging folder: its digest checked, and every
         array there with the shape and kind a fresh layer has (else the one line naming ``--restart``)."""
-        path = self.folder / f"layer-{l}.npz"
+        path = self.folder / f"layer-{l.key}.npz"
         if not path.is_file():
-            raise CheckpointError(f"the finished layer {l} of an interrupted extraction is missing ({path}); {RESTART}")
+            raise CheckpointError(f"the finished site {l} of an interrupted extraction is missing ({path}); {RESTART}")
         arrays = load_state(path, needs=())
         bad = _misfits(arrays, flatten(LayerState(*self.args, "cpu", self.n_folds).state_dict()))
         if bad:
@@ -268,14 +283,14 @@ class Extraction:
         self.stream = str(nested["stream"])
         self.layers = self._fresh()
         for l, s in self.layers.items():
-            s.load_state_dict(nested[f"layer{l}"])
+            s.load_state_dict(nested[f"layer{l.key}"])
 
     def _open_embeddings(self, resume: bool, saved: dict | None = None) -> None:
         if self.plan.save_embeddings:
             self.embeddings = Embeddings(self.folder, self.plan.layers, self.plan.save_embeddings, self.args[1],
                                          self.plan.embeddings_dtype, resume, saved)
 
-    def finished(self) -> Iterator[tuple[int, LayerState]]:
+    def finished(self) -> Iterator[tuple[Site, LayerState]]:
         """Every layer's finished state, one at a time: the earlier passes' from the staging folder (on the CPU),
         then the last pass's."""
         for p in self.plan.passes[:-1]:
@@ -286,23 +301,30 @@ class Extraction:
         yield from self.layers.items()
 
     def datasets(self, classifier: torch.Tensor, bias: torch.Tensor | None, tokens: list[str] | None, attrs: dict,
-                 lens: str | None) -> tuple[xr.Dataset, Iterator[tuple[int, xr.Dataset]]]:
-        """The checkpoint group's dataset (the last layer), and the other layers' ``(l, dataset)``, made one at a
-        time as they are written (none for the default plan). Under a layered plan each records ``layer`` and
+                 lens: str | None) -> tuple[xr.Dataset, Iterator[tuple[str, xr.Dataset]]]:
+        """The checkpoint group's dataset (the last layer), and the other sites' ``(group, dataset)`` (Site.group:
+        ``layers/<l>``, ``sites/attn_1``), made one at a time as they are written (none for the default plan).
+        Under a layered plan each records ``layer`` (a sublayer site: ``site`` and ``block`` instead) and
         ``lens``: how NC4's linear decisions were made, "head(h)" at the last layer, "head(ln_f(h))" (``lens``, the
         final norm's path on the base model) at the others. The head is made float32 numpy once, and every layer's
-        dataset shares that one array (io.write_checkpoint stores it once, in the checkpoint group)."""
+        dataset shares that one array (io.write_checkpoint stores it once, in the checkpoint group). Classes that are
+        not the vocabulary (a label file) have no head, no NC4 counts and no token names; a setting other than
+        ``next`` is recorded as ``labels``."""
         written = int(self.main().stats.count.sum())
+        if not self.labels.vocabulary:
+            classifier, bias, tokens = None, None, None
         classifier, bias = (None if x is None else x.detach().to("cpu", torch.float32).numpy()
                             for x in (classifier, bias))
+        labels = {} if self.labels == Labels() else {"labels": self.labels.setting}
 
-        def make(l: int, s: LayerState) -> xr.Dataset:
+        def make(l: Site, s: LayerState) -> xr.Dataset:
             emb = {} if self.embeddings is None else self.embeddings.variables(l, written)
-            where = {"layer": l, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))"}
+            at = {"layer": l.index} if l.residual else {"site": str(l), "block": l.index}
+            where = {**at, "lens": "head(h)" if l == self.plan.last else f"head({lens}(h))", **labels}
             ds = s.dataset(classifier, bias, tokens, {**attrs, **where}, **emb)
             return ds if self.split_count is None else ds.assign(split_count=("vocab", self.split_count))
 
-        others = ((l, make(l, s)) for l, s in self.finished() if l != self.plan.last)
+        others = ((l.group, make(l, s)) for l, s in self.finished() if l != self.plan.last)
         return make(self.plan.last, self.main()), others
 
     def cleanup(self) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ncanalyze.analyzer import registry
@@ -93,6 +94,17 @@ def _layers(value: str) -> str:
     return spec
 
 
+def _sites(value: str | None) -> str | None:
+    """Comma-separated ``kind:index`` (spaces and case free); which kinds and indices the model has is asked at
+    resolution (sites.parse_sites), where its depth and anatomy are known."""
+    if value is None or not str(value).strip(" ,"):
+        return None
+    items = [x.strip() for x in str(value).lower().split(",") if x.strip()]
+    if not all(re.fullmatch(r"[a-z]+\s*:\s*[-+]?\d+", x) for x in items):
+        raise ValueError("is not comma-separated sites kind:index, e.g. resid:2,attn:1,mlp:-1")
+    return ",".join(re.sub(r"\s", "", x) for x in items)
+
+
 def _per_pass(value: int | str | None) -> int | str:
     """``auto`` (None too: one pass where it fits) or a positive integer, as an int (so the record hashes alike)."""
     if value is None or value == AUTO:
@@ -100,17 +112,31 @@ def _per_pass(value: int | str | None) -> int | str:
     return whole_number(value, MAX_LAYERS)
 
 
+NEXT, CURRENT, FILE = "next", "current", "file:"  # --labels (store/extraction/labels.py)
+
+
+def _labels(value: str) -> str:
+    """``next``, ``current`` or ``file:PATH`` of an existing file; its content is checked against the train data
+    when the job is resolved (labels.resolve_labels)."""
+    if not isinstance(value, str) or not (value in (NEXT, CURRENT) or value.startswith(FILE)):
+        raise ValueError(f"is not one of {NEXT}, {CURRENT}, {FILE}PATH")
+    path = value[len(FILE):]
+    if value.startswith(FILE) and not Path(path).is_file():
+        raise ValueError(f"names no file ({path or 'no path given'}): pass file:PATH of an integer .npy aligned with "
+                         "the train data's token ids")
+    return value
+
+
 _VAL_HELP = ("Validation data (NC4, val_loss), any form --dataset takes. Default: a sibling file (val.bin beside "
              "train.bin, validation.txt beside train.txt), else the --val-split of --dataset where it has one, else "
              "--val-split-percentage of the train data held out (never the train tokens).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExtractConfig:
-    """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run; every value is
-    checked as it is set (:meth:`__setattr__`: when the configuration is made, by the library, the training callback
-    and the CLI alike, and when changed later), and the settings that must go together when it is made
-    (:meth:`__post_init__`)."""
+    """Everything that determines the numbers (``hashed``, and so the config hash), plus how to run. Frozen: a changed
+    value is a new configuration (``dataclasses.replace``), so every value and the settings that must go together are
+    checked whenever one is made (:meth:`__post_init__`), by the library, the training callback and the CLI alike."""
     dataset: str = extract_setting(required=True, hashed=True, section="Data", metavar="SPEC", help=(
         "Train data: a Hub name, a local dataset folder, a .txt/.json/.jsonl/.parquet/.csv file, or token ids in .npy "
         "(1-D stream or 2-D blocks) or nanoGPT .bin (uint16 stream)."))
@@ -188,6 +214,11 @@ class ExtractConfig:
         "Layers to extract: transformers' hidden_states indices (0: the embedding output; the last: after the final "
         "norm, the checkpoint group itself), negative from the end. Others are stored at "
         "<run>/<checkpoint>/layers/<l>; NC4 there uses the logit lens (the head after the final norm)."))
+    # not hashed itself: recorded resolved, with --layers's sites, in the record's layers (config_record)
+    sites: str | None = extract_setting(hashed=False, section="Layers", metavar="SITE,...", check=_sites, help=(
+        "Sites to extract beside --layers: resid:L (hidden_states[L], as --layers L), attn:B and mlp:B (the output "
+        "of block B's attention and MLP sublayer, 0-based, before its residual add), negative from the end, e.g. "
+        "attn:0,mlp:-1. A sublayer site is stored at <run>/<checkpoint>/sites/<kind>_<B> (attribute site)."))
     layers_per_pass: int | str | None = extract_setting(AUTO, hashed=True, section="Layers", kind=str,
                                                 metavar="auto|K", check=_per_pass,
                                                 maximum=MAX_LAYERS, help=(
@@ -196,6 +227,12 @@ class ExtractConfig:
     state_memory: str | None = extract_setting(hashed=False, section="Layers", metavar="SIZE", check=_size, help=(
         f"Memory the float64 state may take under --layers-per-pass auto: {SIZE_RULE} [default: the device's free "
         "memory after the model, less a tenth (at least 1 GiB)]."))
+    labels: str = extract_setting(NEXT, hashed=True, section="Statistics", metavar="next|current|file:PATH",
+                                  check=_labels, help=(  # recorded only when not next (labels.Labels.record)
+        "The class of a position: next, the next token (the paper's); current, the position's own token (every "
+        "position of a block, the last included); file:PATH, an integer .npy of the train token ids' shape "
+        "(token files only; -1 leaves a position out; classes 0..max), for which NC3, UNC3, NC4 and the head "
+        "metrics are nan (no classifier for these classes)."))
     save_embeddings: int = extract_setting(0, hashed=True, section="Layers", metavar="N", minimum=0,
                                            maximum=MAX_TOKENS, help=(
         "Keep the first N train positions' features of each stored layer as a chunked Zarr array embeddings "
@@ -205,12 +242,10 @@ class ExtractConfig:
     threads: int | str = registry.shared("threads", hashed=False, section="Run control",
                                          help=registry.THREADS_HELP)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Each value is checked as it is set: when the configuration is made, and when it is changed later."""
-        f = self.__dataclass_fields__.get(name)
-        super().__setattr__(name, value if f is None else registry.checked(f, value))
-
     def __post_init__(self) -> None:
+        """Each value checked and converted (registry.checked), then the rules across fields."""
+        for f in fields(self):
+            object.__setattr__(self, f.name, registry.checked(f, getattr(self, f.name)))
         if self.max_train_tokens is not None and self.min_count > self.max_train_tokens:
             fix = (f"raise --max-train-tokens to at least {self.min_count} (--min-count), or leave it out to read all"
                    if self.max_train_tokens < 1 or self.min_count == 1 else

@@ -166,9 +166,9 @@ def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
     shards
         Shards per checkpoint.
     """
-    if shards > 1 and (not last_only(cfg.layers) or cfg.save_embeddings):
-        raise UserError("--shards splits the last layer's statistics only: drop --layers/--save-embeddings, or "
-                        "--shards")
+    if shards > 1 and (not last_only(cfg.layers) or cfg.sites or cfg.save_embeddings):
+        raise UserError("--shards splits the last layer's statistics only: drop --layers/--sites/--save-embeddings, "
+                        "or --shards")
     store.prepare()
     if line := held_out_line(cfg):  # the validation data is resolved here, so its refusals come before any work
         log.info("%s", line)

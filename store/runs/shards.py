@@ -139,7 +139,8 @@ def train_shard(job: Job, start: int, stop: int,
     cap = stop * cfg.batch_size
     blocks = dataclasses.replace(blocks, max_blocks=cap if blocks.max_blocks is None else min(blocks.max_blocks, cap))
     folds = fit_folds(cfg.folds, vocab, dim, cfg.samples_per_class, 1, device, parse_size(cfg.state_memory))
-    ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device, folds=folds)
+    ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device, folds=folds,
+                    labels=job.run.labels)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
     with threads.policy(cfg.threads):  # a Dask worker's OMP_NUM_THREADS=1 caps auto at 1
         train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group),
@@ -220,7 +221,7 @@ def save_merged(job: Job, store: Store, merged: dict[str, np.ndarray]) -> Status
         status = job.status(store)  # the job resuming (finish_sharded): restart was spent by plan()
         if status is Status.FRESH:
             ex = Extraction(run.plan, *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu",
-                            folds=1 if folds is None else len(folds.parts))
+                            folds=1 if folds is None else len(folds.parts), labels=run.labels)
             ex.main().stats, ex.main().reservoir, ex.main().folds = stats, reservoir, folds
             ex.next_phase(Phase.VALIDATION)
             save_state(files.state, ex.state(run.record))

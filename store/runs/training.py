@@ -11,6 +11,7 @@ log line naming the fix; training goes on and nothing in the store is lost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -39,7 +40,7 @@ from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.runs import cost
 from ncanalyze.store.runs import training_ddp as ddp
 from ncanalyze.store.sources import adapters
-from ncanalyze.store.sources.anatomy import default_block_size, final_norm, finite_head, head, n_layers
+from ncanalyze.store.sources.anatomy import check_sites, default_block_size, final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens
 from ncanalyze.store.store import Store
 from transformers import TrainerCallback
@@ -241,7 +242,7 @@ class NeuralCollapseCallback(TrainerCallback):
         caps = cost.default_caps(int(interval or 0), sequences, block or 0)
         if caps is None:
             return
-        self.cfg.max_train_tokens, self.cfg.max_val_tokens = caps
+        self.cfg = dataclasses.replace(self.cfg, max_train_tokens=caps[0], max_val_tokens=caps[1])
         if ddp.rank_world()[0] == 0:
             log.info("ncanalyze: no caps given: max_train_tokens=%s, max_val_tokens=%s, the tokens trained between two "
                      "measurements (%s steps of %s sequences of %s tokens) and a quarter of them (pass the caps to "
@@ -398,15 +399,16 @@ class NeuralCollapseCallback(TrainerCallback):
         with untouched(model), threads.policy(cfg.threads):  # training's own thread count comes back after
             classifier, bias = head(model)
             finite_head(classifier, bias, group)
+            check_sites(model, setup.job.plan.layers)
             device = classifier.device
             folds = ddp.agreed_folds(fit_folds(cfg.folds, *classifier.shape, cfg.samples_per_class,
                                                setup.job.plan.widest_pass, device, parse_size(cfg.state_memory)))
             ex = Extraction(setup.job.plan, *classifier.shape, cfg.samples_per_class, cfg.seed, device,
-                            files.layers if rank == 0 else None, folds=folds)
+                            files.layers if rank == 0 else None, folds=folds, labels=setup.job.run.labels)
             if rank == 0:
                 ex.start()
                 if setup.split_count is None:  # the whole split's label counts: the same at every measurement
-                    setup.split_count = label_counts(setup.train, classifier.shape[0])
+                    setup.split_count = label_counts(setup.train, ex.args[0], setup.job.run.labels)
                 ex.split_count = setup.split_count
             timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):
@@ -424,11 +426,12 @@ class NeuralCollapseCallback(TrainerCallback):
             ds, others = ex.datasets(classifier, bias, setup.decoded, attrs, norm and norm[0])
             done = [("nc/", group, self._timed_metrics(ds, cfg.min_count, group))]
 
-            def measured() -> Iterator[tuple[int, object]]:
-                for l, lds in others:  # measured as each is made: one layer's dataset in memory at a time
-                    where = f"{group}/layers/{l}"
-                    done.append((f"nc/layer_{l}/", where, self._timed_metrics(lds, cfg.min_count, where)))
-                    yield l, lds
+            def measured() -> Iterator[tuple[str, object]]:
+                for sub, lds in others:  # measured as each is made: one layer's dataset in memory at a time
+                    where, (kind, name) = f"{group}/{sub}", sub.split("/", 1)  # layers/1: nc/layer_1/; sites/attn_0
+                    prefix = f"nc/layer_{name}/" if kind == "layers" else f"nc/{name}/"
+                    done.append((prefix, where, self._timed_metrics(lds, cfg.min_count, where)))
+                    yield sub, lds
             self.store.write_checkpoint(group, ds, layers=measured())
             ex.cleanup()
         for prefix, where, result in done:  # stored as `ncanalyze measure` stores them, once the group is in place
@@ -460,11 +463,11 @@ class NeuralCollapseCallback(TrainerCallback):
     def _resolve(self, model, tokenizer, group: str) -> _Setup:
         """The job of this model (make_job with the live model's config, device and weights: its record and plan),
         and the blocks; a store holding the run under other settings is refused."""
-        cfg = self.cfg  # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
         model = adapters.unwrap(model)  # a PeftModel: its base with the adapter's layers in it
+        # cfg.tokenizer stays None for the Trainer's own tokenizer, as extract records the model's own
+        cfg = self.cfg = dataclasses.replace(self.cfg, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
         if cfg.tokenizer is not None:
             tokenizer = _load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
-        cfg.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.store.prepare()
         job = make_job(None, cfg, model_config=model.config, device=next(model.parameters()).device, weights=LIVE)
         self._check_run(group.split("/")[0], job, identity(model, self.output_dir))

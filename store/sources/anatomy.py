@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.analyzer.errors import CheckpointError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -102,55 +102,91 @@ def final_norm(model) -> tuple[str, torch.nn.Module] | None:
 
 
 @torch.inference_mode()
-def features(model, ids: torch.Tensor) -> torch.Tensor:
+def features(model, ids: torch.Tensor, end: int | None = -1) -> torch.Tensor:
     """The last layer's features.
 
     Parameters
     ----------
     model : a transformers causal LM (only its base model runs: no logits are formed).
     ids : token ids, b x L.
+    end : the positions kept, ``[:, :end]``: -1 every position but the last (next-token labels), None all.
 
     Returns
     -------
     Tensor : the last hidden state after the final norm, at every position but the last: (b, L-1, d).
     """
-    return model.base_model(input_ids=ids).last_hidden_state[:, :-1]
+    return model.base_model(input_ids=ids).last_hidden_state[:, :end]
 
 
-def hidden_forward(model, layers: tuple[int, ...], last: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The forward pass of a pass's layers. The last layer is ``last_hidden_state``; with only the last layer asked
-    (the default plan), no hidden states are formed. A pass below the last layer runs the model only up to its
-    deepest layer (:func:`cut_forward`), or, where the model cannot be cut, the whole forward with a note.
+def _where(site) -> tuple[str, int]:
+    """(kind, index) of a site: a ``Site`` (store/extraction/sites.py), or an int, the residual site
+    ``hidden_states[l]``."""
+    return ("resid", int(site)) if isinstance(site, int) else (site.kind, site.index)
+
+
+def hidden_forward(model, layers: tuple, last, end: int | None = -1) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The forward pass of a pass's sites. The last layer is ``last_hidden_state``; with only the last layer asked
+    (the default plan), no hidden states are formed. The residual sites below it are ``hidden_states[l]``, the
+    sublayer sites the outputs of their modules (:func:`sublayer`), taken by forward hooks. A pass without the last
+    layer runs the model only up to its deepest site (:func:`cut_forward`), or, where the model cannot be cut, the
+    whole forward with a note.
 
     Parameters
     ----------
     model : a transformers causal LM.
-    layers : the pass's layers, indices into hidden_states.
-    last : the last layer's index.
+    layers : the pass's sites in forward order: ``Site`` values, or ints (residual sites, hidden_states indices).
+    last : the last layer (a residual site).
+    end : the positions kept (:func:`features`).
 
     Returns
     -------
-    callable : ids (b x L) -> the layers' features at every position but the last, stacked: (k, b, L-1, d).
+    callable : ids (b x L) -> the sites' features at every position but the last, stacked: (k, b, L-1, d).
     """
-    if layers == (last,):
-        return lambda ids: features(model, ids)[None]
+    sites, last = [_where(s) for s in layers], _where(last)
+    if sites == [last]:
+        return lambda ids: features(model, ids, end)[None]
+    taps = {s: sublayer(model, *s) for s in sites if s[0] != "resid"}
+    hidden = any(s[0] == "resid" and s != last for s in sites)
 
     @torch.inference_mode()
     def forward(ids: torch.Tensor) -> torch.Tensor:
-        out = model.base_model(input_ids=ids, output_hidden_states=True)
-        return torch.stack([(out.last_hidden_state if l == last else out.hidden_states[l])[:, :-1] for l in layers])
-    if last in layers:
+        got: dict[tuple[str, int], torch.Tensor] = {}
+        handles = [m.register_forward_hook(_keep(got, s)) for s, m in taps.items()]
+        try:
+            out = model.base_model(input_ids=ids, output_hidden_states=hidden or None)
+        finally:
+            for handle in handles:
+                handle.remove()
+        got[last] = out.last_hidden_state
+        return torch.stack([(got[s] if s in got else out.hidden_states[s[1]])[:, :end] for s in sites])
+    if last in sites:
         return forward
-    return cut_forward(model, layers, forward) or forward
+    return cut_forward(model, layers, forward, end) or forward
+
+
+def _keep(got: dict, site: tuple[str, int], stop: bool = False):
+    """A forward hook keeping a copy of a sublayer's output (its first element, where it returns a tuple) under
+    ``site`` (a copy: Falcon's block adds the attention output into the MLP's in place); with ``stop``, the forward
+    ends there."""
+    def hook(module, args, output):
+        got[site] = (output[0] if isinstance(output, tuple) else output).clone()
+        if stop:
+            raise _Cut
+    return hook
 
 
 # where models keep their blocks, on the base model (GPT-2/GPT-Neo/Falcon/BLOOM, Llama/Mistral/Gemma/Qwen/OLMo/
 # GPT-NeoX, OPT, MPT)
 BLOCKS = ("h", "layers", "decoder.layers", "blocks")
+# a block's attention and MLP sublayers, by the names models give them (GPT-2/GPT-Neo/MPT, Llama and most,
+# GPT-NeoX, Falcon; MPT's ffn): their output is the sublayer's, before the block adds it to the residual stream
+SUBLAYERS = {"attn": ("attn", "self_attn", "attention", "self_attention"), "mlp": ("mlp", "ffn", "feed_forward")}
+# models whose sublayers add the residual inside themselves (BLOOM): no output before the add to hook
+INNER_RESIDUAL = {"bloom"}
 
 
 class _Cut(Exception):
-    """Raised at the deepest layer's block, before it runs: the forward stops there."""
+    """Raised at the deepest site, before its block (a residual site) or after its sublayer: the forward stops."""
 
 
 def blocks_of(model) -> torch.nn.ModuleList | None:
@@ -175,19 +211,40 @@ def blocks_of(model) -> torch.nn.ModuleList | None:
     return None
 
 
-def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], torch.Tensor]
+def sublayer(model, kind: str, block: int) -> torch.nn.Module | None:
+    """Block ``block``'s ``kind`` sublayer (``attn`` or ``mlp``): the first of its :data:`SUBLAYERS` names on the
+    block; None where the model has none (OPT's MLP is not a module; BLOOM's sublayers add the residual inside)."""
+    blocks = blocks_of(model)
+    if blocks is None or model.config.model_type in INNER_RESIDUAL or not 0 <= block < len(blocks):
+        return None
+    return next((m for name in SUBLAYERS[kind] if isinstance(m := getattr(blocks[block], name, None),
+                                                               torch.nn.Module)), None)
+
+
+def check_sites(model, sites) -> None:
+    """A UserError naming the first sublayer site the model lacks (:func:`sublayer`)."""
+    for site in sites:
+        kind, index = _where(site)
+        if kind != "resid" and sublayer(model, kind, index) is None:
+            raise UserError(f"--sites {kind}:{index}: {model.config.model_type} has no {kind} sublayer whose output "
+                            f"comes before its residual add (looked for {', '.join(SUBLAYERS[kind])} on its blocks); "
+                            "drop that site (resid sites work on every model)")
+
+
+def cut_forward(model, layers: tuple, full: Callable[[torch.Tensor], torch.Tensor], end: int | None = -1
                 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The features of ``layers`` (all below the last) from a forward that stops before block ``max(layers)``: each
-    ``hidden_states[l]`` is taken as block l's input by a forward pre-hook, and the deepest one's hook ends the
-    forward (no later block, final norm or head runs). On its first call the cut is checked bit for bit against
-    ``full`` on a prefix of the batch; where it differs (or the model's blocks are not found) the pass runs ``full``
-    with a note.
+    """The features of ``layers`` (sites, none of them the last layer) from a forward that stops at the deepest: each
+    ``hidden_states[l]`` is taken as block l's input by a forward pre-hook, each sublayer's output by a forward hook,
+    and the deepest site's hook ends the forward (no later block, final norm or head runs). On its first call the cut
+    is checked bit for bit against ``full`` on a prefix of the batch; where it differs (or the model's blocks are not
+    found) the pass runs ``full`` with a note.
 
     Parameters
     ----------
     model : a transformers causal LM.
-    layers : the pass's layers, all below the last.
-    full : the whole forward (``output_hidden_states``), as :func:`hidden_forward` makes it.
+    layers : the pass's sites in forward order (as :func:`hidden_forward`), none the last layer.
+    full : the whole forward, as :func:`hidden_forward` makes it.
+    end : the positions kept (:func:`features`).
 
     Returns
     -------
@@ -198,19 +255,21 @@ def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], t
         log.info("note: %s's blocks are not found (none of %s): the passes below the last layer run the whole "
                  "forward", model.config.model_type, ", ".join(BLOCKS))
         return None
-    deepest = max(layers)
+    sites = [_where(s) for s in layers]
+    deepest = sites[-1]
 
     @torch.inference_mode()
     def cut(ids: torch.Tensor) -> torch.Tensor:
-        got: dict[int, torch.Tensor] = {}
+        got: dict[tuple[str, int], torch.Tensor] = {}
 
-        def take(j: int):
+        def take(site: tuple[str, int]):
             def hook(module, args, kwargs):
-                got[j] = args[0] if args else kwargs["hidden_states"]
-                if j == deepest:
+                got[site] = args[0] if args else kwargs["hidden_states"]
+                if site == deepest:
                     raise _Cut
             return hook
-        handles = [blocks[j].register_forward_pre_hook(take(j), with_kwargs=True) for j in layers]
+        handles = [blocks[s[1]].register_forward_pre_hook(take(s), with_kwargs=True) if s[0] == "resid" else
+                   sublayer(model, *s).register_forward_hook(_keep(got, s, stop=s == deepest)) for s in sites]
         try:
             model.base_model(input_ids=ids)
         except _Cut:
@@ -218,7 +277,7 @@ def cut_forward(model, layers: tuple[int, ...], full: Callable[[torch.Tensor], t
         finally:
             for handle in handles:
                 handle.remove()
-        return torch.stack([got[l][:, :-1] for l in layers])
+        return torch.stack([got[s][:, :end] for s in sites])
 
     checked: list[Callable[[torch.Tensor], torch.Tensor]] = []
 

@@ -142,8 +142,8 @@ def test_the_jackknife_error_of_the_debiased_cdnv_covers_the_truth():
     rng = np.random.default_rng(21)
     counts = rng.integers(8, 25, 100)
     mus, var = rng.normal(size=(100, D)), 3.0 * D * rng.uniform(0.7, 1.3, 100)
-    truth = population_cdnv(mus, var)
-    est, se = [], []
+    truth, pooled_truth = population_cdnv(mus, var), pooled_brute(mus, var)
+    est, se, pooled, pooled_se = [], [], [], []
     for rep in range(40):
         r = np.random.default_rng(1000 + rep)
         h = np.concatenate([mus[c] + math.sqrt(var[c] / D) * r.normal(size=(n, D)) for c, n in enumerate(counts)])
@@ -151,7 +151,81 @@ def test_the_jackknife_error_of_the_debiased_cdnv_covers_the_truth():
         m = quiet_measure(class_stats(h[order], np.repeat(np.arange(100), counts)[order], 100, folds=8), se=True)
         est.append(m["nc1_cdnv_debiased"])
         se.append(m["nc1_cdnv_debiased_se"])
-    est, se = np.array(est), np.array(se)
-    coverage = np.mean(np.abs(est - truth) <= 1.96 * se)
-    assert 0.85 <= coverage <= 1.0
-    assert 0.7 <= se.mean() / est.std(ddof=1) <= 1.4
+        pooled.append(m["nc1_cdnv_pooled_debiased"])
+        pooled_se.append(m["nc1_cdnv_pooled_debiased_se"])
+    for est, se, truth in ((est, se, truth), (pooled, pooled_se, pooled_truth)):
+        est, se = np.array(est), np.array(se)
+        coverage = np.mean(np.abs(est - truth) <= 1.96 * se)
+        assert 0.85 <= coverage <= 1.0
+        assert 0.7 <= se.mean() / est.std(ddof=1) <= 1.4
+
+
+# ---------------------------------------------------------------- the pooled pairs: a ratio of sums, budget-stable
+
+def pooled_brute(mus: np.ndarray, var: np.ndarray, noise: np.ndarray | None = None) -> float:
+    """sum over pairs of (var_c + var_c') / sum over pairs of 2 (||mu_c - mu_c'||^2 - noise_c - noise_c')."""
+    i, j = np.triu_indices(len(var), 1)
+    d2 = ((mus[i] - mus[j]) ** 2).sum(1)
+    if noise is not None:
+        d2 = d2 - noise[i] - noise[j]
+    return float(np.sum(var[i] + var[j]) / np.sum(2 * d2))
+
+
+def sample_moments(h: np.ndarray, y: np.ndarray, k: int):
+    n = np.bincount(y, minlength=k).astype(float)
+    mus = np.stack([h[y == c].mean(0) for c in range(k)])
+    ss = np.array([((h[y == c] - mus[c]) ** 2).sum() for c in range(k)])
+    return n, mus, ss
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_pooled_cdnv_matches_its_brute_force_on_both_engines_and_the_truth(profile):
+    counts = PROFILES[profile](np.random.default_rng(7))
+    h, y, mus, var = planted(11, counts)
+    ds = class_stats(h, y, K)
+    numba_, torch_ = quiet_measure(ds, engine="numba"), quiet_measure(ds, engine="torch", device="cpu")
+    n, m, ss = sample_moments(h, y, K)
+    assert numba_["nc1_cdnv_pooled"] == pytest.approx(pooled_brute(m, ss / n), rel=1e-10)
+    vs = ss / (n - 1)
+    want = pooled_brute(m, vs, vs / n)
+    assert numba_["nc1_cdnv_pooled_debiased"] == pytest.approx(want, rel=1e-10)
+    for name in ("nc1_cdnv_pooled", "nc1_cdnv_pooled_debiased"):
+        assert torch_[name] == pytest.approx(numba_[name], rel=1e-12)
+    truth = pooled_brute(mus, var)
+    assert abs(numba_["nc1_cdnv_pooled_debiased"] / truth - 1) < 0.03
+    assert numba_["nc1_cdnv_pooled"] / truth - 1 < -0.10          # the plug-in's distances carry the means' noise
+
+
+def test_pooled_debiased_cdnv_holds_still_with_the_budget_where_the_mean_of_ratios_cannot():
+    """Groups of classes that share their contexts (small true distances, as '.', ':' and ';' on the KJV): the mean of
+    ratios is ruled by those pairs, and its estimate climbs as more tokens resolve them; the pooled pairs' estimate
+    does not move."""
+    rng = np.random.default_rng(3)
+    k = 120
+    mus = rng.normal(size=(12, D))[np.arange(k) // 10] + 0.3 * rng.normal(size=(k, D))  # 12 groups of 10 close classes
+    var = 3.0 * D * rng.uniform(0.7, 1.3, k)
+    truth = pooled_brute(mus, var)
+    got = {}
+    for scale in (1, 16):
+        counts = scale * rng.integers(6, 17, k)
+        h = np.concatenate([mus[c] + math.sqrt(var[c] / D) * rng.normal(size=(n, D)) for c, n in enumerate(counts)])
+        got[scale] = quiet_measure(class_stats(h, np.repeat(np.arange(k), counts), k))
+    small, big = got[1], got[16]
+    assert abs(big["nc1_cdnv_pooled_debiased"] / small["nc1_cdnv_pooled_debiased"] - 1) < 0.05
+    assert abs(small["nc1_cdnv_pooled_debiased"] / truth - 1) < 0.05
+    assert big["nc1_cdnv_debiased"] / small["nc1_cdnv_debiased"] - 1 > 0.2   # the mean of ratios drifts
+    assert big["nc1_cdnv_pooled"] / small["nc1_cdnv_pooled"] - 1 > 0.1       # and so does the plug-in
+
+
+def test_pooled_debiased_cdnv_is_nan_with_a_note_where_noise_exceeds_the_distances():
+    rng = np.random.default_rng(0)
+    counts = np.full(30, 3)                                        # 30 classes with one true mean: distances 0, so
+    h = 3 * rng.normal(size=(90, D))                               # the corrected sum is 0 +- noise (this seed: < 0)
+    ds = class_stats(h, np.repeat(np.arange(30), counts), 30)
+    n, m, ss = sample_moments(h, np.repeat(np.arange(30), counts), 30)
+    vs = ss / (n - 1)
+    if pooled_brute(m, vs, vs / n) >= 0:                            # the planted noise must win for this test
+        pytest.fail("planted means are resolved; the test's premise does not hold")
+    with pytest.warns(UserWarning, match="nc1_cdnv_pooled_debiased is nan: the class means' distances"):
+        got = measure(ds)
+    assert math.isnan(got["nc1_cdnv_pooled_debiased"]) and math.isfinite(got["nc1_cdnv_pooled"])

@@ -421,7 +421,7 @@ def test_cdnv_without_two_classes_with_a_variance_is_nan_with_a_warning():
     rng = np.random.default_rng(14)
     y = np.r_[0, 0, 0, np.arange(1, 8)]                            # one class seen 3 times, seven seen once
     ds = class_stats(rng.standard_normal((10, 3)), y, 8)
-    with pytest.warns(UserWarning, match="nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq and class_cdnv are nan: only 1 of "
+    with pytest.warns(UserWarning, match="nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq, nc1_cdnv_pooled and class_cdnv are nan: only 1 of "
                       "the 8 kept classes"):
         got, per = measure_all(ds)
     assert all(math.isnan(got[k]) for k in ("nc1_cdnv", "nc1_cdnv_p2", "nc1_cdnv_freq"))

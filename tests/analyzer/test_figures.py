@@ -2,7 +2,10 @@
 extents), an honest colour scale, runs told apart, the training-dynamics figure, and PNG + PDF + SVG files."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -341,3 +344,13 @@ def test_depth_figure_tells_runs_apart_and_shades_only_wholly_undefined_layers()
     assert markers == {"run:r0": "o", "run:r1": "s"}
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["r0", "r1"]
     plt.close(fig)
+
+
+@pytest.mark.slow
+def test_the_report_chooses_no_matplotlib_backend_at_import():
+    """A user's notebook keeps its own backend: the report's modules draw on plain Figures, never through pyplot."""
+    code = ("import sys, matplotlib; import ncanalyze.analyzer.report.write, ncanalyze.analyzer.report.figures; "
+            "print('matplotlib.pyplot' in sys.modules, matplotlib.rcParams._get_backend_or_none())")
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["False", "None"]

@@ -86,6 +86,23 @@ def test_budget_lines_say_which_metric_drifts_and_which_number_to_compare():
     assert "sampling error" in md and "how sure" not in md
 
 
+def test_where_the_mean_of_ratios_drifts_even_debiased_the_pooled_pairs_are_the_number_to_compare():
+    """The KJV's shape (benchmarks/results/budget.md): the plug-in and the debiased CDNV both climb; the pooled pairs'
+    debiased CDNV scatters. Without the pooled column, no form holds still and the report says so."""
+    t = drifting(800).assign(nc1_cdnv_debiased=[1.2, 1.4, 1.8, 2.0], nc1_cdnv_pooled_debiased=[0.66, 0.67, 0.66, 0.665],
+                             nc1_cdnv_pooled_debiased_se=[math.nan, 0.01, 0.01, 0.01])
+    md = "\n".join(budget_lines(t, [], ["nc1_cdnv"]))
+    for m in ("nc1_cdnv", "nc1_cdnv_debiased"):
+        row = next(line for line in md.splitlines() if line.startswith(f"- `a/c` `{m}`:"))
+        assert "drifts with the budget (bias)" in row and "compare `nc1_cdnv_pooled_debiased` across budgets" in row
+    row = next(line for line in md.splitlines() if line.startswith("- `a/c` `nc1_cdnv_pooled_debiased`:"))
+    assert "only scatters (noise)" in row and "-0.5 errors" in row        # (0.665 - 0.67) / 0.01
+    md = "\n".join(budget_lines(t.drop(columns=["nc1_cdnv_pooled_debiased", "nc1_cdnv_pooled_debiased_se"]), [],
+                                ["nc1_cdnv"]))
+    row = next(line for line in md.splitlines() if line.startswith("- `a/c` `nc1_cdnv`:"))
+    assert "no form of it holds still here: at equal budgets only" in row
+
+
 def test_raise_the_budget_only_where_the_split_holds_more_tokens():
     read_all = "\n".join(budget_lines(drifting(800), [], ["nc1_cdnv"]))
     assert "`nc1_cdnv` has not settled at 800 tokens" in read_all and "raise --max-train-tokens" not in read_all

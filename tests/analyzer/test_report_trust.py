@@ -197,7 +197,7 @@ def test_measure_help_counts_the_metrics_it_writes():
     from ncanalyze.cli.main import main
 
     text = CliRunner().invoke(main, ["measure", "--help"]).output
-    assert re.search(r"The (\d+) scalar metrics", text).group(1) == str(len(SCALARS)) == "25"  # 24 and nc1_cdnv_debiased
+    assert re.search(r"The (\d+) scalar metrics", text).group(1) == str(len(SCALARS)) == "27"  # 24, nc1_cdnv_debiased and the pooled pair
 
 
 # ---------------------------------------------------------------- class 17: a step of 1e308 on the axes

@@ -131,7 +131,7 @@ def test_a_head_with_a_bias_is_written_once_and_every_layer_reads_it(tmp_path):
         made[layer] = class_stats(h, y, V, classifier=W, classifier_bias=b, val_embeddings=hv, val_labels=yv)
     store, group = tmp_path / "s.zarr", "run/checkpoint-1"
     io.write_checkpoint(store, group, made[1].copy(), StoreLayout(store).checkpoint(_Named("run", "checkpoint-1")),
-                        layers=[(0, made[0].copy())])
+                        layers=[("layers/0", made[0].copy())])
     arrays = dict(zarr.open_group(store, path=f"{group}/layers/0", mode="r").arrays())
     assert "mean" in arrays and not set(HEAD) & set(arrays)
     for g, layer in ((group, 1), (f"{group}/layers/0", 0)):

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from conftest import tmpfs
 from test_metrics import assert_metrics, brute_force, random_study
 
+from ncanalyze.analyzer.jackknife import EXACT
 import ncanalyze.store
 import ncanalyze.store.client
 import ncanalyze.store.measure
@@ -61,7 +62,9 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
     store, data = small_store
     result = measure_store(store, tile=7)
     df = result.table
-    assert list(df.columns) == [*INFO, "layer", *CLASS_COUNTS, *SCALARS, *ERRORS]
+    assert list(df.columns) == [*INFO, "layer", "site", "labels", *CLASS_COUNTS, *SCALARS, *ERRORS]
+    assert list(df.site) == ["resid:2"] * 3  # the checkpoint group: the last layer
+    assert set(df["labels"]) == {"next"}  # groups that record no labels are next-token groups
     assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
                                                                   "b/checkpoint-5"]
     assert sorted(result.measured) == sorted(data) and result.skipped == [] and result.failed == {}
@@ -80,6 +83,7 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
         assert all(np.isnan(stored_row[k]) for k in ERRORS)  # a hand-made group without folds: no errors
         assert {k: "nan" for k in ERRORS}.items() <= a["metrics_nonfinite"].items()
         assert (a["metrics_min_count"], a["metrics_config_hash"], a["complete"]) == (1, ds.attrs["config_hash"], True)
+        assert a["metrics_se_method"] == EXACT and "metrics_se_sampling_error" not in a  # how the errors are made
         stored = tree[g].to_dataset()
         K = np.flatnonzero(ds["count"].values >= 1)
         for name in PER_CLASS:

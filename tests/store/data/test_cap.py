@@ -2,6 +2,7 @@
 every data form, for every checkpoint, in shards and across runs, recorded; --cap-mode prefix reads the first ones."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -75,11 +76,11 @@ def test_every_data_form_reads_the_same_spread_blocks(text, tmp_path):
     np.testing.assert_array_equal(read(cached), want)
     (cache,) = (tmp_path / "s.zarr.tokens").glob("*.npy")
     np.testing.assert_array_equal(np.load(cache), whole)
-    cfg.cap_mode = "prefix"
+    cfg = dataclasses.replace(cfg, cap_mode="prefix")
     prefix = open_data(str(data), "train", 2048, "--max-train-tokens", cfg, 32, config, tok, Store.at(tmp_path / "s.zarr"))
     np.testing.assert_array_equal(read(prefix), whole[:64])
     with pytest.raises(Exception, match=r"^cap_mode \(--cap-mode\) must be one of spread, prefix, got 'first'$"):
-        cfg.cap_mode = "first"  # checked as it is set (the settings), not when the data is opened
+        dataclasses.replace(cfg, cap_mode="first")  # checked as it is made (the settings), not when the data is opened
 
 
 @pytest.mark.slow

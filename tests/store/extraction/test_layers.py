@@ -272,11 +272,12 @@ def test_the_default_plan_forms_no_hidden_states(trained_run):
     """The default extraction is the one-layer plan through the same passes, and its forward is the base model's
     alone: ``output_hidden_states`` is never asked (no memory or time for the other layers)."""
     from ncanalyze.store.extraction.layers import plan
+    from ncanalyze.store.extraction.sites import Site
     from ncanalyze.store.sources.anatomy import hidden_forward
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
     default = plan("last", None, 0, "float32", 2)
-    assert default.single and default.passes == [(2,)] and not plan("last", None, 5, "float32", 2).single
+    assert default.single and default.passes == [(Site("resid", 2),)] and not plan("last", None, 5, "float32", 2).single
     asked = []
     model.base_model.register_forward_pre_hook(lambda m, args, kwargs: asked.append(kwargs.get(
         "output_hidden_states")), with_kwargs=True)

@@ -55,9 +55,14 @@ def test_a_checkpoints_load_and_write_count_at_its_first_batch():
 
 
 @pytest.mark.parametrize("passes, last, want", [(((0, 1), (2, 3), (4,)), 4, [0.25, 0.75, 1.0]),
-                                                (((3, 4),), 4, [1.0]), (((0,),), 0, [1.0])])
+                                                (((3, 4),), 4, [1.0]), (((0,),), 0, [1.0]),
+                                                ((("attn:0", 1), ("mlp:2",), (4,)), 4, [0.25, 0.75, 1.0])])
 def test_pass_depth_is_the_blocks_a_pass_runs(passes, last, want):
-    p = Plan(layers=tuple(l for g in passes for l in g), last=last, per_pass=0, save_embeddings=0,
+    """A pass stops before the block of its deepest residual site, after the block of its deepest sublayer site."""
+    from ncanalyze.store.extraction.sites import Site
+
+    passes = tuple(tuple(Site.of(s) for s in g) for g in passes)
+    p = Plan(layers=tuple(l for g in passes for l in g), last=Site.of(last), per_pass=0, save_embeddings=0,
              embeddings_dtype="float32", groups=passes)
     assert [pass_depth(p, i) for i in range(len(passes))] == want
 

@@ -109,3 +109,5 @@ def test_shards_refuse_other_layers_but_not_the_last_however_written(tmp_path):
         check_settings(ExtractConfig(dataset="d.bin", layers=spec, max_val_tokens=0), store, shards=2)
     with pytest.raises(UserError, match="--shards splits the last layer's statistics only"):
         check_settings(ExtractConfig(dataset="d.bin", layers="all", max_val_tokens=0), store, shards=2)
+    with pytest.raises(UserError, match="--shards splits the last layer's statistics only: drop --layers/--sites"):
+        check_settings(ExtractConfig(dataset="d.bin", sites="attn:0", max_val_tokens=0), store, shards=2)

@@ -129,3 +129,49 @@ def test_the_forward_cut_at_a_block_is_bit_identical_and_runs_no_later_block(mod
     finally:
         for hook in hooks:
             hook.remove()
+
+
+LACKS = {"opt": {"mlp"}, "bloom": {"attn", "mlp"}}  # OPT's MLP is inline in its block; BLOOM's add the residual inside
+
+
+def test_sublayer_sites_are_what_the_block_adds_to_its_input(model, ids):
+    """attn:B and mlp:B (hooked by hidden_forward, cut at the deepest or not) add up with the block's input to its
+    output, as a block computes it (Gemma-2 through its post-sublayer norms): the sublayers' outputs before their
+    residual add; cut after mlp:B, no later block runs. An architecture without such a module is one line
+    (check_sites)."""
+    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.store.extraction.sites import Site, parse_sites
+    from ncanalyze.store.sources.anatomy import check_sites
+
+    kind = model.config.model_type
+    if kind in LACKS:
+        for k in LACKS[kind]:
+            with pytest.raises(UserError, match=f"{kind} has no {k} sublayer"):
+                check_sites(model, [Site(k, 0)])
+        return
+    blocks = blocks_of(model)
+    outs = {}
+    hooks = [b.register_forward_hook(lambda m, a, o, j=j: outs.__setitem__(j, o[0] if isinstance(o, tuple) else o))
+             for j, b in enumerate(blocks)]
+    with torch.no_grad():
+        model.base_model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    last = Site("resid", LAYERS)
+    for b in range(LAYERS):
+        sites = tuple(parse_sites(f"resid:{b},attn:{b},mlp:{b}", LAYERS))
+        check_sites(model, sites)
+        for plan in (sites, (*sites, last)):  # cut after mlp:B, and the whole forward
+            f = hidden_forward(model, plan, last)
+            f(ids)  # the first call checks the cut against the whole forward
+            ran = []
+            hooks = [k.register_forward_pre_hook(lambda m, a, j=j: ran.append(j)) for j, k in enumerate(blocks)]
+            x, attn, mlp = f(ids)[:3]
+            for h in hooks:
+                h.remove()
+            assert ran == list(range(b + 1 if plan == sites else LAYERS)), (plan, ran)
+            if kind == "gemma2":
+                norms = blocks[b].post_attention_layernorm, blocks[b].post_feedforward_layernorm
+                with torch.no_grad():
+                    attn, mlp = norms[0](attn), norms[1](mlp)
+            np.testing.assert_allclose((x + attn + mlp).numpy(), outs[b][:, :-1].numpy(), rtol=0, atol=1e-12)
