@@ -9,7 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, VAL_AT
+from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT
+from ncanalyze.analyzer.screen import Screen
 
 log = logging.getLogger(__name__)
 
@@ -326,22 +327,24 @@ class Sums(Accumulator):
             self.sums()[n].copy_(torch.as_tensor(state[n]))
 
 
-# classes scored at a time by NC4's decisions (their head rows and means gathered for the tile)
+# classes scored at a time by NC4's float64 linear decisions (their head rows gathered for the tile)
 TILE = 1 << 14
 
 
 class DecisionCounts(Sums):
     """NC4's counts per true class, over the kept classes ``kept`` (float64): ``val_count`` tokens,
     ``val_correct`` hits of the linear argmax_c (w_c . z + b_c), and ``val_ncc_agree`` tokens where that
-    argmax equals the nearest-class-mean decision argmin_c ||h - mu_c||^2 = argmax_c (mu_c . h - ||mu_c||^2 / 2).
+    argmax equals the nearest-class-mean decision argmin_c ||h - mu_c||^2 = argmax_c (mu_c . h - ||mu_c||^2 / 2);
+    with ``train_count``, the same over each NC4_MIN_COUNTS kept set (count >= m) into the ``VAL_AT`` rows.
 
     ``z`` is ``h`` itself, or ``lens(h)`` with a ``lens`` (the logit lens at an earlier layer: the model's final norm);
-    the nearest class mean always reads the raw ``h`` and ``mean``. The means are read in place (no copy of the kept
-    ones); ``head`` (:func:`float64_head`) may be given to share one float64 head between the loss and the layers.
-    The kept classes are scored a tile of at most :data:`TILE` at a time (their head rows and means gathered for the
-    tile, at most ``budget`` cells), over chunks of tokens of at most ``budget`` (token, class) cells, and the argmax
-    carried across tiles (the first of equal scores, as one argmax over all). ``counts`` may be given to continue
-    from earlier counts (updated in place).
+    the nearest class mean always reads the raw ``h`` and ``mean``. The nearest-mean decisions of every kept set come
+    from one float32 screen with a float64 recheck (:class:`~ncanalyze.analyzer.screen.Screen`: exactly the float64
+    argmax); the linear ones from one float64 product over the union of the kept sets (or the head's logits,
+    :meth:`count_logits`), each set's argmax read from it (the first of equal scores, as one argmax over the set).
+    ``head`` (:func:`float64_head`) may be given to share one float64 head between the loss and the layers; tokens
+    are scored in chunks of at most ``budget`` (token, class) cells. ``counts`` may be given to continue from earlier
+    counts (updated in place), ``folds`` the per-fold counts (:meth:`begin`).
     """
 
     NAMES = ("val_count", "val_correct", "val_ncc_agree")
@@ -350,23 +353,26 @@ class DecisionCounts(Sums):
                  counts: dict[str, torch.Tensor] | None = None, budget: int = 1 << 25,
                  lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 folds: dict[str, torch.Tensor] | None = None, train_count: torch.Tensor | None = None):
+                 folds: dict[str, torch.Tensor] | None = None, train_count: torch.Tensor | None = None,
+                 fold_stats: FoldStats | None = None, min_count: int = 1):
         device = mean.device
         self.folds, self._fold, self._at = folds, None, 0  # per fold counts (folds x vocab), updated in place
         self.kept = kept.to(device)
         self.w, self.b = head if head is not None else float64_head(classifier, bias, device)
         self.mean = mean.to(torch.float64)  # the layer's own float64 means: no copy
-        self.tile = max(1, min(TILE, budget // max(1, self.mean.shape[1])))
-        self.half_sq = torch.cat([0.5 * (m * m).sum(1) for m in self._tiles(self.mean)]) if len(self.kept) else \
-            torch.zeros(0, dtype=torch.float64, device=device)
         self.counts = counts or self.zeros(classifier.shape[0], device, at=train_count is not None)
         self.lens = lens
-        self.chunk = max(1, budget // max(1, min(len(self.kept), self.tile)))
-        self.at = self._at_min_counts(train_count, budget) if VAL_AT[1] in self.counts else []
+        self.tile = max(1, min(TILE, budget // max(1, self.mean.shape[1])))
+        self.sets = [(self.kept, self.counts)] + (self._at_min_counts(train_count) if VAL_AT[1] in self.counts else [])
+        self.union = union = torch.unique(torch.cat([k for k, _ in self.sets]))
+        self.ncc = Screen(self.mean, [k for k, _ in self.sets], budget)
+        self.without = self._leave_outs(fold_stats, min_count, budget) \
+            if fold_stats is not None and folds is not None and NC4_WITHOUT in folds else []
+        self.chunk = max(1, budget // max(1, min(len(union), self.tile)))
 
-    def _at_min_counts(self, train_count: torch.Tensor | None, budget: int) -> list[DecisionCounts]:
-        """A counter of the decisions over each NC4_MIN_COUNTS kept set (count >= m), into the rows of the
-        ``VAL_AT`` counts (none for a kept set without a class: its row stays 0 and NC4 is not measured there)."""
+    def _at_min_counts(self, train_count: torch.Tensor | None) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Each NC4_MIN_COUNTS kept set (count >= m) with the rows of the ``VAL_AT`` counts it counts into (none for
+        a kept set without a class: its row stays 0 and NC4 is not measured there)."""
         if train_count is None:
             raise ValueError("DecisionCounts: counts at each NC4 min_count (val_*_at) need the train counts")
         scratch = torch.zeros_like(self.counts["val_count"])  # val_count is the same for every kept set
@@ -374,10 +380,18 @@ class DecisionCounts(Sums):
         for i, m in enumerate(NC4_MIN_COUNTS):
             kept = torch.nonzero(train_count.to(self.mean.device) >= m).squeeze(1)
             if len(kept):
-                rows = {"val_count": scratch, "val_correct": self.counts[VAL_AT[0]][i],
-                        "val_ncc_agree": self.counts[VAL_AT[1]][i]}
-                out.append(DecisionCounts(self.w, self.b, self.mean, kept, counts=rows, budget=budget,
-                                          head=(self.w, self.b)))
+                out.append((kept, {"val_count": scratch, "val_correct": self.counts[VAL_AT[0]][i],
+                                   "val_ncc_agree": self.counts[VAL_AT[1]][i]}))
+        return out
+
+    def _leave_outs(self, fold_stats: FoldStats, min_count: int, budget: int) -> list[tuple[torch.Tensor, Screen]]:
+        """Per fold f, the classes of ``min_count`` train tokens outside it and the screen of their means without it
+        (:class:`LeaveOut`), for ``folds[NC4_WITHOUT]``."""
+        n = fold_stats.count.sum(0)
+        out = []
+        for f in range(len(fold_stats.parts)):
+            kept = torch.nonzero(n - fold_stats.count[f] >= min_count).squeeze(1).to(self.mean.device)
+            out.append((kept, Screen(LeaveOut(fold_stats, self.mean, f), [kept], budget, shift=self.ncc.shift)))
         return out
 
     @classmethod
@@ -399,29 +413,40 @@ class DecisionCounts(Sums):
         """The chunk's counts into its tokens' folds (the next ``len(y)`` of :meth:`begin`'s folds)."""
         if self.folds is None or self._fold is None:
             return
-        folds, vocab = self.folds["val_count"].shape
+        vocab = self.folds["val_count"].shape[1]
         key = self._fold[self._at:self._at + len(y)] * vocab + y
         self._at += len(y)
-        for name, keys in (("val_count", key), ("val_correct", key[linear == y]), ("val_ncc_agree", key[linear == ncc])):
-            self.folds[name] += torch.bincount(keys, minlength=folds * vocab).view(folds, vocab)
+        _tally(self.folds, key, linear == y, linear == ncc)
 
-    def _tiles(self, rows: torch.Tensor):
-        """The kept rows of ``rows`` (vocab x ...), a tile of classes at a time (gathered, float64)."""
-        for s in range(0, len(self.kept), self.tile):
-            yield rows[self.kept[s:s + self.tile].to(rows.device)].to(self.mean.device, torch.float64)
-
-    def _argmax(self, x: torch.Tensor, rows: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-        """The kept class of the largest ``x . rows_c + offset_c`` for each row of ``x`` (ties: the first kept)."""
+    def _argmax(self, x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """The class of ``kept`` of the largest ``x . w_c + b_c`` for each row of ``x`` (ties: the first kept)."""
         best = torch.full((len(x),), -torch.inf, dtype=torch.float64, device=x.device)
         arg = torch.zeros(len(x), dtype=torch.int64, device=x.device)
-        for i, r in enumerate(self._tiles(rows)):
-            s = x @ r.T
-            if offset is not None:
-                s += offset[i * self.tile:i * self.tile + len(r)]
-            v, j = s.max(1)
+        for s in range(0, len(kept), self.tile):
+            c = kept[s:s + self.tile]
+            sc = x @ self.w[c.to(self.w.device)].to(x.device, torch.float64).T
+            if self.b is not None:
+                sc += self.b[c.to(self.b.device)].to(x.device, torch.float64)
+            v, j = sc.max(1)
             better = v > best
-            best, arg = torch.where(better, v, best), torch.where(better, j + i * self.tile, arg)
-        return self.kept[arg]
+            best, arg = torch.where(better, v, best), torch.where(better, j + s, arg)
+        return kept[arg]
+
+    def _per_set(self, best: torch.Tensor, rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                 ) -> list[torch.Tensor]:
+        """The linear decisions of each kept set, then of each leave-one-fold-out kept set, from ``best`` (the first
+        largest over a superset of them): ``best`` where it is in the set (no earlier member can equal it), else
+        ``rescore(rows, kept)`` over the set."""
+        out = []
+        for kept, inside in [(k, m) for (k, _), m in zip(self.sets, self.ncc.member)] + \
+                [(k, w.member[0]) for k, w in self.without]:
+            top = best if len(out) < len(self.sets) else out[0]  # a leave-one-out set is within the kept set
+            d = top.clone()
+            out_rows = torch.nonzero(~inside[top]).squeeze(1)
+            if len(out_rows):
+                d[out_rows] = rescore(out_rows, kept)
+            out.append(d)
+        return out
 
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         z = None
@@ -430,24 +455,19 @@ class DecisionCounts(Sums):
                 z = self.lens(h).to(self.mean.device, torch.float64)
         h, y = h.to(self.mean.device, torch.float64), y.to(self.mean.device, torch.int64)
         z = h if z is None else z
-        b = None if self.b is None else self.b[self.kept]
         for s in range(0, len(y), self.chunk):
             hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
-            self.count(hc, yc, self._argmax(zc, self.w, b))
-            for c in self.at:  # the same tokens over each NC4_MIN_COUNTS kept set
-                c.count(hc, yc, c._argmax(zc, c.w, None if c.b is None else c.b[c.kept]))
+            linear = self._per_set(self._argmax(zc, self.union), lambda r, kept: self._argmax(zc[r], kept))
+            self.count_sets(hc, yc, linear)
 
     def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> None:
         """Count a chunk from its head logits over the whole vocabulary (n x vocab), at the kept set and at each
-        NC4_MIN_COUNTS kept set (:meth:`linear_decisions` of each)."""
-        self.count(h, y, self.linear_decisions(logits))
-        for c in self.at:
-            c.count(h, y, c.linear_decisions(logits))
+        NC4_MIN_COUNTS kept set (each set's argmax of its columns, the first of equal logits)."""
+        self.count_sets(h, y, self._per_set(logits.argmax(1), lambda r, kept: kept[logits[r[:, None], kept].argmax(1)]))
 
     def count(self, h: torch.Tensor, y: torch.Tensor, linear: torch.Tensor) -> None:
-        """Count a chunk whose linear decisions are given: ``linear`` (n, the kept class of the largest
-        w_c . z + b_c), e.g. the argmax of the kept columns of the head's logits the loss forms anyway (the head's
-        logits formed once).
+        """Count a chunk at the kept set ``kept`` alone (not the NC4_MIN_COUNTS sets), its linear decisions given:
+        ``linear`` (n, the kept class of the largest w_c . z + b_c).
 
         Parameters
         ----------
@@ -455,12 +475,22 @@ class DecisionCounts(Sums):
         y : their labels (n), int64.
         linear : the linear decision of each token (n), int64 class ids.
         """
-        vocab = self.counts["val_count"].shape[0]
-        ncc = self._argmax(h, self.mean, -self.half_sq)
-        self.counts["val_count"] += torch.bincount(y, minlength=vocab)
-        self.counts["val_correct"] += torch.bincount(y[linear == y], minlength=vocab)
-        self.counts["val_ncc_agree"] += torch.bincount(y[linear == ncc], minlength=vocab)
+        ncc = self.ncc.argmax(h)[0]
+        _tally(self.counts, y, linear == y, linear == ncc)
         self._count_folds(y, linear, ncc)
+
+    def count_sets(self, h: torch.Tensor, y: torch.Tensor, linear: list[torch.Tensor]) -> None:
+        """Count a chunk at every kept set, ``linear`` its linear decisions per set (in ``sets``' order); the
+        nearest-mean decisions from the screen."""
+        ncc = self.ncc.argmax(h)
+        for (_, counts), lin, near in zip(self.sets, linear, ncc):
+            _tally(counts, y, lin == y, lin == near)
+        if self.without and self._fold is not None:  # each replicate's: means and validation tokens without fold f
+            fold, agree = self._fold[self._at:self._at + len(y)], self.folds[NC4_WITHOUT]
+            for f, ((_, screen), lin) in enumerate(zip(self.without, linear[len(self.sets):])):
+                at = y[(fold != f) & (lin == screen.argmax(h)[0])]
+                agree[f].index_add_(0, at, torch.ones_like(at))
+        self._count_folds(y, linear[0], ncc[0])
 
     def linear_decisions(self, logits: torch.Tensor) -> torch.Tensor:
         """The linear decisions from a chunk's head logits over the whole vocabulary (n x vocab): the kept class of
@@ -470,6 +500,28 @@ class DecisionCounts(Sums):
     def sums(self) -> dict[str, torch.Tensor]:
         """The counts (merged across parts counted with the same head, means and kept classes)."""
         return self.counts
+
+
+class LeaveOut:
+    """The float64 class means without fold f, rows made on demand (``means[classes]``, as a Screen reads them):
+    (n_c mu_c - n_c^f mu_c^f) / (n_c - n_c^f), from the totals' means and the fold sums (not finite where every
+    train token of c is in fold f; such classes are not kept)."""
+
+    def __init__(self, fold_stats: FoldStats, mean: torch.Tensor, f: int):
+        self.n, self.mean = fold_stats.count.sum(0).to(mean.device), mean
+        self.nf, self.mf = fold_stats.count[f].to(mean.device), fold_stats.mean[f]
+        self.shape, self.device = mean.shape, mean.device
+
+    def __getitem__(self, c: torch.Tensor) -> torch.Tensor:
+        n, nf = self.n[c].to(torch.float64)[:, None], self.nf[c].to(torch.float64)[:, None]
+        return (n * self.mean[c] - nf * self.mf[c].to(self.device)) / (n - nf)
+
+
+def _tally(counts: dict[str, torch.Tensor], key: torch.Tensor, correct: torch.Tensor, agree: torch.Tensor) -> None:
+    """Add one to ``val_count`` at each ``key`` (flat indices into the counts), to ``val_correct`` where
+    ``correct``, to ``val_ncc_agree`` where ``agree`` (index_add_: no vocabulary-sized temporary per chunk)."""
+    for name, at in (("val_count", key), ("val_correct", key[correct]), ("val_ncc_agree", key[agree])):
+        counts[name].view(-1).index_add_(0, at, torch.ones_like(at))
 
 
 def merged_stats(parts: Iterable[Mapping[str, Any]], num_classes: int, dim: int, scatter: bool = True) -> ClassStats:

@@ -11,7 +11,7 @@ import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import kept_classes
-from ncanalyze.analyzer.schema import NC4_MIN_COUNT, NC4_MIN_COUNTS, VAL_AT, stats_dataset
+from ncanalyze.analyzer.schema import NC4_MIN_COUNT, NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT, stats_dataset
 
 MAX_FOLDS = 64  # as extraction's --folds
 
@@ -50,7 +50,7 @@ def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: A
         if classifier is None or val_labels is None:
             raise UserError("NC4 needs the classifier and the labels: pass classifier= (and classifier_bias=) and "
                             "val_labels= with val_embeddings")
-        val, fold_val = _val_counts(ds, val_embeddings, val_labels, min_count, batch_size, folds, block_size)
+        val, fold_val = _val_counts(ds, val_embeddings, val_labels, min_count, batch_size, folds, block_size, parts)
         for name, v in val.items():  # VAL_AT: one row per NC4_MIN_COUNTS, so NC4 is measurable at each
             ds[name] = ((NC4_MIN_COUNT, "vocab") if name in VAL_AT else "vocab"), v
         ds = ds.assign_coords({NC4_MIN_COUNT: np.asarray(NC4_MIN_COUNTS, dtype=np.int64)})
@@ -112,18 +112,21 @@ def _batches(h: Any, y: Any, batch_size: int, num_classes: int, what: str):
 
 
 def _val_counts(ds: xr.Dataset, h: Any, y: Any, min_count: int, batch_size: int, folds: int = 1,
-                block_size: int = 1) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+                block_size: int = 1, parts: Any = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     """NC4's counts per true class, over the kept classes, exactly as extraction counts them (and per fold with
-    ``folds`` > 1: folds x vocab, else None)."""
+    ``folds`` > 1: folds x vocab, with the agreements under the means without each fold of ``parts``, the
+    FoldStats; else None)."""
     import torch
 
     from ncanalyze.analyzer.accumulate import DecisionCounts
 
     K = torch.as_tensor(kept_classes(ds["count"].values, min_count))
     bias = torch.as_tensor(ds["classifier_bias"].values) if "classifier_bias" in ds else None
-    per_fold = DecisionCounts.zeros(ds.sizes["vocab"], "cpu", folds) if folds > 1 else None
+    per_fold = None if folds == 1 else DecisionCounts.zeros(ds.sizes["vocab"], "cpu", folds) | {
+        NC4_WITHOUT: torch.zeros(folds, ds.sizes["vocab"], dtype=torch.int64)}
     counts = DecisionCounts(torch.as_tensor(ds["classifier"].values), bias, torch.as_tensor(ds["mean"].values), K,
-                            folds=per_fold, train_count=torch.as_tensor(ds["count"].values))
+                            folds=per_fold, train_count=torch.as_tensor(ds["count"].values), fold_stats=parts,
+                            min_count=min_count)
     start = 0
     for hb, yb in _batches(h, y, batch_size, ds.sizes["vocab"], "val_embeddings"):
         counts.begin(_fold(start, len(yb), block_size, folds) if per_fold is not None else None)

@@ -27,8 +27,12 @@ still measured exactly on it (the d x d moments, the per-class algebra, NC3, NC4
   error (``se_sampling_error``, recorded with ``se_method`` where the errors are written).
 
 Each replicate keeps its own classes (``min_count`` of its own train tokens), as an independent sample would. NC4's
-decisions were counted at extraction with the full sample's means, so its error is that of the validation tokens
-alone. A metric whose replicates are not all finite, or that rests on a fold without a token, has a nan error with a
+decisions are counted at extraction: its replicate without fold i reads ``fold_val_ncc_agree_without`` (the
+agreements of the validation tokens outside fold i with the nearest of the train means without fold i, over the
+classes of ``min_count`` train tokens outside it; ``schema.NC4_WITHOUT``), so its error holds the noise of the class
+means as well as that of the validation tokens. A group extracted before it (no such variable), and the nested
+budgets' jackknife over the first k < F folds, vary the validation folds alone (the means fixed: an error about 0.7
+of the spread over disjoint samples). A metric whose replicates are not all finite, or that rests on a fold without a token, has a nan error with a
 note: never a made-up number.
 """
 from __future__ import annotations
@@ -44,13 +48,13 @@ import pandas as pd
 import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import SCALARS, VAL_COUNTS, stats_dataset
+from ncanalyze.analyzer.schema import NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
 
 Measure = Callable[[xr.Dataset], Mapping[str, float]]  # a dataset's scalar metrics (metrics.measure_all's first)
 
 # the fold sums of a checkpoint group (dimension ``fold``): ClassStats' state per fold, and NC4's counts per fold
 FOLD_STATS = ("count", "mean", "m2", "scatter", "unit_sum")
-FOLD_VARS = (*(f"fold_{n}" for n in FOLD_STATS), *(f"fold_{n}" for n in VAL_COUNTS))
+FOLD_VARS = (*(f"fold_{n}" for n in FOLD_STATS), *(f"fold_{n}" for n in (*VAL_COUNTS, NC4_WITHOUT)))
 _DIMS = {"count": ("fold", "vocab"), "mean": ("fold", "vocab", "hidden"), "m2": ("fold", "vocab"),
          "scatter": ("fold", "hidden", "hidden2"), "unit_sum": ("fold", "hidden")}
 
@@ -141,6 +145,8 @@ def without(ds: xr.Dataset, i: int) -> xr.Dataset:
             if "fold_unit_sum" in ds and "unit_sum" in ds else None)
     val = {n: np.asarray(ds[n].values) - np.asarray(ds[f"fold_{n}"].values[i]) for n in VAL_COUNTS
            if f"fold_{n}" in ds and n in ds}
+    if f"fold_{NC4_WITHOUT}" in ds and "val_ncc_agree" in val:   # NC4 with the train means without fold i as well
+        val["val_ncc_agree"] = np.asarray(ds[f"fold_{NC4_WITHOUT}"].values[i])
     return _dataset(ds, rest, mean, m2, scatter, unit, val, n_folds(ds) - 1)
 
 

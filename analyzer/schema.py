@@ -77,6 +77,10 @@ VAL_COUNTS = ("val_count", "val_correct", "val_ncc_agree")
 NC4_MIN_COUNTS = (1, 2, 5, 20)
 NC4_MIN_COUNT = "nc4_min_count"
 VAL_AT = ("val_correct_at", "val_ncc_agree_at")
+# NC4's agreements under the train means without each fold (fold x vocab, stored as fold_<name>): [f, c] counts the
+# validation tokens of class c outside fold f whose linear decision equals the nearest of the means without train
+# fold f, both over the classes of --min-count train tokens outside fold f (the jackknife's replicate without f)
+NC4_WITHOUT = "val_ncc_agree_without"
 # the output layer (vocab x hidden, and its bias when the model has one): in a store, once per checkpoint, as
 # coordinates of the checkpoint group that its layer groups inherit (store/classifier.py); a data variable elsewhere
 HEAD = ("classifier", "classifier_bias")

@@ -17,6 +17,11 @@ costs cancel, and the marginal rate is tokens / seconds of the difference, with 
 - ``base-model forward``: ``model.transformer(ids)`` alone (no output layer), the reference (target >= 0.9);
 - ``causal-LM forward``: ``model(ids)`` with the 50,257-way logits, for scale.
 
+``--validation`` times the validation pass instead (``val_pass`` as ``ncanalyze extract`` runs it at the default
+last layer: NC4's decisions over the kept classes and over each NC4_MIN_COUNTS kept set, their fold counts, the model's
+loss), after one train pass over ``--train-batches`` batches of half Zipf, half uniform ids (the kept classes: ~45,000
+of 50,257 at the default 40), against ``causal-LM forward`` (target >= 0.5, issue 52).
+
 Every contender runs under the thread policy (``--threads``, default auto), ``--conditions quiet,loaded`` times them
 without and with busy processes of our own on every allowed core.
 """
@@ -26,6 +31,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -34,22 +40,27 @@ import torch
 from ncanalyze.analyzer import threads
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import plan
-from ncanalyze.store.extraction.passes import train_pass
+from ncanalyze.store.extraction.passes import train_pass, val_pass
 from ncanalyze.store.extraction.running import Extraction, LayerState
-from ncanalyze.store.resume import Saver
+from ncanalyze.store.resume import Phase, Saver
+from ncanalyze.store.sources.anatomy import head
 from ncanalyze.store.runs.shards import _arrays, merge_states
 from threads import load  # benchmarks/threads.py: bounded busy processes
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 
-def tokens(args, vocab: int, n: int) -> np.ndarray:
+def tokens(args, vocab: int, n: int, uniform: float = 0.0) -> np.ndarray:
+    """``n`` token ids: of --text, else Zipf-like ids with a share ``uniform`` drawn uniformly over the vocabulary."""
     if args.text:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
         text = Path(args.text).read_text()[: n * 6]
         return np.array(tok(text)["input_ids"][:n], dtype=np.int64)
     rng = np.random.default_rng(0)  # Zipf-like ids: a realistic number of distinct classes per batch
-    return np.minimum(rng.zipf(1.2, n) - 1, vocab - 1).astype(np.int64)
+    ids = np.minimum(rng.zipf(1.2, n) - 1, vocab - 1).astype(np.int64)
+    flat = rng.random(n) < uniform
+    ids[flat] = rng.integers(0, vocab, int(flat.sum()))
+    return ids
 
 
 def main() -> None:
@@ -73,6 +84,10 @@ def main() -> None:
                    "(--busy spinning processes per allowed core, bounded, ended by the script)")
     p.add_argument("--busy", type=int, default=1)
     p.add_argument("--parts", action="store_true", help="first, where a train batch's time goes (parts())")
+    p.add_argument("--validation", action="store_true", help="time the validation pass against the causal-LM "
+                   "forward (see above)")
+    p.add_argument("--train-batches", type=int, default=40, help="with --validation: batches of the train pass that "
+                   "sets the kept classes and their means")
     p.add_argument("--text", help="a text file to tokenize (else Zipf-distributed random ids)")
     p.add_argument("--tokenizer", help="tokenizer folder for --text")
     args = p.parse_args()
@@ -122,6 +137,29 @@ def main() -> None:
             sync()
             return time.perf_counter() - t0
 
+        def validation() -> Callable[[int], float]:
+            """The validation pass over n batches, after one train pass (the kept classes, their means)."""
+            np.save(Path(tmp) / "fit.npy", tokens(args, args.vocab, args.train_batches * per_batch, uniform=0.5))
+            fit = open_blocks(str(Path(tmp) / "fit.npy"), "train", args.block_size,
+                              args.train_batches * per_batch, "text", None)
+            ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device, folds=args.folds)
+            train_pass(model, fit, ex, args.batch_size, saver, "bench")
+            classifier, bias = head(model)
+            print(f"[validation: {int((ex.first().stats.count >= 1).sum()):,} kept classes, folds {args.folds}]")
+
+            def run(n: int) -> float:
+                ex.next_phase(Phase.VALIDATION)
+                sync()
+                t0 = time.perf_counter()
+                val_pass(model, blocks(n), ex, classifier, bias, 1, args.batch_size, saver, "bench")
+                sync()
+                return time.perf_counter() - t0
+            return run
+
+        if args.validation:
+            best = timed({"validation pass": validation(), "causal-LM forward": lambda n: forward(model, n)}, args)
+            report_validation(best, args, device)
+            return
         contenders = {
             "extract": extract,
             "extract, shard": lambda n: extract(n, shard=True),
@@ -204,6 +242,25 @@ def timed(contenders: dict, args) -> dict:
                 best[k][n] = min(best[k][n], f(n))
                 threads.tick()
     return best
+
+
+def rates(best: dict, args) -> dict:
+    """Each contender's marginal tokens/s (nan where its longer run was not slower: noise)."""
+    extra_tokens = (args.long - args.short) * args.batch_size * (args.block_size - 1)
+    return {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")
+            for k, t in best.items()}
+
+
+def report_validation(best: dict, args, device) -> None:
+    """The validation pass's marginal rate against the causal-LM forward's."""
+    rate = rates(best, args)
+    print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
+          f"{args.block_size}, {device}, {args.dtype}; marginal over {args.long} - {args.short} batches, minimum of "
+          f"{args.repeats}")
+    for k, r in rate.items():
+        print(f"  {k:>20}: {r:>10,.0f} tokens/s")
+    print(f"ratio validation pass / causal-LM forward: {rate['validation pass'] / rate['causal-LM forward']:.3f}  "
+          "(target >= 0.5)")
 
 
 def report(best: dict, args, device) -> None:

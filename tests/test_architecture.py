@@ -259,6 +259,7 @@ def test_names_do_not_collide():
 ENGINES = {"numba": "analyzer/engine_numba.py", "torch": "analyzer/engine_torch.py"}
 CHOOSER = "analyzer/engines.py"
 TORCH_OUTSIDE_THE_SUMS = {"analyzer/accumulate.py", "analyzer/arrays.py", CHOOSER,  # extraction, tensor input, devices
+                          "analyzer/screen.py",  # extraction's NC4 decisions (the accumulators' float32 screen)
                           "analyzer/threads.py"}  # the thread policy sets torch's pools, as the BLAS's
 
 

@@ -176,7 +176,8 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
     """Seconds, for the batch ``ids`` (b x L), of the forward pass, of a layer's part of the train pass (float64
     statistics and, with ``folds`` > 1, the fold sums beside them; the reservoir), of a layer's part of the validation
     pass below the last layer (NC4's decisions over the classes of ``counts`` >= ``min_count``, and over each
-    NC4_MIN_COUNTS kept set, into the fold counts too) and of the last layer's part (the loss, its decisions read from
+    NC4_MIN_COUNTS kept set, into the fold counts too, and under the means without each fold) and of the last
+    layer's part (the loss, its decisions read from
     the loss's logits; the last two 0 without ``validation``); each by the extraction's own code on a scratch state,
     the last three on a slice of the positions, scaled (:func:`_per_rows`)."""
     device = ids.device
@@ -201,7 +202,7 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
     kept = torch.nonzero(count >= min_count).squeeze(1)
     shared = float64_head(classifier, bias, device)  # one float64 head for both, as the validation pass has it
     decisions = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val, head=shared, folds=ex.fold_val,
-                               train_count=count)
+                               train_count=count, fold_stats=ex.folds, min_count=min_count)
     loss = NextTokenLoss(*shared, LogitTransform.of(model.config))
 
     def step(run, m: int) -> None:

@@ -20,9 +20,9 @@ def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devi
     """(bytes per layer, bytes shared by the layers) of an extraction's running state on ``device``, as the passes
     hold it (``tests/store/extraction/test_memory.py`` measures it). Per layer: the float64 means (vocab x d), the d x d scatter, the
     per-class vectors (count, M2, 3 validation counts, and in the validation pass the kept means' half squared
-    norms; the means themselves are read in place), NC4's counts at each min_count (:func:`nc4_at_bytes`) and the
-    unit-vector sum; on the CPU also the reservoir (float32
-    samples, their keys and positions), which lives on the CPU whatever the device. Shared: the head's float64 copy
+    norms; the means themselves are read in place), NC4's counts at each min_count (:func:`nc4_at_bytes`), its
+    screen (:func:`screen_bytes`) and the unit-vector sum; on the CPU also the screen's float32 means (vocab x d) and
+    the reservoir (float32 samples, their keys and positions), which lives on the CPU whatever the device. Shared: the head's float64 copy
     and bias, and the kept classes' indices, one for the whole validation pass (the loss and every layer read it).
     The batches' transient work (bounded chunks) is left to :func:`state_budget`'s margin.
 
@@ -36,9 +36,9 @@ def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devi
     -------
     (per_layer, shared) : bytes.
     """
-    per_layer = vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8 + nc4_at_bytes(vocab)
+    per_layer = vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8 + nc4_at_bytes(vocab) + screen_bytes(vocab, dim)
     if device.type == "cpu":
-        per_layer += vocab * samples_per_class * (4 * dim + 16)
+        per_layer += vocab * samples_per_class * (4 * dim + 16) + vocab * dim * 4  # and NC4's float32 means
     return per_layer, vocab * dim * 8 + 2 * vocab * 8
 
 def available_bytes(device: torch.device) -> int:
@@ -50,9 +50,17 @@ def available_bytes(device: torch.device) -> int:
 def nc4_at_bytes(vocab: int) -> int:
     """Bytes a layer's validation state adds for NC4 at each of ``NC4_MIN_COUNTS`` (at most): the two count rows per
     kept set (``val_correct_at``, ``val_ncc_agree_at``), one shared scratch count, and per kept set its classes'
-    indices and their means' half squared norms (every class kept)."""
+    indices (every class kept)."""
     k = len(NC4_MIN_COUNTS)
-    return 2 * k * vocab * 8 + vocab * 8 + k * vocab * 16
+    return 2 * k * vocab * 8 + vocab * 8 + k * vocab * 8
+
+
+def screen_bytes(vocab: int, dim: int) -> int:
+    """Bytes of a layer's NC4 screen (analyzer.screen.Screen) beside its float32 means (held on the CPU alone): the
+    union of the kept sets twice (ascending, and in the screen's order), the shifted means' float32 offsets, each
+    set's membership (one byte per class) and the shift (every class kept)."""
+    return vocab * (8 + 8 + 4 + 1 + len(NC4_MIN_COUNTS)) + dim * 8
+
 
 def group_bytes(vocab: int, dim: int, samples_per_class: int, layers: int = 1, embeddings: int = 0,
                 embeddings_itemsize: int = 4, folds: int = 1) -> int:
@@ -152,9 +160,17 @@ def check_memory(sizes: tuple[int, int], per_pass: int | None, device: torch.dev
                     f"but {bytes_text(free)} is free: {hint}")
 
 def fold_bytes(vocab: int, dim: int) -> int:
-    """Bytes one fold adds to a layer's running state: its float64 means (vocab x d), d x d scatter, count, M2 and
-    3 validation counts per class, and its unit-vector sum (accumulate.FoldStats, DecisionCounts' fold counts)."""
-    return vocab * dim * 8 + dim * dim * 8 + 5 * vocab * 8 + dim * 8
+    """Bytes one fold adds to a layer's running state and its group: its float64 means (vocab x d), d x d scatter,
+    count, M2, 3 validation counts and NC4's agreements under the means without it per class, and its unit-vector sum
+    (accumulate.FoldStats, DecisionCounts' fold counts)."""
+    return vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8
+
+
+def leave_out_bytes(vocab: int, dim: int, device: torch.device) -> int:
+    """Bytes one fold adds to a layer's validation pass beside :func:`fold_bytes`: the screen of the means without
+    it (accumulate.LeaveOut; :func:`screen_bytes` for one set, the float32 means on the CPU alone) and its kept
+    classes' indices (every class kept)."""
+    return vocab * (8 + 8 + 8 + 4 + 1 + 8) + dim * 8 + (vocab * dim * 4 if device.type == "cpu" else 0)
 
 def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: int, device: torch.device,
               state_memory: int | None = None, budget: int | None = None) -> int:
@@ -178,11 +194,12 @@ def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: 
         return 1
     per_layer, shared = state_bytes(vocab, dim, samples_per_class, device)
     room = (budget if budget is not None else state_budget(device, state_memory)) - shared - layers * per_layer
-    fits = max(0, room) // max(1, layers * fold_bytes(vocab, dim))
+    each = fold_bytes(vocab, dim) + leave_out_bytes(vocab, dim, device)
+    fits = max(0, room) // max(1, layers * each)
     if fits >= folds:
         return folds
     kept = int(fits) if fits >= 2 else 1
     log.warning("--folds %d: the fold statistics of %d layer(s) need ~%s but %s is left of the state's memory; "
-                "keeping %s (attribute folds)", folds, layers, bytes_text(folds * layers * fold_bytes(vocab, dim)),
+                "keeping %s (attribute folds)", folds, layers, bytes_text(folds * layers * each),
                 bytes_text(max(0, room)), f"{kept} folds" if kept > 1 else "no folds: no jackknife errors")
     return kept

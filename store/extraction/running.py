@@ -24,7 +24,7 @@ import xarray as xr
 from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts, FoldStats, Groups
 from ncanalyze.analyzer.jackknife import fold_variables
 from ncanalyze.analyzer.errors import CheckpointError
-from ncanalyze.analyzer.schema import stats_dataset
+from ncanalyze.analyzer.schema import NC4_WITHOUT, stats_dataset
 from ncanalyze.store.extraction.labels import Labels
 from ncanalyze.store.extraction.layers import Embeddings, Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
@@ -58,7 +58,8 @@ class LayerState:
         self.val = DecisionCounts.zeros(vocab, device)
         self.lm = NextTokenLoss.zeros(device)
         self.folds = FoldStats(folds, vocab, dim, device) if folds > 1 else None
-        self.fold_val = DecisionCounts.zeros(vocab, device, folds) if folds > 1 else None
+        self.fold_val = None if folds == 1 else DecisionCounts.zeros(vocab, device, folds) | {
+            NC4_WITHOUT: torch.zeros(folds, vocab, dtype=torch.int64, device=device)}  # NC4's replicates' agreements
         self._stale = False  # the fold sums moved since the totals were made from them
 
     @property

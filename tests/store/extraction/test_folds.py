@@ -9,14 +9,15 @@ import pytest
 import torch
 from conftest import run_cli
 
-from ncanalyze.store.extraction.memory import fit_folds, fold_bytes, state_bytes
+from ncanalyze.store.extraction.memory import fit_folds, fold_bytes, leave_out_bytes, state_bytes
 
 CPU = torch.device("cpu")
 
 
 def test_fit_folds_keeps_what_the_budget_holds_and_says_so(caplog):
     per_layer, shared = state_bytes(1000, 64, 4, CPU)
-    room = lambda k: shared + 2 * per_layer + k * 2 * fold_bytes(1000, 64)  # noqa: E731
+    each = fold_bytes(1000, 64) + leave_out_bytes(1000, 64, CPU)  # and NC4's screen of the means without the fold
+    room = lambda k: shared + 2 * per_layer + k * 2 * each  # noqa: E731
     assert fit_folds(8, 1000, 64, 4, 2, CPU, budget=room(8)) == 8
     assert fit_folds(1, 1000, 64, 4, 2, CPU, budget=0) == 1
     from conftest import listening

@@ -228,8 +228,8 @@ def test_memory_check_names_the_layers_per_pass_that_fit():
 
     sizes = state_bytes(50257, 768, 8, torch.device("cuda"))
     per_layer, shared = sizes
-    # one float64 copy: the means; and NC4's counts at 4 min_counts (memory.nc4_at_bytes)
-    assert per_layer == 50257 * 768 * 8 + 6 * 50257 * 8 + 768 * 768 * 8 + 768 * 8 + 136 * 50257
+    # one float64 copy: the means; NC4's counts at 4 min_counts (memory.nc4_at_bytes) and its screen (screen_bytes)
+    assert per_layer == 50257 * 768 * 8 + 6 * 50257 * 8 + 768 * 768 * 8 + 768 * 8 + 129 * 50257 + 768 * 8
     assert shared == 50257 * 768 * 8 + 2 * 50257 * 8  # the float64 head and bias, the kept indices
     check_memory(sizes, 13, torch.device("cuda"), available=13 * per_layer + shared)  # fits exactly
     with pytest.raises(UserError, match="--layers-per-pass 4 "):

@@ -190,7 +190,7 @@ def test_the_8b_shape_fits_in_three_passes_on_one_80gb_gpu():
     budget = budget_of(80 * 2**30 - 16_100_000_000)
     assert budget == 69_799_345_920 - 6_979_934_592
     per_layer, shared = state_bytes(V, d, 8, torch.device("cuda"))
-    assert per_layer == 4_343_099_392 + 136 * V and shared == 4_204_744_704  # + NC4's counts at 4 min_counts
+    assert per_layer == 4_343_099_392 + 129 * V + 8 * d and shared == 4_204_744_704  # + NC4 at 4 min_counts, its screen
     fitted = fit_plan(plan("all", "auto", 0, "float32", 32), V, d, 8, torch.device("cuda"), budget, 2**50)
     assert len(fitted.passes) == 3 and fitted.widest_pass == 13
     assert [l for p in indices(fitted.passes) for l in p] == list(range(33))

@@ -230,3 +230,86 @@ def test_a_kill_between_the_passes_resumes_from_the_last_train_save_bit_for_bit(
     assert extract(ckpt, tmp_path / "b.zarr", cfg(10 ** 6)).summary().endswith("0 extracted, 1 resumed, 0 already in "
                                                                                f"{tmp_path / 'b.zarr'}")
     assert_same_group(tmp_path / "a.zarr", tmp_path / "b.zarr", group)
+
+
+def _brute_nc4(H: np.ndarray, y: np.ndarray, W: np.ndarray, b: np.ndarray, M: np.ndarray, kept: np.ndarray,
+               V: int) -> dict[str, np.ndarray]:
+    """NC4's counts per class over ``kept`` by numpy float64: the linear argmax, the nearest mean (squared distances)."""
+    linear = kept[(H @ W[kept].T + b[kept]).argmax(1)]
+    ncc = kept[np.concatenate([((H[s:s + 256, None] - M[kept][None]) ** 2).sum(-1).argmin(1)
+                               for s in range(0, len(H), 256)])]
+    return {"val_count": np.bincount(y, minlength=V), "val_correct": np.bincount(y[linear == y], minlength=V),
+            "val_ncc_agree": np.bincount(y[linear == ncc], minlength=V)}
+
+
+@pytest.mark.slow
+def test_a_validation_pass_counts_as_a_float64_brute_force_at_every_kept_set_and_fold(trained_run, corpus, tmp_path,
+                                                                                       monkeypatch):
+    """The validation pass of a Trainer checkpoint (its NC4 decisions screened in float32, rechecked in float64)
+    stores, count for count, what a numpy float64 brute force of the same features counts: val_*, each
+    NC4_MIN_COUNTS row of val_*_at, each fold's fold_val_* and, per fold f, the agreements outside f under the means
+    of the train features outside f (fold_val_ncc_agree_without); the screen decided most tokens."""
+    from ncanalyze.analyzer.schema import NC4_MIN_COUNTS
+    from ncanalyze.store.data.blocks import open_blocks
+    from ncanalyze.store.extraction import passes
+    from ncanalyze.store.extraction.layers import plan
+    from ncanalyze.store.extraction.running import Extraction
+    from ncanalyze.store.resume import Phase, Saver
+    from ncanalyze.store.sources.anatomy import features, head
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float32).eval()
+    W, b = head(model)
+    V, d, L, F = W.shape[0], W.shape[1], 32, 4
+    tok = AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
+    for split in ("train", "val"):
+        np.save(tmp_path / f"{split}.npy", np.array(tok(corpus[split].read_text())["input_ids"], dtype=np.int64))
+    train = open_blocks(str(tmp_path / "train.npy"), "train", L, 4096, "text", None, cap_mode="prefix")
+    val = open_blocks(str(tmp_path / "val.npy"), "validation", L, 2048, "text", None, cap_mode="prefix")
+    ex, saver = Extraction(plan(), V, d, 1, 0, "cpu", folds=F), Saver(tmp_path / "s.npz", dict, every=float("inf"))
+    seen = []
+
+    class Seen(passes.DecisionCounts):  # the same counter, kept to read its screen's tallies
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            seen.append(self)
+    monkeypatch.setattr(passes, "DecisionCounts", Seen)
+    passes.train_pass(model, train, ex, 8, saver, "t")
+    ex.next_phase(Phase.VALIDATION)
+    passes.val_pass(model, val, ex, W, b, 1, 8, saver, "t")
+    ids = np.concatenate(list(val.batches(8)))
+    with torch.inference_mode():
+        H = features(model, torch.from_numpy(ids)).double().numpy()
+    y, fold = ids[:, 1:], np.arange(len(ids)) % F
+    s = ex.main()
+    count, M = s.stats.count.numpy(), s.stats.mean.numpy()
+    Wn, bn = W.double().numpy(), (np.zeros(V) if b is None else b.double().numpy())
+    flat = H.reshape(-1, d)
+    whole = _brute_nc4(flat, y.ravel(), Wn, bn, M, np.nonzero(count >= 1)[0], V)
+    for n, want in whole.items():
+        np.testing.assert_array_equal(s.val[n].numpy(), want, err_msg=n)
+    for i, m in enumerate(NC4_MIN_COUNTS):
+        at = _brute_nc4(flat, y.ravel(), Wn, bn, M, np.nonzero(count >= m)[0], V)
+        for n in ("val_correct", "val_ncc_agree"):
+            np.testing.assert_array_equal(s.val[f"{n}_at"][i].numpy(), at[n], err_msg=f"{n}_at {m}")
+    for f in range(F):
+        part = _brute_nc4(H[fold == f].reshape(-1, d), y[fold == f].ravel(), Wn, bn, M, np.nonzero(count >= 1)[0], V)
+        for n, want in part.items():
+            np.testing.assert_array_equal(s.fold_val[n][f].numpy(), want, err_msg=f"fold {f} {n}")
+    assert int(s.val["val_ncc_agree"].sum()) > 0 and int(s.val["val_count"].sum()) == y.size
+    ncc = seen[0].ncc
+    assert ncc.screened > 0.8 * (ncc.screened + ncc.rechecked)
+    train_ids = np.concatenate(list(train.batches(8)))
+    with torch.inference_mode():
+        Ht = features(model, torch.from_numpy(train_ids)).double().numpy().reshape(-1, d)
+    yt, ft = train_ids[:, 1:].ravel(), np.repeat(np.arange(len(train_ids)) % F, L - 1)
+    np.testing.assert_array_equal(np.bincount(yt, minlength=V), count)
+    for f in range(F):
+        n = np.bincount(yt[ft != f], minlength=V)
+        kept = np.nonzero(n >= 1)[0]
+        Mf = np.zeros((V, d))
+        np.add.at(Mf, yt[ft != f], Ht[ft != f])
+        Mf[kept] /= n[kept, None]
+        out = fold != f
+        want = _brute_nc4(H[out].reshape(-1, d), y[out].ravel(), Wn, bn, Mf, kept, V)["val_ncc_agree"]
+        np.testing.assert_array_equal(s.fold_val["val_ncc_agree_without"][f].numpy(), want, err_msg=f"without {f}")

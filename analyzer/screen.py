@@ -1,0 +1,196 @@
+"""NC4's nearest-class-mean decision, argmax_c (x . mu_c - ||mu_c||^2 / 2) over each of several class sets, at
+float32 speed and exactly the float64 decision: a float32 GEMM screen whose error is bounded rigorously, and a
+float64 recheck of every token whose screened margin is within that bound.
+
+The screen. Shifting the features and the means by one vector g (the sets' means averaged) moves every class's score
+by the same amount per token, (x - g) . (mu_c - g) - ||mu_c - g||^2 / 2 = score_c - x . g + ||g||^2 / 2, so the
+decisions are those of r_c = mu_c - g, o_c = -||r_c||^2 / 2 and x - g, whose norms lack the features' common part.
+The screen forms s~_c = fl32(o_c + (x - g) . r_c) from float32 copies, one GEMM (``addmm``) in any summation order.
+With u = 2^-24 (float32 rounding) and d the width, each score is within
+
+    E(x) = (1.02 d + 4) u (||x - g|| R + O) + (d + 1) 2^-100,    R = max_c ||r_c||,  O = max_c |o_c| = R^2 / 2,
+
+of the exact one: the conversions cost (2u + u^2) sum_i |x_i r_i| + u |o_c|, the accumulation of d + 1 terms
+gamma_{d+1} (|o_c| + sum_i |x_i r_i|) (Higham, Accuracy and Stability, 3.1; gamma_n = nu / (1 - nu) <= 1.0101 nu for
+nu <= 0.01, with or without FMA), and 4u beyond 1.02d + 3.03 covers float64's own error in the reference scores and the
+norms; the last term covers float32 underflow, given |x_i|, |r_i| <= 2^40 and |o_c| <= 2^80 (checked: outside
+them, or at d >= 167,000, a token is rechecked rather than screened). TF32 and bfloat16 GEMMs are switched off for the
+screen (``torch.set_float32_matmul_precision("highest")``), on the CPU and on CUDA alike.
+
+A token is decided by the screen in a set S where its best screened score in S beats the next by more than 2 E(x):
+then no other class of S can reach it in exact arithmetic, nor in float64. The sets are nested (NC4's kept sets,
+count >= m): the union's classes are ordered so that each set is a prefix, and one GEMM serves them all. Every other
+token is
+rechecked: its candidates (the members of S within 2 E(x) of its best screened score in S) are scored in float64,
+o_c + sum_i x_i r_ic, and the first (smallest) class of the largest score wins, as one float64 argmax over S gives.
+Two classes whose float64 scores differ by a few float64 roundings (an exact tie in real arithmetic, unless the rows
+are equal) may be ordered otherwise than another float64 evaluation order would order them.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+U32 = 2.0 ** -24  # float32's unit roundoff
+LIMIT = 2.0 ** 40  # the largest |x_i|, |r_i| (and LIMIT^2 for |o_c|) the bound covers
+
+
+@contextmanager
+def ieee_float32() -> Iterator[None]:
+    """float32 GEMMs in IEEE float32 (no TF32, no bfloat16 passes) while inside, the setting restored after."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def first_argmax(score: torch.Tensor, token: torch.Tensor, cls: torch.Tensor, n: int) -> torch.Tensor:
+    """Per token of ``n``, the smallest ``cls`` among its pairs of the largest ``score`` (pairs: ``token``, ``cls``,
+    ``score``, each m)."""
+    best = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device)
+    best = best.scatter_reduce(0, token, score, "amax")
+    top = score == best[token]
+    out = torch.full((n,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=score.device)
+    return out.scatter_reduce(0, token[top], cls[top], "amin")
+
+
+class Screen:
+    """argmax_{c in S} (x . mu_c - ||mu_c||^2 / 2) for each set S of ``sets``, a chunk of tokens at a time
+    (:meth:`argmax`); the tokens screened and rechecked are counted (``screened``, ``rechecked``: tokens x sets).
+
+    Parameters
+    ----------
+    means : mu (vocab x d), float64, read in place (on the CPU the sets' classes are copied, shifted, to float32).
+    sets : each set's classes (ascending class ids).
+    budget : (token, class) cells formed at a time.
+    hold : hold the float32 rows (default: on the CPU), else make them per call (CUDA's way, testable on the CPU).
+    shift : g (d), default the sets' means averaged (any g gives the same decisions; it tightens the bound).
+    """
+
+    def __init__(self, means: torch.Tensor, sets: Sequence[torch.Tensor], budget: int = 1 << 25,
+                 hold: bool | None = None, shift: torch.Tensor | None = None):
+        self.means, d, dev = means, means.shape[1], means.device
+        self.member = torch.zeros(len(sets), means.shape[0], dtype=torch.bool, device=dev)
+        for j, s in enumerate(sets):
+            self.member[j, s] = True
+        depth = self.member.sum(0)  # the union's classes, those in the most sets first (nested sets: prefixes)
+        self.union = torch.sort(depth, descending=True, stable=True).indices[:int((depth > 0).sum())]
+        self.size = [len(s) for s in sets]
+        if not all(bool(self.member[j][self.union[:k]].all()) for j, k in enumerate(self.size)):
+            raise ValueError("Screen: the class sets must be nested")
+        self.tile = max(1, min(len(self.union), budget // max(1, d)))
+        self.half_sq = torch.zeros(means.shape[0], dtype=torch.float64, device=dev)  # today's ||mu_c||^2 / 2
+        if shift is None:
+            shift = torch.zeros(d, dtype=torch.float64, device=dev)
+            for _, m in self._tiles():
+                shift += m.sum(0)
+            shift /= max(1, len(self.union))
+        self.shift, keep = shift, (dev.type == "cpu" if hold is None else hold)
+        o, r32, top = [torch.zeros(0, dtype=torch.float64, device=dev)], [torch.zeros(0, d, device=dev)], 0.0
+        for s, m in self._tiles():  # the shifted rows, their offsets and (held) float32 copy, a tile at a time
+            self.half_sq[self.union[s:s + len(m)]] = 0.5 * (m * m).sum(1)
+            r = m - self.shift
+            o.append(-0.5 * (r * r).sum(1))
+            top = max(top, float(r.abs().max()))
+            if keep:
+                r32.append(r.float())
+        o = torch.cat(o)
+        self.o32, self.O = o.float(), (float(o.abs().max()) if len(o) else 0.0)
+        # the shifted rows in float32 held on the CPU (made again per call they cost more than the GEMM there); on
+        # CUDA made per call, a tile at a time (the state stays lean; the copy is fast there)
+        self.r32 = torch.cat(r32) if keep and len(self.union) else None
+        self.R = (2 * self.O) ** 0.5
+        sound = top <= LIMIT and (d + 1) * U32 <= 0.01
+        self.coef = (1.02 * d + 4) * U32 if sound else torch.inf
+        self.floor = (d + 1) * 2.0 ** -100
+        self.chunk = max(1, budget // max(1, min(len(self.union), self.tile)))  # tokens screened at a time
+        self.budget = budget
+        self.screened = self.rechecked = 0
+
+    def _tiles(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for s in range(0, len(self.union), self.tile):
+            yield s, self.means[self.union[s:s + self.tile]]
+
+    def bound(self, x: torch.Tensor) -> torch.Tensor:
+        """E(x) per token of the shifted ``x`` (inf where the bound does not hold: an element beyond :data:`LIMIT`)."""
+        e = self.coef * (torch.linalg.vector_norm(x, dim=1) * self.R + self.O) + self.floor
+        return torch.where(x.abs().amax(1) <= LIMIT, e, torch.inf)
+
+    def scores(self, x32: torch.Tensor) -> torch.Tensor:
+        """The screened scores of shifted tokens ``x32`` (float32) at every class of the union (few tokens)."""
+        return torch.cat([self._scores(x32, s) for s in range(0, len(self.union), self.tile)], 1)
+
+    def _rows32(self, s: int) -> torch.Tensor:
+        """The shifted rows of the union's columns s:s + tile, float32."""
+        if self.r32 is not None:
+            return self.r32[s:s + self.tile]
+        return (self.means[self.union[s:s + self.tile]] - self.shift).float()
+
+    def _scores(self, x32: torch.Tensor, s: int) -> torch.Tensor:
+        with ieee_float32():
+            return torch.addmm(self.o32[s:s + self.tile], x32, self._rows32(s).T)
+
+    def top(self, x32: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per set, the two best screened scores of each token (n x 2, descending; -inf where the set has one
+        class) and their columns in the union."""
+        n, dev = len(x32), x32.device
+        best = [(torch.full((n, 2), -torch.inf, device=dev), torch.zeros(n, 2, dtype=torch.int64, device=dev))
+                for _ in self.size]
+        for s in range(0, len(self.union), self.tile):
+            sc = self._scores(x32, s)
+            for j, k in enumerate(self.size):
+                if k > s:
+                    v, c = sc[:, :k - s].topk(min(2, k - s, sc.shape[1]), dim=1)
+                    v, at = torch.cat([best[j][0], v], 1).topk(2, dim=1)
+                    best[j] = (v, torch.cat([best[j][1], c + s], 1).gather(1, at))
+        return best
+
+    def argmax(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each set's decision for each token of ``x`` (n x d, float64): n class ids per set, in ``sets``' order."""
+        out = []
+        for s in range(0, len(x), self.chunk):
+            xc = x[s:s + self.chunk]
+            xs = xc - self.shift
+            e = self.bound(xs)
+            best = self.top(xs.float())
+            d = [self.union[c[:, 0]] for _, c in best]
+            self.recheck(xc, xs, e, d, torch.stack([~(v[:, 0].double() - v[:, 1].double() > 2 * e) for v, _ in best]))
+            out.append(d)
+        return [torch.cat(d) for d in zip(*out)]
+
+    def recheck(self, x: torch.Tensor, xs: torch.Tensor, e: torch.Tensor, out: list[torch.Tensor],
+                unclear: torch.Tensor) -> None:
+        """The float64 decisions of the ``unclear`` (sets x n) tokens into ``out``: per set, its members within
+        2 E(x) of the token's best screened score in it (every member where E is inf), scored in float64, the first
+        of the largest; ``budget`` // the union's size tokens at a time."""
+        again = torch.nonzero(unclear.any(0)).squeeze(1)
+        self.screened += int(unclear.numel() - unclear.sum())
+        self.rechecked += int(unclear.sum())
+        step = max(1, self.budget // max(1, len(self.union)))
+        for s in range(0, len(again), step):
+            t = again[s:s + step]
+            sc = self.scores(xs[t].float())
+            for j, d in enumerate(out):
+                sub = torch.nonzero(unclear[j, t]).squeeze(1)
+                if len(sub):
+                    d[t[sub]] = self._exact(x[t[sub]], sc[sub], j, e[t[sub]])
+
+    def _exact(self, x: torch.Tensor, sc: torch.Tensor, j: int, e: torch.Tensor) -> torch.Tensor:
+        """Set ``j``'s float64 decision for tokens ``x`` from their screened scores ``sc`` (tokens x union)."""
+        keep = self.member[j][self.union]
+        best = sc.masked_fill(~keep, -torch.inf).amax(1).double()
+        # the candidates' threshold, lowered past float32's rounding of it (more candidates, never fewer)
+        low = (best - 2 * e - best.abs() * 2.0 ** -22).float()
+        near = keep & ((sc >= low[:, None]) | torch.isinf(e)[:, None])
+        token, col = torch.nonzero(near, as_tuple=True)
+        cls = self.union[col]
+        exact = torch.empty(len(token), dtype=torch.float64, device=x.device)
+        step = max(1, self.budget // max(1, x.shape[1]))
+        for s in range(0, len(token), step):  # pairs a budget of (pair, width) cells at a time
+            t, c = token[s:s + step], cls[s:s + step]
+            exact[s:s + step] = (x[t] * self.means[c]).sum(1) - self.half_sq[c]
+        return first_argmax(exact, token, cls, len(x))

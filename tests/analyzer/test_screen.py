@@ -1,0 +1,93 @@
+"""NC4's float32 screen with a float64 recheck (analyzer/screen.py, issue 52): every decision equals a float64 brute
+force on planted exact ties and near-ties (margins of 1e-7 of the scale), over nested kept sets, and the screen's error
+stays within its stated bound."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ncanalyze.analyzer.screen import U32, Screen
+
+
+def brute(h: np.ndarray, mu: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """argmin over ``kept`` of the float64 squared distance, the first (smallest) class of equal distances."""
+    d2 = ((h[:, None, :] - mu[kept][None]) ** 2).sum(-1)
+    return kept[d2.argmin(1)]
+
+
+def planted(rng: np.random.Generator, V: int = 60, d: int = 16, offset: float = 50.0):
+    """Means with a large shared part and three equal rows (exact ties); tokens at the equal rows, near the
+    mid-plane of pairs of classes with margins of +-1e-7 and +-1e-9 of ||h|| ||mu|| (raw scale) and +-1e-7 of the
+    shifted scale (inside the float32 bound: rechecked), and at random."""
+    common = rng.normal(size=d) * offset
+    mu = common + rng.normal(size=(V, d))
+    mu[1], mu[7] = mu[3], mu[3]
+    for a in (10, 20, 30, 40):  # pairs close enough that their mid-plane's tokens are nearest to them
+        mu[a + 1] = mu[a] + 0.05 * rng.normal(size=d)
+    raw, shifted = np.linalg.norm(mu, axis=1).max() ** 2, np.linalg.norm(mu - mu.mean(0), axis=1).max() ** 2
+    near = []
+    for a, b in [(10, 11), (20, 21), (30, 31), (40, 41)]:
+        v = mu[b] - mu[a]
+        for lam in (1e-7 * raw, 1e-9 * raw, 1e-7 * shifted):
+            for sign in (1, -1):  # ||h - mu_a||^2 - ||h - mu_b||^2 = 2 lam: b nearer for +, a for -
+                near.append((mu[a] + mu[b]) / 2 + sign * lam * v / (v @ v))
+    h = np.concatenate([mu[[3, 1, 7]], np.stack(near), common + rng.normal(size=(200, d)) * 1.5])
+    return mu, h
+
+
+@pytest.mark.parametrize("budget, hold", [(1 << 25, True), (16 * 7, True), (16 * 7, False)],
+                         ids=["one-tile", "tiles-of-7", "tiles-of-7-per-call"])
+def test_the_screen_decides_as_a_float64_brute_force_on_planted_ties_and_near_ties(budget, hold):
+    """Every kept set's decisions equal the brute force, with the float32 rows held (the CPU's way) or made per call
+    (CUDA's way, run here on the CPU)."""
+    rng = np.random.default_rng(3)
+    mu, h = planted(rng)
+    count = rng.integers(0, 30, len(mu))
+    count[[1, 3, 7, 10, 11, 20, 21, 30, 31, 40, 41]] = 25  # the tied classes in every kept set
+    count[0] = 0
+    sets = [np.nonzero(count >= m)[0] for m in (1, 2, 5, 20)]
+    s = Screen(torch.from_numpy(mu), [torch.from_numpy(k) for k in sets], budget=budget, hold=hold)
+    got = s.argmax(torch.from_numpy(h))
+    for kept, g in zip(sets, got):
+        np.testing.assert_array_equal(g.numpy(), brute(h, mu, kept))
+    assert got[0][:3].tolist() == [1, 1, 1]  # at the three equal rows: the first of them
+    assert got[0][3:3 + 24].tolist() == [b if i % 2 == 0 else a for a, b in [(10, 11), (20, 21), (30, 31), (40, 41)]
+                                         for i in range(6)]
+    assert s.rechecked >= 4 * (3 + 8) and s.screened > 0.8 * 4 * len(h)  # the ties went to float64, the rest not
+
+
+def test_exact_ties_between_distinct_means_go_to_the_first_class():
+    """Integer means and tokens (every score exact in float32 and float64): tokens equidistant from distinct means
+    go to the smallest class, as the float64 argmin does."""
+    rng = np.random.default_rng(4)
+    mu = rng.integers(-8, 9, size=(30, 6)).astype(np.float64) * 2
+    a, b = rng.integers(0, 30, (2, 400))
+    h = (mu[a] + mu[b]) / 2  # midpoints: exact ties where a != b (unless a nearer mean exists)
+    kept = np.arange(30)
+    got = Screen(torch.from_numpy(mu), [torch.from_numpy(kept)]).argmax(torch.from_numpy(h))[0].numpy()
+    np.testing.assert_array_equal(got, brute(h, mu, kept))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+def test_the_screens_error_stays_within_its_bound(scale):
+    """|screened - exact| <= E(x) for every token and class (the exact shifted score in float64), and E is small
+    beside the score's scale (a bound that recheck everything would be sound and useless)."""
+    rng = np.random.default_rng(5)
+    d = 256
+    mu = (rng.normal(size=(500, d)) + 20) * scale
+    h = (rng.normal(size=(300, d)) + 20) * scale
+    s = Screen(torch.from_numpy(mu), [torch.arange(500)])
+    xs = torch.from_numpy(h) - s.shift
+    r = torch.from_numpy(mu)[s.union] - s.shift
+    exact = xs @ r.T - 0.5 * (r * r).sum(1)
+    err = (s.scores(xs.float()).double() - exact).abs()
+    e = s.bound(xs)
+    assert (err <= e[:, None]).all()
+    assert float(e.max()) < 1e-3 * float(exact.abs().mean())
+    assert float(e.max()) > float(err.max())  # and it is a bound, not a guess: near what float32 gives
+    assert s.coef == pytest.approx((1.02 * d + 4) * U32)
+
+
+def test_nested_sets_are_required():
+    with pytest.raises(ValueError, match="nested"):
+        Screen(torch.zeros(5, 2, dtype=torch.float64), [torch.tensor([0, 1]), torch.tensor([2, 3])])
