@@ -2,6 +2,7 @@
 counts, and the contract every running summary of the extraction keeps (:class:`Accumulator`)."""
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -53,9 +54,9 @@ class Groups:
         self.classes, self.lengths = torch.unique_consecutive(y[self.order], return_counts=True)
         self.row = torch.repeat_interleave(torch.arange(len(self.classes), device=y.device), self.lengths)
 
-    def sort(self, h: torch.Tensor) -> torch.Tensor:
-        """The rows of ``h`` (n x ...) in group order."""
-        return h[self.order]
+    def sort(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rows of ``h`` (n x ...) in group order, as ``dtype`` (gathered first: a float32 batch is moved once)."""
+        return h[self.order].to(dtype or h.dtype)
 
     def sum(self, x: torch.Tensor, segmented: bool | None = None) -> torch.Tensor:
         """Each group's sum of the rows of ``x`` (sorted by :meth:`sort`), in row order.
@@ -84,23 +85,40 @@ def unit_rows(h: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(h / top, dim=1)
 
 
+def unit_sums(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each segment's sum of h_i / ||h_i|| over the consecutive rows of ``lengths`` (segments x d): the rows weighed
+    by 1 / ||h_i||, one matrix-vector product a segment; where a norm's squares could overflow or underflow (a norm
+    not finite or below ~1e-140 in float64, zero rows included; never for the features of a float32, bfloat16 or
+    float16 model), the rows of :func:`unit_rows` summed instead."""
+    norm = torch.linalg.vector_norm(h, dim=1)
+    if bool((torch.isfinite(norm) & (norm > torch.finfo(h.dtype).tiny ** 0.5 * 1e14)).all()):
+        rows, weight = h, norm.reciprocal_()
+    else:
+        rows, weight = unit_rows(h), torch.ones_like(norm)
+    out = h.new_zeros(len(lengths), h.shape[1])
+    for i, (a, n) in enumerate(zip(itertools.accumulate([0, *lengths]), lengths)):
+        if n:
+            out[i] = torch.mv(rows[a:a + n].T, weight[a:a + n])
+    return out
+
+
 def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Groups,
-                h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                hs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Chan's update, in place, of the running ``mean`` and ``m2`` of the groups of ``g`` (their rows of ``count``,
-    ``mean``, ``m2``, read before ``count`` moves) with the float64 rows ``h``; returns what the scatter needs: each
-    sorted row's deviation from its group's batch mean, each group's mean shift (batch - running) and weight
-    n_a n_b / n."""
-    hs, cells = g.sort(h), g.classes
+    ``mean``, ``m2``, read before ``count`` moves) with the float64 rows ``hs`` in group order (:meth:`Groups.sort`),
+    which become their deviations from their group's batch mean (no copy); returns what the scatter needs: those
+    deviations, each group's mean shift (batch - running) and weight n_a n_b / n."""
+    cells = g.classes
     n_b = g.lengths.to(torch.float64)
     mean_b = g.sum(hs) / n_b[:, None]
-    dev = hs - mean_b[g.row]
-    m2_b = g.sum((dev * dev).sum(1))
+    dev = hs.sub_(mean_b[g.row])
+    m2_b = g.sum(torch.einsum("ij,ij->i", dev, dev))
     n_a = count[cells].to(torch.float64)
     n = n_a + n_b
     delta = mean_b - mean[cells]
     w = n_a * n_b / n
-    mean[cells] += delta * (n_b / n)[:, None]
-    m2[cells] += m2_b + w * (delta * delta).sum(1)
+    mean.index_add_(0, cells, delta * (n_b / n)[:, None])  # the cells are distinct: mean[cells] += ..., no gather
+    m2.index_add_(0, cells, m2_b + w * torch.einsum("ij,ij->i", delta, delta))
     return dev, delta, w
 
 
@@ -125,11 +143,11 @@ class ClassStats(Accumulator):
         if len(y) == 0:
             return
         g = groups if groups is not None else Groups(y.to(self.mean.device, torch.int64))
-        h = h.to(self.mean.device, torch.float64)
-        dev, delta, w = chan_update(self.count, self.mean, self.m2, g, h)
+        hs = g.sort(h.to(self.mean.device), torch.float64)
+        self.unit_sum += unit_sums(hs, [len(hs)])[0]
+        dev, delta, w = chan_update(self.count, self.mean, self.m2, g, hs)
         if self.scatter is not None:
-            self.scatter += dev.T @ dev + (delta * w[:, None]).T @ delta
-        self.unit_sum += unit_rows(h).sum(0)  # in stream order
+            self.scatter.addmm_(dev.T, dev).addmm_((delta * w[:, None]).T, delta)  # in place: no d x d temporaries
         self.count[g.classes] += g.lengths
 
     def merge(self, other: "ClassStats") -> "ClassStats":
@@ -184,8 +202,8 @@ class FoldStats(Accumulator):
     leading fold dimension (``count`` folds x vocab, ``mean`` folds x vocab x d, ``m2``, ``scatter`` folds x d x d,
     ``unit_sum`` folds x d); each fold is a :class:`ClassStats` over views of them (:attr:`parts`), so a fold's
     numbers are exactly what one ClassStats over its tokens alone gives. ``update(h, y, fold)`` deals each token to
-    its fold (``fold``: n fold indices). The totals are never derived from the folds (that would change rounding):
-    the extraction keeps its total ClassStats beside this."""
+    its fold (``fold``: n fold indices); :meth:`totals` merges the folds into the statistics of the whole stream, so
+    that each batch's per-class work is done once (the extraction's totals with folds, attribute ``totals``)."""
 
     def __init__(self, folds: int, num_classes: int, dim: int, device: str | torch.device = "cpu",
                  scatter: bool = True):
@@ -212,22 +230,33 @@ class FoldStats(Accumulator):
         folds, vocab = self.count.shape
         fold = fold.to(self.mean.device, torch.int64)
         g = Groups(fold * vocab + y.to(self.mean.device, torch.int64))
-        h = h.to(self.mean.device, torch.float64)
+        hs = g.sort(h.to(self.mean.device), torch.float64)
         cells, count = g.classes, self.count.view(-1)
-        dev, delta, w = chan_update(count, self.mean.view(folds * vocab, -1), self.m2.view(-1), g, h)
+        cell_fold = cells // vocab
+        groups = torch.bincount(cell_fold, minlength=folds).tolist()  # each fold's cells and tokens, in sorted order
+        tokens = torch.zeros(folds, dtype=torch.int64, device=cells.device).index_add_(0, cell_fold, g.lengths).tolist()
+        self.unit_sum += unit_sums(hs, tokens)
+        dev, delta, w = chan_update(count, self.mean.view(folds * vocab, -1), self.m2.view(-1), g, hs)
         if self.scatter is not None:
-            cell_fold = cells // vocab
-            groups = torch.bincount(cell_fold, minlength=folds).tolist()
-            tokens = torch.zeros(folds, dtype=torch.int64, device=cells.device).index_add_(
-                0, cell_fold, g.lengths).tolist()
             t0 = c0 = 0
             for f, (nt, nc) in enumerate(zip(tokens, groups)):
                 if nt:
                     d, dl, wl = dev[t0:t0 + nt], delta[c0:c0 + nc], w[c0:c0 + nc]
                     self.scatter[f].addmm_(d.T, d).addmm_((dl * wl[:, None]).T, dl)  # in place: no d x d temporaries
                 t0, c0 = t0 + nt, c0 + nc
-        self.unit_sum.index_add_(0, fold, unit_rows(h))
         count[cells] += g.lengths
+
+    def totals(self, into: ClassStats | None = None) -> ClassStats:
+        """The statistics of every fold's tokens together: the folds merged in fold order 0, 1, ..., F - 1 with Chan's
+        formula (:meth:`ClassStats.merge`; equal to one pass over the stream to float64 rounding, counts exactly),
+        into ``into`` (its arrays overwritten in place, so views of them stay live) or a new ClassStats."""
+        folds, vocab, dim = self.mean.shape
+        acc = into if into is not None else ClassStats(vocab, dim, self.mean.device, scatter=self.scatter is not None)
+        for x in acc.state_dict().values():
+            x.zero_()
+        for part in self.parts:
+            acc.merge(part)
+        return acc
 
     def merge(self, other: "FoldStats") -> "FoldStats":
         """Fold in another stream's fold statistics, fold by fold (Chan, :meth:`ClassStats.merge`). Returns self."""

@@ -9,8 +9,9 @@ subtracted from the long one's, so start-up (allocations, first-call costs, the 
 costs cancel, and the marginal rate is tokens / seconds of the difference, with the minimum time of each length over
 --repeats (the least disturbed by other load on a shared machine). Contenders, on the same batches:
 
-- ``extract``: ncanalyze's train pass (features, float64 Chan statistics with the pooled within-class covariance,
-  the reservoir), as ``ncanalyze extract`` runs it;
+- ``extract``: ncanalyze's train pass (features; float64 Chan statistics with the pooled within-class covariance, at
+  ``--folds`` 8 by default as ``ncanalyze extract``: the fold sums, the totals made from them; the reservoir), as
+  ``ncanalyze extract`` runs it (``--parts``: first, where a batch's time goes);
 - ``extract, shard``: the same pass as one shard of a ``--shards`` run (it starts at a batch offset, positions
   global) plus the merge of its state into another (``merge_states``), the cluster's code path;
 - ``base-model forward``: ``model.transformer(ids)`` alone (no output layer), the reference (target >= 0.9);
@@ -73,6 +74,7 @@ def main() -> None:
     p.add_argument("--long", type=int, default=11, help="batches of the long run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--samples-per-class", type=int, default=8)
+    p.add_argument("--folds", type=int, default=8, help="--folds of the extraction (default 8, ncanalyze's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--cuda", action="store_true", help="the GPU setting: width 1024, 12 layers, --device cuda "
@@ -81,11 +83,11 @@ def main() -> None:
     p.add_argument("--conditions", default="quiet", help="comma-separated: quiet (no load of ours), loaded "
                    "(--busy spinning processes per allowed core, bounded, ended by the script)")
     p.add_argument("--busy", type=int, default=1)
+    p.add_argument("--parts", action="store_true", help="first, where a train batch's time goes (parts())")
     p.add_argument("--validation", action="store_true", help="time the validation pass against the causal-LM "
                    "forward (see above)")
     p.add_argument("--train-batches", type=int, default=40, help="with --validation: batches of the train pass that "
                    "sets the kept classes and their means")
-    p.add_argument("--folds", type=int, default=8, help="with --validation: the extraction's --folds")
     p.add_argument("--text", help="a text file to tokenize (else Zipf-distributed random ids)")
     p.add_argument("--tokenizer", help="tokenizer folder for --text")
     args = p.parse_args()
@@ -109,8 +111,8 @@ def main() -> None:
 
         batches = [torch.from_numpy(b).to(device) for b in blocks(args.long).batches(args.batch_size)]
         saver = Saver(Path(tmp) / "state.npz", dict, every=float("inf"))
-        empty = LayerState(args.vocab, args.width, args.samples_per_class, 0, "cpu")
-        other = _arrays(empty.stats, empty.reservoir)
+        empty = LayerState(args.vocab, args.width, args.samples_per_class, 0, "cpu", args.folds)
+        other = _arrays(empty.stats, empty.reservoir, empty.folds)
 
         @torch.inference_mode()
         def forward(fn, n: int) -> float:
@@ -122,7 +124,7 @@ def main() -> None:
             return time.perf_counter() - t0
 
         def extract(n: int, shard: bool = False) -> float:
-            ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device)
+            ex = Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device, folds=args.folds)
             data = blocks(n + shard)
             if shard:  # one shard of a --shards run: it starts at an offset (n batches after it), then is merged
                 ex.batches = 1
@@ -130,7 +132,8 @@ def main() -> None:
             t0 = time.perf_counter()
             train_pass(model, data, ex, args.batch_size, saver, "bench")
             if shard:
-                merge_states(_arrays(ex.main().stats, ex.main().reservoir), other, args.samples_per_class, 0)
+                merge_states(_arrays(ex.main().stats, ex.main().reservoir, ex.main().folds), other,
+                             args.samples_per_class, 0)
             sync()
             return time.perf_counter() - t0
 
@@ -163,7 +166,10 @@ def main() -> None:
             "base-model forward": lambda n: forward(model.transformer, n),
             "causal-LM forward": lambda n: forward(model, n),
         }
-        for condition in args.conditions.split(","):
+        if args.parts:
+            with threads.policy(args.threads):
+                parts(model, batches, args, device, sync)
+        for condition in filter(None, args.conditions.split(",")):  # "": the parts alone
             with ExitStack() as stack:
                 if condition == "loaded":
                     stack.enter_context(load(args.busy * int(threads.allowed_cores(threads.affinity(),
@@ -172,6 +178,56 @@ def main() -> None:
                 best = timed(contenders, args)
                 print(f"[{condition}: {policy.describe()}; load average {os.getloadavg()[0]:.1f}]")
             report(best, args, device)
+
+
+@torch.inference_mode()
+def parts(model, batches: list, args, device, sync) -> None:
+    """Where a train batch's time goes, against the base-model forward timed on the same batch just before (so a
+    burst of load hits both alike): the extraction's forward (features), its statistics as the train pass updates
+    them (with folds: the fold sums alone) and, for comparison, the totals updated batch by batch beside the fold sums
+    (``ClassStats.update`` and ``FoldStats.update``, as the pass did before issue 52), the reservoir; medians over
+    the batches after the first two, each a share of the forward's median. The totals made from the folds (once a
+    pass and at each state save) are timed after the last batch, as a share of one batch's forward."""
+    from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, Groups, fold_of
+    from ncanalyze.store.sources.anatomy import features
+
+    now = LayerState(args.vocab, args.width, args.samples_per_class, 0, device, args.folds)
+    totals, folds = ClassStats(args.vocab, args.width, device), FoldStats(max(2, args.folds), args.vocab, args.width,
+                                                                           device)
+    took: dict[str, list[float]] = {}
+
+    def clock(name: str, fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        took.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    L = args.block_size
+    for i, b in enumerate(batches):
+        clock("base-model forward", lambda: model.transformer(b))
+        h = clock("features (the extraction's forward)", lambda: features(model, b)).reshape(-1, args.width)
+        y = b[:, 1:].reshape(-1)
+        fold = fold_of(i * args.batch_size, len(b), L - 1, args.folds, device) if args.folds > 1 else None
+        clock("statistics (fold sums alone)", lambda: now.update(h, y, Groups(y) if fold is None else None, fold))
+        if fold is not None:
+            clock("totals beside the folds (before)", lambda: (totals.update(h, y, Groups(y)),
+                                                                   folds.update(h, y, fold)))
+        pos = ((i * args.batch_size + np.arange(len(b)))[:, None] * L + np.arange(L - 1)).ravel()
+        clock("reservoir", lambda: now.reservoir.update(h, y.cpu().numpy(), pos))
+    clock("totals from the folds (once)", lambda: now.stats)
+    base = np.median(took["base-model forward"][2:])
+    print(f"parts of a train batch ({len(batches)} batches, --folds {args.folds}), medians against the base-model "
+          f"forward's {base * 1e3:.0f} ms; load average {os.getloadavg()[0]:.1f}")
+    for name, t in took.items():
+        print(f"  {name:>38}: {np.median(t[2:] or t) * 1e3:8.1f} ms  {np.median(t[2:] or t) / base:6.3f}")
+    forward, reservoir = (np.array(took[k][2:]) for k in ("features (the extraction's forward)", "reservoir"))
+    for name in ("statistics (fold sums alone)", "totals beside the folds (before)"):
+        if name in took:  # each batch's own ratio, then their median: a burst of load is one batch's
+            ratio = np.array(took["base-model forward"][2:]) / (forward + np.array(took[name][2:]) + reservoir)
+            print(f"  train batch with {name} / base-model forward, median of per-batch ratios: "
+                  f"{np.median(ratio):.3f}")
 
 
 def timed(contenders: dict, args) -> dict:
@@ -214,7 +270,8 @@ def report(best: dict, args, device) -> None:
     rate = {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")
             for k, t in best.items()}
     print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
-          f"{args.block_size}, {device}, {args.dtype}; marginal over {args.long} - {args.short} batches "
+          f"{args.block_size}, {device}, {args.dtype}, --folds {args.folds}; marginal over {args.long} - {args.short} "
+          f"batches "
           f"({extra_tokens:,} tokens), minimum of {args.repeats}")
     for k, r in rate.items():
         print(f"  {k:>20}: " + (f"{r:>10,.0f} tokens/s" if r == r else "not measured: its longer run was not slower "

@@ -191,9 +191,7 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
     offset = iter(range(0, 1 << 40, len(y)))  # fresh stream positions for every reservoir call
 
     def train_step(m: int) -> None:
-        ex.stats.update(h[:m], labels[:m], Groups(labels[:m]))
-        if fold is not None:
-            ex.folds.update(h[:m], labels[:m], fold[:m])
+        ex.update(h[:m], labels[:m], Groups(labels[:m]) if fold is None else None, None if fold is None else fold[:m])
         ex.reservoir.update(h[:m], y[:m], next(offset) + np.arange(m))
 
     forward = _seconds(lambda: features(model, ids), device)

@@ -104,8 +104,8 @@ def _data_changed(blocks: Blocks, desc: str) -> None:
 
 
 def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str) -> None:
-    """Class statistics, the reservoir and the staged embeddings of every layer of the pass; a sample's position is
-    its token's index in the train stream.
+    """Class statistics (with folds, the fold sums, from which the totals are made), the reservoir and the staged
+    embeddings of every layer of the pass; a sample's position is its token's index in the train stream.
 
     Parameters
     ----------
@@ -121,13 +121,11 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
         first = ex.batches * batch_size
         rows = labels.rows(batch, marks, first)  # the kept positions, their labels and stream positions
         h, y, pos = rows.take(h), torch.from_numpy(rows.y).to(ex.device), rows.pos
-        row = first * labels.width(L) if rows.keep is None else int(ex.first().stats.count.sum())  # rows so far
-        groups = Groups(y)  # the batch's labels grouped once for every layer
+        row = first * labels.width(L) if rows.keep is None else ex.first().tokens  # rows so far
         fold = rows.fold(fold_of(first, len(batch), labels.width(L), ex.n_folds, ex.device)) if ex.n_folds > 1 else None
+        groups = Groups(y) if fold is None else None  # the batch's labels grouped once for every layer
         for i, s in enumerate(ex.layers.values()):
-            s.stats.update(h[i], y, groups)
-            if fold is not None:  # beside the totals, which stay as they are
-                s.folds.update(h[i], y, fold)
+            s.update(h[i], y, groups, fold)  # with folds, into the fold sums alone: the totals are made from them
             s.reservoir.update(h[i], rows.y, pos)
         if ex.embeddings is not None:
             ex.embeddings.write(row, dict(zip(ex.layers, h)), y, pos)

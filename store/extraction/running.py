@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
-from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts, FoldStats
+from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts, FoldStats, Groups
 from ncanalyze.analyzer.jackknife import fold_variables
 from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.analyzer.schema import NC4_WITHOUT, stats_dataset
@@ -47,17 +47,52 @@ class LayerState:
     """One layer's accumulators: ``stats`` (:class:`ClassStats`), ``reservoir`` (:class:`Reservoir`), ``val`` (the
     counts of :class:`DecisionCounts`) and ``lm`` (the sums of :class:`NextTokenLoss`); the last two are the counts
     the validation pass's accumulators are made over, once the kept classes and the head are known. With ``folds``
-    > 1, beside them (never instead: the totals stay bit for bit what they are without folds), ``folds`` (a
-    :class:`FoldStats`) and ``fold_val`` (the validation counts, folds x vocab): the same sums per fold."""
+    > 1, ``folds`` (a :class:`FoldStats`) and ``fold_val`` (the validation counts, folds x vocab): the same sums per
+    fold. The train pass then updates the fold sums alone, and the totals are the folds merged in fold order
+    (:meth:`FoldStats.totals`, equal to ``folds`` 1's to float64 rounding), made when ``stats`` is next read after
+    the folds moved (a state save, the end of the pass): each batch's per-class work is done once."""
 
     def __init__(self, vocab: int, dim: int, k: int, seed: int, device: torch.device | str, folds: int = 1):
-        self.stats = ClassStats(vocab, dim, device)
+        self._stats = ClassStats(vocab, dim, device)
         self.reservoir = Reservoir(vocab, k, dim, seed)
         self.val = DecisionCounts.zeros(vocab, device)
         self.lm = NextTokenLoss.zeros(device)
         self.folds = FoldStats(folds, vocab, dim, device) if folds > 1 else None
         self.fold_val = None if folds == 1 else DecisionCounts.zeros(vocab, device, folds) | {
             NC4_WITHOUT: torch.zeros(folds, vocab, dtype=torch.int64, device=device)}  # NC4's replicates' agreements
+        self._stale = False  # the fold sums moved since the totals were made from them
+
+    @property
+    def stats(self) -> ClassStats:
+        """The totals (:class:`ClassStats`): with folds, made again from the fold sums if they moved since."""
+        if self._stale:
+            self.folds.totals(into=self._stats)
+            self._stale = False
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: ClassStats) -> None:
+        self._stats, self._stale = stats, False
+
+    @property
+    def tokens(self) -> int:
+        """The train tokens counted so far (from the fold sums with folds: the totals are not made for it)."""
+        return int((self._stats if self.folds is None else self.folds).count.sum())
+
+    @property
+    def totals(self) -> str:
+        """How the totals were made (the group's attribute ``totals``): ``folds`` (the fold sums merged in fold
+        order) or ``batches`` (Chan's update batch by batch, without folds)."""
+        return "batches" if self.folds is None else "folds"
+
+    def update(self, h: torch.Tensor, y: torch.Tensor, groups: Groups, fold: torch.Tensor | None) -> None:
+        """Fold in a train batch's features ``h`` (n x d) with labels ``y`` (n, grouped as ``groups``): into the
+        totals without folds, else into the fold sums alone, each token into its ``fold`` (n)."""
+        if self.folds is None:
+            self._stats.update(h, y, groups)
+        else:
+            self.folds.update(h, y, fold)
+            self._stale = True
 
     def state_dict(self) -> dict[str, dict]:
         """The nested state: each accumulator's ``state_dict`` under its name."""
@@ -67,10 +102,13 @@ class LayerState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take a nested state."""
-        self.stats.load_state_dict(state["stats"])
+        self._stats.load_state_dict(state["stats"])
         self.reservoir.load_state_dict(state["reservoir"])
         if self.folds is not None:
             self.folds.load_state_dict(state["folds"])
+        # with folds, the totals are made again from the saved folds when next read: the same bits as saved (made
+        # from them when saved), and made so too in a state an earlier version saved with totals of its own
+        self._stale = self.folds is not None
         for name, counts in (("val", self.val), ("lm", self.lm), ("fold_val", self.fold_val or {})):
             for k, v in counts.items():
                 v.copy_(torch.as_tensor(state[name][k]))
@@ -87,6 +125,7 @@ class LayerState:
                            samples=r.samples, n_samples=r.n_samples, sample_position=r.position, tokens=tokens,
                            attrs=attrs, unit_sum=s.unit_sum, **embeddings)
         ds.attrs["folds"] = 1 if self.folds is None else len(self.folds.parts)
+        ds.attrs["totals"] = self.totals
         fold_val = None if classifier is None else self.fold_val
         return ds if self.folds is None else ds.assign(fold_variables(self.folds.state_dict(), fold_val))
 

@@ -179,7 +179,8 @@ class ExtractConfig:
     folds: int = extract_setting(8, hashed=True, section="Statistics", minimum=1, maximum=64, help=(
         "Disjoint folds of whole token blocks (block i -> fold i mod F) whose statistics are kept beside the totals, "
         "for each metric's jackknife error (<metric>_se); fewer where they do not fit --state-memory (said in the log "
-        "and the attribute folds); 1 turns them off. The totals are the same at any F."))
+        "and the attribute folds); 1 turns them off. With F > 1 the totals are the folds merged (attribute totals: "
+        "folds), equal to F = 1's to float64 rounding, counts exactly."))
     tokenizer: str | None = extract_setting(hashed=True, section="Data", metavar="PATH_OR_NAME", help=(
         "Tokenizer for text data [default: the checkpoint's, else its run folder's]."))
     min_count: int = registry.shared("min_count", hashed=True, section="Statistics", help=(

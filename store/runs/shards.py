@@ -168,13 +168,16 @@ def _objects(arrays: dict[str, np.ndarray], k: int, seed: int) -> tuple[ClassSta
 
 
 def merge_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], k: int, seed: int) -> dict[str, np.ndarray]:
-    """The state of the stream of ``a`` followed by that of ``b`` (disjoint tokens); their fold sums fold by fold."""
+    """The state of the stream of ``a`` followed by that of ``b`` (disjoint tokens): their fold sums fold by fold and
+    the totals made from them (FoldStats.totals, as one task makes them), or without folds the totals merged."""
     sa, ra, fa = _objects(a, k, seed)
     sb, rb, fb = _objects(b, k, seed)
     if (fa is None) != (fb is None):
         raise UserError("shards with and without fold sums cannot be merged (their --folds was fitted to different "
                         "memory): pass --folds explicitly, or --state-memory, the same for every worker")
-    return _arrays(sa.merge(sb), ra.merge(rb), fa.merge(fb) if fa is not None else None)
+    if fa is None:
+        return _arrays(sa.merge(sb), ra.merge(rb))
+    return _arrays(fa.merge(fb).totals(into=sa), ra.merge(rb), fa)
 
 
 def merge_order(n: int) -> list[list[tuple[int, int]]]:

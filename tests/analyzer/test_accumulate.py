@@ -310,3 +310,68 @@ def test_chan_merge_of_parts_equals_one_pass():
     # an empty side is copied exactly
     empty = ClassStats(V, d)
     assert torch.equal(empty.merge(parts[0]).mean, parts[0].mean)
+
+
+def _brute(h: np.ndarray, y: np.ndarray, V: int) -> dict[str, np.ndarray]:
+    """count, mean, m2, scatter and unit_sum of float64 rows by numpy's own two-pass sums; unit rows by math.hypot
+    (scaled, so it neither overflows nor underflows)."""
+    import math
+
+    count = np.bincount(y, minlength=V)
+    mean = np.zeros((V, h.shape[1]))
+    np.add.at(mean, y, h)
+    mean[count > 0] /= count[count > 0, None]
+    dev = h - mean[y]
+    norms = np.array([math.hypot(*r) for r in h])
+    unit = (h / np.where(norms > 0, norms, 1)[:, None]).sum(0)
+    return {"count": count, "mean": mean, "m2": np.bincount(y, (dev * dev).sum(1), minlength=V),
+            "scatter": dev.T @ dev, "unit_sum": unit}
+
+
+def test_the_totals_made_from_the_folds_equal_brute_force_and_stay_live():
+    """FoldStats.totals (the folds merged in fold order) equals numpy's float64 statistics of every token (counts
+    exactly, the rest to 1e-12 of each variable's largest value) and one ClassStats pass; ``into`` is overwritten in
+    place (a view of it sees the new totals, as the validation pass reads the means)."""
+    rng = np.random.default_rng(3)
+    V, d, F = 40, 6, 5
+    folds, one, stream = FoldStats(F, V, d), ClassStats(V, d), []
+    for b in range(9):  # batches of 4 blocks of 16 tokens, block i -> fold i mod F
+        h = torch.from_numpy(rng.normal(size=(64, d)) * 3 + rng.normal(size=d) * 10).float()
+        y = torch.from_numpy(np.minimum(rng.zipf(1.5, 64) - 1, V - 1))
+        fold = torch.arange(4 * b, 4 * b + 4).repeat_interleave(16) % F
+        folds.update(h, y, fold)
+        one.update(h, y)
+        stream.append((h.double().numpy(), y.numpy()))
+    into = ClassStats(V, d)
+    view = into.mean[:3]
+    made = folds.totals(into=into)
+    assert made is into and view.abs().sum() > 0
+    brute = _brute(np.concatenate([h for h, _ in stream]), np.concatenate([y for _, y in stream]), V)
+    for name, want in brute.items():
+        for got in (made.state_dict()[name], one.state_dict()[name]):
+            scale = np.abs(want).max()
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12 * scale, err_msg=name)
+    np.testing.assert_array_equal(made.count.numpy(), brute["count"])
+    again = folds.totals(into=into)  # made again from the same folds: the same bits
+    np.testing.assert_array_equal(again.mean.numpy(), made.mean.numpy())
+
+
+@pytest.mark.parametrize("scale", [1e-200, 1e-3, 1.0, 1e200])
+def test_unit_sums_hold_at_any_scale_and_zero_rows(scale):
+    """The unit-vector sums (one matrix-vector product a fold; the scaled rows where squares would overflow or
+    underflow) equal math.hypot's unit rows summed, at 1e-200 and 1e200 too, a zero row adding nothing."""
+    rng = np.random.default_rng(5)
+    h = rng.normal(size=(30, 4)) * scale
+    if scale == 1e-3:  # a zero row (the scaled path); at 1.0 the weighed one alone
+        h[7] = 0.0
+    y = rng.integers(0, 3, 30)
+    fold = torch.from_numpy(np.arange(30) % 2)
+    one, folds = ClassStats(3, 4), FoldStats(2, 3, 4)
+    one.update(torch.from_numpy(h), torch.from_numpy(y))
+    folds.update(torch.from_numpy(h), torch.from_numpy(y), fold)
+    want = _brute(h, y, 3)["unit_sum"]
+    np.testing.assert_allclose(one.unit_sum.numpy(), want, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(folds.totals().unit_sum.numpy(), want, rtol=1e-13, atol=1e-13)
+    for f in range(2):
+        np.testing.assert_allclose(folds.unit_sum[f].numpy(), _brute(h[f::2], y[f::2], 3)["unit_sum"], rtol=1e-13,
+                                   atol=1e-13)

@@ -1,5 +1,5 @@
-"""Fold sums at extraction: the totals bit for bit those of --folds 1, the folds adding up to them, F fitted to the
-memory budget and recorded."""
+"""Fold sums at extraction: the totals made from them equal to those of --folds 1 and of numpy's brute force to
+float64 rounding (counts exactly), the folds adding up to them, F fitted to the memory budget and recorded."""
 from __future__ import annotations
 
 
@@ -29,18 +29,55 @@ def test_fit_folds_keeps_what_the_budget_holds_and_says_so(caplog):
     assert "no folds: no jackknife errors" in caplog.text
 
 
+def _brute_totals(ds) -> dict[str, np.ndarray]:
+    """The totals of a group's saved embeddings (every train position's features, float32 as the model gave them),
+    in float64 by numpy's own two-pass sums: count, mean, variance, within-class covariance, unit-vector sum."""
+    h, y = ds["embeddings"].values.astype(np.float64), ds["label"].values
+    vocab = ds.sizes["vocab"]
+    count = np.bincount(y, minlength=vocab)
+    mean = np.zeros((vocab, h.shape[1]))
+    np.add.at(mean, y, h)
+    seen = count > 0
+    mean[seen] /= count[seen, None]
+    dev = h - mean[y]
+    variance = np.full(vocab, np.nan)
+    variance[seen] = np.bincount(y, (dev * dev).sum(1), minlength=vocab)[seen] / count[seen]
+    unit = (h / np.linalg.norm(h, axis=1, keepdims=True)).sum(0)
+    return {"count": count, "mean": mean, "variance": variance, "within_covariance": dev.T @ dev / len(y),
+            "unit_sum": unit}
+
+
+def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    """``a`` equal to ``b`` to 1e-12 of each value and of the variable's largest magnitude."""
+    scale = np.nanmax(np.abs(b), initial=0.0)
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12 * scale, equal_nan=True, err_msg=what)
+
+
 @pytest.mark.slow
-def test_folds_leave_every_total_bit_for_bit_and_add_up_to_it(trained_run, corpus, tmp_path):
+def test_totals_made_from_the_folds_equal_folds_1_and_brute_force(trained_run, corpus, tmp_path):
+    """--folds 4 makes the totals from the fold sums (attribute totals: folds): every total equals --folds 1's (counts
+    and NC4's counts exactly, the float64 statistics to 1e-12 relative) and numpy's float64 sums over every train
+    position's features (saved with --save-embeddings), at every layer; the folds add up to the totals."""
     ck, g = trained_run / "checkpoint-20", f"{trained_run.name}/checkpoint-20"
-    opts = ("--dataset", corpus["train"], "--max-train-tokens", 2048, "--max-val-tokens", 1024, "--layers", "all")
+    opts = ("--dataset", corpus["train"], "--max-train-tokens", 2048, "--max-val-tokens", 1024, "--layers", "all",
+            "--save-embeddings", 4096)
     run_cli("extract", ck, *opts, "--folds", 1, "--store", tmp_path / "one.zarr")
     run_cli("extract", ck, *opts, "--folds", 4, "--store", tmp_path / "four.zarr")
     one, four = (ncanalyze.store.open(tmp_path / s) for s in ("one.zarr", "four.zarr"))
     for group in (g, f"{g}/layers/0", f"{g}/layers/1"):
         a, b = one[group].to_dataset(), four[group].to_dataset()
         assert not [v for v in a.variables if v.startswith("fold_")] and (a.attrs["folds"], b.attrs["folds"]) == (1, 4)
-        for name in a.variables:  # every total, bit for bit
-            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=f"{group} {name}")
+        assert (a.attrs["totals"], b.attrs["totals"]) == ("batches", "folds")
+        assert len(b["label"]) == int(b["count"].sum()) == 2048 // 32 * 31  # every train position (64 blocks)
+        brute = _brute_totals(b)
+        for name in a.variables:
+            if a[name].dtype.kind == "f":
+                _close(b[name].values, a[name].values, f"{group} {name} vs --folds 1")
+            else:  # counts, labels, positions, NC4's decisions: exactly
+                np.testing.assert_array_equal(b[name].values, a[name].values, err_msg=f"{group} {name}")
+            if name in brute:
+                _close(b[name].values, brute[name], f"{group} {name} vs numpy")
+        np.testing.assert_array_equal(b["count"].values, brute["count"])
         assert b.sizes["fold"] == 4
         for name in ("count", "val_count", "val_correct", "val_ncc_agree"):
             np.testing.assert_array_equal(b[f"fold_{name}"].values.sum(0), b[name].values, err_msg=name)
@@ -70,3 +107,26 @@ def test_a_resume_keeps_the_saved_folds_and_refuses_fold_sums_that_miss_the_tota
     one = Extraction(plan(), 10, 3, 1, 0, "cpu", tmp_path / "d", folds=1)
     one.start()
     assert not [k for k in one.state({}) if ".folds." in k]  # --folds 1: the state of before
+
+
+def test_a_resumed_state_makes_its_totals_from_its_folds():
+    """A saved layer state with folds (this version's, or an earlier one's whose totals were accumulated batch by
+    batch beside them, here totals off by 1e-9) resumes with the totals made from its fold sums: the same bits as
+    the uninterrupted state's, and what the attribute totals (folds) says."""
+    from ncanalyze.store.extraction.running import LayerState
+    from ncanalyze.store.resume import flatten, unflatten
+
+    rng = np.random.default_rng(0)
+    live = LayerState(10, 3, 1, 0, "cpu", folds=3)
+    for b in range(4):
+        y = torch.from_numpy(rng.integers(0, 10, 32))
+        live.update(torch.from_numpy(rng.normal(size=(32, 3))).float(), y, None, torch.arange(32) // 8 % 3)
+    saved = {k: np.array(v) for k, v in flatten(live.state_dict()).items()}
+    earlier = dict(saved)
+    earlier["stats.mean"] = saved["stats.mean"] + 1e-9
+    for state in (saved, earlier):
+        resumed = LayerState(10, 3, 1, 0, "cpu", folds=3)
+        resumed.load_state_dict(unflatten(state))
+        assert resumed.totals == "folds"
+        for name, want in live.stats.state_dict().items():
+            np.testing.assert_array_equal(resumed.stats.state_dict()[name].numpy(), want.numpy(), err_msg=name)
