@@ -150,7 +150,10 @@ class Screen:
         return best
 
     def argmax(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each set's decision for each token of ``x`` (n x d, float64): n class ids per set, in ``sets``' order."""
+        """Each set's decision for each token of ``x`` (n x d, float64): n class ids per set, in ``sets``' order; -1
+        for every token where the sets are empty (no class kept: no token's label is in them, so none counts)."""
+        if len(self.union) == 0:
+            return [torch.full((len(x),), -1, dtype=torch.int64, device=x.device) for _ in self.size]
         out = []
         for s in range(0, len(x), self.chunk):
             xc = x[s:s + self.chunk]

@@ -124,7 +124,7 @@ def extraction(name: str, which: str, spec: tuple, device: torch.device, batch_s
     n_pass = len(layered.passes)
     out = {"model": f"{preset}{f' / {scale}' if scale > 1 else ''}", "width": int(width), "vocab": int(vocab),
            "blocks": model.config.num_hidden_layers, "dtype": str(model.dtype).removeprefix("torch."),
-           "layers": which, "passes": [list(p) for p in layered.passes], "tokens": n_tokens,
+           "layers": which, "passes": [[s.recorded for s in p] for p in layered.passes], "tokens": n_tokens,
            "extract_s": times["extract"], "forward_s": times["forward"], "ratio_per_pass": fw * n_pass / ex,
            **peak(device)}
     if scale == 1 and preset == "llama-3.1-8b":

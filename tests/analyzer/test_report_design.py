@@ -98,7 +98,8 @@ def test_stats_csv_says_which_p_values_assume_independent_rows_and_the_floor(rea
     # runs of 3 and 1 checkpoints: no run has a partner of its size, so the only permutation is the identity
     assert (tested.perm_unit == "runs").all() and (tested.n_distinct_perms == 1).all() and (tested.p_floor == 1).all()
     assert (tested.p_perm == 1).all()
-    assert set(stats.family) == {"NC", "nc1_cdnv_p2", "geometry", "nc1_cdnv_debiased"}  # a budget-stable estimate: its own
+    assert set(stats.family) == {"NC", "nc1_cdnv_p2", "geometry", "nc1_cdnv_debiased",  # a budget-stable estimate: its own
+                                 "nc1_cdnv_pooled_debiased"}
     assert set(stats.metric[stats.family == "NC"]) == set(NC_METRICS) - {"nc1_cdnv_p2"}
     assert set(stats.metric[stats.family == "geometry"]) == set(GEOMETRY_METRICS)
 

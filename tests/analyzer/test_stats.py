@@ -280,7 +280,8 @@ def test_holm_columns_equal_statsmodels_per_scale():
     df = study(n_runs=4, per_run=4, seed=8)
     df["nc4_agreement"] = np.nan  # no values: no p, not in the family
     out = correlations(df, n_perm=300, seed=1)
-    assert list(out.family.unique()) == ["NC", "nc1_cdnv_p2", "geometry", "nc1_cdnv_debiased"]  # 1/length², debiased: own
+    assert list(out.family.unique()) == ["NC", "nc1_cdnv_p2", "geometry", "nc1_cdnv_debiased",  # 1/length², debiased:
+                                         "nc1_cdnv_pooled_debiased"]                           # each its own
     assert set(out.metric[out.family == "NC"]) == set(NC_METRICS) - {"nc1_cdnv_p2"}
     assert set(out.metric[out.family == "geometry"]) == set(GEOMETRY_METRICS)
     p2 = out[out.metric == "nc1_cdnv_p2"]
