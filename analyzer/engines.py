@@ -45,7 +45,7 @@ def engine_device(device: str | None = "auto", engine: str | None = None) -> str
         raise UserError(f"the numba engine runs on the CPU only: drop engine='numba' to measure on {device}")
     if not torch.cuda.is_available():
         raise UserError(f"--device {device}: torch sees no CUDA device (torch.cuda.is_available() is False); use "
-                        "--device auto or cpu")
+                        "--device cpu or auto")
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
         raise UserError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0")

@@ -28,7 +28,7 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {device}: torch sees no CUDA device (torch.cuda.is_available() is False); use "
-                        "--device auto or cpu")
+                        "--device cpu or auto")
     return dev
 
 
