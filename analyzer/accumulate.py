@@ -419,10 +419,7 @@ class DecisionCounts(Sums):
         _tally(self.folds, key, linear == y, linear == ncc)
 
     def _argmax(self, x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """The class of ``kept`` of the largest ``x . w_c + b_c`` for each row of ``x`` (ties: the first kept); -1
-        where ``kept`` is empty (a leave-one-fold-out set of a tiny sample: no token's label is in it, so none counts)."""
-        if len(kept) == 0:
-            return torch.full((len(x),), -1, dtype=torch.int64, device=x.device)
+        """The class of ``kept`` of the largest ``x . w_c + b_c`` for each row of ``x`` (ties: the first kept)."""
         best = torch.full((len(x),), -torch.inf, dtype=torch.float64, device=x.device)
         arg = torch.zeros(len(x), dtype=torch.int64, device=x.device)
         for s in range(0, len(kept), self.tile):
@@ -446,8 +443,8 @@ class DecisionCounts(Sums):
             top = best if len(out) < len(self.sets) else out[0]  # a leave-one-out set is within the kept set
             d = top.clone()
             out_rows = torch.nonzero(~inside[top]).squeeze(1)
-            if len(out_rows):
-                d[out_rows] = rescore(out_rows, kept)
+            if len(out_rows):  # an empty set (a leave-one-fold-out set of a tiny sample) decides -1: no label in it
+                d[out_rows] = rescore(out_rows, kept) if len(kept) else -1
             out.append(d)
         return out
 
@@ -466,7 +463,7 @@ class DecisionCounts(Sums):
     def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> None:
         """Count a chunk from its head logits over the whole vocabulary (n x vocab), at the kept set and at each
         NC4_MIN_COUNTS kept set (each set's argmax of its columns, the first of equal logits)."""
-        self.count_sets(h, y, self._per_set(logits.argmax(1), lambda r, kept: _best(logits[r[:, None], kept], kept)))
+        self.count_sets(h, y, self._per_set(logits.argmax(1), lambda r, kept: kept[logits[r[:, None], kept].argmax(1)]))
 
     def count(self, h: torch.Tensor, y: torch.Tensor, linear: torch.Tensor) -> None:
         """Count a chunk at the kept set ``kept`` alone (not the NC4_MIN_COUNTS sets), its linear decisions given:
@@ -518,14 +515,6 @@ class LeaveOut:
     def __getitem__(self, c: torch.Tensor) -> torch.Tensor:
         n, nf = self.n[c].to(torch.float64)[:, None], self.nf[c].to(torch.float64)[:, None]
         return (n * self.mean[c] - nf * self.mf[c].to(self.device)) / (n - nf)
-
-
-def _best(scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """The class of ``kept`` of each row's largest score (n x |kept|; the first of equal ones); -1 for every row where
-    ``kept`` is empty (a leave-one-fold-out set of a tiny sample: no token's label is in it, so none counts)."""
-    if len(kept) == 0:
-        return torch.full((scores.shape[0],), -1, dtype=torch.int64, device=scores.device)
-    return kept[scores.argmax(1)]
 
 
 def _tally(counts: dict[str, torch.Tensor], key: torch.Tensor, correct: torch.Tensor, agree: torch.Tensor) -> None:
