@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -522,14 +522,3 @@ def _tally(counts: dict[str, torch.Tensor], key: torch.Tensor, correct: torch.Te
     ``correct``, to ``val_ncc_agree`` where ``agree`` (index_add_: no vocabulary-sized temporary per chunk)."""
     for name, at in (("val_count", key), ("val_correct", key[correct]), ("val_ncc_agree", key[agree])):
         counts[name].view(-1).index_add_(0, at, torch.ones_like(at))
-
-
-def merged_stats(parts: Iterable[Mapping[str, Any]], num_classes: int, dim: int, scatter: bool = True) -> ClassStats:
-    """The :class:`ClassStats` of disjoint parts of a stream, given by their state arrays (numpy or torch, by
-    name: a stored fold's ``count``, ``mean``, ``m2``, ``scatter``, ``unit_sum``), merged in the order given (Chan)."""
-    acc = ClassStats(num_classes, dim, scatter=scatter)
-    for state in parts:
-        part = ClassStats(num_classes, dim, scatter=scatter)
-        part.load_state_dict({n: torch.as_tensor(v) for n, v in state.items()})
-        acc.merge(part)
-    return acc
