@@ -5,13 +5,15 @@ spectral.py; its docstring is the formula), its Holm family, which way is more c
 variables it reads, and what is said about its scale, its token budget and the published code it equals. The schema's
 families (``schema.NC_METRICS``, ``GEOMETRY_METRICS``, ``SCALE_DEPENDENT``), the report's directions
 (``report/support.py``) and panel titles (``report/figures.py``, ``report/depth.py``), the columns ``ncanalyze
-measure`` prints and the documentation's metric cards all read :data:`RECORDS`. Adding a metric is its function and
-one record here.
+measure`` prints and the documentation's metric cards all read :data:`RECORDS`. Adding a metric is one record here:
+with its function beside it (``compute``, a function of the metrics' ``Geometry``; numpy imported inside it, so that
+this module stays light), or with a function of the same name in metrics.py or spectral.py.
 
 Light on purpose (no imports beyond the standard library): the CLI's ``--help`` reads it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NC, GEOMETRY = "nc", "geometry"  # the two Holm families (a scale-dependent metric is a family of its own)
@@ -44,10 +46,13 @@ class MetricRecord:
     shown: bool = False  # among the columns `ncanalyze measure` prints
     plugin_of: str | None = None  # a debiased estimate: the paper's plug-in metric it corrects
     companion: str | None = None  # a budget-stable number the token-budget section shows beside it (and its debiased)
+    compute: Callable | None = None  # its function, written in this module; None: ``module``'s function ``name``
 
     @property
     def function(self) -> str:
         """The dotted path of the function that computes it."""
+        if self.compute is not None:
+            return f"{self.compute.__module__}.{self.compute.__qualname__}"
         return f"ncanalyze.analyzer.{self.module}.{self.name}"
 
     @property

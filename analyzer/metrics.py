@@ -21,6 +21,7 @@ import xarray as xr
 from ncanalyze.analyzer import spectral
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
+from ncanalyze.analyzer.metric_records import BY_NAME
 from ncanalyze.analyzer.schema import CLASS_COUNTS, LABELS, NO_CLASSIFIER, PER_CLASS, SCALARS, vocabulary_classes
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)
@@ -236,7 +237,7 @@ def coefficient_of_variation(x: np.ndarray, name: str, what: str) -> float:
 
 
 _ALL = {**vars(spectral), **globals()}
-DEFINITIONS = {name: _ALL[name] for name in SCALARS}
+DEFINITIONS = {name: BY_NAME[name].compute or _ALL[name] for name in SCALARS}  # a record's own function, else ours
 PER_CLASS_DEFINITIONS = {name: _ALL[name] for name in PER_CLASS}
 
 

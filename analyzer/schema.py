@@ -92,9 +92,12 @@ LAYER = "layer"
 # then the site as written (--sites): resid:<layer> for the checkpoint and layer groups, attn:B, mlp:B (attribute site)
 SITE = "site"
 # the metrics table's label column (after SITE): what a position's class is, the group's ``labels`` attribute as the
-# extraction's --labels wrote it (``current``, ``file:PATH``), ``next`` (the paper's) where none is recorded; the class
-# axis keeps its name ``vocab`` whatever the classes are
+# extraction's --labels wrote it (``current``, ``file:PATH``), ``next`` (the paper's) where none is recorded
 LABELS, NEXT_TOKEN = "labels", "next"
+# then what the class axis holds (its dimension keeps the fixed name ``vocab``): ``tokens`` (token ids: the next or the
+# current token), or a label file's classes, as the group's attribute ``class_axis`` names them ("file classes 0..4 of
+# tags.npy"); a group of token classes records none (the default's bytes stay as they were)
+CLASS_AXIS, TOKENS, FILE_CLASSES = "class_axis", "tokens", "file classes"
 # why NC3, UNC3, NC4 and the head metrics are nan for classes that are not the vocabulary (a label file)
 NO_CLASSIFIER = "no classifier for these classes"
 
@@ -103,6 +106,12 @@ def vocabulary_classes(attrs: dict) -> bool:
     """Whether a group's classes are the vocabulary (the next or the current token), so that it holds the model's head
     as their classifier and NC4's counts; a label file's classes (``labels`` ``file:PATH``) have neither."""
     return not str(attrs.get(LABELS, NEXT_TOKEN)).startswith("file:")
+
+
+def class_axis(attrs: dict) -> str:
+    """What a group's class axis holds: its ``class_axis`` attribute, else ``tokens`` (or ``file classes`` for a label
+    file's group written before the attribute was)."""
+    return str(attrs.get(CLASS_AXIS) or (TOKENS if vocabulary_classes(attrs) else FILE_CLASSES))
 
 
 def _np(x: Any) -> np.ndarray:

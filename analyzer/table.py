@@ -10,10 +10,10 @@ from typing import Any
 
 import pandas as pd
 
-from ncanalyze.analyzer.schema import (CLASS_COUNTS, ERRORS, INFO, LABELS, LAYER, METRICS_VERSION, NEXT_TOKEN, SCALARS,
-                                      SITE)
+from ncanalyze.analyzer.schema import (CLASS_AXIS, CLASS_COUNTS, ERRORS, INFO, LABELS, LAYER, METRICS_VERSION,
+                                      NEXT_TOKEN, SCALARS, SITE, class_axis)
 
-COLUMNS = (*INFO, LAYER, SITE, LABELS, *CLASS_COUNTS, *SCALARS, *ERRORS)
+COLUMNS = (*INFO, LAYER, SITE, LABELS, CLASS_AXIS, *CLASS_COUNTS, *SCALARS, *ERRORS)
 
 
 def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
@@ -26,7 +26,7 @@ def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """One group's row: its descriptive attributes, its layer and site (:func:`where`), its labels (``next`` where none
-    are recorded), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
+    are recorded) and what its class axis holds (:func:`~ncanalyze.analyzer.schema.class_axis`), how many classes the metrics rest on (``CLASS_COUNTS``, nan where not measured) and its metrics
     as floats (a null metric is its value in ``metrics_nonfinite``, else nan).
 
     Parameters
@@ -44,7 +44,7 @@ def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:
               for k in (*CLASS_COUNTS, *SCALARS, *ERRORS)}
     info = {k: attrs.get(k) for k in INFO}
     info["global_step"] = _step(info.get("global_step"))
-    return {**info, **where(attrs), LABELS: attrs.get(LABELS, NEXT_TOKEN), **floats}
+    return {**info, **where(attrs), LABELS: attrs.get(LABELS, NEXT_TOKEN), CLASS_AXIS: class_axis(attrs), **floats}
 
 
 def where(attrs: Mapping[str, Any]) -> dict[str, Any]:

@@ -125,6 +125,9 @@ def run_cli(*args: str, ok: bool = True):
     return result
 
 
+# the variables a store holds exactly whatever the order its statistics were merged in (shards, a cluster)
+EXACT = ("count", "val_count", "val_correct", "val_ncc_agree", "samples", "n_samples", "sample_position",
+         "classifier", "classifier_bias")
 EXTRACT_OPTS = ("--max-train-tokens", 8192, "--max-val-tokens", 4096, "--batch-size", 8, "--samples-per-class", 4)
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.schema import CLASS_AXIS, FILE_CLASSES, LABELS
 from ncanalyze.store.data.blocks import is_token_file
 from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.extraction.settings import CURRENT, FILE, NEXT
@@ -90,6 +91,15 @@ class Labels:
         """Of features read at the positions ``[:, :end]`` of ``blocks`` blocks (n x d), those of the positions that
         have a next token (the model's own loss)."""
         return h if end == -1 else h.reshape(blocks, -1, h.shape[-1])[:, :-1].reshape(-1, h.shape[-1])
+
+    def attributes(self) -> dict:
+        """The group's attributes naming them (none for the default, whose groups stay as they were): the setting,
+        and for a file what the class axis holds (schema.CLASS_AXIS)."""
+        if self.setting == NEXT:
+            return {}
+        if self.vocabulary:
+            return {LABELS: self.setting}
+        return {LABELS: self.setting, CLASS_AXIS: f"{FILE_CLASSES} 0..{self.classes - 1} of {data_name(self.path)}"}
 
     def record(self) -> dict:
         """What the configuration record holds (nothing for the default, whose records and hashes stay as they

@@ -310,13 +310,13 @@ class Extraction:
         final norm's path on the base model) at the others. The head is made float32 numpy once, and every layer's
         dataset shares that one array (io.write_checkpoint stores it once, in the checkpoint group). Classes that are
         not the vocabulary (a label file) have no head, no NC4 counts and no token names; a setting other than
-        ``next`` is recorded as ``labels``."""
+        ``next`` is recorded as ``labels``, and a file's classes as ``class_axis`` (Labels.attributes)."""
         written = int(self.main().stats.count.sum())
         if not self.labels.vocabulary:
             classifier, bias, tokens = None, None, None
         classifier, bias = (None if x is None else x.detach().to("cpu", torch.float32).numpy()
                             for x in (classifier, bias))
-        labels = {} if self.labels == Labels() else {"labels": self.labels.setting}
+        labels = self.labels.attributes()
 
         def make(l: Site, s: LayerState) -> xr.Dataset:
             emb = {} if self.embeddings is None else self.embeddings.variables(l, written)

@@ -166,21 +166,12 @@ def check_settings(cfg: ExtractConfig, store: Store, shards: int = 1) -> None:
     shards
         Shards per checkpoint.
     """
-    if shards > 1 and (not last_only(cfg.layers) or cfg.sites or cfg.save_embeddings):
-        raise UserError("--shards splits the last layer's statistics only: drop --layers/--sites/--save-embeddings, "
-                        "or --shards")
+    if shards > 1 and cfg.save_embeddings:
+        raise UserError("--shards splits the statistics, not the stream of --save-embeddings: drop "
+                        "--save-embeddings, or --shards")
     store.prepare()
     if line := held_out_line(cfg):  # the validation data is resolved here, so its refusals come before any work
         log.info("%s", line)
-
-
-def last_only(spec: str) -> bool:
-    """Whether ``--layers`` names the last layer alone whatever the model's depth (``last``, ``LAST``, ``-1``), as its
-    layer plan reads it: at two depths, the last layer alone at both."""
-    try:
-        return all(layers.resolve_layers(spec, n) == [n] for n in (1, 2))
-    except UserError:  # not a layer spec: ExtractConfig or the plan says why
-        return False
 
 
 def todo(store: Store, ckpts: list[Checkpoint], jobs: Jobs) -> list[Checkpoint]:

@@ -43,6 +43,7 @@ from ncanalyze.store.resume import (
     save_state,
     unflatten,
 )
+from ncanalyze.store.sources.anatomy import check_sites
 from ncanalyze.store.sources.load import find_tokenizer, load_model
 from ncanalyze.store.store import Status, Store
 
@@ -91,6 +92,7 @@ def shard_plan(job: Job, store: Store, shards: int) -> ShardPlan:
         The route, and the [start, stop) batch ranges under SHARDS.
     """
     cfg, files = job.cfg, store.files(job.ckpt)
+    one_pass(job)  # an explicit --layers-per-pass that splits the sites: refused before any work
     with store.lock(job.group):
         store.recover(job.group)
         status = job.status(store)
@@ -127,34 +129,47 @@ class _ShardSaver(Saver):
                               "go on")
 
 
+def one_pass(job: Job) -> layers.Plan:
+    """The job's plan as the shards run it: every site in one pass (``--layers-per-pass auto`` recorded as that one
+    group, so that the resume after the merge continues it); an explicit ``--layers-per-pass`` that splits the sites
+    is refused, before any work."""
+    plan_ = job.plan
+    if not plan_.auto and len(plan_.passes) > 1:
+        raise UserError(f"--shards runs every site in one pass, and --layers-per-pass {plan_.per_pass} splits the "
+                        f"{len(plan_.layers)} sites into {len(plan_.passes)}: drop --layers-per-pass, or --shards")
+    return dataclasses.replace(plan_, groups=(plan_.layers,))
+
+
 def train_shard(job: Job, start: int, stop: int,
                 interrupt: DeferredInterrupt | None = None) -> dict[str, np.ndarray]:
-    """The train pass over batches [start, stop) of the job's stream: statistics and reservoir state, on the CPU; a
-    pending Ctrl-C in ``interrupt`` (this process's) stops it at its next batch boundary (:class:`Interrupted`)."""
-    ckpt, cfg, device = job.ckpt, job.cfg, job.run.device
+    """The train pass over batches [start, stop) of the job's stream, every site of its plan in one pass: each
+    site's statistics and reservoir state, on the CPU; a pending Ctrl-C in ``interrupt`` (this process's) stops it
+    at its next batch boundary (:class:`Interrupted`)."""
+    ckpt, cfg, device, plan_ = job.ckpt, job.cfg, job.run.device, one_pass(job)
     blocks = _train_blocks(job)
     model = load_model(ckpt, cfg.dtype, device, cfg.allow_pickle, cfg.trust_remote_code)
+    check_sites(model, plan_.layers)
     vocab, dim = model.get_output_embeddings().weight.shape
-    check_memory(state_bytes(vocab, dim, cfg.samples_per_class, device), None, device)
+    check_memory(state_bytes(vocab, dim, cfg.samples_per_class, device), plan_.widest_pass, device)
     cap = stop * cfg.batch_size
     blocks = dataclasses.replace(blocks, max_blocks=cap if blocks.max_blocks is None else min(blocks.max_blocks, cap))
-    folds = fit_folds(cfg.folds, vocab, dim, cfg.samples_per_class, 1, device, parse_size(cfg.state_memory))
-    ex = Extraction(layers.plan(), vocab, dim, cfg.samples_per_class, cfg.seed, device, folds=folds,
-                    labels=job.run.labels)
+    folds = fit_folds(cfg.folds, vocab, dim, cfg.samples_per_class, plan_.widest_pass, device,
+                      parse_size(cfg.state_memory))
+    ex = Extraction(plan_, vocab, dim, cfg.samples_per_class, cfg.seed, device, folds=folds, labels=job.run.labels)
     ex.batches = start  # batch_features reads (and skips) the batches before it; positions stay global
     with threads.policy(cfg.threads):  # a Dask worker's OMP_NUM_THREADS=1 caps auto at 1
         train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group),
                    f"{ckpt.group} [{start}:{stop}]")
-    return _arrays(ex.main().stats, ex.main().reservoir, ex.main().folds)
+    return flatten({f"layer{l.key}": _nested(s.stats, s.reservoir, s.folds) for l, s in ex.layers.items()})
 
 
-def _arrays(stats: ClassStats, reservoir: Reservoir, folds: FoldStats | None = None) -> dict[str, np.ndarray]:
-    return flatten({"stats": stats.state_dict(), "reservoir": reservoir.state_dict()}
-                   | ({} if folds is None else {"folds": folds.state_dict()}))
+def _nested(stats: ClassStats, reservoir: Reservoir, folds: FoldStats | None = None) -> dict[str, dict]:
+    return {"stats": stats.state_dict(), "reservoir": reservoir.state_dict()} | (
+        {} if folds is None else {"folds": folds.state_dict()})
 
 
-def _objects(arrays: dict[str, np.ndarray], k: int, seed: int) -> tuple[ClassStats, Reservoir, FoldStats | None]:
-    state = unflatten(arrays)
+def _objects(state: dict, k: int, seed: int) -> tuple[ClassStats, Reservoir, FoldStats | None]:
+    """One site's accumulators from its nested state."""
     vocab, dim = state["stats"]["mean"].shape
     stats = ClassStats(vocab, dim, "cpu", scatter="scatter" in state["stats"])
     stats.load_state_dict(state["stats"])
@@ -167,17 +182,24 @@ def _objects(arrays: dict[str, np.ndarray], k: int, seed: int) -> tuple[ClassSta
     return stats, reservoir, folds
 
 
-def merge_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], k: int, seed: int) -> dict[str, np.ndarray]:
-    """The state of the stream of ``a`` followed by that of ``b`` (disjoint tokens): their fold sums fold by fold and
-    the totals made from them (FoldStats.totals, as one task makes them), or without folds the totals merged."""
+def _merge_site(a: dict, b: dict, k: int, seed: int) -> dict[str, dict]:
+    """One site's state of the stream of ``a`` followed by that of ``b``."""
     sa, ra, fa = _objects(a, k, seed)
     sb, rb, fb = _objects(b, k, seed)
     if (fa is None) != (fb is None):
         raise UserError("shards with and without fold sums cannot be merged (their --folds was fitted to different "
                         "memory): pass --folds explicitly, or --state-memory, the same for every worker")
     if fa is None:
-        return _arrays(sa.merge(sb), ra.merge(rb))
-    return _arrays(fa.merge(fb).totals(into=sa), ra.merge(rb), fa)
+        return _nested(sa.merge(sb), ra.merge(rb))
+    return _nested(fa.merge(fb).totals(into=sa), ra.merge(rb), fa)
+
+
+def merge_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], k: int, seed: int) -> dict[str, np.ndarray]:
+    """The state of the stream of ``a`` followed by that of ``b`` (disjoint tokens), site by site: their fold sums
+    fold by fold and the totals made from them (FoldStats.totals, as one task makes them), or without folds the
+    totals merged."""
+    na, nb = unflatten(a), unflatten(b)
+    return flatten({site: _merge_site(na[site], nb[site], k, seed) for site in na})
 
 
 def merge_order(n: int) -> list[list[tuple[int, int]]]:
@@ -210,7 +232,8 @@ def save_merged(job: Job, store: Store, merged: dict[str, np.ndarray]) -> Status
         started again; REFUSE: nothing saved (extract_checkpoint refuses it).
     """
     ckpt, cfg, run = job.ckpt, job.cfg, job.run
-    stats, reservoir, folds = _objects(merged, cfg.samples_per_class, cfg.seed)
+    sites = {key: _objects(state, cfg.samples_per_class, cfg.seed) for key, state in unflatten(merged).items()}
+    stats, _, folds = sites[f"layer{run.plan.last.key}"]
     count = stats.count
     if not (count >= cfg.min_count).any():
         raise UserError(f"no class has --min-count {cfg.min_count} train tokens in {ckpt.group} (the most is "
@@ -220,9 +243,10 @@ def save_merged(job: Job, store: Store, merged: dict[str, np.ndarray]) -> Status
     with store.lock(ckpt.group):
         status = job.status(store)  # the job resuming (finish_sharded): restart was spent by plan()
         if status is Status.FRESH:
-            ex = Extraction(run.plan, *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu",
+            ex = Extraction(one_pass(job), *stats.mean.shape, cfg.samples_per_class, cfg.seed, "cpu",
                             folds=1 if folds is None else len(folds.parts), labels=run.labels)
-            ex.main().stats, ex.main().reservoir, ex.main().folds = stats, reservoir, folds
+            for l, s in ex.layers.items():
+                s.stats, s.reservoir, s.folds = sites[f"layer{l.key}"]
             ex.next_phase(Phase.VALIDATION)
             save_state(files.state, ex.state(run.record))
     return status

@@ -75,3 +75,69 @@ def test_every_metric_says_which_way_is_more_collapse(name):
     line = direction_lines([name])[0]
     assert line == f"- `{name}`: {BY_NAME[name].direction_text}"
     assert "is more collapse" in line or "no collapse direction" in line or "not read as more or less" in line
+
+
+NEW_RECORD = '''
+
+def norm_ratio(g):
+    """max ||m_c|| / min ||m_c|| over K: how far the class means are from equinorm."""
+    return float(g.r.max() / g.r.min())
+
+
+RECORDS = (*RECORDS[:-2], MetricRecord("norm_ratio", "metric_records", GEOMETRY, LOWER, "NC2: norm ratio",
+                                       shown=True, compute=norm_ratio, published="none: a newcomer's metric"),
+           *RECORDS[-2:])
+BY_NAME = {r.name: r for r in RECORDS}
+'''
+PROBE = '''
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("ncanalyze.analyzer.metric_records", sys.argv[1])
+records = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = records
+spec.loader.exec_module(records)
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+from click.testing import CliRunner
+from hooks import metric_cards
+from ncanalyze.analyzer import schema, table
+from ncanalyze.analyzer.metrics import measure
+from ncanalyze.analyzer.report.figures import LABELS
+from ncanalyze.analyzer.report.support import direction_lines
+from ncanalyze.cli.main import main
+ds = schema.stats_dataset(*(np.load(sys.argv[3])[k] for k in ("count", "mean", "variance", "cov")))
+print(json.dumps({"value": measure(ds)["norm_ratio"], "geometry": "norm_ratio" in schema.GEOMETRY_METRICS,
+                  "columns": "norm_ratio" in table.COLUMNS and "norm_ratio_se" in schema.ERRORS,
+                  "direction": direction_lines(["norm_ratio"])[0], "label": LABELS["norm_ratio"],
+                  "help": CliRunner().invoke(main, ["measure", "--help"]).output,
+                  "docs": metric_cards()}))
+'''
+
+
+@pytest.mark.slow
+def test_a_new_metric_is_one_record_in_one_module(tmp_path):
+    """A newcomer's metric written as one record with its function beside it, in a copy of metric_records.py alone
+    (the rest of the package as it is): the schema's family and the table's columns hold it, ``measure`` computes
+    it (against max/min of the class means' distances to their mean, in float64 here), the report says its direction
+    and titles its panel, ``measure --help`` prints it and the docs give it a card with its docstring."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ncanalyze.analyzer.metric_records as records
+
+    copy = tmp_path / "metric_records.py"
+    copy.write_text(Path(records.__file__).read_text() + NEW_RECORD)
+    rng = np.random.default_rng(3)
+    count, mean = rng.integers(1, 9, 12), rng.normal(size=(12, 5)) * rng.uniform(0.5, 3, (12, 1))
+    np.savez(tmp_path / "stats.npz", count=count, mean=mean, variance=rng.uniform(0.1, 1, 12), cov=np.eye(5) * 0.3)
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    out = subprocess.run([sys.executable, "-c", PROBE, str(copy), str(docs), str(tmp_path / "stats.npz")],
+                         capture_output=True, text=True, check=True).stdout
+    got = json.loads(out.splitlines()[-1])
+    norms = np.linalg.norm(mean - mean.mean(0), axis=1)  # m_c about the unweighted mean of the class means
+    assert got["value"] == pytest.approx(norms.max() / norms.min(), rel=1e-12)
+    assert got["geometry"] and got["columns"]
+    assert got["direction"] == "- `norm_ratio`: lower is more collapse" and got["label"] == "NC2: norm ratio"
+    assert "norm_ratio" in got["help"]
+    assert "### `norm_ratio`" in got["docs"] and "how far the class means are from equinorm" in got["docs"]

@@ -15,11 +15,9 @@ import ncanalyze.store
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import EXTRACT_OPTS, run_cli
+from conftest import EXACT, EXTRACT_OPTS, run_cli
 
 CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
-EXACT = ("count", "val_count", "val_correct", "val_ncc_agree", "samples", "n_samples", "sample_position",
-         "classifier", "classifier_bias")
 
 
 def groups(store) -> dict[str, xr.Dataset]:
@@ -121,6 +119,21 @@ def test_shards_merge_exactly(cluster, trained_run, corpus, extracted_store, tmp
     local = tmp_path / "local-sharded.zarr"
     run_cli("extract", ck, "--dataset", corpus["train"], "--store", local, *EXTRACT_OPTS, "--shards", 3)
     assert_same_store(sharded, local)
+
+
+@pytest.mark.slow
+def test_sites_and_labels_under_shards_on_the_cluster_equal_the_local_shards(cluster, trained_run, corpus, tmp_path):
+    """Sublayer sites with the current token as label, in shards on the cluster: the same bits as the same shards run
+    in turn locally, every site's group (issue 50)."""
+    address, _ = cluster
+    args = ["extract", trained_run / "checkpoint-40", "--dataset", corpus["train"], *EXTRACT_OPTS, "--sites",
+            "attn:0,mlp:1", "--labels", "current", "--shards", 2]
+    on_cluster, local = tmp_path / "cluster.zarr", tmp_path / "local.zarr"
+    run_cli(*args, "--store", on_cluster, "--scheduler", address)
+    run_cli(*args, "--store", local)
+    g = f"{trained_run.name}/checkpoint-40"
+    assert sorted(groups(local)) == [g, f"{g}/sites/attn_0", f"{g}/sites/mlp_1"]
+    assert_same_store(on_cluster, local)
 
 
 @pytest.mark.slow

@@ -128,6 +128,31 @@ def test_residual_groups_are_bit_for_bit_those_of_layers(trained_run, corpus, tm
     assert read_group(sited, f"{g}/sites/mlp_0").attrs["site"] == "mlp:0"
 
 
+@pytest.mark.slow
+def test_sites_under_shards_equal_the_unsharded_run(neo_store, trained_run, corpus, tmp_path):
+    """``--shards 3`` with sublayer and residual sites: every site's group holds the unsharded run's counts, validation
+    counts and reservoir bit for bit and its float64 statistics to 1e-12 (Chan's merge tree rounds otherwise than batch
+    by batch), the same attributes; an explicit --layers-per-pass that splits the sites is one line before any work."""
+    from conftest import EXACT
+
+    sharded = tmp_path / "sharded.zarr"
+    args = ["extract", trained_run / CK, "--dataset", corpus["train"], *EXTRACT_OPTS, "--dtype", "float64", "--sites",
+            "attn:0,mlp:-1,resid:1"]
+    run_cli(*args, "--store", sharded, "--shards", 3)
+    g = f"neo-2x32/{CK}"
+    for group in (g, f"{g}/sites/attn_0", f"{g}/sites/mlp_1", f"{g}/layers/1"):
+        ref, got = read_group(neo_store, group), read_group(sharded, group)
+        assert set(ref.variables) == set(got.variables), group
+        for v in ref.variables:
+            if v in EXACT:
+                np.testing.assert_array_equal(got[v].values, ref[v].values, err_msg=f"{group} {v}")
+            else:
+                np.testing.assert_allclose(got[v].values, ref[v].values, rtol=1e-12, atol=1e-12 * float(
+                    np.nanmax(np.abs(ref[v].values))), err_msg=f"{group} {v}")
+        assert got.attrs == ref.attrs, group
+    fails_cleanly([*args, "--layers-per-pass", 1, "--shards", 2], sharded, ["--layers-per-pass 1", "--shards"])
+
+
 def checkpoint(store) -> str:
     """The store's one checkpoint group."""
     from ncanalyze.store.classifier import checkpoint_group

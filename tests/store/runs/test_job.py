@@ -1,5 +1,5 @@
 """A checkpoint is resolved once into a Job, which every run consumes: one resolution per checkpoint whatever
-``--shards``, the Job frozen and picklable, and ``--layers -1``/``LAST`` taken as the last layer under ``--shards``."""
+``--shards``, the Job frozen and picklable, and every site (``--layers``, ``--sites``) taken under ``--shards``."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +14,7 @@ from ncanalyze.analyzer.errors import UserError
 from ncanalyze.store.extraction import config
 from ncanalyze.store.extraction.job import Jobs, make_job
 from ncanalyze.store.extraction.settings import ExtractConfig
-from ncanalyze.store.runs.local import check_settings, last_only
+from ncanalyze.store.runs.local import check_settings
 from ncanalyze.store.sources.discover import discover
 from ncanalyze.store.store import Status, Store
 
@@ -96,18 +96,11 @@ def test_the_job_decides_what_to_do_with_a_group(extracted_store, trained_run, c
     assert make_job(ckpt, other, overwrite=True).status(store) is Status.FRESH
 
 
-@pytest.mark.parametrize("spec, last", [("last", True), ("LAST", True), (" Last ", True), ("-1", True),
-                                        ("-1,-1", True), ("all", False), ("0", False), ("1", False), ("0,-1", False),
-                                        ("foo", False)])
-def test_the_last_layer_is_read_as_the_plan_reads_it(spec, last):
-    assert last_only(spec) is last
-
-
-def test_shards_refuse_other_layers_but_not_the_last_however_written(tmp_path):
+def test_shards_take_layers_and_sites_but_refuse_saved_embeddings(tmp_path):
+    """Every site is split across shards (issue 50); the staged embeddings, a stream of positions, are not."""
     store = Store.at(tmp_path / "s.zarr")
-    for spec in ("-1", "LAST"):
+    for spec in ("-1", "LAST", "all"):
         check_settings(ExtractConfig(dataset="d.bin", layers=spec, max_val_tokens=0), store, shards=2)
-    with pytest.raises(UserError, match="--shards splits the last layer's statistics only"):
-        check_settings(ExtractConfig(dataset="d.bin", layers="all", max_val_tokens=0), store, shards=2)
-    with pytest.raises(UserError, match="--shards splits the last layer's statistics only: drop --layers/--sites"):
-        check_settings(ExtractConfig(dataset="d.bin", sites="attn:0", max_val_tokens=0), store, shards=2)
+    check_settings(ExtractConfig(dataset="d.bin", sites="attn:0", max_val_tokens=0), store, shards=2)
+    with pytest.raises(UserError, match="--shards splits the statistics, not the stream of --save-embeddings"):
+        check_settings(ExtractConfig(dataset="d.bin", save_embeddings=4, max_val_tokens=0), store, shards=2)
