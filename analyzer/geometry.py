@@ -98,41 +98,23 @@ class Geometry:
     sample_sums: np.ndarray | None = None  # the pair sums over each block of sampled pairs (jackknife.py)
     controls: list[float] | None = None    # with them, pairs.CONTROLS over every pair
 
-    @property
-    def n(self) -> int:
-        return self.K.size
+    duality: np.ndarray | None = None      # cos(w_c, m_c) per kept class, with the classifier
+    # the counts and weights every metric reads, set once (__post_init__) from K, has_var and p, which never change:
+    n: int = field(init=False)                 # |K|
+    n_pairs: float = field(init=False)         # |P| = n (n - 1) / 2
+    pair_weight: float = field(init=False)     # sum over P of p_c p_c' = (1 - sum p^2) / 2
+    n_var: int = field(init=False)             # the kept classes with a variance (n_c >= 2): the CDNV family's
+    n_var_pairs: float = field(init=False)
+    var_pair_weight: float = field(init=False)  # sum of p_c p_c' over the pairs of classes with a variance
 
-    @property
-    def n_pairs(self) -> float:
-        return self.n * (self.n - 1) / 2
-
-    @property
-    def pair_weight(self) -> float:
-        """sum over P of p_c p_c' = ((sum p)^2 - sum p^2) / 2 = (1 - sum p^2) / 2."""
-        return (1 - float(self.p @ self.p)) / 2
-
-    @property
-    def n_var(self) -> int:
-        """The kept classes with a variance (n_c >= 2): the CDNV family's classes."""
-        return int(self.has_var.sum())
-
-    @property
-    def n_var_pairs(self) -> float:
-        return self.n_var * (self.n_var - 1) / 2
-
-    @property
-    def var_pair_weight(self) -> float:
-        """sum of p_c p_c' over the pairs of classes with a variance (nc1_cdnv_freq's normaliser)."""
+    def __post_init__(self) -> None:
+        self.n = self.K.size
+        self.n_pairs = self.n * (self.n - 1) / 2
+        self.pair_weight = (1 - float(self.p @ self.p)) / 2
+        self.n_var = int(self.has_var.sum())
+        self.n_var_pairs = self.n_var * (self.n_var - 1) / 2
         q = self.p[self.has_var]
-        return (float(q.sum()) ** 2 - float(q @ q)) / 2
-
-    @property
-    def duality(self) -> np.ndarray:
-        """cos(w_c, m_c) per kept class."""
-        return self.wm / (self.w_norm * self.r)
-
-    def has(self, needs: str | None) -> bool:
-        return needs is None or getattr(self, needs) is not None
+        self.var_pair_weight = (float(q.sum()) ** 2 - float(q @ q)) / 2
 
 
 def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
@@ -169,6 +151,7 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
         if dead.size:
             raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
         g.w_norm, g.wm, g.WtW, g.w_sum = mom["wn"], mom["wm"], mom["WtW"], mom["w_sum"]
+        g.duality = g.wm / (g.w_norm * g.r)
         g.head_nan_because = _head_nan(ds, K, mom["head"])
     _validation(g, ds, min_count)
     _unit_sum(g, ds)

@@ -319,7 +319,8 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
         warnings.warn(f"nc1_cdnv, nc1_cdnv_p2, nc1_cdnv_freq, nc1_cdnv_pooled and class_cdnv are nan: only {g.n_var} of the {g.n} kept "
                       "classes have 2 or more train tokens (a class seen once has no variance); extract more tokens",
                       stacklevel=2)
-    scalars = _scalars(g)
+    values = _each(g, DEFINITIONS | PER_CLASS_DEFINITIONS)  # the scalars and the per-class vectors, module by module
+    scalars = {name: float(values[name]) for name in DEFINITIONS if name in values}
     if not vocabulary_classes(ds.attrs):
         warnings.warn(f"{', '.join(k for k in DEFINITIONS if k not in scalars)} are nan: {NO_CLASSIFIER} (labels "
                       f"{ds.attrs[LABELS]})", stacklevel=2)
@@ -327,7 +328,7 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
     scalars |= {"n_classes": float(g.n), "n_classes_var": float(g.n_var), "n_classes_debiased": float(n_fixed),
                 "n_pairs_unresolved": float(g.pairs.unresolved)}
     _warn_debiased(g, n_fixed)
-    per = {name: f(g) for name, f in PER_CLASS_DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    per = {name: values[name] for name in PER_CLASS_DEFINITIONS if name in values}
     per_class = _per_class(ds, g.K, per)
     if se:
         errors, per_class.attrs = _errors(ds, scalars, g, sample, dict(min_count=min_count, tile=tile, device=device,
@@ -336,9 +337,23 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
     return scalars, per_class
 
 
+def _has(g: Geometry, f) -> bool:
+    """Whether ``g`` holds the field the metric ``f`` needs (``@needs``; every metric without one)."""
+    needs = getattr(f, "needs", None)
+    return needs is None or getattr(g, needs) is not None
+
+
+def _each(g: Geometry, definitions: dict) -> dict:
+    """The definitions defined on ``g`` (those whose Geometry fields are there), computed module by module (this
+    module's, then spectral.py's: the path does not go back and forth), returned in the definitions' order."""
+    ready = [(name, f) for name, f in definitions.items() if _has(g, f)]
+    got = {name: f(g) for name, f in sorted(ready, key=lambda nf: nf[1].__module__ != __name__)}
+    return {name: got[name] for name, _ in ready}
+
+
 def _scalars(g: Geometry) -> dict[str, float]:
-    """The scalar metrics defined on ``g`` (those whose Geometry fields are there)."""
-    return {name: float(f(g)) for name, f in DEFINITIONS.items() if g.has(getattr(f, "needs", None))}
+    """The scalar metrics defined on ``g``."""
+    return {name: float(v) for name, v in _each(g, DEFINITIONS).items()}
 
 
 def _warn_debiased(g: Geometry, n_fixed: int) -> None:

@@ -3,6 +3,12 @@ the modules in the order they are entered, and the returns (entering a module al
 extraction; prints stops, visits, returns and the modules visited most.
 
     python benchmarks/walk.py CHECKPOINT DATA [--shards 2] [--block-size 128]
+    python benchmarks/walk.py --measure STORE [--min-count 2]
+
+``--measure`` follows ``min_count`` instead, from ``measure_store`` to the metrics: a stop is a call that receives it
+(a parameter ``min_count``, or an object with that attribute) or the kept classes it selects (the array
+``geometry.kept_classes`` returns, or an object holding it as ``K``): how often the metric path goes back to a module
+it already left (issue 50 counted 29 returns).
 
 A profile, not a timing: the stops count every call that receives the settings, a layer plan or an object holding
 one (a Job included), so it measures how far the setting travels, not how often it is resolved (test_job.py counts
@@ -24,11 +30,51 @@ def carries(value, cfg_type, plan_type) -> bool:
     return any(isinstance(getattr(value, a, None), (cfg_type, plan_type)) for a in ("cfg", "plan", "run", "job"))
 
 
+def walk_min_count(store: str, min_count: int) -> list[tuple[str, str]]:
+    """The stops of ``min_count`` and its kept classes through ``measure_store(store, min_count, force=True)``."""
+    from ncanalyze.store.measure import measure_store
+    kept: list = []  # the kept-class arrays kept_classes returned (followed by identity)
+    stops: list[tuple[str, str]] = []
+
+    def carries(name: str, value) -> bool:
+        if name == "min_count" or getattr(value, "min_count", None) is not None:
+            return True
+        return any(value is k or getattr(value, "K", None) is k for k in kept)
+
+    def profile(frame, event, arg):
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("ncanalyze."):
+            return
+        code = frame.f_code
+        if event == "return" and code.co_name == "kept_classes":
+            kept.append(arg)
+        if event != "call":
+            return
+        names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if any(carries(n, frame.f_locals.get(n)) for n in names):
+            stops.append((module.removeprefix("ncanalyze."), code.co_qualname))
+
+    sys.setprofile(profile)
+    try:
+        measure_store(store, min_count=min_count, force=True)
+    finally:
+        sys.setprofile(None)
+    return stops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint"), ap.add_argument("data"), ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("checkpoint", nargs="?"), ap.add_argument("data", nargs="?")
+    ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--measure", metavar="STORE", help="follow min_count through measure_store on STORE instead")
+    ap.add_argument("--min-count", type=int, default=2)
     a = ap.parse_args()
+    if a.measure:
+        stops = walk_min_count(a.measure, a.min_count)
+        report("dynamic", [m for m, _ in stops], f"min_count {a.min_count} from measure_store")
+        report("static", [m for m, _ in dict.fromkeys(stops)], f"min_count {a.min_count} from measure_store")
+        return
     from ncanalyze.cli.main import main as cli
     from ncanalyze.store.extraction import layers, settings
     plan_type = next(getattr(layers, n) for n in ("LayerPlan", "Plan") if hasattr(layers, n))
@@ -50,19 +96,19 @@ def main() -> None:
                  "--block-size", str(a.block_size)], standalone_mode=False)
         finally:
             sys.setprofile(None)
-    report("dynamic", [m for m, _ in stops], a.shards)
+    report("dynamic", [m for m, _ in stops], f"layers under --shards {a.shards}")
     derive = [f for m, f in stops if m == "store.extraction.config"]
     print(f"  the settings derived again (calls into store.extraction.config): {len(derive)}, resolve() "
           f"{derive.count('resolve')} times")
-    report("static", [m for m, _ in dict.fromkeys(stops)], a.shards)
+    report("static", [m for m, _ in dict.fromkeys(stops)], f"layers under --shards {a.shards}")
 
 
-def report(kind: str, stops: list[str], shards: int) -> None:
+def report(kind: str, stops: list[str], what: str) -> None:
     """Print the stops, the module visits (runs of consecutive stops in one module) and the returns to a module
     already left, with the modules entered most."""
     visits = [m for i, m in enumerate(stops) if i == 0 or stops[i - 1] != m]
     returns = sum(m in visits[:i] for i, m in enumerate(visits))
-    print(f"{kind} walk of layers under --shards {shards}: {len(stops)} stops, {len(visits)} module visits, "
+    print(f"{kind} walk of {what}: {len(stops)} stops, {len(visits)} module visits in {len(set(visits))} modules, "
           f"{returns} returns to a module already left")
     for m, n in collections.Counter(visits).most_common(4):
         print(f"  {m}: entered {n} times")

@@ -144,7 +144,7 @@ def test_sites_under_shards_equal_the_unsharded_run(neo_store, trained_run, corp
         ref, got = read_group(neo_store, group), read_group(sharded, group)
         assert set(ref.variables) == set(got.variables), group
         for v in ref.variables:
-            if v in EXACT:
+            if v in EXACT or ref[v].dtype.kind not in "fc":  # the counts, the reservoir, the token names
                 np.testing.assert_array_equal(got[v].values, ref[v].values, err_msg=f"{group} {v}")
             else:
                 np.testing.assert_allclose(got[v].values, ref[v].values, rtol=1e-12, atol=1e-12 * float(
