@@ -3,9 +3,10 @@ the modules in the order they are entered, and the returns (entering a module al
 extraction; prints stops, visits, returns and the modules visited most.
 
     python benchmarks/walk.py CHECKPOINT DATA [--shards 2] [--block-size 128]
-    python benchmarks/walk.py --measure STORE [--min-count 2]
+    python benchmarks/walk.py CHECKPOINT DATA --measure [--min-count 2]
 
-``--measure`` follows ``min_count`` instead, from ``measure_store`` to the metrics: a stop is a call that receives it
+``--measure`` follows ``min_count`` instead, from ``measure_store`` to the metrics (on the checkpoint extracted first,
+unfollowed, into a scratch store, with the jackknife's standard errors as by default): a stop is a call that receives it
 (a parameter ``min_count``, or an object with that attribute) or the kept classes it selects (the array
 ``geometry.kept_classes`` returns, or an object holding it as ``K``): how often the metric path goes back to a module
 it already left (issue 50 counted 29 returns).
@@ -64,16 +65,22 @@ def walk_min_count(store: str, min_count: int) -> list[tuple[str, str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint", nargs="?"), ap.add_argument("data", nargs="?")
-    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("checkpoint"), ap.add_argument("data"), ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--measure", metavar="STORE", help="follow min_count through measure_store on STORE instead")
+    ap.add_argument("--measure", action="store_true", help="follow min_count through measure_store instead")
     ap.add_argument("--min-count", type=int, default=2)
     a = ap.parse_args()
+    opts = ["--max-train-tokens", "8192", "--max-val-tokens", "4096", "--batch-size", "8", "--block-size",
+            str(a.block_size)]
     if a.measure:
-        stops = walk_min_count(a.measure, a.min_count)
-        report("dynamic", [m for m, _ in stops], f"min_count {a.min_count} from measure_store")
-        report("static", [m for m, _ in dict.fromkeys(stops)], f"min_count {a.min_count} from measure_store")
+        from ncanalyze.cli.main import main as cli
+        with tempfile.TemporaryDirectory() as tmp:
+            cli(["-q", "extract", a.checkpoint, "--dataset", a.data, "--store", f"{tmp}/s.zarr", *opts],
+                standalone_mode=False)
+            stops = walk_min_count(f"{tmp}/s.zarr", a.min_count)
+        what = f"min_count {a.min_count} from measure_store"
+        report("dynamic", [m for m, _ in stops], what)
+        report("static", [m for m, _ in dict.fromkeys(stops)], what)
         return
     from ncanalyze.cli.main import main as cli
     from ncanalyze.store.extraction import layers, settings
@@ -92,8 +99,7 @@ def main() -> None:
         sys.setprofile(profile)
         try:
             cli(["-q", "extract", a.checkpoint, "--dataset", a.data, "--store", f"{tmp}/s.zarr", "--shards",
-                 str(a.shards), "--max-train-tokens", "8192", "--max-val-tokens", "4096", "--batch-size", "8",
-                 "--block-size", str(a.block_size)], standalone_mode=False)
+                 str(a.shards), *opts], standalone_mode=False)
         finally:
             sys.setprofile(None)
     report("dynamic", [m for m, _ in stops], f"layers under --shards {a.shards}")
