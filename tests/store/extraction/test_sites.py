@@ -153,6 +153,36 @@ def test_sites_under_shards_equal_the_unsharded_run(neo_store, trained_run, corp
     fails_cleanly([*args, "--layers-per-pass", 1, "--shards", 2], sharded, ["--layers-per-pass 1", "--shards"])
 
 
+@pytest.mark.slow
+def test_a_new_hook_point_is_one_entry_in_the_anatomy(trained_run, corpus, tmp_path, monkeypatch):
+    """A newcomer's site kind, the MLP's input norm (GPT-Neo's ``ln_2``), added as one entry of anatomy.SUBLAYERS
+    (in forward order: after the attention, before the MLP) and nothing else: ``--sites norm:1`` parses, orders,
+    extracts and measures as plain forward hooks on ``ln_2`` with class_stats + measure give (1e-9)."""
+    from ncanalyze.store.sources import anatomy
+
+    mlp = anatomy.SUBLAYERS["mlp"]
+    monkeypatch.setitem(anatomy.SUBLAYERS, "norm", ("ln_2", "post_attention_layernorm"))
+    monkeypatch.delitem(anatomy.SUBLAYERS, "mlp")
+    monkeypatch.setitem(anatomy.SUBLAYERS, "mlp", mlp)  # after the norm: the forward's order
+    store = tmp_path / "norm.zarr"
+    run_cli("extract", trained_run / CK, "--dataset", corpus["train"], "--store", store, *EXTRACT_OPTS, "--dtype",
+            "float64", "--sites", "mlp:1,norm:1,attn:1")
+    tok = AutoTokenizer.from_pretrained(str(trained_run))
+    train = text_blocks(corpus["train"], tok, EXTRACT_OPTS[1])
+    model = AutoModelForCausalLM.from_pretrained(str(trained_run / CK), dtype=torch.float64).eval()
+    feats = hooked(model, {"norm:1": model.transformer.h[1].ln_2}, train)
+    g = f"neo-2x32/{CK}"
+    assert_same_metrics(store, f"{g}/sites/norm_1", feats["norm:1"], train[:, 1:].ravel(), "norm:1", model)
+    from ncanalyze.store.measure import measure_store
+
+    table = measure_store(store).table.set_index("site")
+    assert sorted(table.index) == ["attn:1", "mlp:1", "norm:1", "resid:2"] and table.layer["norm:1"] == 1.5
+    from ncanalyze.store.extraction.layers import plan
+
+    assert [str(s) for s in plan("last", n=2, sites="mlp:1,norm:1,attn:1").layers] == ["attn:1", "norm:1", "mlp:1",
+                                                                                       "resid:2"]
+
+
 def checkpoint(store) -> str:
     """The store's one checkpoint group."""
     from ncanalyze.store.classifier import checkpoint_group
