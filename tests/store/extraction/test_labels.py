@@ -142,6 +142,11 @@ def test_rows_carry_the_labels_and_the_default_record_is_unchanged(study):
         warnings.simplefilter("ignore")
         table = measure_store(study["store"]).table
     assert sorted(table["labels"]) == sorted(["next", "current", f"file:{study['groups']['file'].attrs['labels'][5:]}"])
+    # the class axis (its dimension keeps the fixed name vocab) named for what it holds: a file's classes, else tokens
+    axis = dict(zip(table["labels"].str[:4], table["class_axis"]))
+    assert axis == {"next": "tokens", "curr": "tokens", "file": "file classes 0..4 of classes.npy"}
+    assert study["groups"]["file"].attrs["class_axis"] == "file classes 0..4 of classes.npy"
+    assert all("class_axis" not in study["groups"][k].attrs for k in ("next", "current"))
     default = study["groups"]["next"]
     assert "labels" not in default.attrs and "labels" not in json.loads(default.attrs["config"])
     assert default.sizes["vocab"] == study["groups"]["current"].sizes["vocab"]
