@@ -134,7 +134,8 @@ def test_names_are_defined_once():
     from ncanalyze.analyzer import metrics, report, schema, stats, table
 
     assert stats.METRICS is schema.SCALARS and report.ID_COLUMNS is schema.INFO
-    assert table.COLUMNS == (*schema.INFO, schema.LAYER, schema.SITE, schema.LABELS, *schema.CLASS_COUNTS,
+    assert table.COLUMNS == (*schema.INFO, schema.LAYER, schema.SITE, schema.LABELS, schema.CLASS_AXIS,
+                             *schema.CLASS_COUNTS,
                              *schema.SCALARS,
                              *schema.ERRORS)
     assert list(metrics.DEFINITIONS) == list(schema.SCALARS)

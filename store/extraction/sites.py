@@ -20,7 +20,7 @@ from ncanalyze.store.sources.anatomy import SUBLAYERS
 RESID = "resid"
 
 
-def kinds() -> tuple[str, ...]:
+def site_kinds() -> tuple[str, ...]:
     """The site kinds in the order the forward reaches them within one index: ``resid``, then anatomy's
     ``SUBLAYERS`` as it lists them (read when asked: a new hook point is an entry there alone)."""
     return RESID, *SUBLAYERS
@@ -32,7 +32,7 @@ EXAMPLE = "resid:2,attn:1,mlp:-1"
 
 @dataclass(frozen=True)
 class Site:
-    """A point of the forward: ``kind`` (one of :func:`kinds`) and its ``index`` (the hidden_states index for
+    """A point of the forward: ``kind`` (one of :func:`site_kinds`) and its ``index`` (the hidden_states index for
     ``resid``, the block for the sublayers), resolved (never negative once :func:`parse_sites` has read it)."""
     kind: str
     index: int
@@ -46,7 +46,7 @@ class Site:
     @property
     def order(self) -> tuple[int, int]:
         """Where the forward reaches it: (index, rank of the kind)."""
-        return self.index, kinds().index(self.kind)
+        return self.index, site_kinds().index(self.kind)
 
     @property
     def residual(self) -> bool:
@@ -86,7 +86,7 @@ class Site:
 
 
 def parse_sites(spec: str | None, n: int | None) -> list[Site]:
-    """``--sites``: comma-separated ``kind:index`` (:func:`kinds`), each index checked against the model's depth
+    """``--sites``: comma-separated ``kind:index`` (:func:`site_kinds`), each index checked against the model's depth
     and made non-negative: ``resid`` 0..n, the sublayers 0..n-1.
 
     Parameters
@@ -105,9 +105,9 @@ def parse_sites(spec: str | None, n: int | None) -> list[Site]:
     out = set()
     for item in items:
         kind, sep, index = item.partition(":")
-        if kind not in kinds() or not sep or not index.strip().lstrip("+-").isdigit():
+        if kind not in site_kinds() or not sep or not index.strip().lstrip("+-").isdigit():
             raise UserError(f"--sites: {item!r} is not a site; write kind:index with kind one of "
-                            f"{', '.join(kinds())}, e.g. {EXAMPLE}")
+                            f"{', '.join(site_kinds())}, e.g. {EXAMPLE}")
         size = n + 1 if kind == RESID else n
         i = int(index)
         if not -size <= i < size:

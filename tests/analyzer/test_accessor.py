@@ -56,7 +56,7 @@ def test_tree_table_is_the_metrics_table(measured, tmp_path):
     store, df = measured
     tree = ncanalyze.store.open(store)
     table = tree.nc.table()
-    assert list(table.columns) == [*INFO, LAYER, "site", "labels", *CLASS_COUNTS, *SCALARS, *ERRORS]
+    assert list(table.columns) == [*INFO, LAYER, "site", "labels", "class_axis", *CLASS_COUNTS, *SCALARS, *ERRORS]
     pd.testing.assert_frame_equal(table, df)
     assert [f"{r}/{c}" for r, c in zip(table.run, table.checkpoint)] == checkpoint_groups(store)[0]
     for row in table.itertuples():

@@ -62,7 +62,7 @@ def test_measures_every_complete_checkpoint_and_stores_the_results(small_store):
     store, data = small_store
     result = measure_store(store, tile=7)
     df = result.table
-    assert list(df.columns) == [*INFO, "layer", "site", "labels", *CLASS_COUNTS, *SCALARS, *ERRORS]
+    assert list(df.columns) == [*INFO, "layer", "site", "labels", "class_axis", *CLASS_COUNTS, *SCALARS, *ERRORS]
     assert list(df.site) == ["resid:2"] * 3  # the checkpoint group: the last layer
     assert set(df["labels"]) == {"next"}  # groups that record no labels are next-token groups
     assert [f"{r}/{c}" for r, c in zip(df.run, df.checkpoint)] == ["a/checkpoint-10", "a/checkpoint-20",
