@@ -183,6 +183,25 @@ def test_a_new_hook_point_is_one_entry_in_the_anatomy(trained_run, corpus, tmp_p
                                                                                        "resid:2"]
 
 
+@pytest.mark.slow
+def test_sites_in_shards_resume_bit_for_bit_after_a_kill_in_the_validation_pass(trained_run, corpus, tmp_path):
+    """The shards' merged state of every site, saved at the start of the validation pass: a run killed there resumes
+    from it and ends bit for bit as the uninterrupted sharded run, every site's group."""
+    from conftest import assert_same_group
+
+    args = ["extract", trained_run / CK, "--dataset", corpus["train"], "--max-train-tokens", 2048,
+            "--max-val-tokens", 1024, "--samples-per-class", 2, "--batch-size", 1, "--sites", "attn:0,mlp:1",
+            "--layers", "0", "--shards", 2]
+    ref, store = tmp_path / "ref.zarr", tmp_path / "killed.zarr"
+    run_cli(*args, "--store", ref)
+    kill_when([*args, "--state-every", 0, "--store", store], _state(store) / "neo-2x32" / f"{CK}.npz", batches=5,
+              at={"phase": 1})
+    assert "1 resumed" in run_cli(*args, "--store", store).output
+    g = f"neo-2x32/{CK}"
+    for group in (g, f"{g}/layers/0", f"{g}/sites/attn_0", f"{g}/sites/mlp_1"):
+        assert_same_group(ref, store, group)
+
+
 def checkpoint(store) -> str:
     """The store's one checkpoint group."""
     from ncanalyze.store.classifier import checkpoint_group
@@ -255,6 +274,7 @@ def test_a_site_the_architecture_lacks_is_one_line_before_any_work(kept_store, l
                           max_position_embeddings=64, word_embed_proj_dim=16), tmp_path / "opt-2x16")
     args = ["extract", opt, "--dataset", llama["train"], "--val-dataset", llama["val"]]
     fails_cleanly([*args, "--sites", "mlp:0"], kept_store, ["mlp:0", "opt", "no mlp sublayer"])
+    fails_cleanly([*args, "--sites", "mlp:0", "--shards", 2], kept_store, ["mlp:0", "opt", "no mlp sublayer"])
     run_cli(*args, "--sites", "attn:0", "--store", tmp_path / "ok.zarr", "--samples-per-class", 1)
 
 
