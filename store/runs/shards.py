@@ -1,5 +1,6 @@
 """One checkpoint's train pass cut into shards: contiguous ranges of batches, each an exact float64 ``ClassStats`` and
-reservoir over its batches, merged with Chan's formula in a fixed tree, then the validation pass and the write.
+reservoir over its batches for every site of the plan (all in one pass: :func:`one_pass`), merged site by site with
+Chan's formula in a fixed tree, then the validation pass and the write.
 
 The steps are plain functions of picklable arguments, so that a cluster runs them as tasks (cluster.py) and the local
 run calls them one after another (extract.extract_sharded); both merge in the same order and so give the same bits.
