@@ -129,19 +129,20 @@ def test_residual_groups_are_bit_for_bit_those_of_layers(trained_run, corpus, tm
 
 
 @pytest.mark.slow
-def test_sites_under_shards_equal_the_unsharded_run(neo_store, trained_run, corpus, tmp_path):
+def test_sites_under_shards_equal_the_unsharded_run(trained_run, corpus, tmp_path):
     """``--shards 3`` with sublayer and residual sites: every site's group holds the unsharded run's counts, validation
     counts and reservoir bit for bit and its float64 statistics to 1e-12 (Chan's merge tree rounds otherwise than batch
     by batch), the same attributes; an explicit --layers-per-pass that splits the sites is one line before any work."""
     from conftest import EXACT
 
-    sharded = tmp_path / "sharded.zarr"
+    sharded, whole = tmp_path / "sharded.zarr", tmp_path / "whole.zarr"
     args = ["extract", trained_run / CK, "--dataset", corpus["train"], *EXTRACT_OPTS, "--dtype", "float64", "--sites",
             "attn:0,mlp:-1,resid:1"]
+    run_cli(*args, "--store", whole)
     run_cli(*args, "--store", sharded, "--shards", 3)
     g = f"neo-2x32/{CK}"
     for group in (g, f"{g}/sites/attn_0", f"{g}/sites/mlp_1", f"{g}/layers/1"):
-        ref, got = read_group(neo_store, group), read_group(sharded, group)
+        ref, got = read_group(whole, group), read_group(sharded, group)
         assert set(ref.variables) == set(got.variables), group
         for v in ref.variables:
             if v in EXACT or ref[v].dtype.kind not in "fc":  # the counts, the reservoir, the token names
