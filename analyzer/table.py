@@ -18,8 +18,10 @@ COLUMNS = (*INFO, LAYER, SITE, LABELS, CLASS_AXIS, *CLASS_COUNTS, *SCALARS, *ERR
 
 def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
     """Measured with this min_count, since the group's statistics were last written, under this version's metric
-    definitions (``schema.METRICS_VERSION``: a group measured under other definitions is measured again)."""
+    definitions (``schema.METRICS_VERSION``: a group measured under other definitions is measured again) and with
+    every metric there is (a group measured before a metric was added is measured again: no version to bump)."""
     return ("metrics" in attrs and attrs.get("metrics_version") == METRICS_VERSION
+            and set(SCALARS) <= set(attrs["metrics"] or {})
             and attrs.get("metrics_min_count") == min_count
             and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
 

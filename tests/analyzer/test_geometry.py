@@ -267,16 +267,21 @@ def test_extraction_stores_unit_sum_and_anisotropy(extracted_store, trained_run,
 
 
 def test_a_group_measured_under_other_definitions_is_measured_again():
-    """Whatever metrics a group's record holds, it is measured again unless measured under this version's
-    definitions (schema.METRICS_VERSION), with the same min_count and statistics."""
+    """A group is measured again unless measured under this version's definitions (schema.METRICS_VERSION), with
+    the same min_count and statistics, and with every metric there is (one added since: measured again)."""
     from ncanalyze.analyzer import NC_METRICS
     from ncanalyze.analyzer.schema import METRICS_VERSION
     from ncanalyze.store.measure import is_measured
 
-    attrs = {"metrics": {k: 1.0 for k in NC_METRICS + GEOMETRY_METRICS}, "metrics_min_count": 1,
-             "metrics_config_hash": "h", "config_hash": "h"}
+    from ncanalyze.analyzer.schema import SCALARS
+
+    attrs = {"metrics": {k: 1.0 for k in SCALARS}, "metrics_min_count": 1, "metrics_config_hash": "h",
+             "config_hash": "h"}
     assert not is_measured(attrs, 1)  # no version: measured before definitions were versioned
     assert not is_measured(attrs | {"metrics_version": METRICS_VERSION - 1}, 1)
     assert is_measured(attrs | {"metrics_version": METRICS_VERSION}, 1)
     assert not is_measured(attrs | {"metrics_version": METRICS_VERSION}, 2)  # another min_count
     assert not is_measured(attrs | {"metrics_version": METRICS_VERSION, "config_hash": "other"}, 1)
+    # measured before a metric was added (its record holds every metric but that one): measured again
+    older = {k: 1.0 for k in NC_METRICS + GEOMETRY_METRICS}
+    assert not is_measured(attrs | {"metrics_version": METRICS_VERSION, "metrics": older}, 1)

@@ -107,6 +107,9 @@ from ncanalyze.cli.main import main
 ds = schema.stats_dataset(*(np.load(sys.argv[3])[k] for k in ("count", "mean", "variance", "cov")))
 print(json.dumps({"value": measure(ds)["norm_ratio"], "geometry": "norm_ratio" in schema.GEOMETRY_METRICS,
                   "columns": "norm_ratio" in table.COLUMNS and "norm_ratio_se" in schema.ERRORS,
+                  "again": table.is_measured({"metrics": {k: 1.0 for k in schema.SCALARS if k != "norm_ratio"},
+                                              "metrics_version": schema.METRICS_VERSION, "metrics_min_count": 1},
+                                             1),
                   "direction": direction_lines(["norm_ratio"])[0], "label": LABELS["norm_ratio"],
                   "help": CliRunner().invoke(main, ["measure", "--help"]).output,
                   "docs": metric_cards()}))
@@ -117,8 +120,8 @@ print(json.dumps({"value": measure(ds)["norm_ratio"], "geometry": "norm_ratio" i
 def test_a_new_metric_is_one_record_in_one_module(tmp_path):
     """A newcomer's metric written as one record with its function beside it, in a copy of metric_records.py alone
     (the rest of the package as it is): the schema's family and the table's columns hold it, ``measure`` computes
-    it (against max/min of the class means' distances to their mean, in float64 here), the report says its direction
-    and titles its panel, ``measure --help`` prints it and the docs give it a card with its docstring."""
+    it (against max/min of the class means' distances to their mean, in float64 here) and measures again a group
+    measured before it (no version to bump), the report says its direction and titles its panel, ``measure --help`` prints it and the docs give it a card with its docstring."""
     import json
     import subprocess
     import sys
@@ -137,7 +140,7 @@ def test_a_new_metric_is_one_record_in_one_module(tmp_path):
     got = json.loads(out.splitlines()[-1])
     norms = np.linalg.norm(mean - mean.mean(0), axis=1)  # m_c about the unweighted mean of the class means
     assert got["value"] == pytest.approx(norms.max() / norms.min(), rel=1e-12)
-    assert got["geometry"] and got["columns"]
+    assert got["geometry"] and got["columns"] and not got["again"]  # a store measured before it is measured again
     assert got["direction"] == "- `norm_ratio`: lower is more collapse" and got["label"] == "NC2: norm ratio"
     assert "norm_ratio" in got["help"]
     assert "### `norm_ratio`" in got["docs"] and "how far the class means are from equinorm" in got["docs"]
