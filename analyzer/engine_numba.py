@@ -63,10 +63,10 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
         work["pairs"] = pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias)
     if sample is not None:
         side = side_of(r, var, p, has_var, debias)
-        half = len(sample) // 2  # a task per half (each a few dozen Gram blocks): one hash of U each, not per block
-        work["sample_sums"] = dask.delayed(np.concatenate)([dask.delayed(_block_sums, pure=True)(U, side, t0, s)
+        half = len(sample) // 2  # a task per half (each a few dozen Gram blocks); not pure: no hash of U
+        work["sample_sums"] = dask.delayed(np.concatenate)([dask.delayed(_block_sums)(U, side, t0, s)
                                                             for s in (sample[:half], sample[half:])])
-        work["controls"] = dask.delayed(control_totals, pure=True)(U, p, t0)
+        work["controls"] = dask.delayed(control_totals)(U, p, t0)
     with _blas_controller().limit(limits=1, user_api="blas"):
         got = dask.compute(work, scheduler="sync" if small else None)[0]  # the same sums
     pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ import pandas as pd
 import xarray as xr
 
 from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.schema import NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
+from ncanalyze.analyzer.schema import HEAD, NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
 
 Measure = Callable[[xr.Dataset], Mapping[str, float]]  # a dataset's scalar metrics (metrics.measure_all's first)
 
@@ -154,7 +155,7 @@ def _dataset(ds: xr.Dataset, count: np.ndarray, mean: np.ndarray, m2: np.ndarray
              unit_sum: np.ndarray | None, val: dict, folds: int) -> xr.Dataset:
     """A subset of folds' statistics as the dataset the metrics read (variance M2 / n, nan for an empty class; the
     within-class covariance S / N), with ``ds``'s head, attributes and ``split_count``."""
-    head = {h: ds[h].values for h in ("classifier", "classifier_bias") if h in ds.variables}
+    head = {h: ds[h].values for h in HEAD if h in ds.variables}
     with np.errstate(invalid="ignore", divide="ignore"):
         return stats_dataset(count, mean, m2 / count, None if scatter is None else scatter / count.sum(),
                              unit_sum=unit_sum, val=val or None, attrs={**ds.attrs, "folds": folds},
@@ -168,9 +169,9 @@ REEXTRACT = "extract it again (ncanalyze extract ... --overwrite)"  # the fix of
 def fold_problems(ds: xr.Dataset) -> list[str]:
     """Where a group's fold sums do not add up to its totals, each in a few words (none: they do). The counts must
     sum exactly (``sum(fold_count) == count``, the validation counts too); the folds merged (Chan) must give the
-    totals' mean, variance, within-class covariance (along 4 fixed random directions: O(F |V| d), where the whole
-    d x d is O(F |V| d^2)) and unit sum to float64 rounding (:data:`FOLD_RTOL` of each variable's largest value). A
-    forged fold, or a merge that counted a block twice, is found here."""
+    totals' mean and within-class covariance (each along 4 fixed random directions: O(|V| d) and O(F |V| d) to
+    compare, where the whole d x d is O(F |V| d^2)), variance and unit sum to float64 rounding (:data:`FOLD_RTOL` of
+    each variable's largest value). A forged fold, or a merge that counted a block twice, is found here."""
     if "fold_count" not in ds:
         return []
     out = []
@@ -185,12 +186,12 @@ def fold_problems(ds: xr.Dataset) -> list[str]:
     m = merge(ds, list(range(n_folds(ds))), probe)
     count = np.asarray(ds["count"].values)
     with np.errstate(invalid="ignore", divide="ignore"):
-        whole = {"mean": m["mean"], "variance": m["m2"] / count, "unit_sum": m.get("unit_sum"),
+        whole = {"mean": m["mean"] @ probe, "variance": m["m2"] / count, "unit_sum": m.get("unit_sum"),
                  "within_covariance": None if "scatter" not in m else m["scatter"] / count.sum()}
     for n in ("mean", "variance", "within_covariance", "unit_sum"):
         if n in ds and whole[n] is not None:
             a, b = whole[n], np.asarray(ds[n].values, np.float64)
-            b = b @ probe if n == "within_covariance" else b
+            b = b @ probe if n in ("mean", "within_covariance") else b
             scale = np.nanmax(np.abs(b), initial=0.0)
             if not np.allclose(a, b, rtol=0, atol=FOLD_RTOL * scale, equal_nan=True):
                 out.append(f"the folds merged differ from {n} by up to {np.nanmax(np.abs(a - b)) / (scale or 1):.2g} "
@@ -407,7 +408,8 @@ class Sampled:
     ``blocks`` of pairs (:func:`pair_blocks`, indices into K), the exact sums over every pair (``whole``,
     pairs.SUMS), the sums over each block (``whole_blocks``, blocks x (SUMS, CONTROLS)) and the controls over every
     pair (``controls``), and ``replicate``: a leave-one-fold-out dataset and its blocks -> the same two of its own
-    and its scalar metrics given pair sums (metrics.py)."""
+    and its scalar metrics given pair sums (metrics.py); ``workers`` the replicates measured at once (threads: each
+    is independent of the others, so a descheduled thread holds no other up)."""
     K: np.ndarray
     blocks: list
     whole: np.ndarray
@@ -415,6 +417,7 @@ class Sampled:
     controls: np.ndarray
     replicate: Replicate
     min_count: int = 1
+    workers: int = 1
 
 
 def sampled_jackknife(ds: xr.Dataset, sampled: Sampled, point: Mapping[str, float] | None = None
@@ -457,28 +460,36 @@ def _sampled_replicates(ds: xr.Dataset, folds: list[int], sampled: Sampled
     from ncanalyze.analyzer.pairs import PairSums
 
     n, A = sampled.K.size, _controlled()
+    ds = ds.copy(deep=False)
+    for h in HEAD:       # the head in float64 once, not in each replicate (exact: every float32 is a float64)
+        if h in ds.variables:
+            ds[h] = ds[h].astype(np.float64, copy=False)
     half = len(sampled.blocks) // 2
     sizes = np.array([len(a) * len(b) for a, b in sampled.blocks], dtype=np.float64).reshape(2, half)
     scale = n * (n - 1) / 2 / sizes.sum(1)
-    rows, notes = ({}, {}, {}), []
-    for i in folds:
+
+    def one(i: int) -> list[Mapping[str, float]] | str:
+        """The metrics without fold i from the two samples' mean sums, then from each alone (or why not)."""
         rest = without(ds, i)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                sums, controls, at = sampled.replicate(rest, _within(
-                    sampled.blocks, sampled.K, kept_classes(rest["count"].values, sampled.min_count)))
-            except UserError as e:
-                for r in rows:
-                    r[i] = {}
-                notes.append(f"without fold {i}: {e}")
-                continue
-            change = sums - sampled.whole_blocks
-            change = change[:, :len(A)] - change[:, len(A):] @ A.T  # less the controls' change on the same pairs
-            exact = sampled.whole + A @ (np.asarray(controls) - sampled.controls)
-            each = [exact + scale[s] * change[s * half:(s + 1) * half].sum(0) for s in (0, 1)]
-            for r, estimate in zip(rows, ((each[0] + each[1]) / 2, *each)):
-                r[i] = at(PairSums(*estimate))
+        try:
+            sums, controls, at = sampled.replicate(rest, _within(
+                sampled.blocks, sampled.K, kept_classes(rest["count"].values, sampled.min_count)))
+        except UserError as e:
+            return f"without fold {i}: {e}"
+        change = sums - sampled.whole_blocks
+        change = change[:, :len(A)] - change[:, len(A):] @ A.T  # less the controls' change on the same pairs
+        exact = sampled.whole + A @ (np.asarray(controls) - sampled.controls)
+        each = [exact + scale[s] * change[s * half:(s + 1) * half].sum(0) for s in (0, 1)]
+        return [at(PairSums(*estimate)) for estimate in ((each[0] + each[1]) / 2, *each)]
+
+    rows, notes = ({}, {}, {}), []
+    with warnings.catch_warnings(), ThreadPoolExecutor(max(1, min(sampled.workers, len(folds)))) as pool:
+        warnings.simplefilter("ignore")                            # once, here: the filters are not per thread
+        for i, got in zip(folds, pool.map(one, folds)):
+            if isinstance(got, str):
+                notes.append(got)
+            for r, k in zip(rows, range(3)):
+                r[i] = {} if isinstance(got, str) else got[k]
     return (*(_frame(r) for r in rows), notes)
 
 

@@ -12,13 +12,17 @@ from the eigenvalues of M^T M, the dual error from <M^T M, W^T W>, the mean cosi
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
+import dask
 import numpy as np
+import threadpoolctl
 import xarray as xr
 
 from ncanalyze.analyzer import spectral
+from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
 from ncanalyze.analyzer.metric_records import BY_NAME
@@ -238,6 +242,11 @@ def coefficient_of_variation(x: np.ndarray, name: str, what: str) -> float:
 
 _ALL = {**vars(spectral), **globals()}
 DEFINITIONS = {name: BY_NAME[name].compute or _ALL[name] for name in SCALARS}  # a record's own function, else ours
+# the metrics that read the pairwise sums (g.pairs, g.coincident), and any a record computes itself (it may): a
+# jackknife replicate whose pairs are sampled measures these on each estimate of its sums, the rest once
+PAIR_METRICS = frozenset({"nc1_cdnv", "nc1_cdnv_p2", "nc1_cdnv_debiased", "nc2_cos_std", "gnc2_log_mean",
+                          "gnc2_log_std", "nc1_cdnv_freq", "gnc2_log_mean_freq",
+                          *(name for name in SCALARS if BY_NAME[name].compute is not None)})
 PER_CLASS_DEFINITIONS = {name: _ALL[name] for name in PER_CLASS}
 
 
@@ -351,9 +360,10 @@ def _each(g: Geometry, definitions: dict) -> dict:
     return {name: got[name] for name, _ in ready}
 
 
-def _scalars(g: Geometry) -> dict[str, float]:
-    """The scalar metrics defined on ``g``."""
-    return {name: float(v) for name, v in _each(g, DEFINITIONS).items()}
+def _scalars(g: Geometry, names=None) -> dict[str, float]:
+    """The scalar metrics defined on ``g``, or those of them in ``names``."""
+    chosen = DEFINITIONS if names is None else {n: f for n, f in DEFINITIONS.items() if n in names}
+    return {name: float(v) for name, v in _each(g, chosen).items()}
 
 
 def _warn_debiased(g: Geometry, n_fixed: int) -> None:
@@ -381,9 +391,12 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list
     if sample is None:
         errors, notes = jackknife(ds, lambda d: measure_all(d, **kw)[0], point=scalars, min_count=kw["min_count"])
     else:
+        host = engine_device(kw["device"], kw["engine"]) is None   # the host's engine: a replicate per core
         sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums, np.array(g.controls),
-                          lambda d, blocks: _replicate(d, blocks, kw), kw["min_count"])
-        errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)
+                          lambda d, blocks: _replicate(d, blocks, kw), kw["min_count"],
+                          workers=dask.system.CPU_COUNT if host else 1)
+        with threadpoolctl.threadpool_limits(1, user_api="blas") if host else contextlib.nullcontext():
+            errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)  # one BLAS thread per replicate
         how = {"se_method": sampled_method(len(sampled.blocks) // 2), "se_sampling_error": sampling}
     if notes:
         warnings.warn("jackknife errors: " + "; ".join(notes), stacklevel=3)
@@ -397,10 +410,15 @@ def _replicate(ds: xr.Dataset, blocks: list, kw: dict):
     g = geometry(ds, kw["min_count"], kw["tile"], kw["device"], kw["engine"], sample=blocks, all_pairs=False)
     g.decay_ranks = _ranks(kw["decay_ranks"])
 
+    rest: dict[str, float] = {}  # the metrics that read no pair sum: the same for every estimate of them
+
     def at(pairs) -> dict[str, float]:
         g.pairs = pairs  # a sampled pair whose directions coincide: the log metrics are inf or nan, as with all pairs
         g.coincident = [(-1, -1, False)] if pairs.coincident > 0 else []
-        return _scalars(g)
+        if not rest:
+            rest.update(_scalars(g))
+            return dict(rest)
+        return rest | _scalars(g, PAIR_METRICS)
     return g.sample_sums, g.controls, at
 
 
