@@ -183,13 +183,9 @@ def fold_problems(ds: xr.Dataset) -> list[str]:
     if out:
         return out
     probe = np.random.default_rng(0).standard_normal((ds.sizes["hidden"], 4))   # the scatter along 4 directions
-    m = merge(ds, list(range(n_folds(ds))), probe)
-    count = np.asarray(ds["count"].values)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        whole = {"mean": m["mean"] @ probe, "variance": m["m2"] / count, "unit_sum": m.get("unit_sum"),
-                 "within_covariance": None if "scatter" not in m else m["scatter"] / count.sum()}
+    whole = _merged_along(ds, probe)
     for n in ("mean", "variance", "within_covariance", "unit_sum"):
-        if n in ds and whole[n] is not None:
+        if n in ds and whole.get(n) is not None:
             a, b = whole[n], np.asarray(ds[n].values, np.float64)
             b = b @ probe if n in ("mean", "within_covariance") else b
             scale = np.nanmax(np.abs(b), initial=0.0)
@@ -197,6 +193,30 @@ def fold_problems(ds: xr.Dataset) -> list[str]:
                 out.append(f"the folds merged differ from {n} by up to {np.nanmax(np.abs(a - b)) / (scale or 1):.2g} "
                            f"of its largest value")
     return out
+
+
+def _merged_along(ds: xr.Dataset, probe: np.ndarray) -> dict[str, np.ndarray]:
+    """Every fold merged (:func:`merge`) as :func:`fold_problems` compares them to the totals: the mean and the
+    within-class covariance times ``probe``, the variance and the unit sum; each fold's spread taken about the
+    totals' mean (the merged mean to rounding where the folds add up, and where they do not the mean says so), so
+    each fold's means are read once."""
+    fold = {n: ds[f"fold_{n}"].values for n in FOLD_STATS if f"fold_{n}" in ds}   # read in place, fold by fold
+    count = fold["count"].sum(0)
+    mean, m2 = np.zeros((count.size, probe.shape[1])), fold["m2"].sum(0)
+    scatter = sum(s @ probe for s in fold["scatter"]) if "scatter" in fold else None
+    total = np.asarray(ds["mean"].values)
+    for mu_f, n in zip(fold["mean"], fold["count"]):
+        held = np.flatnonzero(n > 0)
+        mu, w = mu_f[held], n[held].astype(np.float64)[:, None]
+        mean[held] += w * (mu @ probe)
+        dev = (mu - total[held]) * np.sqrt(w)
+        m2[held] += np.einsum("cd,cd->c", dev, dev)
+        if scatter is not None:
+            scatter += dev.T @ (dev @ probe)
+    mean[count > 0] /= count[count > 0, None]                     # an empty class's mean: 0, as merge's
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return {"mean": mean, "variance": m2 / count, "unit_sum": fold["unit_sum"].sum(0)
+                if "unit_sum" in fold else None, "within_covariance": None if scatter is None else scatter / count.sum()}
 
 
 def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[pd.DataFrame, list[str]]:
