@@ -47,10 +47,10 @@ def auto_tile(n: int, threads: int | None = None, budget: float = 0.1) -> int:
 
 def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
                 tile: int | None, debias: tuple | None = None, sample: list | None = None,
-                all_pairs: bool = True) -> dict[str, Any]:
+                all_pairs: bool = True, head: np.ndarray | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, on the host: numpy, then the numba pair
     sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.engine_torch.device_parts`
-    (``sample``, ``all_pairs``: as there)."""
+    (``sample``, ``all_pairs``, ``head``: as there)."""
     M, var, r, mu_G = _centred_means(ds, K)
     U = M / r[:, None]
     s = U.sum(0)
@@ -58,7 +58,7 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
     tile = int(tile or auto_tile(K.size))
     small = ds["count"].size <= 2 * tile  # every class within two tiles: a handful of tasks, run in this thread
-    work = {"mom": _moments(ds, K, M, mu_G, W, sigma_w, tile)}
+    work = {"mom": _moments(ds, K, M, mu_G, W, sigma_w, tile, head)}
     if all_pairs:
         work["pairs"] = pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias)
     if sample is not None:
@@ -107,21 +107,21 @@ def _centred_means(ds: xr.Dataset, K: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: np.ndarray | None,
-             sigma_w: np.ndarray | None, tile: int) -> Delayed:
+             sigma_w: np.ndarray | None, tile: int, head: np.ndarray | None = None) -> Delayed:
     """A dask task for M^T M (= |K| Sigma_B) with its eigenvalues ``lam`` and eigenvectors ``V``; with W, also
     W^T W, the row norms ``wn`` of W, the row products ``wm`` (w_c . m_c) and the column sums ``w_sum``; and the
     ``spectra`` of moments.py. Sigma_T's between-class part sum_c f_c (mu_c - mu)(mu_c - mu)^T (f_c = n_c/N
     over every class with a train token, mu = sum_c f_c mu_c) is sum_c f_c a_c a_c^T - delta delta^T with
     a_c = mu_c - mu_G and delta = mu - mu_G = sum_c f_c a_c, so the kept rows reuse M; the classes counted but not
     kept and the classifier rows outside K come in blocks of their own. One task per row block (O(tile d^2) each),
-    then their sum and the eigendecompositions (O(d^3))."""
+    then their sum and the eigendecompositions (O(d^3)); ``head`` where given is not summed again."""
     count, f, rest, A, delta = _outside(ds, K, M, mu_G)
     kept = [dask.delayed(_block_moments)(M[s], f[K][s], None if W is None else W[s]) for s in blocks(K.size, tile)]
     outside = [dask.delayed(_scatter)(A[s], f[rest][s]) for s in blocks(rest.size, tile)]
-    if W is not None and K.size < count.size:                    # the head's rows outside K, read in place
+    if W is not None and K.size < count.size and head is None:  # the head's rows outside K, read in place
         W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
         outside += [dask.delayed(_head)(W_all[s], out_K[s]) for s in blocks(count.size, tile) if out_K[s].any()]
-    return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, mu_G + delta, K.size)
+    return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, mu_G + delta, K.size, head)
 
 
 def _outside(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -155,12 +155,13 @@ def _head(w: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _sum_moments(parts: list[dict[str, np.ndarray]], outside: list[dict[str, np.ndarray]],
-                 sigma_w: np.ndarray | None, delta: np.ndarray, mu: np.ndarray, n: int) -> dict[str, np.ndarray]:
+                 sigma_w: np.ndarray | None, delta: np.ndarray, mu: np.ndarray, n: int,
+                 head: np.ndarray | None = None) -> dict[str, np.ndarray]:
     out = {k: np.concatenate([p[k] for p in parts]) if k in ("wn", "wm") else sum(p[k] for p in parts)
            for k in parts[0]}
     out["MtFM"] = out["MtFM"] + sum(p["MtFM"] for p in outside if "MtFM" in p)
     if "WtW" in out:
-        out["head"] = out["WtW"] + sum(p["head"] for p in outside if "head" in p)
+        out["head"] = out["WtW"] + sum(p["head"] for p in outside if "head" in p) if head is None else head
     return finish_moments(out, sigma_w, delta, mu, n)
 
 

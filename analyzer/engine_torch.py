@@ -30,7 +30,7 @@ HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 
 def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
                  device: str, panel: int | None = None, debias: tuple | None = None, sample: list | None = None,
-                 all_pairs: bool = True) -> dict[str, Any]:
+                 all_pairs: bool = True, head: np.ndarray | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, computed in torch float64 on ``device``.
 
     Parameters
@@ -57,6 +57,8 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
     all_pairs
         Whether to sum over every pair (False: ``pairs`` and ``row_cdnv`` are None, for the jackknife's
         replicates, whose pairs are sampled).
+    head
+        W^T W over the whole vocabulary where known (a jackknife replicate's: its point value's), not summed again.
 
     Returns
     -------
@@ -84,7 +86,7 @@ def device_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarr
     mom = _moments(M, A, torch.as_tensor(f[K], device=dev), torch.as_tensor(f[rest], device=dev))
     del A
     if "classifier" in ds:
-        mom |= _classifier_moments(ds["classifier"], K, M, dev)
+        mom |= _classifier_moments(ds["classifier"], K, M, dev, head)
     out = {"var": var, "r": r_host, "m_sum": M.sum(0).cpu().numpy(),
            "m_sums": subset_sums(M, has_var, debias, lambda a: torch.as_tensor(a, device=dev)).cpu().numpy()}
     U = M.div_(r[:, None])                                        # u_c = m_c / r_c, in M's place: M is done
@@ -139,16 +141,18 @@ def _moments(M: torch.Tensor, A: torch.Tensor, fK: torch.Tensor, fA: torch.Tenso
     return {"MtM": M.T @ M, "MtFM": mf.T @ mf + af.T @ af, "delta": fK @ M + fA @ A}
 
 
-def _classifier_moments(var: xr.DataArray, K: np.ndarray, M: torch.Tensor,
-                        dev: torch.device) -> dict[str, torch.Tensor]:
+def _classifier_moments(var: xr.DataArray, K: np.ndarray, M: torch.Tensor, dev: torch.device,
+                        head: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """W^T W over K, the row norms ``wn``, the row products ``wm`` (w_c . m_c), the column sums ``w_sum`` and
     ``head``, W^T W over the whole vocabulary: the classifier moved once in its stored dtype, its rows made float64
-    on the device (those outside K in blocks of HEAD_ROWS)."""
+    on the device (those outside K in blocks of HEAD_ROWS; ``head`` where given is used as it is)."""
     full = _moved(var.values, dev)
     W = full[torch.as_tensor(K, device=dev)].to(torch.float64)
     out = {"WtW": W.T @ W, "wn": torch.linalg.vector_norm(W, dim=1), "wm": torch.einsum("ij,ij->i", W, M),
            "w_sum": W.sum(0)}
     del W
+    if head is not None:
+        return out | {"head": torch.as_tensor(head, device=dev)}
     outside = torch.ones(len(full), dtype=torch.bool, device=dev)
     outside[torch.as_tensor(K, device=dev)] = False
     head = out["WtW"].clone()

@@ -54,16 +54,17 @@ def engine_device(device: str | None = "auto", engine: str | None = None) -> str
 
 def kept_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,
                on: str | None, tile: int | None, debias: tuple | None = None, sample: list | None = None,
-               all_pairs: bool = True) -> dict[str, Any]:
+               all_pairs: bool = True, head: np.ndarray | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, by the engine ``on`` names
     (:func:`engine_device`'s answer: None for the host's, else the torch device); ``tile`` is the host's tile or the
     device's row panel, in classes (None: each engine's own default); ``debias`` the debiased CDNV's per-class rows
     (v*, z, b; pairs.side_of); ``sample`` blocks of sampled pairs and ``all_pairs`` whether to sum every pair
-    (the jackknife's replicates: jackknife.py). Keys as engine_torch.device_parts."""
+    (the jackknife's replicates: jackknife.py), ``head`` W^T W over the vocabulary where known (not computed
+    again). Keys as engine_torch.device_parts."""
     if on is None:
         from ncanalyze.analyzer.engine_numba import host_parts
 
-        return host_parts(ds, K, p, has_var, sigma_w, tile, debias, sample, all_pairs)
+        return host_parts(ds, K, p, has_var, sigma_w, tile, debias, sample, all_pairs, head)
     from ncanalyze.analyzer.engine_torch import device_parts  # torch loads only when a device is asked for
 
-    return device_parts(ds, K, p, has_var, sigma_w, on, tile, debias, sample, all_pairs)
+    return device_parts(ds, K, p, has_var, sigma_w, on, tile, debias, sample, all_pairs, head)

@@ -89,6 +89,7 @@ class Geometry:
     unit_sum: np.ndarray | None = None
     anisotropy_nan_because: str | None = None
     head_nan_because: str | None = None   # the classifier holds NaN or Inf, and where
+    head: np.ndarray | None = None         # W^T W over the whole vocabulary (head_erank's matrix)
     decay_ranks: tuple[int, int] = DECAY_RANKS
     fixed: np.ndarray | None = None        # per kept class: in the debiased metrics' fixed class set (fixed_set)
     debias_note: str | None = None         # the fixed set's classes left out here, and why
@@ -118,12 +119,14 @@ class Geometry:
 
 
 def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-             engine: str | None = None, sample: list | None = None, all_pairs: bool = True) -> Geometry:
+             engine: str | None = None, sample: list | None = None, all_pairs: bool = True,
+             head: np.ndarray | None = None) -> Geometry:
     """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra, the pairwise sums, the d x d moments
     and their spectra, by the engine engines.py chooses for ``device`` and ``engine`` (engine_numba.py: one dask
     compute on the host, one BLAS thread per task; engine_torch.py: torch float64 on a device). With ``sample``
     (blocks of pairs, each two disjoint index arrays into K) also the pair sums of each block (``sample_sums``);
-    without ``all_pairs`` no sum over every pair (``pairs`` None: a jackknife replicate, jackknife.py). Degenerate
+    without ``all_pairs`` no sum over every pair (``pairs`` None: a jackknife replicate, jackknife.py); ``head``
+    W^T W over the whole vocabulary where known (a replicate's is its point value's: the folds leave it alone). Degenerate
     input is a UserError naming it."""
     K = kept_classes(ds["count"].values, min_count)
     n = K.size
@@ -139,7 +142,7 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
     check_covariance(sigma_w)
     has_var = count[K] >= 2
     fixed, debias, note = fixed_set(ds, K, count)
-    parts = kept_parts(ds, K, p, has_var, sigma_w, on, tile, debias, sample, all_pairs)
+    parts = kept_parts(ds, K, p, has_var, sigma_w, on, tile, debias, sample, all_pairs, head)
     mom = parts.pop("mom")
     if parts["coincident"]:
         _warn_coincident(parts["coincident"], K, bool(np.isinf(parts["pairs"].cdnv)))  # found with every pair
@@ -152,7 +155,7 @@ def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device
             raise UserError(f"classifier row(s) of class(es) {K[dead[:5]].tolist()} are zero: NC3 is undefined")
         g.w_norm, g.wm, g.WtW, g.w_sum = mom["wn"], mom["wm"], mom["WtW"], mom["w_sum"]
         g.duality = g.wm / (g.w_norm * g.r)
-        g.head_nan_because = _head_nan(ds, K, mom["head"])
+        g.head, g.head_nan_because = mom["head"], _head_nan(ds, K, mom["head"])
     _validation(g, ds, min_count)
     _unit_sum(g, ds)
     return g

@@ -393,7 +393,7 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list
     else:
         host = engine_device(kw["device"], kw["engine"]) is None   # the host's engine: a replicate per core
         sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums, np.array(g.controls),
-                          lambda d, blocks: _replicate(d, blocks, kw), kw["min_count"],
+                          lambda d, blocks: _replicate(d, blocks, kw, g.head), kw["min_count"],
                           workers=dask.system.CPU_COUNT if host else 1)
         with threadpoolctl.threadpool_limits(1, user_api="blas") if host else contextlib.nullcontext():
             errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)  # one BLAS thread per replicate
@@ -403,11 +403,13 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list
     return {se_name(m): errors[se_name(m)] for m in DEFINITIONS if m in scalars}, how
 
 
-def _replicate(ds: xr.Dataset, blocks: list, kw: dict):
+def _replicate(ds: xr.Dataset, blocks: list, kw: dict, head: np.ndarray | None = None):
     """A leave-one-fold-out set whose pairs are sampled (jackknife.py): the pair sums of its ``blocks``, the
     controls over every pair (pairs.CONTROLS), and its scalar metrics given estimated sums over every pair (all else
-    exact, as :func:`measure_all` has it)."""
-    g = geometry(ds, kw["min_count"], kw["tile"], kw["device"], kw["engine"], sample=blocks, all_pairs=False)
+    exact, as :func:`measure_all` has it); ``head`` the point value's W^T W over the vocabulary (the folds leave the
+    classifier alone)."""
+    g = geometry(ds, kw["min_count"], kw["tile"], kw["device"], kw["engine"], sample=blocks, all_pairs=False,
+                 head=head)
     g.decay_ranks = _ranks(kw["decay_ranks"])
 
     rest: dict[str, float] = {}  # the metrics that read no pair sum: the same for every estimate of them
