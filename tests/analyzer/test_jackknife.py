@@ -328,3 +328,43 @@ def test_sampled_pairs_keep_the_exact_errors_and_the_pair_errors_within_their_sa
             assert math.isclose(e, want, rel_tol=1e-12, abs_tol=1e-15), (m, e, want)
     for m in ("nc1_cdnv", "nc1_cdnv_debiased"):  # the samples resolve these well even at d = 8 (the logs: at d >= 64)
         assert sampling[f"{m}_se"] < 0.5 * exact[f"{m}_se"], (m, sampling[f"{m}_se"], exact[f"{m}_se"])
+
+
+@pytest.mark.slow
+def test_sampled_replicates_leave_the_head_alone_and_read_the_same_numbers_in_any_order():
+    """Issue 52: where the pairs are sampled, a leave-one-fold-out set that loses classes (a rare class seen in one
+    fold only) keeps the classifier: head_erank's replicates are its point value exactly, so its error is 0, not
+    rounding; and the replicates measured at once on threads give the errors measured one after another."""
+    from ncanalyze.analyzer.jackknife import Sampled, sample_design, sampled_jackknife
+    from ncanalyze.analyzer.geometry import geometry
+    from ncanalyze.analyzer.metrics import _replicate
+
+    rng = np.random.default_rng(3)
+    V, d, N = 12_000, 8, 60_000
+    p = 1 / np.arange(1, V + 1)
+    y = rng.choice(V, size=N, p=p / p.sum())
+    centres = rng.standard_normal((V, d))
+    h = centres[y] + rng.standard_normal((N, d)) * 0.5
+    W = (centres + rng.standard_normal((V, d))).astype(np.float32)
+    ds = class_stats(h, y, V, classifier=W, folds=8, block_size=16)
+    count, folds = ds["count"].values, ds["fold_count"].values
+    assert (count >= 1).sum() > EXACT_UP_TO
+    assert ((folds > 0) & (folds == count)).any(1).all()           # every replicate loses some kept class
+    Wd = W.astype(np.float64)                                       # brute force: the head's spectrum in float64
+    s = np.linalg.svd(Wd, compute_uv=False)                         # erank weighs the singular values
+    q = s / s.sum()
+    want = math.exp(-np.sum(q[q > 0] * np.log(q[q > 0])))
+    kw = dict(min_count=1, tile=None, device="cpu", engine=None, decay_ranks=(4, 100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = measure_all(ds, device="cpu", se=True)[0]
+        blocks = sample_design(ds, 1)
+        g = geometry(ds, 1, device="cpu", sample=blocks)
+        runs = [sampled_jackknife(ds, Sampled(g.K, blocks, np.array(g.pairs), g.sample_sums, np.array(g.controls),
+                                              lambda r, b: _replicate(r, b, kw, g.head), workers=w))[0]
+                for w in (1, 3)]
+    assert math.isclose(got["head_erank"], want, rel_tol=1e-10)
+    assert got["head_erank_se"] == 0.0
+    same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
+    assert all(same(runs[0][k], runs[1][k]) for k in runs[0])
+    assert all(same(runs[0][k], got[k]) for k in got if k.endswith("_se"))
