@@ -225,6 +225,12 @@ def parts(model, batches: list, args, device, sync) -> None:
     for name, t in took.items():
         print(f"  {name:>38}: {np.median(t[2:] or t) * 1e3:8.1f} ms  {np.median(t[2:] or t) / base:6.3f}")
     forward, reservoir = (np.array(took[k][2:]) for k in ("features (the extraction's forward)", "reservoir"))
+    base_t = np.array(took["base-model forward"][2:])
+    share = np.median((np.array(took["statistics (fold sums alone)"][2:]) + reservoir) / base_t)
+    # the extraction's forward is the base model's own call: the ratio is the accumulators' share of it, read per
+    # batch against the forward timed just before (the two forwards' own difference is noise, not cost)
+    print(f"  accumulators (statistics and reservoir) / base-model forward, median per batch: {share:.3f}; the train "
+          f"pass / base-model forward they imply, 1 / (1 + share): {1 / (1 + share):.3f}  (target >= 0.9)")
     for name in ("statistics (fold sums alone)", "totals beside the folds (before)"):
         if name in took:  # each batch's own ratio, then their median: a burst of load is one batch's
             ratio = np.array(took["base-model forward"][2:]) / (forward + np.array(took[name][2:]) + reservoir)
