@@ -56,7 +56,7 @@ class Groups:
 
     def sort(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The rows of ``h`` (n x ...) in group order, as ``dtype`` (gathered first: a float32 batch is moved once)."""
-        return h[self.order].to(dtype or h.dtype)
+        return h.index_select(0, self.order).to(dtype or h.dtype)
 
     def sum(self, x: torch.Tensor, segmented: bool | None = None) -> torch.Tensor:
         """Each group's sum of the rows of ``x`` (sorted by :meth:`sort`), in row order.
@@ -111,15 +111,36 @@ def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Gr
     cells = g.classes
     n_b = g.lengths.to(torch.float64)
     mean_b = g.sum(hs) / n_b[:, None]
-    dev = hs.sub_(mean_b[g.row])
+    dev = hs.sub_(mean_b.index_select(0, g.row))
     m2_b = g.sum(torch.einsum("ij,ij->i", dev, dev))
     n_a = count[cells].to(torch.float64)
     n = n_a + n_b
-    delta = mean_b - mean[cells]
+    delta = mean_b - mean.index_select(0, cells)
     w = n_a * n_b / n
     mean.index_add_(0, cells, delta * (n_b / n)[:, None])  # the cells are distinct: mean[cells] += ..., no gather
     m2.index_add_(0, cells, m2_b + w * torch.einsum("ij,ij->i", delta, delta))
     return dev, delta, w
+
+
+def add_scatter(scatter: torch.Tensor, g: Groups, dev: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
+                part: torch.Tensor) -> None:
+    """Chan's scatter update, in place, of ``scatter[p]`` (parts x d x d) for each part p of the batch: sum dev dev^T
+    over the tokens of p's groups plus sum w delta delta^T over p's groups (:func:`chan_update`'s outputs; ``part``:
+    each group's part, ascending as the groups are). Rows that add exactly 0 are left out of the products: the tokens
+    alone in their group (a deviation of 0 from their batch mean) and the groups new to the running statistics
+    (w = 0)."""
+    tok = torch.nonzero(g.lengths.index_select(0, g.row) > 1).squeeze(1)
+    cell = torch.nonzero(w > 0).squeeze(1)
+    d, dl, wl = dev.index_select(0, tok), delta.index_select(0, cell), w.index_select(0, cell)
+    tokens = torch.bincount(part.index_select(0, g.row.index_select(0, tok)), minlength=len(scatter)).tolist()
+    cells = torch.bincount(part.index_select(0, cell), minlength=len(scatter)).tolist()
+    t0 = c0 = 0
+    for f, (nt, nc) in enumerate(zip(tokens, cells)):
+        if nt:
+            scatter[f].addmm_(d[t0:t0 + nt].T, d[t0:t0 + nt])  # in place: no d x d temporaries
+        if nc:
+            scatter[f].addmm_((dl[c0:c0 + nc] * wl[c0:c0 + nc, None]).T, dl[c0:c0 + nc])
+        t0, c0 = t0 + nt, c0 + nc
 
 
 class ClassStats(Accumulator):
@@ -147,7 +168,7 @@ class ClassStats(Accumulator):
         self.unit_sum += unit_sums(hs, [len(hs)])[0]
         dev, delta, w = chan_update(self.count, self.mean, self.m2, g, hs)
         if self.scatter is not None:
-            self.scatter.addmm_(dev.T, dev).addmm_((delta * w[:, None]).T, delta)  # in place: no d x d temporaries
+            add_scatter(self.scatter[None], g, dev, delta, w, torch.zeros_like(g.classes))
         self.count[g.classes] += g.lengths
 
     def merge(self, other: "ClassStats") -> "ClassStats":
@@ -233,17 +254,11 @@ class FoldStats(Accumulator):
         hs = g.sort(h.to(self.mean.device), torch.float64)
         cells, count = g.classes, self.count.view(-1)
         cell_fold = cells // vocab
-        groups = torch.bincount(cell_fold, minlength=folds).tolist()  # each fold's cells and tokens, in sorted order
         tokens = torch.zeros(folds, dtype=torch.int64, device=cells.device).index_add_(0, cell_fold, g.lengths).tolist()
         self.unit_sum += unit_sums(hs, tokens)
         dev, delta, w = chan_update(count, self.mean.view(folds * vocab, -1), self.m2.view(-1), g, hs)
         if self.scatter is not None:
-            t0 = c0 = 0
-            for f, (nt, nc) in enumerate(zip(tokens, groups)):
-                if nt:
-                    d, dl, wl = dev[t0:t0 + nt], delta[c0:c0 + nc], w[c0:c0 + nc]
-                    self.scatter[f].addmm_(d.T, d).addmm_((dl * wl[:, None]).T, dl)  # in place: no d x d temporaries
-                t0, c0 = t0 + nt, c0 + nc
+            add_scatter(self.scatter, g, dev, delta, w, cell_fold)
         count[cells] += g.lengths
 
     def totals(self, into: ClassStats | None = None) -> ClassStats:

@@ -7,7 +7,9 @@
 Each contender runs twice per repeat, over a short and a long prefix of the same batches; the time of the short run is
 subtracted from the long one's, so start-up (allocations, first-call costs, the reservoir's first fills) and fixed
 costs cancel, and the marginal rate is tokens / seconds of the difference, with the minimum time of each length over
---repeats (the least disturbed by other load on a shared machine). Contenders, on the same batches:
+--repeats (the least disturbed by other load on a shared machine); and, the figure the targets are read on, the median
+over the --repeats rounds of each round's ratio (the contenders alternate within a round, so a burst of load hits
+them alike). Contenders, on the same batches:
 
 - ``extract``: ncanalyze's train pass (features; float64 Chan statistics with the pooled within-class covariance, at
   ``--folds`` 8 by default as ``ncanalyze extract``: the fold sums, the totals made from them; the reservoir), as
@@ -223,6 +225,12 @@ def parts(model, batches: list, args, device, sync) -> None:
     for name, t in took.items():
         print(f"  {name:>38}: {np.median(t[2:] or t) * 1e3:8.1f} ms  {np.median(t[2:] or t) / base:6.3f}")
     forward, reservoir = (np.array(took[k][2:]) for k in ("features (the extraction's forward)", "reservoir"))
+    base_t = np.array(took["base-model forward"][2:])
+    share = np.median((np.array(took["statistics (fold sums alone)"][2:]) + reservoir) / base_t)
+    # the extraction's forward is the base model's own call: the ratio is the accumulators' share of it, read per
+    # batch against the forward timed just before (the two forwards' own difference is noise, not cost)
+    print(f"  accumulators (statistics and reservoir) / base-model forward, median per batch: {share:.3f}; the train "
+          f"pass / base-model forward they imply, 1 / (1 + share): {1 / (1 + share):.3f}  (target >= 0.9)")
     for name in ("statistics (fold sums alone)", "totals beside the folds (before)"):
         if name in took:  # each batch's own ratio, then their median: a burst of load is one batch's
             ratio = np.array(took["base-model forward"][2:]) / (forward + np.array(took[name][2:]) + reservoir)
@@ -231,24 +239,36 @@ def parts(model, batches: list, args, device, sync) -> None:
 
 
 def timed(contenders: dict, args) -> dict:
-    """The minimum seconds of each contender over the short and the long run, alternating over --repeats."""
+    """The minimum seconds of each contender over the short and the long run, alternating over --repeats; under
+    ``"rounds"``, each round's marginal seconds (long - short) per contender, for the median of per-round ratios."""
     for f in contenders.values():  # warm-up
         f(args.short)
         threads.tick()
     best = {k: {args.short: float("inf"), args.long: float("inf")} for k in contenders}
+    rounds = []
     for _ in range(args.repeats):  # alternate, so that a burst of load hits every contender alike
+        took = {}
         for k, f in contenders.items():
             for n in (args.short, args.long):
-                best[k][n] = min(best[k][n], f(n))
+                took[k, n] = f(n)
+                best[k][n] = min(best[k][n], took[k, n])
                 threads.tick()
-    return best
+        rounds.append({k: took[k, args.long] - took[k, args.short] for k in contenders})
+    return best | {"rounds": rounds}
+
+
+def per_round(best: dict, a: str, b: str) -> str:
+    """The median over rounds of each round's ratio of rates a / b (a round's marginal seconds of b over a's), and
+    the rounds' range."""
+    r = np.array([t[b] / t[a] if t[a] > 0 < t[b] else np.nan for t in best["rounds"]])
+    return f"median of {len(r)} rounds' ratios {np.nanmedian(r):.3f} (range {np.nanmin(r):.3f}-{np.nanmax(r):.3f})"
 
 
 def rates(best: dict, args) -> dict:
     """Each contender's marginal tokens/s (nan where its longer run was not slower: noise)."""
     extra_tokens = (args.long - args.short) * args.batch_size * (args.block_size - 1)
     return {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")
-            for k, t in best.items()}
+            for k, t in best.items() if k != "rounds"}
 
 
 def report_validation(best: dict, args, device) -> None:
@@ -259,16 +279,15 @@ def report_validation(best: dict, args, device) -> None:
           f"{args.repeats}")
     for k, r in rate.items():
         print(f"  {k:>20}: {r:>10,.0f} tokens/s")
-    print(f"ratio validation pass / causal-LM forward: {rate['validation pass'] / rate['causal-LM forward']:.3f}  "
-          "(target >= 0.5)")
+    print(f"ratio validation pass / causal-LM forward: {rate['validation pass'] / rate['causal-LM forward']:.3f}, "
+          f"{per_round(best, 'validation pass', 'causal-LM forward')}  (target >= 0.5)")
 
 
 def report(best: dict, args, device) -> None:
     """The marginal rates and their ratios."""
     extra_tokens = (args.long - args.short) * args.batch_size * (args.block_size - 1)
     # a longer run no slower than the shorter one leaves no marginal to measure (noise on shared cores): nan, said
-    rate = {k: extra_tokens / (t[args.long] - t[args.short]) if t[args.long] > t[args.short] else float("nan")
-            for k, t in best.items()}
+    rate = rates(best, args)
     print(f"GPT-Neo width {args.width}, {args.layers} layers, vocab {args.vocab:,}, batch {args.batch_size} x "
           f"{args.block_size}, {device}, {args.dtype}, --folds {args.folds}; marginal over {args.long} - {args.short} "
           f"batches "
@@ -277,8 +296,9 @@ def report(best: dict, args, device) -> None:
         print(f"  {k:>20}: " + (f"{r:>10,.0f} tokens/s" if r == r else "not measured: its longer run was not slower "
                                 "than its shorter one (noise); run again"))
     base = rate["base-model forward"]
-    print(f"ratio extract / base-model forward: {rate['extract'] / base:.3f}  (target >= 0.9)")
-    print(f"ratio extract, shard / base-model forward: {rate['extract, shard'] / base:.3f}  (target >= 0.9)")
+    for k in ("extract", "extract, shard"):
+        print(f"ratio {k} / base-model forward: {rate[k] / base:.3f} (of the minima), "
+              f"{per_round(best, k, 'base-model forward')}  (target >= 0.9)")
     print(f"ratio extract / causal-LM forward: {rate['extract'] / rate['causal-LM forward']:.3f}")
 
 

@@ -4,6 +4,7 @@ again from those files. The documentation's performance page includes them verba
 RESULTS.md is one a script wrote, not one typed by hand.
 
     python benchmarks/record.py extract.py --repeats 3       # any benchmark, its own arguments after its name
+    python benchmarks/record.py --as extract-validation extract.py --validation   # recorded under another name
     python benchmarks/record.py --index                      # RESULTS.md again from benchmarks/results/
 """
 from __future__ import annotations
@@ -38,9 +39,9 @@ class _Tee(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def recorded(record: bool) -> Iterator[None]:
-    """With ``record``, what the block prints also goes to ``benchmarks/results/<script>.md`` (``sys.argv[0]``'s name)
-    when it ends whole (an interrupted or failed run writes nothing); without, nothing changes."""
+def recorded(record: bool, name: str | None = None) -> Iterator[None]:
+    """With ``record``, what the block prints also goes to ``benchmarks/results/<name>.md`` (default: the script's,
+    ``sys.argv[0]``) when it ends whole (an interrupted or failed run writes nothing); without, nothing changes."""
     if not record:
         yield
         return
@@ -54,7 +55,7 @@ def recorded(record: bool) -> Iterator[None]:
         sys.stdout = before
     command = shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]])
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{Path(script).stem}.md").write_text(
+    (RESULTS / f"{name or Path(script).stem}.md").write_text(
         f"### `{command}`\n\nRun {start} on {os.cpu_count()} cores, load average {load:.1f} at its start and "
         f"{os.getloadavg()[0]:.1f} at its end (a shared machine: quote ratios, not rates).\n\n"
         f"```\n{printed.getvalue().rstrip()}\n```\n")
@@ -76,16 +77,20 @@ def index() -> Path:
 
 
 def main(argv: list[str]) -> None:
-    """``SCRIPT [ARGS...]``: run benchmarks/SCRIPT with ARGS as its command line, recorded; ``--index``: RESULTS.md."""
+    """``[--as NAME] SCRIPT [ARGS...]``: run benchmarks/SCRIPT with ARGS as its command line, recorded (as NAME: a
+    second mode of one script kept beside the first); ``--index``: RESULTS.md."""
     if argv[:1] == ["--index"] or not argv:
         print(index())
         return
+    name = None
+    if argv[:1] == ["--as"] and len(argv) > 2 and argv[1].replace("-", "").replace("_", "").isalnum():
+        name, argv = argv[1], argv[2:]
     script = Path(__file__).resolve().parent / Path(argv[0]).name
     if not script.is_file() or script.suffix != ".py" or script.name == "record.py":
         raise SystemExit(f"record.py: no benchmark {argv[0]!r} in benchmarks/ (e.g. extract.py)")
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.parent))
-    with recorded(True):
+    with recorded(True, name):
         runpy.run_path(str(script), run_name="__main__")
 
 

@@ -77,6 +77,11 @@ def test_the_benchmark_results_are_the_recorded_runs_and_a_run_records_itself(tm
     text = (copy / "results" / "toy.md").read_text()
     assert text.startswith("### `python benchmarks/toy.py 3`") and "ratio 1.5" in text
     assert (copy / "RESULTS.md").read_text() == record.HEADER + text
+    record.main(["--as", "toy-twice", "toy.py", "4"])  # a second mode of one script, kept beside the first
+    twice = (copy / "results" / "toy-twice.md").read_text()
+    assert twice.startswith("### `python benchmarks/toy.py 4`") and "ratio 2.0" in twice
+    assert (copy / "results" / "toy.md").read_text() == text
+    assert (copy / "RESULTS.md").read_text() == record.HEADER + twice + "\n" + text  # in name order
     with pytest.raises(SystemExit, match="no benchmark 'nope.py'"):
         record.main(["nope.py"])
 

@@ -375,3 +375,28 @@ def test_unit_sums_hold_at_any_scale_and_zero_rows(scale):
     for f in range(2):
         np.testing.assert_allclose(folds.unit_sum[f].numpy(), _brute(h[f::2], y[f::2], 3)["unit_sum"], rtol=1e-13,
                                    atol=1e-13)
+
+
+def test_each_folds_scatter_equals_brute_force_where_rows_add_nothing():
+    """The rows Chan's scatter update leaves out because they add exactly 0 (a token alone in its (fold, class) group
+    of the batch; a group new to its fold) are left out and nothing else: each fold's statistics equal numpy's float64
+    ones of that fold's tokens (1e-12 of each variable's largest value, counts exactly) over batches of every distinct
+    label (every deviation row left out), of new classes in repeated groups (every delta row left out), of old classes
+    only, and one that leaves a fold empty."""
+    rng = np.random.default_rng(11)
+    V, d, F = 50, 5, 3
+    offset = rng.normal(size=d) * 20
+    labels = [np.arange(12), np.repeat(np.arange(12, 18), 2), np.repeat(np.arange(6), 2), rng.integers(0, 18, 12)]
+    folds, stream = FoldStats(F, V, d), []
+    for b, y in enumerate(labels):
+        h = rng.normal(size=(12, d)) * 2 + offset
+        fold = np.repeat([0, 1, 2], 4) if b != 3 else np.repeat([0, 2], 6)  # the last batch leaves fold 1 empty
+        folds.update(torch.from_numpy(h).float(), torch.from_numpy(y), torch.from_numpy(fold))
+        stream.append((torch.from_numpy(h).float().double().numpy(), y, fold))
+    h, y, fold = (np.concatenate(x) for x in zip(*stream))
+    for f, part in enumerate(folds.parts):
+        want = _brute(h[fold == f], y[fold == f], V)
+        np.testing.assert_array_equal(part.count.numpy(), want["count"])
+        for name in ("mean", "m2", "scatter"):
+            np.testing.assert_allclose(part.state_dict()[name].numpy(), want[name], rtol=1e-12,
+                                       atol=1e-12 * np.abs(want[name]).max(), err_msg=f"fold {f} {name}")
