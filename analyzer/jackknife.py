@@ -267,7 +267,8 @@ def _cannot(ds: xr.Dataset, folds: list[int]) -> list[str]:
     """Why there is no jackknife error over ``folds`` (fewer than 2, damaged fold sums, a fold without a token),
     or nothing."""
     if len(folds) < 2:
-        return ["no folds: extracted with --folds 1 (or by hand), so no jackknife error"]
+        return ["no folds: extracted with --folds 1 (class_stats: folds=1 by default), so no jackknife error; "
+                "extract --folds F, class_stats(..., folds=F) or se=False for the point values alone"]
     damaged = fold_problems(ds)
     if damaged:
         return [f"the fold sums do not add up to the totals ({'; '.join(damaged)}): the group is damaged, so no "
