@@ -5,7 +5,7 @@ Exports load on first use, so that importing the package (the CLI, dask workers)
 """
 from importlib import import_module
 
-from ncanalyze.analyzer.errors import UserError, refuse_a_shadowing_clone
+from ncanalyze.core.errors import UserError, refuse_a_shadowing_clone
 
 refuse_a_shadowing_clone()
 

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 class Accumulator(Protocol):
     """A running summary of a stream, exact under any split: ``update`` folds in a batch, ``merge`` folds in the
     summary of another part of the stream (disjoint tokens), and ``state_dict`` / ``load_state_dict`` give and take
-    its arrays by name (flat names; nested summaries are flattened once, by ``ncanalyze.store.resume.flatten``).
+    its arrays by name (flat names; nested summaries are flattened once, by ``ncanalyze.store.extraction.resume.flatten``).
 
     Merging the parts of a split stream, in any order, equals one pass over it (float64 sums to rounding, counts and
     samples exactly): ``tests/analyzer/test_accumulate.py`` holds every implementation to it."""

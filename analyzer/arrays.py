@@ -9,9 +9,9 @@ import dask.array as da
 import numpy as np
 import xarray as xr
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import kept_classes
 from ncanalyze.analyzer.schema import NC4_MIN_COUNT, NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT, stats_dataset
+from ncanalyze.core.errors import UserError
 
 MAX_FOLDS = 64  # as extraction's --folds
 

@@ -20,10 +20,21 @@ import numpy as np
 import torch
 import xarray as xr
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_centred, finish_moments, pair_mean
-from ncanalyze.analyzer.pairs import (COINCIDENT, CONTROLS, EXAMPLES, SUMS, PairSums, control_block, control_totals,
-                                      examples, few, side_of, subset_sums)
+from ncanalyze.analyzer.pairs import (
+    COINCIDENT,
+    CONTROLS,
+    EXAMPLES,
+    SUMS,
+    PairSums,
+    control_block,
+    control_totals,
+    examples,
+    few,
+    side_of,
+    subset_sums,
+)
+from ncanalyze.core.errors import UserError
 
 HEAD_ROWS = 1 << 14  # classifier rows outside K made float64 at a time
 

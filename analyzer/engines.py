@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.registry import device_of
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.setting import device_of
 
 ENGINES = ("numba", "torch")
 

@@ -45,7 +45,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 
 FUNCTIONS = {"log": np.log, "log10": np.log10, "log2": np.log2, "log1p": np.log1p, "exp": np.exp,
              "expm1": np.expm1, "sqrt": np.sqrt, "abs": np.abs}

@@ -18,10 +18,10 @@ import numpy as np
 import xarray as xr
 
 from ncanalyze.analyzer.engines import engine_device, kept_parts
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.moments import check_covariance
 from ncanalyze.analyzer.pairs import COINCIDENT, PairSums
 from ncanalyze.analyzer.schema import DEBIAS_SHARE, NC4_MIN_COUNT, VAL_AT
+from ncanalyze.core.errors import UserError
 
 DECAY_RANKS = (4, 100)  # eigen_decay's fit range of ranks, as Agrawal et al. fit alpha-ReQ (Stringer et al. 2019)
 

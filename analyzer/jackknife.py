@@ -48,8 +48,8 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import HEAD, NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
+from ncanalyze.core.errors import UserError
 
 Measure = Callable[[xr.Dataset], Mapping[str, float]]  # a dataset's scalar metrics (metrics.measure_all's first)
 

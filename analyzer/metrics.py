@@ -23,10 +23,10 @@ import xarray as xr
 
 from ncanalyze.analyzer import spectral
 from ncanalyze.analyzer.engines import engine_device
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
 from ncanalyze.analyzer.metric_records import BY_NAME
 from ncanalyze.analyzer.schema import CLASS_COUNTS, LABELS, NO_CLASSIFIER, PER_CLASS, SCALARS, vocabulary_classes
+from ncanalyze.core.errors import UserError
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)
 # Each takes the Geometry and returns a float; `needs` names the Geometry field it requires (the metric is left out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.core.errors import CheckpointError, UserError
 
 SAME_MEANS = 1e-10  # centred means below this fraction of the means' own norm: rounding noise, not classes
 SAME_SPREAD = 1e-6  # nor below this fraction of the features' within-class spread (each class centred on 0)

@@ -62,14 +62,22 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, residual_r, sign_notes
-from ncanalyze.analyzer.resample import paired_bootstrap, run_codes
 from ncanalyze.analyzer.registry import N_BOOT, N_PERM, enough_resamples
-from ncanalyze.analyzer.schema import (COMPARISONS, CONTROLS, DESIGN, DESIGN_FACTORS, GEOMETRY_METRICS, NC_METRICS,
-                                       SCALARS, SCALE_DEPENDENT)
+from ncanalyze.analyzer.resample import paired_bootstrap, run_codes
+from ncanalyze.analyzer.schema import (
+    COMPARISONS,
+    CONTROLS,
+    DESIGN,
+    DESIGN_FACTORS,
+    GEOMETRY_METRICS,
+    NC_METRICS,
+    SCALARS,
+    SCALE_DEPENDENT,
+)
+from ncanalyze.core.errors import UserError
 
 METRICS = SCALARS  # the metrics tested by default: all of them
 ALPHA = 0.05  # the level report.md speaks of

@@ -39,14 +39,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ncanalyze.analyzer import threads
+from ncanalyze.core import threads
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.passes import train_pass, val_pass
+from ncanalyze.store.extraction.resume import Phase, Saver
 from ncanalyze.store.extraction.running import Extraction, LayerState
-from ncanalyze.store.resume import Phase, Saver
-from ncanalyze.store.sources.anatomy import head
 from ncanalyze.store.runs.shards import _arrays, merge_states
+from ncanalyze.store.sources.anatomy import head
 from threads import load  # benchmarks/threads.py: bounded busy processes
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 

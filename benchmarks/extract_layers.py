@@ -28,14 +28,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import Plan, plan
 from ncanalyze.store.extraction.memory import budget_of, fit_plan
-from ncanalyze.store.extraction.settings import parse_size
 from ncanalyze.store.extraction.passes import run_passes
+from ncanalyze.store.extraction.resume import Saver
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.resume import Saver
+from ncanalyze.store.extraction.settings import parse_size
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))

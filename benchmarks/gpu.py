@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.metrics import measure
+from ncanalyze.core import threads
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.memory import fit_plan

@@ -110,7 +110,7 @@ def _model(args):
 
 
 def _state_bytes(ex) -> int:
-    from ncanalyze.store.resume import flatten
+    from ncanalyze.store.extraction.resume import flatten
 
     return sum(v.nbytes for s in ex.layers.values() for v in flatten(s.state_dict()).values())
 
@@ -122,7 +122,7 @@ def cost(args) -> None:
     from ncanalyze.store.extraction.passes import train_pass
     from ncanalyze.analyzer.accumulate import FoldStats
     from ncanalyze.store.extraction.running import Extraction
-    from ncanalyze.store.resume import Saver
+    from ncanalyze.store.extraction.resume import Saver
 
     model = _model(args)
     per_batch = args.batch_size * args.block_size

@@ -6,7 +6,7 @@
 The work is one train batch of the extraction as ``ncanalyze extract`` runs it (the forward pass to the last hidden
 state, then the float64 class statistics), timed as the median of the batches of ``--rounds`` alternating rounds
 over ``--seconds`` per setting. Contenders: ``1`` thread, ``N`` threads (the cores this process may use: affinity
-and cgroup quota), and the default, ``--threads auto`` (ncanalyze.analyzer.threads: the cores other processes leave
+and cgroup quota), and the default, ``--threads auto`` (ncanalyze.core.threads: the cores other processes leave
 idle, measured again between batches). Conditions: ``idle`` (no load of ours; the machine's own load average is
 printed: a shared machine is not idle), ``1 busy``: one spinning process, and ``loaded``: ``--busy`` spinning
 processes per allowed core (default 1), each ending itself after ``--limit`` seconds or when this script is gone,
@@ -25,8 +25,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.accumulate import ClassStats
+from ncanalyze.core import threads
 from ncanalyze.store.sources.anatomy import features
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 

@@ -1,4 +1,4 @@
 """ncanalyze command line: ``ncanalyze extract | measure | report``."""
-from ncanalyze.analyzer.errors import refuse_a_shadowing_clone
+from ncanalyze.core.errors import refuse_a_shadowing_clone
 
 refuse_a_shadowing_clone()

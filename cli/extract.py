@@ -72,7 +72,7 @@ def extract(paths, store, overwrite, restart, revisions, revision_ranges, delete
 
     check_local({"PATH": list(paths), **{f"--{k.replace('_', '-')}": [options[k]]
                                          for k in ("dataset", "val_dataset", "tokenizer")}})
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.store.runs.dispatch import extract_paths
 
     store = open_store(None, store)  # resolved once, passed down

@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 
 import click
-from ncanalyze.analyzer.names import shown
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import store_argument
-from ncanalyze.store.sizes import bytes_text
+from ncanalyze.core.names import shown
+from ncanalyze.core.sizes import bytes_text
 
 
 def _layers(layers: list[int | str]) -> str:

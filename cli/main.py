@@ -7,12 +7,12 @@ import sys
 import warnings
 
 import click
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.extract import extract
 from ncanalyze.cli.ls import ls
 from ncanalyze.cli.measure import measure
 from ncanalyze.cli.report import report
 from ncanalyze.cli.rm import rm
+from ncanalyze.core.errors import UserError
 from tqdm.auto import tqdm
 
 import ncanalyze

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import click
 import cloup
-from ncanalyze.analyzer.names import shown
-from ncanalyze.analyzer.registry import MEASURE_SECTIONS, MeasureSettings
 from ncanalyze.analyzer.metric_records import RECORDS
+from ncanalyze.analyzer.registry import MEASURE_SECTIONS, MeasureSettings
 from ncanalyze.analyzer.schema import SCALARS
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option, setting_groups, settings_of, store_positional
+from ncanalyze.core.names import shown
 
 SHOWN = tuple(r.name for r in RECORDS if r.shown)  # the columns printed: the records marked shown
 

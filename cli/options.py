@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 import cloup
-from ncanalyze.analyzer.registry import flag_of, refused
+from ncanalyze.core.setting import flag_of, refused
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 

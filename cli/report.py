@@ -7,10 +7,11 @@ from dataclasses import replace
 import click
 import cloup
 from click.core import ParameterSource
-from ncanalyze.analyzer.names import shown
-from ncanalyze.analyzer.registry import REPORT_SECTIONS, MeasureSettings, ReportSettings, field_of
+from ncanalyze.analyzer.registry import REPORT_SECTIONS, MeasureSettings, ReportSettings
 from ncanalyze.cli.common import resolve_store
 from ncanalyze.cli.options import option, setting_groups, setting_option, settings_of, store_positional
+from ncanalyze.core.names import shown
+from ncanalyze.core.setting import field_of
 
 log = logging.getLogger(__name__)
 

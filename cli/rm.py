@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.names import shown
 from ncanalyze.cli.common import open_store
 from ncanalyze.cli.options import option
-from ncanalyze.store.sizes import bytes_text
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.names import shown
+from ncanalyze.core.sizes import bytes_text
 
 if TYPE_CHECKING:
     from ncanalyze.store.store import Store

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"<!-- ncanalyze:([a-z-]+)(?: ([^ ]+))? -->")
 FIGURES = ("examples/results/all/fig1_nc_vs_loss.png", "examples/results/depth/depth.png")
 WIDTH = 110  # the reference's --help width (a terminal's COLUMNS sets the command line's)
-PACKAGES = {"analyzer": "ncanalyze.analyzer", "store": "ncanalyze.store", "cli": "ncanalyze.cli"}
+PACKAGES = {"core": "ncanalyze.core", "analyzer": "ncanalyze.analyzer", "store": "ncanalyze.store", "cli": "ncanalyze.cli"}
 STUDY = ROOT / "examples" / "results" / "all"
 MIN_COUNT = ("reads the kept classes (count >= min_count); not in the worked study's min_count table (the report "
              "gives Figure 1's metrics at other min_counts in min_count.csv).")

@@ -54,7 +54,7 @@ def token_id(spec: str, ds: xr.Dataset) -> int:
     byte-level BPEs mark words that way."""
     import warnings
 
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.analyzer.report.tokens import resolve_token
 
     strings = np.array(ds["token"].values.tolist(), dtype=object) if "token" in ds.coords else None

@@ -8,7 +8,7 @@ object: its path, layout and operations) load zarr and xarray when first used.
 """
 from __future__ import annotations
 
-from ncanalyze.analyzer.errors import refuse_a_shadowing_clone
+from ncanalyze.core.errors import refuse_a_shadowing_clone
 
 refuse_a_shadowing_clone()
 __all__ = ["Store", "open"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import dask
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,12 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.names import shown
 from ncanalyze.analyzer.schema import LAYER
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.names import shown
 from ncanalyze.store import io
 from ncanalyze.store.classifier import checkpoint_group
-from ncanalyze.store.layout import CheckpointFiles, group_order, probe_writable
-from ncanalyze.store.resume import drop_state
+from ncanalyze.store.layout import CheckpointFiles, drop_state, group_order, probe_writable
 from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)

@@ -25,17 +25,12 @@ import numpy as np
 import xarray as xr
 import zarr
 import zarr.errors
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.jackknife import FOLD_VARS, fold_problems
 from ncanalyze.analyzer.schema import HEAD, MEASURED, METRICS_VERSION, PER_CLASS, VAL_COUNTS, vocabulary_classes
+from ncanalyze.core.errors import UserError
 from ncanalyze.store import classifier
 from ncanalyze.store.chunks import chunks
-from ncanalyze.store.layout import (
-    CheckpointFiles,
-    default_store,
-    group_order,
-    probe_writable,
-)
+from ncanalyze.store.layout import CheckpointFiles, default_store, group_order, probe_writable
 
 ZARR = {"zarr_format": 3}                    # for zarr.open_group
 XR = {"zarr_format": 3, "consolidated": False}  # for xarray: no consolidated metadata (groups are written one by one)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.names import check_name, name_problem, shown
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.names import check_name, name_problem, shown
 
 DEFAULT_STORE = "ncanalyze.zarr"
 ENV = "NCANALYZE_STORE"
@@ -249,3 +249,27 @@ def group_order(group: str, steps: dict[str, int | None]) -> tuple:
     known = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
     return (run, not known, step if known else 0, checkpoint == "final", _natural(checkpoint),
             _natural(layer))
+
+
+def prune(partial: Path) -> None:
+    """Remove the empty folders left in ``partial`` (and itself, once empty)."""
+    if not partial.is_dir():
+        return
+    if partial.is_symlink():  # never followed (layout.no_links refuses it where work is done)
+        return
+    for d in sorted((p for p in partial.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: len(p.parts),
+                    reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+    if not any(partial.iterdir()):
+        partial.rmdir()
+
+
+def drop_state(path: Path) -> None:
+    """Remove a checkpoint's state and any temporary files left beside it, and the folders once empty."""
+    path.unlink(missing_ok=True)
+    for tmp in path.parent.glob(f"{path.stem}.*.tmp.npz") if path.parent.is_dir() else ():
+        tmp.unlink(missing_ok=True)
+    for d in (path.parent, path.parent.parent):
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()

@@ -9,19 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.engines import engine_device
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.analyzer.names import shown
-from ncanalyze.analyzer.schema import HEAD, LAYER, SITE
 from ncanalyze.analyzer.registry import MeasureSettings
+from ncanalyze.analyzer.schema import HEAD, LAYER, SITE
 from ncanalyze.analyzer.table import is_measured, metrics_table, same_model_and_step
+from ncanalyze.core import threads
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.names import shown
+from ncanalyze.store.bars import progress_bar
 from ncanalyze.store.classifier import checkpoint_group
 from ncanalyze.store.client import client
 from ncanalyze.store.io import CHUNK_ERRORS
 from ncanalyze.store.store import Store
-from ncanalyze.store.bars import progress_bar
 
 WORKER_WAIT_S = 60  # seconds a scheduler without workers is given for a first one to join
 
@@ -68,7 +68,7 @@ def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str 
     the scheduler's workers where there is one). ``se``: each metric's delete-one-fold jackknife error
     ``<metric>_se`` (analyzer.jackknife; nan for a group extracted without folds).
     ``threads_setting``: ``--threads`` of this process's kernels
-    (ncanalyze.analyzer.threads; torch's and the BLAS's).
+    (ncanalyze.core.threads; torch's and the BLAS's).
 
     A store that cannot be written (a read-only mount, no permission) is found before any work: the checkpoints are
     measured without storing the results, said in one warning (they are measured again next time).
@@ -215,7 +215,7 @@ def _unwritable(store: Path) -> str | None:
 
 
 def _some(groups: list[str], most: int = 3) -> str:
-    """'N checkpoint(s): a, b, c and M more', each name safe to print (:func:`~ncanalyze.analyzer.names.shown`)."""
+    """'N checkpoint(s): a, b, c and M more', each name safe to print (:func:`~ncanalyze.core.names.shown`)."""
     groups = sorted(groups)
     more = f" and {len(groups) - most} more" if len(groups) > most else ""
     return f"{len(groups)} checkpoint{'s' * (len(groups) > 1)}: " + ", ".join(map(shown, groups[:most])) + more

@@ -148,7 +148,7 @@ class Store:
 
     def prune(self) -> None:
         """Remove the empty folders of work in progress beside the store (resume.prune)."""
-        from ncanalyze.store.resume import prune  # torch: only where work was done
+        from ncanalyze.store.layout import prune  # torch: only where work was done
 
         prune(self.layout.partial)
 

@@ -261,7 +261,7 @@ ENGINES = {"numba": "analyzer/engine_numba.py", "torch": "analyzer/engine_torch.
 CHOOSER = "analyzer/engines.py"
 TORCH_OUTSIDE_THE_SUMS = {"analyzer/accumulate.py", "analyzer/arrays.py", CHOOSER,  # extraction, tensor input, devices
                           "analyzer/screen.py",  # extraction's NC4 decisions (the accumulators' float32 screen)
-                          "analyzer/threads.py"}  # the thread policy sets torch's pools, as the BLAS's
+                          "core/threads.py"}  # the thread policy sets torch's pools, as the BLAS's
 
 
 def engine_breaches(root: Path) -> list[str]:

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.figures import FIGURES
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
 from ncanalyze.analyzer.schema import MEASURED
+from ncanalyze.core.errors import UserError
 
 MIN_COUNTS = (1, 2, 5, 20)  # the min_counts compared (1: the value every other table uses)
 MAX_RUNS = 12  # at most this many runs (the first by name): one measure per (run's latest checkpoint, min_count)

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.registry import FIGURE_FORMATS as FORMATS
 from ncanalyze.analyzer.report.escape import md_name, md_text
 from ncanalyze.analyzer.report.mincount import HEADLINE, MAX_RUNS
 from ncanalyze.analyzer.report.tables import code, fmt, tex_escape
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints
 from ncanalyze.analyzer.schema import COMPANION, PLUGIN_OF
+from ncanalyze.core.errors import UserError
 
 DRIFT = 2  # a metric drifts where it moved from the smallest budget with an error to the whole sample by more than
 # this many of that budget's sampling errors (the nested samples' difference has a smaller error than that one)

@@ -9,12 +9,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition
 from ncanalyze.analyzer.report.escape import md_name, visible
 from ncanalyze.analyzer.report.tokens import token_rows
 from ncanalyze.analyzer.schema import SCALE_DEPENDENT
 from ncanalyze.analyzer.stats import ALPHA, GEOMETRY, NC, split_tags, unreachable
+from ncanalyze.core.errors import UserError
 
 MISSING = "—"
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",

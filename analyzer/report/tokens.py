@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 
 TOKEN_VARIABLES = {"count": "count", "variance": "variance", "class_norm": "norm", "class_cdnv": "mean CDNV",
                    "class_interference": "mean interference", "class_duality": "duality cos", "class_nc4": "NC4 rate"}

@@ -10,11 +10,19 @@ from pathlib import Path
 import pandas as pd
 
 from ncanalyze.analyzer.report.depth import depth_table, has_depth, last_layer, undefined
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report.document import markdown
 from ncanalyze.analyzer.report.escape import write_csv
-from ncanalyze.analyzer.report.figures import (BY_STEP, DYNAMICS, FIGURES, FORMATS, depth_files, draw_figures, estimated,
-                                               draw_step_figure, tag_suffix)
+from ncanalyze.analyzer.report.figures import (
+    BY_STEP,
+    DYNAMICS,
+    FIGURES,
+    FORMATS,
+    depth_files,
+    draw_figures,
+    draw_step_figure,
+    estimated,
+    tag_suffix,
+)
 from ncanalyze.analyzer.report.html import write_html
 from ncanalyze.analyzer.report.mincount import HEADLINE, min_count_table
 from ncanalyze.analyzer.report.precision import budget_figure, errors_latex, final_budget_table
@@ -24,6 +32,7 @@ from ncanalyze.analyzer.report.tables import default_target, latex, select
 from ncanalyze.analyzer.report.tokens import GroupReader, latest_checkpoints, per_token
 from ncanalyze.analyzer.schema import INFO as ID_COLUMNS
 from ncanalyze.analyzer.stats import by_step, correlations_by_tag, last_per_run, split_tags
+from ncanalyze.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.registry import CAP_MODES
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.setting import CAP_MODES
 from ncanalyze.store.sources.discover import looks_local
 
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",

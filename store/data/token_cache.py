@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.bars import progress_bar
+from ncanalyze.store.data.blocks import Blocks
 
 VERSION = 3  # 3: text grouped per 1,000 rows as run_clm's group_texts; bump when the cache's format or the tokenization recipe changes
 

@@ -1,5 +1,5 @@
 """A checkpoint group's attributes, built in one place for ``ncanalyze extract`` (checkpoint.py) and the Trainer
-callback (runs/training.py): what was measured, on what data and under which configuration (SPEC section 3)."""
+callback (runs/callback.py): what was measured, on what data and under which configuration (SPEC section 3)."""
 from __future__ import annotations
 
 import json

@@ -12,32 +12,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from ncanalyze.analyzer import threads
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core import threads
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.data.split_counts import label_counts
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import differences, refusal
 from ncanalyze.store.extraction.job import Job
-from ncanalyze.store.extraction.settings import parse_size
-from ncanalyze.store.extraction.memory import (
-    check_memory,
-    fit_folds,
-    fit_plan,
-    state_bytes,
-)
+from ncanalyze.store.extraction.memory import check_memory, fit_folds, fit_plan, state_bytes
 from ncanalyze.store.extraction.passes import run_passes
+from ncanalyze.store.extraction.resume import DeferredInterrupt, Phase, Saver, load_state, record_of
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.layout import CheckpointFiles
-from ncanalyze.store.data.split_counts import label_counts
-from ncanalyze.store.resume import (
-    DeferredInterrupt,
-    Phase,
-    Saver,
-    drop_state,
-    load_state,
-    record_of,
-)
+from ncanalyze.store.extraction.settings import parse_size
+from ncanalyze.store.layout import CheckpointFiles, drop_state
 from ncanalyze.store.sources.anatomy import check_sites, final_norm, finite_head, head
 from ncanalyze.store.sources.discover import training_metadata
 from ncanalyze.store.sources.load import decoded_tokens, find_tokenizer, load_model

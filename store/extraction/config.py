@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.data import token_cache as tokens
 from ncanalyze.store.data.blocks import (
     VAL_NAMES,

@@ -34,18 +34,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
-from ncanalyze.analyzer.errors import CheckpointError
-from ncanalyze.store.data.split_counts import label_bincount
+from ncanalyze.core.errors import CheckpointError
+from ncanalyze.core.sizes import bytes_text
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
+from ncanalyze.store.data.split_counts import label_bincount
 from ncanalyze.store.extraction.layers import Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.memory import fit_folds, group_bytes, state_bytes
 from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.progress import Tracker, duration, pass_depth, track
+from ncanalyze.store.extraction.resume import UNREADABLE, Phase
 from ncanalyze.store.extraction.running import LayerState
-from ncanalyze.store.resume import UNREADABLE, Phase
-from ncanalyze.store.sizes import bytes_text
+from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.sources.anatomy import LogitTransform, default_block_size, features, head, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
 from ncanalyze.store.sources.load import load_config

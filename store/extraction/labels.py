@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import CLASS_AXIS, FILE_CLASSES, LABELS
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.data.blocks import is_token_file
 from ncanalyze.store.data.identity import data_name, data_sha256
 from ncanalyze.store.extraction.settings import CURRENT, FILE, NEXT

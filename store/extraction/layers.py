@@ -35,11 +35,11 @@ from pathlib import Path
 import dask.array as da
 import numpy as np
 import torch
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.core.errors import CheckpointError, UserError
+from ncanalyze.core.sizes import bytes_text
 from ncanalyze.store.chunks import position_chunk
+from ncanalyze.store.extraction.resume import RESTART
 from ncanalyze.store.extraction.sites import RESID, Site, parse_sites
-from ncanalyze.store.resume import RESTART
-from ncanalyze.store.sizes import bytes_text
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ import logging
 
 import psutil
 import torch
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import NC4_MIN_COUNTS
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.sizes import bytes_text
 from ncanalyze.store.extraction.layers import Plan, auto_groups
-from ncanalyze.store.sizes import bytes_text
 
 log = logging.getLogger(__name__)
 

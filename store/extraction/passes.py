@@ -17,16 +17,16 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.core import threads
+from ncanalyze.core.errors import CheckpointError, UserError
+from ncanalyze.store.bars import progress_bar
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction import progress
 from ncanalyze.store.extraction.loss import NextTokenLoss, matches_model
+from ncanalyze.store.extraction.resume import Phase, Saver
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.resume import Phase, Saver
 from ncanalyze.store.sources.anatomy import FINAL_NORMS, LogitTransform, features, final_norm, hidden_forward
-from ncanalyze.store.bars import progress_bar
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ One :class:`~ncanalyze.store.extraction.layers.Plan` drives it, the default's (t
 accumulators (:class:`LayerState`) are the float64 class statistics, the reservoir, NC4's decision counts and the
 model's loss sums; their states nest under their names (``stats``, ``reservoir``, ``val``, ``lm``) under
 ``layer<key>`` (Site.key: the index of a residual site, ``attn_1`` for ``attn:1``), and are flattened into the
-saved state's names by :func:`~ncanalyze.store.resume.flatten` alone: ``layer3.stats.mean``. A finished pass's
+saved state's names by :func:`~ncanalyze.store.extraction.resume.flatten` alone: ``layer3.stats.mean``. A finished pass's
 sites wait in the staging folder (``layer-<key>.npz``), off the device.
 """
 from __future__ import annotations
@@ -23,21 +23,14 @@ import torch
 import xarray as xr
 from ncanalyze.analyzer.accumulate import ClassStats, DecisionCounts, FoldStats, Groups
 from ncanalyze.analyzer.jackknife import fold_variables
-from ncanalyze.analyzer.errors import CheckpointError
 from ncanalyze.analyzer.schema import NC4_WITHOUT, stats_dataset
+from ncanalyze.core.errors import CheckpointError
 from ncanalyze.store.extraction.labels import Labels
 from ncanalyze.store.extraction.layers import Embeddings, Plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.reservoir import Reservoir
+from ncanalyze.store.extraction.resume import RESTART, Phase, flatten, load_state, save_state, unflatten
 from ncanalyze.store.extraction.sites import Site
-from ncanalyze.store.resume import (
-    RESTART,
-    Phase,
-    flatten,
-    load_state,
-    save_state,
-    unflatten,
-)
 from ncanalyze.store.sources.anatomy import LogitTransform
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ncanalyze.analyzer import registry
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.registry import CAP_MODES, DTYPES, MAX_TOKENS, STORED_DTYPES, whole_number
+from ncanalyze.core import setting
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.setting import CAP_MODES, DTYPES, MAX_TOKENS, STORED_DTYPES, whole_number
 
 SECTIONS = ("Data", "Model", "Statistics", "Layers", "Hub", "Run control", "Cluster")  # ``extract --help``, in order
 AUTO = "auto"  # --layers-per-pass auto
@@ -27,20 +27,20 @@ SIZE_RULE = ("a number of bytes, or a number and a unit: kB, MB, GB, TB (powers 
 
 
 def extract_setting(default: Any = None, *, hashed: bool, section: str, **how: Any):
-    """An extraction setting (:func:`ncanalyze.analyzer.registry.setting`), which must say whether it is ``hashed``:
+    """An extraction setting (:func:`ncanalyze.core.setting.setting`), which must say whether it is ``hashed``:
     whether it determines the numbers, so goes into the config hash; its ``section`` is one of :data:`SECTIONS`."""
     assert section in SECTIONS, section
-    return registry.setting(default, section=section, hashed=hashed, **how)
+    return setting.setting(default, section=section, hashed=hashed, **how)
 
 
 def extract_flag(name: str) -> str:
     """The command-line flag of the setting ``name``."""
-    return registry.flag_of(registry.field_of(ExtractConfig, name))
+    return setting.flag_of(setting.field_of(ExtractConfig, name))
 
 
 def extract_refusal(name: str, reason: str, value: Any) -> UserError:
     """The one-line refusal of a setting's value: ``batch_size (--batch-size) must be between 1 and 65536, got 0``."""
-    return registry.refused(registry.field_of(ExtractConfig, name), reason, value)
+    return setting.refused(setting.field_of(ExtractConfig, name), reason, value)
 
 
 def parse_size(size: str | None) -> int | None:
@@ -169,7 +169,7 @@ class ExtractConfig:
     batch_size: int = extract_setting(8, hashed=True, section="Statistics", minimum=1,
                                      maximum=MAX_BATCH, help="Blocks per forward pass.")
     # only its type is hashed, as device_type
-    device: str = registry.shared("device", hashed=False, section="Model", help=(
+    device: str = setting.shared("device", hashed=False, section="Model", help=(
         "auto (CUDA when present, else CPU), cpu, cuda, cuda:N."))
     dtype: str = extract_setting("float32", hashed=True, section="Model", choices=DTYPES, help=(
         "Model dtype; statistics are always accumulated in float64."))
@@ -183,10 +183,10 @@ class ExtractConfig:
         "folds), equal to F = 1's to float64 rounding, counts exactly."))
     tokenizer: str | None = extract_setting(hashed=True, section="Data", metavar="PATH_OR_NAME", help=(
         "Tokenizer for text data [default: the checkpoint's, else its run folder's]."))
-    min_count: int = registry.shared("min_count", hashed=True, section="Statistics", help=(
+    min_count: int = setting.shared("min_count", hashed=True, section="Statistics", help=(
         "Classes with fewer train tokens are left out of NC4's decisions (fixed at extraction: measuring with "
         "another --min-count reports NC4 as nan)."))
-    seed: int = registry.shared("seed", hashed=True, section="Statistics", help=(
+    seed: int = setting.shared("seed", hashed=True, section="Statistics", help=(
         "Seed of the reservoir sample and of the blocks a token cap draws (--cap-mode spread)."))
     # where, not what: the base's weights are in each adapter's weights fingerprint (the record's weights)
     base: str | None = extract_setting(hashed=False, section="Model", metavar="PATH", help=(
@@ -239,13 +239,13 @@ class ExtractConfig:
         "(position, hidden) with label (position)."))
     embeddings_dtype: str = extract_setting("float32", hashed=True, section="Layers",
                                     choices=STORED_DTYPES, help="dtype of --save-embeddings.")
-    threads: int | str = registry.shared("threads", hashed=False, section="Run control",
-                                         help=registry.THREADS_HELP)
+    threads: int | str = setting.shared("threads", hashed=False, section="Run control",
+                                         help=setting.THREADS_HELP)
 
     def __post_init__(self) -> None:
-        """Each value checked and converted (registry.checked), then the rules across fields."""
+        """Each value checked and converted (setting.checked), then the rules across fields."""
         for f in fields(self):
-            object.__setattr__(self, f.name, registry.checked(f, getattr(self, f.name)))
+            object.__setattr__(self, f.name, setting.checked(f, getattr(self, f.name)))
         if self.max_train_tokens is not None and self.min_count > self.max_train_tokens:
             fix = (f"raise --max-train-tokens to at least {self.min_count} (--min-count), or leave it out to read all"
                    if self.max_train_tokens < 1 or self.min_count == 1 else

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.sources.anatomy import SUBLAYERS
 
 RESID = "resid"

@@ -14,10 +14,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.core.errors import CheckpointError, UserError
 from ncanalyze.store.client import ENV, check_address, client
-from ncanalyze.store.store import Store
 from ncanalyze.store.sources.discover import discover, tagged
+from ncanalyze.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, setti
     ex.check_settings(jobs.cfg, store, shards)
     ex.check_one_base(ckpts)
     if jobs.restart:  # here, once: a task run again after its worker died must resume, not restart
-        from ncanalyze.store.resume import drop_state  # torch: see below
+        from ncanalyze.store.layout import drop_state  # torch: see below
 
         for ckpt in ckpts:
             with store.lock(ckpt.group):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction import progress as time_left
 from ncanalyze.store.extraction.job import Jobs
 from ncanalyze.store.extraction.settings import ExtractConfig

@@ -14,11 +14,11 @@ import json
 import logging
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint
 from ncanalyze.store.extraction.job import Jobs, make_job
+from ncanalyze.store.extraction.resume import DeferredInterrupt
 from ncanalyze.store.extraction.settings import ExtractConfig
-from ncanalyze.store.resume import DeferredInterrupt
 from ncanalyze.store.runs.local import ExtractResult, announcer, check_settings, each_checkpoint, todo
 from ncanalyze.store.sources.discover import Checkpoint, tagged
 from ncanalyze.store.sources.hub_fetch import Snapshot, explain, fetch, hub_errors, is_hub_id, resolved_commit

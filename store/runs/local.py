@@ -11,14 +11,12 @@ from typing import TypeVar
 from pathlib import Path
 
 import numpy as np
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.core.errors import CheckpointError, UserError
+from ncanalyze.store.bars import progress_bar
 from ncanalyze.store.data.blocks import Blocks
-from ncanalyze.store.extraction import layers
+from ncanalyze.store.extraction import layers, progress as time_left
 from ncanalyze.store.extraction.checkpoint import Outcome, extract_checkpoint, load_checkpoint
 from ncanalyze.store.extraction.config import held_out_line
-from ncanalyze.store.extraction.job import Job, Jobs
-from ncanalyze.store.extraction.settings import ExtractConfig
-from ncanalyze.store.extraction import progress as time_left
 from ncanalyze.store.extraction.estimate import (
     START,
     Arch,
@@ -29,16 +27,13 @@ from ncanalyze.store.extraction.estimate import (
     progress,
     timed_arch,
 )
-from ncanalyze.store.resume import DeferredInterrupt
+from ncanalyze.store.extraction.job import Job, Jobs
+from ncanalyze.store.extraction.resume import DeferredInterrupt
+from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.runs import shards as sh
 from ncanalyze.store.sources.adapters import check_one_base
-from ncanalyze.store.sources.discover import (
-    Checkpoint,
-    discover,
-    tagged,
-)
+from ncanalyze.store.sources.discover import Checkpoint, discover, tagged
 from ncanalyze.store.store import Status, Store
-from ncanalyze.store.bars import progress_bar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

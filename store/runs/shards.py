@@ -24,26 +24,26 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from ncanalyze.analyzer import threads
 from ncanalyze.analyzer.accumulate import ClassStats, FoldStats
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core import threads
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction import layers
 from ncanalyze.store.extraction.job import Job
 from ncanalyze.store.extraction.memory import check_memory, fit_folds, state_bytes
 from ncanalyze.store.extraction.passes import train_pass
 from ncanalyze.store.extraction.reservoir import Reservoir
-from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.extraction.settings import parse_size
-from ncanalyze.store.resume import (
+from ncanalyze.store.extraction.resume import (
     DeferredInterrupt,
     Interrupted,
     Phase,
     Saver,
-    drop_state,
     flatten,
     save_state,
     unflatten,
 )
+from ncanalyze.store.extraction.running import Extraction
+from ncanalyze.store.extraction.settings import parse_size
+from ncanalyze.store.layout import drop_state
 from ncanalyze.store.sources.anatomy import check_sites
 from ncanalyze.store.sources.load import find_tokenizer, load_model
 from ncanalyze.store.store import Status, Store

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.core.errors import CheckpointError
 from ncanalyze.store.sources.discover import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 PLAIN = re.compile(r"[\w.\-]{1,512}")  # a module name: no quantifier, group or alternation for re to backtrack on

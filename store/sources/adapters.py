@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 import torch
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.core.errors import CheckpointError, UserError
 from ncanalyze.store.sources.adapter_bounds import bounded
 from ncanalyze.store.sources.discover import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Checkpoint, layout
 from ncanalyze.store.sources.fingerprint import files_fingerprint, plain_fingerprint

@@ -10,8 +10,8 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import CheckpointError, UserError
-from ncanalyze.analyzer.names import check_name, shown
+from ncanalyze.core.errors import CheckpointError, UserError
+from ncanalyze.core.names import check_name, shown
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")

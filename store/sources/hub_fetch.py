@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.sources.discover import Checkpoint, looks_local
 from ncanalyze.store.sources.load import quiet_loading
 from ncanalyze.store.sources.revisions import COMMIT, step_of

@@ -7,13 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from ncanalyze.analyzer import registry
-from ncanalyze.analyzer.errors import CheckpointError, UserError
+from ncanalyze.core import setting
+from ncanalyze.core.errors import CheckpointError, UserError
 from ncanalyze.store.sources.discover import Checkpoint, check_safe_weights, layout
 from ncanalyze.store.sources.fingerprint import plain_fingerprint
 from safetensors import SafetensorError
 
-DTYPES = {name: getattr(torch, name) for name in registry.DTYPES}  # the one list: ncanalyze.analyzer.registry
+DTYPES = {name: getattr(torch, name) for name in setting.DTYPES}  # the one list: ncanalyze.analyzer.registry
 # what loading a broken checkpoint raises: missing or unreadable files (OSError), malformed JSON or an unknown
 # architecture (ValueError, KeyError), a corrupt or truncated safetensors file (SafetensorError), tensors of the
 # wrong shape (RuntimeError from load_state_dict)
@@ -21,8 +21,8 @@ LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` is CUDA when present, else the CPU (the value checked by registry.device_of, the one parser)."""
-    device = registry.device_of(device)
+    """``auto`` is CUDA when present, else the CPU (the value checked by setting.device_of, the one parser)."""
+    device = setting.device_of(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _RANGE = re.compile(r"^(?P<prefix>\D*?)(?P<start>\d+):(?P=prefix)?(?P<stop>\d+)(?::(?P<step>\d+))?$")

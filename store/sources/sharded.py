@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.core.errors import CheckpointError
 from ncanalyze.store.sources.discover import fsdp_dirs, zero_dirs
 
 PICKLE_FLAG = "--allow-pickle"

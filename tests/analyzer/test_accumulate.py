@@ -12,12 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ncanalyze.analyzer.accumulate import Accumulator, ClassStats, DecisionCounts, FoldStats
-from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.core.errors import CheckpointError
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.loss import NextTokenLoss
 from ncanalyze.store.extraction.reservoir import Reservoir, position_keys
+from ncanalyze.store.extraction.resume import Phase, flatten, save_state, unflatten
 from ncanalyze.store.extraction.running import Extraction, LayerState
-from ncanalyze.store.resume import Phase, flatten, save_state, unflatten
 from ncanalyze.store.sources.anatomy import LogitTransform
 from scipy.special import logsumexp
 

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 import statsmodels.formula.api as smf
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.stats import control_choice, correlations
+from ncanalyze.core.errors import UserError
 
 STEPS = (120, 240, 360, 480)
 PLANTED = ("own", "between", "unrelated", "flat", "clock")

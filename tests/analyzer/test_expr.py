@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.expr import condition, evaluate
 from ncanalyze.analyzer.report import ReportOptions, select, write_report
 from ncanalyze.analyzer.stats import eval_controls
+from ncanalyze.core.errors import UserError
 from test_stats import study
 
 

@@ -17,7 +17,7 @@ from test_geometry import erank_of, exact_white, weighted_decay
 from test_metrics import simplex, stats_dataset
 
 from ncanalyze.analyzer import CLASS_COUNTS, SCALARS, UserError, class_stats, measure, measure_all
-from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.core.errors import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import fidelity  # noqa: E402  (benchmarks/fidelity.py: the README's departure figures)

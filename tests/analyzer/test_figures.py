@@ -24,7 +24,7 @@ from ncanalyze.analyzer.report import (
     write_report,
 )
 from ncanalyze.analyzer.stats import correlations
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from test_stats import study
 
 FIG1 = FIGURES["fig1_nc_vs_loss"][1]

@@ -14,10 +14,19 @@ from test_metrics import brute_force, brute_nc4, random_study
 
 from ncanalyze.analyzer import SCALARS, class_stats, measure
 from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, fold_of
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.jackknife import (EXACT, EXACT_UP_TO, budgets, fold_problems, jackknife, merged, nested_budgets,
-                                         unsettled, without)
+from ncanalyze.analyzer.jackknife import (
+    EXACT,
+    EXACT_UP_TO,
+    budgets,
+    fold_problems,
+    jackknife,
+    merged,
+    nested_budgets,
+    unsettled,
+    without,
+)
 from ncanalyze.analyzer.metrics import measure_all
+from ncanalyze.core.errors import UserError
 
 FOLDS, BLOCK, MIN = 4, 16, 20
 

@@ -129,7 +129,7 @@ def test_the_budget_figure_draws_both_numbers_in_every_format(tmp_path):
 
 
 def test_estimates_choose_the_number_the_figures_and_claims_use():
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.analyzer.report import ReportOptions
     from ncanalyze.analyzer.report.figures import FIGURES, chosen, estimated
 

@@ -16,7 +16,6 @@ import pandas as pd
 import pytest
 import xarray as xr
 from conftest import run_cli
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report import (
     AVERAGE_TOKEN,
     DYNAMICS,
@@ -30,6 +29,7 @@ from ncanalyze.analyzer.report import (
 )
 from ncanalyze.analyzer.report.tables import fmt_p
 from ncanalyze.analyzer.stats import METRICS
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.io import ensure_group, read_group
 from PIL import Image
 from test_stats import study

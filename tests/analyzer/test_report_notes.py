@@ -10,10 +10,10 @@ import pytest
 from conftest import run_cli
 from test_stats import study
 
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.names import name_problem, shown
 from ncanalyze.analyzer.report import ReportOptions
 from ncanalyze.analyzer.report.escape import drawn, spreadsheet_safe
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.names import name_problem, shown
 
 
 def report(tmp_path, df: pd.DataFrame, *args) -> tuple[str, object]:

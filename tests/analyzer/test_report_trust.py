@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from markdown_it import MarkdownIt
 from test_stats import study
 
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.report import ReportOptions, write_report
 from ncanalyze.analyzer.report.escape import md_name, spreadsheet_safe
 from ncanalyze.analyzer.report.html import payload
 from ncanalyze.analyzer.schema import SCALARS
+from ncanalyze.core.errors import UserError
 
 FAST = ReportOptions(metrics=["nc1_cdnv"], target="eval_loss", n_perm=0)
 NO_HTML = ReportOptions(metrics=["nc1_cdnv"], target="eval_loss", n_perm=0, html=False)

@@ -11,14 +11,19 @@ import pingouin as pg
 import pytest
 from scipy import stats as sps
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from statsmodels.stats.multitest import multipletests
 
-from ncanalyze.analyzer.permute import Scheme
+from ncanalyze.analyzer.permute import Scheme, perm_test, permutation_chunks
 from ncanalyze.analyzer.schema import GEOMETRY_METRICS, NC_METRICS
-from ncanalyze.analyzer.permute import perm_test, permutation_chunks
-from ncanalyze.analyzer.stats import (METRICS, correlations, correlations_by_tag, last_per_run, permutation_text,
-                                      split_tags)
+from ncanalyze.analyzer.stats import (
+    METRICS,
+    correlations,
+    correlations_by_tag,
+    last_per_run,
+    permutation_text,
+    split_tags,
+)
 
 
 def study(n_runs: int = 6, per_run: int = 8, seed: int = 0) -> pd.DataFrame:

@@ -12,9 +12,9 @@ import click
 import pytest
 from click.testing import CliRunner
 from conftest import ROOT, run_cli
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.main import main
 from ncanalyze.cli.options import OPTIONS
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction.settings import ExtractConfig
 
 SETTINGS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
@@ -110,7 +110,7 @@ def test_the_check_sees_a_heavy_import(tmp_path):
 def test_shared_options_are_defined_once_with_each_commands_help():
     """--store and --scheduler are the commands' own, in OPTIONS; --min-count, --device, --seed and --tile are
     settings, generated from a registry whose shared fields say flag, default and rule once (SHARED)."""
-    from ncanalyze.analyzer.registry import SHARED
+    from ncanalyze.core.setting import SHARED
 
     for flag in ("--store", "--scheduler", "--min-count", "--device", "--tile", "--seed", "--permutations"):
         where = [f.name for f in (ROOT / "cli").rglob("*.py") if re.search(rf'option\(\s*"{flag}"', f.read_text())]

@@ -9,11 +9,11 @@ import re
 import pytest
 from click.testing import CliRunner
 from conftest import ROOT, run_cli
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.analyzer.registry import MEASURE_SECTIONS, N_PERM, REPORT_SECTIONS, MeasureSettings, ReportSettings
 from ncanalyze.analyzer.report import ReportOptions
-from ncanalyze.analyzer.registry import (MEASURE_SECTIONS, N_PERM, REPORT_SECTIONS, MeasureSettings, ReportSettings,
-                                         flag_of)
 from ncanalyze.cli.main import main
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.setting import flag_of
 from ncanalyze.store.extraction.settings import ExtractConfig
 
 REFUSED = [  # (command, the library's settings, a value as the library takes it, as the command line gives it, line)
@@ -104,7 +104,7 @@ def test_a_number_that_does_not_parse_gets_the_settings_rule(command, args, tmp_
 @pytest.mark.slow  # its first import of transformers
 @pytest.mark.parametrize("value, args, line", EXTRACT_REFUSED)
 def test_the_training_callback_refuses_as_it_is_made(value, args, line, tmp_path):
-    from ncanalyze.store.runs.training import NeuralCollapseCallback
+    from ncanalyze.store.runs.callback import NeuralCollapseCallback
 
     with pytest.raises(UserError) as e:
         NeuralCollapseCallback(tmp_path / "s.zarr", "d.txt", **value)
@@ -176,7 +176,7 @@ def test_each_default_is_written_once():
 def test_one_device_parser_and_one_message_everywhere():
     """The settings, the metrics' engine choice and the model loader read --device with one parser: one line."""
     from ncanalyze.analyzer.engines import engine_device
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.store.extraction.settings import ExtractConfig
     from ncanalyze.store.sources.load import resolve_device
 

@@ -17,7 +17,7 @@ import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.sources.hub_fetch import Snapshot
 from ncanalyze.store.sources.revisions import parse_revisions, step_of
 

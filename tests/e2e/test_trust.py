@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import zarr
 from conftest import CLI, assert_same_group, kill_when, lone_model, run_cli, tmpfs
-from ncanalyze.store.resume import DIGEST, save_state
+from ncanalyze.store.extraction.resume import DIGEST, save_state
 
 SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 2)
 

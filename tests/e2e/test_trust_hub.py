@@ -19,14 +19,9 @@ import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, run_cli
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.sources.hub_fetch import Snapshot
-from ncanalyze.store.sources.revisions import (
-    MAX_REVISIONS,
-    check_revision,
-    parse_revisions,
-    revision_range,
-)
+from ncanalyze.store.sources.revisions import MAX_REVISIONS, check_revision, parse_revisions, revision_range
 from test_hub import CLI, FILES, REPO, TOKENIZER, add_revision, cli
 
 

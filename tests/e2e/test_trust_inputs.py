@@ -28,7 +28,7 @@ def test_state_memory_has_one_rule_stated_in_help():
 def test_sizes_in_messages_are_in_sensible_units():
     from ncanalyze.analyzer import UserError
     from ncanalyze.store.extraction.layers import auto_groups, plan
-    from ncanalyze.store.sizes import bytes_text
+    from ncanalyze.core.sizes import bytes_text
 
     assert [bytes_text(n) for n in (1000, 1024, 3 * 2**19, 5 * 2**30)] == ["1000 B", "1 KiB", "1.5 MiB", "5 GiB"]
     with pytest.raises(UserError) as e:

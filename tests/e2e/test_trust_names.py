@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import EXTRACT_OPTS, run_cli
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.analyzer.names import check_name, name_problem, shown
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.names import check_name, name_problem, shown
 
 RUN = "neo-2x32"
 SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 1)
@@ -55,7 +55,7 @@ def test_a_name_that_is_not_one_plain_folder_is_refused_in_one_line(name):
 def test_the_callbacks_run_name_dotdot_stays_inside_the_store(corpus, tmp_path, caplog):
     """7: ``run_name=".."`` would stage ``<store>.partial/../step-10.zarr``, beside the store, and delete it after: a
     user's folder of that name. Refused in one log line; nothing beside the store touched; training goes on."""
-    from ncanalyze.store.runs.training import run_name
+    from ncanalyze.store.runs.callback import run_name
     from ncanalyze.training import NeuralCollapseCallback
     from test_training import OPTS, said
 

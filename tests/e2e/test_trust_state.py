@@ -16,10 +16,10 @@ import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import CLI, assert_same_group, kill_when, run_cli, tmpfs
+from ncanalyze.core.sizes import bytes_text
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.estimate import START, Arch, estimate
-from ncanalyze.store.resume import DIGEST, digest, save_state
-from ncanalyze.store.sizes import bytes_text
+from ncanalyze.store.extraction.resume import DIGEST, digest, save_state
 
 CK = "checkpoint-20"
 SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 2, "--batch-size", 2)
@@ -73,8 +73,8 @@ def test_the_digest_changes_with_any_name_dtype_shape_or_byte():
 
 
 def test_a_saved_state_round_trips_and_one_flipped_value_is_refused(tmp_path):
-    from ncanalyze.analyzer.errors import CheckpointError
-    from ncanalyze.store.resume import load_state
+    from ncanalyze.core.errors import CheckpointError
+    from ncanalyze.store.extraction.resume import load_state
 
     arrays = {"stats.mean": np.random.default_rng(0).normal(size=(5, 4)), "phase": np.array(0),
               "batches": np.array(2), "config": np.array(json.dumps({"a": 1}))}

@@ -13,8 +13,8 @@ import xarray as xr
 import zarr
 from conftest import EXTRACT_OPTS, run_cli
 from ncanalyze.analyzer import class_stats, measure
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.schema import HEAD
+from ncanalyze.core.errors import UserError
 from ncanalyze.store import io
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.running import Extraction

@@ -14,14 +14,14 @@ import ncanalyze.store
 import numpy as np
 import pytest
 from conftest import EXTRACT_OPTS, ROOT, run_cli
-from ncanalyze.analyzer.errors import UserError
-from ncanalyze.store.extraction.config import config_hash, refusal
-from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout, default_store
-from ncanalyze.store.store import Status, decide
-from ncanalyze.store.resume import Phase, save_state
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction.checkpoint import Outcome
+from ncanalyze.store.extraction.config import config_hash, refusal
+from ncanalyze.store.extraction.resume import Phase, save_state
+from ncanalyze.store.layout import DEFAULT_STORE, StoreLayout, default_store
 from ncanalyze.store.runs.local import ExtractResult
 from ncanalyze.store.sources.discover import Checkpoint
+from ncanalyze.store.store import Status, decide
 
 PACKAGES = {"analyzer": "ncanalyze.analyzer", "store": "ncanalyze.store", "cli": "ncanalyze.cli"}
 

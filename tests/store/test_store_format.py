@@ -8,7 +8,7 @@ import shutil
 import pytest
 import zarr
 from conftest import run_cli
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store import io
 
 

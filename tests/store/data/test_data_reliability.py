@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 from conftest import fails_cleanly
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.data.blocks import check_block_size, open_blocks
 from ncanalyze.store.sources.anatomy import model_positions
 

@@ -102,7 +102,7 @@ def test_text_knows_its_rows_for_the_tokenizing_bar(form, tmp_path):
 
 def test_a_corrupt_file_leaves_the_bar_without_a_total_and_a_corrupt_parquet_is_named(tmp_path):
     import pandas as pd
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
 
     (tmp_path / "folder").mkdir()
     pd.DataFrame({"text": ["a b c"] * 50}).to_parquet(tmp_path / "folder" / "a.parquet")
@@ -231,7 +231,7 @@ def _statistics(store) -> dict[str, np.ndarray]:
 
 
 def test_a_folder_where_the_cache_file_belongs_is_one_line(trained_run, corpus, tmp_path):
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
 
     tok = AutoTokenizer.from_pretrained(str(trained_run))
     blocks = open_blocks(str(corpus["train"]), "train", 32, 2048, "text", lambda t: tok(t)["input_ids"])

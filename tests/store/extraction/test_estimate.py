@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import EXTRACT_OPTS, run_cli, tmpfs, train_sweep
+from ncanalyze.core.sizes import bytes_text
 from ncanalyze.store import io
 from ncanalyze.store.data.blocks import open_blocks
-from ncanalyze.store.extraction import estimate as est
-from ncanalyze.store.extraction import progress as progress_of_run
+from ncanalyze.store.extraction import estimate as est, progress as progress_of_run
 from ncanalyze.store.extraction.estimate import (
     START,
     Arch,
@@ -33,9 +33,8 @@ from ncanalyze.store.extraction.estimate import (
 )
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.memory import group_bytes
+from ncanalyze.store.extraction.resume import Phase, save_state
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.resume import Phase, save_state
-from ncanalyze.store.sizes import bytes_text
 from ncanalyze.store.sources.discover import Checkpoint
 
 # planted: forward 1 s, a layer's statistics 2 s, a layer's decisions 3 s, the loss 5 s, load 7 s, 1 byte/s

@@ -87,7 +87,7 @@ def test_totals_made_from_the_folds_equal_folds_1_and_brute_force(trained_run, c
 
 
 def test_a_resume_keeps_the_saved_folds_and_refuses_fold_sums_that_miss_the_totals(tmp_path):
-    from ncanalyze.analyzer.errors import CheckpointError
+    from ncanalyze.core.errors import CheckpointError
     from ncanalyze.store.extraction.layers import plan
     from ncanalyze.store.extraction.running import Extraction
 
@@ -114,7 +114,7 @@ def test_a_resumed_state_makes_its_totals_from_its_folds():
     batch beside them, here totals off by 1e-9) resumes with the totals made from its fold sums: the same bits as
     the uninterrupted state's, and what the attribute totals (folds) says."""
     from ncanalyze.store.extraction.running import LayerState
-    from ncanalyze.store.resume import flatten, unflatten
+    from ncanalyze.store.extraction.resume import flatten, unflatten
 
     rng = np.random.default_rng(0)
     live = LayerState(10, 3, 1, 0, "cpu", folds=3)

@@ -202,7 +202,7 @@ def test_beside_a_gpu_the_hosts_memory_for_the_reservoirs_bounds_the_layers_a_pa
     machine's 128 GiB host (budget_of: 137.44e9 less a tenth, 123.69e9), the 8B shape with 2 samples per class takes
     128,256 x 2 x 16,400 = 4.207e9 a layer: 29 layers, so the GPU's 13 bind (3 passes); with the default 8, 16.83e9 a
     layer: 7 layers a pass, 5 passes, said in the log; a host that cannot hold one layer's reservoir is one line."""
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.store.extraction.memory import budget_of, fit_plan, host_bytes
 
     V, d, cuda = 128_256, 4_096, torch.device("cuda")

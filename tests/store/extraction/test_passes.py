@@ -180,7 +180,7 @@ def test_the_state_is_saved_between_the_passes_only_when_a_save_is_due(trained_r
     ``--state-every`` seconds have passed: a forced save there cost a short checkpoint as much as its train pass (the
     state, 2.6x larger with folds); the extraction is the same either way."""
     from conftest import EXTRACT_OPTS, assert_same_group, run_cli
-    from ncanalyze.store import resume
+    from ncanalyze.store.extraction import resume
 
     phases, save = [], resume.save_state
     monkeypatch.setattr(resume, "save_state", lambda path, arrays: (phases.append(int(arrays["phase"])),
@@ -205,7 +205,7 @@ def test_a_kill_between_the_passes_resumes_from_the_last_train_save_bit_for_bit(
     from conftest import assert_same_group
     from ncanalyze.store.extraction import running
     from ncanalyze.store.extraction.settings import ExtractConfig
-    from ncanalyze.store.resume import Phase, load_state
+    from ncanalyze.store.extraction.resume import Phase, load_state
     from ncanalyze.store.runs.local import extract
 
     def cfg(every: float) -> ExtractConfig:
@@ -254,7 +254,7 @@ def test_a_validation_pass_counts_as_a_float64_brute_force_at_every_kept_set_and
     from ncanalyze.store.extraction import passes
     from ncanalyze.store.extraction.layers import plan
     from ncanalyze.store.extraction.running import Extraction
-    from ncanalyze.store.resume import Phase, Saver
+    from ncanalyze.store.extraction.resume import Phase, Saver
     from ncanalyze.store.sources.anatomy import features, head
     from transformers import AutoTokenizer
 

@@ -10,10 +10,9 @@ import click
 import pytest
 from click.testing import CliRunner
 from conftest import run_cli
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.cli.main import main
-from ncanalyze.store.extraction.settings import SECTIONS, ExtractConfig
-from ncanalyze.store.extraction.settings import extract_flag as flag_of
+from ncanalyze.core.errors import UserError
+from ncanalyze.store.extraction.settings import SECTIONS, ExtractConfig, extract_flag as flag_of
 
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 BAD = [  # (setting, value as the library takes it, as the command line gives it, the refusal)

@@ -254,7 +254,7 @@ def test_llama_sites_equal_plain_forward_hooks(llama, tmp_path):
 def test_bad_sites_are_one_line(sites, words):
     """An unknown kind, an index outside a 2-block model, a site that is not kind:index: one line naming it and
     the fix (the syntax as the setting is made, the rest where the model's depth is known)."""
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.store.extraction.config import layer_plan
     from ncanalyze.store.extraction.settings import ExtractConfig
 

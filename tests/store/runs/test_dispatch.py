@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction.checkpoint import Outcome
 from ncanalyze.store.extraction.settings import ExtractConfig
 from ncanalyze.store.runs.dispatch import extract_paths

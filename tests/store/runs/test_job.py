@@ -10,7 +10,7 @@ import pickle
 import pytest
 from conftest import ROOT, run_cli
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction import config
 from ncanalyze.store.extraction.job import Jobs, make_job
 from ncanalyze.store.extraction.settings import ExtractConfig

@@ -38,7 +38,7 @@ def said(caplog):
     finally:
         logger.removeHandler(caplog.handler)
         once = {id(r): r for r in caplog.records[start:]}.values()  # a record reaches the handler twice where it propagates
-        lines += [r.getMessage() for r in once if r.name == "ncanalyze.store.runs.training"]
+        lines += [r.getMessage() for r in once if r.name == "ncanalyze.store.runs.callback"]
 
 
 def train(corpus, out: Path, callbacks=(), steps: int = STEPS, give_trainer: bool = False, width: int = 32, **args):
@@ -436,7 +436,7 @@ def test_ddp_ranks_share_the_blocks_and_equal_one_process(corpus, tmp_path):
 
 
 def test_bad_settings_are_one_line_before_training(corpus, tmp_path):
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
 
     from ncanalyze.training import NeuralCollapseCallback
 
@@ -483,13 +483,13 @@ def test_the_measured_line_shows_once_under_run_clms_logging(corpus, tmp_path):
     import io
 
     import transformers
-    from ncanalyze.store.runs.training import _OwnHandler
+    from ncanalyze.store.runs.callback import _OwnHandler
     from ncanalyze.training import NeuralCollapseCallback
 
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(name)s - %(message)s"))
-    root, package, ours = (logging.getLogger(n) for n in ("", "ncanalyze", "ncanalyze.store.runs.training"))
+    root, package, ours = (logging.getLogger(n) for n in ("", "ncanalyze", "ncanalyze.store.runs.callback"))
     saved = (root.level, package.level, package.propagate, list(package.handlers), ours.level, list(ours.handlers))
     try:
         for h in package.handlers + ours.handlers:  # as in a fresh process: the CLI's handler is not there
@@ -514,14 +514,14 @@ def test_the_measured_line_shows_once_under_run_clms_logging(corpus, tmp_path):
         for h in saved[5]:
             ours.addHandler(h)
     timed = [line for line in out.getvalue().splitlines() if "measured in" in line]
-    assert len(timed) == 2 and all("INFO - ncanalyze.store.runs.training - ncanalyze: neo/step-" in line
+    assert len(timed) == 2 and all("INFO - ncanalyze.store.runs.callback - ncanalyze: neo/step-" in line
                                    for line in timed), out.getvalue()
 
 
 def test_the_callbacks_own_handler_only_for_what_no_handler_on_the_way_shows(capsys):
     import io
 
-    from ncanalyze.store.runs.training import show_info
+    from ncanalyze.store.runs.callback import show_info
 
     def path(name: str, level: int | None = None):
         """A logger ``name.cb`` whose way up ends at ``name`` (not propagating), with a handler at ``level``."""

@@ -106,7 +106,7 @@ def test_each_bad_adapter_fails_alone_in_one_line(damaged_run, corpus, tmp_path)
 def test_a_damaged_adapter_is_a_checkpoint_error(adapter, tmp_path, damage):
     """Loading the damaged adapter raises a one-line CheckpointError (what makes a checkpoint fail alone), never
     a traceback nor a model holding peft's fresh layers."""
-    from ncanalyze.analyzer.errors import CheckpointError
+    from ncanalyze.core.errors import CheckpointError
     from ncanalyze.store.sources.discover import discover
     from ncanalyze.store.sources.load import load_model
 
@@ -121,7 +121,7 @@ def test_a_damaged_adapter_is_a_checkpoint_error(adapter, tmp_path, damage):
 def test_weights_beyond_or_short_of_the_config_are_refused(base, tmp_path, how):
     """A DoRA adapter saved by peft whose config turns use_dora off (its magnitudes would go unused), and a LoRA
     whose module to save (lm_head) is left out of its file (it would be the base's head): one line each."""
-    from ncanalyze.analyzer.errors import CheckpointError
+    from ncanalyze.core.errors import CheckpointError
     from ncanalyze.store.sources.discover import discover
     from ncanalyze.store.sources.load import load_model
     from safetensors.torch import load_file, save_file
@@ -144,7 +144,7 @@ def test_weights_beyond_or_short_of_the_config_are_refused(base, tmp_path, how):
 
 BOUNDED = textwrap.dedent("""
     import resource, sys, peft, torch
-    from ncanalyze.analyzer.errors import CheckpointError
+    from ncanalyze.core.errors import CheckpointError
     from ncanalyze.store.sources.discover import discover
     from ncanalyze.store.sources.load import load_model
     from transformers import AutoModelForCausalLM

@@ -139,7 +139,7 @@ def test_sublayer_sites_are_what_the_block_adds_to_its_input(model, ids):
     output, as a block computes it (Gemma-2 through its post-sublayer norms): the sublayers' outputs before their
     residual add; cut after mlp:B, no later block runs. An architecture without such a module is one line
     (check_sites)."""
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.store.extraction.sites import Site, parse_sites
     from ncanalyze.store.sources.anatomy import check_sites
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.sources.discover import discover, training_metadata
 
 

@@ -82,7 +82,7 @@ def test_what_looks_local(tmp_path, monkeypatch):
 
 def test_the_data_code_says_it_without_the_cli(tmp_path, monkeypatch):
     """open_blocks itself never sends a local-looking path to the Hub."""
-    from ncanalyze.analyzer.errors import UserError
+    from ncanalyze.core.errors import UserError
     from ncanalyze.store.data.blocks import open_blocks
 
     monkeypatch.chdir(tmp_path)

@@ -24,21 +24,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ncanalyze.analyzer import threads
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.analyzer.names import check_name
-from ncanalyze.store.data.split_counts import label_counts
+from ncanalyze.core import threads
+from ncanalyze.core.errors import UserError
+from ncanalyze.core.names import check_name
 from ncanalyze.store.data.blocks import Blocks
+from ncanalyze.store.data.split_counts import label_counts
 from ncanalyze.store.extraction.attributes import group_attributes
 from ncanalyze.store.extraction.config import differences
 from ncanalyze.store.extraction.job import Job, make_job
 from ncanalyze.store.extraction.memory import fit_folds
-from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.extraction.passes import run_passes
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.runs import cost
-from ncanalyze.store.runs import training_ddp as ddp
+from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
+from ncanalyze.store.runs import callback_ddp as ddp, cost
 from ncanalyze.store.sources import adapters
 from ncanalyze.store.sources.anatomy import check_sites, default_block_size, final_norm, finite_head, head, n_layers
 from ncanalyze.store.sources.load import decoded_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 
 _HIDDEN = {"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"}  # controls, format (bidi) and line separators, unassigned
 

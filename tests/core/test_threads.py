@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from ncanalyze.analyzer import threads
-from ncanalyze.analyzer.errors import UserError
 from ncanalyze.analyzer.registry import MeasureSettings
+from ncanalyze.core import threads
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction.settings import ExtractConfig
 from threadpoolctl import threadpool_info
 

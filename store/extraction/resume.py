@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.errors import CheckpointError
+from ncanalyze.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -119,20 +119,6 @@ def save_state(path: Path, arrays: dict[str, np.ndarray]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def prune(partial: Path) -> None:
-    """Remove the empty folders left in ``partial`` (and itself, once empty)."""
-    if not partial.is_dir():
-        return
-    if partial.is_symlink():  # never followed (layout.no_links refuses it where work is done)
-        return
-    for d in sorted((p for p in partial.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: len(p.parts),
-                    reverse=True):
-        if not any(d.iterdir()):
-            d.rmdir()
-    if not any(partial.iterdir()):
-        partial.rmdir()
-
-
 # what a truncated, empty, garbage or bit-flipped .npz raises when it is read
 UNREADABLE = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile)
 
@@ -170,16 +156,6 @@ def load_state(path: Path, needs: tuple[str, ...] = ("config", "phase", "batches
             raise CheckpointError(f"the resume state {path} holds an unreadable configuration ({e}); {RESTART}") \
                 from None
     return arrays
-
-
-def drop_state(path: Path) -> None:
-    """Remove a checkpoint's state and any temporary files left beside it, and the folders once empty."""
-    path.unlink(missing_ok=True)
-    for tmp in path.parent.glob(f"{path.stem}.*.tmp.npz") if path.parent.is_dir() else ():
-        tmp.unlink(missing_ok=True)
-    for d in (path.parent, path.parent.parent):
-        if d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
 
 
 def record_of(arrays) -> dict:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from ncanalyze.analyzer.registry import parse_threads as parse
+from ncanalyze.core.setting import parse_threads as parse
 from threadpoolctl import threadpool_limits
 
 AUTO = "auto"

@@ -14,10 +14,10 @@ import hashlib
 import logging
 
 import torch.distributed as dist
-from ncanalyze.analyzer.errors import UserError
+from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction.passes import train_pass
+from ncanalyze.store.extraction.resume import Phase, flatten, unflatten
 from ncanalyze.store.extraction.running import Extraction
-from ncanalyze.store.resume import Phase, flatten, unflatten
 from ncanalyze.store.runs import shards as sh
 
 log = logging.getLogger(__name__)
