@@ -1,5 +1,16 @@
 """Neural-collapse statistics and metrics: the maths. Arrays and datasets in, numbers and datasets out; this
-package imports neither ``ncanalyze.store`` nor ``ncanalyze.cli``.
+package imports only ``ncanalyze.core`` (never ``ncanalyze.store`` nor ``ncanalyze.cli``).
+
+- the statistics: ``accumulate`` (exact streaming per-class statistics), ``arrays`` (plain arrays into a checkpoint
+  dataset), ``screen`` (NC4's nearest-class-mean decisions);
+- the metrics: ``schema`` (the names), ``metric_records`` (one record per metric), ``metrics`` (one function each),
+  ``geometry`` (the kept classes, once per checkpoint), ``pairs`` and ``moments`` (the pairwise sums and the d x d
+  end), ``engines`` (the one chooser of ``engine_numba`` and ``engine_torch``), ``spectral`` (geometry beyond NC),
+  ``jackknife`` (each number's error), ``accessor`` (``ds.nc``), ``table`` (the metrics table);
+- the statistics over checkpoints: ``stats`` (correlations), ``permute`` (permutation tests), ``resample`` (the
+  bootstrap over runs), ``questions`` (the two questions a study asks), ``expr`` (report expressions);
+- ``registry``: the settings of ``measure`` and ``report`` (the mechanism: ``ncanalyze.core.setting``);
+- ``report``: the tables and figures of a study (a subpackage).
 
 Exports load on first use, so that importing the package (the CLI, dask workers) does not pull in torch.
 """

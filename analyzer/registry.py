@@ -1,14 +1,10 @@
-"""The settings registry of every command: a setting is a dataclass field that says, once, its default, its
-validation, its flag, its help and its ``--help`` section. The commands generate their click options from the
-fields (ncanalyze.cli.options.setting_option); the library checks every value when the settings are made
-(:func:`check_fields`), so the library, the training callback and the CLI refuse a bad value with the same line:
-``batch_size (--batch-size) must be between 1 and 65536, got 0``.
-
-Here too: the settings several commands share (:data:`SHARED`: ``min_count``, ``seed``, ``device``, each default
-written once), :class:`MeasureSettings` (``ncanalyze measure``, and report's measuring), :class:`ReportSettings`
-(``ncanalyze report``; :class:`ncanalyze.analyzer.report.report_options.ReportOptions` is made of them) and the defaults
-the statistics share (:data:`N_PERM`). Extraction's settings: ncanalyze.store.extraction.settings. Light on purpose
-(the schema's names, no pandas): ``--help`` imports it.
+"""The settings of measuring and reporting: :class:`MeasureSettings` (``ncanalyze measure``, and report's measuring)
+and :class:`ReportSettings` (``ncanalyze report``; :class:`ncanalyze.analyzer.report.report_options.ReportOptions` is
+made of them), with the defaults the statistics share (:data:`N_PERM`, :data:`N_BOOT`). Each setting is a dataclass
+field that says, once, its default, its validation, its flag, its help and its ``--help`` section (the mechanism,
+and the settings several commands share: ncanalyze.core.setting); the commands generate their click options from the
+fields (ncanalyze.cli.options.setting_option). Extraction's settings: ncanalyze.store.extraction.settings. Light on
+purpose (the schema's names, no pandas): ``--help`` imports it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The exception types for bad input: the CLI prints them as a one-line error and exits non-zero.
 
-They live in the lowest layer (analyzer) so that every package can raise them; nothing else here is shared but the
-one check every subpackage makes on import (:func:`refuse_a_shadowing_clone`).
+They live on the ground floor (``ncanalyze.core``) so that every package can raise them; nothing else here is shared
+but the one check every subpackage makes on import (:func:`refuse_a_shadowing_clone`).
 """
 import sys
 

@@ -5,7 +5,7 @@ A name is one level of the store's hierarchy (a run's folder ``<run>``, a checkp
 must not climb out of it or split it. :func:`shown` is the one helper every text output uses to print a name, so that
 a terminal escape or a bidi control in a folder's name is printed escaped, never obeyed by the terminal.
 
-It lives in the lowest layer (analyzer), so that the store, the commands and the report all use the same one.
+It lives on the ground floor (``ncanalyze.core``), so that the store, the commands and the report all use the same one.
 """
 from __future__ import annotations
 

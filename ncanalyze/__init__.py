@@ -1,8 +1,10 @@
 """ncanalyze: neural collapse in causal language models, measured post hoc over training checkpoints.
 
-The code lives in ``ncanalyze.analyzer`` (the maths), ``ncanalyze.store`` (checkpoints in, the Zarr store out) and
-``ncanalyze.cli`` (the commands), mapped from the repository's top-level folders in setup.cfg; this folder only holds
-the package itself. Importing it (or any of its subpackages) registers the xarray accessor ``nc``
+The code lives in ``ncanalyze.core`` (the ground floor: errors, names, the settings mechanism, the thread policy),
+``ncanalyze.analyzer`` (the maths), ``ncanalyze.store`` (checkpoints in, the Zarr store out) and ``ncanalyze.cli``
+(the commands), mapped from the repository's top-level folders in setup.cfg; this folder holds the package itself
+and ``training`` (the public path of the Trainer callback, ``from ncanalyze.training import
+NeuralCollapseCallback``). Importing it (or any of its subpackages) registers the xarray accessor ``nc``
 (``ncanalyze.analyzer.accessor``): at once when xarray is already loaded, else the moment xarray is, so that the
 command line (``ncanalyze --help``) never loads xarray for nothing.
 """

@@ -1,4 +1,5 @@
-"""Where everything lives: the default store, and every path beside a store.
+"""Where everything lives: the default store, and every path beside a store; removing what an extraction leaves
+there (:func:`drop_state`, :func:`prune`).
 
 A store ``<store>`` (a Zarr v3 group, read and written by io.py) has two folders beside it, on the same disk:
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ncanalyze.store import io
-from ncanalyze.store.layout import CheckpointFiles, Named, StoreLayout, default_store
+from ncanalyze.store.layout import CheckpointFiles, Named, StoreLayout, default_store, prune
 from ncanalyze.store.lock import checkpoint_lock
 
 
@@ -147,9 +147,7 @@ class Store:
         return checkpoint_lock(self.group_files(group).lock, group, **kwargs)
 
     def prune(self) -> None:
-        """Remove the empty folders of work in progress beside the store (resume.prune)."""
-        from ncanalyze.store.layout import prune  # torch: only where work was done
-
+        """Remove the empty folders of work in progress beside the store (layout.prune)."""
         prune(self.layout.partial)
 
     # --- writing ---

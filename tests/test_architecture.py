@@ -1,10 +1,12 @@
-"""The house rules that keep the code base legible: imports go one way (cli -> store -> analyzer), the names of
-the store and of the metrics are defined once, and every extraction setting says whether it is hashed."""
+"""The house rules that keep the code base legible: imports go one way (cli -> store -> analyzer -> core), every
+package's docstring names its modules, the names of the store and of the metrics are defined once, no signature
+writes a registry setting's default again, and every extraction setting says whether it is hashed."""
 from __future__ import annotations
 
 import ast
 import dataclasses
 import io
+import re
 import subprocess
 import sys
 import tokenize
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-LAYERS = {"analyzer": 0, "store": 1, "cli": 2}  # a package may import only from its own layer or a lower one
+LAYERS = {"core": 0, "analyzer": 1, "store": 2, "cli": 3}  # a package may import only from its own layer or a lower one
 
 
 def sources(package: str) -> list[Path]:
@@ -47,6 +49,62 @@ def test_the_check_reads_every_module_of_the_house():
     assert imports(ROOT / "ncanalyze" / "__init__.py") <= {"analyzer"}
 
 
+def test_core_imports_no_other_package_of_ours():
+    """The ground floor (errors, names, the settings mechanism, the thread policy, sizes) stands on nothing of ours:
+    not the analyzer, whose registry builds on it, nor anything above."""
+    found = {f"{f.relative_to(ROOT)} imports ncanalyze.{dep}" for f in sources("core") for dep in imports(f)
+             if dep != "core"}
+    assert not found, sorted(found)
+    assert {"errors.py", "names.py", "setting.py", "threads.py", "sizes.py"} <= {f.name for f in sources("core")}
+
+
+def test_an_import_of_the_analyzer_from_core_is_caught(tmp_path, monkeypatch):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "setting.py").write_text("def f():\n    from ncanalyze.analyzer.schema import SCALARS\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="core/setting.py imports ncanalyze.analyzer"):
+        test_core_imports_no_other_package_of_ours()
+
+
+def packages(root: Path) -> list[Path]:
+    """Every package folder of the house (one with an ``__init__.py``): ncanalyze/ and the layers' folders."""
+    return sorted(d for top in ("ncanalyze", *LAYERS) for d in [root / top, *(root / top).rglob("*")]
+                  if (d / "__init__.py").is_file())
+
+
+def unnamed_modules(root: Path) -> list[str]:
+    """The modules (and subpackages) of each package that its ``__init__`` docstring does not name (as a word:
+    ``errors`` or ``errors.py``)."""
+    found = []
+    for d in packages(root):
+        doc = ast.get_docstring(ast.parse((d / "__init__.py").read_text())) or ""
+        members = [f.stem for f in d.glob("*.py") if f.name != "__init__.py"] + \
+            [s.name for s in d.iterdir() if (s / "__init__.py").is_file()]
+        found += [f"{(d / m).relative_to(root).as_posix()} is not named in its package's docstring"
+                  for m in sorted(members) if not re.search(rf"(?<!\w){re.escape(m)}\b", doc)]
+    return found
+
+
+def test_every_package_docstring_names_its_modules():
+    """A package's ``__init__`` docstring is its table of contents: every module and subpackage in it is named, so a
+    module added or moved without saying where it belongs fails here."""
+    assert len(packages(ROOT)) >= 10
+    assert not unnamed_modules(ROOT), unnamed_modules(ROOT)
+
+
+def test_the_docstring_check_sees_an_unnamed_module(tmp_path):
+    """A module the docstring leaves out is named; a word that only contains its name (``resumed``,
+    ``resume_point``) does not count as naming it."""
+    (tmp_path / "store" / "extraction").mkdir(parents=True)
+    (tmp_path / "store" / "__init__.py").write_text('"""The store (io) and the extraction above it."""\n')
+    for f in ("io.py", "lock.py", "extraction/resume.py", "extraction/passes.py"):
+        (tmp_path / "store" / f).write_text('"""A module."""\n')
+    (tmp_path / "store" / "extraction" / "__init__.py").write_text(
+        '"""The passes (.passes); work is resumed from its resume_point."""\n')
+    assert unnamed_modules(tmp_path) == ["store/lock is not named in its package's docstring",
+                                         "store/extraction/resume is not named in its package's docstring"]
+
+
 def test_a_backward_import_in_a_subpackage_is_caught(tmp_path, monkeypatch):
     """The layering check reads store/<sub>/ too: a module there importing the commands is a backward import."""
     fake = tmp_path / "store" / "extraction"
@@ -58,11 +116,11 @@ def test_a_backward_import_in_a_subpackage_is_caught(tmp_path, monkeypatch):
 
 
 def test_the_new_modules_import_down_the_layers():
-    """cli -> store -> analyzer, for the modules of the second floor: the commands' options import nothing below
+    """cli -> store -> analyzer -> core, for the modules of the second floor: the commands' options import nothing below
     click, the table and the accessor only the analyzer, and the store builds its table from the analyzer's."""
-    assert imports(ROOT / "cli" / "options.py") == {"analyzer"}  # the light settings registry only
-    assert imports(ROOT / "analyzer" / "table.py") == {"analyzer"}
-    assert imports(ROOT / "analyzer" / "accessor.py") == {"analyzer"}
+    assert imports(ROOT / "cli" / "options.py") <= {"core", "analyzer"}  # the light settings registry only
+    assert imports(ROOT / "analyzer" / "table.py") <= {"core", "analyzer"}
+    assert imports(ROOT / "analyzer" / "accessor.py") <= {"core", "analyzer"}
     assert "analyzer" in imports(ROOT / "store" / "measure.py")
 
 
@@ -223,7 +281,8 @@ def test_slow_is_marked_on_the_tests_themselves():
 
 
 def house_modules(root: Path) -> list[Path]:
-    """Every module of the three layers (analyzer/, store/, cli/), their subpackages too, but not the __init__ files."""
+    """Every module of the four layers (core/, analyzer/, store/, cli/), their subpackages too, but not the __init__
+    files."""
     return sorted(f for pkg in LAYERS for f in (root / pkg).rglob("*.py") if f.name != "__init__.py")
 
 
@@ -253,15 +312,14 @@ def name_collisions(root: Path) -> list[str]:
 
 def test_names_do_not_collide():
     """One name, one thing: no two modules of the house share a basename, no two public functions or classes share
-    a name (the byte formatter is store/sizes.bytes_text, the only one)."""
+    a name (the byte formatter is core/sizes.bytes_text, the only one)."""
     assert not name_collisions(ROOT), name_collisions(ROOT)
 
 
 ENGINES = {"numba": "analyzer/engine_numba.py", "torch": "analyzer/engine_torch.py"}
 CHOOSER = "analyzer/engines.py"
 TORCH_OUTSIDE_THE_SUMS = {"analyzer/accumulate.py", "analyzer/arrays.py", CHOOSER,  # extraction, tensor input, devices
-                          "analyzer/screen.py",  # extraction's NC4 decisions (the accumulators' float32 screen)
-                          "core/threads.py"}  # the thread policy sets torch's pools, as the BLAS's
+                          "analyzer/screen.py"}  # extraction's NC4 decisions (the accumulators' float32 screen)
 
 
 def engine_breaches(root: Path) -> list[str]:

@@ -6,9 +6,13 @@ PDF and SVG figures.
 - :mod:`.tables`: the selection, the statistics' display and tables.tex; :mod:`.document`: report.md, one
   section per tag;
 - :mod:`.support`: what the numbers rest on (kept classes, singletons, token counts; which way is more collapse);
-- :mod:`.figures`: Figures 1-4 and the depth figure; :mod:`.ticks`: their axes' limits, ticks and labels;
+- :mod:`.figures`: Figures 1-4; :mod:`.depth`: NC across depth and sites; :mod:`.ticks`: their axes' limits, ticks
+  and labels;
+- :mod:`.html`: report.html, the report as one self-contained page;
+- :mod:`.precision`: how sure the numbers are (the final checkpoints' jackknife errors, the token budget);
 - :mod:`.tokens`: the per-token table; :mod:`.mincount`: Figure 1's metrics of each run's latest checkpoint at min_count
-  2, 5 and 20.
+  2, 5 and 20;
+- :mod:`.escape`: user text made inert in the documents a report writes.
 """
 from __future__ import annotations
 

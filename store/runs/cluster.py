@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ncanalyze.core.errors import CheckpointError, UserError
 from ncanalyze.store.client import ENV, check_address, client
+from ncanalyze.store.layout import drop_state
 from ncanalyze.store.sources.discover import discover, tagged
 from ncanalyze.store.store import Store
 
@@ -72,8 +73,6 @@ def extract_on_cluster(paths: list[str | Path], store: str | Path | Store, setti
     ex.check_settings(jobs.cfg, store, shards)
     ex.check_one_base(ckpts)
     if jobs.restart:  # here, once: a task run again after its worker died must resume, not restart
-        from ncanalyze.store.layout import drop_state  # torch: see below
-
         for ckpt in ckpts:
             with store.lock(ckpt.group):
                 drop_state(store.files(ckpt).state)

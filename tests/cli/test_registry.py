@@ -157,7 +157,7 @@ def test_each_default_is_written_once():
     """The permutation and bootstrap counts are written in the registry only, once each (the statistics' defaults
     read N_PERM and N_BOOT)."""
     from ncanalyze.analyzer.registry import N_BOOT
-    written = {f.relative_to(ROOT).as_posix(): n for pkg in ("analyzer", "store", "cli")
+    written = {f.relative_to(ROOT).as_posix(): n for pkg in ("core", "analyzer", "store", "cli")
                for f in (ROOT / pkg).rglob("*.py") if (n := len(re.findall(r"\b10_?000\b", f.read_text())))}
     assert written == {"analyzer/registry.py": 2} and N_PERM == 10_000 and N_BOOT == 10_000, written
     assert ReportOptions().n_perm == N_PERM and ReportOptions().n_boot == N_BOOT
@@ -168,9 +168,9 @@ def test_each_default_is_written_once():
         assert inspect.signature(f).parameters["n_perm"].default == N_PERM, f.__name__
     for f in (correlations, correlations_by_tag):
         assert inspect.signature(f).parameters["n_boot"].default == N_BOOT, f.__name__
-    lists = {f.relative_to(ROOT).as_posix() for pkg in ("analyzer", "store", "cli") for f in (ROOT / pkg).rglob("*.py")
-             if re.search(r'"float16",\s*"float64"', f.read_text())}
-    assert lists == {"analyzer/registry.py"}, lists  # one list of dtypes (the store's a part of it, load's mapped)
+    lists = {f.relative_to(ROOT).as_posix() for pkg in ("core", "analyzer", "store", "cli")
+             for f in (ROOT / pkg).rglob("*.py") if re.search(r'"float16",\s*"float64"', f.read_text())}
+    assert lists == {"core/setting.py"}, lists  # one list of dtypes (the store's a part of it, load's mapped)
 
 
 def test_one_device_parser_and_one_message_everywhere():
