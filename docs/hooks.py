@@ -144,7 +144,7 @@ def cli_reference() -> str:
 
 
 def house_map() -> str:
-    """One table row per module of analyzer/, store/ and cli/: its import name and its docstring's first line."""
+    """One table row per module of core/, analyzer/, store/ and cli/: its import name and its docstring's first line."""
     rows = ["| module | what it owns |", "|---|---|"]
     for folder, package in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
