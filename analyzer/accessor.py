@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pandas as pd
 import xarray as xr
 
+from ncanalyze.analyzer.registry import MEASURE
 from ncanalyze.analyzer.table import metrics_table
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,8 @@ class DatasetAccessor:
     def __init__(self, ds: xr.Dataset) -> None:
         self._ds = ds
 
-    def measure(self, min_count: int = 1, tile: int | None = None,
-                decay_ranks: tuple[int, int] = (4, 100), se: bool = False) -> dict[str, float]:
+    def measure(self, min_count: int = MEASURE.min_count, tile: int | None = MEASURE.tile,
+                decay_ranks: tuple[int, int] = (4, 100), se: bool = MEASURE.se) -> dict[str, float]:
         """The scalar metrics (SPEC section 4) and how many classes they rest on, as
         :func:`ncanalyze.analyzer.measure`.
 
@@ -42,7 +43,8 @@ class DatasetAccessor:
             The ranks (first, last) of Sigma_T's eigenvalues that ``eigen_decay`` fits (alpha-ReQ's 4..100).
         se
             Add each metric's delete-one-fold jackknife error ``<metric>_se`` (from the group's fold sums; nan, with
-            a warning, for a group without folds).
+            a warning, for a group without folds), as ``ncanalyze measure`` does; ``se=False``: the point values
+            alone.
 
         Returns
         -------
@@ -53,7 +55,7 @@ class DatasetAccessor:
 
         return measure(self._ds, min_count=min_count, tile=tile, decay_ranks=decay_ranks, se=se)
 
-    def class_metrics(self, min_count: int = 1, tile: int | None = None) -> xr.Dataset:
+    def class_metrics(self, min_count: int = MEASURE.min_count, tile: int | None = MEASURE.tile) -> xr.Dataset:
         """The per-class views (``class_norm``, ``class_cdnv``, ...; nan outside the kept set), as
         :func:`ncanalyze.analyzer.class_metrics`.
 

@@ -11,6 +11,7 @@ import torch
 
 from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT
 from ncanalyze.analyzer.screen import Screen
+from ncanalyze.core.setting import default
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class ClassStats(Accumulator):
     present in the batch are touched, and nothing of size n x num_classes is ever formed.
     """
 
-    def __init__(self, num_classes: int, dim: int, device: str | torch.device = "cpu", scatter: bool = True):
+    def __init__(self, num_classes: int, dim: int, device: str | torch.device | None = None, scatter: bool = True):
         kw = dict(device=device, dtype=torch.float64)
         self.count = torch.zeros(num_classes, dtype=torch.int64, device=device)
         self.mean = torch.zeros(num_classes, dim, **kw)
@@ -226,7 +227,7 @@ class FoldStats(Accumulator):
     its fold (``fold``: n fold indices); :meth:`totals` merges the folds into the statistics of the whole stream, so
     that each batch's per-class work is done once (the extraction's totals with folds, attribute ``totals``)."""
 
-    def __init__(self, folds: int, num_classes: int, dim: int, device: str | torch.device = "cpu",
+    def __init__(self, folds: int, num_classes: int, dim: int, device: str | torch.device | None = None,
                  scatter: bool = True):
         kw = dict(device=device, dtype=torch.float64)
         self.count = torch.zeros(folds, num_classes, dtype=torch.int64, device=device)
@@ -293,7 +294,7 @@ class FoldStats(Accumulator):
 
 
 def fold_of(first_block: int, blocks: int, tokens_per_block: int, folds: int,
-            device: str | torch.device = "cpu") -> torch.Tensor:
+            device: str | torch.device | None = None) -> torch.Tensor:
     """The fold of each token of ``blocks`` consecutive whole blocks starting at block ``first_block`` of the stream
     (block i -> fold i mod ``folds``: interleaved, so every fold spans the split), ``tokens_per_block`` each."""
     block = torch.arange(first_block, first_block + blocks, device=device) % folds
@@ -369,7 +370,7 @@ class DecisionCounts(Sums):
                  lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                  folds: dict[str, torch.Tensor] | None = None, train_count: torch.Tensor | None = None,
-                 fold_stats: FoldStats | None = None, min_count: int = 1):
+                 fold_stats: FoldStats | None = None, min_count: int = default("min_count")):
         device = mean.device
         self.folds, self._fold, self._at = folds, None, 0  # per fold counts (folds x vocab), updated in place
         self.kept = kept.to(device)
@@ -410,7 +411,7 @@ class DecisionCounts(Sums):
         return out
 
     @classmethod
-    def zeros(cls, vocab: int, device: str | torch.device = "cpu", folds: int | None = None,
+    def zeros(cls, vocab: int, device: str | torch.device | None = None, folds: int | None = None,
               at: bool | None = None) -> dict[str, torch.Tensor]:
         """Fresh counts: each of :attr:`NAMES` a zero int64 vector of ``vocab`` (folds x vocab with ``folds``), and
         with ``at`` (default: without folds) each of ``schema.VAL_AT`` a zero len(NC4_MIN_COUNTS) x vocab matrix."""

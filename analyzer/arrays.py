@@ -10,6 +10,7 @@ import numpy as np
 import xarray as xr
 
 from ncanalyze.analyzer.geometry import kept_classes
+from ncanalyze.analyzer.registry import MEASURE
 from ncanalyze.analyzer.schema import NC4_MIN_COUNT, NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT, stats_dataset
 from ncanalyze.core.errors import UserError
 
@@ -18,14 +19,15 @@ MAX_FOLDS = 64  # as extraction's --folds
 
 def class_stats(embeddings: Any, labels: Any, num_classes: int, *, classifier: Any = None,
                 classifier_bias: Any = None, val_embeddings: Any = None, val_labels: Any = None,
-                min_count: int = 1, batch_size: int = 65536, folds: int = 1, block_size: int = 1) -> xr.Dataset:
+                min_count: int = MEASURE.min_count, batch_size: int = 65536, folds: int = 1, block_size: int = 1) -> xr.Dataset:
     """Exact class statistics of plain arrays (numpy, dask or torch; n x d features, n labels) as a dataset with
     the store's variables, ready for :func:`measure`.
 
     ``classifier`` (num_classes x d) and ``classifier_bias`` add NC3; with them, ``val_embeddings`` and
     ``val_labels`` add NC4's counts (decisions over the classes with count >= ``min_count``, as extraction does).
     ``folds`` > 1 adds the fold sums, as extraction keeps them: row i is in block i // ``block_size``, and block b in
-    fold b mod ``folds`` (train and validation alike); then ``measure(..., se=True)`` gives the jackknife errors.
+    fold b mod ``folds`` (train and validation alike); then :func:`measure` gives the jackknife errors too (without
+    folds they are nan, with a warning; ``measure(..., se=False)`` asks for the point values alone).
     """
     from ncanalyze.analyzer.accumulate import ClassStats, FoldStats
 

@@ -10,12 +10,12 @@ import numpy as np
 import xarray as xr
 
 from ncanalyze.core.errors import UserError
-from ncanalyze.core.setting import device_of
+from ncanalyze.core.setting import default, device_of
 
 ENGINES = ("numba", "torch")
 
 
-def engine_device(device: str | None = "auto", engine: str | None = None) -> str | None:
+def engine_device(device: str | None = default("device"), engine: str | None = None) -> str | None:
     """Where the pairwise sums and the d x d work run: None for the numba pass and numpy on the CPU (the CPU's
     default), else the torch device that runs them in float64.
 

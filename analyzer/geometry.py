@@ -20,6 +20,7 @@ import xarray as xr
 from ncanalyze.analyzer.engines import engine_device, kept_parts
 from ncanalyze.analyzer.moments import check_covariance
 from ncanalyze.analyzer.pairs import COINCIDENT, PairSums
+from ncanalyze.analyzer.registry import MEASURE
 from ncanalyze.analyzer.schema import DEBIAS_SHARE, NC4_MIN_COUNT, VAL_AT
 from ncanalyze.core.errors import UserError
 
@@ -118,9 +119,9 @@ class Geometry:
         self.var_pair_weight = (float(q.sum()) ** 2 - float(q @ q)) / 2
 
 
-def geometry(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-             engine: str | None = None, sample: list | None = None, all_pairs: bool = True,
-             head: np.ndarray | None = None) -> Geometry:
+def geometry(ds: xr.Dataset, min_count: int = MEASURE.min_count, tile: int | None = MEASURE.tile,
+             device: str = MEASURE.device, engine: str | None = None, sample: list | None = None,
+             all_pairs: bool = True, head: np.ndarray | None = None) -> Geometry:
     """The kept classes' geometry from a checkpoint dataset: the O(n d) algebra, the pairwise sums, the d x d moments
     and their spectra, by the engine engines.py chooses for ``device`` and ``engine`` (engine_numba.py: one dask
     compute on the host, one BLAS thread per task; engine_torch.py: torch float64 on a device). With ``sample``

@@ -48,6 +48,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+from ncanalyze.analyzer.registry import MEASURE
 from ncanalyze.analyzer.schema import HEAD, NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
 from ncanalyze.core.errors import UserError
 
@@ -237,7 +238,8 @@ def replicates(ds: xr.Dataset, folds: Sequence[int], measure: Measure) -> tuple[
 
 
 def jackknife(ds: xr.Dataset, measure: Measure, folds: Sequence[int] | None = None,
-              point: Mapping[str, float] | None = None, min_count: int = 1) -> tuple[dict[str, float], list[str]]:
+              point: Mapping[str, float] | None = None,
+              min_count: int = MEASURE.min_count) -> tuple[dict[str, float], list[str]]:
     """Every scalar metric's delete-one-fold jackknife error over ``folds`` (default: all of ``ds``'s), and notes
     for those that are nan: fewer than 2 folds, a fold without a train token, or a replicate not finite.
 

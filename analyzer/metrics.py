@@ -25,6 +25,7 @@ from ncanalyze.analyzer import spectral
 from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.geometry import DECAY_RANKS, Geometry, geometry, needs
 from ncanalyze.analyzer.metric_records import BY_NAME
+from ncanalyze.analyzer.registry import MEASURE
 from ncanalyze.analyzer.schema import CLASS_COUNTS, LABELS, NO_CLASSIFIER, PER_CLASS, SCALARS, vocabulary_classes
 from ncanalyze.core.errors import UserError
 
@@ -252,9 +253,9 @@ PER_CLASS_DEFINITIONS = {name: _ALL[name] for name in PER_CLASS}
 
 # ---------------------------------------------------------------- the entry points
 
-def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-            engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS,
-            se: bool = False) -> dict[str, float]:
+def measure(ds: xr.Dataset, min_count: int = MEASURE.min_count, tile: int | None = MEASURE.tile,
+            device: str = MEASURE.device, engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS,
+            se: bool = MEASURE.se) -> dict[str, float]:
     """The scalar metrics of one checkpoint (SPEC section 4): name -> float, then how many classes they rest on
     (``n_classes`` |K|, ``n_classes_var`` the kept classes with 2 or more train tokens, which the CDNV family reads).
     nc3_* and head_erank need ``classifier``, nc4 needs ``val_*`` counts taken over the same kept set (else
@@ -282,7 +283,9 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
         last capped at r = #{lambda_i > 1e-10 lambda_1}; default (4, 100), as alpha-ReQ's authors fit it.
     se
         Add each metric's delete-one-fold jackknife error ``<metric>_se`` (jackknife.py; nan with a warning where
-        the dataset holds no folds or a fold too few tokens).
+        the dataset holds no folds or a fold too few tokens); ``se=False``: the point values alone.
+
+    Every default is the registry's (``ncanalyze measure``'s, :data:`~ncanalyze.analyzer.registry.MEASURE`).
 
     Returns
     -------
@@ -300,18 +303,18 @@ def measure(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device:
     return {k: scalars.get(k, float("nan")) for k in (*DEFINITIONS, *CLASS_COUNTS, *errors)}
 
 
-def class_metrics(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-                  engine: str | None = None) -> xr.Dataset:
+def class_metrics(ds: xr.Dataset, min_count: int = MEASURE.min_count, tile: int | None = MEASURE.tile,
+                  device: str = MEASURE.device, engine: str | None = None) -> xr.Dataset:
     """Per-class views over the kept set (nan elsewhere): ``class_norm`` ||m_c||, ``class_cdnv`` mean CDNV to the
     other kept classes with a variance (nan for a class seen once), ``class_interference`` mean cos(m_c, m_c') over
     them, ``class_duality`` cos(w_c, m_c), ``class_nc4`` val_ncc_agree / val_count, ``class_freq_weight`` the class's
     share of the pairs' frequency weight (gnc2_log_mean_freq's). Parameters as :func:`measure`."""
-    return measure_all(ds, min_count, tile, device, engine)[1]
+    return measure_all(ds, min_count, tile, device, engine, se=False)[1]
 
 
-def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, device: str = "auto",
-                engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS,
-                se: bool = False) -> tuple[dict[str, float], xr.Dataset]:
+def measure_all(ds: xr.Dataset, min_count: int = MEASURE.min_count, tile: int | None = MEASURE.tile,
+                device: str = MEASURE.device, engine: str | None = None, decay_ranks: tuple[int, int] = DECAY_RANKS,
+                se: bool = MEASURE.se) -> tuple[dict[str, float], xr.Dataset]:
     """:func:`measure` and :func:`class_metrics` from one pass (the scalars: the metrics that are defined here, then
     schema.CLASS_COUNTS, then with ``se`` each metric's jackknife error ``<metric>_se``)."""
     from ncanalyze.analyzer.jackknife import sample_design
@@ -341,7 +344,7 @@ def measure_all(ds: xr.Dataset, min_count: int = 1, tile: int | None = None, dev
     per_class = _per_class(ds, g.K, per)
     if se:
         errors, per_class.attrs = _errors(ds, scalars, g, sample, dict(min_count=min_count, tile=tile, device=device,
-                                                                engine=engine, decay_ranks=decay_ranks))
+                                                                engine=engine, decay_ranks=decay_ranks, se=False))
         scalars |= errors
     return scalars, per_class
 

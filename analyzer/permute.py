@@ -42,7 +42,7 @@ import pandas as pd
 from scipy.linalg import orth
 from scipy.stats import rankdata
 
-from ncanalyze.analyzer.registry import N_PERM
+from ncanalyze.analyzer.registry import N_PERM, REPORT
 
 MIN_N = 3  # fewest points for which a correlation means anything
 _TIE = 100 * np.finfo(float).eps  # relative tolerance for ties with the observed statistic (as scipy)
@@ -144,7 +144,7 @@ def _p(low: np.ndarray, high: np.ndarray, stat: np.ndarray, total: int, exact: b
 
 
 def perm_test(y: np.ndarray, X: np.ndarray, C: np.ndarray | None = None, n_perm: int = N_PERM,
-              seed: int | None = 0, scheme: Scheme | None = None, rho: bool = True) -> dict:
+              seed: int | None = REPORT.seed, scheme: Scheme | None = None, rho: bool = True) -> dict:
     """Pearson r, Spearman rho and partial r (given controls ``C``, n x k) of ``y`` (n) with each column of
     ``X`` (n x m), with two-sided permutation p-values under ``scheme`` (default: rows): r and rho permute y,
     the partial r permutes y's residuals on [1, C] (Freedman & Lane 1983: y* = yhat_C + P e_C). All inputs finite.

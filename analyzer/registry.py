@@ -56,6 +56,9 @@ class MeasureSettings:
         check_fields(self)
 
 
+MEASURE = MeasureSettings()  # measuring's defaults, which the library's signatures read (se=MEASURE.se): written once
+
+
 FIGURE_FORMATS = ("png", "pdf", "svg")  # every format a report's figures can be saved in
 
 
@@ -133,3 +136,6 @@ class ReportSettings:
         if self.checkpoints and not self.tokens:
             raise UserError("--checkpoint (ReportOptions.checkpoints) picks the checkpoints of the per-token table, "
                             "and without --tokens there is none: pass --tokens too, or leave --checkpoint out")
+
+
+REPORT = ReportSettings()  # the report's defaults, which the library's signatures read: written once

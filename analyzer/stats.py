@@ -65,7 +65,7 @@ import pandas as pd
 from ncanalyze.analyzer.expr import evaluate
 from ncanalyze.analyzer.permute import MIN_N, ROWS, Scheme, perm_test
 from ncanalyze.analyzer.questions import CLAIM_COLUMNS, STEP_COLUMNS, claims, residual_r, sign_notes
-from ncanalyze.analyzer.registry import N_BOOT, N_PERM, enough_resamples
+from ncanalyze.analyzer.registry import N_BOOT, N_PERM, REPORT, enough_resamples
 from ncanalyze.analyzer.resample import paired_bootstrap, run_codes
 from ncanalyze.analyzer.schema import (
     COMPARISONS,
@@ -283,7 +283,7 @@ def refuse_correlated_controls(df: pd.DataFrame, C: pd.DataFrame, target: str, m
 
 
 def correlations(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
-                 controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = 0, *,
+                 controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = REPORT.seed, *,
                  runs: str | None = None, step: str = "global_step", n_boot: int = N_BOOT) -> pd.DataFrame:
     """Statistics of each metric against ``target``, one row per (metric, scale in raw|log): the pooled r with its
     permutation p and null centre, the bootstrap intervals over runs, the two questions apart (between models at
@@ -449,7 +449,7 @@ def _add_notes(out: pd.DataFrame, i: int, extra: list[Note]) -> None:
 
 
 def by_step(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
-            n_perm: int = N_PERM, seed: int | None = 0, *, runs: str = "run", step: str = "global_step",
+            n_perm: int = N_PERM, seed: int | None = REPORT.seed, *, runs: str = "run", step: str = "global_step",
             tag: str = "tag") -> pd.DataFrame:
     """Between models, step by step: per tag, :func:`ncanalyze.analyzer.questions.per_step` of each metric (raw and
     log) over the rows :func:`correlations` uses (by_step.csv; the report's per-step figure)."""
@@ -551,7 +551,7 @@ def compare_r2(out: pd.DataFrame, y: pd.Series, X: pd.DataFrame, labels: pd.Seri
 
 def _partial_apart(df: pd.DataFrame, lacking: pd.Series, C: pd.DataFrame, metrics: Sequence[str], target: str,
                    controls: Sequence[str], n_perm: int, seed: int | None, runs: str | None, step: str,
-                   n_boot: int = 0) -> pd.DataFrame:
+                   n_boot: int) -> pd.DataFrame:
     """:func:`correlations` where some rows lack a control's value (a checkpoint without a finite, non-negative
     global_step: a plain model folder, a Hub revision): r, rho and their p-values over every row, the partial r
     over the rows with every control, with a ``left_out`` note naming the rows it leaves out."""
@@ -727,7 +727,7 @@ def split_tags(df: pd.DataFrame, column: str = "tag") -> list[tuple[str | None, 
 
 
 def correlations_by_tag(df: pd.DataFrame, metrics: Sequence[str] = METRICS, target: str = "eval_loss",
-                        controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = 0, *,
+                        controls: Sequence[str] = CONTROLS, n_perm: int = N_PERM, seed: int | None = REPORT.seed, *,
                         runs: str | None = "run", step: str = "global_step", tag: str = "tag",
                         n_boot: int = N_BOOT) -> pd.DataFrame:
     """:func:`correlations` of each tag's rows apart (:func:`split_tags`; never pooled), concatenated with a

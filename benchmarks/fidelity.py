@@ -42,7 +42,7 @@ def lidar_gap(scale: float = 1e-3) -> dict[str, float]:
     """lidar with our relative delta, and with the published absolute 1e-4 and 1e-6, features at ``scale``."""
     h, y = planted(zipf=False, scale=scale)
     ds = class_stats(h, y, int(y.max()) + 1)
-    ours = measure(ds)["lidar"]
+    ours = measure(ds, se=False)["lidar"]
     mu = ds["mean"].values
     m = mu - mu.mean(0)
     sigma_w, sigma_b = ds["within_covariance"].values, m.T @ m / len(m)
@@ -87,7 +87,7 @@ def cdnv_gap() -> tuple[float, float, float]:
     def cdnv(v):
         return np.mean([(v[a] + v[b]) / (2 * np.sum((mu[a] - mu[b]) ** 2))
                         for a in range(len(mu)) for b in range(a + 1, len(mu))])
-    return cdnv(var), measure(ds)["nc1_cdnv"], cdnv(var * n / (n - 1))
+    return cdnv(var), measure(ds, se=False)["nc1_cdnv"], cdnv(var * n / (n - 1))
 
 
 def weight_gap() -> dict[str, tuple[float, float]]:

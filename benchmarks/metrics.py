@@ -102,20 +102,20 @@ def run(k: int, d: int, rounds: int) -> None:
     ds = checkpoint(k, d)
     M = ds["mean"].values - ds["mean"].values.mean(0)
     tile = auto_tile(k)
-    measure(ds)  # warm-up: imports, thread pools, the compiled pass
+    measure(ds, se=False)  # warm-up: imports, thread pools, the compiled pass
     grams = {"tiled": lambda: tiled_gram(M, tile), "tiled on dask": lambda: dask_gram(M, tile)}
     full_bytes = k * k * 8
     if full_bytes < psutil.virtual_memory().available / 4:
         grams["one call"] = lambda: M @ M.T
     times = {name: statistics.median(timeit.repeat(g, number=1, repeat=rounds)) for name, g in grams.items()}
     gram = grams[min(times, key=times.get)]
-    t_metrics, t_gram, ratio = ratios(lambda: measure(ds), gram, rounds)
+    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, se=False), gram, rounds)
     W, sigma_w = ds["classifier"].values, ds["within_covariance"].values
     MtM, WtW = M.T @ M, W.T @ W
     t_eigen = statistics.median(timeit.repeat(lambda: eigendecompositions(MtM, WtW, sigma_w), number=1,
                                               repeat=rounds))
     tracemalloc.start()
-    measure(ds)
+    measure(ds, se=False)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     print(f"K={k:,} d={d:,} tile={tile}, {len(SCALARS)} metrics: Gram "
@@ -146,11 +146,11 @@ def run_torch(k: int, d: int, rounds: int, device: str) -> None:
     kw = {"device": device, "engine": "torch"}
     M = torch.as_tensor(ds["mean"].values - ds["mean"].values.mean(0), device=device)
     panel = max(1, (1 << 27 if device.startswith("cuda") else 1 << 22) // k)
-    measure(ds, **kw)  # warm-up: kernels, cuBLAS and cuSOLVER handles
+    measure(ds, se=False, **kw)  # warm-up: kernels, cuBLAS and cuSOLVER handles
     device_gram(M, panel)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
-    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, **kw), lambda: device_gram(M, panel), rounds)  # synchronised
+    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, se=False, **kw), lambda: device_gram(M, panel), rounds)  # synchronised
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else math.nan
     U = M / torch.linalg.vector_norm(M, dim=1)[:, None]                   # the pairwise sums alone (r = 1 here)
     one = torch.ones(k, dtype=M.dtype, device=device)

@@ -139,6 +139,11 @@ SHARED: dict[str, dict[str, Any]] = {  # the settings of several commands: flag,
 }
 
 
+def default(name: str) -> Any:
+    """The default of the shared setting ``name`` (:data:`SHARED`), for a library signature: written once, here."""
+    return SHARED[name]["default"]
+
+
 def shared(name: str, **how: Any):
     """The field of the shared setting ``name`` (:data:`SHARED`) in one command's registry: its section and help."""
     return setting(**SHARED[name], **how)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 from ncanalyze.analyzer.engines import engine_device
 from ncanalyze.analyzer.metrics import measure_all
-from ncanalyze.analyzer.registry import MeasureSettings
+from ncanalyze.analyzer.registry import MEASURE, MeasureSettings
 from ncanalyze.analyzer.schema import HEAD, LAYER, SITE
 from ncanalyze.analyzer.table import is_measured, metrics_table, same_model_and_step
 from ncanalyze.core import threads
@@ -50,9 +50,9 @@ class MeasureResult:
         return list(dict.fromkeys("/".join(checkpoint_group(g).split("/")[:2]) for g in groups))
 
 
-def measure_store(store: str | Path | Store, min_count: int = 1, scheduler: str | None = None, tile: int | None = None,
-                  force: bool = False, device: str = "auto", se: bool = True,
-                  threads_setting: int | str = "auto") -> MeasureResult:
+def measure_store(store: str | Path | Store, min_count: int = MEASURE.min_count, scheduler: str | None = None,
+                  tile: int | None = MEASURE.tile, force: bool = False, device: str = MEASURE.device,
+                  se: bool = MEASURE.se, threads_setting: int | str = MEASURE.threads) -> MeasureResult:
     """Measure every complete checkpoint of ``store`` not yet measured with ``min_count`` (all with ``force``),
     store the results in its group, and return them with the table of one row per checkpoint and stored layer: run,
     checkpoint, global_step, epoch, n_params, n_layers, hidden_size, eval_loss, ..., layer (a checkpoint group is its

@@ -202,6 +202,62 @@ def test_names_are_defined_once():
         assert f.__name__ == name and f.__doc__, name
 
 
+def carried_settings() -> set[str]:
+    """The settings the library's functions carry: the shared ones (``SHARED``: min_count, seed, device, threads),
+    measuring's (tile, se) and the report's statistics (n_perm, n_boot, estimates)."""
+    from ncanalyze.analyzer.registry import MeasureSettings, ReportSettings
+    from ncanalyze.core.setting import SHARED
+
+    report = {f.name for f in dataclasses.fields(ReportSettings)} & {"n_perm", "n_boot", "estimates", "seed"}
+    return set(SHARED) | {f.name for f in dataclasses.fields(MeasureSettings)} | report
+
+
+def literal_defaults(root: Path, names: set[str]) -> list[str]:
+    """Parameters named as a setting (``names``) whose default a signature writes as a literal (``min_count=1``,
+    ``se=False``, ``device="auto"``): the registry's default written again, free to drift from it. None (not given:
+    the function decides) and a name read from the registry (``se=MEASURE.se``) are not literals."""
+    found = []
+    for pkg in (*LAYERS, "ncanalyze"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            for n in ast.walk(ast.parse(f.read_text())):
+                if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    continue
+                a = n.args
+                positional = a.posonlyargs + a.args
+                pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults),
+                         *((x, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)]
+                for arg, d in pairs:
+                    if arg.arg in names and not (isinstance(d, ast.Constant) and d.value is None):
+                        try:
+                            ast.literal_eval(d)
+                        except ValueError:
+                            continue
+                        found.append(f"{f.relative_to(root).as_posix()}:{n.lineno} "
+                                     f"{getattr(n, 'name', 'lambda')}({arg.arg}={ast.unparse(d)})")
+    return found
+
+
+def test_no_signature_writes_a_settings_default_again():
+    """A library function takes a setting's default from the registry (``min_count=MEASURE.min_count``,
+    ``seed=default("seed")``), never as a literal: one default per setting, the same in ``ds.nc.measure``, the
+    library and the command line (``se`` was False in the library, True on the command line)."""
+    assert {"min_count", "se", "seed", "device", "tile", "threads", "n_perm", "n_boot", "estimates"} <= \
+        carried_settings()
+    assert not literal_defaults(ROOT, carried_settings()), literal_defaults(ROOT, carried_settings())
+
+
+def test_the_default_check_sees_a_literal(tmp_path):
+    """The old signatures, planted: literals are named, in positional and keyword-only parameters and lambdas;
+    None and a default read from the registry pass."""
+    (tmp_path / "analyzer").mkdir()
+    (tmp_path / "analyzer" / "metrics.py").write_text(
+        "def measure(ds, min_count=1, tile=None, device=MEASURE.device, *, se=False, seed=-1):\n    pass\n\n\n"
+        "f = lambda d, n_perm=10_000: d\n")
+    assert literal_defaults(tmp_path, carried_settings()) == [
+        "analyzer/metrics.py:1 measure(min_count=1)", "analyzer/metrics.py:1 measure(se=False)",
+        "analyzer/metrics.py:1 measure(seed=-1)", "analyzer/metrics.py:5 lambda(n_perm=10000)"]
+
+
 def test_every_extraction_setting_says_whether_it_is_hashed():
     from ncanalyze.store.extraction.settings import ExtractConfig
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from ncanalyze.analyzer.registry import REPORT
 from ncanalyze.analyzer.report.depth import TITLE as DEPTH_TITLE
 from ncanalyze.analyzer.report.escape import md_name, md_names, md_text
 from ncanalyze.analyzer.report.figures import FIGURES, TITLES, chosen, estimated, tag_suffix, title_target
@@ -94,7 +95,8 @@ LICENSE = ("What licenses a claim: the permutation test. A metric is related to 
            "(partial r, p FL).")
 
 
-def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame, estimates: str = "debiased") -> list[str]:
+def claims_lines(r: ReportResult, stats: pd.DataFrame, rows: pd.DataFrame,
+                 estimates: str = REPORT.estimates) -> list[str]:
     """The claims a reader may draw, said with what they rest on: what licenses a claim, the two questions apart
     (between models at each step, within training beyond the shared trend) beside the pooled r, the intervals over
     runs with the null's centre and leave-one-run-out, the runs that move r, the paper's comparisons and the partial

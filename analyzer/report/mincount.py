@@ -42,7 +42,7 @@ def _measure_at(ds, m: int) -> tuple[dict[str, float], list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            got = measure(ds, min_count=m)
+            got = measure(ds, min_count=m, se=False)
         except UserError as e:
             return {**{k: math.nan for k in HEADLINE}, "n_kept": n}, [f"not measured: {e}"]
     notes = [str(w.message) for w in caught if any(k in str(w.message) for k in HEADLINE)]

@@ -114,7 +114,7 @@ def final_budget_table(sel: pd.DataFrame, read_group: GroupReader, metrics: Sequ
         ds = ds[[v for v in (*MEASURED, *jackknife.FOLD_VARS) if v in ds.variables]].load()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = jackknife.nested_budgets(ds, lambda d: measure_all(d, min_count=min_count, device="cpu")[0], whole)
+            t = jackknife.nested_budgets(ds, lambda d: measure_all(d, min_count=min_count, device="cpu", se=False)[0], whole)
         run, _, checkpoint = g.partition("/")
         keep = ["folds", "tokens", *(c for m in with_debiased(metrics) for c in (m, f"{m}_se"))]
         split = int(ds["split_count"].sum()) if "split_count" in ds else math.nan  # the split's train labels

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 from ncanalyze.core.errors import UserError
-from ncanalyze.core.setting import CAP_MODES
+from ncanalyze.core.setting import CAP_MODES, default
 from ncanalyze.store.sources.discover import looks_local
 
 TEXT_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
@@ -135,7 +135,7 @@ def slice_bounds(split: str, n: int) -> tuple[int, int]:
 
 def open_blocks(spec: str, split: str, block_size: int, max_tokens: int | None, text_column: str,
                 tokenize: Callable[[list[str]], list[list[int]]] | None, cap_flag: str | None = None,
-                keep_linebreaks: bool = True, cap_mode: str = "spread", seed: int = 0) -> Blocks:
+                keep_linebreaks: bool = True, cap_mode: str = "spread", seed: int = default("seed")) -> Blocks:
     """Open ``spec`` as a stream of blocks; text is tokenized with ``tokenize`` and grouped exactly as ``run_clm``'s
     ``group_texts`` (each batch of 1,000 rows concatenated and cut, its remainder dropped); plain text files keep
     their line breaks unless ``keep_linebreaks`` is false. 1-D token streams are cut whole (remainder dropped).

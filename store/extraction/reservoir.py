@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 from ncanalyze.analyzer.accumulate import Accumulator
+from ncanalyze.core.setting import default
 
 log = logging.getLogger(__name__)
 
 EMPTY = np.iinfo(np.uint64).max
 
 
-def position_keys(pos: np.ndarray, seed: int = 0) -> np.ndarray:
+def position_keys(pos: np.ndarray, seed: int = default("seed")) -> np.ndarray:
     """splitmix64 of ``pos + seed * golden``: a bijective hash, so keys never tie."""
     with np.errstate(over="ignore"):
         z = pos.astype(np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
@@ -33,7 +34,7 @@ class Reservoir(Accumulator):
     """At most ``k`` raw features per class (float32), the bottom-k by :func:`position_keys` of their stream
     positions: ``key``, ``position`` (-1 in an empty slot) and ``samples`` (classes x k [x d])."""
 
-    def __init__(self, num_classes: int, k: int, dim: int, seed: int = 0):
+    def __init__(self, num_classes: int, k: int, dim: int, seed: int = default("seed")):
         self.k, self.seed = k, seed
         self.key = np.full((num_classes, k), EMPTY, dtype=np.uint64)
         self.position = np.full((num_classes, k), -1, dtype=np.int64)

@@ -164,7 +164,7 @@ def test_every_metric_matches_brute_force(study, tile):
     assert 10 < len(K) < 50  # some classes excluded by min_count
     assert tile > len(K) or -(-len(K) // tile) >= 3  # one tile, or several
     want, want_per = brute_force(ds, 20)
-    got, per = measure_all(ds, min_count=20, tile=tile)
+    got, per = measure_all(ds, min_count=20, tile=tile, se=False)
     assert list(got) == [*SCALARS, *CLASS_COUNTS]
     assert_metrics(got, want)
     for name, values in want_per.items():
@@ -191,7 +191,7 @@ def test_few_classes_and_more_dimensions_than_classes(V, d):
 
 def test_class_metrics_is_measure_alls_per_class_view(study):
     *_, ds = study
-    xr.testing.assert_identical(class_metrics(ds, 20, tile=9), measure_all(ds, 20, tile=9)[1])
+    xr.testing.assert_identical(class_metrics(ds, 20, tile=9), measure_all(ds, 20, tile=9, se=False)[1])
 
 
 def test_nc4_needs_the_extraction_kept_set(study):
@@ -207,7 +207,8 @@ def test_nc4_needs_the_extraction_kept_set(study):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message="unc3_cos_cv is nan")  # a random classifier: duality mean ~ 0
-        assert measure(ds, min_count=same)["nc4_agreement"] == measure(ds, min_count=20)["nc4_agreement"]
+        assert measure(ds, min_count=same, se=False)["nc4_agreement"] == \
+                measure(ds, min_count=20, se=False)["nc4_agreement"]
 
 
 def test_nc4_at_each_min_count_of_the_report_is_counted_in_the_same_pass(study):
@@ -237,7 +238,7 @@ def test_without_classifier_or_validation_only_what_is_defined():
     h, y, *_ = random_study(seed=4, V=20, d=6, N=1000)
     with pytest.warns(UserWarning, match="nc3_cos_mean, unc3_cos_cv, nc3_dual_error, nc4_agreement, head_erank are "
                       "nan: the dataset lacks"):
-        got = measure(class_stats(h, y, 20))
+        got = measure(class_stats(h, y, 20), se=False)
     assert list(got) == [*SCALARS, *CLASS_COUNTS]  # every key, NaN where undefined
     assert [k for k in SCALARS if np.isnan(got[k])] == ["nc3_cos_mean", "unc3_cos_cv", "nc3_dual_error",
                                                         "nc4_agreement", "head_erank"]

@@ -168,6 +168,12 @@ def test_each_default_is_written_once():
         assert inspect.signature(f).parameters["n_perm"].default == N_PERM, f.__name__
     for f in (correlations, correlations_by_tag):
         assert inspect.signature(f).parameters["n_boot"].default == N_BOOT, f.__name__
+    from ncanalyze.analyzer.accessor import DatasetAccessor
+    from ncanalyze.analyzer.metrics import measure, measure_all
+    from ncanalyze.store.measure import measure_store
+    for f in (measure, measure_all, DatasetAccessor.measure, measure_store):  # se: the same everywhere, the CLI's
+        assert inspect.signature(f).parameters["se"].default is MeasureSettings().se is True, f.__qualname__
+        assert inspect.signature(f).parameters["min_count"].default == MeasureSettings().min_count == 1
     lists = {f.relative_to(ROOT).as_posix() for pkg in ("core", "analyzer", "store", "cli")
              for f in (ROOT / pkg).rglob("*.py") if re.search(r'"float16",\s*"float64"', f.read_text())}
     assert lists == {"core/setting.py"}, lists  # one list of dtypes (the store's a part of it, load's mapped)
