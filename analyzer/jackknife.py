@@ -439,7 +439,7 @@ class Sampled:
     whole_blocks: np.ndarray
     controls: np.ndarray
     replicate: Replicate
-    min_count: int = 1
+    min_count: int = MEASURE.min_count
     workers: int = 1
 
 

@@ -220,20 +220,24 @@ def literal_defaults(root: Path, names: set[str]) -> list[str]:
     for pkg in (*LAYERS, "ncanalyze"):
         for f in sorted((root / pkg).rglob("*.py")):
             for n in ast.walk(ast.parse(f.read_text())):
-                if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    a = n.args
+                    positional = a.posonlyargs + a.args
+                    pairs = [(x.arg, d) for x, d in zip(positional[len(positional) - len(a.defaults):], a.defaults)]
+                    pairs += [(x.arg, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                elif isinstance(n, ast.ClassDef):  # a dataclass's fields are its __init__'s signature
+                    pairs = [(x.target.id, x.value) for x in n.body if isinstance(x, ast.AnnAssign)
+                             and isinstance(x.target, ast.Name) and x.value is not None]
+                else:
                     continue
-                a = n.args
-                positional = a.posonlyargs + a.args
-                pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults),
-                         *((x, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)]
                 for arg, d in pairs:
-                    if arg.arg in names and not (isinstance(d, ast.Constant) and d.value is None):
+                    if arg in names and not (isinstance(d, ast.Constant) and d.value is None):
                         try:
                             ast.literal_eval(d)
                         except ValueError:
                             continue
                         found.append(f"{f.relative_to(root).as_posix()}:{n.lineno} "
-                                     f"{getattr(n, 'name', 'lambda')}({arg.arg}={ast.unparse(d)})")
+                                     f"{getattr(n, 'name', 'lambda')}({arg}={ast.unparse(d)})")
     return found
 
 
@@ -247,15 +251,17 @@ def test_no_signature_writes_a_settings_default_again():
 
 
 def test_the_default_check_sees_a_literal(tmp_path):
-    """The old signatures, planted: literals are named, in positional and keyword-only parameters and lambdas;
-    None and a default read from the registry pass."""
+    """The old signatures, planted: literals are named, in positional and keyword-only parameters, lambdas and a
+    dataclass's fields; None and a default read from the registry pass."""
     (tmp_path / "analyzer").mkdir()
     (tmp_path / "analyzer" / "metrics.py").write_text(
         "def measure(ds, min_count=1, tile=None, device=MEASURE.device, *, se=False, seed=-1):\n    pass\n\n\n"
-        "f = lambda d, n_perm=10_000: d\n")
+        "f = lambda d, n_perm=10_000: d\n\n\n@dataclass\nclass Sampled:\n    K: list\n    min_count: int = 1\n"
+        "    tile: int | None = None\n")
     assert literal_defaults(tmp_path, carried_settings()) == [
         "analyzer/metrics.py:1 measure(min_count=1)", "analyzer/metrics.py:1 measure(se=False)",
-        "analyzer/metrics.py:1 measure(seed=-1)", "analyzer/metrics.py:5 lambda(n_perm=10000)"]
+        "analyzer/metrics.py:1 measure(seed=-1)", "analyzer/metrics.py:9 Sampled(min_count=1)",
+        "analyzer/metrics.py:5 lambda(n_perm=10000)"]
 
 
 def test_every_extraction_setting_says_whether_it_is_hashed():

@@ -24,6 +24,8 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.stats import binom
 
+from ncanalyze.core.setting import default
+
 OVERHEAD = 0.10  # the share of training time a measurement should stay within
 VAL_SHARE = 4    # the default validation cap is this many times smaller than the train cap
 BUDGET = 0.25    # a share of training a callback may be held to (its max_share; by default none: every step measured)
@@ -47,7 +49,7 @@ class Cost:
     passes_s: float | None = None
     metrics_s: float = 0.0
     counts: np.ndarray | None = None
-    min_count: int = 1
+    min_count: int = default("min_count")
     setup_s: float = 0.0
 
     @property
