@@ -262,7 +262,8 @@ def measure(ds: xr.Dataset, min_count: int = MEASURE.min_count, tile: int | None
     nc4_agreement is nan, with a warning saying why), anisotropy needs ``unit_sum`` (else nan, with a warning). Every
     metric is a key: one whose inputs are missing (plain arrays without a classifier: nc3_*, unc3_cos_cv,
     nc4_agreement, head_erank) is nan, with one warning naming them; so is a coefficient of variation whose mean is
-    not clearly positive, and head_erank where the classifier holds NaN or Inf.
+    not clearly positive, and head_erank where the classifier holds NaN or Inf. Every default is ``ncanalyze
+    measure``'s (the registry's, :data:`~ncanalyze.analyzer.registry.MEASURE`): the jackknife errors too.
 
     Parameters
     ----------
@@ -284,8 +285,6 @@ def measure(ds: xr.Dataset, min_count: int = MEASURE.min_count, tile: int | None
     se
         Add each metric's delete-one-fold jackknife error ``<metric>_se`` (jackknife.py; nan with a warning where
         the dataset holds no folds or a fold too few tokens); ``se=False``: the point values alone.
-
-    Every default is the registry's (``ncanalyze measure``'s, :data:`~ncanalyze.analyzer.registry.MEASURE`).
 
     Returns
     -------
