@@ -61,7 +61,8 @@ def test_tree_table_is_the_metrics_table(measured, tmp_path):
     assert [f"{r}/{c}" for r, c in zip(table.run, table.checkpoint)] == checkpoint_groups(store)[0]
     for row in table.itertuples():
         ds = tree[f"{row.run}/{row.checkpoint}"].to_dataset()
-        assert_same_metrics({k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS)}, measure(ds, min_count=2))
+        assert_same_metrics({k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS, *ERRORS)},
+                            measure(ds, min_count=2))  # the errors too: se, the same default everywhere
         assert (row.global_step, row.n_params, row.layer) == (ds.attrs["global_step"], ds.attrs["n_params"], 2)
         assert math.isnan(row.tag)  # no --tag: nan, as metrics.csv reads back
     run_cli("report", store, "--out", tmp_path / "r", "--permutations", 0, "--min-count", 2)
@@ -93,7 +94,8 @@ def test_one_row_per_checkpoint_and_layer(trained_run, corpus, tmp_path):
     assert list(table.layer) == [0, 1, 2]
     for row in table.itertuples():
         g = "neo-2x32/checkpoint-20" + ("" if row.layer == 2 else f"/layers/{row.layer}")
-        assert_same_metrics({k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS)}, measure(tree[g].to_dataset()))
+        assert_same_metrics({k: getattr(row, k) for k in (*SCALARS, *CLASS_COUNTS, *ERRORS)},
+                            measure(tree[g].to_dataset()))
 
 
 @pytest.mark.slow
