@@ -43,9 +43,9 @@ from ncanalyze.core import threads
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.passes import train_pass, val_pass
-from ncanalyze.store.extraction.resume import Phase, Saver
+from ncanalyze.store.extraction.resume import Phase, Saver, flatten
 from ncanalyze.store.extraction.running import Extraction, LayerState
-from ncanalyze.store.runs.shards import _arrays, merge_states
+from ncanalyze.store.runs.shards import _nested, merge_states
 from ncanalyze.store.sources.anatomy import head
 from threads import load  # benchmarks/threads.py: bounded busy processes
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
@@ -114,7 +114,12 @@ def main() -> None:
         batches = [torch.from_numpy(b).to(device) for b in blocks(args.long).batches(args.batch_size)]
         saver = Saver(Path(tmp) / "state.npz", dict, every=float("inf"))
         empty = LayerState(args.vocab, args.width, args.samples_per_class, 0, "cpu", args.folds)
-        other = _arrays(empty.stats, empty.reservoir, empty.folds)
+
+        def state(s: LayerState) -> dict[str, np.ndarray]:
+            """One site's state as a shard hands it to the merge (shards.train_shard's layout)."""
+            return flatten({"layer-1": _nested(s.stats, s.reservoir, s.folds)})
+
+        other = state(empty)
 
         @torch.inference_mode()
         def forward(fn, n: int) -> float:
@@ -134,7 +139,7 @@ def main() -> None:
             t0 = time.perf_counter()
             train_pass(model, data, ex, args.batch_size, saver, "bench")
             if shard:
-                merge_states(_arrays(ex.main().stats, ex.main().reservoir, ex.main().folds), other,
+                merge_states(state(ex.main()), other,
                              args.samples_per_class, 0)
             sync()
             return time.perf_counter() - t0
