@@ -17,6 +17,11 @@ import pytest
 # The test models are tiny: one thread per process beats two spinning ones, and keeps the suite steady when the
 # two cores are shared (subprocesses and dask workers inherit it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite starts Python over a hundred times (the commands, the recipe, cluster workers, DDP ranks): each compiles
+# ncanalyze's modules again under PYTHONDONTWRITEBYTECODE (~1 s a process), and pytest rewrites every test module's
+# asserts again. So the suite writes its bytecode (into the gitignored __pycache__ folders) whatever the shell says.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 ROOT = Path(__file__).resolve().parents[1]
 
