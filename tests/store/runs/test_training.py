@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -121,17 +122,27 @@ def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measu
         for k, v in expected.items():
             assert logged[0][f"nc/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), k
         assert logged[0]["nc/val_loss"] == pytest.approx(ds.attrs["val_loss"], abs=1e-12)
-    run_cli("measure", "--store", measured["ckpt"])  # the live store was measured as it was written
+    run_cli("measure", "--store", measured["ckpt"])
     live, ckpt = ncanalyze.store.open(measured["live"]), ncanalyze.store.open(measured["ckpt"])
+    table = live.nc.table()  # the live store was measured as it was written, without the errors (F + 1 times the work)
+    assert sorted(table["checkpoint"]) == ["step-10", "step-20"] and table["nc1_cdnv"].notna().all()
+    for step in (10, 20):
+        a, b = live[f"neo/step-{step}"], ckpt[f"neo/checkpoint-{step}"]
+        assert {k for k in b.attrs["metrics"] if not k.endswith("_se")} == a.attrs["metrics"].keys()
+        assert "metrics_se_method" not in a.attrs and "metrics_se_method" in b.attrs
+        for k, v in a.attrs["metrics"].items():
+            assert v == pytest.approx(b.attrs["metrics"][k], rel=1e-9, abs=1e-12), k
+    store = shutil.copytree(measured["live"], measured["dir"] / "live-measured.zarr")
+    assert "measured 2 of 2 checkpoints" in run_cli("measure", "--store", store).output  # the errors from the folds
+    live = ncanalyze.store.open(store)
     for step in (10, 20):
         a, b = live[f"neo/step-{step}"], ckpt[f"neo/checkpoint-{step}"]
         assert a.attrs["metrics"].keys() == b.attrs["metrics"].keys()
+        assert a.attrs["metrics_se_method"] == b.attrs["metrics_se_method"]
         for k, v in b.attrs["metrics"].items():
             assert a.attrs["metrics"][k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
         for name in (n for n in b.to_dataset().data_vars if n.startswith("class_")):
             np.testing.assert_allclose(a[name].values, b[name].values, rtol=1e-9, atol=1e-12, err_msg=name)
-    table = live.nc.table()
-    assert sorted(table["checkpoint"]) == ["step-10", "step-20"] and table["nc1_cdnv"].notna().all()
 
 
 @pytest.mark.slow
