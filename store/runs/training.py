@@ -57,6 +57,25 @@ class _NoSaver:
         """Save nothing."""
 
 
+class _Timed:
+    """``blocks`` whose batch loops are timed: each loop's seconds, from its first batch asked for to its end (the
+    batches' work), are added to ``spent[0]``; all else is the blocks' own."""
+
+    def __init__(self, blocks: Blocks, spent: list[float]):
+        self.blocks, self.spent = blocks, spent
+
+    def __getattr__(self, name: str):
+        return getattr(self.blocks, name)
+
+    def labelled(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """The blocks' :meth:`~Blocks.labelled`, timed."""
+        started = time.perf_counter()
+        try:
+            yield from self.blocks.labelled(batch_size)
+        finally:
+            self.spent[0] += time.perf_counter() - started
+
+
 @dataclass
 class _Setup:
     """What the first measurement resolves once (the callback's set-up, said apart from the work that recurs): the
@@ -426,9 +445,13 @@ class NeuralCollapseCallback(TrainerCallback):
             timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):
                 return None
-            run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
-                       group)
-            self.parts = {"passes": time.perf_counter() - timer, "metrics": 0.0,
+            loops, began = [0.0], time.perf_counter()
+            val = None if setup.val is None else _Timed(setup.val, loops)
+            run_passes(model, _Timed(setup.train, loops), val, ex, classifier, bias, cfg.min_count, cfg.batch_size,
+                       _NoSaver(), group)
+            # the passes' batches (and a rank's share under DDP) grow with the tokens; their set-up (the validation
+            # state, the loss's check) is left with the rest, which does not (cost.py)
+            self.parts = {"passes": began - timer + loops[0], "metrics": 0.0,
                           "counts": ex.first().stats.count.cpu().numpy()}
             attrs = group_attributes(group, when, model, ex, classifier, cfg, setup.job.run, setup.tokenizer,
                                      setup.tokenizer_name, dtype=str(classifier.dtype).removeprefix("torch."),
