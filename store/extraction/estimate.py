@@ -334,8 +334,8 @@ class Arch:
         train_s = sum(c.train_batch(k, f) for k, f in zip(self.passes, depth))
         val_s = sum(c.val_batch(k, i == len(self.passes) - 1, f) for i, (k, f) in enumerate(zip(self.passes, depth)))
         wrote = f"{self.disk(samples_per_class) / c.write_rate:.1f} s" if c.write_rate else "not timed"
-        return (f"load and set-up {c.load:.{1 if c.load >= 1 else 2}f} s, train pass {n_train * train_s:,.1f} s, validation {n_val * val_s:,.1f} s, "
-                f"write {wrote}")
+        return (f"load and set-up {c.load:.{1 if c.load >= 1 else 2}f} s, train pass {n_train * train_s:,.1f} s, "
+                f"validation {n_val * val_s:,.1f} s, write {wrote}")
 
     def tokens(self) -> str:
         """``8,192 train tokens + 4,096 val tokens`` of a checkpoint."""

@@ -360,8 +360,9 @@ class NeuralCollapseCallback(TrainerCallback):
         if len(self.seconds) == 1:
             self.setup_s = span[1] - span[0]
             log.info("ncanalyze: %s measured in %.2f s, after %.2f s of set-up done once (the blocks read, the "
-                     "split's labels counted, the vocabulary decoded, the job resolved); its cost against the training is said at the next measurement, which repeats only "
-                     "the work that recurs", group, self.seconds[-1], self.setup_s)
+                     "split's labels counted, the vocabulary decoded, the job resolved); its cost against the "
+                     "training is said at the next measurement, which repeats only the work that recurs", group,
+                     self.seconds[-1], self.setup_s)
         else:
             log.info("ncanalyze: %s measured in %.2f s", group, self.seconds[-1])
         if len(self.seconds) == 2 and self.last is not None:  # its cost against the training, said once
