@@ -364,24 +364,29 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
 def test_the_advice_holds_for_the_measurements_that_follow_it(corpus, tmp_path):
     """The caps advised at the second measurement, from the work that recurs, cost what the advice predicted (10% of
     the training between the first two measurements) within 1.5x: the measurements of a training under them after
-    its first (which carries the one-off work), their median."""
+    its first (which carries the one-off work), their median. Training and callback on one thread each, so that a
+    load from others slows both alike."""
     from ncanalyze.training import NeuralCollapseCallback
 
-    settings = {"batch_size": 8, "samples_per_class": 2, "block_size": 32}
-    first = NeuralCollapseCallback(tmp_path / "a.zarr", str(corpus["train"]), str(corpus["val"]), every=40,
+    settings = {"batch_size": 8, "samples_per_class": 2, "block_size": 32, "threads": 1}
+    first = NeuralCollapseCallback(tmp_path / "a.zarr", str(corpus["train"]), str(corpus["val"]), every=80,
                                    max_train_tokens=16384, max_val_tokens=4096, **settings)
-    long = {"per_device_train_batch_size": 64, "save_strategy": "no", "eval_strategy": "no"}  # 2,560 sequences a
-    train(corpus, tmp_path / "a", [first], steps=80, **long)  # measurement, as a larger model's training would take
-    cost = first.cost
-    caps = cost.within()
-    assert caps is not None and caps < (16384, 4096), cost.line("a")  # caps advised, smaller
-    second = NeuralCollapseCallback(tmp_path / "b.zarr", str(corpus["train"]), str(corpus["val"]), every=10,
-                                    max_train_tokens=caps[0], max_val_tokens=caps[1], **settings)
-    train(corpus, tmp_path / "b", [second], steps=30, save_strategy="no", eval_strategy="no")
+    long = {"per_device_train_batch_size": 64, "save_strategy": "no", "eval_strategy": "no"}  # 5,120 sequences a
+    before = torch.get_num_threads()  # measurement: the training a larger model would take between two
+    torch.set_num_threads(1)
+    try:
+        train(corpus, tmp_path / "a", [first], steps=160, **long)
+        cost = first.cost
+        caps = cost.within()
+        assert caps is not None and caps < (16384, 4096), cost.line("a")  # caps advised, smaller
+        second = NeuralCollapseCallback(tmp_path / "b.zarr", str(corpus["train"]), str(corpus["val"]), every=10,
+                                        max_train_tokens=caps[0], max_val_tokens=caps[1], **settings)
+        train(corpus, tmp_path / "b", [second], steps=50, save_strategy="no", eval_strategy="no")
+    finally:
+        torch.set_num_threads(before)
     predicted, took = cost.seconds_at(cost.scale()), float(np.median(second.seconds[1:]))
     assert predicted == pytest.approx(0.1 * cost.trained_s, rel=1e-3)
     assert 1 / 1.5 <= took / predicted <= 1.5, (took, predicted, cost.line("a"))
-
 
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_training_goes_on_and_the_store_is_kept(corpus, tmp_path, caplog):
