@@ -89,11 +89,11 @@ class _Setup:
     decoded: list[str] | None = None  # each token's string, decoded once (the group's vocabulary coordinate)
     split_count: np.ndarray | None = None  # the whole train split's label counts, counted once
 
-    def counted(self, vocab: int) -> np.ndarray:
-        """The whole train split's label counts over ``vocab`` classes, counted once (again if the vocabulary was
-        resized)."""
-        if self.split_count is None or len(self.split_count) != vocab:
-            self.split_count = label_counts(self.train, vocab, self.job.run.labels)
+    def counted(self, classes: int) -> np.ndarray:
+        """The whole train split's label counts over its ``classes`` (the running state's), counted once (again if
+        the vocabulary was resized)."""
+        if self.split_count is None or len(self.split_count) != classes:
+            self.split_count = label_counts(self.train, classes, self.job.run.labels)
         return self.split_count
 
     def tokens(self, vocab: int) -> list[str]:
@@ -442,7 +442,7 @@ class NeuralCollapseCallback(TrainerCallback):
                             files.layers if rank == 0 else None, folds=folds, labels=setup.job.run.labels)
             if rank == 0:
                 ex.start()
-                ex.split_count = setup.counted(classifier.shape[0])
+                ex.split_count = setup.counted(ex.args[0])
             timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):
                 return None
@@ -512,7 +512,7 @@ class NeuralCollapseCallback(TrainerCallback):
         vocab = head(model)[0].shape[0]  # the one-off work of a measurement, done here to be said apart from the rest
         self.setup.tokens(vocab)
         if ddp.rank_world()[0] == 0:
-            self.setup.counted(vocab)
+            self.setup.counted(job.run.labels.size(vocab))  # its classes: the vocabulary's, or a label file's
         return self.setup
 
     def _check_run(self, run: str, job: Job, model: dict) -> None:
