@@ -369,13 +369,13 @@ def test_the_advice_holds_for_the_measurements_that_follow_it(corpus, tmp_path):
     from ncanalyze.training import NeuralCollapseCallback
 
     settings = {"batch_size": 8, "samples_per_class": 2, "block_size": 32, "threads": 1}
-    first = NeuralCollapseCallback(tmp_path / "a.zarr", str(corpus["train"]), str(corpus["val"]), every=80,
+    first = NeuralCollapseCallback(tmp_path / "a.zarr", str(corpus["train"]), str(corpus["val"]), every=160,
                                    max_train_tokens=16384, max_val_tokens=4096, **settings)
-    long = {"per_device_train_batch_size": 64, "save_strategy": "no", "eval_strategy": "no"}  # 5,120 sequences a
+    long = {"per_device_train_batch_size": 64, "save_strategy": "no", "eval_strategy": "no"}  # 10,240 sequences a
     before = torch.get_num_threads()  # measurement: the training a larger model would take between two
     torch.set_num_threads(1)
     try:
-        train(corpus, tmp_path / "a", [first], steps=160, **long)
+        train(corpus, tmp_path / "a", [first], steps=320, **long)
         cost = first.cost
         caps = cost.within()
         assert caps is not None and caps < (16384, 4096), cost.line("a")  # caps advised, smaller
