@@ -197,11 +197,14 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
         ex.reservoir.update(h[:m], y[:m], next(offset) + np.arange(m))
 
     forward = _seconds(lambda: features(model, ids), device)
+    train_step(len(y))  # the state's pages touched (the fold sums: F x vocab x d), as the real pass does once
     train = _per_rows(train_step, len(y), 1, dim, device)
     if not validation:
         return forward, train, 0.0, 0.0
     count = torch.from_numpy(counts).to(device)
     kept = torch.nonzero(count >= min_count).squeeze(1)
+    if ex.folds is not None:  # each fold as the full pass leaves it: every kept class outside each fold, so that each
+        ex.folds.count.copy_(count.expand_as(ex.folds.count))  # leave-one-fold-out screen is timed over them all
     shared = float64_head(classifier, bias, device)  # one float64 head for both, as the validation pass has it
     decisions = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val, head=shared, folds=ex.fold_val,
                                train_count=count, fold_stats=ex.folds, min_count=min_count)
