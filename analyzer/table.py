@@ -16,14 +16,17 @@ from ncanalyze.analyzer.schema import (CLASS_AXIS, CLASS_COUNTS, ERRORS, INFO, L
 COLUMNS = (*INFO, LAYER, SITE, LABELS, CLASS_AXIS, *CLASS_COUNTS, *SCALARS, *ERRORS)
 
 
-def is_measured(attrs: Mapping[str, Any], min_count: int | None) -> bool:
+def is_measured(attrs: Mapping[str, Any], min_count: int | None, errors: bool = False) -> bool:
     """Measured with this min_count, since the group's statistics were last written, under this version's metric
-    definitions (``schema.METRICS_VERSION``: a group measured under other definitions is measured again) and with
-    every metric there is (a group measured before a metric was added is measured again: no version to bump)."""
+    definitions (``schema.METRICS_VERSION``: a group measured under other definitions is measured again), with
+    every metric there is (a group measured before a metric was added is measured again: no version to bump), and with
+    ``errors``, with its metrics' jackknife errors too (a record made without them, as the training callback's live
+    metrics are, is measured again to add them)."""
     return ("metrics" in attrs and attrs.get("metrics_version") == METRICS_VERSION
             and set(SCALARS) <= set(attrs["metrics"] or {})
             and attrs.get("metrics_min_count") == min_count
-            and attrs.get("metrics_config_hash") == attrs.get("config_hash"))
+            and attrs.get("metrics_config_hash") == attrs.get("config_hash")
+            and (not errors or "metrics_se_method" in attrs))
 
 
 def metrics_row(attrs: Mapping[str, Any]) -> dict[str, Any]:

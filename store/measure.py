@@ -80,7 +80,7 @@ def measure_store(store: str | Path | Store, min_count: int = MEASURE.min_count,
     on = engine_device(device)  # a device that is not there: one line, before any work
     groups, skipped = store.checkpoint_groups()
     attrs = {g: by_path(g, store.attrs(g)) for g in groups}
-    todo = [g for g in groups if force or not is_measured(attrs[g], min_count)]
+    todo = [g for g in groups if force or not is_measured(attrs[g], min_count, errors=se)]
     unwritable = _unwritable(store.path) if todo else None
     if unwritable:
         warnings.warn(f"{store} is not writable ({unwritable}): measuring {len(todo)} checkpoint(s) without storing "

@@ -72,7 +72,8 @@ def extract_checkpoint(job: Job, store: Store, announce: Callable[..., None] | N
     store
         The store.
     announce
-        ``announce(model, seconds_to_load, train, val, plan)``, called before the passes start (the estimate is
+        ``announce(model, seconds_to_load, train, val, plan)`` (the load's seconds and the data's opening),
+        called before the passes start (the estimate is
         logged there, :func:`announcer`).
     interrupt
         A pending Ctrl-C is taken at the next batch boundary, after saving the state.
@@ -90,9 +91,10 @@ def extract_checkpoint(job: Job, store: Store, announce: Callable[..., None] | N
             return Outcome.SKIPPED
         loaded = load_checkpoint(job)
         job = job.with_plan(loaded.plan)
+        started = time.perf_counter()
         train, val = job.inputs(store, loaded.tokenizer)
         if announce:  # before the state is made: the estimate times a few batches on a scratch state of its own
-            announce(loaded.model, loaded.seconds, train, val, job.plan)
+            announce(loaded.model, loaded.seconds + time.perf_counter() - started, train, val, job.plan)
         outcome = _passes_and_write(job, store, files, loaded, train, val, interrupt, extra_attrs)
         drop_state(files.state)
         return outcome

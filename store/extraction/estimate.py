@@ -3,14 +3,15 @@ running state's size and the memory budget are memory.py.
 
 The time is measured, not guessed, once per architecture (:func:`architecture`: what sets the cost, the model type,
 depth, width, vocabulary, heads, MLP width, dtype and block size). For the first checkpoint to do of each, its model
-load is timed, and on its first train batch the extraction's own code is timed on a scratch state: the forward pass,
+load and set-up (the data opened, the split's labels counted, the running state made: every checkpoint's own) are
+timed, and on its first train batch the extraction's own code is timed on a scratch state: the forward pass,
 a layer's float64 statistics and reservoir, a layer's NC4 decisions over as many kept classes as the full train pass
 will keep (counted from the train tokens), and the loss; a slice of the head is written the way the store writes.
 Parts that grow with the vocabulary are timed on a slice of the batch's positions and scaled (:func:`_per_rows`), so
 the timing stays under 2 s at any vocabulary. Then, over the checkpoints to do, each with its architecture's
 costs,
 
-    total = sum of  load + train batches left x (f x forward + k x statistics)
+    total = sum of  load and set-up + train batches left x (f x forward + k x statistics)
                     + validation batches left x (f x forward + k x decisions + loss) + group bytes / write rate
 
 with k the layers of a pass (1 without ``--layers``; the loss only in the pass of the last layer), f the fraction
@@ -60,7 +61,8 @@ START = (0, Phase.TRAIN, 0)  # the progress (pass, phase, batches done) of a che
 @dataclass(frozen=True)
 class Costs:
     """Seconds measured on the first checkpoint that does work."""
-    load: float     # loading its model and tokenizer
+    load: float     # a checkpoint's load and set-up: its model and tokenizer, its data opened, the split's labels
+                    # counted and its running state made (each checkpoint's own, counted per checkpoint)
     forward: float  # a batch's forward pass
     train: float    # a layer's part of a train batch: its float64 statistics and reservoir
     decide: float   # a layer's part of a validation batch below the last: NC4's decisions over the kept classes
@@ -195,11 +197,14 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
         ex.reservoir.update(h[:m], y[:m], next(offset) + np.arange(m))
 
     forward = _seconds(lambda: features(model, ids), device)
+    train_step(len(y))  # the state's pages touched (the fold sums: F x vocab x d), as the real pass does once
     train = _per_rows(train_step, len(y), 1, dim, device)
     if not validation:
         return forward, train, 0.0, 0.0
     count = torch.from_numpy(counts).to(device)
     kept = torch.nonzero(count >= min_count).squeeze(1)
+    if ex.folds is not None:  # each fold as the full pass leaves it: every kept class outside each fold, so that each
+        ex.folds.count.copy_(count.expand_as(ex.folds.count))  # leave-one-fold-out screen is timed over them all
     shared = float64_head(classifier, bias, device)  # one float64 head for both, as the validation pass has it
     decisions = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val, head=shared, folds=ex.fold_val,
                                train_count=count, fold_stats=ex.folds, min_count=min_count)
@@ -217,20 +222,24 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
 
 def measure_costs(model, loaded: float, train: Blocks, val: Blocks | None, batch_size: int, samples_per_class: int,
                   min_count: int, seed: int, store: Store, folds: int = 1) -> Costs | None:
-    """The :class:`Costs` of a checkpoint like ``model`` (loaded in ``loaded`` seconds, its fixed set-up included),
+    """The :class:`Costs` of a checkpoint like ``model`` (loaded and its data opened in ``loaded`` seconds; the rest
+    of a checkpoint's set-up, its split's labels counted and its running state made, timed here and added),
     timed on the first train batch (None without one: the train pass then says the data is empty) with ``folds``
     folds; the write rate is timed in a scratch folder beside ``store`` (:meth:`Store.write_rate`)."""
     weight, _ = head(model)
     batch = next(train.batches(batch_size), None)
     if batch is None:
         return None
+    started = time.perf_counter()  # the set-up each checkpoint repeats: its split's labels counted, its state made
     counts = train_counts(train, weight.shape[0])
+    LayerState(*weight.shape, samples_per_class, seed, weight.device, folds)
+    setup = time.perf_counter() - started
     check_ids(batch, weight.shape[0], train.spec)
     ids = torch.from_numpy(batch).to(weight.device)
     timed = batch_seconds(model, ids, samples_per_class, counts, min_count, seed, validation=val is not None,
                           folds=folds)
     sample = weight[: max(1, (4 << 20) // weight.shape[1])].float().cpu().numpy()
-    return Costs(loaded, *timed, store.write_rate(sample))
+    return Costs(loaded + setup, *timed, store.write_rate(sample))
 
 
 def architecture(config, dtype: str, block_size: int | None = None) -> tuple:
@@ -321,14 +330,15 @@ class Arch:
         return len(self.at) * (c.load + write) + sum(c.left(p, self.passes, n_train, n_val, self.depths) for p in self.at)
 
     def parts(self, batch_size: int, samples_per_class: int) -> str:
-        """``load 1.0 s, train pass 3.0 s, validation 2.0 s, write 0.1 s``: a checkpoint's parts from the start."""
+        """``load and set-up 1.0 s, train pass 3.0 s, validation 2.0 s, write 0.1 s``: a checkpoint's parts from the
+        start (each checkpoint loads and sets up its own)."""
         c, (n_train, n_val) = self.costs, self.batches(batch_size)
         depth = self.depths or [1.0] * len(self.passes)
         train_s = sum(c.train_batch(k, f) for k, f in zip(self.passes, depth))
         val_s = sum(c.val_batch(k, i == len(self.passes) - 1, f) for i, (k, f) in enumerate(zip(self.passes, depth)))
         wrote = f"{self.disk(samples_per_class) / c.write_rate:.1f} s" if c.write_rate else "not timed"
-        return (f"load {c.load:.1f} s, train pass {n_train * train_s:,.1f} s, validation {n_val * val_s:,.1f} s, "
-                f"write {wrote}")
+        return (f"load and set-up {c.load:.{1 if c.load >= 1 else 2}f} s, train pass {n_train * train_s:,.1f} s, "
+                f"validation {n_val * val_s:,.1f} s, write {wrote}")
 
     def tokens(self) -> str:
         """``8,192 train tokens + 4,096 val tokens`` of a checkpoint."""

@@ -56,10 +56,30 @@ class _NoSaver:
         """Save nothing."""
 
 
+class _Timed:
+    """``blocks`` whose batch loops are timed: each loop's seconds, from its first batch asked for to its end (the
+    batches' work), are added to ``spent[0]``; all else is the blocks' own."""
+
+    def __init__(self, blocks: Blocks, spent: list[float]):
+        self.blocks, self.spent = blocks, spent
+
+    def __getattr__(self, name: str):
+        return getattr(self.blocks, name)
+
+    def labelled(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """The blocks' :meth:`~Blocks.labelled`, timed."""
+        started = time.perf_counter()
+        try:
+            yield from self.blocks.labelled(batch_size)
+        finally:
+            self.spent[0] += time.perf_counter() - started
+
+
 @dataclass
 class _Setup:
-    """What the first measurement resolves once: the job (the configuration, what it resolved to: its record and
-    layer plan) and the blocks."""
+    """What the first measurement resolves once (the callback's set-up, said apart from the work that recurs): the
+    job (the configuration, what it resolved to: its record and layer plan), the blocks, the split's label counts and
+    the decoded vocabulary."""
     job: Job
     train: Blocks
     val: Blocks | None
@@ -67,6 +87,19 @@ class _Setup:
     tokenizer_name: str | None  # where it came from (the group's attribute ``tokenizer``)
     decoded: list[str] | None = None  # each token's string, decoded once (the group's vocabulary coordinate)
     split_count: np.ndarray | None = None  # the whole train split's label counts, counted once
+
+    def counted(self, classes: int) -> np.ndarray:
+        """The whole train split's label counts over its ``classes`` (the running state's), counted once (again if
+        the vocabulary was resized)."""
+        if self.split_count is None or len(self.split_count) != classes:
+            self.split_count = label_counts(self.train, classes, self.job.run.labels)
+        return self.split_count
+
+    def tokens(self, vocab: int) -> list[str]:
+        """Each token's string, decoded once (again if the vocabulary was resized)."""
+        if self.decoded is None or len(self.decoded) != vocab:
+            self.decoded = decoded_tokens(self.tokenizer, vocab)
+        return self.decoded
 
 
 @contextlib.contextmanager
@@ -160,7 +193,8 @@ class NeuralCollapseCallback(TrainerCallback):
         measured, as the SPEC's schedule says; the default caps above bound the cost instead.
     trainer
         The Trainer, when known: the scalar metrics then go through ``trainer.log`` to every integration (TensorBoard,
-        W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``).
+        W&B, ...); without it they are appended to ``state.log_history`` (``trainer_state.json``). They are stored with
+        the group without their jackknife errors (``ncanalyze measure`` adds those afterwards, from the stored folds).
     **settings
         Any other field of :class:`~ncanalyze.store.extraction.settings.ExtractConfig` (``batch_size``, ``samples_per_class``,
         ``block_size``, ``split``, ``val_split``, ``text_column``, ``min_count``, ``seed``, ``cap_mode``, ...).
@@ -324,9 +358,10 @@ class NeuralCollapseCallback(TrainerCallback):
         self.seconds.append(span[2] - span[1])
         if len(self.seconds) == 1:
             self.setup_s = span[1] - span[0]
-            log.info("ncanalyze: %s measured in %.2f s, after %.2f s of set-up done once (the blocks read, the job "
-                     "resolved); its cost against the training is said at the next measurement, which repeats only "
-                     "the work that recurs", group, self.seconds[-1], self.setup_s)
+            log.info("ncanalyze: %s measured in %.2f s, after %.2f s of set-up done once (the blocks read, the "
+                     "split's labels counted, the vocabulary decoded, the job resolved); its cost against the "
+                     "training is said at the next measurement, which repeats only the work that recurs", group,
+                     self.seconds[-1], self.setup_s)
         else:
             log.info("ncanalyze: %s measured in %.2f s", group, self.seconds[-1])
         if len(self.seconds) == 2 and self.last is not None:  # its cost against the training, said once
@@ -406,23 +441,23 @@ class NeuralCollapseCallback(TrainerCallback):
                             files.layers if rank == 0 else None, folds=folds, labels=setup.job.run.labels)
             if rank == 0:
                 ex.start()
-                if setup.split_count is None:  # the whole split's label counts: the same at every measurement
-                    setup.split_count = label_counts(setup.train, ex.args[0], setup.job.run.labels)
-                ex.split_count = setup.split_count
+                ex.split_count = setup.counted(ex.args[0])
             timer = time.perf_counter()  # the passes' seconds (a rank's share of the train pass under DDP among them)
             if world > 1 and not self._shared(model, setup, ex, rank, group):
                 return None
-            run_passes(model, setup.train, setup.val, ex, classifier, bias, cfg.min_count, cfg.batch_size, _NoSaver(),
-                       group)
-            self.parts = {"passes": time.perf_counter() - timer, "metrics": 0.0,
+            loops, began = [0.0], time.perf_counter()
+            val = None if setup.val is None else _Timed(setup.val, loops)
+            run_passes(model, _Timed(setup.train, loops), val, ex, classifier, bias, cfg.min_count, cfg.batch_size,
+                       _NoSaver(), group)
+            # the passes' batches (and a rank's share under DDP) grow with the tokens; their set-up (the validation
+            # state, the loss's check) is left with the rest, which does not (cost.py)
+            self.parts = {"passes": began - timer + loops[0], "metrics": 0.0,
                           "counts": ex.first().stats.count.cpu().numpy()}
             attrs = group_attributes(group, when, model, ex, classifier, cfg, setup.job.run, setup.tokenizer,
                                      setup.tokenizer_name, dtype=str(classifier.dtype).removeprefix("torch."),
                                      device=device, source="training", extra={"output_dir": self.output_dir})
             norm = final_norm(model)
-            if setup.decoded is None or len(setup.decoded) != classifier.shape[0]:
-                setup.decoded = decoded_tokens(setup.tokenizer, classifier.shape[0])
-            ds, others = ex.datasets(classifier, bias, setup.decoded, attrs, norm and norm[0])
+            ds, others = ex.datasets(classifier, bias, setup.tokens(classifier.shape[0]), attrs, norm and norm[0])
             done = [("nc/", group, self._timed_metrics(ds, cfg.min_count, group))]
 
             def measured() -> Iterator[tuple[str, object]]:
@@ -473,6 +508,10 @@ class NeuralCollapseCallback(TrainerCallback):
         train, val = job.inputs(self.store, tokenizer, flags=("max_train_tokens", "max_val_tokens"))
         where = cfg.tokenizer or (tokenizer is not None and getattr(tokenizer, "name_or_path", None)) or None
         self.setup = _Setup(job, train, val, tokenizer, where)
+        vocab = head(model)[0].shape[0]  # the one-off work of a measurement, done here to be said apart from the rest
+        self.setup.tokens(vocab)
+        if ddp.rank_world()[0] == 0:
+            self.setup.counted(job.run.labels.size(vocab))  # its classes: the vocabulary's, or a label file's
         return self.setup
 
     def _check_run(self, run: str, job: Job, model: dict) -> None:
@@ -583,9 +622,11 @@ def _handler_floor(logger: logging.Logger) -> int | None:
 
 def _metrics(ds, min_count: int, where: str):
     """(scalars, per-class) of ``measure_all``, or None with a warning where the group can't be measured (fewer than
-    two kept classes early in training): its statistics are written all the same."""
+    two kept classes early in training): its statistics are written all the same. Without the jackknife errors (F + 1
+    measurements' work where the metrics are one): the stored folds give them to ``ncanalyze measure`` afterwards,
+    which measures a group again whose record lacks them (table.is_measured)."""
     try:
-        return measure_all(ds, min_count, se=True)
+        return measure_all(ds, min_count, se=False)
     except UserError as e:
         log.warning("ncanalyze: %s: no metrics (%s)", where, e)
         return None

@@ -3,9 +3,10 @@ measurement that repeats the work (the second: the first also carries the set-up
 tokenized and the job resolved, and the first calls' warm-up), with the caps or the interval that keep it within
 :data:`OVERHEAD` of the training time.
 
-A measurement's recurring seconds are timed in three parts: its passes, which grow with the tokens read; its
-metrics, which grow as the square of the kept classes (the pairwise Gram of the class means, once per fold); and the
-rest (the group's attributes and write), the same at any cap. With both caps scaled by s, the kept classes are
+A measurement's recurring seconds are timed in three parts: its passes' batches, which grow with the tokens read; its
+metrics, which grow as the square of the kept classes (the pairwise Gram of the class means); and the rest (the
+passes' set-up, the validation state and the loss's check, and the group's attributes and write), the same at any
+cap. With both caps scaled by s, the kept classes are
 expected to be K(s) = sum over classes c of P(Binomial(n_c, s) >= min_count), n_c the class's train tokens, so
 
     cost(s) = rest + passes x s + metrics x (K(s) / K(1))^2

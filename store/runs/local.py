@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -113,7 +114,10 @@ def announcer(todo: list[Checkpoint], jobs: Jobs, store: Store, local: bool = Fa
     def time_first(ckpt: Checkpoint) -> Arch | None:  # another architecture's first checkpoint, loaded to be timed
         try:
             other = load_checkpoint(job := jobs(ckpt))
-            return timed_arch(other.model, other.seconds, *job.inputs(store, other.tokenizer), job.plan, cfg, store)
+            started = time.perf_counter()  # its data opened, as its own turn will (its set-up, with the load)
+            inputs = job.inputs(store, other.tokenizer)
+            return timed_arch(other.model, other.seconds + time.perf_counter() - started, *inputs, job.plan, cfg,
+                              store)
         except CheckpointError:
             return None
 

@@ -130,6 +130,22 @@ def test_a_write_cut_short_is_measured_again(small_store):
     assert measure_store(store).measured == ["a/checkpoint-20"]
 
 
+
+def test_a_record_without_errors_is_measured_again_for_them(small_store):
+    """A record made without the jackknife errors (``se=False``, as the training callback's live metrics are) stands
+    for a measurement without them, and is measured again, its errors added, by a measurement that wants them."""
+    store, _ = small_store
+    assert len(measure_store(store, se=False).measured) == 3
+    g = "a/checkpoint-20"
+    assert "metrics_se_method" not in attrs(store, g) and not set(ERRORS) & set(attrs(store, g)["metrics"])
+    assert measure_store(store, se=False).measured == []
+    plain = attrs(store, g)["metrics"]
+    assert sorted(measure_store(store).measured) == ["a/checkpoint-10", "a/checkpoint-20", "b/checkpoint-5"]
+    record = attrs(store, g)
+    assert record["metrics_se_method"] == EXACT and set(ERRORS) <= set(record["metrics"])
+    assert {k: v for k, v in record["metrics"].items() if k not in ERRORS} == plain
+    assert measure_store(store).measured == [] and measure_store(store, se=False).measured == []
+
 def test_bad_stores(tmp_path):
     with pytest.raises(UserError, match="no ncanalyze store"):
         measure_store(tmp_path / "missing.zarr")

@@ -186,8 +186,8 @@ def test_each_architecture_timed_once_and_one_total_of_planted_costs(tmp_path):
     # B: 3 x (load 1 + write 2) + 3 x (10 x (0.5 + 1) + 4 x (0.5 + 1)) = 9 + 63 = 72; in all 231 s = 3.9 min
     assert line.startswith("6 checkpoint(s) to do (1 partly done) in 2 architectures x 640 train tokens + 256 val "
                            "tokens; ~3.9 min in all. Per checkpoint, timed on the first of each architecture: ")
-    assert "V50 h4 float32 block 16 (3): load 7.0 s, train pass 30.0 s, validation 24.0 s, write 4.0 s; " in line
-    assert "ff16 float32 block 16 (3): load 1.0 s, train pass 15.0 s, validation 6.0 s, write 2.0 s; " in line
+    assert "V50 h4 float32 block 16 (3): load and set-up 7.0 s, train pass 30.0 s, validation 24.0 s, write 4.0 s; " in line
+    assert "ff16 float32 block 16 (3): load and set-up 1.0 s, train pass 15.0 s, validation 6.0 s, write 2.0 s; " in line
     assert f"~{bytes_text(3 * (group_bytes(50, 8, 2) + group_bytes(60, 4, 2)))} (before compression)" in line
 
 
@@ -237,9 +237,10 @@ def test_one_line_over_two_runs_of_different_widths(trained_run, corpus, tmp_pat
     groups = io.checkpoint_groups(tmp_path / "s.zarr")[0]
     n, wide = len(groups), sum(g.startswith(f"{trained_run.name}/") for g in groups)
     assert f"{n} checkpoint(s) to do in 2 architectures x 8,192 train tokens + 4,096 val tokens" in line
-    parts = re.findall(r"gpt_neo L2 d(\d+) V\d+ [^(]*\((\d+)\): load ([\d.]+) s, train pass ([\d.,]+) s, "
+    parts = re.findall(r"gpt_neo L2 d(\d+) V\d+ [^(]*\((\d+)\): load and set-up ([\d.]+) s, train pass ([\d.,]+) s, "
                        r"validation ([\d.,]+) s, write ([\d.]+) s", line)
     assert sorted((int(w), int(k)) for w, k, *_ in parts) == [(16, n - wide), (32, wide)], line
+    assert all(float(setup) > 0 for _, _, setup, *_ in parts), line  # each architecture's own, timed on its first
     total = sum(int(k) * sum(float(x.replace(",", "")) for x in xs) for _, k, *xs in parts)
     took = re.search(r"~([\d.,]+) (s|min|h) in all", line)
     shown = float(took[1].replace(",", "")) * {"s": 1, "min": 60, "h": 3600}[took[2]]

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -121,17 +122,27 @@ def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measu
         for k, v in expected.items():
             assert logged[0][f"nc/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), k
         assert logged[0]["nc/val_loss"] == pytest.approx(ds.attrs["val_loss"], abs=1e-12)
-    run_cli("measure", "--store", measured["ckpt"])  # the live store was measured as it was written
+    run_cli("measure", "--store", measured["ckpt"])
     live, ckpt = ncanalyze.store.open(measured["live"]), ncanalyze.store.open(measured["ckpt"])
+    table = live.nc.table()  # the live store was measured as it was written, without the errors (F + 1 times the work)
+    assert sorted(table["checkpoint"]) == ["step-10", "step-20"] and table["nc1_cdnv"].notna().all()
+    for step in (10, 20):
+        a, b = live[f"neo/step-{step}"], ckpt[f"neo/checkpoint-{step}"]
+        assert {k for k in b.attrs["metrics"] if not k.endswith("_se")} == a.attrs["metrics"].keys()
+        assert "metrics_se_method" not in a.attrs and "metrics_se_method" in b.attrs
+        for k, v in a.attrs["metrics"].items():
+            assert v == pytest.approx(b.attrs["metrics"][k], rel=1e-9, abs=1e-12), k
+    store = shutil.copytree(measured["live"], measured["dir"] / "live-measured.zarr")
+    assert "measured 2 of 2 checkpoints" in run_cli("measure", "--store", store).output  # the errors from the folds
+    live = ncanalyze.store.open(store)
     for step in (10, 20):
         a, b = live[f"neo/step-{step}"], ckpt[f"neo/checkpoint-{step}"]
         assert a.attrs["metrics"].keys() == b.attrs["metrics"].keys()
+        assert a.attrs["metrics_se_method"] == b.attrs["metrics_se_method"]
         for k, v in b.attrs["metrics"].items():
             assert a.attrs["metrics"][k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
         for name in (n for n in b.to_dataset().data_vars if n.startswith("class_")):
             np.testing.assert_allclose(a[name].values, b[name].values, rtol=1e-9, atol=1e-12, err_msg=name)
-    table = live.nc.table()
-    assert sorted(table["checkpoint"]) == ["step-10", "step-20"] and table["nc1_cdnv"].notna().all()
 
 
 @pytest.mark.slow
@@ -347,6 +358,35 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
     assert [k[0] for k in at_evaluations.checks] == measured[1:]  # the first is always measured
     assert trainer.state.global_step == STEPS
 
+
+
+@pytest.mark.slow
+def test_the_advice_holds_for_the_measurements_that_follow_it(corpus, tmp_path):
+    """The caps advised at the second measurement, from the work that recurs, cost what the advice predicted (10% of
+    the training between the first two measurements) within 1.5x: the measurements of a training under them after
+    its first (which carries the one-off work), their median. Training and callback on one thread each, so that a
+    load from others slows both alike."""
+    from ncanalyze.training import NeuralCollapseCallback
+
+    settings = {"batch_size": 8, "samples_per_class": 2, "block_size": 32, "threads": 1}
+    first = NeuralCollapseCallback(tmp_path / "a.zarr", str(corpus["train"]), str(corpus["val"]), every=160,
+                                   max_train_tokens=16384, max_val_tokens=4096, **settings)
+    long = {"per_device_train_batch_size": 64, "save_strategy": "no", "eval_strategy": "no"}  # 10,240 sequences a
+    before = torch.get_num_threads()  # measurement: the training a larger model would take between two
+    torch.set_num_threads(1)
+    try:
+        train(corpus, tmp_path / "a", [first], steps=320, **long)
+        cost = first.cost
+        caps = cost.within()
+        assert caps is not None and caps < (16384, 4096), cost.line("a")  # caps advised, smaller
+        second = NeuralCollapseCallback(tmp_path / "b.zarr", str(corpus["train"]), str(corpus["val"]), every=10,
+                                        max_train_tokens=caps[0], max_val_tokens=caps[1], **settings)
+        train(corpus, tmp_path / "b", [second], steps=50, save_strategy="no", eval_strategy="no")
+    finally:
+        torch.set_num_threads(before)
+    predicted, took = cost.seconds_at(cost.scale()), float(np.median(second.seconds[1:]))
+    assert predicted == pytest.approx(0.1 * cost.trained_s, rel=1e-3)
+    assert 1 / 1.5 <= took / predicted <= 1.5, (took, predicted, cost.line("a"))
 
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_training_goes_on_and_the_store_is_kept(corpus, tmp_path, caplog):
