@@ -45,7 +45,7 @@ from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.passes import train_pass, val_pass
 from ncanalyze.store.extraction.resume import Phase, Saver, flatten
 from ncanalyze.store.extraction.running import Extraction, LayerState
-from ncanalyze.store.runs.shards import _nested, merge_states
+from ncanalyze.store.runs.shards import merge_states, site_state
 from ncanalyze.store.sources.anatomy import head
 from threads import load  # benchmarks/threads.py: bounded busy processes
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
@@ -117,7 +117,7 @@ def main() -> None:
 
         def state(s: LayerState) -> dict[str, np.ndarray]:
             """One site's state as a shard hands it to the merge (shards.train_shard's layout)."""
-            return flatten({"layer-1": _nested(s.stats, s.reservoir, s.folds)})
+            return flatten({"layer-1": site_state(s.stats, s.reservoir, s.folds)})
 
         other = state(empty)
 

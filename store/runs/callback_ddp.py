@@ -135,8 +135,7 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
         except UserError as e:
             error = str(e)
     main = ex.main()
-    state = flatten({"stats": main.stats.state_dict(), "reservoir": main.reservoir.state_dict()}
-                    | ({} if main.folds is None else {"folds": main.folds.state_dict()}))
+    state = flatten({"main": sh.site_state(main.stats, main.reservoir, main.folds)})  # shards' layout: one site
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object((error, state if start < stop else None), gathered, dst=0)
     error = agree(gathered and next((e for e, _ in gathered if e), None))
@@ -148,7 +147,7 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
     k, seed = ex.args[2], ex.args[3]
     for level in sh.merge_order(len(states)):
         states = [states[i] if j < 0 else sh.merge_states(states[i], states[j], k, seed) for i, j in level]
-    merged = unflatten(states[0])
+    merged = unflatten(states[0])["main"]
     main.stats.load_state_dict(merged["stats"])
     main.reservoir.load_state_dict(merged["reservoir"])
     if main.folds is not None:  # merged fold by fold

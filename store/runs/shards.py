@@ -161,10 +161,11 @@ def train_shard(job: Job, start: int, stop: int,
     with threads.policy(cfg.threads):  # a Dask worker's OMP_NUM_THREADS=1 caps auto at 1
         train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group),
                    f"{ckpt.group} [{start}:{stop}]")
-    return flatten({f"layer{l.key}": _nested(s.stats, s.reservoir, s.folds) for l, s in ex.layers.items()})
+    return flatten({f"layer{l.key}": site_state(s.stats, s.reservoir, s.folds) for l, s in ex.layers.items()})
 
 
-def _nested(stats: ClassStats, reservoir: Reservoir, folds: FoldStats | None = None) -> dict[str, dict]:
+def site_state(stats: ClassStats, reservoir: Reservoir, folds: FoldStats | None = None) -> dict[str, dict]:
+    """One site's accumulators as a nested state, the layout :func:`merge_states` merges (per site key)."""
     return {"stats": stats.state_dict(), "reservoir": reservoir.state_dict()} | (
         {} if folds is None else {"folds": folds.state_dict()})
 
@@ -191,8 +192,8 @@ def _merge_site(a: dict, b: dict, k: int, seed: int) -> dict[str, dict]:
         raise UserError("shards with and without fold sums cannot be merged (their --folds was fitted to different "
                         "memory): pass --folds explicitly, or --state-memory, the same for every worker")
     if fa is None:
-        return _nested(sa.merge(sb), ra.merge(rb))
-    return _nested(fa.merge(fb).totals(into=sa), ra.merge(rb), fa)
+        return site_state(sa.merge(sb), ra.merge(rb))
+    return site_state(fa.merge(fb).totals(into=sa), ra.merge(rb), fa)
 
 
 def merge_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], k: int, seed: int) -> dict[str, np.ndarray]:

@@ -118,7 +118,7 @@ def test_the_metrics_are_in_the_trainers_logs_and_measure_reads_the_groups(measu
         logged = [e for e in history if e.get("step") == step and "nc/nc1_cdnv" in e]
         assert len(logged) == 1, history
         ds = ncanalyze.store.open(measured["ckpt"])[f"neo/checkpoint-{step}"].to_dataset()
-        expected = measure(ds)  # the same metrics from the checkpoint's extraction
+        expected = measure(ds, se=False)  # the same metrics from the checkpoint's extraction (the live ones have no errors)
         for k, v in expected.items():
             assert logged[0][f"nc/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), k
         assert logged[0]["nc/val_loss"] == pytest.approx(ds.attrs["val_loss"], abs=1e-12)
@@ -370,7 +370,7 @@ def test_the_advice_holds_for_the_measurements_that_follow_it(corpus, tmp_path):
 
     settings = {"batch_size": 8, "samples_per_class": 2, "block_size": 32, "threads": 1}
     first = NeuralCollapseCallback(tmp_path / "a.zarr", str(corpus["train"]), str(corpus["val"]), every=160,
-                                   max_train_tokens=16384, max_val_tokens=4096, **settings)
+                                   max_train_tokens=32768, max_val_tokens=8192, **settings)
     long = {"per_device_train_batch_size": 64, "save_strategy": "no", "eval_strategy": "no"}  # 10,240 sequences a
     before = torch.get_num_threads()  # measurement: the training a larger model would take between two
     torch.set_num_threads(1)
@@ -378,7 +378,7 @@ def test_the_advice_holds_for_the_measurements_that_follow_it(corpus, tmp_path):
         train(corpus, tmp_path / "a", [first], steps=320, **long)
         cost = first.cost
         caps = cost.within()
-        assert caps is not None and caps < (16384, 4096), cost.line("a")  # caps advised, smaller
+        assert caps is not None and caps < (32768, 8192), cost.line("a")  # caps advised, smaller
         second = NeuralCollapseCallback(tmp_path / "b.zarr", str(corpus["train"]), str(corpus["val"]), every=10,
                                         max_train_tokens=caps[0], max_val_tokens=caps[1], **settings)
         train(corpus, tmp_path / "b", [second], steps=50, save_strategy="no", eval_strategy="no")
