@@ -35,6 +35,7 @@ def measured(extracted_store, tmp_path_factory):
     return store, measure_store(store, min_count=2).table
 
 
+@pytest.mark.slow
 def test_dataset_accessor_is_the_analyzer(extracted_store):
     tree = ncanalyze.store.open(extracted_store)
     ds = tree["neo-2x32/checkpoint-40"].to_dataset()

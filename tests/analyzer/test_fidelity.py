@@ -65,6 +65,7 @@ def test_a_simplex_etf_head_has_erank_exactly_c_minus_1():
     assert abs(math.exp(-np.sum(p[p > 0] * np.log(p[p > 0]))) - (C - 1)) > 1e-9
 
 
+@pytest.mark.slow
 def test_a_rank_10_between_matrix_at_d_1024():
     """11 class means spanning 10 dimensions of R^1024: between_erank = the SVD's erank of the centred means, and
     the 1014 null eigenvalues (noise around 1e-16 lambda_max) are cut on both paths."""

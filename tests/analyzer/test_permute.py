@@ -65,6 +65,7 @@ def test_false_positive_rate_stays_near_alpha_when_runs_are_permuted_whole(sizes
     assert (rows_rate >= 4 * ALPHA).all(), rows_rate
 
 
+@pytest.mark.slow
 def test_the_report_statistics_use_the_same_scheme_and_p_values():
     """correlations(..., runs="run") and correlations_by_tag (runs by default) give exactly the p-values counted
     above, and say which scheme (6 seeds, 3 of each design; no bootstrap: its intervals are tested in test_stats)."""

@@ -48,6 +48,7 @@ def test_kill_and_resume_is_bit_identical(trained_run, corpus, tmp_path):
     assert_same_group(ref, store, f"{trained_run.name}/checkpoint-40")
 
 
+@pytest.mark.slow
 def test_full_disk_is_a_clean_error_and_resumes(trained_run, corpus, tmp_path):
     with tmpfs(tmp_path / "disk", "size=4m") as disk:
         store = disk / "s.zarr"

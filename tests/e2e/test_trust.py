@@ -206,6 +206,7 @@ def test_report_goes_on_past_a_corrupt_and_a_degenerate_checkpoint(extracted_sto
     assert f"{run}/checkpoint-40" in md and f"{run}/checkpoint-20" in md and "Skipped" in md
 
 
+@pytest.mark.slow
 def test_a_missing_chunk_says_a_fix_that_works(trained_run, corpus, tmp_path):
     store = tmp_path / "s.zarr"
     ck = trained_run / "checkpoint-20"

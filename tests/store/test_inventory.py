@@ -143,6 +143,7 @@ def test_checkpoints_in_step_order_everywhere(study, tmp_path):
 
 # ---------------------------------------------------------------- ls
 
+@pytest.mark.slow
 def test_ls_lists_runs_checkpoints_tags_layers_settings_measured_and_sizes(study, store):
     inv = ls(store)
     assert inv["runs"] == ["neo-2x32", "neo-2x32@other"] and inv["tags"] == ["other"]

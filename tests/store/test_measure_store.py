@@ -131,6 +131,7 @@ def test_a_write_cut_short_is_measured_again(small_store):
 
 
 
+@pytest.mark.slow
 def test_a_record_without_errors_is_measured_again_for_them(small_store):
     """A record made without the jackknife errors (``se=False``, as the training callback's live metrics are) stands
     for a measurement without them, and is measured again, its errors added, by a measurement that wants them."""
@@ -207,6 +208,7 @@ def real_store(extracted_store, tmp_path):
     return store
 
 
+@pytest.mark.slow
 def test_real_checkpoints_match_brute_force(real_store):
     result = CliRunner().invoke(main, ["measure", str(real_store), "--tile", "16"])
     assert result.exit_code == 0, result.output

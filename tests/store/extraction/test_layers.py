@@ -151,6 +151,7 @@ def test_saved_embeddings_through_xarray_and_flox(layered_store, reference):
         np.testing.assert_allclose(stats["mean"].values[classes], want_mean, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_measure_store_and_metrics_at_every_layer(layered_store):
     from ncanalyze.store.measure import measure_store
 
