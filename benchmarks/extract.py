@@ -43,9 +43,9 @@ from ncanalyze.core import threads
 from ncanalyze.store.data.blocks import open_blocks
 from ncanalyze.store.extraction.layers import plan
 from ncanalyze.store.extraction.passes import train_pass, val_pass
-from ncanalyze.store.extraction.resume import Phase, Saver, flatten
+from ncanalyze.store.extraction.resume import Phase, Saver
 from ncanalyze.store.extraction.running import Extraction, LayerState
-from ncanalyze.store.runs.shards import merge_states, site_state
+from ncanalyze.store.runs.shards import merge_states, shard_state
 from ncanalyze.store.sources.anatomy import head
 from threads import load  # benchmarks/threads.py: bounded busy processes
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
@@ -114,12 +114,7 @@ def main() -> None:
         batches = [torch.from_numpy(b).to(device) for b in blocks(args.long).batches(args.batch_size)]
         saver = Saver(Path(tmp) / "state.npz", dict, every=float("inf"))
         empty = LayerState(args.vocab, args.width, args.samples_per_class, 0, "cpu", args.folds)
-
-        def state(s: LayerState) -> dict[str, np.ndarray]:
-            """One site's state as a shard hands it to the merge (shards.train_shard's layout)."""
-            return flatten({"layer-1": site_state(s.stats, s.reservoir, s.folds)})
-
-        other = state(empty)
+        other = shard_state({"layer-1": empty})
 
         @torch.inference_mode()
         def forward(fn, n: int) -> float:
@@ -139,7 +134,7 @@ def main() -> None:
             t0 = time.perf_counter()
             train_pass(model, data, ex, args.batch_size, saver, "bench")
             if shard:
-                merge_states(state(ex.main()), other,
+                merge_states(shard_state({"layer-1": ex.main()}), other,
                              args.samples_per_class, 0)
             sync()
             return time.perf_counter() - t0

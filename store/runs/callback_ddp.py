@@ -16,7 +16,7 @@ import logging
 import torch.distributed as dist
 from ncanalyze.core.errors import UserError
 from ncanalyze.store.extraction.passes import train_pass
-from ncanalyze.store.extraction.resume import Phase, flatten, unflatten
+from ncanalyze.store.extraction.resume import Phase, unflatten
 from ncanalyze.store.extraction.running import Extraction
 from ncanalyze.store.runs import shards as sh
 
@@ -135,7 +135,7 @@ def share_train(model, train, ex: Extraction, batch_size: int, total: int, desc:
         except UserError as e:
             error = str(e)
     main = ex.main()
-    state = flatten({"main": sh.site_state(main.stats, main.reservoir, main.folds)})  # shards' layout: one site
+    state = sh.shard_state({"main": main})  # shards' layout, one site
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object((error, state if start < stop else None), gathered, dst=0)
     error = agree(gathered and next((e for e, _ in gathered if e), None))

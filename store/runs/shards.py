@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,7 +42,7 @@ from ncanalyze.store.extraction.resume import (
     save_state,
     unflatten,
 )
-from ncanalyze.store.extraction.running import Extraction
+from ncanalyze.store.extraction.running import Extraction, LayerState
 from ncanalyze.store.extraction.settings import parse_size
 from ncanalyze.store.layout import drop_state
 from ncanalyze.store.sources.anatomy import check_sites
@@ -161,7 +162,12 @@ def train_shard(job: Job, start: int, stop: int,
     with threads.policy(cfg.threads):  # a Dask worker's OMP_NUM_THREADS=1 caps auto at 1
         train_pass(model, blocks, ex, cfg.batch_size, _ShardSaver(interrupt, ckpt.group),
                    f"{ckpt.group} [{start}:{stop}]")
-    return flatten({f"layer{l.key}": site_state(s.stats, s.reservoir, s.folds) for l, s in ex.layers.items()})
+    return shard_state({f"layer{l.key}": s for l, s in ex.layers.items()})
+
+
+def shard_state(sites: Mapping[str, LayerState]) -> dict[str, np.ndarray]:
+    """The sites' accumulators as one shard hands them to :func:`merge_states` (flat, one key per site)."""
+    return flatten({key: site_state(s.stats, s.reservoir, s.folds) for key, s in sites.items()})
 
 
 def site_state(stats: ClassStats, reservoir: Reservoir, folds: FoldStats | None = None) -> dict[str, dict]:
