@@ -400,15 +400,10 @@ class DecisionCounts(Sums):
                                    "val_ncc_agree": self.counts[VAL_AT[1]][i]}))
         return out
 
-    def _leave_outs(self, fold_stats: FoldStats, min_count: int, budget: int) -> list[tuple[torch.Tensor, Screen]]:
-        """Per fold f, the classes of ``min_count`` train tokens outside it and the screen of their means without it
-        (:class:`LeaveOut`), for ``folds[NC4_WITHOUT]``."""
-        n = fold_stats.count.sum(0)
-        out = []
-        for f in range(len(fold_stats.parts)):
-            kept = torch.nonzero(n - fold_stats.count[f] >= min_count).squeeze(1).to(self.mean.device)
-            out.append((kept, Screen(LeaveOut(fold_stats, self.mean, f), [kept], budget, shift=self.ncc.shift)))
-        return out
+    def _leave_outs(self, fold_stats: FoldStats, min_count: int, budget: int) -> list[WithoutFold]:
+        """Per fold f, NC4's nearest-mean decisions over the classes of ``min_count`` train tokens outside it, their
+        means without it (:class:`WithoutFold`), for ``folds[NC4_WITHOUT]``."""
+        return [WithoutFold(fold_stats, self.ncc, f, min_count, budget) for f in range(len(fold_stats.parts))]
 
     @classmethod
     def zeros(cls, vocab: int, device: str | torch.device | None = None, folds: int | None = None,
@@ -455,7 +450,7 @@ class DecisionCounts(Sums):
         ``rescore(rows, kept)`` over the set."""
         out = []
         for kept, inside in [(k, m) for (k, _), m in zip(self.sets, self.ncc.member)] + \
-                [(k, w.member[0]) for k, w in self.without]:
+                [(w.kept, w.member) for w in self.without]:
             top = best if len(out) < len(self.sets) else out[0]  # a leave-one-out set is within the kept set
             d = top.clone()
             out_rows = torch.nonzero(~inside[top]).squeeze(1)
@@ -476,10 +471,13 @@ class DecisionCounts(Sums):
             linear = self._per_set(self._argmax(zc, self.union), lambda r, kept: self._argmax(zc[r], kept))
             self.count_sets(hc, yc, linear)
 
-    def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> None:
+    def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, top: torch.Tensor | None = None
+                     ) -> None:
         """Count a chunk from its head logits over the whole vocabulary (n x vocab), at the kept set and at each
-        NC4_MIN_COUNTS kept set (each set's argmax of its columns, the first of equal logits)."""
-        self.count_sets(h, y, self._per_set(logits.argmax(1), lambda r, kept: kept[logits[r[:, None], kept].argmax(1)]))
+        NC4_MIN_COUNTS kept set (each set's argmax of its columns, the first of equal logits); ``top``: the logits'
+        argmax where the caller has it."""
+        top = logits.argmax(1) if top is None else top
+        self.count_sets(h, y, self._per_set(top, lambda r, kept: kept[logits[r[:, None], kept].argmax(1)]))
 
     def count(self, h: torch.Tensor, y: torch.Tensor, linear: torch.Tensor) -> None:
         """Count a chunk at the kept set ``kept`` alone (not the NC4_MIN_COUNTS sets), its linear decisions given:
@@ -498,15 +496,33 @@ class DecisionCounts(Sums):
     def count_sets(self, h: torch.Tensor, y: torch.Tensor, linear: list[torch.Tensor]) -> None:
         """Count a chunk at every kept set, ``linear`` its linear decisions per set (in ``sets``' order); the
         nearest-mean decisions from the screen."""
-        ncc = self.ncc.argmax(h)
+        replicates = bool(self.without) and self._fold is not None
+        ncc = self.ncc.argmax(h, WithoutFold.FIRST if replicates else 0)
         for (_, counts), lin, near in zip(self.sets, linear, ncc):
             _tally(counts, y, lin == y, lin == near)
-        if self.without and self._fold is not None:  # each replicate's: means and validation tokens without fold f
-            fold, agree = self._fold[self._at:self._at + len(y)], self.folds[NC4_WITHOUT]
-            for f, ((_, screen), lin) in enumerate(zip(self.without, linear[len(self.sets):])):
-                at = y[(fold != f) & (lin == screen.argmax(h)[0])]
-                agree[f].index_add_(0, at, torch.ones_like(at))
+        if replicates:
+            self._count_without(h, y, linear[len(self.sets):], ncc[len(self.sets):])
         self._count_folds(y, linear[0], ncc[0])
+
+    def _count_without(self, h: torch.Tensor, y: torch.Tensor, linear: list[torch.Tensor],
+                       top: list[torch.Tensor]) -> None:
+        """Each replicate's agreements (``folds[NC4_WITHOUT]``): the means and validation tokens without fold f,
+        ``linear`` the decisions per leave-one-fold-out set, ``top`` the full screen's best scores, their classes and
+        bounds (:class:`WithoutFold`); the tokens some fold leaves unclear are screened once for all folds."""
+        fold, agree = self._fold[self._at:self._at + len(y)], self.folds[NC4_WITHOUT]
+        parts = []
+        for f, without in enumerate(self.without):
+            t = torch.nonzero(fold != f).squeeze(1)
+            parts.append((t, *without.fast(h[t], *(v[t] for v in top))))
+        pending = torch.unique(torch.cat([t[again] for t, _, again, _ in parts]))
+        row = torch.full((len(y),), -1, dtype=torch.int64, device=y.device)
+        row[pending] = torch.arange(len(pending), device=y.device)
+        sc = self.ncc.scores((h[pending] - self.ncc.shift).float())[:, :self.ncc.size[0]] if len(pending) else None
+        for f, ((t, d, again, bound), without, lin) in enumerate(zip(parts, self.without, linear)):
+            if len(again):
+                d[again] = without.exact(h[t[again]], sc[row[t[again]]], bound[again])
+            at = y[t][lin[t] == d]
+            agree[f].index_add_(0, at, torch.ones_like(at))
 
     def linear_decisions(self, logits: torch.Tensor) -> torch.Tensor:
         """The linear decisions from a chunk's head logits over the whole vocabulary (n x vocab): the kept class of
@@ -520,8 +536,8 @@ class DecisionCounts(Sums):
 
 class LeaveOut:
     """The float64 class means without fold f, rows made on demand (``means[classes]``, as a Screen reads them):
-    (n_c mu_c - n_c^f mu_c^f) / (n_c - n_c^f), from the totals' means and the fold sums (not finite where every
-    train token of c is in fold f; such classes are not kept)."""
+    (n_c mu_c - n_c^f mu_c^f) / (n_c - n_c^f), from the totals' means and the fold sums, mu_c itself where fold f
+    holds no token of c (not finite where every train token of c is in fold f; such classes are not kept)."""
 
     def __init__(self, fold_stats: FoldStats, mean: torch.Tensor, f: int):
         self.n, self.mean = fold_stats.count.sum(0).to(mean.device), mean
@@ -530,7 +546,72 @@ class LeaveOut:
 
     def __getitem__(self, c: torch.Tensor) -> torch.Tensor:
         n, nf = self.n[c].to(torch.float64)[:, None], self.nf[c].to(torch.float64)[:, None]
-        return (n * self.mean[c] - nf * self.mf[c].to(self.device)) / (n - nf)
+        return torch.where(nf == 0, self.mean[c], (n * self.mean[c] - nf * self.mf[c].to(self.device)) / (n - nf))
+
+
+class WithoutFold:
+    """NC4's nearest-mean decisions over fold f's leave-one-out kept set (the classes of ``min_count`` train tokens
+    outside it), with their means without it (:class:`LeaveOut`), exactly the float64 argmax over the set.
+
+    A class with no train token in fold f keeps its mean, so its screened score is the full screen's (``main``); only
+    the classes with one ("moved") are screened again, one GEMM over them. A token is decided where the best of its
+    full list (the kept set's :attr:`FIRST` best screened scores, unmoved members of the set alone) and of the moved
+    classes beats every other (the rest of the list, the list's last score for every class past it, the moved classes'
+    next) by more than twice the larger error bound (screen.py). Every other token is rechecked as a screen rechecks:
+    its screened scores at every class of the set (the full screen's where unmoved), the candidates within that bound of
+    its best scored in float64, the first of the largest. ``decided`` and ``rechecked`` count the two kinds.
+    """
+
+    FIRST = 8  # the full screen's best scores per token that the replicates read
+
+    def __init__(self, fold_stats: FoldStats, main: Screen, f: int, min_count: int, budget: int):
+        mean = main.means
+        n, nf = fold_stats.count.sum(0).to(mean.device), fold_stats.count[f].to(mean.device)
+        self.kept = torch.nonzero(n - nf >= min_count).squeeze(1)
+        self.member = torch.zeros(len(n), dtype=torch.bool, device=mean.device)
+        self.member[self.kept] = True
+        self.still = self.member & (nf == 0)  # kept, and its mean the full one
+        self.rows, self.main = LeaveOut(fold_stats, mean, f), main
+        self.moved = Screen(self.rows, [torch.nonzero(self.member & (nf > 0)).squeeze(1)], budget, shift=main.shift)
+        at = torch.full((len(n),), -1, dtype=torch.int64, device=mean.device)  # a moved class's column in its screen
+        at[self.moved.union] = torch.arange(len(self.moved.union), device=mean.device)
+        cols = main.union[:main.size[0]]  # the kept set's columns of the full screen
+        self.cols_still, self.cols_moved, self.moved_at = self.still[cols], at[cols] >= 0, at[cols][at[cols] >= 0]
+        self.decided = self.rechecked = 0
+
+    def argmax(self, x: torch.Tensor, top: torch.Tensor, cls: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The decisions for tokens ``x`` (n x d, float64), given the full screen's best scores ``top`` (n x FIRST,
+        descending), their classes ``cls`` and its bound ``e`` (:meth:`Screen.argmax` with ``first``)."""
+        out, again, bound = self.fast(x, top, cls, e)
+        if len(again):
+            out[again] = self.exact(x[again], self.main.scores((x[again] - self.main.shift).float()), bound[again])
+        return out
+
+    def fast(self, x: torch.Tensor, top: torch.Tensor, cls: torch.Tensor, e: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(decisions, the tokens left unclear, the larger bound per token) as :meth:`argmax` takes them: the
+        unclear tokens' decisions are to be made by :meth:`exact`."""
+        v2, c2, e2 = self.moved.leaders(x - self.main.shift)
+        vals = torch.cat([top.masked_fill(~self.still[cls], -torch.inf), v2], 1)
+        best, at = vals.max(1)
+        rest = torch.maximum(vals.scatter(1, at[:, None], -torch.inf).amax(1), top[:, -1])
+        bound = torch.maximum(e, e2)
+        clear = best.double() - rest.double() > 2 * bound  # nan (no class) or an infinite bound: unclear
+        again = torch.nonzero(~clear).squeeze(1)
+        self.decided, self.rechecked = self.decided + len(x) - len(again), self.rechecked + len(again)
+        return torch.cat([cls, c2], 1).gather(1, at[:, None]).squeeze(1), again, bound
+
+    def exact(self, x: torch.Tensor, sc: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The float64 decisions of tokens ``x`` from the full screen's scores ``sc`` (tokens x its columns, the kept
+        set's first): the set's members within 2 ``e`` of each token's best screened score (the moved classes screened
+        again), scored in float64 (:meth:`Screen.rescore`); -1 for an empty set."""
+        if len(self.kept) == 0:
+            return torch.full((len(x),), -1, dtype=torch.int64, device=x.device)
+        sc = sc[:, :self.main.size[0]].clone()
+        if self.cols_moved.any():
+            sc[:, self.cols_moved] = self.moved.scores((x - self.main.shift).float())[:, self.moved_at]
+        return Screen.rescore(x, sc, self.cols_still | self.cols_moved, self.main.union[:self.main.size[0]], e,
+                              self.rows)
 
 
 def _tally(counts: dict[str, torch.Tensor], key: torch.Tensor, correct: torch.Tensor, agree: torch.Tensor) -> None:

@@ -134,35 +134,49 @@ class Screen:
         with ieee_float32():
             return torch.addmm(self.o32[s:s + self.tile], x32, self._rows32(s).T)
 
-    def top(self, x32: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per set, the two best screened scores of each token (n x 2, descending; -inf where the set has one
-        class) and their columns in the union."""
+    def top(self, x32: torch.Tensor, first: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per set, the best screened scores of each token (n x 2, the first set's n x ``first``; descending, -inf
+        where the set has fewer classes) and their columns in the union."""
         n, dev = len(x32), x32.device
-        best = [(torch.full((n, 2), -torch.inf, device=dev), torch.zeros(n, 2, dtype=torch.int64, device=dev))
-                for _ in self.size]
+        ks = [max(2, first)] + [2] * (len(self.size) - 1)
+        best = [(torch.full((n, k), -torch.inf, device=dev), torch.zeros(n, k, dtype=torch.int64, device=dev))
+                for k in ks]
         for s in range(0, len(self.union), self.tile):
             sc = self._scores(x32, s)
-            for j, k in enumerate(self.size):
+            for j, (k, top) in enumerate(zip(self.size, ks)):
                 if k > s:
-                    v, c = sc[:, :k - s].topk(min(2, k - s, sc.shape[1]), dim=1)
-                    v, at = torch.cat([best[j][0], v], 1).topk(2, dim=1)
+                    v, c = sc[:, :k - s].topk(min(top, k - s, sc.shape[1]), dim=1)
+                    v, at = torch.cat([best[j][0], v], 1).topk(top, dim=1)
                     best[j] = (v, torch.cat([best[j][1], c + s], 1).gather(1, at))
         return best
 
-    def argmax(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each set's decision for each token of ``x`` (n x d, float64): n class ids per set, in ``sets``' order; -1
-        for every token where the sets are empty (no class kept: no token's label is in them, so none counts)."""
+    def leaders(self, xs: torch.Tensor, first: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first set's ``first`` best screened scores of shifted tokens ``xs`` (float64, n x d): (scores n x
+        first, descending, -inf past the set's size; their class ids; E(x) per token), nothing rechecked."""
         if len(self.union) == 0:
-            return [torch.full((len(x),), -1, dtype=torch.int64, device=x.device) for _ in self.size]
+            n = len(xs)
+            return (torch.full((n, first), -torch.inf, device=xs.device),
+                    torch.zeros(n, first, dtype=torch.int64, device=xs.device), self.bound(xs))
+        v, c = self.top(xs.float(), first)[0]
+        return v, self.union[c], self.bound(xs)
+
+    def argmax(self, x: torch.Tensor, first: int = 0) -> list[torch.Tensor]:
+        """Each set's decision for each token of ``x`` (n x d, float64): n class ids per set, in ``sets``' order; -1
+        for every token where the sets are empty (no class kept: no token's label is in them, so none counts). With
+        ``first`` > 0, three more: the first set's ``first`` best screened scores per token (n x first, float32,
+        descending), their class ids and E(x) (:meth:`leaders`'s), for decisions over sets near the first."""
+        if len(self.union) == 0:
+            none = [torch.full((len(x),), -1, dtype=torch.int64, device=x.device) for _ in self.size]
+            return none + (list(self.leaders(x - self.shift, first)) if first else [])
         out = []
         for s in range(0, len(x), self.chunk):
             xc = x[s:s + self.chunk]
             xs = xc - self.shift
             e = self.bound(xs)
-            best = self.top(xs.float())
+            best = self.top(xs.float(), first)
             d = [self.union[c[:, 0]] for _, c in best]
             self.recheck(xc, xs, e, d, torch.stack([~(v[:, 0].double() - v[:, 1].double() > 2 * e) for v, _ in best]))
-            out.append(d)
+            out.append(d + ([best[0][0][:, :first], self.union[best[0][1][:, :first]], e] if first else []))
         return [torch.cat(d) for d in zip(*out)]
 
     def recheck(self, x: torch.Tensor, xs: torch.Tensor, e: torch.Tensor, out: list[torch.Tensor],
@@ -184,16 +198,26 @@ class Screen:
 
     def _exact(self, x: torch.Tensor, sc: torch.Tensor, j: int, e: torch.Tensor) -> torch.Tensor:
         """Set ``j``'s float64 decision for tokens ``x`` from their screened scores ``sc`` (tokens x union)."""
-        keep = self.member[j][self.union]
+        return self.rescore(x, sc, self.member[j][self.union], self.union, e, self.means, self.half_sq, self.budget)
+
+    @staticmethod
+    def rescore(x: torch.Tensor, sc: torch.Tensor, keep: torch.Tensor, cols: torch.Tensor, e: torch.Tensor, means,
+                half_sq: torch.Tensor | None = None, budget: int = 1 << 25) -> torch.Tensor:
+        """The float64 decision of each token of ``x`` over the set ``keep`` (a mask of ``cols``' classes) from its
+        screened scores ``sc`` (tokens x ``cols``): the members within 2 ``e`` of its best (every member where ``e``
+        is inf), scored
+        o_c + x . mu_c with mu_c = ``means[c]`` and o_c = -``half_sq[c]`` (default: ||mu_c||^2 / 2 of those rows),
+        the first (smallest) class of the largest score."""
         best = sc.masked_fill(~keep, -torch.inf).amax(1).double()
         # the candidates' threshold, lowered past float32's rounding of it (more candidates, never fewer)
         low = (best - 2 * e - best.abs() * 2.0 ** -22).float()
         near = keep & ((sc >= low[:, None]) | torch.isinf(e)[:, None])
         token, col = torch.nonzero(near, as_tuple=True)
-        cls = self.union[col]
+        cls = cols[col]
         exact = torch.empty(len(token), dtype=torch.float64, device=x.device)
-        step = max(1, self.budget // max(1, x.shape[1]))
+        step = max(1, budget // max(1, x.shape[1]))
         for s in range(0, len(token), step):  # pairs a budget of (pair, width) cells at a time
             t, c = token[s:s + step], cls[s:s + step]
-            exact[s:s + step] = (x[t] * self.means[c]).sum(1) - self.half_sq[c]
+            m = means[c]
+            exact[s:s + step] = (x[t] * m).sum(1) - (half_sq[c] if half_sq is not None else 0.5 * (m * m).sum(1))
         return first_argmax(exact, token, cls, len(x))

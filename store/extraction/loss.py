@@ -47,27 +47,30 @@ class NextTokenLoss(Sums):
                 "tokens": torch.zeros((), dtype=torch.int64, device=device)}
 
     def update(self, h: torch.Tensor, y: torch.Tensor,
-               also: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+               also: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Add a batch.
 
         Parameters
         ----------
         h, y : the features (n x d) and labels (n).
-        also : where given, ``also(h, y, logits)`` is called with each chunk (float64, int64) and its head logits
-            before the transform, so that NC4's decisions share them (the head's float64 logits formed once).
+        also : where given, ``also(h, y, logits, top)`` is called with each chunk (float64, int64), its head logits
+            before the transform and their argmax (the first of equal logits), so that NC4's decisions share them (the
+            head's float64 logits formed once).
         """
         h, y = h.to(self.w.device, torch.float64), y.to(self.w.device, torch.int64)
+        same = self.transform.describe() == "none"  # the transformed logits' argmax is the head's
         for s in range(0, len(y), self.chunk):
             hc, yc = h[s:s + self.chunk], y[s:s + self.chunk]
             logits = hc @ self.w.T
             if self.b is not None:
                 logits += self.b
+            top = logits.argmax(1)
             if also is not None:
-                also(hc, yc, logits)
+                also(hc, yc, logits, top)
             logits = self.transform(logits)
             nll = torch.logsumexp(logits, 1) - logits.gather(1, yc[:, None]).squeeze(1)
             self.state["loss_sum"] += nll.sum()
-            self.state["correct"] += (logits.argmax(1) == yc).sum()
+            self.state["correct"] += ((top if same else logits.argmax(1)) == yc).sum()
             self.state["tokens"] += len(yc)
 
     def sums(self) -> dict[str, torch.Tensor]:

@@ -168,8 +168,8 @@ def fold_bytes(vocab: int, dim: int) -> int:
 
 def leave_out_bytes(vocab: int, dim: int, device: torch.device) -> int:
     """Bytes one fold adds to a layer's validation pass beside :func:`fold_bytes`: the screen of the means without
-    it (accumulate.LeaveOut; :func:`screen_bytes` for one set, the float32 means on the CPU alone) and its kept
-    classes' indices (every class kept)."""
+    it (accumulate.WithoutFold: the float32 means of the classes fold f holds, on the CPU alone; at most every class,
+    as :func:`screen_bytes` for one set) and its kept classes' indices and masks (every class kept)."""
     return vocab * (8 + 8 + 8 + 4 + 1 + 8) + dim * 8 + (vocab * dim * 4 if device.type == "cpu" else 0)
 
 def fit_folds(folds: int, vocab: int, dim: int, samples_per_class: int, layers: int, device: torch.device,

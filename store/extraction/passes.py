@@ -220,9 +220,9 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     if last is not None:
         transform, loss = model_loss(model, blocks, head, classifier.dtype, ex.main().lm, desc)
 
-    def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor) -> None:
-        # the last layer's decisions read the kept columns of the logits the loss forms: formed once
-        counts[last].count_logits(hc, yc, logits)
+    def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor, top: torch.Tensor) -> None:
+        # the last layer's decisions read the kept columns of the logits the loss forms (and their argmax): formed once
+        counts[last].count_logits(hc, yc, logits, top)
     end = labels.val_end
     for h, batch, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation", end=end):
         width = blocks.block_size - (end == -1)

@@ -91,3 +91,57 @@ def test_the_screens_error_stays_within_its_bound(scale):
 def test_nested_sets_are_required():
     with pytest.raises(ValueError, match="nested"):
         Screen(torch.zeros(5, 2, dtype=torch.float64), [torch.tensor([0, 1]), torch.tensor([2, 3])])
+
+
+def near_pairs(rows: np.ndarray, pairs, scale: float) -> list[np.ndarray]:
+    """Tokens near the mid-plane of each pair of ``rows``: margins +-1e-7 and +-1e-9 of ``scale``."""
+    out = []
+    for a, b in pairs:
+        v = rows[b] - rows[a]
+        for lam in (1e-7 * scale, 1e-9 * scale):
+            out += [(rows[a] + rows[b]) / 2 + sign * lam * v / (v @ v) for sign in (1, -1)]
+    return out
+
+
+@pytest.mark.parametrize("budget", [1 << 25, 16 * 7], ids=["one-tile", "tiles-of-7"])
+def test_leave_one_fold_out_decisions_equal_a_float64_brute_force_on_planted_near_ties(budget):
+    """NC4's replicate decisions (accumulate.WithoutFold: the full screen's best scores for the classes fold 0 does
+    not move, one screen of the moved ones, the unclear tokens screened again in full) equal a float64 brute force over
+    the means without fold 0, at near-ties between a moved and an unmoved class, two unmoved, two moved, exact ties
+    (the first class wins), a class fold 0 holds alone (not kept), and at random; both ways of deciding are used."""
+    from ncanalyze.analyzer.accumulate import FoldStats, WithoutFold
+    rng = np.random.default_rng(5)
+    F, V, d = 4, 48, 16
+    common = rng.normal(size=d) * 20
+    fold_mean = common + rng.normal(size=(F, V, d))
+    count = rng.integers(0, 4, (F, V))
+    count[:, 0] = [0, 0, 0, 0]  # never seen
+    count[:, 2] = [5, 0, 0, 0]  # fold 0 alone: not kept without it
+    move, still = [10, 30, 31, 7], [11, 20, 21, 5, 6, 8]  # classes fold 0 holds (moved), and does not (still)
+    count[:, move] = [[3], [3], [0], [0]]
+    count[:, still] = [[0], [3], [3], [0]]
+    fold_mean[2, still] = fold_mean[1, still]  # a still class's mean is its folds' common one
+    for a, b in [(10, 11), (20, 21), (30, 31)]:  # pairs close without fold 0 (a moved class: its fold-1 mean)
+        fold_mean[1:3, b] = fold_mean[1, a] + 0.05 * rng.normal(size=d)
+    fold_mean[:, [7, 8]] = np.round(fold_mean[:, [7, 8]] * 4) / 4  # dyadic: 7's mean without fold 0 is exact
+    fold_mean[1:3, 6], fold_mean[1, 7] = fold_mean[1, 5], fold_mean[1, 8]  # exact ties: 5 = 6 (still), 7 = 8
+    fs = FoldStats(F, V, d, scatter=False)
+    fs.count[:] = torch.from_numpy(count)
+    fs.mean[:] = torch.from_numpy(fold_mean)
+    n = count.sum(0)
+    mean = torch.from_numpy(np.where(n[:, None] > 0, (count[..., None] * fold_mean).sum(0) / np.maximum(n, 1)[:, None],
+                                     0.0))
+    mean[still] = torch.from_numpy(fold_mean[1, still])  # exactly their fold means
+    kept = torch.nonzero(torch.from_numpy(n) >= 1).squeeze(1)
+    main = Screen(mean, [kept], budget=budget)
+    without = WithoutFold(fs, main, 0, 1, budget)
+    rows = without.rows[torch.arange(V)].numpy()
+    h = np.concatenate([rows[[5, 6, 7, 8]], np.stack(near_pairs(rows, [(10, 11), (20, 21), (30, 31)],
+                                                                np.linalg.norm(rows[without.kept], axis=1).max() ** 2)),
+                        common + rng.normal(size=(300, d)) * 1.5])
+    _, top, cls, e = main.argmax(torch.from_numpy(h), WithoutFold.FIRST)
+    got = without.argmax(torch.from_numpy(h), top, cls, e).numpy()
+    np.testing.assert_array_equal(got, brute(h, rows, without.kept.numpy()))
+    assert got[:4].tolist() == [5, 5, 7, 7] and 2 not in got and 2 not in without.kept.tolist()
+    assert got[4:16].tolist() == [b if i % 2 == 0 else a for a, b in [(10, 11), (20, 21), (30, 31)] for i in range(4)]
+    assert without.rechecked >= 4 + 6 and without.decided > 250  # the ties and the 1e-9 near-ties at least

@@ -111,7 +111,7 @@ def test_the_loss_and_nc4_share_the_heads_logits_with_the_same_counts(trained_ru
     alone, both = (NextTokenLoss(W, b, LogitTransform.of(model.config), budget=V * 50) for _ in range(2))
     own.update(h, y)
     alone.update(h, y)
-    both.update(h, y, lambda hc, yc, logits: shared.count(hc, yc, shared.linear_decisions(logits)))
+    both.update(h, y, lambda hc, yc, logits, top: shared.count(hc, yc, shared.linear_decisions(logits)))
     for n in DecisionCounts.NAMES:
         assert torch.equal(own.counts[n], shared.counts[n]), n
     for n in NextTokenLoss.NAMES:
