@@ -58,6 +58,17 @@ def first_argmax(score: torch.Tensor, token: torch.Tensor, cls: torch.Tensor, n:
     return out.scatter_reduce(0, token[top], cls[top], "amin")
 
 
+def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], k: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best of two lists of (scores, columns) per token (descending)."""
+    v, c = torch.cat([a[0], b[0]], 1), torch.cat([a[1], b[1]], 1)
+    if v.shape[1] <= k:
+        v, at = v.sort(dim=1, descending=True)
+    else:
+        v, at = v.topk(k, dim=1)
+    return v, c.gather(1, at)
+
+
 class Screen:
     """argmax_{c in S} (x . mu_c - ||mu_c||^2 / 2) for each set S of ``sets``, a chunk of tokens at a time
     (:meth:`argmax`); the tokens screened and rechecked are counted (``screened``, ``rechecked``: tokens x sets).
@@ -136,19 +147,33 @@ class Screen:
 
     def top(self, x32: torch.Tensor, first: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per set, the best screened scores of each token (n x 2, the first set's n x ``first``; descending, -inf
-        where the set has fewer classes) and their columns in the union."""
-        n, dev = len(x32), x32.device
-        ks = [max(2, first)] + [2] * (len(self.size) - 1)
-        best = [(torch.full((n, k), -torch.inf, device=dev), torch.zeros(n, k, dtype=torch.int64, device=dev))
-                for k in ks]
+        where the set has fewer classes) and their columns in the union: one ``topk`` per segment of the union
+        between two sets' ends (the sets are prefixes), merged per set."""
+        n, dev, k = len(x32), x32.device, max(2, first)
+        ends = sorted(set(self.size))
+        seg = {e: (torch.full((n, 0), -torch.inf, device=dev), torch.zeros(n, 0, dtype=torch.int64, device=dev))
+               for e in ends}
         for s in range(0, len(self.union), self.tile):
             sc = self._scores(x32, s)
-            for j, (k, top) in enumerate(zip(self.size, ks)):
-                if k > s:
-                    v, c = sc[:, :k - s].topk(min(top, k - s, sc.shape[1]), dim=1)
-                    v, at = torch.cat([best[j][0], v], 1).topk(top, dim=1)
-                    best[j] = (v, torch.cat([best[j][1], c + s], 1).gather(1, at))
-        return best
+            for lo, hi in zip([0] + ends, ends):
+                a, b = max(lo, s), min(hi, s + sc.shape[1])
+                if a < b:
+                    v, c = sc[:, a - s:b - s].topk(min(k, b - a), dim=1)
+                    seg[hi] = _merge(seg[hi], (v, c + a), k)
+        out = []
+        for j, size in enumerate(self.size):
+            best = (torch.full((n, 0), -torch.inf, device=dev), torch.zeros(n, 0, dtype=torch.int64, device=dev))
+            for e in ends:
+                if e <= size:
+                    best = _merge(best, seg[e], k)
+            v, c = best
+            want = k if j == 0 else 2
+            if v.shape[1] < want:  # fewer classes than asked: -inf past them
+                pad = want - v.shape[1]
+                v = torch.cat([v, torch.full((n, pad), -torch.inf, device=dev)], 1)
+                c = torch.cat([c, torch.zeros(n, pad, dtype=torch.int64, device=dev)], 1)
+            out.append((v[:, :want], c[:, :want]))
+        return out
 
     def leaders(self, xs: torch.Tensor, first: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first set's ``first`` best screened scores of shifted tokens ``xs`` (float64, n x d): (scores n x
