@@ -19,6 +19,11 @@ def _one_thread() -> None:
     torch.set_num_threads(1)  # this worker's own OpenMP and MKL settings (thread-local); the caller's stay as they were
 
 
+def _as_caller(task: Callable[[], None], inference: bool, grad: bool) -> None:
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        task()
+
+
 class Workers:
     """Runs lists of independent calls (:meth:`__call__`) on ``torch.get_num_threads()`` worker threads of one intra-op
     thread each, or in the caller where that is 1 or ``device`` is not the CPU; the pool follows the policy's count
@@ -40,7 +45,8 @@ class Workers:
         if n != self._size:
             self.close()
             self._pool, self._size = ThreadPoolExecutor(n, "accumulate", initializer=_one_thread), n
-        futures = [self._pool.submit(task) for task in tasks]
+        modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()  # thread-local: the caller's, carried over
+        futures = [self._pool.submit(_as_caller, task, *modes) for task in tasks]
         wait(futures)
         for future in futures:
             future.result()

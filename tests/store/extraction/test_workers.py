@@ -112,3 +112,20 @@ def test_an_error_in_one_update_is_raised_after_the_others_ran():
     finally:
         torch.set_num_threads(before)
     assert sorted(ran) == list(range(5))
+
+
+def test_the_updates_run_in_the_callers_inference_mode():
+    """Inference mode is a thread's own: state made under it (as a benchmark makes it) is updated in place on the
+    workers as in the caller, and the workers leave it off where the caller has it off."""
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with Workers("cpu") as run:
+            with torch.inference_mode():
+                state = torch.zeros(3)
+                run([lambda: state.add_(1), lambda: seen.append(torch.is_inference_mode_enabled())])
+            run([lambda: seen.append(torch.is_inference_mode_enabled())])
+    finally:
+        torch.set_num_threads(before)
+    assert state.tolist() == [1.0, 1.0, 1.0] and seen == [True, False]
