@@ -225,8 +225,8 @@ def parts(model, batches: list, args, device, sync) -> None:
             ys = y.cpu().numpy()
             clock("accumulators (as the train pass runs them)", lambda: run(batch_tasks(pass_, h, y, fold, ys, pos)))
             tasks = batch_tasks(alone, h, y, fold, ys, pos)
-            clock("statistics alone (with folds: fold sums)", lambda: run(tasks[:-1]))
-            clock("reservoir alone", lambda: run(tasks[-1:]))
+            clock("statistics alone (with folds: fold sums)", lambda: run(tasks[1:]))
+            clock("reservoir alone", lambda: run(tasks[:1]))
             if fold is not None:
                 clock("totals beside the folds (before)", lambda: (totals.update(h[0], y, Groups(y)),
                                                                    folds.update(h[0], y, fold)))

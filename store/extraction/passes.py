@@ -138,8 +138,9 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
 def batch_tasks(ex: Extraction, h: torch.Tensor, y: torch.Tensor, fold: torch.Tensor | None, labels: np.ndarray,
                 pos: np.ndarray) -> list[Callable[[], None]]:
     """A train batch's updates of every layer of the pass, as calls on disjoint arrays (``workers.Workers`` runs
-    them): the statistics (with folds, one call per fold, into the fold sums alone: the totals are made from them), the
-    batch grouped once for every layer; then each layer's reservoir.
+    them): each layer's reservoir first (the longest call, started first so that it ends with the rest), then the
+    statistics (with folds, one call per fold, into the fold sums alone: the totals are made from them), the batch
+    grouped once for every layer.
 
     Parameters
     ----------
@@ -154,8 +155,8 @@ def batch_tasks(ex: Extraction, h: torch.Tensor, y: torch.Tensor, fold: torch.Te
     list of callables : the updates, each to run once.
     """
     groups = ex.first().grouping(y, fold)
-    tasks = [t for i, s in enumerate(ex.layers.values()) for t in s.tasks(h[i], y, groups, fold)]
-    return tasks + [functools.partial(s.reservoir.update, h[i], labels, pos) for i, s in enumerate(ex.layers.values())]
+    reservoirs = [functools.partial(s.reservoir.update, h[i], labels, pos) for i, s in enumerate(ex.layers.values())]
+    return reservoirs + [t for i, s in enumerate(ex.layers.values()) for t in s.tasks(h[i], y, groups, fold)]
 
 
 def model_loss(model, blocks: Blocks, head: tuple[torch.Tensor, torch.Tensor | None], dtype: torch.dtype,

@@ -52,9 +52,11 @@ class Workers:
             future.result()
 
     def close(self) -> None:
-        """End the pool's threads (a later call starts a new pool)."""
+        """End the pool's threads (a later call starts a new pool), and give torch's process-wide default for new
+        threads back the caller's count (a worker's setting of its own count set that default to 1)."""
         if self._pool is not None:
             self._pool.shutdown()
+            torch.set_num_threads(torch.get_num_threads())
         self._pool, self._size = None, 0
 
     def __enter__(self) -> Workers:
