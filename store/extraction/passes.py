@@ -107,7 +107,8 @@ def _data_changed(blocks: Blocks, desc: str) -> None:
 
 def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str) -> None:
     """Class statistics (with folds, the fold sums, from which the totals are made), the reservoir and the staged
-    embeddings of every layer of the pass; a sample's position is its token's index in the train stream.
+    embeddings of every layer of the pass; a sample's position is its token's index in the train stream. Each batch's
+    updates (:func:`batch_tasks`) run at once on the cores the thread policy gives (``workers.Workers``).
 
     Parameters
     ----------
