@@ -185,15 +185,23 @@ def main() -> None:
 @torch.inference_mode()
 def parts(model, batches: list, args, device, sync) -> None:
     """Where a train batch's time goes, against the base-model forward timed on the same batch just before (so a
-    burst of load hits both alike): the extraction's forward (features), its statistics as the train pass updates
-    them (with folds: the fold sums alone) and, for comparison, the totals updated batch by batch beside the fold sums
-    (``ClassStats.update`` and ``FoldStats.update``, as the pass did before issue 52), the reservoir; medians over
-    the batches after the first two, each a share of the forward's median. The totals made from the folds (once a
-    pass and at each state save) are timed after the last batch, as a share of one batch's forward."""
+    burst of load hits both alike): the extraction's forward (features), then the batch's accumulators as the train
+    pass runs them (``passes.batch_tasks`` on ``workers.Workers``: with folds, each fold's sums, and the reservoir, at
+    once on the cores the thread policy gives), and, each on a state of its own through the same workers, the
+    statistics alone (with folds: the fold sums alone) and the reservoir alone; for comparison, the totals updated
+    batch by batch beside the fold sums (``ClassStats.update`` and ``FoldStats.update`` in the caller, as the pass did
+    before issue 52); medians over the batches after the first two, each a share of the forward's median. The totals
+    made from the folds (once a pass and at each state save) are timed after the last batch, as a share of one
+    batch's forward."""
     from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, Groups, fold_of
+    from ncanalyze.store.extraction.passes import batch_tasks
+    from ncanalyze.store.extraction.workers import Workers
     from ncanalyze.store.sources.anatomy import features
 
-    now = LayerState(args.vocab, args.width, args.samples_per_class, 0, device, args.folds)
+    def state() -> Extraction:
+        return Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device, folds=args.folds)
+
+    pass_, alone = state(), state()
     totals, folds = ClassStats(args.vocab, args.width, device), FoldStats(max(2, args.folds), args.vocab, args.width,
                                                                            device)
     took: dict[str, list[float]] = {}
@@ -207,35 +215,38 @@ def parts(model, batches: list, args, device, sync) -> None:
         return out
 
     L = args.block_size
-    for i, b in enumerate(batches):
-        clock("base-model forward", lambda: model.transformer(b))
-        h = clock("features (the extraction's forward)", lambda: features(model, b)).reshape(-1, args.width)
-        y = b[:, 1:].reshape(-1)
-        fold = fold_of(i * args.batch_size, len(b), L - 1, args.folds, device) if args.folds > 1 else None
-        clock("statistics (fold sums alone)", lambda: now.update(h, y, Groups(y) if fold is None else None, fold))
-        if fold is not None:
-            clock("totals beside the folds (before)", lambda: (totals.update(h, y, Groups(y)),
-                                                                   folds.update(h, y, fold)))
-        pos = ((i * args.batch_size + np.arange(len(b)))[:, None] * L + np.arange(L - 1)).ravel()
-        clock("reservoir", lambda: now.reservoir.update(h, y.cpu().numpy(), pos))
-    clock("totals from the folds (once)", lambda: now.stats)
+    with Workers(device) as run:
+        for i, b in enumerate(batches):
+            clock("base-model forward", lambda: model.transformer(b))
+            h = clock("features (the extraction's forward)", lambda: features(model, b)).reshape(1, -1, args.width)
+            y = b[:, 1:].reshape(-1)
+            fold = fold_of(i * args.batch_size, len(b), L - 1, args.folds, device) if args.folds > 1 else None
+            pos = ((i * args.batch_size + np.arange(len(b)))[:, None] * L + np.arange(L - 1)).ravel()
+            ys = y.cpu().numpy()
+            clock("accumulators (as the train pass runs them)", lambda: run(batch_tasks(pass_, h, y, fold, ys, pos)))
+            tasks = batch_tasks(alone, h, y, fold, ys, pos)
+            clock("statistics alone (with folds: fold sums)", lambda: run(tasks[1:]))
+            clock("reservoir alone", lambda: run(tasks[:1]))
+            if fold is not None:
+                clock("totals beside the folds (before)", lambda: (totals.update(h[0], y, Groups(y)),
+                                                                   folds.update(h[0], y, fold)))
+    clock("totals from the folds (once)", lambda: pass_.first().stats)
     base = np.median(took["base-model forward"][2:])
-    print(f"parts of a train batch ({len(batches)} batches, --folds {args.folds}), medians against the base-model "
-          f"forward's {base * 1e3:.0f} ms; load average {os.getloadavg()[0]:.1f}")
+    print(f"parts of a train batch ({len(batches)} batches, --folds {args.folds}, {torch.get_num_threads()} "
+          f"thread(s)), medians against the base-model forward's {base * 1e3:.0f} ms; load average "
+          f"{os.getloadavg()[0]:.1f}")
     for name, t in took.items():
-        print(f"  {name:>38}: {np.median(t[2:] or t) * 1e3:8.1f} ms  {np.median(t[2:] or t) / base:6.3f}")
-    forward, reservoir = (np.array(took[k][2:]) for k in ("features (the extraction's forward)", "reservoir"))
-    base_t = np.array(took["base-model forward"][2:])
-    share = np.median((np.array(took["statistics (fold sums alone)"][2:]) + reservoir) / base_t)
+        print(f"  {name:>42}: {np.median(t[2:] or t) * 1e3:8.1f} ms  {np.median(t[2:] or t) / base:6.3f}")
+    forward, base_t = (np.array(took[k][2:]) for k in ("features (the extraction's forward)", "base-model forward"))
+    acc = np.array(took["accumulators (as the train pass runs them)"][2:])
+    share = np.median(acc / base_t)
     # the extraction's forward is the base model's own call: the ratio is the accumulators' share of it, read per
     # batch against the forward timed just before (the two forwards' own difference is noise, not cost)
-    print(f"  accumulators (statistics and reservoir) / base-model forward, median per batch: {share:.3f}; the train "
-          f"pass / base-model forward they imply, 1 / (1 + share): {1 / (1 + share):.3f}  (target >= 0.9)")
-    for name in ("statistics (fold sums alone)", "totals beside the folds (before)"):
-        if name in took:  # each batch's own ratio, then their median: a burst of load is one batch's
-            ratio = np.array(took["base-model forward"][2:]) / (forward + np.array(took[name][2:]) + reservoir)
-            print(f"  train batch with {name} / base-model forward, median of per-batch ratios: "
-                  f"{np.median(ratio):.3f}")
+    print(f"  accumulators (as the train pass runs them) / base-model forward, median per batch: {share:.3f}; the "
+          f"train pass / base-model forward they imply, 1 / (1 + share): {1 / (1 + share):.3f}  (target >= 0.9)")
+    ratio = base_t / (forward + acc)  # each batch's own ratio, then their median: a burst of load is one batch's
+    print(f"  train batch (features and accumulators) / base-model forward, median of per-batch ratios: "
+          f"{np.median(ratio):.3f}")
 
 
 def timed(contenders: dict, args) -> dict:

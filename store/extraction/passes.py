@@ -11,13 +11,14 @@ own next-token loss. Both skip the batches a resumed state already holds.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
+from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head, fold_of
 from ncanalyze.core import threads
 from ncanalyze.core.errors import CheckpointError, UserError
 from ncanalyze.store.bars import progress_bar
@@ -26,6 +27,7 @@ from ncanalyze.store.extraction import progress
 from ncanalyze.store.extraction.loss import NextTokenLoss, matches_model
 from ncanalyze.store.extraction.resume import Phase, Saver
 from ncanalyze.store.extraction.running import Extraction
+from ncanalyze.store.extraction.workers import Workers
 from ncanalyze.store.sources.anatomy import FINAL_NORMS, LogitTransform, features, final_norm, hidden_forward
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,8 @@ def _data_changed(blocks: Blocks, desc: str) -> None:
 
 def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Saver, desc: str) -> None:
     """Class statistics (with folds, the fold sums, from which the totals are made), the reservoir and the staged
-    embeddings of every layer of the pass; a sample's position is its token's index in the train stream.
+    embeddings of every layer of the pass; a sample's position is its token's index in the train stream. Each batch's
+    updates (:func:`batch_tasks`) run at once on the cores the thread policy gives (``workers.Workers``).
 
     Parameters
     ----------
@@ -117,21 +120,44 @@ def train_pass(model, blocks: Blocks, ex: Extraction, batch_size: int, saver: Sa
     desc : the checkpoint, for the progress bar and errors.
     """
     L, labels = blocks.block_size, ex.labels
-    for h, batch, marks in batch_features(model, blocks, ex, batch_size, saver, f"{desc} train", end=labels.end):
-        first = ex.batches * batch_size
-        rows = labels.rows(batch, marks, first)  # the kept positions, their labels and stream positions
-        h, y, pos = rows.take(h), torch.from_numpy(rows.y).to(ex.device), rows.pos
-        row = first * labels.width(L) if rows.keep is None else ex.first().tokens  # rows so far
-        fold = rows.fold(fold_of(first, len(batch), labels.width(L), ex.n_folds, ex.device)) if ex.n_folds > 1 else None
-        groups = Groups(y) if fold is None else None  # the batch's labels grouped once for every layer
-        for i, s in enumerate(ex.layers.values()):
-            s.update(h[i], y, groups, fold)  # with folds, into the fold sums alone: the totals are made from them
-            s.reservoir.update(h[i], rows.y, pos)
-        if ex.embeddings is not None:
-            ex.embeddings.write(row, dict(zip(ex.layers, h)), y, pos)
+    with Workers(ex.device) as run:
+        for h, batch, marks in batch_features(model, blocks, ex, batch_size, saver, f"{desc} train", end=labels.end):
+            first = ex.batches * batch_size
+            rows = labels.rows(batch, marks, first)  # the kept positions, their labels and stream positions
+            h, y, pos = rows.take(h), torch.from_numpy(rows.y).to(ex.device), rows.pos
+            row = first * labels.width(L) if rows.keep is None else ex.first().tokens  # rows so far
+            fold = (rows.fold(fold_of(first, len(batch), labels.width(L), ex.n_folds, ex.device))
+                    if ex.n_folds > 1 else None)
+            run(batch_tasks(ex, h, y, fold, rows.y, pos))
+            if ex.embeddings is not None:
+                ex.embeddings.write(row, dict(zip(ex.layers, h)), y, pos)
     if ex.first().stats.count.sum() == 0:
         raise UserError(f"{blocks.spec} holds no full block of {L} tokens: the dataset is empty or shorter than "
                         "--block-size")
+
+
+def batch_tasks(ex: Extraction, h: torch.Tensor, y: torch.Tensor, fold: torch.Tensor | None, labels: np.ndarray,
+                pos: np.ndarray) -> list[Callable[[], None]]:
+    """A train batch's updates of every layer of the pass, as calls on disjoint arrays (``workers.Workers`` runs
+    them): each layer's reservoir first (the longest call, started first so that it ends with the rest), then the
+    statistics (with folds, one call per fold, into the fold sums alone: the totals are made from them), the batch
+    grouped once for every layer.
+
+    Parameters
+    ----------
+    ex : the running state.
+    h : the kept rows' features of every layer of the pass (k x n x d).
+    y : their labels (n) on the state's device; ``labels`` the same on the host.
+    fold : each row's fold (n), or None without folds.
+    pos : their stream positions (n).
+
+    Returns
+    -------
+    list of callables : the updates, each to run once.
+    """
+    groups = ex.first().grouping(y, fold)
+    reservoirs = [functools.partial(s.reservoir.update, h[i], labels, pos) for i, s in enumerate(ex.layers.values())]
+    return reservoirs + [t for i, s in enumerate(ex.layers.values()) for t in s.tasks(h[i], y, groups, fold)]
 
 
 def model_loss(model, blocks: Blocks, head: tuple[torch.Tensor, torch.Tensor | None], dtype: torch.dtype,

@@ -68,7 +68,7 @@ class Reservoir(Accumulator):
         rows, slots = cls[freed // k], freed % k
         self.key[rows, slots] = keys[new]
         self.position[rows, slots] = pos[new]
-        self.samples[rows, slots] = h[torch.as_tensor(new, device=h.device)].float().cpu().numpy()
+        self.samples[rows, slots] = h.index_select(0, torch.from_numpy(new).to(h.device)).float().cpu().numpy()
 
     def merge(self, other: "Reservoir", rows: int = 4096) -> "Reservoir":
         """Fold in the reservoir of another part of the same stream (positions are global stream positions, so keys

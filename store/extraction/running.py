@@ -10,10 +10,11 @@ sites wait in the staging folder (``layer-<key>.npz``), off the device.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -78,14 +79,28 @@ class LayerState:
         order) or ``batches`` (Chan's update batch by batch, without folds)."""
         return "batches" if self.folds is None else "folds"
 
-    def update(self, h: torch.Tensor, y: torch.Tensor, groups: Groups, fold: torch.Tensor | None) -> None:
-        """Fold in a train batch's features ``h`` (n x d) with labels ``y`` (n, grouped as ``groups``): into the
-        totals without folds, else into the fold sums alone, each token into its ``fold`` (n)."""
+    def grouping(self, y: torch.Tensor, fold: torch.Tensor | None) -> Groups:
+        """A train batch's tokens grouped once for every layer that reads it: by class (labels ``y``, n), with folds
+        by (fold, class) (each token's ``fold``, n; :meth:`FoldStats.grouping`)."""
         if self.folds is None:
-            self._stats.update(h, y, groups)
-        else:
-            self.folds.update(h, y, fold)
-            self._stale = True
+            return Groups(y.to(self._stats.mean.device, torch.int64))
+        return self.folds.grouping(y, fold)
+
+    def tasks(self, h: torch.Tensor, y: torch.Tensor, groups: Groups | None,
+              fold: torch.Tensor | None) -> list[Callable[[], None]]:
+        """A train batch's update of the statistics, features ``h`` (n x d) with labels ``y`` (n, grouped as
+        ``groups``, from :meth:`grouping`, or None): into the totals without folds, else into the fold sums alone, each
+        token into its ``fold`` (n), one call per fold (:meth:`FoldStats.tasks`); calls on disjoint arrays, to run
+        once each, in any order or at once (``workers.Workers``)."""
+        if self.folds is None:
+            return [functools.partial(self._stats.update, h, y, groups)]
+        self._stale = True
+        return self.folds.tasks(h, y, fold, groups)
+
+    def update(self, h: torch.Tensor, y: torch.Tensor, groups: Groups | None, fold: torch.Tensor | None) -> None:
+        """Fold in a train batch (as :meth:`tasks`, run in order)."""
+        for task in self.tasks(h, y, groups, fold):
+            task()
 
     def state_dict(self) -> dict[str, dict]:
         """The nested state: each accumulator's ``state_dict`` under its name."""
