@@ -29,6 +29,7 @@ from numba.extending import intrinsic
 from ncanalyze.analyzer.moments import check_centred, check_finite, finish_moments, pair_mean
 from ncanalyze.analyzer.pairs import (COINCIDENT, CONTROLS, EXAMPLES, SUMS, PairSums, block_hits, blocks, control_block,
                                       control_totals, few, side_of, subset_sums)
+from ncanalyze.core.threads import available
 
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
 MAX_TILE = 2048
@@ -57,7 +58,6 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
     t0 = pair_mean(s, K.size)
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
     tile = int(tile or auto_tile(K.size))
-    small = ds["count"].size <= 2 * tile  # every class within two tiles: a handful of tasks, run in this thread
     work = {"mom": _moments(ds, K, M, mu_G, W, sigma_w, tile, head)}
     if all_pairs:
         work["pairs"] = pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias)
@@ -67,12 +67,34 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
         work["sample_sums"] = dask.delayed(np.concatenate)([dask.delayed(_block_sums)(U, side, t0, s)
                                                             for s in (sample[:half], sample[half:])])
         work["controls"] = dask.delayed(control_totals)(U, p, t0)
-    with _blas_controller().limit(limits=1, user_api="blas"):
-        got = dask.compute(work, scheduler="sync" if small else None)[0]  # the same sums
-    pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
-    return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0),
-            "m_sums": subset_sums(M, has_var, debias), "pairs": pairs,
-            "row_cdnv": row_cdnv, "coincident": coincident, **got}
+    n = workers(K.size * (K.size - 1) / 2 if all_pairs else 0, sum(len(a) * len(b) for a, b in sample or ()),
+                _moment_rows(ds, K, W is not None and head is None), M.shape[1])
+    with _blas_controller().limit(limits=1, user_api="blas"):                     # the same sums either way
+        got = dask.compute(work, **({"scheduler": "sync"} if n == 1 else {"scheduler": "threads", "num_workers": n}))[0]
+        pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
+        return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0),
+                "m_sums": subset_sums(M, has_var, debias), "pairs": pairs,
+                "row_cdnv": row_cdnv, "coincident": coincident, **got}
+
+
+SYNC_WORK = 1e7  # multiply-adds below which the host computes in the caller's thread (benchmarks/metrics.py --small)
+
+
+def workers(pairs: float, sampled: float, rows: int, d: int) -> int:
+    """The threads of the host's one dask compute: 1 (the caller's thread, dask's sync scheduler: no pool to start,
+    no task handed over) where the work, (``pairs`` + ``sampled`` pairs) x d multiply-adds for the Gram blocks and
+    ``rows`` x d^2 for the moments, is below :data:`SYNC_WORK`; else the thread policy's count where one runs
+    (core/threads.py: ``--threads N``, or under ``auto`` the cores other processes leave idle), else the cores this
+    process may use (affinity, cgroup quota, ``OMP_NUM_THREADS``). The tasks are independent (no barrier), so a
+    busy core costs them its share only."""
+    return 1 if (pairs + sampled) * d + rows * d * d < SYNC_WORK else available()
+
+
+def _moment_rows(ds: xr.Dataset, K: np.ndarray, head: bool) -> int:
+    """The rows the moments read: the counted classes, and the whole vocabulary again for the head's W^T W where it
+    is summed here (``head``)."""
+    counted = int(np.count_nonzero(np.asarray(ds["count"].values)))
+    return max(counted, K.size) + (ds["count"].size if head else 0)
 
 
 def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, sample: list) -> np.ndarray:
@@ -81,8 +103,9 @@ def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, sample: list) -> np.
     out = np.zeros((len(sample), len(SUMS) + len(CONTROLS)))
     for k, (a, b) in enumerate(sample):
         if len(a) and len(b):
-            sums = tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0]
-            out[k] = np.r_[sums, control_block(U[a], side[3, a], U[b], side[3, b], t0, sums[1])]
+            Ua, Ub, sa, sb = U[a], U[b], np.ascontiguousarray(side[:, a]), np.ascontiguousarray(side[:, b])
+            sums = tile_sums(Ua, sa, Ub, sb, t0, False)[0]   # rows contiguous: the pass vectorises (3x faster)
+            out[k] = np.r_[sums, control_block(Ua, sa[3], Ub, sb[3], t0, sums[1])]
     return out
 
 
@@ -227,7 +250,7 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
     :func:`~ncanalyze.analyzer.pairs.examples`, indexed through ``offsets``), read from the same buffer.
     """
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
-    step = max(1, panel_cells // len(Uj))
+    step = max(1, min(panel_cells // len(Uj), len(Ui)))           # a buffer no larger than the block's Gram
     if diag:  # in (at least) 4 panels, whose Grams skip most of the lower triangle
         step = min(step, -(-len(Ui) // 4))
     buf = np.empty(step * len(Uj))
