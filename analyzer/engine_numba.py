@@ -139,10 +139,12 @@ def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: 
     kept and the classifier rows outside K come in blocks of their own. One task per row block (O(tile d^2) each),
     then their sum and the eigendecompositions (O(d^3)); ``head`` where given is not summed again."""
     count, f, rest, A, delta = _outside(ds, K, M, mu_G)
-    kept = [dask.delayed(_block_moments)(M[s], f[K][s], None if W is None else W[s]) for s in blocks(K.size, tile)]
+    fK = f[K]
+    kept = [dask.delayed(_block_moments)(M[s], fK[s], None if W is None else W[s]) for s in blocks(K.size, tile)]
     outside = [dask.delayed(_scatter)(A[s], f[rest][s]) for s in blocks(rest.size, tile)]
     if W is not None and K.size < count.size and head is None:  # the head's rows outside K, read in place
-        W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
+        W_all, out_K = ds["classifier"].values, np.ones(count.size, dtype=bool)
+        out_K[K] = False
         outside += [dask.delayed(_head)(W_all[s], out_K[s]) for s in blocks(count.size, tile) if out_K[s].any()]
     return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, mu_G + delta, K.size, head)
 
@@ -152,7 +154,9 @@ def _outside(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray) -> 
     delta = sum_c f_c a_c (see :func:`_moments`)."""
     count = np.asarray(ds["count"].values)
     f = count / count.sum()
-    rest = np.setdiff1d(np.flatnonzero(count > 0), K)             # counted, not kept
+    outside = count > 0
+    outside[K] = False
+    rest = np.flatnonzero(outside)                                # counted, not kept (K sorted: no sort)
     A = _rows(ds["mean"], rest) - mu_G
     check_finite(A, "class means (counted but not kept)")
     return count, f, rest, A, f[K] @ M + f[rest] @ A
