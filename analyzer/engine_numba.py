@@ -50,8 +50,9 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
                 tile: int | None, debias: tuple | None = None, sample: list | None = None,
                 all_pairs: bool = True, head: np.ndarray | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, on the host: numpy, then the numba pair
-    sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.engine_torch.device_parts`
-    (``sample``, ``all_pairs``, ``head``: as there)."""
+    sums and the moments in one dask compute, on :func:`workers` threads, every BLAS call on one thread (the tasks
+    are the parallelism; a BLAS team of its own would wait at its barriers for a core another process holds). Keys as
+    :func:`~ncanalyze.analyzer.engine_torch.device_parts` (``sample``, ``all_pairs``, ``head``: as there)."""
     M, var, r, mu_G = _centred_means(ds, K)
     U = M / r[:, None]
     s = U.sum(0)

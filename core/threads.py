@@ -211,11 +211,26 @@ def policy(setting: int | str | None = AUTO, interval: float = INTERVAL) -> Iter
         p.restore(before)
 
 
+GAP = 0.5  # seconds between two readings of the machine outside a policy (a shorter interval says too little)
+_seen: list = []  # outside a policy: the last reading and the count it gave (:func:`available`)
+
+
 def available() -> int:
     """The threads a parallel step of the caller's (the metrics' dask tasks, the jackknife's replicates) may run at
     once: the innermost running :func:`policy`'s count (``--threads N``, or under ``auto`` the cores other
-    processes leave idle), else the cores this process may use (:func:`allowed_cores`)."""
-    return _current[-1].threads if _current else max(1, math.floor(allowed_cores(None, quota(), omp_cap())))
+    processes leave idle); outside one, ``auto``'s rule over the load measured since the previous call at least
+    :data:`GAP` seconds before (the cores allowed at the first call: no time is spent sampling)."""
+    if _current:
+        return _current[-1].threads
+    allowed = allowed_cores(None, quota(), omp_cap())
+    now = read(affinity()) if allowed >= 2 else None
+    if now is None:
+        return max(1, math.floor(allowed))
+    if not _seen:
+        _seen[:] = [now, math.floor(allowed)]
+    elif now.at - _seen[0].at >= GAP:
+        _seen[:] = [now, choose(allowed, others_busy(_seen[0], now))]
+    return _seen[1]
 
 
 def tick() -> None:
