@@ -49,7 +49,7 @@ import pandas as pd
 import xarray as xr
 
 from ncanalyze.analyzer.registry import MEASURE
-from ncanalyze.analyzer.schema import HEAD, NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
+from ncanalyze.analyzer.schema import HEAD, MEASURED, NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
 from ncanalyze.core.errors import UserError
 
 Measure = Callable[[xr.Dataset], Mapping[str, float]]  # a dataset's scalar metrics (metrics.measure_all's first)
@@ -519,12 +519,14 @@ def counted_only(ds: xr.Dataset, K: np.ndarray) -> tuple[xr.Dataset, np.ndarray,
     set keeps a class only where its tokens outside the fold reach min_count >= 1), the kept classes ``K``
     renumbered into it, and the classes counted. Each replicate then reads, downdates and copies those rows alone (at
     a 128k vocabulary with 57k classes seen, 44% of them). The head goes in float64 once (exact: every float32 is a
-    float64); ``fold_mean`` stays whole, read in place (:func:`without`'s ``rows``: no copy of every fold's means);
-    the whole split's label count goes with it (geometry.SPLIT_TOTAL: the debiased metrics' class set is a share)."""
+    float64); ``fold_mean`` stays whole, read in place (:func:`without`'s ``rows``: no copy of every fold's means),
+    and what the metrics do not read (the reservoir) is left behind; the whole split's label count goes with it
+    (geometry.SPLIT_TOTAL: the debiased metrics' class set is a share of it)."""
     from ncanalyze.analyzer.geometry import SPLIT_TOTAL
 
     counted = np.flatnonzero(np.asarray(ds["count"].values) > 0)
-    cut = ds.drop_vars("fold_mean").isel(vocab=counted)
+    read = [v for v in (*MEASURED, *FOLD_VARS) if v in ds.data_vars and v != "fold_mean"]  # no reservoir copied
+    cut = ds[read].isel(vocab=counted)
     cut["fold_mean"] = (("fold", "all_vocab", "hidden"), ds["fold_mean"].values)
     if "split_count" in ds:
         cut.attrs[SPLIT_TOTAL] = int(np.asarray(ds["split_count"].values).sum())
