@@ -20,8 +20,9 @@ buffers are not seen) and set against |K|^2 x 8 bytes. The same ratio in CPU sec
 is printed beside it: the work each side does, which a busy shared machine stretches less than the wall time.
 
 A small problem (``--small``, default K = 512, d = 64: the tiny recipe's size) is timed as `measure` chooses to run it
-(engine_numba.workers: the caller's thread below SYNC_WORK multiply-adds) against the same on the thread pool, and the
-default size against the same in the caller's thread: the choice is right where each chosen time is the lower.
+(engine_numba.workers: the caller's thread below SYNC_WORK multiply-adds, else as many threads as the load measured
+between calls leaves cores idle, core.threads.available) against the other way (the caller's thread or the thread
+pool), and the default size likewise: the choice is right where each chosen time is the lower.
 
 With ``--cuda`` (or ``--engine torch``: the same code on the CPU) `measure` runs in torch float64 on the device
 (``device="cuda"``, analyzer/engine_torch.py) and is set against one float64 Gram M M^T of the centred means on that device
