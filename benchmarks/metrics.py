@@ -98,17 +98,19 @@ def eigendecompositions(MtM: np.ndarray, WtW: np.ndarray, sigma_w: np.ndarray) -
     lidar_spectrum(sigma_w, MtM / len(MtM))
 
 
-def ratios(f, g, rounds: int) -> tuple[float, float, float, float]:
-    """Median seconds of f and of g, the median of their per-round ratio f/g (the two run alternately, so a
-    shared machine's slow spells hit both), and the median per-round ratio of their CPU seconds (every thread)."""
+def ratios(f, g, rounds: int, cpu: list | None = None) -> tuple[float, float, float]:
+    """Median seconds of f and of g, and the median of their per-round ratio f/g: the two run alternately, so a
+    shared machine's slow spells hit both. ``cpu``, where given, receives each round's ratio of CPU seconds (every
+    thread of the process)."""
     tf, tg, cf, cg = [], [], [], []
     for _ in range(rounds):
         for fn, t, c in ((f, tf, cf), (g, tg, cg)):
             c0 = time.process_time()
             t.append(timeit.timeit(fn, number=1))
             c.append(time.process_time() - c0)
-    return (statistics.median(tf), statistics.median(tg), statistics.median(np.divide(tf, tg)),
-            statistics.median(np.divide(cf, cg)))
+    if cpu is not None:
+        cpu += np.divide(cf, cg).tolist()
+    return statistics.median(tf), statistics.median(tg), statistics.median(np.divide(tf, tg))
 
 
 def threading(k: int, d: int, rounds: int) -> str:
@@ -144,7 +146,9 @@ def run(k: int, d: int, rounds: int) -> None:
         grams["one call"] = lambda: M @ M.T
     times = {name: statistics.median(timeit.repeat(g, number=1, repeat=rounds)) for name, g in grams.items()}
     gram = grams[min(times, key=times.get)]
-    t_metrics, t_gram, ratio, cpu_ratio = ratios(lambda: measure(ds, se=False), gram, rounds)
+    cpu: list[float] = []
+    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, se=False), gram, rounds, cpu)
+    cpu_ratio = statistics.median(cpu)
     W, sigma_w = ds["classifier"].values, ds["within_covariance"].values
     MtM, WtW = M.T @ M, W.T @ W
     t_eigen = statistics.median(timeit.repeat(lambda: eigendecompositions(MtM, WtW, sigma_w), number=1,
@@ -186,8 +190,7 @@ def run_torch(k: int, d: int, rounds: int, device: str) -> None:
     device_gram(M, panel)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
-    t_metrics, t_gram, ratio, _ = ratios(lambda: measure(ds, se=False, **kw), lambda: device_gram(M, panel),
-                                         rounds)  # synchronised
+    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, se=False, **kw), lambda: device_gram(M, panel), rounds)  # synchronised
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else math.nan
     U = M / torch.linalg.vector_norm(M, dim=1)[:, None]                   # the pairwise sums alone (r = 1 here)
     one = torch.ones(k, dtype=M.dtype, device=device)
