@@ -29,6 +29,7 @@ from numba.extending import intrinsic
 from ncanalyze.analyzer.moments import check_centred, check_finite, finish_moments, pair_mean
 from ncanalyze.analyzer.pairs import (COINCIDENT, CONTROLS, EXAMPLES, SUMS, PairSums, block_hits, blocks, control_block,
                                       control_totals, few, side_of, subset_sums)
+from ncanalyze.core.threads import available
 
 PANEL_CELLS = 1 << 20  # Gram cells per BLAS call (8 MiB): few calls, and the block stays in cache for the pass
 MAX_TILE = 2048
@@ -49,15 +50,15 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
                 tile: int | None, debias: tuple | None = None, sample: list | None = None,
                 all_pairs: bool = True, head: np.ndarray | None = None) -> dict[str, Any]:
     """The Geometry's fields that read the class means and the classifier, on the host: numpy, then the numba pair
-    sums and the moments in one dask compute. Keys as :func:`~ncanalyze.analyzer.engine_torch.device_parts`
-    (``sample``, ``all_pairs``, ``head``: as there)."""
+    sums and the moments in one dask compute, on :func:`workers` threads, every BLAS call on one thread (the tasks
+    are the parallelism; a BLAS team of its own would wait at its barriers for a core another process holds). Keys as
+    :func:`~ncanalyze.analyzer.engine_torch.device_parts` (``sample``, ``all_pairs``, ``head``: as there)."""
     M, var, r, mu_G = _centred_means(ds, K)
     U = M / r[:, None]
     s = U.sum(0)
     t0 = pair_mean(s, K.size)
     W = _rows(ds["classifier"], K) if "classifier" in ds else None
     tile = int(tile or auto_tile(K.size))
-    small = ds["count"].size <= 2 * tile  # every class within two tiles: a handful of tasks, run in this thread
     work = {"mom": _moments(ds, K, M, mu_G, W, sigma_w, tile, head)}
     if all_pairs:
         work["pairs"] = pair_sums(U, r, var, p, has_var, t0, blocks(K.size, tile), debias)
@@ -67,12 +68,34 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
         work["sample_sums"] = dask.delayed(np.concatenate)([dask.delayed(_block_sums)(U, side, t0, s)
                                                             for s in (sample[:half], sample[half:])])
         work["controls"] = dask.delayed(control_totals)(U, p, t0)
-    with _blas_controller().limit(limits=1, user_api="blas"):
-        got = dask.compute(work, scheduler="sync" if small else None)[0]  # the same sums
-    pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
-    return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0),
-            "m_sums": subset_sums(M, has_var, debias), "pairs": pairs,
-            "row_cdnv": row_cdnv, "coincident": coincident, **got}
+    n = workers(K.size * (K.size - 1) / 2 if all_pairs else 0, sum(len(a) * len(b) for a, b in sample or ()),
+                _moment_rows(ds, K, W is not None and head is None), M.shape[1])
+    with _blas_controller().limit(limits=1, user_api="blas"):                     # the same sums either way
+        got = dask.compute(work, **({"scheduler": "sync"} if n == 1 else {"scheduler": "threads", "num_workers": n}))[0]
+        pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
+        return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0),
+                "m_sums": subset_sums(M, has_var, debias), "pairs": pairs,
+                "row_cdnv": row_cdnv, "coincident": coincident, **got}
+
+
+SYNC_WORK = 1e7  # multiply-adds below which the host computes in the caller's thread (benchmarks/metrics.py --small)
+
+
+def workers(pairs: float, sampled: float, rows: int, d: int) -> int:
+    """The threads of the host's one dask compute: 1 (the caller's thread, dask's sync scheduler: no pool to start,
+    no task handed over) where the work, (``pairs`` + ``sampled`` pairs) x d multiply-adds for the Gram blocks and
+    ``rows`` x d^2 for the moments, is below :data:`SYNC_WORK`; else the thread policy's count where one runs
+    (core/threads.py: ``--threads N``, or under ``auto`` the cores other processes leave idle), else the cores this
+    process may use (affinity, cgroup quota, ``OMP_NUM_THREADS``). The tasks are independent (no barrier), so a
+    busy core costs them its share only."""
+    return 1 if (pairs + sampled) * d + rows * d * d < SYNC_WORK else available()
+
+
+def _moment_rows(ds: xr.Dataset, K: np.ndarray, head: bool) -> int:
+    """The rows the moments read: the counted classes, and the whole vocabulary again for the head's W^T W where it
+    is summed here (``head``)."""
+    counted = int(np.count_nonzero(np.asarray(ds["count"].values)))
+    return max(counted, K.size) + (ds["count"].size if head else 0)
 
 
 def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, sample: list) -> np.ndarray:
@@ -81,8 +104,9 @@ def _block_sums(U: np.ndarray, side: np.ndarray, t0: float, sample: list) -> np.
     out = np.zeros((len(sample), len(SUMS) + len(CONTROLS)))
     for k, (a, b) in enumerate(sample):
         if len(a) and len(b):
-            sums = tile_sums(U[a], side[:, a], U[b], side[:, b], t0, False)[0]
-            out[k] = np.r_[sums, control_block(U[a], side[3, a], U[b], side[3, b], t0, sums[1])]
+            Ua, Ub, sa, sb = U[a], U[b], np.ascontiguousarray(side[:, a]), np.ascontiguousarray(side[:, b])
+            sums = tile_sums(Ua, sa, Ub, sb, t0, False)[0]   # rows contiguous: the pass vectorises (3x faster)
+            out[k] = np.r_[sums, control_block(Ua, sa[3], Ub, sb[3], t0, sums[1])]
     return out
 
 
@@ -116,10 +140,12 @@ def _moments(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray, W: 
     kept and the classifier rows outside K come in blocks of their own. One task per row block (O(tile d^2) each),
     then their sum and the eigendecompositions (O(d^3)); ``head`` where given is not summed again."""
     count, f, rest, A, delta = _outside(ds, K, M, mu_G)
-    kept = [dask.delayed(_block_moments)(M[s], f[K][s], None if W is None else W[s]) for s in blocks(K.size, tile)]
+    fK = f[K]
+    kept = [dask.delayed(_block_moments)(M[s], fK[s], None if W is None else W[s]) for s in blocks(K.size, tile)]
     outside = [dask.delayed(_scatter)(A[s], f[rest][s]) for s in blocks(rest.size, tile)]
     if W is not None and K.size < count.size and head is None:  # the head's rows outside K, read in place
-        W_all, out_K = ds["classifier"].values, ~np.isin(np.arange(count.size), K)
+        W_all, out_K = ds["classifier"].values, np.ones(count.size, dtype=bool)
+        out_K[K] = False
         outside += [dask.delayed(_head)(W_all[s], out_K[s]) for s in blocks(count.size, tile) if out_K[s].any()]
     return dask.delayed(_sum_moments)(kept, outside, sigma_w, delta, mu_G + delta, K.size, head)
 
@@ -129,7 +155,9 @@ def _outside(ds: xr.Dataset, K: np.ndarray, M: np.ndarray, mu_G: np.ndarray) -> 
     delta = sum_c f_c a_c (see :func:`_moments`)."""
     count = np.asarray(ds["count"].values)
     f = count / count.sum()
-    rest = np.setdiff1d(np.flatnonzero(count > 0), K)             # counted, not kept
+    outside = count > 0
+    outside[K] = False
+    rest = np.flatnonzero(outside)                                # counted, not kept (K sorted: no sort)
     A = _rows(ds["mean"], rest) - mu_G
     check_finite(A, "class means (counted but not kept)")
     return count, f, rest, A, f[K] @ M + f[rest] @ A
@@ -227,7 +255,7 @@ def tile_sums(Ui: np.ndarray, side_i: np.ndarray, Uj: np.ndarray, side_j: np.nda
     :func:`~ncanalyze.analyzer.pairs.examples`, indexed through ``offsets``), read from the same buffer.
     """
     acc, rows, cols = np.zeros(len(SUMS)), np.zeros(len(Ui)), np.zeros(len(Uj))
-    step = max(1, panel_cells // len(Uj))
+    step = max(1, min(panel_cells // len(Uj), len(Ui)))           # a buffer no larger than the block's Gram
     if diag:  # in (at least) 4 panels, whose Grams skip most of the lower triangle
         step = min(step, -(-len(Ui) // 4))
     buf = np.empty(step * len(Uj))

@@ -25,6 +25,7 @@ from ncanalyze.analyzer.schema import DEBIAS_SHARE, NC4_MIN_COUNT, VAL_AT
 from ncanalyze.core.errors import UserError
 
 DECAY_RANKS = (4, 100)  # eigen_decay's fit range of ranks, as Agrawal et al. fit alpha-ReQ (Stringer et al. 2019)
+SPLIT_TOTAL = "split_total"  # attribute of a dataset cut to some classes: the whole split's label count (fixed_set)
 
 
 
@@ -169,12 +170,14 @@ def fixed_set(ds: xr.Dataset, K: np.ndarray, count: np.ndarray) -> tuple[np.ndar
     (``split_count``, counted from the token ids at extraction) is at least DEBIAS_SHARE, within K (a min_count above 2 narrows it, as asked). Of
     those, a class with fewer than 2 tokens in the sample (no variance) is left out, named in the note. A dataset
     without ``split_count`` (:func:`class_stats`' plain arrays, a text split read as a stream) takes the classes with
-    2 or more tokens in the sample: the sample is then the population, and the set is not budget-stable. Rows (pairs.side_of): v*_c = var_c
+    2 or more tokens in the sample: the sample is then the population, and the set is not budget-stable. A dataset
+    cut to some classes (the jackknife's replicates) holds the whole split's count in its ``split_total`` attribute.
+    Rows (pairs.side_of): v*_c = var_c
     n_c/(n_c - 1) (the unbiased variance), z_c = v*_c / n_c (the noise E||mu^_c - mu_c||^2 of the class mean), b_c.
     """
     if "split_count" in ds:
         split = np.asarray(ds["split_count"].values, dtype=np.float64)
-        wanted = split >= DEBIAS_SHARE * split.sum()
+        wanted = split >= DEBIAS_SHARE * float(ds.attrs.get(SPLIT_TOTAL, split.sum()))
     else:                                                          # no split: the sample is all there is
         wanted = np.asarray(count) >= 2
     n = count[K].astype(np.float64)

@@ -49,7 +49,7 @@ import pandas as pd
 import xarray as xr
 
 from ncanalyze.analyzer.registry import MEASURE
-from ncanalyze.analyzer.schema import HEAD, NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
+from ncanalyze.analyzer.schema import HEAD, MEASURED, NC4_WITHOUT, SCALARS, VAL_COUNTS, stats_dataset
 from ncanalyze.core.errors import UserError
 
 Measure = Callable[[xr.Dataset], Mapping[str, float]]  # a dataset's scalar metrics (metrics.measure_all's first)
@@ -121,19 +121,20 @@ def merge(ds: xr.Dataset, folds: list[int], probe: np.ndarray | None = None) -> 
     return out
 
 
-def without(ds: xr.Dataset, i: int) -> xr.Dataset:
+def without(ds: xr.Dataset, i: int, rows: np.ndarray | None = None) -> xr.Dataset:
     """The dataset of every fold but ``i``: the totals with fold i taken out, Chan's merge undone. For each class
     with tokens on both sides, n' = n - n_i, mu' = (n mu - n_i mu_i) / n', M2' = M2 - M2_i - w ||mu_i - mu'||^2 and
     the scatter S - S_i - sum_c w (mu_i - mu')(mu_i - mu')^T (w = n_i n' / n): O(|V| d + |V_i| d^2) where merging
     the other F - 1 folds is O(F |V| d + ...), the same numbers to float64 rounding (a class left with one token
-    has M2' = 0, one left with none is empty). Variables as :func:`merged`'s."""
+    has M2' = 0, one left with none is empty). Variables as :func:`merged`'s. ``rows``: where ``ds`` is cut to some
+    classes but its ``fold_mean`` is not (:func:`counted_only`), their rows in it."""
     count, ni = np.asarray(ds["count"].values, np.int64), np.asarray(ds["fold_count"].values[i], np.int64)
     rest = count - ni
     mean = np.array(ds["mean"].values, np.float64)
     m2 = np.where(count > 0, np.asarray(ds["variance"].values, np.float64) * count, 0.0)
     both = np.flatnonzero((ni > 0) & (rest > 0))
     n, n_i, n_r = (x[both].astype(np.float64)[:, None] for x in (count, ni, rest))
-    mu_i = np.asarray(ds["fold_mean"].values[i][both])
+    mu_i = np.asarray(ds["fold_mean"].values[i][both if rows is None else rows[both]])
     mean[both] = mu = (n * mean[both] - n_i * mu_i) / n_r
     delta = (mu_i - mu) * np.sqrt(n_i * n_r / n)
     m2[both] -= np.asarray(ds["fold_m2"].values[i][both]) + np.einsum("cd,cd->c", delta, delta)
@@ -483,20 +484,17 @@ def _sampled_replicates(ds: xr.Dataset, folds: list[int], sampled: Sampled
     from ncanalyze.analyzer.pairs import PairSums
 
     n, A = sampled.K.size, _controlled()
-    ds = ds.copy(deep=False)
-    for h in HEAD:       # the head in float64 once, not in each replicate (exact: every float32 is a float64)
-        if h in ds.variables:
-            ds[h] = ds[h].astype(np.float64, copy=False)
+    ds, K, counted = counted_only(ds, sampled.K)
     half = len(sampled.blocks) // 2
     sizes = np.array([len(a) * len(b) for a, b in sampled.blocks], dtype=np.float64).reshape(2, half)
     scale = n * (n - 1) / 2 / sizes.sum(1)
 
     def one(i: int) -> list[Mapping[str, float]] | str:
         """The metrics without fold i from the two samples' mean sums, then from each alone (or why not)."""
-        rest = without(ds, i)
+        rest = without(ds, i, counted)
         try:
             sums, controls, at = sampled.replicate(rest, _within(
-                sampled.blocks, sampled.K, kept_classes(rest["count"].values, sampled.min_count)))
+                sampled.blocks, K, kept_classes(rest["count"].values, sampled.min_count)))
         except UserError as e:
             return f"without fold {i}: {e}"
         change = sums - sampled.whole_blocks
@@ -514,6 +512,28 @@ def _sampled_replicates(ds: xr.Dataset, folds: list[int], sampled: Sampled
             for r, k in zip(rows, range(3)):
                 r[i] = {} if isinstance(got, str) else got[k]
     return (*(_frame(r) for r in rows), notes)
+
+
+def counted_only(ds: xr.Dataset, K: np.ndarray) -> tuple[xr.Dataset, np.ndarray, np.ndarray]:
+    """``ds`` cut to the classes with a train token, where every replicate's kept classes are (a leave-one-fold-out
+    set keeps a class only where its tokens outside the fold reach min_count >= 1), the kept classes ``K``
+    renumbered into it, and the classes counted. Each replicate then reads, downdates and copies those rows alone (at
+    a 128k vocabulary with 57k classes seen, 44% of them). The head goes in float64 once (exact: every float32 is a
+    float64); ``fold_mean`` stays whole, read in place (:func:`without`'s ``rows``: no copy of every fold's means),
+    and what the metrics do not read (the reservoir) is left behind; the whole split's label count goes with it
+    (geometry.SPLIT_TOTAL: the debiased metrics' class set is a share of it)."""
+    from ncanalyze.analyzer.geometry import SPLIT_TOTAL
+
+    counted = np.flatnonzero(np.asarray(ds["count"].values) > 0)
+    read = [v for v in (*MEASURED, *FOLD_VARS) if v in ds.data_vars and v != "fold_mean"]  # no reservoir copied
+    cut = ds[read].isel(vocab=counted)
+    cut["fold_mean"] = (("fold", "all_vocab", "hidden"), ds["fold_mean"].values)
+    if "split_count" in ds:
+        cut.attrs[SPLIT_TOTAL] = int(np.asarray(ds["split_count"].values).sum())
+    for h in HEAD:
+        if h in cut.variables:
+            cut[h] = cut[h].astype(np.float64, copy=False)
+    return cut, np.searchsorted(counted, K), counted
 
 
 def _frame(rows: dict) -> pd.DataFrame:

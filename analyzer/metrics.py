@@ -16,7 +16,6 @@ import contextlib
 import math
 import warnings
 
-import dask
 import numpy as np
 import threadpoolctl
 import xarray as xr
@@ -28,6 +27,7 @@ from ncanalyze.analyzer.metric_records import BY_NAME
 from ncanalyze.analyzer.registry import MEASURE
 from ncanalyze.analyzer.schema import CLASS_COUNTS, LABELS, NO_CLASSIFIER, PER_CLASS, SCALARS, vocabulary_classes
 from ncanalyze.core.errors import UserError
+from ncanalyze.core.threads import available
 
 # ---------------------------------------------------------------- neural collapse (SPEC section 4, first table)
 # Each takes the Geometry and returns a float; `needs` names the Geometry field it requires (the metric is left out
@@ -396,7 +396,7 @@ def _errors(ds: xr.Dataset, scalars: dict[str, float], g: Geometry, sample: list
         host = engine_device(kw["device"], kw["engine"]) is None   # the host's engine: a replicate per core
         sampled = Sampled(g.K, sample, np.array(g.pairs), g.sample_sums, np.array(g.controls),
                           lambda d, blocks: _replicate(d, blocks, kw, g.head), kw["min_count"],
-                          workers=dask.system.CPU_COUNT if host else 1)
+                          workers=available() if host else 1)
         with threadpoolctl.threadpool_limits(1, user_api="blas") if host else contextlib.nullcontext():
             errors, sampling, notes = sampled_jackknife(ds, sampled, point=scalars)  # one BLAS thread per replicate
         how = {"se_method": sampled_method(len(sampled.blocks) // 2), "se_sampling_error": sampling}

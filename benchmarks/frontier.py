@@ -3,6 +3,7 @@
 
     python benchmarks/frontier.py                       # Llama shape, V = 128,256, width 128, 8 blocks, 131,072 tokens
     python benchmarks/frontier.py --train-tokens 16384 --blocks 2     # a quick run
+    python benchmarks/frontier.py --state-memory 900MB                 # issue 52: every layer in several passes
 
 The model is random-initialised from a Llama config (no download) and saved as a checkpoint; the data are Zipf(1.1)
 ids mixed half and half with uniform ones (many classes first seen, a hot head), train and validation apart. Each
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("--train-tokens", type=int, default=131_072)
     p.add_argument("--val-tokens", type=int, default=8_192)
     p.add_argument("--samples-per-class", type=int, default=2)
+    p.add_argument("--state-memory", help="extract's --state-memory for both runs (e.g. 900MB; default: its own)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder, rng = Path(tmp), np.random.default_rng(0)
@@ -69,6 +71,7 @@ def main() -> None:
                                                                                "validation", rng)
         common = ["--dataset", str(train), "--val-dataset", str(val), "--samples-per-class", str(a.samples_per_class),
                   "--block-size", "256", "--batch-size", "8"]
+        common += ["--state-memory", a.state_memory] if a.state_memory else []
         took = {}
         for layers in ("all", "last"):
             secs, rss = run([str(model), *common, "--store", str(folder / f"{layers}.zarr"), "--layers", layers])

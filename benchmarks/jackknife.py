@@ -312,14 +312,18 @@ def errors(args) -> None:
         warnings.simplefilter("ignore")
         measure_all(ds, args.min_count, device="cpu", se=False)  # warm-up: the compiled pass, the thread pools
         times: dict[bool, list[float]] = {False: [], True: []}
+        cpu: dict[bool, list[float]] = {False: [], True: []}
         peak: dict[bool, int] = {False: 0, True: 0}
         got: dict = {}
         for _ in range(args.rounds):  # alternating, so that a shared machine's slow spells hit both
             for se in (False, True):
+                c = time.process_time()
                 t, p = _peak_rss(lambda: got.__setitem__(se, measure_all(ds, args.min_count, device="cpu", se=se)))
+                cpu[se].append(time.process_time() - c)
                 times[se].append(t)
                 peak[se] = max(peak[se], p)
     ratio = statistics.median(np.divide(times[True], times[False]))
+    cpu_ratio = statistics.median(np.divide(cpu[True], cpu[False]))
     print(f"planted: vocab {args.vocab:,}, {kept:,} kept classes (min_count {args.min_count}), width {args.width}, "
           f"{args.folds} folds, {int(ds['count'].sum()):,} train tokens (made in {made:.0f} s); {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}; {args.rounds} alternating rounds")
@@ -327,7 +331,9 @@ def errors(args) -> None:
           f"{peak[False] / 2**30:.2f} GiB")
     print(f"  measure with errors:    median {statistics.median(times[True]):.1f} s, peak +"
           f"{peak[True] / 2**30:.2f} GiB (the dataset itself: {ds.nbytes / 2**30:.2f} GiB)")
-    print(f"  with / without errors: {ratio:.2f} (median of the per-round ratios; goal <= 1.5)")
+    print(f"  with / without errors: {ratio:.2f} (median of the per-round ratios; goal <= 1.5); in CPU seconds of "
+          f"the process (all threads: what a busy machine's load does not stretch) {statistics.median(cpu[True]):.1f}"
+          f" / {statistics.median(cpu[False]):.1f} s, ratio {cpu_ratio:.2f}")
     scalars, per_class = got[True]
     method = per_class.attrs.get("se_method", "the exact jackknife (F + 1 full measurements)")
     print(f"  errors: {method}")

@@ -6,7 +6,8 @@
     python benchmarks/metrics.py --classes 128256 --width 4096 --cuda    # Llama-3's vocabulary and width, one GPU
     python benchmarks/metrics.py --classes 128256 --width 64 --engine torch --rounds 1   # the GPU's code on the CPU
 
-For each size it prints the median time of `measure` (all the metrics of schema.SCALARS, NC and representation
+For each size it prints the median time of `measure` with ``se=False`` (the point values alone: no jackknife errors,
+whose cost ``benchmarks/jackknife.py errors`` measures) of all the metrics of schema.SCALARS, NC and representation
 geometry, with the per-class views' pairwise sums, the d x d moments and their six eigendecompositions: M^T M,
 Sigma_W, Sigma_T, the raw second moment, LiDAR's whitened Sigma_B and the head's W^T W) and of the Gram G = M M^T of the centred means,
 computed three ways in the same run: tile by tile over the upper triangle (the work the metrics do, |K|^2 d / 2
@@ -15,7 +16,13 @@ run), and, where it fits in a quarter of the memory, as one BLAS call. The ratio
 three: `measure` and that Gram run in alternating rounds and the median of the per-round ratios is printed, so that
 the slow spells of a shared machine hit both sides. The six d x d eigendecompositions alone are timed too (they are
 part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (numpy's buffers; BLAS's own small
-buffers are not seen) and set against |K|^2 x 8 bytes.
+buffers are not seen) and set against |K|^2 x 8 bytes. The same ratio in CPU seconds of the process (every thread)
+is printed beside it: the work each side does, which a busy shared machine stretches less than the wall time.
+
+A small problem (``--small``, default K = 512, d = 64: the tiny recipe's size) is timed as `measure` chooses to run it
+(engine_numba.workers: the caller's thread below SYNC_WORK multiply-adds, else as many threads as the load measured
+between calls leaves cores idle, core.threads.available) against the other way (the caller's thread or the thread
+pool), and the default size likewise: the choice is right where each chosen time is the lower.
 
 With ``--cuda`` (or ``--engine torch``: the same code on the CPU) `measure` runs in torch float64 on the device
 (``device="cuda"``, analyzer/engine_torch.py) and is set against one float64 Gram M M^T of the centred means on that device
@@ -29,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import time
 import timeit
 import tracemalloc
 
@@ -38,6 +47,7 @@ import numpy as np
 import psutil
 import threadpoolctl
 import xarray as xr
+from ncanalyze.analyzer import engine_numba
 from ncanalyze.analyzer.engine_numba import auto_tile
 from ncanalyze.analyzer.metrics import measure
 from ncanalyze.analyzer.moments import lidar_spectrum
@@ -88,14 +98,41 @@ def eigendecompositions(MtM: np.ndarray, WtW: np.ndarray, sigma_w: np.ndarray) -
     lidar_spectrum(sigma_w, MtM / len(MtM))
 
 
-def ratios(f, g, rounds: int) -> tuple[float, float, float]:
+def ratios(f, g, rounds: int, cpu: list | None = None) -> tuple[float, float, float]:
     """Median seconds of f and of g, and the median of their per-round ratio f/g: the two run alternately, so a
-    shared machine's slow spells hit both."""
-    tf, tg = [], []
+    shared machine's slow spells hit both. ``cpu``, where given, receives each round's ratio of CPU seconds (every
+    thread of the process)."""
+    tf, tg, cf, cg = [], [], [], []
     for _ in range(rounds):
-        tf.append(timeit.timeit(f, number=1))
-        tg.append(timeit.timeit(g, number=1))
+        for fn, t, c in ((f, tf, cf), (g, tg, cg)):
+            c0 = time.process_time()
+            t.append(timeit.timeit(fn, number=1))
+            c.append(time.process_time() - c0)
+    if cpu is not None:
+        cpu += np.divide(cf, cg).tolist()
     return statistics.median(tf), statistics.median(tg), statistics.median(np.divide(tf, tg))
+
+
+def threading(k: int, d: int, rounds: int) -> str:
+    """`measure` at K = k, d = d as it chooses to run (engine_numba.workers) and forced the other way (the caller's
+    thread or the thread pool), alternating: both medians, and which was chosen."""
+    ds = checkpoint(k, d)
+    chosen = "thread pool" if engine_numba.workers(k * (k - 1) / 2, 0, k, d) > 1 else "caller's thread"
+    keep = engine_numba.SYNC_WORK
+    forced = {"caller's thread": math.inf, "thread pool": 0.0}
+    times: dict[str, list[float]] = {name: [] for name in forced}
+    try:
+        for _ in range(rounds):
+            for name, work in forced.items():
+                engine_numba.SYNC_WORK = work
+                measure(ds, se=False)  # warm: the pool started
+                times[name].append(timeit.timeit(lambda: measure(ds, se=False), number=1))
+    finally:
+        engine_numba.SYNC_WORK = keep
+    med = {name: statistics.median(t) for name, t in times.items()}
+    other = next(name for name in forced if name != chosen)
+    return (f"K={k:,} d={d}: chosen ({chosen}) {med[chosen] * 1e3:.1f} ms, {other} {med[other] * 1e3:.1f} ms "
+            f"({'right' if med[chosen] <= med[other] else 'WRONG'} choice)")
 
 
 def run(k: int, d: int, rounds: int) -> None:
@@ -109,7 +146,9 @@ def run(k: int, d: int, rounds: int) -> None:
         grams["one call"] = lambda: M @ M.T
     times = {name: statistics.median(timeit.repeat(g, number=1, repeat=rounds)) for name, g in grams.items()}
     gram = grams[min(times, key=times.get)]
-    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, se=False), gram, rounds)
+    cpu: list[float] = []
+    t_metrics, t_gram, ratio = ratios(lambda: measure(ds, se=False), gram, rounds, cpu)
+    cpu_ratio = statistics.median(cpu)
     W, sigma_w = ds["classifier"].values, ds["within_covariance"].values
     MtM, WtW = M.T @ M, W.T @ W
     t_eigen = statistics.median(timeit.repeat(lambda: eigendecompositions(MtM, WtW, sigma_w), number=1,
@@ -120,8 +159,9 @@ def run(k: int, d: int, rounds: int) -> None:
     tracemalloc.stop()
     print(f"K={k:,} d={d:,} tile={tile}, {len(SCALARS)} metrics: Gram "
           + ", ".join(f"{name} {t:.2f} s" for name, t in times.items()) +
-          f" | {rounds} alternating rounds: metrics {t_metrics:.2f} s, fastest Gram {t_gram:.2f} s, "
-          f"ratio {ratio:.2f} (median per round; target <= 1.5); the six d x d eigendecompositions alone "
+          f" | {rounds} alternating rounds: metrics (se=False: no jackknife errors) {t_metrics:.2f} s, fastest Gram "
+          f"{t_gram:.2f} s, ratio {ratio:.2f} (median per round; target <= 1.0), in CPU seconds {cpu_ratio:.2f}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; the six d x d eigendecompositions alone "
           f"{t_eigen:.3f} s | peak {peak / 2**20:,.0f} MiB traced "
           f"(|K| d x 8 = {k * d * 8 / 2**20:,.0f} MiB, |K|^2 x 8 = {full_bytes / 2**20:,.0f} MiB)", flush=True)
 
@@ -176,6 +216,7 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true", help="measure in torch float64 on the GPU, against its Gram")
     p.add_argument("--engine", choices=("numba", "torch"), default="numba",
                    help="on the CPU: the numba pass (default) or the GPU's torch code")
+    p.add_argument("--small", default="512x64", help="KxD of the small problem whose threading is checked [512x64]")
     args = p.parse_args()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes] if args.sizes else [(8192, 256)]
     if args.classes:
@@ -187,6 +228,12 @@ def main() -> None:
             run_torch(k, d, args.rounds, "cuda" if args.cuda else "cpu")
         else:
             run(k, d, args.rounds)
+            print("threading as chosen vs the other way, median of " f"{min(args.rounds, 5)} alternating rounds: "
+                  + threading(k, d, min(args.rounds, 5)), flush=True)
+    if not (args.cuda or args.engine == "torch"):
+        k, d = map(int, args.small.split("x"))
+        print(f"threading of a small problem, median of {args.rounds} alternating rounds: "
+              + threading(k, d, args.rounds), flush=True)
 
 
 if __name__ == "__main__":

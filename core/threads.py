@@ -17,7 +17,8 @@ batches (:func:`tick`), so a load that comes or goes mid-run changes it. An inte
 nothing: the user asked); ``auto`` where ``/proc/stat`` is unreadable (not Linux) is the allowed cores. The thread
 count the caller had is restored when the policy ends (:func:`policy`), so the training callback leaves training's
 own setting as it was. The same count goes to the BLAS and OpenMP pools numpy and numba load (threadpoolctl), which
-``measure``'s d x d work runs on.
+``measure``'s d x d work runs on, and bounds the threads of the metrics' dask tasks (:func:`in_use`,
+analyzer/engine_numba.py).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from ncanalyze.core.setting import parse_threads as parse
 from threadpoolctl import threadpool_limits
 
@@ -148,12 +148,16 @@ class Policy:
     def _set(self, n: int) -> None:
         """``n`` threads for torch and for the BLAS and OpenMP libraries numpy and numba load (threadpoolctl); the
         first change remembers what to restore."""
+        import torch
+
         torch.set_num_threads(n)
         limits = threadpool_limits(limits=n)
         self.limits = self.limits or limits
 
     def restore(self, before: int) -> None:
         """The thread counts as they were before the policy: torch's ``before``, the libraries' own."""
+        import torch
+
         if self.limits is not None:
             self.limits.restore_original_limits()
         torch.set_num_threads(before)
@@ -195,6 +199,8 @@ _current: list[Policy] = []
 def policy(setting: int | str | None = AUTO, interval: float = INTERVAL) -> Iterator[Policy]:
     """Run the block under the thread policy ``setting``; :func:`tick` between batches re-measures it. The caller's
     thread count is restored at the end (the training callback: training's own setting stays as it was)."""
+    import torch
+
     before = torch.get_num_threads()
     p = Policy(setting, interval)
     _current.append(p)
@@ -203,6 +209,28 @@ def policy(setting: int | str | None = AUTO, interval: float = INTERVAL) -> Iter
     finally:
         _current.remove(p)
         p.restore(before)
+
+
+GAP = 0.5  # seconds between two readings of the machine outside a policy (a shorter interval says too little)
+_seen: list = []  # outside a policy: the last reading and the count it gave (:func:`available`)
+
+
+def available() -> int:
+    """The threads a parallel step of the caller's (the metrics' dask tasks, the jackknife's replicates) may run at
+    once: the innermost running :func:`policy`'s count (``--threads N``, or under ``auto`` the cores other
+    processes leave idle); outside one, ``auto``'s rule over the load measured since the previous call at least
+    :data:`GAP` seconds before (the cores allowed at the first call: no time is spent sampling)."""
+    if _current:
+        return _current[-1].threads
+    allowed = allowed_cores(None, quota(), omp_cap())
+    now = read(affinity()) if allowed >= 2 else None
+    if now is None:
+        return max(1, math.floor(allowed))
+    if not _seen:
+        _seen[:] = [now, math.floor(allowed)]
+    elif now.at - _seen[0].at >= GAP:
+        _seen[:] = [now, choose(allowed, others_busy(_seen[0], now))]
+    return _seen[1]
 
 
 def tick() -> None:

@@ -159,3 +159,34 @@ def test_coincident_means_of_a_class_without_variance_stay_out_of_the_cdnv(diag)
         loops = brute([U[s1], U[s2]], [r[s1], r[s2]], [v[s1], v[s2]], [p[s1], p[s2]], 1.3, pairs, [a[s1], a[s2]])
     np.testing.assert_allclose(got[0][cd], loops[0][cd], rtol=1e-12)
     np.testing.assert_allclose(got[1], loops[1], rtol=1e-12)
+
+
+def test_the_host_computes_small_problems_in_its_own_thread_and_the_rest_on_the_policys_threads(monkeypatch):
+    """Issue 52: the host engine's threads follow the work and the thread policy (engine_numba.workers): below
+    SYNC_WORK multiply-adds the caller's thread; above, the innermost --threads policy's count (1 under --threads 1,
+    where dask's own pool would take every core), else the cores allowed; and the sums are the same either way."""
+    import warnings
+
+    from test_metrics import random_study
+
+    from ncanalyze.analyzer import class_stats, engine_numba
+    from ncanalyze.analyzer.metrics import measure
+    from ncanalyze.core import threads
+
+    d = 64
+    small, large = 256 * 255 / 2, 8192 * 8191 / 2                  # pairs of 256 and of 8,192 classes
+    assert small * d + 256 * d * d < engine_numba.SYNC_WORK < large * d
+    assert engine_numba.workers(small, 0, 256, d) == 1
+    assert engine_numba.workers(0, small, 256, d) == 1              # a replicate's sampled pairs count alike
+    assert engine_numba.workers(large, 0, 8192, d) == threads.available() >= 1
+    for n in (1, 3):
+        with threads.policy(n):
+            assert engine_numba.workers(large, 0, 8192, d) == n
+    h, y, W, b, hv, yv = random_study(V=300, d=16, N=20_000)
+    ds = class_stats(h, y, 300, classifier=W, val_embeddings=hv, val_labels=yv, min_count=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        here = measure(ds, min_count=2, se=False, device="cpu", tile=32)
+        monkeypatch.setattr(engine_numba, "SYNC_WORK", 0.0)          # the same tasks on the thread pool
+        pool = measure(ds, min_count=2, se=False, device="cpu", tile=32)
+    np.testing.assert_equal(here, pool)

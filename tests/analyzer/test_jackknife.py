@@ -288,6 +288,34 @@ def test_leaving_a_fold_out_downdates_the_totals_to_the_other_folds_own_statisti
     assert without(ds, 2)["variance"].values[61] == 0.0 and without(ds, 1)["variance"].values[61] > 0
 
 
+def test_replicates_over_the_counted_classes_alone_measure_what_the_whole_vocabulary_does():
+    """Issue 52: the sampled jackknife measures each leave-one-fold-out set over the classes with a train token alone
+    (counted_only: the rows a replicate can keep), fold_mean read in place; every metric of every such set equals the
+    one measured over the whole vocabulary to 1e-12, the debiased metrics' class set included, though most of the
+    split's labels are on classes outside the sample (its share is of the whole split's count, not the cut's)."""
+    from ncanalyze.analyzer.jackknife import counted_only
+
+    h, y, W, b, hv, yv = random_study(seed=5)
+    ds = class_stats(h, y, 64, classifier=np.r_[W, W[:4]], val_embeddings=hv, val_labels=yv, folds=FOLDS,
+                     block_size=BLOCK)
+    count = ds["count"].values
+    split = count * 10
+    split[60:] = 10**5                               # classes 60-63: no train token, most of the split's labels
+    ds["split_count"] = ("vocab", split)
+    K = np.flatnonzero(count >= 1)
+    cut, K_cut, counted = counted_only(ds, K)
+    assert np.array_equal(counted[K_cut], K) and cut.sizes["vocab"] == K.size < 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(FOLDS):
+            got = measure_all(without(cut, i, counted), min_count=1, device="cpu")[0]
+            want = measure_all(without(ds, i), min_count=1, device="cpu")[0]
+            assert 2 <= want["n_classes_debiased"] < want["n_classes"]      # the whole split's share decides
+            assert got.keys() == want.keys()
+            for m in set(want) - {"head_erank"}:  # the replicates' head is the point's W^T W (the test below)
+                assert got[m] == pytest.approx(want[m], rel=1e-12, abs=1e-15, nan_ok=True), (i, m)
+
+
 def many_classes(seed: int = 0, V: int = 6000, d: int = 8, N: int = 90_000):
     """A study with more kept classes than EXACT_UP_TO (so the errors sample the pairs): Zipf-like frequencies,
     Gaussian classes of their own spreads in a few dimensions (large cosines: the logs' controls are far from exact),

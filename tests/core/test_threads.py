@@ -127,6 +127,30 @@ def test_auto_measures_a_real_load_and_again_between_batches(monkeypatch):
         assert (p.threads, p.last, p.describe()) == (1, None, "1 thread (auto: 1 core allowed)")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(len(threads.affinity()) < 2, reason="one CPU: nothing to choose")
+def test_outside_a_policy_the_threads_available_follow_the_load_measured_between_calls(monkeypatch):
+    """Issue 52: a parallel step outside any policy (the metrics' dask tasks, measure() called as a library) runs
+    auto's rule over the load measured since the previous call: the cores allowed at the first call (no time spent
+    sampling), fewer once a spinning process holds a core, the same count again within GAP seconds."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_seen", [])
+    allowed = threads.allowed_cores(None, threads.quota(), threads.omp_cap())
+    assert threads.available() == int(allowed)
+    proc = mp.get_context("spawn").Process(target=_spin, args=(3.0,), daemon=True)
+    proc.start()
+    try:
+        time.sleep(1.0)
+        threads._seen[0] = threads.read(threads.affinity())           # the reading taken with the spinner running
+        time.sleep(threads.GAP + 0.2)
+        busy = threads.available()
+        assert 1 <= busy <= max(1, int(allowed - 0.4))                 # at least ~0.9 of a core busy elsewhere
+        assert threads.available() == busy                             # within GAP: not measured again
+    finally:
+        proc.terminate()
+        proc.join(5)
+
+
 @pytest.mark.parametrize("command", ["measure", "extract"])
 def test_the_commands_take_the_flag_and_refuse_a_bad_value_in_one_line(command, tmp_path):
     from conftest import run_cli
