@@ -25,6 +25,7 @@ wall seconds per predicted second over the last half-minute scale what is left, 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ncanalyze.analyzer.accumulate import DecisionCounts, Groups, float64_head, fold_of
+from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head, fold_of
 from ncanalyze.core.errors import CheckpointError
 from ncanalyze.core.sizes import bytes_text
 from ncanalyze.store.data.blocks import Blocks
@@ -46,6 +47,7 @@ from ncanalyze.store.extraction.passes import check_ids
 from ncanalyze.store.extraction.progress import Tracker, duration, pass_depth, track
 from ncanalyze.store.extraction.resume import UNREADABLE, Phase
 from ncanalyze.store.extraction.running import LayerState
+from ncanalyze.store.extraction.workers import Workers
 from ncanalyze.store.extraction.settings import ExtractConfig, parse_size
 from ncanalyze.store.sources.anatomy import LogitTransform, default_block_size, features, head, n_layers
 from ncanalyze.store.sources.discover import Checkpoint
@@ -192,13 +194,15 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
     fold = fold_of(0, ids.shape[0], ids.shape[1] - 1, folds, device) if folds > 1 else None
     offset = iter(range(0, 1 << 40, len(y)))  # fresh stream positions for every reservoir call
 
-    def train_step(m: int) -> None:
-        ex.update(h[:m], labels[:m], Groups(labels[:m]) if fold is None else None, None if fold is None else fold[:m])
-        ex.reservoir.update(h[:m], y[:m], next(offset) + np.arange(m))
+    def train_step(m: int) -> None:  # the batch's updates as the train pass runs them (passes.train_pass)
+        f = None if fold is None else fold[:m]
+        run([functools.partial(ex.reservoir.update, h[:m], y[:m], next(offset) + np.arange(m)),
+             *ex.tasks(h[:m], labels[:m], ex.grouping(labels[:m], f), f)])
 
     forward = _seconds(lambda: features(model, ids), device)
-    train_step(len(y))  # the state's pages touched (the fold sums: F x vocab x d), as the real pass does once
-    train = _per_rows(train_step, len(y), 1, dim, device)
+    with Workers(device) as run:
+        train_step(len(y))  # the state's pages touched (the fold sums: F x vocab x d), as the real pass does once
+        train = _per_rows(train_step, len(y), 1, dim, device)
     if not validation:
         return forward, train, 0.0, 0.0
     count = torch.from_numpy(counts).to(device)
