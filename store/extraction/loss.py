@@ -68,9 +68,13 @@ class NextTokenLoss(Sums):
             if also is not None:
                 also(hc, yc, logits, top)
             logits = self.transform(logits)
-            nll = torch.logsumexp(logits, 1) - logits.gather(1, yc[:, None]).squeeze(1)
+            picked = logits.gather(1, yc[:, None]).squeeze(1)
+            arg = top if same else logits.argmax(1)
+            peak = logits.gather(1, arg[:, None])
+            # log-sum-exp in place (the chunk's logits are not read again): peak + log sum exp(logits - peak)
+            nll = peak.squeeze(1) + logits.sub_(peak).exp_().sum(1).log_() - picked
             self.state["loss_sum"] += nll.sum()
-            self.state["correct"] += ((top if same else logits.argmax(1)) == yc).sum()
+            self.state["correct"] += (arg == yc).sum()
             self.state["tokens"] += len(yc)
 
     def sums(self) -> dict[str, torch.Tensor]:
