@@ -593,12 +593,14 @@ class WithoutFold:
     classes beats every other (the rest of the list, the list's last score for every class past it, the moved classes'
     next) by more than twice the larger error bound (screen.py). Every other token is rechecked as a screen rechecks:
     its screened scores at every class of the set (the full screen's where unmoved), the candidates within that bound of
-    its best scored in float64, the first of the largest. ``decided`` and ``rechecked`` count the two kinds.
+    its best scored in float64, the first of the largest. ``decided`` and ``rechecked`` count the two kinds; ``hold``
+    as :class:`Screen`'s (the moved classes' float32 rows held, by default on the CPU).
     """
 
     FIRST = 8  # the full screen's best scores per token that the replicates read
 
-    def __init__(self, fold_stats: FoldStats, main: Screen, f: int, min_count: int, budget: int):
+    def __init__(self, fold_stats: FoldStats, main: Screen, f: int, min_count: int, budget: int,
+                 hold: bool | None = None):
         mean = main.means
         n, nf = fold_stats.count.sum(0).to(mean.device), fold_stats.count[f].to(mean.device)
         self.kept = torch.nonzero(n - nf >= min_count).squeeze(1)
@@ -606,7 +608,7 @@ class WithoutFold:
         self.member[self.kept] = True
         self.still = self.member & (nf == 0)  # kept, and its mean the full one
         self.rows, self.main = LeaveOut(fold_stats, mean, f), main
-        self.moved = Screen(self.rows, [torch.nonzero(self.member & (nf > 0)).squeeze(1)], budget, shift=main.shift)
+        self.moved = Screen(self.rows, [torch.nonzero(self.member & (nf > 0)).squeeze(1)], budget, hold, main.shift)
         at = torch.full((len(n),), -1, dtype=torch.int64, device=mean.device)  # a moved class's column in its screen
         at[self.moved.union] = torch.arange(len(self.moved.union), device=mean.device)
         cols = main.union[:main.size[0]]  # the kept set's columns of the full screen

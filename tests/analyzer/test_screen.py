@@ -103,12 +103,14 @@ def near_pairs(rows: np.ndarray, pairs, scale: float) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("budget", [1 << 25, 16 * 7], ids=["one-tile", "tiles-of-7"])
-def test_leave_one_fold_out_decisions_equal_a_float64_brute_force_on_planted_near_ties(budget):
+@pytest.mark.parametrize("budget, hold", [(1 << 25, True), (16 * 7, True), (16 * 7, False)],
+                         ids=["one-tile", "tiles-of-7", "tiles-of-7-per-call"])
+def test_leave_one_fold_out_decisions_equal_a_float64_brute_force_on_planted_near_ties(budget, hold):
     """NC4's replicate decisions (accumulate.WithoutFold: the full screen's best scores for the classes fold 0 does
     not move, one screen of the moved ones, the unclear tokens screened again in full) equal a float64 brute force over
     the means without fold 0, at near-ties between a moved and an unmoved class, two unmoved, two moved, exact ties
-    (the first class wins), a class fold 0 holds alone (not kept), and at random; both ways of deciding are used."""
+    (the first class wins), a class fold 0 holds alone (not kept), and at random; both ways of deciding are used, with
+    the float32 rows held (the CPU's way) or made per call (CUDA's way, run here on the CPU)."""
     from ncanalyze.analyzer.accumulate import FoldStats, WithoutFold
     rng = np.random.default_rng(5)
     F, V, d = 4, 48, 16
@@ -133,8 +135,8 @@ def test_leave_one_fold_out_decisions_equal_a_float64_brute_force_on_planted_nea
                                      0.0))
     mean[still] = torch.from_numpy(fold_mean[1, still])  # exactly their fold means
     kept = torch.nonzero(torch.from_numpy(n) >= 1).squeeze(1)
-    main = Screen(mean, [kept], budget=budget)
-    without = WithoutFold(fs, main, 0, 1, budget)
+    main = Screen(mean, [kept], budget=budget, hold=hold)
+    without = WithoutFold(fs, main, 0, 1, budget, hold)
     rows = without.rows[torch.arange(V)].numpy()
     h = np.concatenate([rows[[5, 6, 7, 8]], np.stack(near_pairs(rows, [(10, 11), (20, 21), (30, 31)],
                                                                 np.linalg.norm(rows[without.kept], axis=1).max() ** 2)),
