@@ -93,22 +93,51 @@ def make_corpus(path: Path, n_lines: int, seed: int) -> Path:
     return path
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, built once per test session: under xdist the workers share
+    it (the first to ask builds it into a folder of its own, renamed into place under a file lock; the others wait
+    for it, then read it), so read-only fixtures are not built again by every worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+    folder = root / f"shared-{name}"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not folder.is_dir():
+            partial = root / f"shared-{name}.{worker}"
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("corpus")
-    train = make_corpus(d / "train.txt", 6000, seed=1)
-    val = make_corpus(d / "validation.txt", 600, seed=2)
-    tok_dir = d / "tokenizer"
-    train_sweep.train_tokenizer([train], vocab_size=300, out_dir=tok_dir)
-    return {"dir": d, "train": train, "val": val, "tokenizer": tok_dir}
+    """A train and a validation text and a 300-token BPE trained on the train text (read-only: shared by the
+    workers)."""
+    def build(d: Path) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        make_corpus(d / "train.txt", 6000, seed=1)
+        make_corpus(d / "validation.txt", 600, seed=2)
+        train_sweep.train_tokenizer([d / "train.txt"], vocab_size=300, out_dir=d / "tokenizer")
+
+    d = built_once(tmp_path_factory, "corpus", build)
+    return {"dir": d, "train": d / "train.txt", "val": d / "validation.txt", "tokenizer": d / "tokenizer"}
 
 
 @pytest.fixture(scope="session")
 def trained_run(corpus, tmp_path_factory) -> Path:
-    """A Trainer output folder with checkpoint-20, checkpoint-40, checkpoint-60 and the final model."""
-    out = tmp_path_factory.mktemp("runs") / "neo-2x32"
-    return train_sweep.train([corpus["train"]], [corpus["val"]], corpus["tokenizer"], out, n_layer=2, width=32,
-                             n_head=4, block_size=32, batch_size=8, max_steps=60, save_steps=20, seed=0)
+    """A Trainer output folder with checkpoint-20, checkpoint-40, checkpoint-60 and the final model (read-only:
+    shared by the workers)."""
+    def build(runs: Path) -> None:
+        train_sweep.train([corpus["train"]], [corpus["val"]], corpus["tokenizer"], runs / "neo-2x32", n_layer=2,
+                          width=32, n_head=4, block_size=32, batch_size=8, max_steps=60, save_steps=20, seed=0)
+
+    return built_once(tmp_path_factory, "runs", build) / "neo-2x32"
 
 
 def run_cli(*args: str, ok: bool = True):

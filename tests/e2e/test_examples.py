@@ -12,8 +12,6 @@ import pytest
 import xarray as xr
 from conftest import ROOT, make_corpus
 
-pytestmark = pytest.mark.slow  # every test here takes over ~2 s with its fixtures
-
 TINY = [  # a 2 x 2 grid and 3 seed replicas of one of its architectures, 10 steps each, checkpoints at 5 and 10
     "--vocab", "300", "--block-size", "32", "--batch-size", "8", "--steps", "10", "--save-steps", "5",
     "--heads", "2", "--depths", "1", "2", "--widths", "16", "32", "--replicas", "1x16", "--replica-seeds", "0", "1",
@@ -37,6 +35,7 @@ def recipe(tmp_path_factory) -> tuple[Path, str]:
     return out, proc.stdout
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_runs_are_trainer_folders_with_checkpoints(recipe):
     runs = recipe[0] / "runs"
     assert sorted(p.name for p in runs.iterdir() if p.name.startswith("neo-")) == sorted(RUNS)
@@ -48,6 +47,7 @@ def test_runs_are_trainer_folders_with_checkpoints(recipe):
         assert (runs / run / "model.safetensors").is_file() and (runs / run / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_seed_replicas_differ_and_grid_models_have_their_shapes(recipe):
     recipe = recipe[0]
     cfg = json.loads((recipe / "runs" / "neo-L2-d32-s0-wd0.1" / "config.json").read_text())
@@ -59,6 +59,7 @@ def test_seed_replicas_differ_and_grid_models_have_their_shapes(recipe):
     assert all(np.isfinite(v) and v < np.log(300) for v in losses.values())  # they learned something
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_store_holds_every_checkpoint_measured(recipe):
     recipe = recipe[0]
     tree = xr.open_datatree(recipe / "store.zarr", engine="zarr", consolidated=False)
@@ -71,6 +72,7 @@ def test_store_holds_every_checkpoint_measured(recipe):
             assert np.isfinite(node.attrs["metrics"]["nc1_cdnv"])
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_reports_and_figures(recipe):
     recipe, stdout = recipe
     for name, n_rows in (("report-all", 12), ("report-final", 4), ("report-seeds", 3)):
@@ -97,6 +99,7 @@ def test_recipe_explains_a_missing_text(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_every_layer_of_the_final_models_and_the_depth_figure(recipe):
     recipe = recipe[0]
     depth = pd.read_csv(recipe / "report-depth" / "metrics.csv")
@@ -105,6 +108,7 @@ def test_every_layer_of_the_final_models_and_the_depth_figure(recipe):
     assert any((recipe / "report-depth").glob("*depth*.png"))
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_the_callback_run_equals_its_post_hoc_extraction(recipe):
     """The replica trained again with the callback: its step-N groups' metrics equal extract's of the checkpoints the
     same training saved, metric by metric (the callback runs the extraction's own passes on the same blocks)."""
@@ -116,6 +120,7 @@ def test_the_callback_run_equals_its_post_hoc_extraction(recipe):
     assert "callback vs extract" in stdout
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_results_are_published_with_a_summary_from_stats(recipe):
     out = recipe[0] / "published"
     for name in ("all", "final", "seeds", "depth", "explore"):
@@ -129,6 +134,7 @@ def test_results_are_published_with_a_summary_from_stats(recipe):
     assert "r 95% CI (runs)" in summary
 
 
+@pytest.mark.slow  # the recipe fixture: a whole tiny study
 def test_findings_say_each_question_from_the_published_files(recipe):
     """findings.md of the tiny study: the design line counts the replicas, and each Figure 1 metric's sentence
     carries the final models' r with its interval (final/stats.csv) and the pooled r (all/stats.csv)."""
