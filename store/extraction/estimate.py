@@ -207,8 +207,10 @@ def batch_seconds(model, ids: torch.Tensor, samples_per_class: int, counts: np.n
         return forward, train, 0.0, 0.0
     count = torch.from_numpy(counts).to(device)
     kept = torch.nonzero(count >= min_count).squeeze(1)
-    if ex.folds is not None:  # each fold as the full pass leaves it: every kept class outside each fold, so that each
-        ex.folds.count.copy_(count.expand_as(ex.folds.count))  # leave-one-fold-out screen is timed over them all
+    if ex.folds is not None:  # the folds as the full pass leaves them: a class's tokens dealt evenly over the folds,
+        # so that each leave-one-fold-out screen is timed over the classes its fold holds (accumulate.WithoutFold)
+        f = torch.arange(ex.folds.count.shape[0], device=count.device)[:, None]
+        ex.folds.count.copy_(count // len(f) + (f < count % len(f)).to(count.dtype))
     shared = float64_head(classifier, bias, device)  # one float64 head for both, as the validation pass has it
     decisions = DecisionCounts(classifier, bias, ex.stats.mean, kept, counts=ex.val, head=shared, folds=ex.fold_val,
                                train_count=count, fold_stats=ex.folds, min_count=min_count)
