@@ -626,7 +626,10 @@ class WithoutFold:
     def fast(self, x: torch.Tensor, top: torch.Tensor, cls: torch.Tensor, e: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(decisions, the tokens left unclear, the larger bound per token) as :meth:`argmax` takes them: the
-        unclear tokens' decisions are to be made by :meth:`exact`."""
+        unclear tokens' decisions are to be made by :meth:`exact`; an empty set decides -1 for every token."""
+        if len(self.kept) == 0:
+            none = torch.zeros(0, dtype=torch.int64, device=x.device)
+            return torch.full((len(x),), -1, dtype=torch.int64, device=x.device), none, e
         v2, c2, e2 = self.moved.leaders(x - self.main.shift)
         vals = torch.cat([top.masked_fill(~self.still[cls], -torch.inf), v2], 1)
         best, at = vals.max(1)

@@ -71,7 +71,7 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
     n = workers(K.size * (K.size - 1) / 2 if all_pairs else 0, sum(len(a) * len(b) for a, b in sample or ()),
                 _moment_rows(ds, K, W is not None and head is None), M.shape[1])
     with _blas_controller().limit(limits=1, user_api="blas"):                     # the same sums either way
-        got = dask.compute(work, **({"scheduler": "sync"} if n == 1 else {"scheduler": "threads", "num_workers": n}))[0]
+        got = dask.compute(work, **_scheduler(n))[0]
         pairs, row_cdnv, coincident = got.pop("pairs", (None, None, []))
         return {"var": var, "r": r, "s": s, "t0": t0, "us": U @ s, "m_sum": M.sum(0),
                 "m_sums": subset_sums(M, has_var, debias), "pairs": pairs,
@@ -89,6 +89,17 @@ def workers(pairs: float, sampled: float, rows: int, d: int) -> int:
     process may use (affinity, cgroup quota, ``OMP_NUM_THREADS``). The tasks are independent (no barrier), so a
     busy core costs them its share only."""
     return 1 if (pairs + sampled) * d + rows * d * d < SYNC_WORK else available()
+
+
+def _scheduler(n: int) -> dict[str, Any]:
+    """dask.compute's scheduler for ``n`` threads (:func:`workers`); where this process has a distributed Client
+    (``--scheduler``, ``DASK_SCHEDULER_ADDRESS``), its cluster, whatever the work's size: the user chose it."""
+    try:
+        from distributed import default_client
+        default_client()
+        return {}
+    except (ImportError, ValueError):
+        return {"scheduler": "sync"} if n == 1 else {"scheduler": "threads", "num_workers": n}
 
 
 def _moment_rows(ds: xr.Dataset, K: np.ndarray, head: bool) -> int:
