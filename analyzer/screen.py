@@ -230,9 +230,8 @@ class Screen:
                 half_sq: torch.Tensor | None = None, budget: int = 1 << 25) -> torch.Tensor:
         """The float64 decision of each token of ``x`` over the set ``keep`` (a mask of ``cols``' classes) from its
         screened scores ``sc`` (tokens x ``cols``): the members within 2 ``e`` of its best (every member where ``e``
-        is inf), scored
-        o_c + x . mu_c with mu_c = ``means[c]`` and o_c = -``half_sq[c]`` (default: ||mu_c||^2 / 2 of those rows),
-        the first (smallest) class of the largest score."""
+        is inf), scored o_c + x . mu_c with mu_c = ``means[c]`` and o_c = -``half_sq[c]`` (default: -||mu_c||^2 / 2
+        of those rows), the first (smallest) class of the largest score."""
         best = sc.masked_fill(~keep, -torch.inf).amax(1).double()
         # the candidates' threshold, lowered past float32's rounding of it (more candidates, never fewer)
         low = (best - 2 * e - best.abs() * 2.0 ** -22).float()
