@@ -33,10 +33,13 @@ def test_every_check_runs_small_on_the_cpu(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert torch.get_num_threads() == before  # the thread policy put the caller's count back
     checks = result["checks"]
-    assert set(checks) == {"extract_bf16", "layers_8b", "folds_1b", "metrics"} and result["small"]
+    assert set(checks) == {"agree", "extract_bf16", "layers_8b", "folds_1b", "metrics"} and result["small"]
+    a = checks["agree"]  # extract + measure twice (here both on the CPU): every stored number equal
+    assert a["agree"] and a["compared"] > 100 and a["worst_relative"] == 0 and not a["unequal"] + a["missing"]
     for name, layers in (("extract_bf16", "last"), ("layers_8b", "all")):
         c = checks[name]
-        n_pass = len(c["passes"])
+        n_pass = 1 if layers == "all" else len(c["passes"])  # every layer: auto's last pass timed alone
+        assert c["timed"] == ("auto's last pass alone" if layers == "all" else "every pass")
         ratio = statistics.median(c["forward_s"]) * n_pass / statistics.median(c["extract_s"])
         assert c["ratio_per_pass"] == pytest.approx(ratio) and c["layers"] == layers
         kept = sorted(l for p in c["passes"] for l in p)  # hidden_states indices: 0 (embeddings) .. blocks

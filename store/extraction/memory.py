@@ -22,7 +22,8 @@ def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devi
     per-class vectors (count, M2, 3 validation counts, and in the validation pass the kept means' half squared
     norms; the means themselves are read in place), NC4's counts at each min_count (:func:`nc4_at_bytes`), its
     screen (:func:`screen_bytes`) and the unit-vector sum; on the CPU also the screen's float32 means (vocab x d) and
-    the reservoir (float32 samples, their keys and positions), which lives on the CPU whatever the device. Shared: the head's float64 copy
+    the reservoir (float32 samples, their keys, positions and pool rows; at its most, every slot filled), which lives on
+    the CPU whatever the device. Shared: the head's float64 copy
     and bias, and the kept classes' indices, one for the whole validation pass (the loss and every layer read it).
     The batches' transient work (bounded chunks) is left to :func:`state_budget`'s margin.
 
@@ -38,13 +39,15 @@ def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devi
     """
     per_layer = vocab * dim * 8 + dim * dim * 8 + 6 * vocab * 8 + dim * 8 + nc4_at_bytes(vocab) + screen_bytes(vocab, dim)
     if device.type == "cpu":
-        per_layer += vocab * samples_per_class * (4 * dim + 16) + vocab * dim * 4  # and NC4's float32 means
+        per_layer += vocab * samples_per_class * (4 * dim + 24) + vocab * dim * 4  # and NC4's float32 means
     return per_layer, vocab * dim * 8 + 2 * vocab * 8
 
 def available_bytes(device: torch.device) -> int:
-    """Free memory on ``device``: torch.cuda.mem_get_info on CUDA, psutil's available memory on the CPU."""
+    """Free memory on ``device``: on CUDA torch.cuda.mem_get_info's free memory and what torch's caching allocator
+    holds unallocated (a former checkpoint's state, freed, is still reserved there); psutil's available on the CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0] + cached)
     return int(psutil.virtual_memory().available)
 
 def nc4_at_bytes(vocab: int) -> int:
@@ -98,9 +101,10 @@ def budget_of(free: int) -> int:
 
 def host_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.device) -> int:
     """Bytes per layer the running state keeps in host memory beside a GPU's: the reservoir (float32 samples, their
-    keys and positions), which lives on the CPU whatever the device (0 on the CPU, where :func:`state_bytes` counts
-    it). Pages are touched as classes are seen, so this is the most it takes."""
-    return 0 if device.type == "cpu" else vocab * samples_per_class * (4 * dim + 16)
+    keys, positions and pool rows), which lives on the CPU whatever the device (0 on the CPU, where
+    :func:`state_bytes` counts it). Its pool grows with the samples taken and the group's dense samples are made at
+    the write, so this is the most it takes."""
+    return 0 if device.type == "cpu" else vocab * samples_per_class * (4 * dim + 24)
 
 def fit_plan(plan: Plan, vocab: int, dim: int, samples_per_class: int, device: torch.device,
              state_memory: int | None = None, host_memory: int | None = None) -> Plan:

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 from ncanalyze.analyzer.accumulate import Accumulator
+from ncanalyze.core.errors import CheckpointError
 from ncanalyze.core.setting import default
+from ncanalyze.store.extraction.resume import RESTART
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +34,35 @@ def position_keys(pos: np.ndarray, seed: int = default("seed")) -> np.ndarray:
 
 class Reservoir(Accumulator):
     """At most ``k`` raw features per class (float32), the bottom-k by :func:`position_keys` of their stream
-    positions: ``key``, ``position`` (-1 in an empty slot) and ``samples`` (classes x k [x d])."""
+    positions: ``key``, ``position`` (-1 in an empty slot) and ``row`` (classes x k), a filled slot's sample being
+    the row ``row`` of ``pool`` (-1 in an empty slot); ``samples`` (classes x k x d) is the dense array they stand for.
+
+    The pool holds the samples kept and nothing else, in the order they arrived (a replaced sample's row taken by its
+    successor): host memory and page faults grow with the samples taken, not with classes x k x d (at 128,256 x 2 x
+    4,096 the dense array is 4.2 GB a layer, whose first touch cost an H200 host 21 ms a layer a batch: 0.06 of the
+    8B forward with every layer)."""
 
     def __init__(self, num_classes: int, k: int, dim: int, seed: int = default("seed")):
-        self.k, self.seed = k, seed
+        self.k, self.seed, self.dim = k, seed, dim
         self.key = np.full((num_classes, k), EMPTY, dtype=np.uint64)
         self.position = np.full((num_classes, k), -1, dtype=np.int64)
-        # lazy zero pages: memory only for the classes seen (at 128,256 x 8 x 4,096 a layer's samples are 16.8 GB of
-        # host memory if written up front); the price is a page fault on a class's first sample (3 layers at
-        # V = 128,256, d = 1,024, a fresh process: 7.0 s of train pass against 2.7 s written up front)
-        self.samples = np.zeros((num_classes, k, dim), dtype=np.float32)
+        self.row = np.full((num_classes, k), -1, dtype=np.int64)
+        self._pool, self.used = np.empty((0, dim), dtype=np.float32), 0
+
+    @property
+    def pool(self) -> np.ndarray:
+        """The kept samples (used rows x d), a view."""
+        return self._pool[:self.used]
+
+    def _take_rows(self, m: int) -> np.ndarray:
+        """``m`` new rows at the pool's end, its capacity doubled where they do not fit (at most classes x k)."""
+        if self.used + m > len(self._pool):
+            cap = min(max(2 * len(self._pool), self.used + m, 1024), max(self.key.size, self.used + m))
+            grown = np.empty((cap, self.dim), dtype=np.float32)
+            grown[:self.used] = self._pool[:self.used]
+            self._pool = grown
+        self.used += m
+        return np.arange(self.used - m, self.used)
 
     def update(self, h: torch.Tensor, y: np.ndarray, pos: np.ndarray) -> None:
         """Offer features ``h`` (n x d) with labels ``y`` and stream positions ``pos``."""
@@ -66,38 +87,53 @@ class Reservoir(Accumulator):
         freed = np.flatnonzero(~stays)  # evicted or empty slots, in class order, as many as new winners
         new = cand[keep[keep >= u * k] - u * k]  # the winners among the offered tokens, in class order
         rows, slots = cls[freed // k], freed % k
-        self.key[rows, slots] = keys[new]
-        self.position[rows, slots] = pos[new]
-        self.samples[rows, slots] = h.index_select(0, torch.from_numpy(new).to(h.device)).float().cpu().numpy()
+        target = self.row[rows, slots]  # an evicted sample's row takes its successor; an empty slot a new row
+        empty = target < 0
+        target[empty] = self._take_rows(int(empty.sum()))
+        self.key[rows, slots], self.position[rows, slots], self.row[rows, slots] = keys[new], pos[new], target
+        self._pool[target] = h.index_select(0, torch.from_numpy(new).to(h.device)).float().cpu().numpy()
 
-    def merge(self, other: "Reservoir", rows: int = 4096) -> "Reservoir":
+    @property
+    def samples(self) -> np.ndarray:
+        """The dense samples (classes x k x d, zero in an empty slot), made from the pool."""
+        dense = np.zeros((*self.key.shape, self.dim), dtype=np.float32)
+        filled = self.row >= 0
+        dense[filled] = self._pool[self.row[filled]]
+        return dense
+
+    def _reorder(self, order: np.ndarray, key: np.ndarray, position: np.ndarray, row: np.ndarray) -> None:
+        """Take the slots ``order`` picks (classes x k indices into the columns of ``key``, ``position``, ``row``)."""
+        self.key = np.take_along_axis(key, order, 1)
+        self.position = np.take_along_axis(position, order, 1)
+        self.row = np.take_along_axis(row, order, 1)
+
+    def merge(self, other: "Reservoir") -> "Reservoir":
         """Fold in the reservoir of another part of the same stream (positions are global stream positions, so keys
         agree): each class keeps the k smallest keys of the union, exactly the sample one pass over both parts
-        keeps. The slots come out in key order (see :meth:`canonical`). Returns self."""
-        if (other.k, other.seed) != (self.k, self.seed):
-            raise ValueError(f"cannot merge reservoirs of k={other.k}, seed={other.seed} into k={self.k}, "
-                             f"seed={self.seed}")
-        for s in range(0, self.key.shape[0], rows):
-            sl = slice(s, s + rows)
-            key = np.concatenate([self.key[sl], other.key[sl]], 1)
-            order = np.argsort(key, axis=1, kind="stable")[:, :self.k]
-            pos = np.concatenate([self.position[sl], other.position[sl]], 1)
-            samples = np.concatenate([self.samples[sl], other.samples[sl]], 1)
-            self.key[sl] = np.take_along_axis(key, order, 1)
-            self.position[sl] = np.take_along_axis(pos, order, 1)
-            self.samples[sl] = np.take_along_axis(samples, order[:, :, None], 1)
+        keeps. The slots come out in key order (see :meth:`canonical`), the pool holding the kept samples alone.
+        Returns self."""
+        if (other.k, other.seed, other.dim) != (self.k, self.seed, self.dim):
+            raise ValueError(f"cannot merge reservoirs of k={other.k}, seed={other.seed}, d={other.dim} into "
+                             f"k={self.k}, seed={self.seed}, d={self.dim}")
+        key = np.concatenate([self.key, other.key], 1)
+        theirs = np.where(other.row >= 0, other.row + self.used, -1)
+        self._reorder(np.argsort(key, axis=1, kind="stable")[:, :self.k], key,
+                      np.concatenate([self.position, other.position], 1), np.concatenate([self.row, theirs], 1))
+        self._compact(np.concatenate([self.pool, other.pool]))
         return self
 
+    def _compact(self, pool: np.ndarray) -> None:
+        """The pool made anew from ``pool`` (which ``row`` points into): the filled slots' samples in slot order."""
+        filled = self.row >= 0
+        self._pool, self.used = pool[self.row[filled]], int(filled.sum())
+        self.row[filled] = np.arange(self.used)
+
     def canonical(self) -> "Reservoir":
-        """The slots of every class in key order (filled slots first, the first j of them a uniform sample of j), so
-        that the stored layout depends only on the sample, not on the order the stream was read in. Returns self."""
-        order = np.argsort(self.key, axis=1, kind="stable")
-        moved = np.flatnonzero((order != np.arange(self.k)).any(1))
-        for s in range(0, len(moved), 4096):
-            rows, o = moved[s:s + 4096], order[moved[s:s + 4096]]
-            self.key[rows] = np.take_along_axis(self.key[rows], o, 1)
-            self.position[rows] = np.take_along_axis(self.position[rows], o, 1)
-            self.samples[rows] = np.take_along_axis(self.samples[rows], o[:, :, None], 1)
+        """The slots of every class in key order (filled slots first, the first j of them a uniform sample of j) and
+        the pool in slot order, so that the state depends only on the sample, not on the order the stream was read
+        in. Returns self."""
+        self._reorder(np.argsort(self.key, axis=1, kind="stable"), self.key, self.position, self.row)
+        self._compact(self._pool)
         return self
 
     @property
@@ -105,8 +141,15 @@ class Reservoir(Accumulator):
         return (self.key != EMPTY).sum(1).astype(np.int64)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {"key": self.key, "position": self.position, "samples": self.samples}
+        return {"key": self.key, "position": self.position, "row": self.row, "pool": self.pool}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for name, v in state.items():
-            getattr(self, name)[...] = v
+        """Take a saved state, refused (a CheckpointError) where its rows do not point one to one into its pool at
+        exactly its filled slots."""
+        key, row, pool = (np.asarray(state[n]) for n in ("key", "row", "pool"))
+        filled = row[row >= 0]
+        if (pool.ndim != 2 or pool.shape[1] != self.dim or not np.array_equal(row >= 0, key != EMPTY)
+                or not np.array_equal(np.sort(filled), np.arange(len(pool)))):
+            raise CheckpointError(f"a saved reservoir's rows do not match its {len(pool)} samples; {RESTART}")
+        self.key[...], self.position[...], self.row[...] = key, state["position"], row
+        self._pool, self.used = np.array(pool, dtype=np.float32), len(pool)

@@ -174,11 +174,15 @@ class Extraction:
 
     def next_pass(self) -> None:
         """Put the current pass's layers in the staging folder and start the next pass's."""
-        for l, s in self.layers.items():
-            save_state(self.folder / f"layer-{l.key}.npz", flatten(s.state_dict()))
+        self._stage()
+        self.layers = {}  # freed before the next pass's are made: auto sized one pass's state, not two
         self.pass_index += 1
         self.next_phase(Phase.TRAIN)
         self.layers = self._fresh()
+
+    def _stage(self) -> None:
+        for l, s in self.layers.items():
+            save_state(self.folder / f"layer-{l.key}.npz", flatten(s.state_dict()))
 
     def _nested(self) -> dict[str, Any]:
         return {f"layer{l.key}": s.state_dict() for l, s in self.layers.items()}
@@ -343,7 +347,11 @@ class Extraction:
 
 
 def _misfits(arrays: Mapping[str, np.ndarray], fresh: Mapping[str, np.ndarray]) -> list[str]:
-    """The names where a saved state differs from a fresh one in shape or kind, or lacks it."""
+    """The names where a saved state differs from a fresh one in shape or kind, or lacks it (a reservoir's pool is
+    as long as the samples it holds: its width alone is fixed)."""
+    def shape(k: str, v: np.ndarray) -> tuple:
+        return v.shape[1:] if k.endswith("reservoir.pool") else v.shape
+
     bad = [k for k, v in fresh.items() if k != "stream" and k in arrays
-           and (arrays[k].shape != v.shape or arrays[k].dtype.kind != v.dtype.kind)]
+           and (shape(k, arrays[k]) != shape(k, v) or arrays[k].dtype.kind != v.dtype.kind)]
     return bad + [f"{k} (missing)" for k in fresh if k not in arrays]

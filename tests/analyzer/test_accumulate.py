@@ -145,7 +145,7 @@ def test_flatten_and_unflatten_are_inverse_with_the_names_of_saved_states():
     layer = LayerState(5, 3, 2, 0, "cpu")
     layer.stats.update(torch.randn(7, 3), torch.tensor([0, 1, 1, 4, 4, 4, 2]))
     flat = flatten({"layer3": layer.state_dict(), "phase": 1})
-    assert {"layer3.stats.count", "layer3.stats.scatter", "layer3.reservoir.samples", "layer3.val.val_ncc_agree",
+    assert {"layer3.stats.count", "layer3.stats.scatter", "layer3.reservoir.pool", "layer3.val.val_ncc_agree",
             "layer3.lm.loss_sum", "phase"} <= flat.keys()
     assert all(isinstance(v, np.ndarray) for v in flat.values())
     back = unflatten(flat)

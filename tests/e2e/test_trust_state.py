@@ -189,8 +189,8 @@ LAYERED_DAMAGE = {  # file in the resume folder -> (damage, words of the one lin
         "stats.mean", a["stats.mean"][:, :-1])), "does not fit"),
     "a finished layer missing an array": ("layer-1", lambda p: _forge(p, lambda a: a.pop("stats.m2")),
                                           "stats.m2 (missing)"),
-    "the state missing an array": ("state", lambda p: _forge(p, lambda a: a.pop("layer2.reservoir.samples")),
-                                   "layer2.reservoir.samples (missing)"),
+    "the state missing an array": ("state", lambda p: _forge(p, lambda a: a.pop("layer2.reservoir.pool")),
+                                   "layer2.reservoir.pool (missing)"),
     "the state of a wrong shape": ("state", lambda p: _forge(p, lambda a: a.__setitem__(
         "layer2.stats.count", a["layer2.stats.count"][:-1])), "layer2.stats.count"),
     "the state without its phase": ("state", lambda p: _forge(p, lambda a: a.pop("phase")), "lacks phase"),

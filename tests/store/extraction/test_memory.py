@@ -151,8 +151,8 @@ def _held_bytes(*roots) -> int:
 
 
 def test_state_bytes_is_what_a_validation_pass_holds():
-    """An extraction's running state of 3 layers in its validation pass (every class kept, a float32 head with a
-    bias): the
+    """An extraction's running state of 3 layers in its validation pass (every class kept, every reservoir slot
+    filled, a float32 head with a bias): the
     buffers it holds, measured, are state_bytes' per layer x 3 + shared within 0.1% (no hidden copy of the means or
     of the head: the loss and the layers share one float64 head)."""
     from ncanalyze.store.extraction.loss import NextTokenLoss
@@ -165,7 +165,9 @@ def test_state_bytes_is_what_a_validation_pass_holds():
     plan3 = plan("all", "auto", 0, "float32", 2)
     ex = Extraction(plan3, V, d, k, 0, torch.device("cpu"), None)
     for s in ex.layers.values():
-        s.stats.update(torch.randn(20 * V, d), torch.arange(20 * V) % V)  # every class kept, at every NC4 min_count
+        h, y = torch.randn(20 * V, d), torch.arange(20 * V) % V
+        s.stats.update(h, y)  # every class kept, at every NC4 min_count
+        s.reservoir.update(h, y.numpy(), np.arange(20 * V))  # every slot filled: the reservoir at its most
     W, bias = torch.randn(V, d), torch.randn(V)
     counts, head = val_state(ex, W, bias, 1, torch.nn.LayerNorm(d))
     loss = NextTokenLoss(*head, LogitTransform(), state=ex.main().lm)
@@ -175,6 +177,29 @@ def test_state_bytes_is_what_a_validation_pass_holds():
     per_layer, shared = state_bytes(V, d, k, torch.device("cpu"))
     # within 0.1% (the loss's 0-d sums are not counted): one more V x d float64 copy would be 13% more
     assert abs(held - (3 * per_layer + shared)) <= 1e-3 * held, (held, 3 * per_layer + shared)
+
+
+def test_a_pass_state_is_freed_before_the_next_pass_state_is_made(tmp_path, monkeypatch):
+    """auto sizes one pass's state to the free memory, so the next pass's must not be made while the last one's is
+    held: on an H200 the 8B shape's second pass ran out of memory at twice the state (the last pass still held)."""
+    import gc
+    import weakref
+
+    from ncanalyze.store.extraction.running import Extraction, LayerState
+
+    ex = Extraction(plan("all", 1, 0, "float32", 2), 50, 4, 2, 0, torch.device("cpu"), tmp_path)
+    held = [weakref.ref(s) for s in ex.layers.values()]
+    alive_at_make = []
+    make = LayerState.__init__
+
+    def noting(self, *args, **kwargs):
+        gc.collect()
+        alive_at_make.append(sum(r() is not None for r in held))
+        make(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerState, "__init__", noting)
+    ex.next_pass()
+    assert alive_at_make == [0] and ex.pass_index == 1 and (tmp_path / "layer-0.npz").exists()
 
 
 def test_the_8b_shape_fits_in_three_passes_on_one_80gb_gpu():
@@ -198,16 +223,16 @@ def test_the_8b_shape_fits_in_three_passes_on_one_80gb_gpu():
 
 
 def test_beside_a_gpu_the_hosts_memory_for_the_reservoirs_bounds_the_layers_a_pass():
-    """The reservoir lives on the host whatever the device: V x samples x (4d + 16) bytes a layer. On the H100
+    """The reservoir lives on the host whatever the device: at most V x samples x (4d + 24) bytes a layer. On the H100
     machine's 128 GiB host (budget_of: 137.44e9 less a tenth, 123.69e9), the 8B shape with 2 samples per class takes
-    128,256 x 2 x 16,400 = 4.207e9 a layer: 29 layers, so the GPU's 13 bind (3 passes); with the default 8, 16.83e9 a
+    128,256 x 2 x 16,408 = 4.209e9 a layer: 29 layers, so the GPU's 13 bind (3 passes); with the default 8, 16.84e9 a
     layer: 7 layers a pass, 5 passes, said in the log; a host that cannot hold one layer's reservoir is one line."""
     from ncanalyze.core.errors import UserError
     from ncanalyze.store.extraction.memory import budget_of, fit_plan, host_bytes
 
     V, d, cuda = 128_256, 4_096, torch.device("cuda")
     gpu, host = budget_of(80 * 2**30 - 16_100_000_000), budget_of(128 * 2**30)
-    assert host == 123_695_058_125 and host_bytes(V, d, 8, cuda) == 16_827_187_200
+    assert host == 123_695_058_125 and host_bytes(V, d, 8, cuda) == 128_256 * 8 * 16_408 == 16_835_395_584
     assert host_bytes(V, d, 8, torch.device("cpu")) == 0  # on the CPU state_bytes counts it
     layered = plan("all", "auto", 0, "float32", 32)
     two = fit_plan(layered, V, d, 2, cuda, gpu, host)

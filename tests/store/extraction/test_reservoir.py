@@ -49,3 +49,38 @@ def test_reservoir_merge_is_the_one_pass_sample():
     one.canonical()
     for x in ("key", "position", "samples"):
         np.testing.assert_array_equal(getattr(a, x), getattr(one, x), err_msg=x)
+
+
+def test_the_pool_holds_the_samples_taken_and_a_state_round_trips():
+    """The samples live in a pool as long as the slots filled (its capacity at most twice that, never classes x k x d):
+    3,000 tokens over 20,000 classes keep their rows, not 20,000 x 2 x d floats. A saved
+    state loads back to the same dense samples; one whose rows do not point one to one into its pool at exactly its
+    filled slots is refused in one line, never read into wrong samples."""
+    from ncanalyze.core.errors import CheckpointError
+
+    rng = np.random.default_rng(3)
+    V, K, d, n = 20_000, 2, 64, 3000
+    y, h, pos = rng.integers(0, V, n), torch.randn(n, d), np.arange(n)
+    r = Reservoir(V, K, d, seed=1)
+    for s in range(0, n, 700):
+        r.update(h[s:s + 700], y[s:s + 700], pos[s:s + 700])
+    filled = int(r.n_samples.sum())
+    assert r.used == filled == len(r.pool) and r._pool.shape[0] <= max(1024, 2 * filled) < V * K
+    dense = r.samples
+    assert dense.shape == (V, K, d)
+    for c in np.unique(y)[:50]:
+        m = r.n_samples[c]
+        np.testing.assert_array_equal(dense[c, :m], h[r.position[c, :m]].numpy())
+        assert not dense[c, m:].any()
+    again = Reservoir(V, K, d, seed=1)
+    again.load_state_dict({k: v.copy() for k, v in r.state_dict().items()})
+    np.testing.assert_array_equal(again.samples, dense)
+    state = r.state_dict()
+    for name, forge in [("a row twice", lambda s: s["row"].reshape(-1).__setitem__(np.flatnonzero(s["row"] >= 0)[:2], 0)),
+                        ("a row past the pool", lambda s: s["row"].reshape(-1).__setitem__(s["row"].argmax(), filled)),
+                        ("a sample short", lambda s: s.__setitem__("pool", s["pool"][:-1])),
+                        ("an empty slot with a row", lambda s: s["key"].__setitem__(s["row"] >= 0, 2**64 - 1))]:
+        bad = {k: v.copy() for k, v in state.items()}
+        forge(bad)
+        with pytest.raises(CheckpointError, match="reservoir's rows do not match its .* samples; pass --restart"):
+            Reservoir(V, K, d, seed=1).load_state_dict(bad)
