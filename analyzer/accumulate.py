@@ -130,7 +130,7 @@ def _squares(x: torch.Tensor) -> torch.Tensor:
 
 
 def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Groups,
-                hs: torch.Tensor) -> torch.Tensor:
+                hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Chan's update, in place, of the running ``mean`` and ``m2`` of the groups of ``g`` (their rows of ``count``,
     ``mean``, ``m2``, read before ``count`` moves) with the float64 rows ``hs`` in group order (:meth:`Groups.sort`).
 
@@ -138,7 +138,8 @@ def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Gr
     delta^T over the groups: each token's deviation from its group's batch mean, then sqrt(w) delta for each group the
     running statistics hold already (delta = batch - running mean, w = n_a n_b / n). The rows that add exactly 0 are
     left out: a token alone in its group (its deviation is 0) and a group new to the running statistics (w = 0), whose
-    running mean becomes its batch mean (0 + mean_b) without its row being read."""
+    running mean becomes its batch mean (0 + mean_b) without its row being read. Returned beside them, each row's
+    group (an index into ``g.classes``)."""
     n_b = g.lengths.to(torch.float64)
     mean_b = g.sum(hs).div_(n_b[:, None])
     tok = torch.nonzero(g.lengths.index_select(0, g.row) > 1).squeeze(1)
@@ -155,7 +156,7 @@ def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Gr
     torch.mul(delta, w.sqrt()[:, None], out=rows[len(tok):])
     mean.index_add_(0, g.classes, mean_b.index_copy_(0, old, delta * (nb / n)[:, None]))  # the cells are distinct
     m2.index_add_(0, g.classes, m2_b.index_add_(0, old, w * _squares(delta)))
-    return rows
+    return rows, torch.cat([row, old])
 
 
 def add_gram(out: torch.Tensor, x: torch.Tensor) -> None:
@@ -195,7 +196,7 @@ class ClassStats(Accumulator):
             return
         hs = g.sort(h, torch.float64)
         self.unit_sum += unit_sums(hs, [len(hs)])[0]
-        rows = chan_update(self.count, self.mean, self.m2, g, hs)
+        rows, _ = chan_update(self.count, self.mean, self.m2, g, hs)
         if self.scatter is not None and len(rows):
             add_gram(self.scatter, rows)
         self.count.index_add_(0, g.classes, g.lengths)
@@ -276,6 +277,33 @@ class FoldStats(Accumulator):
         tokens into its :class:`ClassStats` (:meth:`tasks`, run one after another)."""
         for task in self.tasks(h, y, fold, groups):
             task()
+
+    def update_at_once(self, h: torch.Tensor, y: torch.Tensor, fold: torch.Tensor,
+                       groups: Groups | None = None) -> None:
+        """Fold in a batch as :meth:`update` does, every fold at once: Chan's update of every (fold, class) cell over
+        the stacked arrays seen as one class axis of folds x vocab cells, then each fold's scatter and unit-vector sum
+        from its own rows, in the order its own update takes them (the same numbers: each cell's and each fold's
+        arithmetic is the one :meth:`update` does). A few kernels and synchronisations a batch rather than a few a
+        fold: the update on a GPU, where the per-fold calls' launches cost more than their arithmetic."""
+        g = groups if groups is not None else self.grouping(y, fold)
+        if len(g.order) == 0:
+            return
+        folds, vocab, dim = self.mean.shape
+        hs = g.sort(h, torch.float64)
+        fold_of = torch.div(g.classes, vocab, rounding_mode="floor")  # each group's fold
+        tokens = torch.zeros(folds, dtype=torch.int64, device=fold_of.device).index_add_(0, fold_of, g.lengths)
+        self.unit_sum += unit_sums(hs, tokens.tolist())  # hs in (fold, class) order: each fold's rows contiguous
+        rows, group = chan_update(self.count.view(-1), self.mean.view(-1, dim), self.m2.view(-1), g, hs)
+        if self.scatter is not None and len(rows):
+            row_fold = fold_of.index_select(0, group)
+            by_fold = torch.argsort(row_fold, stable=True)  # each fold's rows in chan_update's order for that fold
+            rows = rows.index_select(0, by_fold)
+            start = 0
+            for f, n in enumerate(torch.bincount(row_fold, minlength=folds).tolist()):
+                if n:
+                    add_gram(self.scatter[f], rows[start:start + n])
+                start += n
+        self.count.view(-1).index_add_(0, g.classes, g.lengths)
 
     def grouping(self, y: torch.Tensor, fold: torch.Tensor) -> Groups:
         """A batch's tokens grouped by (fold, class) once, for every layer that reads the batch (``y``, ``fold``: each

@@ -90,11 +90,14 @@ class LayerState:
               fold: torch.Tensor | None) -> list[Callable[[], None]]:
         """A train batch's update of the statistics, features ``h`` (n x d) with labels ``y`` (n, grouped as
         ``groups``, from :meth:`grouping`, or None): into the totals without folds, else into the fold sums alone, each
-        token into its ``fold`` (n), one call per fold (:meth:`FoldStats.tasks`); calls on disjoint arrays, to run
-        once each, in any order or at once (``workers.Workers``)."""
+        token into its ``fold`` (n), one call per fold on the CPU (:meth:`FoldStats.tasks`), one for them all
+        elsewhere (:meth:`FoldStats.update_at_once`: the same numbers); calls on disjoint arrays, to run once each, in
+        any order or at once (``workers.Workers``)."""
         if self.folds is None:
             return [functools.partial(self._stats.update, h, y, groups)]
         self._stale = True
+        if self.folds.mean.device.type != "cpu":  # one call for every fold: a GPU's launches, not its arithmetic
+            return [functools.partial(self.folds.update_at_once, h, y, fold, groups)]
         return self.folds.tasks(h, y, fold, groups)
 
     def update(self, h: torch.Tensor, y: torch.Tensor, groups: Groups | None, fold: torch.Tensor | None) -> None:

@@ -400,3 +400,23 @@ def test_each_folds_scatter_equals_brute_force_where_rows_add_nothing():
         for name in ("mean", "m2", "scatter"):
             np.testing.assert_allclose(part.state_dict()[name].numpy(), want[name], rtol=1e-12,
                                        atol=1e-12 * np.abs(want[name]).max(), err_msg=f"fold {f} {name}")
+
+
+def test_every_fold_at_once_is_each_fold_in_turn_bit_for_bit():
+    """FoldStats.update_at_once (the update a GPU runs: one Chan update over every (fold, class) cell, then each fold's
+    scatter and unit-vector sum from its own rows) gives exactly the numbers of the folds updated one by one
+    (:meth:`FoldStats.update`, the CPU's): over batches of every distinct label, of repeated new classes, of classes
+    seen before, one leaving a fold empty, and Zipf batches of hot and cold classes."""
+    rng = np.random.default_rng(5)
+    V, d, F = 60, 7, 4
+    labels = [np.arange(16), np.repeat(np.arange(16, 24), 2), np.repeat(np.arange(8), 2),
+              *(np.minimum(rng.zipf(1.3, 16), V) - 1 for _ in range(5))]
+    one_by_one, at_once = FoldStats(F, V, d), FoldStats(F, V, d)
+    for b, y in enumerate(labels):
+        h = torch.from_numpy(rng.normal(size=(16, d)) * 3 + 5).float()
+        fold = torch.from_numpy(rng.integers(0, F, 16) if b != 2 else np.repeat([0, 3], [5, 11]))  # b = 2: 1, 2 empty
+        one_by_one.update(h, torch.from_numpy(y), fold)
+        at_once.update_at_once(h, torch.from_numpy(y), fold)
+    assert one_by_one.count.sum() == 16 * len(labels)
+    for name, want in one_by_one.state_dict().items():
+        assert torch.equal(at_once.state_dict()[name], want), name
