@@ -1,5 +1,5 @@
-"""Every CUDA check in one command, about 5 minutes on one H200 (measured: RESULTS.md); ``--small`` runs the same code on the CPU in seconds
-(tests/test_gpu_script.py runs it, so the script cannot rot).
+"""Every CUDA check in one command, about 5 minutes on one H200 (its checks ran there in three calls: RESULTS.md);
+``--small`` runs the same code on the CPU in seconds (tests/test_gpu_script.py runs it, so the script cannot rot).
 
     python benchmarks/gpu.py                    # on the GPU: prints the ratios, writes gpu.json
     python benchmarks/gpu.py --small --out /tmp/gpu.json      # the same checks, tiny shapes, CPU
@@ -202,7 +202,8 @@ def agreement(spec: tuple, device: torch.device) -> dict:
         tmp = Path(tmp)
         torch.manual_seed(0)
         config = GPTNeoConfig(vocab_size=vocab, hidden_size=width, num_layers=blocks, num_heads=4,
-                              attention_types=[[["global", "local"], blocks // 2]], max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
+                              attention_types=[[["global", "local"], blocks // 2]], max_position_embeddings=256,
+                              bos_token_id=0, eos_token_id=0)
         GPTNeoForCausalLM(config).save_pretrained(tmp / "neo")
         ids = tokens(Namespace(text=None), vocab, 2 * n_tokens)
         np.save(tmp / "train.npy", ids[:n_tokens].reshape(-1, 64))

@@ -76,8 +76,11 @@ def test_the_pool_holds_the_samples_taken_and_a_state_round_trips():
     again.load_state_dict({k: v.copy() for k, v in r.state_dict().items()})
     np.testing.assert_array_equal(again.samples, dense)
     state = r.state_dict()
-    for name, forge in [("a row twice", lambda s: s["row"].reshape(-1).__setitem__(np.flatnonzero(s["row"] >= 0)[:2], 0)),
-                        ("a row past the pool", lambda s: s["row"].reshape(-1).__setitem__(s["row"].argmax(), filled)),
+    def flat_row(s):
+        return s["row"].reshape(-1)
+
+    for name, forge in [("a row twice", lambda s: flat_row(s).__setitem__(np.flatnonzero(s["row"] >= 0)[:2], 0)),
+                        ("a row past the pool", lambda s: flat_row(s).__setitem__(s["row"].argmax(), filled)),
                         ("a sample short", lambda s: s.__setitem__("pool", s["pool"][:-1])),
                         ("an empty slot with a row", lambda s: s["key"].__setitem__(s["row"] >= 0, 2**64 - 1))]:
         bad = {k: v.copy() for k, v in state.items()}
