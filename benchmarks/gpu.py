@@ -6,9 +6,9 @@
 
 The checks, each with its peak memory (torch's peak allocated on CUDA, the process's peak RSS on the CPU):
 
-1. ``extract_bf16``: the default extraction (the last layer: float64 statistics, reservoir) of a Llama of the
-   published 1B shape (benchmarks/extract_layers.py's ``--preset llama-3.2-1b``), bf16, against the bare forward of
-   its base model on the same batches (target >= 0.9);
+1. ``extract_bf16``: the extraction of the last layer (float64 statistics, reservoir; ``--folds 1``: the default's
+   8 fold sums are ``folds_1b``'s) of a Llama of the published 1B shape (benchmarks/extract_layers.py's ``--preset
+   llama-3.2-1b``), bf16, against the bare forward of its base model on the same batches (target >= 0.9);
 2. ``layers_8b``: every layer of a Llama-3.1-8B-shaped model (random weights, built from its config: no download),
    bf16, in the passes ``--layers-per-pass auto`` picks on this device (memory.fit_plan), against the forward: the
    ratio per pass (target >= 0.5, at most 3 passes on an 80 GB GPU), timed on auto's last pass (the widest, the whole
