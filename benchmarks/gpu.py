@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import platform
 import resource
@@ -257,13 +258,32 @@ def line(name: str, c: dict) -> str:
             f"{c['ratio_per_pass']:.2f} (target >= {0.5 if c['layers'] == 'all' else 0.9}), peak {gib:.1f} GiB")
 
 
+def source_digest() -> str:
+    """The first 12 hex digits of a sha256 over the ncanalyze package's Python files as imported (their names and
+    bytes): which code a run measured, where the GPU machine's copy of the tree has no git."""
+    import ncanalyze
+    from ncanalyze import analyzer, cli, core, store
+    h = hashlib.sha256()
+    for pkg, files in [(ncanalyze, "*.py"), *((p, "**/*.py") for p in (core, analyzer, store, cli))]:
+        root = Path(pkg.__file__).parent
+        for f in sorted(root.glob(files)):
+            h.update(f"{pkg.__name__}/{f.relative_to(root).as_posix()}\n".encode() + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def summary(paths: list[str]) -> None:
-    """The lines of recorded runs (their JSONs, as ``--out`` wrote them on the GPU machine), with where they ran."""
+    """The lines of recorded runs (their JSONs, as ``--out`` wrote them on the GPU machine), with where they ran and
+    whether on this code (:func:`source_digest`)."""
     print("measured on the GPU machine named with each JSON below; printed here from those JSONs (a record's "
           "header then says when they were printed, not where they ran)")
+    here = source_digest()
     for path in paths:
         result = json.loads(Path(path).read_text())
-        print(f"{Path(path).name}: {', '.join(result['checks'])} on {result['device']}, torch {result['torch']}")
+        source = result.get("source")
+        code = ("code not recorded" if source is None else
+                f"code {source}, {'this code' if source == here else f'not this code ({here})'}")
+        print(f"{Path(path).name}: {', '.join(result['checks'])} on {result['device']}, torch {result['torch']}, "
+              f"{code}")
         for name, c in result["checks"].items():
             print("  " + line(name, c))
 
@@ -283,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("no CUDA device: run on the GPU machine, or --small on the CPU")
     sizes, started = SMALL if a.small else FULL, time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
-    result = {"device": name, "small": a.small, "torch": torch.__version__, "checks": {}}
+    result = {"device": name, "small": a.small, "torch": torch.__version__, "source": source_digest(), "checks": {}}
     checks = {"agree": lambda: agreement(sizes["agree"], device),
               "extract_bf16": lambda: extraction("extract_bf16", "last", sizes["extract_bf16"], device, 8),
               "layers_8b": lambda: extraction("layers_8b", "all", sizes["layers_8b"], device, 8),

@@ -14,6 +14,7 @@ import io
 import os
 import runpy
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -56,10 +57,24 @@ def recorded(record: bool, name: str | None = None) -> Iterator[None]:
     command = shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name or Path(script).stem}.md").write_text(
-        f"### `{command}`\n\nRun {start} on {os.cpu_count()} cores, load average {load:.1f} at its start and "
-        f"{os.getloadavg()[0]:.1f} at its end (a shared machine: quote ratios, not rates).\n\n"
+        f"### `{command}`\n\nRun {start}{commit()} on {os.cpu_count()} cores, load average {load:.1f} at its start "
+        f"and {os.getloadavg()[0]:.1f} at its end (a shared machine: quote ratios, not rates).\n\n"
         f"```\n{printed.getvalue().rstrip()}\n```\n")
     index()
+
+
+def commit() -> str:
+    """`` at commit <short hash>`` of the repository the benchmarks live in (``+ changes`` where files differ from it),
+    or nothing outside a git checkout: which code a recorded figure measured."""
+    try:
+        where = ["git", "-C", str(RESULTS.parent)]
+        head = subprocess.run([*where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*where, "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                ":(top,exclude)benchmarks/results", ":(top,exclude)benchmarks/RESULTS.md"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return f" at commit {head.stdout.strip()}" + (" + changes" if dirty else "")
 
 
 HEADER = ("# Benchmark results\n\nWritten by `benchmarks/record.py` from `benchmarks/results/` (do not edit): each "

@@ -64,6 +64,7 @@ def test_the_benchmark_results_are_the_recorded_runs_and_a_run_records_itself(tm
     """benchmarks/RESULTS.md is what record.py writes from benchmarks/results/ (never typed by hand), and the runner
     records a benchmark's output with the command that reproduces it (here a script of the test's own, in a copy)."""
     record = _load_example_module(ROOT / "benchmarks" / "record.py")
+    assert re.fullmatch(r" at commit [0-9a-f]{7,}( \+ changes)?", record.commit())  # which code a record measured
     runs = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
     assert runs and (ROOT / "benchmarks" / "RESULTS.md").read_text() == record.HEADER + "\n".join(
         p.read_text() for p in runs)
@@ -76,6 +77,7 @@ def test_the_benchmark_results_are_the_recorded_runs_and_a_run_records_itself(tm
     record.main(["toy.py", "3"])
     text = (copy / "results" / "toy.md").read_text()
     assert text.startswith("### `python benchmarks/toy.py 3`") and "ratio 1.5" in text
+    assert "at commit" not in text  # outside a git checkout: no commit said
     assert (copy / "RESULTS.md").read_text() == record.HEADER + text
     record.main(["--as", "toy-twice", "toy.py", "4"])  # a second mode of one script, kept beside the first
     twice = (copy / "results" / "toy-twice.md").read_text()

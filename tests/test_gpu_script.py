@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -29,8 +30,10 @@ def _gpu_script():
 def test_every_check_runs_small_on_the_cpu(tmp_path):
     before = torch.get_num_threads()
     out = tmp_path / "gpu.json"
-    result = _gpu_script().main(["--small", "--out", str(out)])
+    script = _gpu_script()
+    result = script.main(["--small", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert re.fullmatch(r"[0-9a-f]{12}", result["source"]) and result["source"] == script.source_digest()
     assert torch.get_num_threads() == before  # the thread policy put the caller's count back
     checks = result["checks"]
     assert set(checks) == {"agree", "extract_bf16", "layers_8b", "folds_1b", "metrics"} and result["small"]
@@ -57,3 +60,21 @@ def test_without_cuda_the_full_run_says_so_in_one_line():
         pytest.skip("a GPU is here: the full run would start")
     with pytest.raises(SystemExit, match="no CUDA device: run on the GPU machine, or --small on the CPU"):
         _gpu_script().main([])
+
+
+def test_the_summary_of_recorded_runs_says_on_which_code_they_ran(tmp_path, capsys):
+    """``--summary`` prints a recorded JSON's lines with its device and whether its source digest is this code's; a
+    JSON recorded before the digest says so, and one of other code names both digests."""
+    script = _gpu_script()
+    check = {"agree": {"model": "GPT-Neo", "compared": 3, "device": "cuda", "agree": True, "worst_relative": 1e-13,
+                       "unequal": [], "missing": []}}
+    runs = {"here": script.source_digest(), "other": "0" * 12, "old": None}
+    for name, source in runs.items():
+        run = {"device": "NVIDIA H200", "small": False, "torch": "2.11", "checks": check}
+        (tmp_path / f"{name}.json").write_text(json.dumps(run | ({} if source is None else {"source": source})))
+    script.main(["--summary", *(str(tmp_path / f"{n}.json") for n in runs)])
+    out = capsys.readouterr().out
+    assert f"here.json: agree on NVIDIA H200, torch 2.11, code {runs['here']}, this code" in out
+    assert f"other.json: agree on NVIDIA H200, torch 2.11, code {'0' * 12}, not this code ({runs['here']})" in out
+    assert "old.json: agree on NVIDIA H200, torch 2.11, code not recorded" in out
+    assert out.count("agree: GPT-Neo: 3 arrays and attributes of extract + measure on cuda and the CPU: equal") == 3
