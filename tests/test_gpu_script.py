@@ -55,6 +55,7 @@ def test_every_check_runs_small_on_the_cpu(tmp_path):
     assert (m["classes"], m["width"]) == (384, 16) and m["ratio"] > 0 and m["metrics_s"] > 0
 
 
+@pytest.mark.slow  # gpu.py's imports (transformers' Llama, the benchmarks it reuses): 9 s in a fresh worker
 def test_without_cuda_the_full_run_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the full run would start")
@@ -62,6 +63,7 @@ def test_without_cuda_the_full_run_says_so_in_one_line():
         _gpu_script().main([])
 
 
+@pytest.mark.slow  # gpu.py's imports, as above
 def test_the_summary_of_recorded_runs_says_on_which_code_they_ran(tmp_path, capsys):
     """``--summary`` prints a recorded JSON's lines with its device and whether its source digest is this code's; a
     JSON recorded before the digest says so, and one of other code names both digests."""
