@@ -55,9 +55,10 @@ class Reservoir(Accumulator):
         return self._pool[:self.used]
 
     def _take_rows(self, m: int) -> np.ndarray:
-        """``m`` new rows at the pool's end, its capacity doubled where they do not fit (at most classes x k)."""
+        """``m`` new rows at the pool's end, its capacity doubled where they do not fit (at most classes x k: a row is
+        taken only by an empty slot, so ``used + m`` never exceeds it)."""
         if self.used + m > len(self._pool):
-            cap = min(max(2 * len(self._pool), self.used + m, 1024), max(self.key.size, self.used + m))
+            cap = min(max(2 * len(self._pool), self.used + m, 1024), self.key.size)
             grown = np.empty((cap, self.dim), dtype=np.float32)
             grown[:self.used] = self._pool[:self.used]
             self._pool = grown
