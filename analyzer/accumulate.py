@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT
-from ncanalyze.analyzer.screen import Screen
+from ncanalyze.analyzer.screen import Leaders, Screen
 from ncanalyze.core.setting import default
 
 log = logging.getLogger(__name__)
@@ -495,29 +495,42 @@ class DecisionCounts(Sums):
         """The class of ``kept`` of the largest ``x . w_c + b_c`` for each row of ``x`` (ties: the first kept)."""
         best = torch.full((len(x),), -torch.inf, dtype=torch.float64, device=x.device)
         arg = torch.zeros(len(x), dtype=torch.int64, device=x.device)
-        for s in range(0, len(kept), self.tile):
-            c = kept[s:s + self.tile]
-            sc = x @ self.w[c.to(self.w.device)].to(x.device, torch.float64).T
-            if self.b is not None:
-                sc += self.b[c.to(self.b.device)].to(x.device, torch.float64)
+        for s, sc in self._scores(x, kept):
             v, j = sc.max(1)
             better = v > best
             best, arg = torch.where(better, v, best), torch.where(better, j + s, arg)
         return kept[arg]
 
-    def _per_set(self, best: torch.Tensor, rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    def _scores(self, x: torch.Tensor, kept: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """``x . w_c + b_c`` (float64) at the classes ``kept[s:s + tile]``, a tile at a time: (s, rows x tile)."""
+        for s in range(0, len(kept), self.tile):
+            c = kept[s:s + self.tile]
+            sc = x @ self.w[c.to(self.w.device)].to(x.device, torch.float64).T
+            if self.b is not None:
+                sc += self.b[c.to(self.b.device)].to(x.device, torch.float64)
+            yield s, sc
+
+    def _leaders(self, x: torch.Tensor, kept: torch.Tensor) -> Leaders:
+        """Each row's best scores ``x . w_c + b_c`` over the classes ``kept`` (float64), a tile at a time."""
+        out = None
+        for s, sc in self._scores(x, kept):
+            lead = Leaders.of(sc, kept[s:s + sc.shape[1]])
+            out = lead if out is None else out.merge(lead)
+        return out if out is not None else Leaders.of(x.new_zeros(len(x), 0), kept)
+
+    def _per_set(self, leaders: Leaders, rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                  ) -> list[torch.Tensor]:
-        """The linear decisions of each kept set, then of each leave-one-fold-out kept set, from ``best`` (the first
-        largest over a superset of them): ``best`` where it is in the set (no earlier member can equal it), else
-        ``rescore(rows, kept)`` over the set."""
+        """The linear decisions of each kept set, then of each leave-one-fold-out kept set, read from ``leaders``
+        (each row's best scores over a superset of them, :meth:`Leaders.first`); a row the list does not decide for a
+        set (a tie at its end, no member in it) by ``rescore(rows, kept)`` over the set; -1 for an empty set (a
+        leave-one-fold-out set of a tiny sample: no label is in it)."""
         out = []
         for kept, inside in [(k, m) for (k, _), m in zip(self.sets, self.ncc.member)] + \
                 [(w.kept, w.member) for w in self.without]:
-            top = best if len(out) < len(self.sets) else out[0]  # a leave-one-out set is within the kept set
-            d = top.clone()
-            out_rows = torch.nonzero(~inside[top]).squeeze(1)
-            if len(out_rows):  # an empty set (a leave-one-fold-out set of a tiny sample) decides -1: no label in it
-                d[out_rows] = rescore(out_rows, kept) if len(kept) else -1
+            d, sure = leaders.first(inside)
+            again = torch.nonzero(~sure).squeeze(1)
+            if len(again):
+                d[again] = rescore(again, kept) if len(kept) else -1
             out.append(d)
         return out
 
@@ -530,16 +543,16 @@ class DecisionCounts(Sums):
         z = h if z is None else z
         for s in range(0, len(y), self.chunk):
             hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
-            linear = self._per_set(self._argmax(zc, self.union), lambda r, kept: self._argmax(zc[r], kept))
+            linear = self._per_set(self._leaders(zc, self.union), lambda r, kept: self._argmax(zc[r], kept))
             self.count_sets(hc, yc, linear)
 
-    def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, top: torch.Tensor | None = None
+    def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, leaders: Leaders | None = None
                      ) -> None:
         """Count a chunk from its head logits over the whole vocabulary (n x vocab), at the kept set and at each
-        NC4_MIN_COUNTS kept set (each set's argmax of its columns, the first of equal logits); ``top``: the logits'
-        argmax where the caller has it."""
-        top = logits.argmax(1) if top is None else top
-        self.count_sets(h, y, self._per_set(top, lambda r, kept: kept[logits[r[:, None], kept].argmax(1)]))
+        NC4_MIN_COUNTS kept set (each set's argmax of its columns, the first of equal logits); ``leaders``: the
+        logits' best (:meth:`Leaders.of`) where the caller has them."""
+        leaders = Leaders.of(logits) if leaders is None else leaders
+        self.count_sets(h, y, self._per_set(leaders, lambda r, kept: kept[logits[r[:, None], kept].argmax(1)]))
 
     def count(self, h: torch.Tensor, y: torch.Tensor, linear: torch.Tensor) -> None:
         """Count a chunk at the kept set ``kept`` alone (not the NC4_MIN_COUNTS sets), its linear decisions given:

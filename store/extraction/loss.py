@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 from ncanalyze.analyzer.accumulate import Sums
+from ncanalyze.analyzer.screen import Leaders
 from ncanalyze.store.sources.anatomy import LogitTransform
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,15 @@ class NextTokenLoss(Sums):
                 "tokens": torch.zeros((), dtype=torch.int64, device=device)}
 
     def update(self, h: torch.Tensor, y: torch.Tensor,
-               also: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+               also: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Leaders], None] | None = None) -> None:
         """Add a batch.
 
         Parameters
         ----------
         h, y : the features (n x d) and labels (n).
-        also : where given, ``also(h, y, logits, top)`` is called with each chunk (float64, int64), its head logits
-            before the transform and their argmax (the first of equal logits), so that NC4's decisions share them (the
-            head's float64 logits formed once).
+        also : where given, ``also(h, y, logits, leaders)`` is called with each chunk (float64, int64), its head
+            logits before the transform and each row's best of them (:class:`Leaders`), so that NC4's decisions share
+            them (the head's float64 logits formed once).
         """
         h, y = h.to(self.w.device, torch.float64), y.to(self.w.device, torch.int64)
         same = self.transform.describe() == "none"  # the transformed logits' argmax is the head's
@@ -64,12 +65,12 @@ class NextTokenLoss(Sums):
             logits = hc @ self.w.T
             if self.b is not None:
                 logits += self.b
-            top = logits.argmax(1)
+            leaders = Leaders.of(logits)  # one topk: the argmax here and NC4's decisions over every kept set
             if also is not None:
-                also(hc, yc, logits, top)
+                also(hc, yc, logits, leaders)
             logits = self.transform(logits)
             picked = logits.gather(1, yc[:, None]).squeeze(1)
-            arg = top if same else logits.argmax(1)
+            arg = _first_argmax(logits, leaders) if same else logits.argmax(1)
             peak = logits.gather(1, arg[:, None])
             # log-sum-exp in place (the chunk's logits are not read again): peak + log sum exp(logits - peak)
             nll = peak.squeeze(1) + logits.sub_(peak).exp_().sum(1).log_() - picked
@@ -96,6 +97,16 @@ def matches_model(model, ids: torch.Tensor, h: torch.Tensor, classifier: torch.T
     ours = transform(ours)
     scale = float(own.abs().max()) or 1.0
     return float((own - ours).abs().max()) <= TOLERANCE.get(dtype or classifier.dtype, 1e-2) * scale
+
+
+def _first_argmax(logits: torch.Tensor, leaders: Leaders) -> torch.Tensor:
+    """``logits.argmax(1)`` (the first of equal logits) from the rows' best, the rows they leave open (a tie at the
+    list's end) by argmax itself."""
+    arg, sure = leaders.first()
+    again = torch.nonzero(~sure).squeeze(1)
+    if len(again):
+        arg[again] = logits[again].argmax(1)
+    return arg
 
 
 def loss_attrs(state: dict[str, torch.Tensor], transform: LogitTransform | None) -> dict:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 from ncanalyze.analyzer.accumulate import DecisionCounts, float64_head, fold_of
+from ncanalyze.analyzer.screen import Leaders
 from ncanalyze.core import threads
 from ncanalyze.core.errors import CheckpointError, UserError
 from ncanalyze.store.bars import progress_bar
@@ -246,9 +247,9 @@ def val_pass(model, blocks: Blocks, ex: Extraction, classifier: torch.Tensor, bi
     if last is not None:
         transform, loss = model_loss(model, blocks, head, classifier.dtype, ex.main().lm, desc)
 
-    def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor, top: torch.Tensor) -> None:
-        # the last layer's decisions read the kept columns of the logits the loss forms (and their argmax): formed once
-        counts[last].count_logits(hc, yc, logits, top)
+    def count_decisions(hc: torch.Tensor, yc: torch.Tensor, logits: torch.Tensor, leaders: Leaders) -> None:
+        # the last layer's decisions read the logits the loss forms (and their best per row): formed once
+        counts[last].count_logits(hc, yc, logits, leaders)
     end = labels.val_end
     for h, batch, _ in batch_features(model, blocks, ex, batch_size, saver, f"{desc} validation", end=end):
         width = blocks.block_size - (end == -1)

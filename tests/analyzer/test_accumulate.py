@@ -420,3 +420,47 @@ def test_every_fold_at_once_is_each_fold_in_turn_bit_for_bit():
     assert one_by_one.count.sum() == 16 * len(labels)
     for name, want in one_by_one.state_dict().items():
         assert torch.equal(at_once.state_dict()[name], want), name
+
+
+@pytest.mark.parametrize("budget", [1 << 25, 9 * 8], ids=["one-tile", "tiles-of-9"])
+def test_nc4s_linear_decisions_at_every_kept_set_on_exact_ties_across_the_leaders_end(budget):
+    """A head whose rows repeat in groups (exact ties of up to 24 classes, more than the LEADERS list holds) and a
+    few distinct rows: the linear decisions at every NC4_MIN_COUNTS kept set, formed from tiles (``update``) and from
+    the loss's logits (``count_logits``), count as a numpy float64 argmax over each set's columns (the first of equal
+    logits); the loss's accuracy as numpy's argmax over the vocabulary, and its loss as numpy's."""
+    from ncanalyze.analyzer.accumulate import DecisionCounts
+    from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, VAL_AT
+    from ncanalyze.analyzer.screen import LEADERS
+    from ncanalyze.store.extraction.loss import NextTokenLoss
+    from ncanalyze.store.sources.anatomy import LogitTransform
+
+    rng = np.random.default_rng(11)
+    V, d, n = 90, 8, 400
+    base = rng.normal(size=(6, d)) * 3  # the groups often hold the best logit
+    group = np.r_[np.zeros(24, int), np.ones(24, int), np.arange(2, 6).repeat(3), np.full(V - 60, -1)]
+    W = np.where(group[:, None] >= 0, base[np.maximum(group, 0)], rng.normal(size=(V, d)))
+    b = np.where(group >= 0, 0.0, rng.normal(size=V))
+    assert (np.bincount(group[group >= 0]) > LEADERS).any()
+    train_count = torch.from_numpy(rng.integers(0, 30, V))
+    M = torch.from_numpy(rng.normal(size=(V, d)))
+    H, y = rng.normal(size=(n, d)) * 2, rng.integers(0, V, n)
+    Wt, bt, Ht, yt = (torch.from_numpy(a) for a in (W, b, H, y))
+    kept = torch.nonzero(train_count >= 1).squeeze(1)
+    by_tiles = DecisionCounts(Wt, bt, M, kept, budget=budget, train_count=train_count)
+    by_tiles.update(Ht, yt)
+    by_logits = DecisionCounts(Wt, bt, M, kept, budget=budget, train_count=train_count)
+    loss = NextTokenLoss(Wt, bt, LogitTransform(), budget=V * 64)
+    loss.update(Ht, yt, by_logits.count_logits)
+    logits = H @ W.T + b
+    for i, m in enumerate(NC4_MIN_COUNTS):
+        cols = np.flatnonzero(train_count.numpy() >= m)
+        linear = cols[logits[:, cols].argmax(1)]
+        want = np.bincount(y[linear == y], minlength=V)
+        for c in (by_tiles, by_logits):
+            np.testing.assert_array_equal(c.counts[VAL_AT[0]][i].numpy(), want, err_msg=f"min_count {m}")
+    tied = (logits[:, :24].max(1) >= logits.max(1)) | (logits[:, 24:48].max(1) >= logits.max(1))
+    assert tied.sum() > 50  # rows whose best is a tie of 24 (the list cannot hold it)
+    top = logits.argmax(1)
+    assert int(loss.state["correct"]) == int((top == y).sum()) > 0
+    nll = logits.max(1) + np.log(np.exp(logits - logits.max(1)[:, None]).sum(1)) - logits[np.arange(n), y]
+    assert float(loss.state["loss_sum"]) == pytest.approx(nll.sum(), rel=1e-12)

@@ -147,3 +147,36 @@ def test_leave_one_fold_out_decisions_equal_a_float64_brute_force_on_planted_nea
     assert got[:4].tolist() == [5, 5, 7, 7] and 2 not in got and 2 not in without.kept.tolist()
     assert got[4:16].tolist() == [b if i % 2 == 0 else a for a, b in [(10, 11), (20, 21), (30, 31)] for i in range(4)]
     assert without.rechecked >= 4 + 6 and without.decided > 250  # the ties and the 1e-9 near-ties at least
+
+
+@pytest.mark.parametrize("k", [1, 3, 16, 60])
+@pytest.mark.parametrize("tile", [7, 60])
+def test_leaders_decide_each_set_as_a_brute_force_argmax_or_leave_the_row_open(k, tile):
+    """Scores of few distinct values (ties everywhere, across the list's end), tiles merged: for every class set
+    (sparse, dense, whole, empty) each row the list decides gets the first class of the set's largest score, as
+    numpy's argmax over the set's columns; every other row is left open (NONE), and both kinds occur."""
+    from ncanalyze.analyzer.screen import NONE, Leaders
+
+    rng = np.random.default_rng(k * 100 + tile)
+    n, V = 300, 60
+    scores = torch.from_numpy(rng.integers(0, 40, (n, V)).astype(np.float64))
+    scores[:5] = 1.0  # rows all tied
+    scores[5:10, :20] = 50.0  # a tie of 20 at the top
+    lead = None
+    for s in range(0, V, tile):
+        part = Leaders.of(scores[:, s:s + tile], torch.arange(s, min(V, s + tile)), k)
+        lead = part if lead is None else part.merge(lead, k)  # either order
+    assert lead.complete == (k >= V)
+    opened = decided = 0
+    for density in (0.05, 0.5, 1.0, 0.0):
+        member = torch.from_numpy(rng.random(V) < density)
+        pick, sure = lead.first(member if density < 1 else None)
+        cols = np.flatnonzero(member.numpy()) if density < 1 else np.arange(V)
+        if len(cols):
+            want = cols[scores.numpy()[:, cols].argmax(1)]
+            np.testing.assert_array_equal(pick.numpy()[sure.numpy()], want[sure.numpy()])
+        else:
+            assert not sure.any()
+        assert (pick[~sure] == NONE).all()
+        opened, decided = opened + int((~sure).sum()) * bool(len(cols)), decided + int(sure.sum())
+    assert (decided > 0) == (k > 1) and (opened > 0) == (k < V)  # one score alone never shows its set's is first
