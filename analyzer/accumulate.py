@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT
-from ncanalyze.analyzer.screen import Leaders, Screen
+from ncanalyze.analyzer.screen import Leaders, LinearScreen, Screen
 from ncanalyze.core.setting import default
 
 log = logging.getLogger(__name__)
@@ -418,8 +418,11 @@ class DecisionCounts(Sums):
     ``z`` is ``h`` itself, or ``lens(h)`` with a ``lens`` (the logit lens at an earlier layer: the model's final norm);
     the nearest class mean always reads the raw ``h`` and ``mean``. The nearest-mean decisions of every kept set come
     from one float32 screen with a float64 recheck (:class:`~ncanalyze.analyzer.screen.Screen`: exactly the float64
-    argmax); the linear ones from one float64 product over the union of the kept sets (or the head's logits,
-    :meth:`count_logits`), each set's argmax read from it (the first of equal scores, as one argmax over the set).
+    argmax); the linear ones from each token's best scores over the union of the kept sets (:class:`Leaders`: on the
+    CPU a float32 screen with its leaders scored again in float64, :class:`~ncanalyze.analyzer.screen.LinearScreen`,
+    one for the layers of a pass, ``shared``; elsewhere one float64 product), or from the head's logits
+    (:meth:`count_logits`), each set's argmax read from them (the first of equal scores, as one argmax over the set),
+    a token they leave open scored over the set in float64.
     ``head`` (:func:`float64_head`) may be given to share one float64 head between the loss and the layers; tokens
     are scored in chunks of at most ``budget`` (token, class) cells. ``counts`` may be given to continue from earlier
     counts (updated in place), ``folds`` the per-fold counts (:meth:`begin`).
@@ -432,8 +435,13 @@ class DecisionCounts(Sums):
                  lens: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                  folds: dict[str, torch.Tensor] | None = None, train_count: torch.Tensor | None = None,
-                 fold_stats: FoldStats | None = None, min_count: int = default("min_count")):
+                 fold_stats: FoldStats | None = None, min_count: int = default("min_count"),
+                 shared: dict | None = None, screen32: bool | None = None):
         device = mean.device
+        # the pass's float32 screen of the linear decisions, made at the first update and shared by its layers (the
+        # same head and kept sets), on the CPU (where float32 is twice float64's speed) unless ``screen32`` says
+        self.shared, self.budget = {} if shared is None else shared, budget
+        self.screen32 = device.type == "cpu" if screen32 is None else screen32
         self.folds, self._fold, self._at = folds, None, 0  # per fold counts (folds x vocab), updated in place
         self.kept = kept.to(device)
         self.w, self.b = head if head is not None else float64_head(classifier, bias, device)
@@ -518,6 +526,12 @@ class DecisionCounts(Sums):
             out = lead if out is None else out.merge(lead)
         return out if out is not None else Leaders.of(x.new_zeros(len(x), 0), kept)
 
+    def _linear(self) -> LinearScreen:
+        """The pass's float32 screen of the linear decisions over the union of the kept sets (``shared``)."""
+        if "linear" not in self.shared:
+            self.shared["linear"] = LinearScreen(self.w, self.b, self.union.to(self.w.device), self.budget)
+        return self.shared["linear"]
+
     def _per_set(self, leaders: Leaders, rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                  ) -> list[torch.Tensor]:
         """The linear decisions of each kept set, then of each leave-one-fold-out kept set, read from ``leaders``
@@ -543,7 +557,8 @@ class DecisionCounts(Sums):
         z = h if z is None else z
         for s in range(0, len(y), self.chunk):
             hc, zc, yc = h[s:s + self.chunk], z[s:s + self.chunk], y[s:s + self.chunk]
-            linear = self._per_set(self._leaders(zc, self.union), lambda r, kept: self._argmax(zc[r], kept))
+            leaders = self._linear().leaders(zc) if self.screen32 else self._leaders(zc, self.union)
+            linear = self._per_set(leaders, lambda r, kept: self._argmax(zc[r], kept))
             self.count_sets(hc, yc, linear)
 
     def count_logits(self, h: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, leaders: Leaders | None = None

@@ -75,14 +75,16 @@ def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Te
 
 
 class Leaders(NamedTuple):
-    """Each token's best scores (n x k, descending; float64 where exact decisions are read from them) and their
-    classes, over a set of classes that the list holds whole where ``complete``: the argmax over any subset S of them
-    in one read (:meth:`first`), exact where S's best score in the list is above the list's last (every class of that
-    score is then in it) or the list is complete."""
+    """Each token's best scores (n x k; float64 where exact decisions are read from them) and their classes, over a
+    set of classes that the list holds whole where ``complete``; every class outside the list scores at most
+    ``floor`` (n; default the list's last score). The argmax over any subset S of the classes in one read
+    (:meth:`first`), exact where S's best score in the list is above the floor (every class of that score is then in
+    it) or the list is complete."""
 
     vals: torch.Tensor
     cls: torch.Tensor
     complete: bool
+    floor: torch.Tensor | None = None
 
     @classmethod
     def of(cls, scores: torch.Tensor, classes: torch.Tensor | None = None, k: int = LEADERS) -> Leaders:
@@ -107,8 +109,56 @@ class Leaders(NamedTuple):
         v = self.vals.masked_fill(~inside, -torch.inf)
         best = v.amax(1)
         pick = torch.where(inside & (v == best[:, None]), self.cls, NONE).amin(1)
-        sure = (best > self.vals[:, -1]) | (self.complete & (pick != NONE))
+        sure = (best > (self.vals[:, -1] if self.floor is None else self.floor)) | (self.complete & (pick != NONE))
         return torch.where(sure, pick, NONE), sure
+
+
+class LinearScreen:
+    """The linear decision's :class:`Leaders`, argmax_c (z . w_c + b_c) over the classes ``cls`` (ascending), at
+    float32 speed on the CPU: a float32 GEMM screen whose error is within E(z) = (1.02 d + 4) u (||z|| R + O) +
+    (d + 1) 2^-100, R = max_c ||w_c||, O = max_c |b_c| (the bound above, the offsets o_c = b_c unshifted), each token's
+    :data:`LEADERS` best screened classes scored again in float64, and every other class at most the list's last
+    screened score plus E(z) (the leaders' floor). ``w``, ``b``: the float64 head (vocab x d, vocab or None), read in
+    place, its float32 rows made a tile at a time per call (no state beyond the head: their conversion is a few percent
+    of the GEMM); ``budget``: (token, class) cells screened at a time."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, cls: torch.Tensor, budget: int = 1 << 25):
+        d = w.shape[1]
+        self.w, self.b, self.cls = w, b, cls
+        self.tile = max(1, budget // max(1, d))
+        self.R = self.O = top = 0.0
+        for s in range(0, len(cls), self.tile):
+            rows = w[cls[s:s + self.tile]]
+            self.R = max(self.R, float(torch.linalg.vector_norm(rows, dim=1).max()))
+            top = max(top, float(rows.abs().max()))
+            if b is not None:
+                self.O = max(self.O, float(b[cls[s:s + self.tile]].abs().max()))
+        sound = top <= LIMIT and self.O <= LIMIT ** 2 and (d + 1) * U32 <= 0.01
+        self.coef, self.tiny = ((1.02 * d + 4) * U32 if sound else torch.inf), (d + 1) * 2.0 ** -100
+
+    def leaders(self, z: torch.Tensor) -> Leaders:
+        """Each row of ``z`` (n x d, float64)'s best classes, their float64 scores exact, the floor the screen's."""
+        lead = Leaders.of(z.new_zeros(len(z), 0), self.cls)
+        z32 = z.float()
+        for s in range(0, len(self.cls), self.tile):
+            c = self.cls[s:s + self.tile]
+            with ieee_float32():
+                sc = z32 @ self.w[c].float().T
+            if self.b is not None:
+                sc += self.b[c].float()
+            part = Leaders.of(sc, c)
+            lead = part if s == 0 else lead.merge(part)
+        e = self.coef * (torch.linalg.vector_norm(z, dim=1) * self.R + self.O) + self.tiny
+        e = torch.where(z.abs().amax(1) <= LIMIT, e, torch.inf)
+        exact = torch.empty(lead.cls.shape, dtype=torch.float64, device=z.device)
+        step = max(1, CACHE // max(1, lead.cls.shape[1] * z.shape[1]))
+        for s in range(0, len(z), step):  # a cache's worth of (token, leader, width) cells at a time
+            c = lead.cls[s:s + step]
+            exact[s:s + step] = (self.w[c] * z[s:s + step, None, :]).sum(-1)
+        if self.b is not None:
+            exact += self.b[lead.cls]
+        floor = lead.vals[:, -1].double() + e if lead.vals.shape[1] else e
+        return Leaders(exact, lead.cls, lead.complete, floor)
 
 
 class Screen:
@@ -187,16 +237,20 @@ class Screen:
         with ieee_float32():
             return torch.addmm(self.o32[s:s + self.tile], x32, self._rows32(s).T)
 
-    def top(self, x32: torch.Tensor, first: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def top(self, x32: torch.Tensor, first: int = 2, held: list[torch.Tensor] | None = None
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per set, the best screened scores of each token (n x 2, the first set's n x ``first``; descending, -inf
         where the set has fewer classes) and their columns in the union: one ``topk`` per segment of the union
-        between two sets' ends (the sets are prefixes), merged per set."""
+        between two sets' ends (the sets are prefixes), merged per set. Where one tile holds the union, its scores
+        (n x union) are appended to ``held`` (a recheck reads them rather than forming them again)."""
         n, dev, k = len(x32), x32.device, max(2, first)
         ends = sorted(set(self.size))
         seg = {e: (torch.full((n, 0), -torch.inf, device=dev), torch.zeros(n, 0, dtype=torch.int64, device=dev))
                for e in ends}
         for s in range(0, len(self.union), self.tile):
             sc = self._scores(x32, s)
+            if held is not None and sc.shape[1] == len(self.union):
+                held.append(sc)
             for lo, hi in zip([0] + ends, ends):
                 a, b = max(lo, s), min(hi, s + sc.shape[1])
                 if a < b:
@@ -240,24 +294,27 @@ class Screen:
             xc = x[s:s + self.chunk]
             xs = xc - self.shift
             e = self.bound(xs)
-            best = self.top(xs.float(), first)
+            held: list[torch.Tensor] = []
+            best = self.top(xs.float(), first, held)
             d = [self.union[c[:, 0]] for _, c in best]
-            self.recheck(xc, xs, e, d, torch.stack([~(v[:, 0].double() - v[:, 1].double() > 2 * e) for v, _ in best]))
+            unclear = torch.stack([~(v[:, 0].double() - v[:, 1].double() > 2 * e) for v, _ in best])
+            self.recheck(xc, xs, e, d, unclear, held[0] if held else None)
             out.append(d + ([best[0][0][:, :first], self.union[best[0][1][:, :first]], e] if first else []))
         return [torch.cat(d) for d in zip(*out)]
 
     def recheck(self, x: torch.Tensor, xs: torch.Tensor, e: torch.Tensor, out: list[torch.Tensor],
-                unclear: torch.Tensor) -> None:
+                unclear: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         """The float64 decisions of the ``unclear`` (sets x n) tokens into ``out``: per set, its members within
         2 E(x) of the token's best screened score in it (every member where E is inf), scored in float64, the first
-        of the largest; ``budget`` // the union's size tokens at a time."""
+        of the largest; ``budget`` // the union's size tokens at a time. ``scores``: the tokens' screened scores
+        where the screen kept them (n x union), else they are formed again."""
         again = torch.nonzero(unclear.any(0)).squeeze(1)
         self.screened += int(unclear.numel() - unclear.sum())
         self.rechecked += int(unclear.sum())
         step = max(1, self.budget // max(1, len(self.union)))
         for s in range(0, len(again), step):
             t = again[s:s + step]
-            sc = self.scores(xs[t].float())
+            sc = self.scores(xs[t].float()) if scores is None else scores[t]
             for j, d in enumerate(out):
                 sub = torch.nonzero(unclear[j, t]).squeeze(1)
                 if len(sub):

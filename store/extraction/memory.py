@@ -24,7 +24,8 @@ def state_bytes(vocab: int, dim: int, samples_per_class: int, device: torch.devi
     screen (:func:`screen_bytes`) and the unit-vector sum; on the CPU also the screen's float32 means (vocab x d) and
     the reservoir (float32 samples, their keys, positions and pool rows; at its most, every slot filled), which lives on
     the CPU whatever the device. Shared: the head's float64 copy
-    and bias, and the kept classes' indices, one for the whole validation pass (the loss and every layer read it).
+    and bias, and the kept classes' indices, one for the whole validation pass (the loss and every layer read it; the
+    float32 screen of the linear decisions below the last layer reads it too, its float32 rows made a tile at a time).
     The batches' transient work (bounded chunks) is left to :func:`state_budget`'s margin.
 
     Parameters

@@ -213,9 +213,10 @@ def val_state(ex: Extraction, classifier: torch.Tensor, bias: torch.Tensor | Non
         return [], head
     kept = torch.nonzero(ex.first().stats.count >= min_count).squeeze(1)
     train_count = ex.first().stats.count  # the kept sets of NC4_MIN_COUNTS too (schema.VAL_AT), in the same pass
+    shared: dict = {}  # the layers' float32 screen of the linear decisions, made once (the same head and kept sets)
     counts = [DecisionCounts(classifier, bias, s.stats.mean, kept, counts=s.val, head=head, folds=s.fold_val,
                              lens=None if l == ex.plan.last else lens, train_count=train_count, fold_stats=s.folds,
-                             min_count=min_count)
+                             min_count=min_count, shared=shared)
               for l, s in ex.layers.items()]
     return counts, head
 

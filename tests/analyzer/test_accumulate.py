@@ -260,8 +260,9 @@ def _nc4_previous(W, b, M, kept, H, Z, y):
             "val_ncc_agree": torch.bincount(y[linear == ncc], minlength=V)}
 
 
+@pytest.mark.parametrize("screen32", [True, False], ids=["float32-screen", "float64"])
 @pytest.mark.parametrize("budget", [1 << 25, 7 * 24, 24], ids=["one-tile", "tiles-of-7", "tiles-of-1"])
-def test_nc4_over_tiles_of_classes_equals_brute_force_and_the_previous_path(budget):
+def test_nc4_over_tiles_of_classes_equals_brute_force_and_the_previous_path(budget, screen32):
     """NC4's counts with the classes scored a tile at a time (and through a lens) equal a numpy float64 brute force
     and the previous path (the kept rows copied, one argmax), on well-separated and on near-collapsed classes."""
     from ncanalyze.analyzer.accumulate import DecisionCounts
@@ -276,7 +277,7 @@ def test_nc4_over_tiles_of_classes_equals_brute_force_and_the_previous_path(budg
         M = torch.from_numpy(rng.normal(size=(V, d)) * spread)
         y = torch.from_numpy(rng.integers(0, V, n))
         H = M[y] + torch.from_numpy(rng.normal(size=(n, d))) * spread
-        c = DecisionCounts(W, b, M, kept, budget=budget, lens=lens)
+        c = DecisionCounts(W, b, M, kept, budget=budget, lens=lens, screen32=screen32)
         assert c.tile == max(1, budget // d) if budget < 1 << 25 else c.tile >= len(kept)
         c.update(H, y)
         with torch.no_grad():
@@ -422,8 +423,9 @@ def test_every_fold_at_once_is_each_fold_in_turn_bit_for_bit():
         assert torch.equal(at_once.state_dict()[name], want), name
 
 
+@pytest.mark.parametrize("screen32", [True, False], ids=["float32-screen", "float64"])
 @pytest.mark.parametrize("budget", [1 << 25, 9 * 8], ids=["one-tile", "tiles-of-9"])
-def test_nc4s_linear_decisions_at_every_kept_set_on_exact_ties_across_the_leaders_end(budget):
+def test_nc4s_linear_decisions_at_every_kept_set_on_exact_ties_across_the_leaders_end(budget, screen32):
     """A head whose rows repeat in groups (exact ties of up to 24 classes, more than the LEADERS list holds) and a
     few distinct rows: the linear decisions at every NC4_MIN_COUNTS kept set, formed from tiles (``update``) and from
     the loss's logits (``count_logits``), count as a numpy float64 argmax over each set's columns (the first of equal
@@ -446,7 +448,7 @@ def test_nc4s_linear_decisions_at_every_kept_set_on_exact_ties_across_the_leader
     H, y = rng.normal(size=(n, d)) * 2, rng.integers(0, V, n)
     Wt, bt, Ht, yt = (torch.from_numpy(a) for a in (W, b, H, y))
     kept = torch.nonzero(train_count >= 1).squeeze(1)
-    by_tiles = DecisionCounts(Wt, bt, M, kept, budget=budget, train_count=train_count)
+    by_tiles = DecisionCounts(Wt, bt, M, kept, budget=budget, train_count=train_count, screen32=screen32)
     by_tiles.update(Ht, yt)
     by_logits = DecisionCounts(Wt, bt, M, kept, budget=budget, train_count=train_count)
     loss = NextTokenLoss(Wt, bt, LogitTransform(), budget=V * 64)

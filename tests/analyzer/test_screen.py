@@ -180,3 +180,47 @@ def test_leaders_decide_each_set_as_a_brute_force_argmax_or_leave_the_row_open(k
         assert (pick[~sure] == NONE).all()
         opened, decided = opened + int((~sure).sum()) * bool(len(cols)), decided + int(sure.sum())
     assert (decided > 0) == (k > 1) and (opened > 0) == (k < V)  # one score alone never shows its set's is first
+
+
+@pytest.mark.parametrize("budget", [1 << 25, 7 * 16], ids=["one-tile", "tiles-of-7"])
+def test_the_linear_screens_leaders_decide_as_a_float64_brute_force_on_near_ties_beyond_the_list(budget):
+    """A head with a group of 30 rows 1e-9 apart (near-ties float32 cannot order, more than the LEADERS list holds),
+    a group of 20 exact duplicates and random rows, a bias, tokens at two scales: every row the float32 screen's
+    leaders decide gets, at every class set, the first class of the set's largest float64 logit (numpy's argmax over
+    the set's columns); the screen's float32 scores are within its bound E of the float64 ones; rows whose best is a
+    random row are decided, and some rows are left open (the floor: a tie group larger than the list)."""
+    from ncanalyze.analyzer.screen import LEADERS, LinearScreen
+
+    rng = np.random.default_rng(3)
+    V, d, n = 120, 16, 400
+    W = rng.normal(size=(V, d))
+    W[:30] = W[0] + rng.normal(size=(30, d)) * 1e-9
+    W[30:50] = W[30]
+    W[:50] *= 3  # the groups often hold the best logit
+    b = rng.normal(size=V) * 0.1
+    b[:30], b[30:50] = b[0], b[30]
+    Z = rng.normal(size=(n, d)) * np.where(np.arange(n) % 2, 1.0, 1e3)[:, None]
+    Wt, bt, Zt = (torch.from_numpy(a) for a in (W, b, Z))
+    cls = torch.from_numpy(np.sort(rng.choice(V, 100, replace=False)))
+    cls = torch.unique(torch.cat([cls, torch.arange(50)]))
+    screen = LinearScreen(Wt, bt, cls, budget)
+    lead = screen.leaders(Zt)
+    logits = Z @ W.T + b
+    np.testing.assert_allclose(lead.vals.numpy(), np.take_along_axis(logits, lead.cls.numpy(), 1), rtol=1e-13)
+    s32 = (Zt.float() @ Wt.float().T + bt.float()).double().numpy()
+    e = (screen.coef * (np.linalg.norm(Z, axis=1) * screen.R + screen.O) + screen.tiny)[:, None]
+    assert (np.abs(s32[:, cls] - logits[:, cls]) <= e).all()
+    assert len(lead.vals[0]) == LEADERS
+    best = cls.numpy()[logits[:, cls].argmax(1)]
+    clear = best >= 50  # a random row's best: the float32 screen separates it
+    assert 20 < clear.sum() < n and bool(lead.first(None)[1][torch.from_numpy(clear)].float().mean() > 0.95)
+    opened = decided = 0
+    for density in (1.0, 0.5, 0.1):
+        member = torch.zeros(V, dtype=torch.bool)
+        member[cls[torch.from_numpy(rng.random(len(cls)) < density)]] = True
+        pick, sure = lead.first(member)
+        cols = np.flatnonzero(member.numpy())
+        want = cols[logits[:, cols].argmax(1)]
+        np.testing.assert_array_equal(pick.numpy()[sure.numpy()], want[sure.numpy()])
+        opened, decided = opened + int((~sure).sum()), decided + int(sure.sum())
+    assert opened > 0 and decided > 0

@@ -152,7 +152,7 @@ def _held_bytes(*roots) -> int:
 
 def test_state_bytes_is_what_a_validation_pass_holds():
     """An extraction's running state of 3 layers in its validation pass (every class kept, every reservoir slot
-    filled, a float32 head with a bias): the
+    filled, a float32 head with a bias, the float32 screen of the linear decisions made): the
     buffers it holds, measured, are state_bytes' per layer x 3 + shared within 0.1% (no hidden copy of the means or
     of the head: the loss and the layers share one float64 head)."""
     from ncanalyze.store.extraction.loss import NextTokenLoss
@@ -173,6 +173,7 @@ def test_state_bytes_is_what_a_validation_pass_holds():
     loss = NextTokenLoss(*head, LogitTransform(), state=ex.main().lm)
     assert loss.w is head[0] and all(c.w is head[0] and c.mean is s.stats.mean
                                      for c, s in zip(counts, ex.layers.values()))
+    assert counts[0]._linear() is counts[1]._linear()  # the layers below the last share one float32 linear screen
     held = _held_bytes(ex.layers, counts, loss)
     per_layer, shared = state_bytes(V, d, k, torch.device("cpu"))
     # within 0.1% (the loss's 0-d sums are not counted): one more V x d float64 copy would be 13% more
