@@ -22,7 +22,9 @@ them alike). Contenders, on the same batches:
 ``--validation`` times the validation pass instead (``val_pass`` as ``ncanalyze extract`` runs it at the default
 last layer: NC4's decisions over the kept classes and over each NC4_MIN_COUNTS kept set, their fold counts, the model's
 loss), after one train pass over ``--train-batches`` batches of half Zipf, half uniform ids (the kept classes: ~45,000
-of 50,257 at the default 40), against ``causal-LM forward`` (target >= 0.5, issue 52).
+of 50,257 at the default 40), against ``causal-LM forward`` (target >= 0.5, issue 52); beside them ``float64 loss
+floor``, the features and their float64 head logits alone (the loss's GEMM, nothing else): the ratio no validation
+pass that keeps val_loss in float64 can pass on this machine.
 
 Every contender runs under the thread policy (``--threads``, default auto), ``--conditions quiet,loaded`` times them
 without and with busy processes of our own on every allowed core.
@@ -46,7 +48,7 @@ from ncanalyze.store.extraction.passes import train_pass, val_pass
 from ncanalyze.store.extraction.resume import Phase, Saver
 from ncanalyze.store.extraction.running import Extraction, LayerState
 from ncanalyze.store.runs.shards import merge_states, shard_state
-from ncanalyze.store.sources.anatomy import head
+from ncanalyze.store.sources.anatomy import features, head
 from threads import load  # benchmarks/threads.py: bounded busy processes
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
@@ -158,8 +160,18 @@ def main() -> None:
                 return time.perf_counter() - t0
             return run
 
+        def loss_floor(ids: torch.Tensor) -> None:
+            """The least a validation pass with the float64 loss does: the features and their float64 head logits,
+            in the loss's chunks of cells (store/extraction/loss.py), nothing else."""
+            h = features(model, ids).reshape(-1, args.width).double()
+            step = max(1, (1 << 24) // len(w64))
+            for s in range(0, len(h), step):
+                torch.addmm(b64, h[s:s + step], w64.T) if b64 is not None else h[s:s + step] @ w64.T
+
         if args.validation:
-            best = timed({"validation pass": validation(), "causal-LM forward": lambda n: forward(model, n)}, args)
+            w64, b64 = (None if t is None else t.double() for t in head(model))
+            best = timed({"validation pass": validation(), "causal-LM forward": lambda n: forward(model, n),
+                          "float64 loss floor": lambda n: forward(loss_floor, n)}, args)
             report_validation(best, args, device)
             return
         contenders = {
@@ -196,7 +208,6 @@ def parts(model, batches: list, args, device, sync) -> None:
     from ncanalyze.analyzer.accumulate import ClassStats, FoldStats, Groups, fold_of
     from ncanalyze.store.extraction.passes import batch_tasks
     from ncanalyze.store.extraction.workers import Workers
-    from ncanalyze.store.sources.anatomy import features
 
     def state() -> Extraction:
         return Extraction(plan(), args.vocab, args.width, args.samples_per_class, 0, device, folds=args.folds)
@@ -292,6 +303,9 @@ def report_validation(best: dict, args, device) -> None:
         print(f"  {k:>20}: {r:>10,.0f} tokens/s")
     print(f"ratio validation pass / causal-LM forward: {rate['validation pass'] / rate['causal-LM forward']:.3f}, "
           f"{per_round(best, 'validation pass', 'causal-LM forward')}  (target >= 0.5)")
+    print(f"ratio float64 loss floor / causal-LM forward: {rate['float64 loss floor'] / rate['causal-LM forward']:.3f}"
+          f", {per_round(best, 'float64 loss floor', 'causal-LM forward')}: the most any validation pass reaches that "
+          "keeps val_loss in float64 (its features and float64 head logits alone, no NC4, no log-sum-exp)")
 
 
 def report(best: dict, args, device) -> None:
