@@ -38,8 +38,18 @@ U32 = 2.0 ** -24  # float32's unit roundoff
 LIMIT = 2.0 ** 40  # the largest |x_i|, |r_i| (and LIMIT^2 for |o_c|) the bound covers
 LEADERS = 16  # the best scores per token that the linear decisions over several class sets read (Leaders)
 NONE = torch.iinfo(torch.int64).max  # no class
+CACHE32 = 1 << 21  # on the CPU, a screen's float32 scores formed at a time (8 MB, a few thousand classes): malloc
+# reuses the buffer and the scores are read back from cache, where a 130 MB block cost its page faults and, with the
+# screen's topk, twice the time on a 2-core CPU
+FEWEST = 256
 CACHE, PAIRS = 1 << 18, 1024  # a recheck's (pair, width) cells at a time (2 MB of float64: 3-6x faster than 256 MB
 # on a 2-core CPU, the same bits), and its fewest pairs at a time (the loop's own cost at a large width)
+
+
+def cache_step(n: int, tile: int, device: torch.device) -> int:
+    """The classes screened at a time for ``n`` tokens: ``tile``, and on the CPU at most :data:`CACHE32` cells
+    (at least :data:`FEWEST` classes: the GEMM's efficiency)."""
+    return tile if device.type != "cpu" else max(1, min(tile, max(FEWEST, CACHE32 // max(1, n))))
 
 
 @contextmanager
@@ -139,9 +149,9 @@ class LinearScreen:
     def leaders(self, z: torch.Tensor) -> Leaders:
         """Each row of ``z`` (n x d, float64)'s best classes, their float64 scores exact, the floor the screen's."""
         lead = Leaders.of(z.new_zeros(len(z), 0), self.cls)
-        z32 = z.float()
-        for s in range(0, len(self.cls), self.tile):
-            c = self.cls[s:s + self.tile]
+        z32, step = z.float(), cache_step(len(z), self.tile, z.device)
+        for s in range(0, len(self.cls), step):
+            c = self.cls[s:s + step]
             with ieee_float32():
                 sc = z32 @ self.w[c].float().T
             if self.b is not None:
@@ -225,17 +235,18 @@ class Screen:
 
     def scores(self, x32: torch.Tensor) -> torch.Tensor:
         """The screened scores of shifted tokens ``x32`` (float32) at every class of the union (few tokens)."""
-        return torch.cat([self._scores(x32, s) for s in range(0, len(self.union), self.tile)], 1)
+        step = cache_step(len(x32), self.tile, x32.device)
+        return torch.cat([self._scores(x32, s, step) for s in range(0, len(self.union), step)], 1)
 
-    def _rows32(self, s: int) -> torch.Tensor:
-        """The shifted rows of the union's columns s:s + tile, float32."""
+    def _rows32(self, s: int, step: int) -> torch.Tensor:
+        """The shifted rows of the union's columns s:s + step, float32."""
         if self.r32 is not None:
-            return self.r32[s:s + self.tile]
-        return (self.means[self.union[s:s + self.tile]] - self.shift).float()
+            return self.r32[s:s + step]
+        return (self.means[self.union[s:s + step]] - self.shift).float()
 
-    def _scores(self, x32: torch.Tensor, s: int) -> torch.Tensor:
+    def _scores(self, x32: torch.Tensor, s: int, step: int) -> torch.Tensor:
         with ieee_float32():
-            return torch.addmm(self.o32[s:s + self.tile], x32, self._rows32(s).T)
+            return torch.addmm(self.o32[s:s + step], x32, self._rows32(s, step).T)
 
     def top(self, x32: torch.Tensor, first: int = 2, held: list[torch.Tensor] | None = None
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -247,8 +258,9 @@ class Screen:
         ends = sorted(set(self.size))
         seg = {e: (torch.full((n, 0), -torch.inf, device=dev), torch.zeros(n, 0, dtype=torch.int64, device=dev))
                for e in ends}
-        for s in range(0, len(self.union), self.tile):
-            sc = self._scores(x32, s)
+        step = cache_step(n, self.tile, x32.device)
+        for s in range(0, len(self.union), step):
+            sc = self._scores(x32, s, step)
             if held is not None and sc.shape[1] == len(self.union):
                 held.append(sc)
             for lo, hi in zip([0] + ends, ends):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ncanalyze.analyzer import screen
 from ncanalyze.analyzer.screen import U32, Screen
 
 
@@ -35,11 +36,15 @@ def planted(rng: np.random.Generator, V: int = 60, d: int = 16, offset: float = 
     return mu, h
 
 
-@pytest.mark.parametrize("budget, hold", [(1 << 25, True), (16 * 7, True), (16 * 7, False)],
-                         ids=["one-tile", "tiles-of-7", "tiles-of-7-per-call"])
-def test_the_screen_decides_as_a_float64_brute_force_on_planted_ties_and_near_ties(budget, hold):
+@pytest.mark.parametrize("budget, hold, steps", [(1 << 25, True, None), (16 * 7, True, None),
+                                                 (16 * 7, False, None), (1 << 25, True, 5)],
+                         ids=["one-tile", "tiles-of-7", "tiles-of-7-per-call", "cache-steps-of-5"])
+def test_the_screen_decides_as_a_float64_brute_force_on_planted_ties_and_near_ties(budget, hold, steps, monkeypatch):
     """Every kept set's decisions equal the brute force, with the float32 rows held (the CPU's way) or made per call
     (CUDA's way, run here on the CPU)."""
+    if steps:  # the CPU's cache-sized steps of classes (screen.cache_step), here of 5 classes
+        monkeypatch.setattr(screen, "CACHE32", 1)
+        monkeypatch.setattr(screen, "FEWEST", steps)
     rng = np.random.default_rng(3)
     mu, h = planted(rng)
     count = rng.integers(0, 30, len(mu))
@@ -103,14 +108,18 @@ def near_pairs(rows: np.ndarray, pairs, scale: float) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("budget, hold", [(1 << 25, True), (16 * 7, True), (16 * 7, False)],
-                         ids=["one-tile", "tiles-of-7", "tiles-of-7-per-call"])
-def test_leave_one_fold_out_decisions_equal_a_float64_brute_force_on_planted_near_ties(budget, hold):
+@pytest.mark.parametrize("budget, hold, steps", [(1 << 25, True, None), (16 * 7, True, None),
+                                                 (16 * 7, False, None), (1 << 25, True, 5)],
+                         ids=["one-tile", "tiles-of-7", "tiles-of-7-per-call", "cache-steps-of-5"])
+def test_leave_one_fold_out_decisions_equal_a_float64_brute_force_on_planted_near_ties(budget, hold, steps, monkeypatch):
     """NC4's replicate decisions (accumulate.WithoutFold: the full screen's best scores for the classes fold 0 does
     not move, one screen of the moved ones, the unclear tokens screened again in full) equal a float64 brute force over
     the means without fold 0, at near-ties between a moved and an unmoved class, two unmoved, two moved, exact ties
     (the first class wins), a class fold 0 holds alone (not kept), and at random; both ways of deciding are used, with
     the float32 rows held (the CPU's way) or made per call (CUDA's way, run here on the CPU)."""
+    if steps:  # the CPU's cache-sized steps of classes (screen.cache_step), here of 5 classes
+        monkeypatch.setattr(screen, "CACHE32", 1)
+        monkeypatch.setattr(screen, "FEWEST", steps)
     from ncanalyze.analyzer.accumulate import FoldStats, WithoutFold
     rng = np.random.default_rng(5)
     F, V, d = 4, 48, 16
@@ -182,13 +191,18 @@ def test_leaders_decide_each_set_as_a_brute_force_argmax_or_leave_the_row_open(k
     assert (decided > 0) == (k > 1) and (opened > 0) == (k < V)  # one score alone never shows its set's is first
 
 
-@pytest.mark.parametrize("budget", [1 << 25, 7 * 16], ids=["one-tile", "tiles-of-7"])
-def test_the_linear_screens_leaders_decide_as_a_float64_brute_force_on_near_ties_beyond_the_list(budget):
+@pytest.mark.parametrize("budget, steps", [(1 << 25, None), (7 * 16, None), (1 << 25, 5)],
+                         ids=["one-tile", "tiles-of-7", "cache-steps-of-5"])
+def test_the_linear_screens_leaders_decide_as_a_float64_brute_force_on_near_ties_beyond_the_list(budget, steps,
+                                                                                                  monkeypatch):
     """A head with a group of 30 rows 1e-9 apart (near-ties float32 cannot order, more than the LEADERS list holds),
     a group of 20 exact duplicates and random rows, a bias, tokens at two scales: every row the float32 screen's
     leaders decide gets, at every class set, the first class of the set's largest float64 logit (numpy's argmax over
     the set's columns); the screen's float32 scores are within its bound E of the float64 ones; rows whose best is a
     random row are decided, and some rows are left open (the floor: a tie group larger than the list)."""
+    if steps:  # the CPU's cache-sized steps of classes (screen.cache_step), here of 5 classes
+        monkeypatch.setattr(screen, "CACHE32", 1)
+        monkeypatch.setattr(screen, "FEWEST", steps)
     from ncanalyze.analyzer.screen import LEADERS, LinearScreen
 
     rng = np.random.default_rng(3)
@@ -203,12 +217,12 @@ def test_the_linear_screens_leaders_decide_as_a_float64_brute_force_on_near_ties
     Wt, bt, Zt = (torch.from_numpy(a) for a in (W, b, Z))
     cls = torch.from_numpy(np.sort(rng.choice(V, 100, replace=False)))
     cls = torch.unique(torch.cat([cls, torch.arange(50)]))
-    screen = LinearScreen(Wt, bt, cls, budget)
-    lead = screen.leaders(Zt)
+    lin = LinearScreen(Wt, bt, cls, budget)
+    lead = lin.leaders(Zt)
     logits = Z @ W.T + b
     np.testing.assert_allclose(lead.vals.numpy(), np.take_along_axis(logits, lead.cls.numpy(), 1), rtol=1e-13)
     s32 = (Zt.float() @ Wt.float().T + bt.float()).double().numpy()
-    e = (screen.coef * (np.linalg.norm(Z, axis=1) * screen.R + screen.O) + screen.tiny)[:, None]
+    e = (lin.coef * (np.linalg.norm(Z, axis=1) * lin.R + lin.O) + lin.tiny)[:, None]
     assert (np.abs(s32[:, cls] - logits[:, cls]) <= e).all()
     assert len(lead.vals[0]) == LEADERS
     best = cls.numpy()[logits[:, cls].argmax(1)]
