@@ -52,6 +52,20 @@ def cache_step(n: int, tile: int, device: torch.device) -> int:
     return tile if device.type != "cpu" else max(1, min(tile, max(FEWEST, CACHE32 // max(1, n))))
 
 
+def bound_coef(d: int, top: float, offsets: float) -> float:
+    """(1.02 d + 4) u, the bound's coefficient at width ``d``, where it holds: the rows' largest element ``top`` at
+    most LIMIT, the largest offset at most LIMIT^2 and (d + 1) u <= 0.01; else inf (every token rechecked)."""
+    sound = top <= LIMIT and offsets <= LIMIT ** 2 and (d + 1) * U32 <= 0.01
+    return (1.02 * d + 4) * U32 if sound else torch.inf
+
+
+def error_bound(x: torch.Tensor, coef: float, R: float, O: float) -> torch.Tensor:
+    """E(x) = coef (||x|| R + O) + (d + 1) 2^-100 per row of ``x`` (n x d, float64), inf where an element of x is
+    beyond LIMIT (the module docstring's bound)."""
+    e = coef * (torch.linalg.vector_norm(x, dim=1) * R + O) + (x.shape[1] + 1) * 2.0 ** -100
+    return torch.where(x.abs().amax(1) <= LIMIT, e, torch.inf)
+
+
 @contextmanager
 def ieee_float32() -> Iterator[None]:
     """float32 GEMMs in IEEE float32 (no TF32, no bfloat16 passes) while inside, the setting restored after."""
@@ -143,8 +157,11 @@ class LinearScreen:
             top = max(top, float(rows.abs().max()))
             if b is not None:
                 self.O = max(self.O, float(b[cls[s:s + self.tile]].abs().max()))
-        sound = top <= LIMIT and self.O <= LIMIT ** 2 and (d + 1) * U32 <= 0.01
-        self.coef, self.tiny = ((1.02 * d + 4) * U32 if sound else torch.inf), (d + 1) * 2.0 ** -100
+        self.coef = bound_coef(d, top, self.O)
+
+    def bound(self, z: torch.Tensor) -> torch.Tensor:
+        """E(z) per token (inf where it does not hold)."""
+        return error_bound(z, self.coef, self.R, self.O)
 
     def leaders(self, z: torch.Tensor) -> Leaders:
         """Each row of ``z`` (n x d, float64)'s best classes, their float64 scores exact, the floor the screen's."""
@@ -158,8 +175,7 @@ class LinearScreen:
                 sc += self.b[c].float()
             part = Leaders.of(sc, c)
             lead = part if s == 0 else lead.merge(part)
-        e = self.coef * (torch.linalg.vector_norm(z, dim=1) * self.R + self.O) + self.tiny
-        e = torch.where(z.abs().amax(1) <= LIMIT, e, torch.inf)
+        e = self.bound(z)
         exact = torch.empty(lead.cls.shape, dtype=torch.float64, device=z.device)
         step = max(1, CACHE // max(1, lead.cls.shape[1] * z.shape[1]))
         for s in range(0, len(z), step):  # a cache's worth of (token, leader, width) cells at a time
@@ -217,9 +233,7 @@ class Screen:
         # CUDA made per call, a tile at a time (the state stays lean; the copy is fast there)
         self.r32 = torch.cat(r32) if keep and len(self.union) else None
         self.R = (2 * self.O) ** 0.5
-        sound = top <= LIMIT and (d + 1) * U32 <= 0.01
-        self.coef = (1.02 * d + 4) * U32 if sound else torch.inf
-        self.floor = (d + 1) * 2.0 ** -100
+        self.coef = bound_coef(d, top, self.O)
         self.chunk = max(1, budget // max(1, min(len(self.union), self.tile)))  # tokens screened at a time
         self.budget = budget
         self.screened = self.rechecked = 0
@@ -230,8 +244,7 @@ class Screen:
 
     def bound(self, x: torch.Tensor) -> torch.Tensor:
         """E(x) per token of the shifted ``x`` (inf where the bound does not hold: an element beyond :data:`LIMIT`)."""
-        e = self.coef * (torch.linalg.vector_norm(x, dim=1) * self.R + self.O) + self.floor
-        return torch.where(x.abs().amax(1) <= LIMIT, e, torch.inf)
+        return error_bound(x, self.coef, self.R, self.O)
 
     def scores(self, x32: torch.Tensor) -> torch.Tensor:
         """The screened scores of shifted tokens ``x32`` (float32) at every class of the union (few tokens)."""

@@ -222,7 +222,10 @@ def test_the_linear_screens_leaders_decide_as_a_float64_brute_force_on_near_ties
     logits = Z @ W.T + b
     np.testing.assert_allclose(lead.vals.numpy(), np.take_along_axis(logits, lead.cls.numpy(), 1), rtol=1e-13)
     s32 = (Zt.float() @ Wt.float().T + bt.float()).double().numpy()
-    e = (lin.coef * (np.linalg.norm(Z, axis=1) * lin.R + lin.O) + lin.tiny)[:, None]
+    e = lin.bound(Zt).numpy()[:, None]
+    assert lin.coef == pytest.approx((1.02 * d + 4) * 2.0 ** -24)
+    np.testing.assert_allclose(e[:, 0], lin.coef * (np.linalg.norm(Z, axis=1) * np.linalg.norm(W[cls], axis=1).max()
+                                                    + np.abs(b[cls]).max()), rtol=1e-12)
     assert (np.abs(s32[:, cls] - logits[:, cls]) <= e).all()
     assert len(lead.vals[0]) == LEADERS
     best = cls.numpy()[logits[:, cls].argmax(1)]
