@@ -20,6 +20,7 @@ from ncanalyze.store.sources.anatomy import LogitTransform
 log = logging.getLogger(__name__)
 
 
+CELLS = 1 << 22  # (token, class) cells of float64 logits formed at a time (32 MB; see NextTokenLoss)
 # how far the model's own logits may be from ours, relative to the largest logit, for each model dtype
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -36,7 +37,7 @@ class NextTokenLoss(Sums):
     NAMES = ("loss_sum", "correct", "tokens")
 
     def __init__(self, classifier: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform,
-                 state: dict[str, torch.Tensor] | None = None, budget: int = 1 << 22):
+                 state: dict[str, torch.Tensor] | None = None, budget: int = CELLS):
         self.w = classifier.to(torch.float64)
         self.b = None if bias is None else bias.to(self.w.device, torch.float64)
         self.transform = transform
