@@ -23,8 +23,8 @@ them alike). Contenders, on the same batches:
 last layer: NC4's decisions over the kept classes and over each NC4_MIN_COUNTS kept set, their fold counts, the model's
 loss), after one train pass over ``--train-batches`` batches of half Zipf, half uniform ids (the kept classes: ~45,000
 of 50,257 at the default 40), against ``causal-LM forward`` (target >= 0.5, issue 52); beside them ``floor``,
-the features, their float64 head logits (in the loss's chunks) and one float32 product of every token with every
-kept class mean (the nearest-mean screen's GEMM) alone: the ratio no validation pass that keeps val_loss in float64
+the features, their float64 head logits (in the loss's chunks) with their log-sum-exp, and one float32 product of
+every token with every kept class mean (the nearest-mean screen's GEMM) alone: the ratio no validation pass that keeps val_loss in float64
 and NC4's decisions exact can pass on this machine.
 
 Every contender runs under the thread policy (``--threads``, default auto), ``--conditions quiet,loaded`` times them
@@ -166,12 +166,14 @@ def main() -> None:
 
         def floor(ids: torch.Tensor) -> None:
             """The least a validation pass with the float64 loss and NC4's exact decisions does: the features, their
-            float64 head logits in the loss's chunks (loss.CELLS), and one float32 score per token and kept class
-            (the nearest-mean screen's product, in its cache steps); no log-sum-exp, no topk, no recheck, no fold."""
+            float64 head logits in the loss's chunks (loss.CELLS) and their log-sum-exp (the loss's own in-place
+            arithmetic), and one float32 score per token and kept class (the nearest-mean screen's product, in its
+            cache steps); no topk, no recheck, no jackknife replicate."""
             h = features(model, ids).reshape(-1, args.width).double()
             step = max(1, CELLS // len(w64))
             for s in range(0, len(h), step):
-                torch.addmm(b64, h[s:s + step], w64.T) if b64 is not None else h[s:s + step] @ w64.T
+                z = torch.addmm(b64, h[s:s + step], w64.T) if b64 is not None else h[s:s + step] @ w64.T
+                z.sub_(z.amax(1, keepdim=True)).exp_().sum(1).log_()
             h32, means = h.float(), kept32[0]
             for a in range(0, len(h32), max(1, (1 << 25) // len(means))):
                 x = h32[a:a + (1 << 25) // len(means)]
@@ -317,8 +319,8 @@ def report_validation(best: dict, args, device) -> None:
           f"{per_round(best, 'validation pass', 'causal-LM forward')}  (target >= 0.5)")
     print(f"ratio floor / causal-LM forward: {rate['floor'] / rate['causal-LM forward']:.3f}, "
           f"{per_round(best, 'floor', 'causal-LM forward')}: the most a validation pass reaches that keeps val_loss in "
-          "float64 and NC4's decisions exact (its features, float64 head logits and one float32 product with the kept "
-          "means alone: no log-sum-exp, topk, recheck or jackknife replicate)")
+          "float64 and NC4's decisions exact (its features, float64 head logits and their log-sum-exp, and one "
+          "float32 product with the kept means alone: no topk, recheck or jackknife replicate)")
 
 
 def report(best: dict, args, device) -> None:
