@@ -41,7 +41,7 @@ NONE = torch.iinfo(torch.int64).max  # no class
 CACHE32 = 1 << 21  # on the CPU, a screen's float32 scores formed at a time (8 MB, a few thousand classes): malloc
 # reuses the buffer and the scores are read back from cache, where a 130 MB block cost its page faults and, with the
 # screen's topk, twice the time on a 2-core CPU
-FEWEST = 256
+FEWEST = 256  # the fewest classes a CPU step screens (below it the GEMM loses its efficiency)
 CACHE, PAIRS = 1 << 18, 1024  # a recheck's (pair, width) cells at a time (2 MB of float64: 3-6x faster than 256 MB
 # on a 2-core CPU, the same bits), and its fewest pairs at a time (the loop's own cost at a large width)
 

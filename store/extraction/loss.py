@@ -68,7 +68,9 @@ class NextTokenLoss(Sums):
             logits = hc @ self.w.T
             if self.b is not None:
                 logits += self.b
-            leaders = Leaders.of(logits)  # one topk: the argmax here and NC4's decisions over every kept set
+            # one topk: the argmax here and NC4's decisions over every kept set (none needed by a transformed argmax
+            # that no NC4 decision shares)
+            leaders = Leaders.of(logits) if same or also is not None else None
             if also is not None:
                 also(hc, yc, logits, leaders)
             logits = self.transform(logits)
