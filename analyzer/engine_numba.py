@@ -12,10 +12,13 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import uuid
 from typing import Any
 
 import dask
+import dask.local
+import dask.threaded
 import numba
 import numpy as np
 import psutil
@@ -94,12 +97,14 @@ def workers(pairs: float, sampled: float, rows: int, d: int) -> int:
 def _scheduler(n: int) -> dict[str, Any]:
     """dask.compute's scheduler for ``n`` threads (:func:`workers`); where this process has a distributed Client
     (``--scheduler``, ``DASK_SCHEDULER_ADDRESS``), its cluster, whatever the work's size: the user chose it."""
-    try:
-        from distributed import default_client
-        default_client()
-        return {}
-    except (ImportError, ValueError):
-        return {"scheduler": "sync"} if n == 1 else {"scheduler": "threads", "num_workers": n}
+    if "distributed" in sys.modules:  # else no Client can exist: importing it would cost ~0.4 s for nothing
+        try:
+            sys.modules["distributed"].default_client()
+            return {}
+        except ValueError:
+            pass
+    # dask's own functions, not their names: a name has dask import distributed to look for a Client
+    return {"scheduler": dask.local.get_sync} if n == 1 else {"scheduler": dask.threaded.get, "num_workers": n}
 
 
 def _moment_rows(ds: xr.Dataset, K: np.ndarray, head: bool) -> int:
