@@ -220,7 +220,7 @@ def lone_model(trained_run: Path, dest: Path) -> Path:
     return dest
 
 
-CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
+from cli_process import NEW_PYTHON as CLI, cli_process, cli_run  # noqa: E402,F401  (a CLI process: forked, or a new Python)
 
 
 @contextlib.contextmanager
@@ -270,7 +270,7 @@ def kill_when(args, state: Path, batches: int = 5, at: dict[str, int] | None = N
     and the values ``at`` (e.g. {"phase": 1}): a real crash at a known point."""
     import numpy as np
 
-    proc = subprocess.Popen(CLI + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = cli_process(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         try:

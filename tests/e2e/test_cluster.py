@@ -8,16 +8,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import ncanalyze.store
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import EXACT, EXTRACT_OPTS, run_cli
+from conftest import EXACT, EXTRACT_OPTS, cli_process, run_cli
 
-CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 
 
 def groups(store) -> dict[str, xr.Dataset]:
@@ -145,8 +143,7 @@ def test_a_worker_killed_mid_checkpoint_changes_nothing(cluster, trained_run, co
     ref = tmp_path / "ref.zarr"
     run_cli(*args, "--store", ref)
     store = tmp_path / "killed.zarr"
-    proc = subprocess.Popen(CLI + [str(a) for a in args] + ["--store", str(store), "--scheduler", address],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = cli_process([*args, "--store", store, "--scheduler", address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     state = store.with_name(store.name + ".partial") / trained_run.name / "checkpoint-20.npz"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import zarr
-from conftest import CLI, assert_same_group, kill_when, lone_model, run_cli, tmpfs
+from conftest import assert_same_group, cli_process, cli_run, kill_when, lone_model, run_cli, tmpfs
 from ncanalyze.store.extraction.resume import DIGEST, save_state
 
 SMALL = ("--max-train-tokens", 1024, "--max-val-tokens", 512, "--samples-per-class", 2)
@@ -138,8 +138,8 @@ def test_a_resume_on_changed_data_is_refused(model, corpus, reference, tmp_path)
 @pytest.mark.slow
 def test_two_writers_on_one_checkpoint_end_with_one_writers_store(model, corpus, reference, tmp_path):
     store = tmp_path / "s.zarr"
-    cmd = CLI + [str(a) for a in extract_args(model, corpus, store, "--state-every", 0)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    cmd = extract_args(model, corpus, store, "--state-every", 0)
+    procs = [cli_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert sorted(o.count("1 extracted") for o in outs) == [0, 1]  # one did the work, the other found it done
@@ -164,8 +164,8 @@ def test_overwrite_on_a_full_disk_keeps_the_old_group(model, corpus, tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_the_state_and_the_resume_is_bit_identical(model, corpus, reference, tmp_path):
     store = tmp_path / "s.zarr"
-    cmd = CLI + [str(a) for a in extract_args(model, corpus, store, "--state-every", 1000)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = extract_args(model, corpus, store, "--state-every", 1000)
+    proc = cli_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     partial = store.with_name(store.name + ".partial") / model.parent.name
     while proc.poll() is None and not (partial / f"{model.name}.lock").exists():
         time.sleep(0.02)
@@ -306,7 +306,6 @@ def test_a_broken_checkpoint_is_one_line_without_the_load_report(trained_run, co
     tensors = load_file(ck / "model.safetensors")
     tensors.pop(next(iter(tensors)))
     save_file(tensors, ck / "model.safetensors", metadata={"format": "pt"})
-    r = subprocess.run(CLI + ["extract", str(ck), "--dataset", str(corpus["train"]), "--store", str(tmp_path / "s.zarr"),
-                              "--max-train-tokens", "256"], capture_output=True, text=True)
+    r = cli_run(["extract", ck, "--dataset", corpus["train"], "--store", tmp_path / "s.zarr", "--max-train-tokens", 256])
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "lacks 1 tensors" in lines[0], lines

@@ -15,7 +15,7 @@ from pathlib import Path
 import ncanalyze.store
 import numpy as np
 import pytest
-from conftest import CLI, assert_same_group, kill_when, run_cli, tmpfs
+from conftest import assert_same_group, cli_run, kill_when, run_cli, tmpfs
 from ncanalyze.core.sizes import bytes_text
 from ncanalyze.store.data.blocks import Blocks
 from ncanalyze.store.extraction.estimate import START, Arch, estimate
@@ -296,7 +296,7 @@ def test_save_embeddings_on_a_full_disk_is_the_full_disk_line_and_releases_the_l
                 "--store", store]  # 3 x 1984 x 32 x 8 bytes = 1.5 MB staged
         free = os.statvfs(disk)
         (disk / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 600_000))
-        r = subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=300)
+        r = cli_run(args, timeout=300)
         assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # not 135 (SIGBUS)
         assert "disk full" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
         lock = state_of(store).with_suffix(".lock")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import zarr
-from conftest import CLI, lock_held, run_cli
+from conftest import cli_process, lock_held, run_cli
 
 
 def ls(store: Path) -> dict[str, str]:
@@ -128,7 +128,7 @@ def test_a_group_removed_while_measure_runs_is_skipped_in_one_line(store):
     run = run_of(store)
     first, gone = f"{run}/checkpoint-20", f"{run}/checkpoint-40"
     with lock_held(store, first):
-        proc = subprocess.Popen(CLI + ["measure", str(store)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = cli_process(["measure", store], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         lines: list[str] = []
         while not any("being extracted by another process" in line for line in lines):  # the test's lock says so
             lines.append(proc.stdout.readline().decode())
@@ -152,7 +152,7 @@ def test_rm_waits_for_a_measure_storing_metrics_and_says_so(store):
     run = run_of(store)
     g = f"{run}/checkpoint-20"
     with lock_held(store, g, doing="measured", seconds=60):
-        proc = subprocess.Popen(CLI + ["rm", str(store), g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = cli_process(["rm", store, g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         lines: list[str] = []
         while not any("by another process" in line for line in lines):
             lines.append(proc.stdout.readline().decode())

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import zarr
-from conftest import CLI, EXTRACT_OPTS, kill_when, lock_held, make_corpus, run_cli
+from conftest import EXTRACT_OPTS, cli_process, kill_when, lock_held, make_corpus, run_cli
 from test_metrics import assert_metrics, brute_force
 
 import ncanalyze.store
@@ -285,7 +285,7 @@ def test_rm_removes_a_resume_state_and_finishes_an_interrupted_removal(store, tr
 def test_rm_waits_for_the_extraction_lock(store):
     g = "neo-2x32/checkpoint-20"
     with lock_held(store, g, seconds=60):
-        proc = subprocess.Popen(CLI + ["rm", str(store), g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = cli_process(["rm", store, g, "--yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         lines = []
         while not any("being extracted by another process" in line for line in lines):
             lines.append(proc.stdout.readline().decode())
@@ -301,8 +301,7 @@ def test_rm_waits_for_the_extraction_lock(store):
 def test_rm_asks_on_a_terminal(store, answer):
     g = "neo-2x32/checkpoint-60"
     master, slave = pty.openpty()
-    proc = subprocess.Popen(CLI + ["rm", str(store), g], stdin=slave, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = cli_process(["rm", store, g], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     os.close(slave)
     os.write(master, f"{answer}\n".encode())
     out = proc.communicate(timeout=60)[0].decode()
