@@ -2,8 +2,8 @@
 
 A new Python spends ~5 s of a core importing torch and transformers before the CLI does anything; the suite starts
 the CLI in a process dozens of times (to SIGKILL it at a known batch, interrupt it, or run two writers at once). Here
-multiprocessing's forkserver, started once per test process, imports them once, and each CLI process is forked from
-it: a real process (its own pid, signals, exit status, file descriptors), started in ~0.1 s. The server holds no
+multiprocessing's forkserver, started once per test process, imports them once, and each CLI process (and each
+dask worker of a LocalCluster, :func:`forked_workers`) is forked from it: a real process (its own pid, signals, exit status, file descriptors), started in ~0.1 s. The server holds no
 thread when it forks (only imports ran in it), so nothing is forked mid-lock, unlike a fork of the test process.
 
 A library may read the environment when imported (huggingface_hub's HF_* variables): a process is forked only while
@@ -12,6 +12,7 @@ before.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import subprocess
@@ -24,7 +25,8 @@ from multiprocessing import reduction
 PRELOAD = ["torch", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "transformers.models.gpt_neo.modeling_gpt_neo", "scipy.stats",
            "zarr", "xarray", "dask.array", "numba", "ncanalyze.cli.main", "ncanalyze.cli.extract", "ncanalyze.cli.measure",
-           "ncanalyze.store.extraction.passes", "ncanalyze.store.extraction.checkpoint", "ncanalyze.analyzer.metrics"]
+           "ncanalyze.store.extraction.passes", "ncanalyze.store.extraction.checkpoint", "ncanalyze.analyzer.metrics",
+           "distributed"]
 NEW_PYTHON = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 
 _context = multiprocessing.get_context("forkserver")
@@ -38,7 +40,7 @@ def _env() -> dict[str, str]:
 SERVER_ENV = _env()  # the environment the suite started with (conftest's settings made): the server's
 
 
-def _ensure_server() -> None:
+def ensure_server() -> None:
     """Start this process's fork server, once, under :data:`SERVER_ENV` (whatever a test changed meanwhile)."""
     from multiprocessing import forkserver
 
@@ -50,6 +52,18 @@ def _ensure_server() -> None:
     finally:
         os.environ.clear()
         os.environ.update(now)
+
+
+@contextlib.contextmanager
+def forked_workers():
+    """dask's worker processes (a LocalCluster's, started in the block) forked from the fork server too (distributed's
+    ``forkserver`` method, which it supports): real processes, without each importing torch again. Their
+    environment is the server's (:data:`SERVER_ENV`)."""
+    import dask
+
+    ensure_server()  # before distributed's first worker: it would start the server with a preload list of its own
+    with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
+        yield
 
 
 class _Fd:
@@ -108,7 +122,7 @@ class ForkedCLI:
         self._proc = _context.Process(target=_child, args=([str(a) for a in args],
                                                             {t: _Fd(fd) for t, fd in fds.items()}, os.getcwd(),
                                                             dict(os.environ)))
-        _ensure_server()
+        ensure_server()
         self._proc.start()
         for fd in theirs:
             os.close(fd)

@@ -220,7 +220,7 @@ def lone_model(trained_run: Path, dest: Path) -> Path:
     return dest
 
 
-from cli_process import NEW_PYTHON as CLI, cli_process, cli_run  # noqa: E402,F401  (a CLI process: forked, or a new Python)
+from cli_process import NEW_PYTHON as CLI, cli_process, cli_run, forked_workers  # noqa: E402,F401  (a CLI process: forked, or a new Python)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import ncanalyze.store
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import EXACT, EXTRACT_OPTS, cli_process, run_cli
+from conftest import EXACT, EXTRACT_OPTS, cli_process, forked_workers, run_cli
 
 
 
@@ -39,7 +39,8 @@ def assert_same_store(a, b, only=None) -> None:
 def cluster():
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as lc, \
+    with forked_workers(), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as lc, \
             Client(lc) as client:
         client.run(lambda: __import__("ncanalyze.store.runs.local"))  # warm the workers' imports once
         yield lc.scheduler_address, client

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import zarr
 from click.testing import CliRunner
-from conftest import tmpfs
+from conftest import forked_workers, tmpfs
 from test_metrics import assert_metrics, brute_force, random_study
 
 from ncanalyze.analyzer.jackknife import EXACT
@@ -163,7 +163,8 @@ def test_distributed_cluster_equals_local(small_store, tmp_path):
     shutil.copytree(store, other)
     done = measure_store(store, tile=7)
     local = done.table
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
+    with forked_workers(), \
+            distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
             distributed.Client(cl) as client:
         result = CliRunner().invoke(main, ["measure", str(other), "--tile", "7"],
                                     env={"DASK_SCHEDULER_ADDRESS": cl.scheduler_address})
@@ -299,7 +300,8 @@ def test_an_address_that_is_not_a_dask_scheduler_is_one_line(small_store, monkey
 def test_an_address_of_a_dask_worker_is_one_line(small_store):
     distributed = pytest.importorskip("distributed")
     store, _ = small_store
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cl:
+    with forked_workers(), \
+            distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cl:
         worker = next(iter(cl.scheduler_info["workers"]))
         code, out, _ = _measure_cli(store, "--scheduler", worker)
     assert code == 1 and f"{worker} answered as a dask Worker, not a scheduler" in out, out
