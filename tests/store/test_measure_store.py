@@ -300,8 +300,7 @@ def test_an_address_that_is_not_a_dask_scheduler_is_one_line(small_store, monkey
 def test_an_address_of_a_dask_worker_is_one_line(small_store):
     distributed = pytest.importorskip("distributed")
     store, _ = small_store
-    with forked_workers(), \
-            distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cl:
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cl:
         worker = next(iter(cl.scheduler_info["workers"]))
         code, out, _ = _measure_cli(store, "--scheduler", worker)
     assert code == 1 and f"{worker} answered as a dask Worker, not a scheduler" in out, out
