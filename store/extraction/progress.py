@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,14 +57,15 @@ class Tracker:
     def __post_init__(self) -> None:
         self.start = self.clock()
         self.samples: deque[tuple[float, float]] = deque([(self.start, 0.0)])
-        self.seen: set[int] = set()
+        self.seen: weakref.WeakSet = weakref.WeakSet()  # the running states met: not their id(), which a later
+        # checkpoint's state may take over once an earlier one is freed (its load and write then never counted)
         self.logged = self.start
 
     def batch(self, ex) -> None:
         """A batch of ``ex`` is done: its predicted seconds (and its checkpoint's load and write, at its first) join
         the work done."""
-        if id(ex) not in self.seen:
-            self.seen.add(id(ex))
+        if ex not in self.seen:
+            self.seen.add(ex)
             self.done += self.fixed(ex)
         self.done += self.cost(ex)
         now = self.clock()
