@@ -18,7 +18,7 @@ from pathlib import Path
 import ncanalyze.store
 import numpy as np
 import pytest
-from conftest import EXTRACT_OPTS, run_cli
+from conftest import EXTRACT_OPTS, cli_process, run_cli
 from ncanalyze.core.errors import UserError
 from ncanalyze.store.sources.hub_fetch import Snapshot
 from ncanalyze.store.sources.revisions import MAX_REVISIONS, check_revision, parse_revisions, revision_range
@@ -155,8 +155,7 @@ def test_ctrl_c_under_shards_stops_at_a_batch_boundary(trained_run, corpus, tmp_
     args = [trained_run, "--dataset", corpus["train"], "--val-dataset", corpus["val"], "--store", store,
             "--max-train-tokens", 24576, "--max-val-tokens", 256, "--batch-size", 1, "--samples-per-class", 2,
             "--shards", 3]  # 768 batches of one block a checkpoint (of the corpus's ~1,800): ~3 s each, room for 1 s
-    proc = subprocess.Popen(CLI + ["extract"] + [str(a) for a in args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = cli_process(["extract", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = store / trained_run.name
     while proc.poll() is None and not (first.is_dir() and any(first.iterdir())):
         time.sleep(0.05)  # the first checkpoint written: the next one is in its shards
