@@ -88,9 +88,10 @@ def _child(argv: list[str], fds: dict[int, _Fd | int], cwd: str, env: dict[str, 
             os.dup2(fd, target)
     for fd in set(fds.values()) - set(fds):
         os.close(fd)
-    sys.stdin = open(0, closefd=False) if 0 in fds else sys.stdin  # multiprocessing put /dev/null there
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    # the process's own streams for its life (never closed here): multiprocessing put /dev/null on stdin
+    sys.stdin = open(0, closefd=False) if 0 in fds else sys.stdin  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

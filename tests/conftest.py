@@ -23,6 +23,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+# The CLI in a process (cli_process.py: forked from a server that imported its libraries, or a new Python), for the
+# tests; imported after the settings above, which the server's environment then holds.
+from cli_process import NEW_PYTHON as CLI  # noqa: F401
+from cli_process import cli_process, cli_run, forked_workers  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -220,7 +225,6 @@ def lone_model(trained_run: Path, dest: Path) -> Path:
     return dest
 
 
-from cli_process import NEW_PYTHON as CLI, cli_process, cli_run, forked_workers  # noqa: E402,F401  (a CLI process: forked, or a new Python)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ import xarray as xr
 from conftest import EXACT, EXTRACT_OPTS, cli_process, forked_workers, run_cli
 
 
-
 def groups(store) -> dict[str, xr.Dataset]:
     tree = ncanalyze.store.open(store)
     return {n.path.strip("/"): n.to_dataset() for n in tree.subtree if "mean" in n.data_vars}

@@ -9,7 +9,6 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import ncanalyze.store
