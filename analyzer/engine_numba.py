@@ -81,7 +81,8 @@ def host_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray
                 "row_cdnv": row_cdnv, "coincident": coincident, **got}
 
 
-SYNC_WORK = 1e7  # multiply-adds below which the host computes in the caller's thread (benchmarks/metrics.py --small)
+SYNC_WORK = 1.5e8  # multiply-adds below which the host computes in the caller's thread: where the thread pool stopped
+# losing on 2 cores (benchmarks/metrics.py's smaller problems: the caller's thread at 1.4e8, the pool at 2.0e8)
 
 
 def workers(pairs: float, sampled: float, rows: int, d: int) -> int:

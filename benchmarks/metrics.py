@@ -19,7 +19,8 @@ part of `measure`'s time). Peak memory of `measure` is traced with tracemalloc (
 buffers are not seen) and set against |K|^2 x 8 bytes. The same ratio in CPU seconds of the process (every thread)
 is printed beside it: the work each side does, which a busy shared machine stretches less than the wall time.
 
-A small problem (``--small``, default K = 512, d = 64: the tiny recipe's size) is timed as `measure` chooses to run it
+Smaller problems (``--small``, K = 512, d = 64, the tiny recipe's size, up to about engine_numba.SYNC_WORK's work) are
+each timed as `measure` chooses to run it
 (engine_numba.workers: the caller's thread below SYNC_WORK multiply-adds, else as many threads as the load measured
 between calls leaves cores idle, core.threads.available) against the other way (the caller's thread or the thread
 pool), and the default size likewise: the choice is right where each chosen time is the lower.
@@ -217,7 +218,9 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true", help="measure in torch float64 on the GPU, against its Gram")
     p.add_argument("--engine", choices=("numba", "torch"), default="numba",
                    help="on the CPU: the numba pass (default) or the GPU's torch code")
-    p.add_argument("--small", default="512x64", help="KxD of the small problem whose threading is checked [512x64]")
+    p.add_argument("--small", default="512x64,1024x128,2048x64,2048x128,1024x256",
+                   help="KxD,... of the smaller problems whose threading is checked, about SYNC_WORK (engine_numba) "
+                        "[512x64,1024x128,2048x64,2048x128,1024x256]")
     args = p.parse_args()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes] if args.sizes else [(8192, 256)]
     if args.classes:
@@ -232,9 +235,11 @@ def main() -> None:
             print("threading as chosen vs the other way, median of " f"{min(args.rounds, 5)} alternating rounds: "
                   + threading(k, d, min(args.rounds, 5)), flush=True)
     if not (args.cuda or args.engine == "torch"):
-        k, d = map(int, args.small.split("x"))
-        print(f"threading of a small problem, median of {args.rounds} alternating rounds: "
-              + threading(k, d, args.rounds), flush=True)
+        for size in args.small.split(","):
+            k, d = map(int, size.split("x"))
+            print(f"threading of a smaller problem ({(k * (k - 1) / 2 + k * d) * d:.1e} multiply-adds; the caller's "
+                  f"thread below {engine_numba.SYNC_WORK:.1e}), median of {args.rounds} alternating rounds: "
+                  + threading(k, d, args.rounds), flush=True)
 
 
 if __name__ == "__main__":
