@@ -520,11 +520,7 @@ class DecisionCounts(Sums):
 
     def _leaders(self, x: torch.Tensor, kept: torch.Tensor) -> Leaders:
         """Each row's best scores ``x . w_c + b_c`` over the classes ``kept`` (float64), a tile at a time."""
-        out = None
-        for s, sc in self._scores(x, kept):
-            lead = Leaders.of(sc, kept[s:s + sc.shape[1]])
-            out = lead if out is None else out.merge(lead)
-        return out if out is not None else Leaders.of(x.new_zeros(len(x), 0), kept)
+        return Leaders.over(((sc, kept[s:s + sc.shape[1]]) for s, sc in self._scores(x, kept)), len(x), x.device)
 
     def _linear(self) -> LinearScreen:
         """The pass's float32 screen of the linear decisions over the union of the kept sets (``shared``)."""
@@ -541,11 +537,7 @@ class DecisionCounts(Sums):
         out = []
         for kept, inside in [(k, m) for (k, _), m in zip(self.sets, self.ncc.member)] + \
                 [(w.kept, w.member) for w in self.without]:
-            d, sure = leaders.first(inside)
-            again = torch.nonzero(~sure).squeeze(1)
-            if len(again):
-                d[again] = rescore(again, kept) if len(kept) else -1
-            out.append(d)
+            out.append(leaders.decide(lambda rows, kept=kept: rescore(rows, kept) if len(kept) else -1, inside))
         return out
 
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:

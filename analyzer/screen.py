@@ -28,7 +28,7 @@ are equal) may be ordered otherwise than another float64 evaluation order would 
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -116,6 +116,19 @@ class Leaders(NamedTuple):
         v, c = scores.topk(min(k, scores.shape[1]), dim=1)
         return cls(v, c if classes is None else classes[c], scores.shape[1] <= k)
 
+    @classmethod
+    def over(cls, tiles: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int, device: torch.device) -> Leaders:
+        """The best :data:`LEADERS` over tiles of scores (n x columns) and their columns' classes (disjoint tiles);
+        an empty, complete list where there is no tile."""
+        out = None
+        for scores, classes in tiles:
+            part = cls.of(scores, classes)
+            out = part if out is None else out.merge(part)
+        if out is None:
+            return cls(torch.empty(n, 0, dtype=torch.float64, device=device),
+                       torch.empty(n, 0, dtype=torch.int64, device=device), True)
+        return out
+
     def merge(self, other: Leaders, k: int = LEADERS) -> Leaders:
         """The best ``k`` of two lists over disjoint classes (tiles of classes)."""
         v, c = _merge((self.vals, self.cls), (other.vals, other.cls), k)
@@ -135,6 +148,15 @@ class Leaders(NamedTuple):
         pick = torch.where(inside & (v == best[:, None]), self.cls, NONE).amin(1)
         sure = (best > (self.vals[:, -1] if self.floor is None else self.floor)) | (self.complete & (pick != NONE))
         return torch.where(sure, pick, NONE), sure
+
+    def decide(self, rescore: Callable[[torch.Tensor], torch.Tensor | int], member: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """:meth:`first`'s class per token, those the list leaves open decided by ``rescore(rows)``."""
+        d, sure = self.first(member)
+        again = torch.nonzero(~sure).squeeze(1)
+        if len(again):
+            d[again] = rescore(again)
+        return d
 
 
 class LinearScreen:
@@ -165,16 +187,7 @@ class LinearScreen:
 
     def leaders(self, z: torch.Tensor) -> Leaders:
         """Each row of ``z`` (n x d, float64)'s best classes, their float64 scores exact, the floor the screen's."""
-        lead = Leaders.of(z.new_zeros(len(z), 0), self.cls)
-        z32, step = z.float(), cache_step(len(z), self.tile, z.device)
-        for s in range(0, len(self.cls), step):
-            c = self.cls[s:s + step]
-            with ieee_float32():
-                sc = z32 @ self.w[c].float().T
-            if self.b is not None:
-                sc += self.b[c].float()
-            part = Leaders.of(sc, c)
-            lead = part if s == 0 else lead.merge(part)
+        lead = Leaders.over(self._screened(z), len(z), z.device)
         e = self.bound(z)
         exact = torch.empty(lead.cls.shape, dtype=torch.float64, device=z.device)
         step = max(1, CACHE // max(1, lead.cls.shape[1] * z.shape[1]))
@@ -185,6 +198,17 @@ class LinearScreen:
             exact += self.b[lead.cls]
         floor = lead.vals[:, -1].double() + e if lead.vals.shape[1] else e
         return Leaders(exact, lead.cls, lead.complete, floor)
+
+    def _screened(self, z: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The float32 scores of ``z``'s rows at the classes, a cache's worth of classes at a time, with those classes."""
+        z32, step = z.float(), cache_step(len(z), self.tile, z.device)
+        for s in range(0, len(self.cls), step):
+            c = self.cls[s:s + step]
+            with ieee_float32():
+                sc = z32 @ self.w[c].float().T
+            if self.b is not None:
+                sc += self.b[c].float()
+            yield sc, c
 
 
 class Screen:

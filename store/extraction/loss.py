@@ -75,7 +75,7 @@ class NextTokenLoss(Sums):
                 also(hc, yc, logits, leaders)
             logits = self.transform(logits)
             picked = logits.gather(1, yc[:, None]).squeeze(1)
-            arg = _first_argmax(logits, leaders) if same else logits.argmax(1)
+            arg = leaders.decide(lambda rows: logits[rows].argmax(1)) if same else logits.argmax(1)
             peak = logits.gather(1, arg[:, None])
             # log-sum-exp in place (the chunk's logits are not read again): peak + log sum exp(logits - peak)
             nll = peak.squeeze(1) + logits.sub_(peak).exp_().sum(1).log_() - picked
@@ -102,16 +102,6 @@ def matches_model(model, ids: torch.Tensor, h: torch.Tensor, classifier: torch.T
     ours = transform(ours)
     scale = float(own.abs().max()) or 1.0
     return float((own - ours).abs().max()) <= TOLERANCE.get(dtype or classifier.dtype, 1e-2) * scale
-
-
-def _first_argmax(logits: torch.Tensor, leaders: Leaders) -> torch.Tensor:
-    """``logits.argmax(1)`` (the first of equal logits) from the rows' best, the rows they leave open (a tie at the
-    list's end) by argmax itself."""
-    arg, sure = leaders.first()
-    again = torch.nonzero(~sure).squeeze(1)
-    if len(again):
-        arg[again] = logits[again].argmax(1)
-    return arg
 
 
 def loss_attrs(state: dict[str, torch.Tensor], transform: LogitTransform | None) -> dict:
