@@ -85,14 +85,19 @@ SYNC_WORK = 1.5e8  # multiply-adds below which the host computes in the caller's
 # losing on 2 cores (benchmarks/metrics.py's smaller problems: the caller's thread at 1.4e8, the pool at 2.0e8)
 
 
+def work(pairs: float, sampled: float, rows: int, d: int) -> float:
+    """The host's multiply-adds: (``pairs`` + ``sampled`` pairs) x d for the Gram blocks, ``rows`` x d^2 for the
+    moments."""
+    return (pairs + sampled) * d + rows * d * d
+
+
 def workers(pairs: float, sampled: float, rows: int, d: int) -> int:
     """The threads of the host's one dask compute: 1 (the caller's thread, dask's sync scheduler: no pool to start,
-    no task handed over) where the work, (``pairs`` + ``sampled`` pairs) x d multiply-adds for the Gram blocks and
-    ``rows`` x d^2 for the moments, is below :data:`SYNC_WORK`; else the thread policy's count where one runs
-    (core/threads.py: ``--threads N``, or under ``auto`` the cores other processes leave idle), else the cores this
-    process may use (affinity, cgroup quota, ``OMP_NUM_THREADS``). The tasks are independent (no barrier), so a
-    busy core costs them its share only."""
-    return 1 if (pairs + sampled) * d + rows * d * d < SYNC_WORK else available()
+    no task handed over) where the work (:func:`work`) is below :data:`SYNC_WORK`; else the thread policy's count
+    where one runs (core/threads.py: ``--threads N``, or under ``auto`` the cores other processes leave idle), else
+    the cores this process may use (affinity, cgroup quota, ``OMP_NUM_THREADS``). The tasks are independent (no
+    barrier), so a busy core costs them its share only."""
+    return 1 if work(pairs, sampled, rows, d) < SYNC_WORK else available()
 
 
 def _scheduler(n: int) -> dict[str, Any]:

@@ -237,8 +237,9 @@ def main() -> None:
     if not (args.cuda or args.engine == "torch"):
         for size in args.small.split(","):
             k, d = map(int, size.split("x"))
-            print(f"threading of a smaller problem ({(k * (k - 1) / 2 + k * d) * d:.1e} multiply-adds; the caller's "
-                  f"thread below {engine_numba.SYNC_WORK:.1e}), median of {args.rounds} alternating rounds: "
+            work = engine_numba.work(k * (k - 1) / 2, 0, k, d)
+            print(f"threading of a smaller problem ({work:.1e} multiply-adds; the caller's thread below "
+                  f"{engine_numba.SYNC_WORK:.1e}), median of {args.rounds} alternating rounds: "
                   + threading(k, d, args.rounds), flush=True)
 
 
