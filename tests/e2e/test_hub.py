@@ -9,14 +9,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import traceback
 from pathlib import Path
 
 import ncanalyze.store
 import numpy as np
 import pytest
-from conftest import EXTRACT_OPTS
+from conftest import CLI, EXTRACT_OPTS
 from ncanalyze.core.errors import UserError
 from ncanalyze.store.sources.hub_fetch import Snapshot
 from ncanalyze.store.sources.revisions import parse_revisions, step_of
@@ -24,7 +23,6 @@ from ncanalyze.store.sources.revisions import parse_revisions, step_of
 REPO = "test-org/neo-2x32"
 FILES = ("config.json", "generation_config.json", "model.safetensors")  # what a Hub repo of the model holds
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
-CLI = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 
 
 def add_revision(cache: Path, repo: str, revision: str, files: dict[str, Path]) -> Path:
