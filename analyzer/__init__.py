@@ -1,8 +1,8 @@
 """Neural-collapse statistics and metrics: the maths. Arrays and datasets in, numbers and datasets out; this
 package imports only ``ncanalyze.core`` (never ``ncanalyze.store`` nor ``ncanalyze.cli``).
 
-- the statistics: ``accumulate`` (exact streaming per-class statistics), ``arrays`` (plain arrays into a checkpoint
-  dataset), ``screen`` (NC4's nearest-class-mean decisions);
+- the statistics: ``accumulate`` (exact streaming per-class statistics; ``chan_numba``, its CPU pass), ``arrays``
+  (plain arrays into a checkpoint dataset), ``screen`` (NC4's nearest-class-mean decisions);
 - the metrics: ``schema`` (the names), ``metric_records`` (one record per metric), ``metrics`` (one function each),
   ``geometry`` (the kept classes, once per checkpoint), ``pairs`` and ``moments`` (the pairwise sums and the d x d
   end), ``engines`` (the one chooser of ``engine_numba`` and ``engine_torch``), ``spectral`` (geometry beyond NC),

@@ -8,8 +8,10 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
+from ncanalyze.analyzer.chan_numba import chan_rows
 from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT
 from ncanalyze.analyzer.screen import Leaders, LinearScreen, Screen
 from ncanalyze.core.setting import default
@@ -132,7 +134,8 @@ def _squares(x: torch.Tensor) -> torch.Tensor:
 def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Groups,
                 hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Chan's update, in place, of the running ``mean`` and ``m2`` of the groups of ``g`` (their rows of ``count``,
-    ``mean``, ``m2``, read before ``count`` moves) with the float64 rows ``hs`` in group order (:meth:`Groups.sort`).
+    ``mean``, ``m2``, read before ``count`` moves) with the float64 rows ``hs`` in group order (:meth:`Groups.sort`),
+    in torch's kernels (a GPU's; the CPU runs :func:`chan_update_cpu`, the same arithmetic in one numba pass).
 
     Returns the rows whose Gram is the batch's increment of the scatter, sum dev dev^T over the tokens plus sum w delta
     delta^T over the groups: each token's deviation from its group's batch mean, then sqrt(w) delta for each group the
@@ -157,6 +160,24 @@ def chan_update(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, g: Gr
     mean.index_add_(0, g.classes, mean_b.index_copy_(0, old, delta * (nb / n)[:, None]))  # the cells are distinct
     m2.index_add_(0, g.classes, m2_b.index_add_(0, old, w * _squares(delta)))
     return rows, torch.cat([row, old])
+
+
+def chan_update_cpu(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, unit_sum: torch.Tensor, g: Groups,
+                    h: torch.Tensor) -> torch.Tensor:
+    """Chan's update, in place, of the CPU statistics ``count``, ``mean``, ``m2`` and ``unit_sum`` (contiguous) with
+    the tokens of the groups ``g`` (:class:`Groups`) among the rows of ``h`` (n x d, the whole batch: the groups
+    index it); returns the rows whose Gram is the batch's increment of the scatter (float64), as
+    :func:`chan_update` does (the rows that add exactly 0 left out)."""
+    order = g.order
+    if h.dtype not in (torch.float32, torch.float64):  # bfloat16, float16: the group's rows alone, as float32
+        h, order = g.sort(h, torch.float32), torch.arange(len(order))
+    x = h.detach().contiguous().numpy()
+    rows = np.empty((len(order) + len(g.classes), x.shape[1]))
+    unit = np.zeros(x.shape[1])
+    n = chan_rows(x, order.numpy(), g.classes.numpy(), g.lengths.numpy(), count.numpy(), mean.numpy(), m2.numpy(),
+                  unit, rows)
+    unit_sum += torch.from_numpy(unit)
+    return torch.from_numpy(rows[:n])
 
 
 def add_gram(out: torch.Tensor, x: torch.Tensor) -> None:
@@ -190,16 +211,20 @@ class ClassStats(Accumulator):
     def update(self, h: torch.Tensor, y: torch.Tensor | None, groups: Groups | None = None) -> None:
         """Fold in features ``h`` (n x d) with labels ``y`` (n); ``groups`` (:class:`Groups` of ``y`` on the
         statistics' device) may be given to share one grouping of a batch between the layers that read it (``y`` is
-        then not read): the rows of ``h`` its groups index are the tokens folded in (a fold's, of a batch's)."""
+        then not read): the rows of ``h`` its groups index are the tokens folded in (a fold's, of a batch's). On the
+        CPU one numba pass (:func:`chan_update_cpu`), elsewhere torch's kernels (:func:`chan_update`)."""
         g = groups if groups is not None else Groups(y.to(self.mean.device, torch.int64))
         if len(g.order) == 0:
             return
-        hs = g.sort(h, torch.float64)
-        self.unit_sum += unit_sums(hs, [len(hs)])[0]
-        rows, _ = chan_update(self.count, self.mean, self.m2, g, hs)
+        if self.mean.device.type == "cpu":  # one numba pass over the rows (the same arithmetic)
+            rows = chan_update_cpu(self.count, self.mean, self.m2, self.unit_sum, g, h)
+        else:
+            hs = g.sort(h, torch.float64)
+            self.unit_sum += unit_sums(hs, [len(hs)])[0]
+            rows, _ = chan_update(self.count, self.mean, self.m2, g, hs)
+            self.count.index_add_(0, g.classes, g.lengths)
         if self.scatter is not None and len(rows):
             add_gram(self.scatter, rows)
-        self.count.index_add_(0, g.classes, g.lengths)
 
     def merge(self, other: "ClassStats") -> "ClassStats":
         """Fold in the statistics of another stream (disjoint tokens) with Chan's parallel formula, exactly as
@@ -282,8 +307,9 @@ class FoldStats(Accumulator):
                        groups: Groups | None = None) -> None:
         """Fold in a batch as :meth:`update` does, every fold at once: Chan's update of every (fold, class) cell over
         the stacked arrays seen as one class axis of folds x vocab cells, then each fold's scatter and unit-vector sum
-        from its own rows, in the order its own update takes them (the same numbers: each cell's and each fold's
-        arithmetic is the one :meth:`update` does). A few kernels and synchronisations a batch rather than a few a
+        from its own rows, in the order its own update takes them (on a GPU the numbers of :meth:`update`, each cell's
+        and each fold's arithmetic the one torch's :func:`chan_update` does there; on the CPU, whose update is one
+        numba pass, equal to it to float64 rounding). A few kernels and synchronisations a batch rather than a few a
         fold: the update on a GPU, where the per-fold calls' launches cost more than their arithmetic."""
         g = groups if groups is not None else self.grouping(y, fold)
         if len(g.order) == 0:

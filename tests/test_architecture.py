@@ -382,12 +382,13 @@ ENGINES = {"numba": "analyzer/engine_numba.py", "torch": "analyzer/engine_torch.
 CHOOSER = "analyzer/engines.py"
 TORCH_OUTSIDE_THE_SUMS = {"analyzer/accumulate.py", "analyzer/arrays.py", CHOOSER,  # extraction, tensor input, devices
                           "analyzer/screen.py"}  # extraction's NC4 decisions (the accumulators' float32 screen)
+NUMBA_OUTSIDE_THE_SUMS = {"analyzer/chan_numba.py"}  # the accumulators' CPU pass (numpy in, no torch)
 
 
 def engine_breaches(root: Path) -> list[str]:
     """The engines' rooms, broken: an engine module imported by any module but the chooser (engines.py), or, in
-    analyzer/, numba imported outside its engine, or torch outside its engine and the modules that are not the sums
-    (the extraction's accumulators, tensor input, the chooser's look at the devices)."""
+    analyzer/, numba or torch imported outside its engine and the modules that are not the sums (torch: the
+    extraction's accumulators, tensor input, the chooser's look at the devices; numba: the accumulators' CPU pass)."""
     found = []
     for f in house_modules(root) + sorted((root / "ncanalyze").rglob("*.py")):
         rel = f.relative_to(root).as_posix()
@@ -398,8 +399,8 @@ def engine_breaches(root: Path) -> list[str]:
                 top, module = name.split(".")[0], name.removeprefix("ncanalyze.analyzer.").split(".")[0]
                 if name.startswith("ncanalyze.analyzer.engine_") and rel != CHOOSER:
                     found.append(f"{rel} imports {name}: engines are reached through {CHOOSER}")
-                elif rel.startswith("analyzer/") and top in ENGINES and rel != ENGINES[top] and not (
-                        top == "torch" and rel in TORCH_OUTSIDE_THE_SUMS):
+                elif rel.startswith("analyzer/") and top in ENGINES and rel != ENGINES[top] and rel not in (
+                        TORCH_OUTSIDE_THE_SUMS if top == "torch" else NUMBA_OUTSIDE_THE_SUMS):
                     found.append(f"{rel} imports {top}: only {ENGINES[top]} does")
     return sorted(set(found))
 

@@ -91,8 +91,8 @@ class LayerState:
         """A train batch's update of the statistics, features ``h`` (n x d) with labels ``y`` (n, grouped as
         ``groups``, from :meth:`grouping`, or None): into the totals without folds, else into the fold sums alone, each
         token into its ``fold`` (n), one call per fold on the CPU (:meth:`FoldStats.tasks`), one for them all
-        elsewhere (:meth:`FoldStats.update_at_once`: the same numbers); calls on disjoint arrays, to run once each, in
-        any order or at once (``workers.Workers``)."""
+        elsewhere (:meth:`FoldStats.update_at_once`: the same arithmetic); calls on disjoint arrays, to run once each,
+        in any order or at once (``workers.Workers``)."""
         if self.folds is None:
             return [functools.partial(self._stats.update, h, y, groups)]
         self._stale = True

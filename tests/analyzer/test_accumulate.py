@@ -359,23 +359,25 @@ def test_the_totals_made_from_the_folds_equal_brute_force_and_stay_live():
 
 @pytest.mark.parametrize("scale", [1e-200, 1e-3, 1.0, 1e200])
 def test_unit_sums_hold_at_any_scale_and_zero_rows(scale):
-    """The unit-vector sums (one matrix-vector product a fold; the scaled rows where squares would overflow or
-    underflow) equal math.hypot's unit rows summed, at 1e-200 and 1e200 too, a zero row adding nothing."""
+    """The unit-vector sums (the CPU's numba pass and torch's matrix-vector product a fold, a GPU's; the scaled rows
+    where squares would overflow or underflow) equal math.hypot's unit rows summed, at 1e-200 and 1e200 too, a zero row adding nothing."""
     rng = np.random.default_rng(5)
     h = rng.normal(size=(30, 4)) * scale
     if scale == 1e-3:  # a zero row (the scaled path); at 1.0 the weighed one alone
         h[7] = 0.0
     y = rng.integers(0, 3, 30)
     fold = torch.from_numpy(np.arange(30) % 2)
-    one, folds = ClassStats(3, 4), FoldStats(2, 3, 4)
+    one, folds, at_once = ClassStats(3, 4), FoldStats(2, 3, 4), FoldStats(2, 3, 4)
     one.update(torch.from_numpy(h), torch.from_numpy(y))
     folds.update(torch.from_numpy(h), torch.from_numpy(y), fold)
+    at_once.update_at_once(torch.from_numpy(h), torch.from_numpy(y), fold)  # torch's sums (a GPU's), on the CPU
     want = _brute(h, y, 3)["unit_sum"]
     np.testing.assert_allclose(one.unit_sum.numpy(), want, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(folds.totals().unit_sum.numpy(), want, rtol=1e-13, atol=1e-13)
     for f in range(2):
-        np.testing.assert_allclose(folds.unit_sum[f].numpy(), _brute(h[f::2], y[f::2], 3)["unit_sum"], rtol=1e-13,
-                                   atol=1e-13)
+        for path in (folds, at_once):
+            np.testing.assert_allclose(path.unit_sum[f].numpy(), _brute(h[f::2], y[f::2], 3)["unit_sum"],
+                                       rtol=1e-13, atol=1e-13)
 
 
 def test_each_folds_scatter_equals_brute_force_where_rows_add_nothing():
@@ -403,24 +405,33 @@ def test_each_folds_scatter_equals_brute_force_where_rows_add_nothing():
                                        atol=1e-12 * np.abs(want[name]).max(), err_msg=f"fold {f} {name}")
 
 
-def test_every_fold_at_once_is_each_fold_in_turn_bit_for_bit():
-    """FoldStats.update_at_once (the update a GPU runs: one Chan update over every (fold, class) cell, then each fold's
-    scatter and unit-vector sum from its own rows) gives exactly the numbers of the folds updated one by one
-    (:meth:`FoldStats.update`, the CPU's): over batches of every distinct label, of repeated new classes, of classes
-    seen before, one leaving a fold empty, and Zipf batches of hot and cold classes."""
+def test_every_fold_at_once_equals_each_fold_in_turn_and_brute_force():
+    """FoldStats.update_at_once (the update a GPU runs: torch's Chan update over every (fold, class) cell, then each
+    fold's scatter and unit-vector sum from its own rows) and the folds updated one by one (:meth:`FoldStats.update`,
+    the CPU's numba pass, chan_numba.py) both equal numpy's float64 statistics of each fold's tokens (counts exactly,
+    the rest to 1e-12 of each variable's largest value), over batches of every distinct label, of repeated new
+    classes, of classes seen before, one leaving a fold empty, Zipf batches of hot and cold classes, and bfloat16
+    features (the CPU pass converts a group's rows to float32 first)."""
     rng = np.random.default_rng(5)
     V, d, F = 60, 7, 4
     labels = [np.arange(16), np.repeat(np.arange(16, 24), 2), np.repeat(np.arange(8), 2),
               *(np.minimum(rng.zipf(1.3, 16), V) - 1 for _ in range(5))]
-    one_by_one, at_once = FoldStats(F, V, d), FoldStats(F, V, d)
+    one_by_one, at_once, stream = FoldStats(F, V, d), FoldStats(F, V, d), []
     for b, y in enumerate(labels):
-        h = torch.from_numpy(rng.normal(size=(16, d)) * 3 + 5).float()
+        h = torch.from_numpy(rng.normal(size=(16, d)) * 3 + 5).to(torch.bfloat16 if b == 6 else torch.float32)
         fold = torch.from_numpy(rng.integers(0, F, 16) if b != 2 else np.repeat([0, 3], [5, 11]))  # b = 2: 1, 2 empty
         one_by_one.update(h, torch.from_numpy(y), fold)
         at_once.update_at_once(h, torch.from_numpy(y), fold)
+        stream.append((h.double().numpy(), y, fold.numpy()))
+    h, y, fold = (np.concatenate(x) for x in zip(*stream))
     assert one_by_one.count.sum() == 16 * len(labels)
-    for name, want in one_by_one.state_dict().items():
-        assert torch.equal(at_once.state_dict()[name], want), name
+    for f in range(F):
+        want = _brute(h[fold == f], y[fold == f], V)
+        for path in (one_by_one, at_once):
+            np.testing.assert_array_equal(path.parts[f].count.numpy(), want["count"])
+            for name in ("mean", "m2", "scatter", "unit_sum"):
+                np.testing.assert_allclose(path.parts[f].state_dict()[name].numpy(), want[name], rtol=1e-12,
+                                           atol=1e-12 * np.abs(want[name]).max(), err_msg=f"fold {f} {name}")
 
 
 @pytest.mark.parametrize("screen32", [True, False], ids=["float32-screen", "float64"])
