@@ -272,6 +272,9 @@ def parts(model, batches: list, args, device, sync) -> None:
     ratio = base_t / (forward + acc)  # each batch's own ratio, then their median: a burst of load is one batch's
     print(f"  train batch (features and accumulators) / base-model forward, median of per-batch ratios: "
           f"{np.median(ratio):.3f}")
+    noise = base_t / forward  # the same call twice: its spread is this line's noise, not a cost
+    print(f"  the noise in that ratio: base-model forward / features (the same call), per batch from "
+          f"{noise.min():.3f} to {noise.max():.3f}, median {np.median(noise):.3f}")
 
 
 def timed(contenders: dict, args) -> dict:
