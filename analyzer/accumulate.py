@@ -169,8 +169,8 @@ def chan_update_cpu(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, u
     index it); returns the rows whose Gram is the batch's increment of the scatter (float64), as
     :func:`chan_update` does (the rows that add exactly 0 left out)."""
     order = g.order
-    if h.dtype not in (torch.float32, torch.float64):  # bfloat16, float16: the group's rows alone, as float32
-        h, order = g.sort(h, torch.float32), torch.arange(len(order))
+    if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.float64):  # the groups' rows alone, here
+        h, order = g.sort(h, torch.float64 if h.dtype == torch.float64 else torch.float32), torch.arange(len(order))
     x = h.detach().contiguous().numpy()
     rows = np.empty((len(order) + len(g.classes), x.shape[1]))
     unit = np.zeros(x.shape[1])
