@@ -4,7 +4,8 @@ A new Python spends ~5 s of a core importing torch and transformers before the C
 the CLI in a process dozens of times (to SIGKILL it at a known batch, interrupt it, or run two writers at once). Here
 multiprocessing's forkserver, started once per test process, imports them once, and each CLI process (and each
 dask worker of a LocalCluster, :func:`forked_workers`) is forked from it: a real process (its own pid, signals, exit status, file descriptors), started in ~0.1 s. The server holds no
-thread when it forks (only imports ran in it), so nothing is forked mid-lock, unlike a fork of the test process.
+Python thread when it forks (only imports ran in it, and numba's set-up, forkserver_warmup.py), so nothing is forked
+mid-lock, unlike a fork of the test process; the BLAS libraries' idle thread servers start again in a child.
 
 A library may read the environment when imported (huggingface_hub's HF_* variables): a process is forked only while
 the environment is the one the server started with (pytest's own variables aside), else it is a new Python, as
@@ -26,7 +27,8 @@ PRELOAD = ["torch", "transformers.modeling_utils", "transformers.models.auto.mod
            "transformers.models.auto.tokenization_auto", "transformers.models.gpt_neo.modeling_gpt_neo", "scipy.stats",
            "zarr", "xarray", "dask.array", "numba", "ncanalyze.cli.main", "ncanalyze.cli.extract", "ncanalyze.cli.measure",
            "ncanalyze.store.extraction.passes", "ncanalyze.store.extraction.checkpoint", "ncanalyze.analyzer.metrics",
-           "distributed"]
+           "distributed", "forkserver_warmup"]
+HERE = os.path.dirname(os.path.abspath(__file__))
 NEW_PYTHON = [sys.executable, "-c", "from ncanalyze.cli.main import main; main()"]
 
 _context = multiprocessing.get_context("forkserver")
@@ -48,6 +50,8 @@ def ensure_server() -> None:
     try:
         os.environ.clear()
         os.environ.update(SERVER_ENV)
+        # tests/ on the server's path for forkserver_warmup (the server does not take this process's sys.path)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, SERVER_ENV.get("PYTHONPATH")]))
         forkserver.ensure_running()
     finally:
         os.environ.clear()
