@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ncanalyze.analyzer.chan_numba import chan_rows
+from ncanalyze.analyzer.chan_numba import NORM_FLOOR, chan_rows
 from ncanalyze.analyzer.schema import NC4_MIN_COUNTS, NC4_WITHOUT, VAL_AT
 from ncanalyze.analyzer.screen import Leaders, LinearScreen, Screen
 from ncanalyze.core.setting import default
@@ -110,12 +110,12 @@ def unit_rows(h: torch.Tensor) -> torch.Tensor:
 
 
 def unit_sums(h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Each segment's sum of h_i / ||h_i|| over the consecutive rows of ``lengths`` (segments x d): the rows weighed
-    by 1 / ||h_i||, one matrix-vector product a segment; where a norm's squares could overflow or underflow (a norm
-    not finite or below ~1e-140 in float64, zero rows included; never for the features of a float32, bfloat16 or
+    """Each segment's sum of h_i / ||h_i|| over the consecutive float64 rows of ``lengths`` (segments x d): the rows
+    weighed by 1 / ||h_i||, one matrix-vector product a segment; where a norm's squares could overflow or underflow (a
+    norm not finite or below NORM_FLOOR, ~1e-140, zero rows included; never for the features of a float32, bfloat16 or
     float16 model), the rows of :func:`unit_rows` summed instead."""
     norm = torch.linalg.vector_norm(h, dim=1)
-    if bool((torch.isfinite(norm) & (norm > torch.finfo(h.dtype).tiny ** 0.5 * 1e14)).all()):
+    if bool((torch.isfinite(norm) & (norm > NORM_FLOOR)).all()):
         rows, weight = h, norm.reciprocal_()
     else:
         rows, weight = unit_rows(h), torch.ones_like(norm)

@@ -10,7 +10,8 @@ import math
 import numba
 import numpy as np
 
-NORM_FLOOR = np.finfo(np.float64).tiny ** 0.5 * 1e14  # below it (or not finite) a norm's squares may under/overflow
+# a float64 norm below it (or not finite): its squares may have under- or overflowed (accumulate.unit_sums too)
+NORM_FLOOR = np.finfo(np.float64).tiny ** 0.5 * 1e14
 
 
 @numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False, cache=True)
@@ -39,7 +40,7 @@ def _unit_add(x: np.ndarray, unit: np.ndarray) -> None:
 
 @numba.njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 def chan_rows(h: np.ndarray, order: np.ndarray, classes: np.ndarray, lengths: np.ndarray, count: np.ndarray,
-          mean: np.ndarray, m2: np.ndarray, unit: np.ndarray, rows: np.ndarray) -> int:
+              mean: np.ndarray, m2: np.ndarray, unit: np.ndarray, rows: np.ndarray) -> int:
     """Fold the groups (``classes``, ``lengths``; their tokens the rows ``order`` of ``h``, consecutive) into
     ``count``, ``mean``, ``m2`` and ``unit`` in place; write to ``rows`` the rows whose Gram is the scatter's
     increment (each token's deviation from its group's batch mean where the group has two or more, sqrt(w) delta
