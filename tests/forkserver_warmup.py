@@ -1,7 +1,7 @@
 """Imported by the fork server (cli_process.PRELOAD) after the libraries: numba's CPU target set up and the
 accumulators' CPU pass (chan_numba.chan_rows) read from its cache once, in numpy alone (a torch kernel could start
 the intra-op threads), so that a forked CLI process does not pay it again: ~0.45 s of a core each (a tiny extract
-forked 1.26 s -> 0.79 s, medians of six). It starts no thread: numba's set-up imports scipy.linalg, whose BLAS
+forked 1.26 s -> 0.77-0.82 s, medians of six in four runs). It starts no thread: numba's set-up imports scipy.linalg, whose BLAS
 thread the preloaded scipy.stats has started already."""
 import os
 
