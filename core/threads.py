@@ -13,12 +13,13 @@ with ``allowed`` the cores this process may run on (:func:`allowed_cores`: ``os.
 quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, and ``OMP_NUM_THREADS`` where the user set it) and ``others`` the
 cores other processes kept busy over the last interval (:func:`others_busy`: the busy time of the allowed CPUs in
 ``/proc/stat``, less this process's own CPU time). It is measured again every :data:`INTERVAL` seconds between
-batches (:func:`tick`), so a load that comes or goes mid-run changes it. An integer N is used as given (capped at
-nothing: the user asked); ``auto`` where ``/proc/stat`` is unreadable (not Linux) is the allowed cores. The thread
-count the caller had is restored when the policy ends (:func:`policy`), so the training callback leaves training's
-own setting as it was. The same count goes to the BLAS and OpenMP pools numpy and numba load (threadpoolctl), which
-``measure``'s d x d work runs on, and bounds the threads of the metrics' dask tasks (:func:`in_use`,
-analyzer/engine_numba.py).
+batches (:func:`tick`), so a load that comes or goes mid-run changes it; at its start, over the seconds since the
+last policy ended (or :func:`remember`) where that is under :data:`INTERVAL` ago, else over :data:`SAMPLE` seconds
+waited. An integer N is used as given (capped at nothing: the user asked); ``auto`` where ``/proc/stat`` is
+unreadable (not Linux) is the allowed cores. The thread count the caller had is restored when the policy ends
+(:func:`policy`), so the training callback leaves training's own setting as it was. The same count goes to the BLAS
+and OpenMP pools numpy and numba load (threadpoolctl), which ``measure``'s d x d work runs on, and bounds the threads
+of the metrics' dask tasks (:func:`in_use`, analyzer/engine_numba.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from threadpoolctl import threadpool_limits
 AUTO = "auto"
 INTERVAL = 5.0   # seconds between measurements of the load (between batches)
 SAMPLE = 0.1     # seconds sampled at the start where no earlier reading is recent enough
+_kept: dict[frozenset[int], Reading] = {}  # the last reading of each CPU set (:func:`remember`)
 
 
 def quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -165,8 +167,12 @@ class Policy:
     def _auto(self, first: bool = False) -> int:
         if self.last is None:
             return max(1, math.floor(self.allowed))
-        if first:
-            time.sleep(SAMPLE)
+        if first:  # the load since a reading taken SAMPLE to INTERVAL seconds ago, else over SAMPLE seconds from now
+            earlier = _kept.get(frozenset(self.cpus))
+            if earlier is not None and SAMPLE <= self.last.at - earlier.at <= self.interval:
+                self.last = earlier
+            else:
+                time.sleep(SAMPLE)
         now = read(self.cpus)
         self.others, self.last = others_busy(self.last, now), now
         return choose(self.allowed, self.others)
@@ -209,6 +215,18 @@ def policy(setting: int | str | None = AUTO, interval: float = INTERVAL) -> Iter
     finally:
         _current.remove(p)
         p.restore(before)
+        if p.last is not None:
+            remember(p.cpus)
+
+
+def remember(cpus: set[int] | None = None) -> None:
+    """Keep a reading of ``cpus`` (this process's) now: a policy that starts within :data:`INTERVAL` seconds
+    measures the load since it instead of sampling :data:`SAMPLE` seconds (a policy keeps one as it ends; the training
+    callback keeps one as training begins, so that no measurement waits)."""
+    cpus = affinity() if cpus is None else cpus
+    now = read(cpus)
+    if now is not None:
+        _kept[frozenset(cpus)] = now
 
 
 GAP = 0.5  # seconds between two readings of the machine outside a policy (a shorter interval says too little)

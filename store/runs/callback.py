@@ -180,9 +180,10 @@ class NeuralCollapseCallback(TrainerCallback):
     max_train_tokens, max_val_tokens
         Caps on the tokens read: whole blocks spread over the whole split (``cap_mode="prefix"``: its first blocks),
         the same blocks at every measurement and as ``ncanalyze extract`` reads them with the same settings. With
-        neither given: the tokens the training reads between two measurements (``every`` or the evaluation interval,
-        x the sequences of a step x ``block_size``) and a quarter of them (cost.default_caps), said in the log;
-        every block where the interval is unknown (pass a cap above the data's size to read it all).
+        neither given: a quarter of the tokens the training reads between two measurements (``every`` or the
+        evaluation interval, x the sequences of a step x ``block_size``) and a quarter as many validation tokens
+        (cost.default_caps), said in the log; every block where the interval is unknown (pass a cap above the data's
+        size to read it all).
     layers
         ``last``, ``all`` or comma-separated indices, as ``--layers``.
     every
@@ -246,6 +247,7 @@ class NeuralCollapseCallback(TrainerCallback):
         (:func:`show_info`), run_clm's included."""
         show_info(log)
         self.t0 = time.perf_counter()
+        threads.remember()  # a measurement within threads.INTERVAL of it measures the load since (no sample waited)
         if self.cfg.max_train_tokens is None and self.cfg.max_val_tokens is None and not self.setup:
             self._default_caps(args, state, kwargs.get("model"))
 
@@ -264,8 +266,9 @@ class NeuralCollapseCallback(TrainerCallback):
             self._measure(args, state, kwargs, (metrics or {}).get("eval_loss"))
 
     def _default_caps(self, args, state, model) -> None:
-        """Caps for a callback given none (:func:`~.cost.default_caps`): the tokens the training reads between two
-        measurements (``every``, else the evaluation interval), said once; every block where that is unknown."""
+        """Caps for a callback given none (:func:`~.cost.default_caps`): a quarter of the tokens the training reads
+        between two measurements (``every``, else the evaluation interval), said once; every block where that is
+        unknown."""
         strategy = getattr(args.eval_strategy, "value", args.eval_strategy)  # an IntervalStrategy, or its value
         interval = self.every or (state.eval_steps if strategy == "steps" else
                                   state.max_steps // max(1, math.ceil(args.num_train_epochs))
@@ -277,10 +280,10 @@ class NeuralCollapseCallback(TrainerCallback):
             return
         self.cfg = dataclasses.replace(self.cfg, max_train_tokens=caps[0], max_val_tokens=caps[1])
         if ddp.rank_world()[0] == 0:
-            log.info("ncanalyze: no caps given: max_train_tokens=%s, max_val_tokens=%s, the tokens trained between two "
-                     "measurements (%s steps of %s sequences of %s tokens) and a quarter of them (pass the caps to "
-                     "choose; `ncanalyze extract` given the same caps reads the same blocks)", f"{caps[0]:,}", f"{caps[1]:,}",
-                     interval, sequences, block)
+            log.info("ncanalyze: no caps given: max_train_tokens=%s, max_val_tokens=%s, 1/%d of the tokens trained "
+                     "between two measurements (%s steps of %s sequences of %s tokens) and 1/%d of that (pass the caps "
+                     "to choose; `ncanalyze extract` given the same caps reads the same blocks)", f"{caps[0]:,}",
+                     f"{caps[1]:,}", cost.TRAIN_SHARE, interval, sequences, block, cost.VAL_SHARE)
 
     # --- one measurement ---
 

@@ -28,6 +28,7 @@ from scipy.stats import binom
 from ncanalyze.core.setting import default
 
 OVERHEAD = 0.10  # the share of training time a measurement should stay within
+TRAIN_SHARE = 4  # the default train cap is this many times smaller than the tokens trained between two measurements
 VAL_SHARE = 4    # the default validation cap is this many times smaller than the train cap
 BUDGET = 0.25    # a share of training a callback may be held to (its max_share; by default none: every step measured)
 
@@ -111,14 +112,20 @@ class Cost:
 
 
 def default_caps(interval: int | None, sequences: int, block_size: int) -> tuple[int, int] | None:
-    """The caps a callback given none reads: as many train tokens as the training reads between two measurements
-    (``interval`` steps of ``sequences`` sequences of ``block_size`` tokens), and :data:`VAL_SHARE` times fewer
-    validation tokens (a validation token costs the most: the full-vocabulary loss); None where the interval is
-    unknown (every block is then read)."""
+    """The caps a callback given none reads: :data:`TRAIN_SHARE` times fewer train tokens than the training reads
+    between two measurements (``interval`` steps of ``sequences`` sequences of ``block_size`` tokens), and
+    :data:`VAL_SHARE` times fewer validation tokens than that (a validation token costs the most: the full-vocabulary
+    loss and NC4's distances); whole blocks, at least one each; None where the interval is unknown (every block is then
+    read).
+
+    Why a quarter: reading a token costs about a third of training on it (a forward against a forward and a backward),
+    so reading every token trained would cost a third of the training before the validation pass, the metrics and
+    the write; a quarter of them keeps a measurement within :data:`BUDGET` on the 60-step run of
+    ``benchmarks/training_callback.py --suite`` (its figures in benchmarks/RESULTS.md)."""
     if not interval or interval <= 0:
         return None
-    train = int(interval * sequences * block_size)
-    return train, max(block_size, train // VAL_SHARE)
+    train = max(1, int(interval * sequences) // TRAIN_SHARE)  # in sequences of block_size tokens
+    return train * block_size, max(1, train // VAL_SHARE) * block_size
 
 
 def over_budget(spent: float, next_s: float, trained: float, share: float = BUDGET) -> bool:

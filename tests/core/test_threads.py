@@ -106,6 +106,7 @@ def test_auto_measures_a_real_load_and_again_between_batches(monkeypatch):
     """A spinning process (ours, bounded) is other work: auto counts at least half a core busy, chooses by its rule
     within the allowed cores, and measures again once its interval has passed."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's cap of 1 would leave nothing to choose
+    monkeypatch.setattr(threads, "_kept", {})  # no earlier reading: the policy samples the load as it starts
     proc = mp.get_context("spawn").Process(target=_spin, args=(3.0,), daemon=True)
     proc.start()
     try:
@@ -125,6 +126,33 @@ def test_auto_measures_a_real_load_and_again_between_batches(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with threads.policy("auto") as p:  # one core allowed: 1 thread, no reading to take
         assert (p.threads, p.last, p.describe()) == (1, None, "1 thread (auto: 1 core allowed)")
+
+
+@pytest.mark.skipif(len(threads.affinity()) < 2, reason="one CPU: auto has nothing to choose")
+def test_a_policy_soon_after_a_kept_reading_measures_the_load_since_it(monkeypatch):
+    """Issue 52: a policy starting within its interval of a kept reading (the last policy's end, or the training
+    callback's remember() as training begins) measures the load since that reading, without waiting to sample it;
+    one older than the interval is not used; every policy keeps a reading as it ends."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_kept", {})
+    cpus = frozenset(threads.affinity())
+    proc = mp.get_context("spawn").Process(target=_spin, args=(3.0,), daemon=True)
+    proc.start()
+    try:
+        time.sleep(0.5)
+        threads.remember()
+        kept = threads._kept[cpus]
+        time.sleep(0.6)
+        with threads.policy("auto", interval=2.0) as p:
+            assert p.others == threads.others_busy(kept, p.last) >= 0.4  # over the 0.6 s since the kept reading
+        assert threads._kept[cpus].at >= p.last.at  # kept as it ended
+        stale = threads.Reading(threads._kept[cpus].at - 3.0, kept.busy, kept.own)
+        threads._kept[cpus] = stale
+        with threads.policy("auto", interval=2.0) as p:
+            assert p.others != threads.others_busy(stale, p.last)  # older than the interval: sampled afresh
+    finally:
+        proc.terminate()
+        proc.join(5)
 
 
 @pytest.mark.slow

@@ -64,8 +64,11 @@ def test_a_write_above_the_share_advises_measuring_less_often():
     assert "every=40 (measuring 2.0x less often): its write alone, the same at any cap, is above it" in c.line("r/s")
 
 
-def test_default_caps_are_the_tokens_trained_between_measurements():
-    assert default_caps(20, 16, 128) == (40_960, 10_240)
+def test_default_caps_are_a_quarter_of_the_tokens_trained_between_measurements_and_a_quarter_of_that():
+    """20 steps x 16 sequences x 128 tokens = 40,960 trained: 10,240 train tokens and 2,560 validation tokens; whole
+    blocks (5 x 8 sequences: 10 and 2 of them), at least one each; none where the interval is unknown."""
+    assert default_caps(20, 16, 128) == (10_240, 2_560)
+    assert default_caps(5, 8, 32) == (320, 64) and default_caps(1, 1, 128) == (128, 128)
     assert default_caps(None, 16, 128) is None and default_caps(0, 16, 128) is None
 
 

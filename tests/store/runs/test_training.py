@@ -300,9 +300,9 @@ def test_every_n_steps_through_the_trainers_log_and_the_time_is_said(corpus, tmp
 
 @pytest.mark.slow
 def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_path, caplog):
-    """Text data (tokenized once, at the first measurement) and no caps: the caps are the tokens trained between two
-    measurements (5 steps x 8 sequences x 32 tokens with every=5, 10 steps' at evaluations every 10 steps) and a
-    quarter of them, recorded as a cap given so; the set-up
+    """Text data (tokenized once, at the first measurement) and no caps: the caps are a quarter of the tokens trained
+    between two measurements (5 steps x 8 sequences x 32 tokens with every=5, 10 steps' at evaluations every 10
+    steps) and a quarter of that, recorded as a cap given so; the set-up
     (the job resolved, the text tokenized) lies outside every measurement's counted work; the cost, said at the
     second measurement, counts that one's work alone against the training between the first's end and its start;
     its parts lie within it, and its class counts are the stored ones."""
@@ -329,14 +329,14 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
     assert not NeuralCollapseCallback(tmp_path / "d.zarr", str(corpus["train"]), **settings).budgeted  # the default
     with said(caplog) as lines:
         trainer = train(corpus, tmp_path / "neo", [cb, at_evaluations])
-    assert (cb.cfg.max_train_tokens, cb.cfg.max_val_tokens) == (5 * 8 * 32, 5 * 8 * 32 // 4)
+    assert (cb.cfg.max_train_tokens, cb.cfg.max_val_tokens) == (10 * 32, 2 * 32)  # 40 sequences: 10 and 2
     caps = (at_evaluations.cfg.max_train_tokens, at_evaluations.cfg.max_val_tokens)
-    assert caps == (EVERY * 8 * 32, EVERY * 8 * 32 // 4)  # evaluations every 10 steps
+    assert caps == (EVERY * 8 // 4 * 32, EVERY * 8 // 16 * 32)  # evaluations every 10 steps
     tree = ncanalyze.store.open(tmp_path / "s.zarr")
     group = tree["neo/step-10"]
     config = json.loads(group.attrs["config"])
-    assert (config["max_train_tokens"], config["max_val_tokens"]) == (1280, 320)
-    assert group.attrs["train_tokens"] <= 1280
+    assert (config["max_train_tokens"], config["max_val_tokens"]) == (320, 64)
+    assert group.attrs["train_tokens"] <= 320
     first, second = cb.spans[:2]
     assert first[0] <= cb.resolving < cb.resolved <= first[1]  # the set-up before the first's counted work
     assert cb.resolves == 1 and len(cb.spans) == 4  # resolved once: no set-up in the later measurements
@@ -347,7 +347,7 @@ def test_the_cost_counts_the_work_that_recurs_and_the_default_caps(corpus, tmp_p
     assert 0 < c.passes_s and 0 < c.metrics_s and c.passes_s + c.metrics_s <= c.measured_s
     np.testing.assert_array_equal(c.counts, group["count"].values)
     costs = [line for line in lines if "of the training time at this interval" in line]
-    assert costs[0].startswith("ncanalyze: neo/step-10 measured 1,280 train + 320 val tokens"), costs
+    assert costs[0].startswith("ncanalyze: neo/step-10 measured 320 train + 64 val tokens"), costs
     # given max_share, a step is measured only while the time spent measuring stays within it: each decision
     # follows from the numbers it was made on, and every evaluation is either a group or a skip (by default none is)
     measured = [int(g.removeprefix("step-")) for g in ncanalyze.store.open(tmp_path / "e.zarr")["neo"].children]
