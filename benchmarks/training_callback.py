@@ -11,8 +11,9 @@ Trains a randomly initialised GPT-Neo with the stock Trainer on a token file, ev
 the validation blocks, with ``NeuralCollapseCallback`` measuring ``--train-tokens`` train and ``--val-tokens``
 validation tokens (``--defaults``: no caps given, the callback's own, cost.default_caps: a quarter of the tokens trained
 between two measurements and a quarter of that; the train file then holds exactly the tokens trained, one epoch);
-prints, for each evaluation, the Trainer's ``eval_runtime`` beside the callback's time, then the callback's overhead on the training: the measurements' seconds, their set-up done once included (and said apart),
-over the training's own (the run's ``train_runtime`` less every measurement and the set-up), and the line the callback logs at its second
+prints, for each evaluation, the Trainer's ``eval_runtime`` beside the callback's time, then the callback's overhead
+on the training: the measurements' seconds, their set-up done once included (and said apart), over the training's own
+(the run's ``train_runtime`` less every measurement and the set-up), and the line the callback logs at its second
 measurement (its cost against the training between the two, and the caps that keep it within 10%).
 
 ``--suite`` runs, in one process (the 60-step runs training under the callback's own thread policy, ``--train-threads
