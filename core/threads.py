@@ -37,7 +37,8 @@ from threadpoolctl import threadpool_limits
 AUTO = "auto"
 INTERVAL = 5.0   # seconds between measurements of the load (between batches)
 SAMPLE = 0.1     # seconds sampled at the start where no earlier reading is recent enough
-_kept: dict[frozenset[int], Reading] = {}  # the last reading of each CPU set (:func:`remember`)
+_kept: dict[tuple[int, frozenset[int]], Reading] = {}  # (pid, CPUs) -> the last reading (:func:`remember`); a
+# forked child's own CPU time starts again from 0, so it never uses its parent's
 
 
 def quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -168,7 +169,7 @@ class Policy:
         if self.last is None:
             return max(1, math.floor(self.allowed))
         if first:  # the load since a reading taken SAMPLE to INTERVAL seconds ago, else over SAMPLE seconds from now
-            earlier = _kept.get(frozenset(self.cpus))
+            earlier = _kept.get((os.getpid(), frozenset(self.cpus)))
             if earlier is not None and SAMPLE <= self.last.at - earlier.at <= self.interval:
                 self.last = earlier
             else:
@@ -226,7 +227,7 @@ def remember(cpus: set[int] | None = None) -> None:
     cpus = affinity() if cpus is None else cpus
     now = read(cpus)
     if now is not None:
-        _kept[frozenset(cpus)] = now
+        _kept[os.getpid(), frozenset(cpus)] = now
 
 
 GAP = 0.5  # seconds between two readings of the machine outside a policy (a shorter interval says too little)

@@ -3,6 +3,7 @@ kernel writes them, and real runs that restore the caller's thread counts."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -135,7 +136,7 @@ def test_a_policy_soon_after_a_kept_reading_measures_the_load_since_it(monkeypat
     one older than the interval is not used; every policy keeps a reading as it ends."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "_kept", {})
-    cpus = frozenset(threads.affinity())
+    cpus = (os.getpid(), frozenset(threads.affinity()))
     proc = mp.get_context("spawn").Process(target=_spin, args=(3.0,), daemon=True)
     proc.start()
     try:
@@ -153,6 +154,29 @@ def test_a_policy_soon_after_a_kept_reading_measures_the_load_since_it(monkeypat
     finally:
         proc.terminate()
         proc.join(5)
+
+
+def _policy_in_a_child(kept: threads.Reading, out) -> None:
+    with threads.policy("auto", interval=2.0) as p:
+        out.put(p.others == threads.others_busy(kept, p.last))
+
+
+@pytest.mark.skipif(len(threads.affinity()) < 2, reason="one CPU: auto has nothing to choose")
+def test_a_forked_child_never_measures_from_its_parents_reading(monkeypatch):
+    """A forked child's own CPU time starts from 0: its parent's kept reading would count the parent's own seconds
+    as other processes' load, so the child samples afresh."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_kept", {})
+    threads.remember()
+    kept = threads._kept[os.getpid(), frozenset(threads.affinity())]
+    _spin(0.3)  # the parent's own seconds since its reading
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_policy_in_a_child, args=(kept, out))
+    child.start()
+    used_parents = out.get(timeout=30)
+    child.join(10)
+    assert used_parents is False
 
 
 @pytest.mark.slow
