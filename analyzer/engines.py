@@ -4,6 +4,8 @@ on a device, CUDA's default). Nothing else imports an engine; the engines comput
 tests/analyzer/test_engine_torch.py), so the choice is about speed only."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ def engine_device(device: str | None = default("device"), engine: str | None = N
     device = device_of(device or "auto")
     if engine not in (None, *ENGINES):
         raise UserError(f"engine must be numba or torch (got {engine!r})")
-    if device == "cpu" or (device == "auto" and engine == "numba"):
+    if device == "cpu" or (device == "auto" and (engine == "numba" or not gpu_possible())):
         return "cpu" if engine == "torch" else None
     import torch
 
@@ -50,6 +52,17 @@ def engine_device(device: str | None = default("device"), engine: str | None = N
     if index >= torch.cuda.device_count():
         raise UserError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0")
     return device
+
+
+GPU_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")  # NVIDIA, WSL, ROCm
+
+
+def gpu_possible(files: tuple[str, ...] = GPU_FILES) -> bool:
+    """Whether torch could see a CUDA (or ROCm) device, without importing torch (~1 s) where it cannot: on Linux,
+    where none of the drivers' files exists, it cannot; elsewhere, or once torch is imported, ask torch."""
+    if sys.platform != "linux" or "torch" in sys.modules:
+        return True
+    return any(os.path.exists(f) for f in files)
 
 
 def kept_parts(ds: xr.Dataset, K: np.ndarray, p: np.ndarray, has_var: np.ndarray, sigma_w: np.ndarray | None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,6 +135,11 @@ def others_busy(before: Reading, after: Reading) -> float:
     return max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
 
 
+def _torch():
+    """torch where this process has imported it, else None (importing it costs ~1 s)."""
+    return sys.modules.get("torch")
+
+
 class Policy:
     """The thread count of ``setting`` (:func:`parse`), set on torch and, under ``auto``, measured again every
     ``interval`` seconds (:meth:`tick`). ``threads`` the count in use, ``others`` the busy cores last measured."""
@@ -149,21 +155,20 @@ class Policy:
         self._set(self.threads)
 
     def _set(self, n: int) -> None:
-        """``n`` threads for torch and for the BLAS and OpenMP libraries numpy and numba load (threadpoolctl); the
-        first change remembers what to restore."""
-        import torch
-
-        torch.set_num_threads(n)
+        """``n`` threads for torch (where imported) and for the BLAS and OpenMP libraries numpy and numba load
+        (threadpoolctl); the first change remembers what to restore."""
+        if (torch := _torch()) is not None:
+            torch.set_num_threads(n)
         limits = threadpool_limits(limits=n)
         self.limits = self.limits or limits
 
-    def restore(self, before: int) -> None:
-        """The thread counts as they were before the policy: torch's ``before``, the libraries' own."""
-        import torch
-
+    def restore(self, before: int | None) -> None:
+        """The thread counts as they were before the policy: torch's ``before`` (None: torch was not imported), the
+        libraries' own."""
         if self.limits is not None:
             self.limits.restore_original_limits()
-        torch.set_num_threads(before)
+        if before is not None and (torch := _torch()) is not None:
+            torch.set_num_threads(before)
 
     def _auto(self, first: bool = False) -> int:
         if self.last is None:
@@ -205,10 +210,10 @@ _current: list[Policy] = []
 @contextmanager
 def policy(setting: int | str | None = AUTO, interval: float = INTERVAL) -> Iterator[Policy]:
     """Run the block under the thread policy ``setting``; :func:`tick` between batches re-measures it. The caller's
-    thread count is restored at the end (the training callback: training's own setting stays as it was)."""
-    import torch
-
-    before = torch.get_num_threads()
+    thread count is restored at the end (the training callback: training's own setting stays as it was). torch is
+    set where the process has imported it (extract and the callback import it first), never imported here: measure
+    and report on the CPU run without it."""
+    before = torch.get_num_threads() if (torch := _torch()) is not None else None
     p = Policy(setting, interval)
     _current.append(p)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import warnings
 
 import dask
@@ -18,7 +19,7 @@ from test_metrics import assert_degenerate_like_brute_force, assert_metrics, bru
 
 from ncanalyze.analyzer import CLASS_COUNTS, SCALARS, UserError, class_stats, measure_all
 from ncanalyze.analyzer.engine_torch import _torch_block
-from ncanalyze.analyzer.engines import engine_device
+from ncanalyze.analyzer.engines import GPU_FILES, engine_device
 from ncanalyze.analyzer.geometry import geometry
 from ncanalyze.analyzer.pairs import COINCIDENT, EXAMPLES, SUMS, reference_tile_sums, side_of
 
@@ -254,6 +255,40 @@ def test_where_the_metrics_run():
             engine_device("cuda")
         with pytest.raises(UserError, match="torch sees no CUDA device"):
             measure_all(stats_dataset(np.eye(3)), device="cuda:0")
+
+
+NO_TORCH = """
+import sys
+from ncanalyze.analyzer.engines import gpu_possible
+from ncanalyze.cli.main import main
+there = sys.argv[2]
+print(gpu_possible(), gpu_possible(("/nowhere/nvidia0", there)), gpu_possible(("/nowhere/nvidia0",)))
+main(["-q", "measure", sys.argv[1]], standalone_mode=False)
+print("torch" in sys.modules)
+"""
+
+
+@pytest.mark.skipif(any(os.path.exists(f) for f in GPU_FILES), reason="a GPU driver's file is here: torch is asked")
+def test_auto_where_no_gpu_driver_file_exists_measures_without_importing_torch(tmp_path):
+    """Issue 52: ``--device auto`` on a Linux machine without a GPU driver's files (this one) runs the numba engine
+    without importing torch (~1 s of every measure and report): ``ncanalyze measure`` in a new Python stores the same
+    metrics and leaves torch unimported; any one driver file there and torch is asked."""
+    import subprocess
+    import sys
+
+    from test_measure_store import write_checkpoint
+
+    from ncanalyze.analyzer.table import metrics_row
+    from ncanalyze.store.io import group_attrs
+
+    store = tmp_path / "s.zarr"
+    ds = write_checkpoint(store, "a", 10, seed=10)
+    there = tmp_path / "nvidia0"
+    there.touch()
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, str(store), str(there)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.strip().split("\n")
+    assert (out[0], out[-1]) == ("False True False", "False"), out  # the table measure prints between
+    assert_same(metrics_row(group_attrs(store, "a/checkpoint-10")), measure_all(ds)[0])
 
 
 def test_measure_cli_takes_device(tmp_path):
