@@ -14,12 +14,12 @@ quota, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, and ``OMP_NUM_THREADS`` where 
 cores other processes kept busy over the last interval (:func:`others_busy`: the busy time of the allowed CPUs in
 ``/proc/stat``, less this process's own CPU time). It is measured again every :data:`INTERVAL` seconds between
 batches (:func:`tick`), so a load that comes or goes mid-run changes it; at its start, over the seconds since the
-last policy ended (or :func:`remember`) where that is under :data:`INTERVAL` ago, else over :data:`SAMPLE` seconds
-waited. An integer N is used as given (capped at nothing: the user asked); ``auto`` where ``/proc/stat`` is
-unreadable (not Linux) is the allowed cores. The thread count the caller had is restored when the policy ends
-(:func:`policy`), so the training callback leaves training's own setting as it was. The same count goes to the BLAS
-and OpenMP pools numpy and numba load (threadpoolctl), which ``measure``'s d x d work runs on, and bounds the threads
-of the metrics' dask tasks (:func:`in_use`, analyzer/engine_numba.py).
+last policy ended, :func:`remember` or the process's start (or fork) where that is under :data:`INTERVAL` ago, else
+over :data:`SAMPLE` seconds waited. An integer N is used as given (capped at nothing: the user asked); ``auto``
+where ``/proc/stat`` is unreadable (not Linux) is the allowed cores. The thread count the caller had is restored when
+the policy ends (:func:`policy`), so the training callback leaves training's own setting as it was. The same count
+goes to the BLAS and OpenMP pools numpy and numba load (threadpoolctl), which ``measure``'s d x d work runs on, and
+bounds the threads of the metrics' dask tasks (:func:`in_use`, analyzer/engine_numba.py).
 """
 from __future__ import annotations
 
@@ -262,3 +262,13 @@ def tick() -> None:
     outside one)."""
     if _current:
         _current[-1].tick()
+
+
+def _at_start() -> None:
+    """A reading as this process starts, or is forked (its own CPU time then starts from 0): its first policy
+    measures the load since then where that is SAMPLE to INTERVAL seconds ago, instead of waiting to sample it."""
+    remember()
+
+
+_at_start()
+os.register_at_fork(after_in_child=_at_start)

@@ -157,14 +157,17 @@ def test_a_policy_soon_after_a_kept_reading_measures_the_load_since_it(monkeypat
 
 
 def _policy_in_a_child(kept: threads.Reading, out) -> None:
+    mine = threads._kept.get((os.getpid(), frozenset(threads.affinity())))  # taken as it was forked
+    time.sleep(0.3)
     with threads.policy("auto", interval=2.0) as p:
-        out.put(p.others == threads.others_busy(kept, p.last))
+        out.put((p.others == threads.others_busy(kept, p.last),
+                 mine is not None and p.others == threads.others_busy(mine, p.last)))
 
 
 @pytest.mark.skipif(len(threads.affinity()) < 2, reason="one CPU: auto has nothing to choose")
 def test_a_forked_child_never_measures_from_its_parents_reading(monkeypatch):
     """A forked child's own CPU time starts from 0: its parent's kept reading would count the parent's own seconds
-    as other processes' load, so the child samples afresh."""
+    as other processes' load, so the child measures from the reading it took as it was forked."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "_kept", {})
     threads.remember()
@@ -174,9 +177,32 @@ def test_a_forked_child_never_measures_from_its_parents_reading(monkeypatch):
     out = ctx.Queue()
     child = ctx.Process(target=_policy_in_a_child, args=(kept, out))
     child.start()
-    used_parents = out.get(timeout=30)
+    used = out.get(timeout=30)
     child.join(10)
-    assert used_parents is False
+    assert used == (False, True)
+
+
+FRESH = """
+import os, time
+from ncanalyze.core import threads
+mine = threads._kept[os.getpid(), frozenset(threads.affinity())]
+time.sleep(0.3)
+with threads.policy("auto", interval=2.0) as p:
+    print(p.others == threads.others_busy(mine, p.last))
+"""
+
+
+@pytest.mark.skipif(len(threads.affinity()) < 2, reason="one CPU: auto has nothing to choose")
+def test_a_new_processs_first_policy_measures_the_load_since_it_started():
+    """Issue 52: a process keeps a reading as it imports the policy, so its first policy (a command's extract or
+    measure, the 0.3 s of work before it here) measures the load since then instead of waiting to sample it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, env=env, timeout=120,
+                         check=True).stdout
+    assert out.strip() == "True", out
 
 
 @pytest.mark.slow
