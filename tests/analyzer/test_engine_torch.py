@@ -268,6 +268,7 @@ print("torch" in sys.modules)
 """
 
 
+@pytest.mark.slow  # a new Python that imports the measuring libraries
 @pytest.mark.skipif(any(os.path.exists(f) for f in GPU_FILES), reason="a GPU driver's file is here: torch is asked")
 def test_auto_where_no_gpu_driver_file_exists_measures_without_importing_torch(tmp_path):
     """Issue 52: ``--device auto`` on a Linux machine without a GPU driver's files (this one) runs the numba engine
