@@ -58,8 +58,9 @@ GPU_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg"
 
 
 def gpu_possible(files: tuple[str, ...] = GPU_FILES) -> bool:
-    """Whether torch could see a CUDA (or ROCm) device, without importing torch (~1 s) where it cannot: on Linux,
-    where none of the drivers' files exists, it cannot; elsewhere, or once torch is imported, ask torch."""
+    """Whether torch could see a CUDA (or ROCm) device, answered without importing torch where it cannot (its import
+    is much of a short measure or report): on Linux, where none of the drivers' files exists, it cannot; elsewhere,
+    or once torch is imported, ask torch."""
     if sys.platform != "linux" or "torch" in sys.modules:
         return True
     return any(os.path.exists(f) for f in files)

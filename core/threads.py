@@ -136,7 +136,8 @@ def others_busy(before: Reading, after: Reading) -> float:
 
 
 def _torch():
-    """torch where this process has imported it, else None (importing it costs ~1 s)."""
+    """torch where this process has imported it, else None (a policy never imports it: measure and report on the
+    CPU run without it)."""
     return sys.modules.get("torch")
 
 
@@ -264,11 +265,7 @@ def tick() -> None:
         _current[-1].tick()
 
 
-def _at_start() -> None:
-    """A reading as this process starts, or is forked (its own CPU time then starts from 0): its first policy
-    measures the load since then where that is SAMPLE to INTERVAL seconds ago, instead of waiting to sample it."""
-    remember()
-
-
-_at_start()
-os.register_at_fork(after_in_child=_at_start)
+# a reading as this process starts, and as it is forked (a child's own CPU time starts from 0): its first policy
+# measures the load since then where that is SAMPLE to INTERVAL seconds ago, instead of waiting to sample it
+remember()
+os.register_at_fork(after_in_child=remember)
