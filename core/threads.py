@@ -268,4 +268,5 @@ def tick() -> None:
 # a reading as this process starts, and as it is forked (a child's own CPU time starts from 0): its first policy
 # measures the load since then where that is SAMPLE to INTERVAL seconds ago, instead of waiting to sample it
 remember()
-os.register_at_fork(after_in_child=remember)
+if hasattr(os, "register_at_fork"):  # not on Windows, where no process is forked
+    os.register_at_fork(after_in_child=remember)
