@@ -140,12 +140,12 @@ def test_a_policy_soon_after_a_kept_reading_measures_the_load_since_it(monkeypat
     proc = mp.get_context("spawn").Process(target=_spin, args=(3.0,), daemon=True)
     proc.start()
     try:
-        time.sleep(0.5)
+        time.sleep(0.3)
         threads.remember()
         kept = threads._kept[cpus]
-        time.sleep(0.6)
+        time.sleep(0.3)
         with threads.policy("auto", interval=2.0) as p:
-            assert p.others == threads.others_busy(kept, p.last) >= 0.4  # over the 0.6 s since the kept reading
+            assert p.others == threads.others_busy(kept, p.last) >= 0.4  # over the 0.3 s since the kept reading
         assert threads._kept[cpus].at >= p.last.at  # kept as it ended
         stale = threads.Reading(threads._kept[cpus].at - 3.0, kept.busy, kept.own)
         threads._kept[cpus] = stale
@@ -158,7 +158,7 @@ def test_a_policy_soon_after_a_kept_reading_measures_the_load_since_it(monkeypat
 
 def _policy_in_a_child(kept: threads.Reading, out) -> None:
     mine = threads._kept.get((os.getpid(), frozenset(threads.affinity())))  # taken as it was forked
-    time.sleep(0.3)
+    time.sleep(0.15)
     with threads.policy("auto", interval=2.0) as p:
         out.put((p.others == threads.others_busy(kept, p.last),
                  mine is not None and p.others == threads.others_busy(mine, p.last)))
@@ -186,7 +186,7 @@ FRESH = """
 import os, time
 from ncanalyze.core import threads
 mine = threads._kept[os.getpid(), frozenset(threads.affinity())]
-time.sleep(0.3)
+time.sleep(0.15)
 with threads.policy("auto", interval=2.0) as p:
     print(p.others == threads.others_busy(mine, p.last))
 """
@@ -195,7 +195,7 @@ with threads.policy("auto", interval=2.0) as p:
 @pytest.mark.skipif(len(threads.affinity()) < 2, reason="one CPU: auto has nothing to choose")
 def test_a_new_processs_first_policy_measures_the_load_since_it_started():
     """Issue 52: a process keeps a reading as it imports the policy, so its first policy (a command's extract or
-    measure, the 0.3 s of work before it here) measures the load since then instead of waiting to sample it."""
+    measure, the 0.15 s before it here) measures the load since then instead of waiting to sample it."""
     import subprocess
     import sys
 
